@@ -1,0 +1,111 @@
+"""Shared pieces of the IKBO ops: input checks, backend choice and the user→candidate combine.
+
+Every op takes user tensors at U rows, candidate tensors at B rows and `cand_to_user` [B] (int32 or
+int64, values in [0, U)). Nothing here replicates a user tensor to B rows.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+# Sparse CSR is stable enough for the one product used here; silence its "beta" notice once.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+
+
+def check_tensor(name: str, t, rank: int, dtypes=None) -> None:
+    """Raise ValueError unless `t` is a tensor of the given rank (and one of `dtypes`)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected rank {rank}, got shape {list(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+
+
+def check_same(name: str, actual, expected_name: str, expected) -> None:
+    if actual != expected:
+        raise ValueError(f"{name}: expected {expected_name} = {expected}, got {actual}")
+
+
+def check_mapping(cand_to_user, num_candidates: int, num_users: int, device: torch.device) -> None:
+    """cand_to_user: [B] int32/int64 with every value in [0, U), on the inputs' device."""
+    check_tensor("cand_to_user", cand_to_user, 1, (torch.int32, torch.int64))
+    check_same("cand_to_user", cand_to_user.shape[0], "B (rows of the candidate tensor)", num_candidates)
+    if cand_to_user.device != device:
+        raise ValueError(f"cand_to_user: expected device {device}, got {cand_to_user.device}")
+    if num_candidates and (int(cand_to_user.min()) < 0 or int(cand_to_user.max()) >= num_users):
+        bad = cand_to_user[(cand_to_user < 0) | (cand_to_user >= num_users)][0]
+        raise ValueError(f"cand_to_user: value {int(bad)} is outside [0, U={num_users})")
+
+
+def check_kv_len(kv_len, num_users: int, max_len: int, device: torch.device):
+    """kv_len: [U] int32/int64 in [0, L], or None for L everywhere. Returns an int64 tensor."""
+    if kv_len is None:
+        return torch.full((num_users,), max_len, dtype=torch.int64, device=device)
+    check_tensor("kv_len", kv_len, 1, (torch.int32, torch.int64))
+    check_same("kv_len", kv_len.shape[0], "U (rows of k)", num_users)
+    if kv_len.device != device:
+        raise ValueError(f"kv_len: expected device {device}, got {kv_len.device}")
+    if num_users and (int(kv_len.min()) < 0 or int(kv_len.max()) > max_len):
+        raise ValueError(f"kv_len: values must lie in [0, L={max_len}], got [{int(kv_len.min())}, {int(kv_len.max())}]")
+    return kv_len.long()
+
+
+def resolve_backend(backend: str, device: torch.device, triton_available: bool) -> str:
+    """"auto" → Triton on CUDA tensors when the op has a Triton path, else torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available else "torch"
+    if backend == "triton" and not triton_available:
+        raise NotImplementedError("backend='triton': this op has no Triton path yet; use 'torch' or 'auto'")
+    return backend
+
+
+def selection_matrix(cand_to_user: torch.Tensor, num_users: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mapping as a sparse [B, U] CSR matrix P with P[b, m[b]] = 1 (one nonzero per row)."""
+    num_candidates = cand_to_user.shape[0]
+    device = cand_to_user.device
+    return torch.sparse_csr_tensor(
+        torch.arange(num_candidates + 1, device=device, dtype=torch.int64),
+        cand_to_user.long(),
+        torch.ones(num_candidates, device=device, dtype=dtype),
+        size=(num_candidates, num_users),
+        check_invariants=False,
+    )
+
+
+def add_user_rows(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
+    """out[b] = cand_part[b] + user_part[m[b]]  — the Type I combine, as one sparse-dense addmm.
+
+    cand_part: [B, ...], user_part: [U, ...] (same trailing shape) → [B, ...]. The user rows are
+    read through the sparse selection matrix, never copied to B rows.
+    """
+    trailing = cand_part.shape[1:]
+    if user_part.shape[1:] != trailing:
+        raise ValueError(f"user_part: trailing shape {list(user_part.shape[1:])} != cand_part's {list(trailing)}")
+    if cand_part.shape[0] == 0:
+        return cand_part.clone()
+    select = selection_matrix(cand_to_user, user_part.shape[0], cand_part.dtype)
+    out = torch.sparse.addmm(cand_part.reshape(cand_part.shape[0], -1), select, user_part.reshape(user_part.shape[0], -1))
+    return out.reshape(cand_part.shape)
+
+
+def group_by_user(cand_to_user: torch.Tensor, num_users: int):
+    """Segment candidates by user once per batch.
+
+    Returns (order, counts, slot): `order` [B] sorts candidates by user (stable), `counts` [U] is the
+    number of candidates per user, and `slot` [B] is each sorted candidate's position inside its user.
+    """
+    mapping = cand_to_user.long()
+    order = torch.argsort(mapping, stable=True)
+    counts = torch.bincount(mapping, minlength=num_users)
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_users = mapping[order]
+    slot = torch.arange(mapping.shape[0], device=mapping.device) - starts[sorted_users]
+    return order, counts, slot
