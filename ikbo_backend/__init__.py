@@ -1,0 +1,1 @@
+"""IKBO ranking model, request contract and server helpers (no tritonserver imports here)."""

@@ -1,0 +1,160 @@
+"""The ranking request contract: inputs, declared shape ranges, validation, and a random generator.
+
+One request holds U users and B candidates:
+
+| input              | side    | dtype | shape   | meaning                                   |
+|--------------------|---------|-------|---------|-------------------------------------------|
+| user_dense         | RO      | FP32  | [U, Fu] | user dense features (finite)              |
+| user_sparse_ids    | RO      | INT64 | [U, Su] | one id per user sparse slot, [0, Vu)      |
+| user_history_ids   | RO      | INT64 | [U, L]  | item ids of the history, [0, Vi)          |
+| user_history_len   | RO      | INT32 | [U]     | valid history positions, [0, L]           |
+| cand_dense         | NRO     | FP32  | [B, Fc] | candidate dense features (finite)         |
+| cand_sparse_ids    | NRO     | INT64 | [B, Sc] | one id per candidate sparse slot, [0, Vc) |
+| cand_to_user       | mapping | INT32 | [B]     | the user of each candidate, [0, U)        |
+
+Output `scores` FP32 [B, T]. IDs outside a table are rejected (no hashing); NaN/Inf dense values
+are rejected. History positions ≥ user_history_len are ignored but must hold valid ids (pad with 0).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .ranker import RankerConfig
+
+USER_INPUTS = ("user_dense", "user_sparse_ids", "user_history_ids", "user_history_len")
+CAND_INPUTS = ("cand_dense", "cand_sparse_ids", "cand_to_user")
+INPUT_NAMES = USER_INPUTS + CAND_INPUTS
+INPUT_DTYPES = {
+    "user_dense": torch.float32,
+    "user_sparse_ids": torch.int64,
+    "user_history_ids": torch.int64,
+    "user_history_len": torch.int32,
+    "cand_dense": torch.float32,
+    "cand_sparse_ids": torch.int64,
+    "cand_to_user": torch.int32,
+}
+
+
+def input_widths(cfg: RankerConfig) -> dict[str, int | None]:
+    """Second dimension of each input (None for [rows] vectors)."""
+    return {
+        "user_dense": cfg.user_dense_features,
+        "user_sparse_ids": cfg.user_sparse_features,
+        "user_history_ids": cfg.history_length,
+        "user_history_len": None,
+        "cand_dense": cfg.cand_dense_features,
+        "cand_sparse_ids": cfg.cand_sparse_features,
+        "cand_to_user": None,
+    }
+
+
+@dataclass(frozen=True)
+class ShapeRanges:
+    """Declared batch ranges, inclusive. One source for validation, warm-up and precompilation."""
+
+    users: tuple[int, int] = (1, 256)
+    candidates: tuple[int, int] = (1, 8192)
+
+    @classmethod
+    def from_json(cls, path) -> "ShapeRanges":
+        spec = json.loads(Path(path).read_text())
+        return cls(tuple(spec["users"]), tuple(spec["candidates"]))
+
+
+class InvalidRequest(ValueError):
+    """A client error; the message starts with the input it is about."""
+
+    def __init__(self, name: str, problem: str):
+        super().__init__(f"input '{name}': {problem}")
+        self.input_name = name
+
+
+def _check_range(name, values, low, high, what):
+    """values must lie in [low, high); report the first offender."""
+    if values.numel() == 0:
+        return
+    bad = (values < low) | (values >= high)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise InvalidRequest(name, f"value {int(values[index])} at index {list(index)} is outside {what}")
+
+
+def validate_request(cfg: RankerConfig, ranges: ShapeRanges, inputs: dict[str, torch.Tensor]) -> None:
+    """Raise InvalidRequest naming the input and the problem; return None for a valid request."""
+    for name in INPUT_NAMES:
+        if name not in inputs:
+            raise InvalidRequest(name, "missing")
+    for name in inputs:
+        if name not in INPUT_DTYPES:
+            raise InvalidRequest(name, f"unknown input; expected {', '.join(INPUT_NAMES)}")
+    widths = input_widths(cfg)
+    for name in INPUT_NAMES:
+        t, width = inputs[name], widths[name]
+        if t.dtype != INPUT_DTYPES[name]:
+            raise InvalidRequest(name, f"expected dtype {INPUT_DTYPES[name]}, got {t.dtype}".replace("torch.", ""))
+        rank = 1 if width is None else 2
+        if t.dim() != rank:
+            raise InvalidRequest(name, f"expected rank {rank}, got shape {list(t.shape)}")
+        if width is not None and t.shape[1] != width:
+            raise InvalidRequest(name, f"expected {width} columns, got shape {list(t.shape)}")
+
+    num_users, num_candidates = inputs["user_dense"].shape[0], inputs["cand_dense"].shape[0]
+    for name in USER_INPUTS[1:]:
+        if inputs[name].shape[0] != num_users:
+            raise InvalidRequest(name, f"has {inputs[name].shape[0]} rows but user_dense has U={num_users}")
+    for name in CAND_INPUTS[1:]:
+        if inputs[name].shape[0] != num_candidates:
+            raise InvalidRequest(name, f"has {inputs[name].shape[0]} rows but cand_dense has B={num_candidates}")
+    if num_candidates == 0:
+        raise InvalidRequest("cand_dense", "B = 0: a request needs at least one candidate")
+    low, high = ranges.users
+    if not low <= num_users <= high:
+        raise InvalidRequest("user_dense", f"U = {num_users} is outside the served range [{low}, {high}]")
+    low, high = ranges.candidates
+    if not low <= num_candidates <= high:
+        raise InvalidRequest("cand_dense", f"B = {num_candidates} is outside the served range [{low}, {high}]")
+
+    for name in ("user_dense", "cand_dense"):
+        finite = torch.isfinite(inputs[name])
+        if not bool(finite.all()):
+            index = [int(i) for i in (~finite).nonzero()[0]]
+            raise InvalidRequest(name, f"NaN or Inf at index {index}")
+    _check_range("cand_to_user", inputs["cand_to_user"], 0, num_users, f"[0, U={num_users})")
+    _check_range("user_history_len", inputs["user_history_len"], 0, cfg.history_length + 1, f"[0, L={cfg.history_length}]")
+    _check_range("user_sparse_ids", inputs["user_sparse_ids"], 0, cfg.user_vocab_size, f"the table [0, {cfg.user_vocab_size})")
+    _check_range("cand_sparse_ids", inputs["cand_sparse_ids"], 0, cfg.cand_vocab_size, f"the table [0, {cfg.cand_vocab_size})")
+    _check_range("user_history_ids", inputs["user_history_ids"], 0, cfg.item_vocab_size, f"the table [0, {cfg.item_vocab_size})")
+
+
+def ragged_counts(num_users: int, num_candidates: int, rng: np.random.Generator) -> np.ndarray:
+    """Candidates per user, unequal (Dirichlet shares), summing to B; zeros are allowed."""
+    shares = rng.dirichlet(np.full(num_users, 2.0))
+    return rng.multinomial(num_candidates, shares)
+
+
+def make_request(cfg: RankerConfig, num_users: int, num_candidates: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A random valid request: ragged candidates per user, shuffled mapping, variable history lengths."""
+    counts = ragged_counts(num_users, num_candidates, rng)
+    cand_to_user = rng.permutation(np.repeat(np.arange(num_users), counts)).astype(np.int32)
+    history_len = rng.integers(0, cfg.history_length + 1, size=num_users).astype(np.int32)
+    history_ids = rng.integers(0, cfg.item_vocab_size, size=(num_users, cfg.history_length))
+    history_ids[np.arange(cfg.history_length)[None, :] >= history_len[:, None]] = 0  # padding
+    return {
+        "user_dense": rng.standard_normal((num_users, cfg.user_dense_features)).astype(np.float32),
+        "user_sparse_ids": rng.integers(0, cfg.user_vocab_size, size=(num_users, cfg.user_sparse_features)),
+        "user_history_ids": history_ids.astype(np.int64),
+        "user_history_len": history_len,
+        "cand_dense": rng.standard_normal((num_candidates, cfg.cand_dense_features)).astype(np.float32),
+        "cand_sparse_ids": rng.integers(0, cfg.cand_vocab_size, size=(num_candidates, cfg.cand_sparse_features)),
+        "cand_to_user": cand_to_user,
+    }
+
+
+def to_tensors(request: dict[str, np.ndarray], device="cpu") -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(np.ascontiguousarray(array)).to(device) for name, array in request.items()}
