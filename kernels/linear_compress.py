@@ -55,8 +55,8 @@ class PackedLinearCompress:
         check_same("cand_emb", cand_dim, "D (last dim of user_emb)", dim)
         check_same("user_emb", num_user_tokens, "Ku (user columns of weight)", self.user_weight.shape[1])
         check_same("cand_emb", num_cand_tokens, "Kc (candidate columns of weight)", self.cand_weight.shape[1])
-        for name, t in (("cand_emb", cand_emb), ("weight", self.user_weight)):
-            if t.dtype != user_emb.dtype or t.device != user_emb.device:
+        for name, t in (("cand_emb", cand_emb), ("weight", self.user_weight), ("bias", self.bias)):
+            if t is not None and (t.dtype != user_emb.dtype or t.device != user_emb.device):
                 raise ValueError(f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}")
         check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
         resolve_backend(backend, user_emb.device, triton_available=False)
