@@ -1,0 +1,127 @@
+"""Model level: the IKBO and baseline rankers compute the same function, and IKBO never replicates."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
+from ikbo_backend.requests import make_request, to_tensors
+
+# Small dims, none of them equal to the U and B drawn below, so row counts identify tensors.
+CFG = RankerConfig(
+    user_dense_features=6, user_sparse_features=3, user_vocab_size=50, user_dense_tokens=2,
+    cand_dense_features=9, cand_sparse_features=4, cand_vocab_size=70, cand_dense_tokens=1,
+    item_vocab_size=90, history_length=12, embedding_dim=16, compressed_tokens=6, query_tokens=3,
+    heads=2, mlp_hidden=(24, 20), tasks=3,
+)  # fmt: skip
+WEIGHTS = make_demo_weights(CFG, seed=int(np.random.default_rng().integers(1 << 30)))
+
+
+def rel_err(actual, expected):
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def score(variant, request, weights=WEIGHTS, dtype=torch.float32):
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+    features, interaction = build_ranker(variant, CFG, weights, backend="torch")
+    inputs = to_tensors(request)
+    for name in ("user_dense", "cand_dense"):
+        inputs[name] = inputs[name].to(dtype)
+    with torch.inference_mode():
+        return interaction(features(**inputs))
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_users=st.integers(1, 7), num_candidates=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_ikbo_and_baseline_agree_with_fp64(num_users, num_candidates, seed):
+    request = make_request(CFG, num_users, num_candidates, np.random.default_rng(seed))
+    reference = score("baseline", request, dtype=torch.float64)
+    ikbo, baseline = score("ikbo", request), score("baseline", request)
+    assert ikbo.shape == (num_candidates, CFG.tasks)
+    assert torch.isfinite(ikbo).all()
+    assert rel_err(ikbo, reference) <= 1e-5
+    assert rel_err(baseline, reference) <= 1e-5
+    assert rel_err(ikbo, baseline) <= 1e-5
+
+
+def test_users_without_candidates_or_history():
+    rng = np.random.default_rng()
+    request = make_request(CFG, 4, 30, rng)
+    request["cand_to_user"] = rng.choice([0, 2], size=30).astype(np.int32)  # users 1 and 3: no candidates
+    request["user_history_len"][2] = 0  # user 2: empty history
+    assert rel_err(score("ikbo", request), score("baseline", request, dtype=torch.float64)) <= 1e-5
+
+
+def test_mapping_matters():
+    """Scores depend on which user a candidate belongs to (guards against a mapping that is ignored)."""
+    rng = np.random.default_rng()
+    request = make_request(CFG, 3, 20, rng)
+    moved = dict(request, cand_to_user=(request["cand_to_user"] + 1) % 3)
+    assert rel_err(score("ikbo", moved), score("ikbo", request)) > 1e-4
+    assert rel_err(score("ikbo", moved), score("baseline", moved, dtype=torch.float64)) <= 1e-5
+
+
+class ReplicationDetector(TorchDispatchMode):
+    """Records ops that turn a U-row float tensor into a B-row float tensor with no B-row float input.
+
+    That is a user tensor replicated to candidate count; combining a B-row candidate tensor with
+    U-row user rows (the IKBO join) has a B-row input and is not recorded.
+    """
+
+    def __init__(self, num_users, num_candidates):
+        super().__init__()
+        self.num_users, self.num_candidates = num_users, num_candidates
+        self.replications = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()]
+        rows_in = {t.shape[0] for t in inputs}
+        if self.num_users in rows_in and self.num_candidates not in rows_in and any(t.shape[0] == self.num_candidates for t in outputs):
+            self.replications.append(str(func))
+        return out
+
+
+def run_detected(variant):
+    num_users, num_candidates = 5, 37
+    request = make_request(CFG, num_users, num_candidates, np.random.default_rng())
+    features, interaction = build_ranker(variant, CFG, WEIGHTS, backend="torch")
+    with torch.inference_mode(), ReplicationDetector(num_users, num_candidates) as detector:
+        interaction(features(**to_tensors(request)))
+    return detector.replications
+
+
+def test_ikbo_never_replicates_user_tensors():
+    assert run_detected("ikbo") == []
+
+
+def test_detector_catches_the_baseline():
+    assert any("index_select" in op for op in run_detected("baseline"))
+
+
+def test_weights_roundtrip_carries_config(tmp_path):
+    path = tmp_path / "ranker.safetensors"
+    save_weights(path, CFG, WEIGHTS)
+    cfg, weights = load_weights(path)
+    assert cfg == CFG
+    assert all(torch.equal(weights[k], WEIGHTS[k]) for k in WEIGHTS)
+
+
+def test_weights_with_wrong_shape_are_refused(tmp_path):
+    path = tmp_path / "ranker.safetensors"
+    broken = dict(WEIGHTS, **{"lce.weight": torch.randn(CFG.compressed_tokens, 3)})
+    save_weights(path, CFG, broken)
+    with pytest.raises(ValueError, match="lce.weight"):
+        load_weights(path)
+
+
+def test_config_rejects_inconsistent_dims():
+    with pytest.raises(ValueError, match="heads"):
+        RankerConfig(embedding_dim=30, heads=4)
+    with pytest.raises(ValueError, match="query_tokens"):
+        RankerConfig(compressed_tokens=4, query_tokens=5)
