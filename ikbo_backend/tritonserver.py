@@ -1,0 +1,210 @@
+"""Find and run a real tritonserver over this project's model repository.
+
+`find_tritonserver` picks, in order: `$TRITONSERVER`, `tritonserver` on PATH (NGC container
+`nvcr.io/nvidia/tritonserver`, backends in /opt/tritonserver/backends), or the server bundled in
+the nvidia-pytriton wheel (its python backend stub for this Python is copied into backends/python/,
+its shared libraries come from site-packages/nvidia_pytriton.libs). See ../shared/ENVIRONMENT.md.
+
+`running_tritonserver` starts it on free ports, waits for /v2/health/ready, and stops it on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .serving import MODEL_REPOSITORY, REPO_ROOT
+
+NGC_BACKEND_DIR = Path("/opt/tritonserver/backends")
+
+
+class TritonServerError(RuntimeError):
+    """The server could not be found, died, or never became ready (message ends with the log tail)."""
+
+
+def _python_env() -> dict[str, str]:
+    """Environment in which the python backend stub runs this Python's packages.
+
+    The stub embeds an *isolated* interpreter (PYTHONPATH is ignored) that finds its prefix through
+    `python3` on PATH: the running interpreter's bin/ goes first, so a venv's pyvenv.cfg and
+    site-packages are used, and its libpython first on LD_LIBRARY_PATH, so the stub's libpython
+    matches that stdlib. model.py files put the repository root on sys.path themselves;
+    PYTHONPATH carries it too, for non-isolated stubs and child processes.
+    """
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")]))
+    paths = [str(REPO_ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, paths)))
+    return env
+
+
+def _prepare_pytriton_layout(binary: Path, env: dict[str, str]) -> Path:
+    """For a server laid out like the nvidia-pytriton wheel (<site>/pytriton/tritonserver/bin/tritonserver):
+    put the stub for this Python into backends/python/ and the wheel's libraries on LD_LIBRARY_PATH."""
+    server_dir = binary.parent.parent  # .../pytriton/tritonserver
+    backend_dir = server_dir / "backends"
+    libs = server_dir.parent.parent / "nvidia_pytriton.libs"
+    if libs.is_dir():
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH")]))
+    stub = backend_dir / "python" / "triton_python_backend_stub"
+    if not stub.exists():
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        source = server_dir / "python_backend_stubs" / version / "triton_python_backend_stub"
+        if not source.exists():
+            raise TritonServerError(f"no python backend stub for Python {version} at {source}")
+        tmp = stub.with_name(f".{stub.name}.{os.getpid()}")
+        shutil.copy2(source, tmp)
+        os.replace(tmp, stub)  # atomic: parallel starts never see half a stub
+    return backend_dir
+
+
+def find_tritonserver() -> tuple[Path, Path, dict[str, str]]:
+    """(binary, backend directory, environment) of the tritonserver to run."""
+    env = _python_env()
+    if os.environ.get("TRITONSERVER"):
+        binary = Path(os.environ["TRITONSERVER"]).resolve()
+        if not binary.is_file():
+            raise TritonServerError(f"$TRITONSERVER={os.environ['TRITONSERVER']} is not a file")
+    elif shutil.which("tritonserver"):
+        binary = Path(shutil.which("tritonserver")).resolve()
+    else:
+        try:
+            import pytriton
+        except ImportError as e:
+            raise TritonServerError("no $TRITONSERVER, no tritonserver on PATH and nvidia-pytriton is not installed") from e
+        binary = Path(pytriton.__file__).parent / "tritonserver" / "bin" / "tritonserver"
+    if (binary.parent.parent / "python_backend_stubs").is_dir():
+        return binary, _prepare_pytriton_layout(binary, env), env
+    backend_dir = binary.parent.parent / "backends"
+    return binary, backend_dir if backend_dir.is_dir() else NGC_BACKEND_DIR, env
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def has_gpu() -> bool:
+    """True when torch sees CUDA or `nvidia-smi -L` lists a GPU."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except ImportError:
+        pass
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return listing.returncode == 0 and "GPU" in listing.stdout
+
+
+@dataclass
+class RunningServer:
+    http_url: str  # "localhost:PORT", as tritonclient.http takes it
+    grpc_url: str
+    metrics_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+def _stop(process: subprocess.Popen, grace: float = 30.0) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def running_tritonserver(
+    model_repository=None,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    config_name: str | None = None,
+    extra_args=(),
+    log_path=None,
+    timeout: float = 180,
+):
+    """Start tritonserver, wait until ready, yield a RunningServer; SIGTERM (then kill) on exit.
+
+    Raises TritonServerError with the log tail if the server exits before it is ready, is not ready
+    within `timeout` seconds, or died while the block ran.
+    """
+    binary, backend_dir, env = find_tritonserver()
+    ports = {}
+    for name, port in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port)):
+        while port is None or port in ports.values():
+            port = free_port()
+        ports[name] = port
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+        os.close(fd)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        str(binary),
+        f"--model-repository={Path(model_repository or MODEL_REPOSITORY).resolve()}",
+        f"--backend-directory={backend_dir}",
+        f"--http-port={ports['http']}",
+        f"--grpc-port={ports['grpc']}",
+        f"--metrics-port={ports['metrics']}",
+    ]
+    if config_name:
+        cmd.append(f"--model-config-name={config_name}")
+    cmd += list(extra_args)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = RunningServer(
+        f"localhost:{ports['http']}", f"localhost:{ports['grpc']}", f"localhost:{ports['metrics']}", process, log_path
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.is_ready():
+            if process.poll() is not None:
+                raise TritonServerError(f"tritonserver exited with {process.returncode} before ready; log {log_path}:\n{server.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TritonServerError(f"tritonserver not ready after {timeout} s; log {log_path}:\n{server.log_tail()}")
+            time.sleep(0.25)
+        yield server
+    except BaseException:
+        _stop(process)
+        raise
+    died = process.poll()
+    _stop(process)
+    if died is not None:
+        raise TritonServerError(f"tritonserver died with {died} while in use; log {log_path}:\n{server.log_tail()}")
