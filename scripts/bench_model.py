@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""In-process CPU benchmark of the ranker: IKBO vs baseline, side by side in one run.
+
+Providers: `baseline` (user tensors replicated to B rows; marked as the baseline) and `ikbo`, built
+from the same weights by `ikbo_backend.ranker.build_ranker`. Stages: `feature` (lookups and dense
+projections, shared code), `interaction` (where the variants differ) and `whole` (feature +
+interaction). Each mix uses a pool of fixed, seeded requests from `make_request` (the tests'
+generator: never zeros, ragged candidates per user); the timed calls cycle through the pool and
+alternate the providers call by call, so both see the same machine state. Reported: median ms per
+request, ratio baseline/ikbo, candidates/s of the whole forward.
+
+    python scripts/bench_model.py                              # default mixes
+    python scripts/bench_model.py --mixes u15_b1024 --runs 200 --append docs/perf.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from make_perf_configs import mix_shape  # noqa: E402
+
+from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights  # noqa: E402
+from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
+
+PROVIDERS = ("baseline", "ikbo")  # baseline first: the reference of every ratio
+STAGES = ("feature", "interaction", "whole")
+DEFAULT_MIXES = ("u15_b1024", "u1_b1024", "u4_b256", "u64_b64", "u1_b64")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> str:
+    return (
+        f"CPU {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
+    )
+
+
+def _time_ms(fn, arg) -> float:
+    start = time.perf_counter()
+    fn(arg)
+    return (time.perf_counter() - start) * 1e3
+
+
+def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: int) -> dict:
+    """Median ms per (provider, stage) over `runs` calls, cycling through `pool` fixed requests."""
+    num_users, num_candidates = mix_shape(mix)
+    rng = np.random.default_rng([seed, num_users, num_candidates])
+    requests = [to_tensors(make_request(cfg, num_users, num_candidates, rng)) for _ in range(pool)]
+
+    calls = {}
+    for name, (features, interaction) in models.items():
+        calls[name, "feature"] = lambda r, f=features: f(**r)
+        calls[name, "interaction"] = lambda feats, i=interaction: i(feats)
+        calls[name, "whole"] = lambda r, f=features, i=interaction: i(f(**r))
+    # the interaction stage is timed on precomputed features (the feature stage is shared code)
+    features_of = [models["baseline"][0](**r) for r in requests]
+
+    times = {key: [] for key in calls}
+    with torch.inference_mode():
+        scores = {name: models[name][1](features_of[0]) for name in models}
+        error = float((scores["ikbo"] - scores["baseline"]).abs().max() / scores["baseline"].abs().max())
+        if error > 1e-4:
+            raise RuntimeError(f"{mix}: ikbo and baseline disagree (max relative error {error:.2e})")
+        for step in range(warmup + runs):
+            k = step % pool
+            for stage in STAGES:
+                arg = features_of[k] if stage == "interaction" else requests[k]
+                for name in models if step % 2 else reversed(models):  # alternate who goes first
+                    elapsed = _time_ms(calls[name, stage], arg)
+                    if step >= warmup:
+                        times[name, stage].append(elapsed)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def table(results: dict, runs: int) -> str:
+    lines = [
+        f"| mix (U:B) | stage | baseline ms | IKBO ms | baseline / IKBO | IKBO candidates/s | baseline candidates/s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for mix, medians in results.items():
+        num_users, num_candidates = mix_shape(mix)
+        for stage in STAGES:
+            base, ikbo = medians["baseline", stage], medians["ikbo", stage]
+            rate = lambda ms: f"{num_candidates / ms * 1e3:,.0f}"  # noqa: E731
+            lines.append(
+                f"| {mix} ({num_users}:{num_candidates}) | {stage} | {base:.3f} | {ikbo:.3f} | "
+                f"**{base / ikbo:.2f}×** | {rate(ikbo)} | {rate(base)} |"
+            )
+    return "\n".join(lines) + f"\n\nMedian of {runs} calls per cell; ratio > 1 means IKBO is faster."
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mixes", nargs="+", default=list(DEFAULT_MIXES))
+    parser.add_argument("--runs", type=int, default=100, help="timed calls per provider and stage")
+    parser.add_argument("--pool", type=int, default=8, help="distinct fixed requests per mix")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--append", type=Path, default=None, help="append the section to this markdown file")
+    args = parser.parse_args(argv)
+    for mix in args.mixes:
+        mix_shape(mix)  # fail early on an unknown name
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    cfg = RankerConfig()
+    weights = make_demo_weights(cfg, seed=0)
+    models = {name: build_ranker(name, cfg, weights, backend="torch") for name in PROVIDERS}
+    results = {}
+    for mix in args.mixes:
+        results[mix] = bench_mix(cfg, models, mix, args.runs, args.pool, args.warmup, args.seed)
+        print(f"{mix}: whole baseline {results[mix]['baseline', 'whole']:.2f} ms, ikbo {results[mix]['ikbo', 'whole']:.2f} ms", file=sys.stderr)
+
+    section = (
+        "### Model forward, in process (`scripts/bench_model.py`)\n\n"
+        f"{environment()}. Demo model dims (`RankerConfig()`), fp32, torch path, "
+        f"`torch.inference_mode`, {args.pool} fixed seeded requests per mix from `make_request`.\n\n"
+        f"{table(results, args.runs)}\n"
+    )
+    print(section)
+    if args.append:
+        with args.append.open("a") as f:
+            f.write("\n" + section)
+
+
+if __name__ == "__main__":
+    main()
