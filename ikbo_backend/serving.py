@@ -1,8 +1,238 @@
-"""Helpers shared by the model.py files of model_repository/ and the scripts: paths, weights, ranges."""
+"""What the model.py files of model_repository/ and the scripts share: paths, weights, declared shape
+ranges, the served stages, and the request → response loop of the python backend.
+
+Declared once:
+- shape ranges: `model_repository/shape_ranges.json` ({"users": [lo, hi], "candidates": [lo, hi]},
+  inclusive). tritonserver ignores plain files at the repository root; the same numbers drive
+  validation (`validate_request`), warm-up (`warmup_sizes`) and later kernel precompilation.
+- weights: the `weights` parameter of a model's config (relative paths from the repository root of
+  this project), else `$IKBO_WEIGHTS`, else `<repo>/weights/ranker.safetensors`; a missing file is
+  created with the demo weights (RankerConfig defaults, seed 0). The RankerConfig travels in the
+  safetensors metadata; `check_model_config` refuses a config.pbtxt whose dims disagree with it.
+
+`triton_python_backend_utils` is imported only by the model.py files; they hand it to
+`execute_requests`, so this module imports without a server.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import tempfile
 from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.dlpack import from_dlpack, to_dlpack
+
+from .ranker import Features, FeatureStage, RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
+from .requests import INPUT_NAMES, InvalidRequest, ShapeRanges, input_widths, make_request, to_tensors, validate_request
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+SHAPE_RANGES_FILE = "shape_ranges.json"  # at the root of a model repository
+DEFAULT_WEIGHTS = REPO_ROOT / "weights" / "ranker.safetensors"
+FEATURE_NAMES = tuple(f.name for f in dataclasses.fields(Features))  # features stage → interaction stage
+
+
+def weights_path(parameter: str | None = None) -> Path:
+    """The weights file: config parameter, else $IKBO_WEIGHTS, else weights/ranker.safetensors."""
+    chosen = parameter or os.environ.get("IKBO_WEIGHTS") or DEFAULT_WEIGHTS
+    return (REPO_ROOT / chosen).resolve()  # absolute paths stay as they are
+
+
+def ensure_weights(path=None) -> Path:
+    """Create the demo weights at `path` if the file is missing. Atomic (temp file, then rename),
+    so models loading in parallel never read half a file."""
+    path = Path(path) if path is not None else weights_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        try:
+            cfg = RankerConfig()
+            save_weights(tmp, cfg, make_demo_weights(cfg, seed=0))
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return path
+
+
+def load_shape_ranges(model_repository=None) -> ShapeRanges:
+    """The declared U and B ranges of a model repository (default: this project's)."""
+    return ShapeRanges.from_json(Path(model_repository or MODEL_REPOSITORY) / SHAPE_RANGES_FILE)
+
+
+def warmup_sizes(ranges: ShapeRanges) -> list[tuple[int, int]]:
+    """(U, B) at both ends of the declared ranges and at their geometric middle."""
+    (u_lo, u_hi), (b_lo, b_hi) = ranges.users, ranges.candidates
+    middle = (round((u_lo * u_hi) ** 0.5), round((b_lo * b_hi) ** 0.5))
+    return list(dict.fromkeys([(u_lo, b_lo), middle, (u_hi, b_hi)]))
+
+
+# --- I/O of the served stages, as config.pbtxt must declare it (max_batch_size: 0, -1 = rows) ---
+
+
+def request_dims(cfg: RankerConfig) -> dict[str, list[int]]:
+    """The 7 raw inputs (ensembles and ranker_features)."""
+    return {name: [-1] if width is None else [-1, width] for name, width in input_widths(cfg).items()}
+
+
+def feature_dims(cfg: RankerConfig) -> dict[str, list[int]]:
+    """Outputs of ranker_features = inputs of the interaction models."""
+    return {
+        "user_tokens": [-1, cfg.user_tokens, cfg.embedding_dim],
+        "cand_tokens": [-1, cfg.cand_tokens, cfg.embedding_dim],
+        "history_tokens": [-1, cfg.history_length, cfg.embedding_dim],
+        "history_len": [-1],
+        "cand_to_user": [-1],
+    }
+
+
+def score_dims(cfg: RankerConfig) -> dict[str, list[int]]:
+    return {"scores": [-1, cfg.tasks]}
+
+
+def check_model_config(model_config: dict, inputs: dict[str, list[int]], outputs: dict[str, list[int]]) -> None:
+    """Raise ValueError if the model config (as JSON, the way the python backend passes it) does not
+    declare exactly these input/output names and dims."""
+    for kind, expected in (("input", inputs), ("output", outputs)):
+        declared = {t["name"]: [int(d) for d in t["dims"]] for t in model_config.get(kind, [])}
+        if declared != expected:
+            raise ValueError(
+                f"{model_config.get('name')}: config {kind}s {declared} do not match the weights' RankerConfig {expected}"
+            )
+
+
+def instance_device(kind: str, device_id) -> torch.device:
+    """torch device of a model instance (args["model_instance_kind"], args["model_instance_device_id"])."""
+    return torch.device(f"cuda:{int(device_id)}") if kind == "GPU" else torch.device("cpu")
+
+
+class _ServedStage:
+    """A stage of the ranker as one model instance serves it: inputs → outputs, torch tensors by name."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def __init__(self, cfg: RankerConfig, ranges: ShapeRanges, device):
+        self.cfg, self.ranges, self.device = cfg, ranges, torch.device(device)
+
+    @classmethod
+    def _context(cls, args: dict):
+        """Parse the python backend's initialize args: config, parameters, weights, ranges, device."""
+        model_config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        cfg, weights = load_weights(ensure_weights(weights_path(parameters.get("weights"))))
+        ranges = load_shape_ranges(Path(args["model_repository"]).parent)
+        device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
+        return model_config, parameters, cfg, weights, ranges, device
+
+    def example(self, request: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """This stage's inputs for a raw request (for warm-up)."""
+        raise NotImplementedError
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def warm_up(self, seed: int = 0) -> None:
+        """Run requests at the declared range's ends and middle."""
+        rng = np.random.default_rng(seed)
+        for num_users, num_candidates in warmup_sizes(self.ranges):
+            self(self.example(make_request(self.cfg, num_users, num_candidates, rng)))
+
+
+class FeatureModel(_ServedStage):
+    """ranker_features: validate the raw request, then lookups and projections at natural batch sizes."""
+
+    inputs, outputs = INPUT_NAMES, FEATURE_NAMES
+
+    def __init__(self, cfg, weights, ranges, device="cpu"):
+        super().__init__(cfg, ranges, device)
+        self.stage = FeatureStage(cfg, weights, self.device)
+
+    @classmethod
+    def from_triton_args(cls, args: dict) -> "FeatureModel":
+        model_config, _, cfg, weights, ranges, device = cls._context(args)
+        check_model_config(model_config, request_dims(cfg), feature_dims(cfg))
+        model = cls(cfg, weights, ranges, device)
+        model.warm_up()
+        return model
+
+    def example(self, request):
+        return to_tensors(request)
+
+    def __call__(self, inputs):
+        validate_request(self.cfg, self.ranges, inputs)  # InvalidRequest names the input
+        features = self.stage(**{name: t.to(self.device) for name, t in inputs.items()})
+        return {name: getattr(features, name) for name in FEATURE_NAMES}
+
+
+class InteractionModel(_ServedStage):
+    """ikbo_interaction / baseline_interaction: features → scores [B, T] (parameter `variant`)."""
+
+    inputs, outputs = FEATURE_NAMES, ("scores",)
+
+    def __init__(self, variant: str, cfg, weights, ranges, device="cpu"):
+        super().__init__(cfg, ranges, device)
+        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device)  # features: warm-up only
+
+    @classmethod
+    def from_triton_args(cls, args: dict) -> "InteractionModel":
+        model_config, parameters, cfg, weights, ranges, device = cls._context(args)
+        check_model_config(model_config, feature_dims(cfg), score_dims(cfg))
+        model = cls(parameters["variant"], cfg, weights, ranges, device)
+        model.warm_up()
+        return model
+
+    def example(self, request):
+        features = self.features(**to_tensors(request, self.device))
+        return {name: getattr(features, name) for name in FEATURE_NAMES}
+
+    def _check(self, inputs):
+        """The joins must be in range: a bad index must not reach a (device-side) gather."""
+        num_users, num_candidates = inputs["user_tokens"].shape[0], inputs["cand_tokens"].shape[0]
+        for name, rows in (("history_tokens", num_users), ("history_len", num_users), ("cand_to_user", num_candidates)):
+            if inputs[name].shape[0] != rows:
+                raise InvalidRequest(name, f"has {inputs[name].shape[0]} rows, expected {rows}")
+        for name, high in (("cand_to_user", num_users), ("history_len", self.cfg.history_length + 1)):
+            if inputs[name].dtype != torch.int32:
+                raise InvalidRequest(name, f"expected dtype int32, got {inputs[name].dtype}".replace("torch.", ""))
+            if inputs[name].numel() and not bool(((inputs[name] >= 0) & (inputs[name] < high)).all()):
+                raise InvalidRequest(name, f"values outside [0, {high})")
+
+    def __call__(self, inputs):
+        self._check(inputs)
+        features = Features(**{name: inputs[name].to(self.device) for name in FEATURE_NAMES})
+        return {"scores": self.interaction(features)}
+
+
+def _to_torch(name: str, tensor) -> torch.Tensor:
+    """A pb_utils.Tensor (CPU or GPU) as a torch tensor, without a copy where DLPack allows."""
+    if tensor is None:
+        raise InvalidRequest(name, "missing")
+    if tensor.is_cpu():
+        return torch.from_numpy(np.array(tensor.as_numpy()))  # a writable copy; empty tensors included
+    return from_dlpack(tensor.to_dlpack())
+
+
+def execute_requests(pb_utils, model: _ServedStage, requests) -> list:
+    """The python backend's execute: one response per request. A ValueError (InvalidRequest included)
+    becomes an INVALID_ARG error response for that request alone (HTTP 400, gRPC INVALID_ARGUMENT);
+    any other exception an INTERNAL one; the other requests of the call are unaffected."""
+    responses = []
+    for request in requests:
+        try:
+            inputs = {name: _to_torch(name, pb_utils.get_input_tensor_by_name(request, name)) for name in model.inputs}
+            with torch.inference_mode():
+                outputs = model(inputs)
+            tensors = [pb_utils.Tensor.from_dlpack(name, to_dlpack(t.contiguous())) for name, t in outputs.items()]
+            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        except ValueError as e:
+            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+        except Exception as e:  # noqa: BLE001 — one bad request must not fail the others
+            pb_utils.Logger.log_error(f"{type(e).__name__}: {e}")
+            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)))
+    return responses

@@ -116,6 +116,50 @@ def has_gpu() -> bool:
     return listing.returncode == 0 and "GPU" in listing.stdout
 
 
+def tritonserver_command(
+    model_repository=None,
+    http_port: int = 8000,
+    grpc_port: int = 8001,
+    metrics_port: int = 8002,
+    config_name: str | None = None,
+    extra_args=(),
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) that serve `model_repository` (default: this project's) on these ports;
+    `config_name` loads <model>/configs/<config_name>.pbtxt where a model has one (e.g. "gpu")."""
+    binary, backend_dir, env = find_tritonserver()
+    cmd = [
+        str(binary),
+        f"--model-repository={Path(model_repository or MODEL_REPOSITORY).resolve()}",
+        f"--backend-directory={backend_dir}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+    ]
+    if config_name:
+        cmd.append(f"--model-config-name={config_name}")
+    return cmd + list(extra_args), env
+
+
+def is_ready(http_url: str) -> bool:
+    """GET /v2/health/ready answers 200."""
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_until_ready(process: subprocess.Popen, http_url: str, timeout: float, log_tail=lambda: "") -> None:
+    """Poll readiness; TritonServerError if the process exits first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not is_ready(http_url):
+        if process.poll() is not None:
+            raise TritonServerError(f"tritonserver exited with {process.returncode} before ready\n{log_tail()}")
+        if time.monotonic() > deadline:
+            raise TritonServerError(f"tritonserver not ready after {timeout} s\n{log_tail()}")
+        time.sleep(0.25)
+
+
 @dataclass
 class RunningServer:
     http_url: str  # "localhost:PORT", as tritonclient.http takes it
@@ -126,19 +170,14 @@ class RunningServer:
 
     def log_tail(self, lines: int = 60) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
-            return "(no log)"
-
-    def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+            text = "(no log)"
+        return f"log {self.log_path}:\n{text}"
 
 
-def _stop(process: subprocess.Popen, grace: float = 30.0) -> None:
+def stop(process: subprocess.Popen, grace: float = 45.0) -> None:
+    """SIGTERM, then kill after `grace` s (tritonserver itself waits up to 30 s for open connections)."""
     if process.poll() is not None:
         return
     process.send_signal(signal.SIGTERM)
@@ -160,51 +199,33 @@ def running_tritonserver(
     log_path=None,
     timeout: float = 180,
 ):
-    """Start tritonserver, wait until ready, yield a RunningServer; SIGTERM (then kill) on exit.
-
-    Raises TritonServerError with the log tail if the server exits before it is ready, is not ready
-    within `timeout` seconds, or died while the block ran.
+    """Start tritonserver (free ports where None), wait until ready, yield a RunningServer; on exit
+    SIGTERM, then kill. Raises TritonServerError with the log tail if the server exits before it is
+    ready, is not ready within `timeout` seconds, or died while the block ran. Close clients before
+    the block ends: open HTTP connections hold a stopping server up to 30 s.
     """
-    binary, backend_dir, env = find_tritonserver()
-    ports = {}
-    for name, port in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port)):
-        while port is None or port in ports.values():
+    ports: list[int] = []
+    for requested in (http_port, grpc_port, metrics_port):
+        port = requested
+        while port is None or (requested is None and port in ports):
             port = free_port()
-        ports[name] = port
+        ports.append(port)
+    cmd, env = tritonserver_command(model_repository, *ports, config_name=config_name, extra_args=extra_args)
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
         os.close(fd)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        str(binary),
-        f"--model-repository={Path(model_repository or MODEL_REPOSITORY).resolve()}",
-        f"--backend-directory={backend_dir}",
-        f"--http-port={ports['http']}",
-        f"--grpc-port={ports['grpc']}",
-        f"--metrics-port={ports['metrics']}",
-    ]
-    if config_name:
-        cmd.append(f"--model-config-name={config_name}")
-    cmd += list(extra_args)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = RunningServer(
-        f"localhost:{ports['http']}", f"localhost:{ports['grpc']}", f"localhost:{ports['metrics']}", process, log_path
-    )
+    server = RunningServer(*(f"localhost:{port}" for port in ports), process, log_path)
     try:
-        deadline = time.monotonic() + timeout
-        while not server.is_ready():
-            if process.poll() is not None:
-                raise TritonServerError(f"tritonserver exited with {process.returncode} before ready; log {log_path}:\n{server.log_tail()}")
-            if time.monotonic() > deadline:
-                raise TritonServerError(f"tritonserver not ready after {timeout} s; log {log_path}:\n{server.log_tail()}")
-            time.sleep(0.25)
+        wait_until_ready(process, server.http_url, timeout, server.log_tail)
         yield server
     except BaseException:
-        _stop(process)
+        stop(process)
         raise
     died = process.poll()
-    _stop(process)
+    stop(process)
     if died is not None:
-        raise TritonServerError(f"tritonserver died with {died} while in use; log {log_path}:\n{server.log_tail()}")
+        raise TritonServerError(f"tritonserver died with {died} while in use\n{server.log_tail()}")

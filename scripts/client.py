@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Send one random ranking request to a running tritonserver and print the scores.
+
+    .venv/bin/python scripts/client.py --url localhost:8000 --protocol http
+    .venv/bin/python scripts/client.py --url localhost:8001 --protocol grpc --model baseline_ranker --users 64 --candidates 64
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ikbo_backend.ranker import RankerConfig  # noqa: E402
+from ikbo_backend.requests import make_request  # noqa: E402
+
+
+def client_module(protocol: str):
+    """tritonclient.http or tritonclient.grpc."""
+    if protocol == "http":
+        import tritonclient.http as module
+    elif protocol == "grpc":
+        import tritonclient.grpc as module
+    else:
+        raise ValueError(f"protocol: expected 'http' or 'grpc', got {protocol!r}")
+    return module
+
+
+def infer_inputs(module, request: dict[str, np.ndarray]) -> list:
+    """InferInputs of a request, each with the Triton datatype of its numpy dtype."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in request.items():
+        tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(np.ascontiguousarray(array))
+        inputs.append(tensor)
+    return inputs
+
+
+def infer_scores(client, module, model: str, request: dict[str, np.ndarray]) -> np.ndarray:
+    """scores [B, T] of `model` for a request; raises tritonclient's InferenceServerException."""
+    result = client.infer(model, infer_inputs(module, request), outputs=[module.InferRequestedOutput("scores")])
+    return result.as_numpy("scores")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--url", default="localhost:8000", help="host:port (HTTP 8000, gRPC 8001 by default)")
+    parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    parser.add_argument("--model", default="ikbo_ranker", help="ikbo_ranker or baseline_ranker")
+    parser.add_argument("--users", type=int, default=15, help="U")
+    parser.add_argument("--candidates", type=int, default=1024, help="B")
+    parser.add_argument("--seed", type=int, default=None, help="request seed (default: random)")
+    parser.add_argument("--rows", type=int, default=5, help="score rows to print")
+    args = parser.parse_args()
+
+    module = client_module(args.protocol)
+    request = make_request(RankerConfig(), args.users, args.candidates, np.random.default_rng(args.seed))
+    client = module.InferenceServerClient(args.url)
+    try:
+        start = time.perf_counter()
+        scores = infer_scores(client, module, args.model, request)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+    finally:
+        client.close()
+    print(f"{args.model} over {args.protocol} at {args.url}: U={args.users}, B={args.candidates} → scores {list(scores.shape)} in {elapsed_ms:.1f} ms")
+    np.set_printoptions(precision=4, suppress=True)
+    for b in range(min(args.rows, len(scores))):
+        print(f"  candidate {b} (user {request['cand_to_user'][b]}): {scores[b]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""model_repository/ without a server: every config parses as a ModelConfig, the ensembles expose the
+request contract of ikbo_backend/requests.py, and every dim equals the RankerConfig defaults."""
+
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from ikbo_backend.ranker import RankerConfig
+from ikbo_backend.requests import INPUT_DTYPES, INPUT_NAMES, ShapeRanges
+from ikbo_backend.serving import MODEL_REPOSITORY, feature_dims, load_shape_ranges, request_dims, score_dims
+
+CFG = RankerConfig()
+ENSEMBLES = ("ikbo_ranker", "baseline_ranker")
+PYTHON_MODELS = {  # name → (input dims, output dims)
+    "ranker_features": (request_dims(CFG), feature_dims(CFG)),
+    "ikbo_interaction": (feature_dims(CFG), score_dims(CFG)),
+    "baseline_interaction": (feature_dims(CFG), score_dims(CFG)),
+}
+TRITON_DTYPE = {"float32": "TYPE_FP32", "int64": "TYPE_INT64", "int32": "TYPE_INT32"}
+CONFIG_FILES = sorted(MODEL_REPOSITORY.glob("*/config.pbtxt")) + sorted(MODEL_REPOSITORY.glob("*/configs/*.pbtxt"))
+
+
+def parse(path: Path) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def config(model: str, name: str = "config") -> model_config_pb2.ModelConfig:
+    return parse(MODEL_REPOSITORY / model / ("config.pbtxt" if name == "config" else f"configs/{name}.pbtxt"))
+
+
+def io(tensors) -> dict[str, tuple[str, list[int]]]:
+    return {t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims)) for t in tensors}
+
+
+def test_repository_holds_exactly_the_served_models():
+    models = {p.name for p in MODEL_REPOSITORY.iterdir() if p.is_dir()}
+    assert models == set(ENSEMBLES) | set(PYTHON_MODELS)
+    for model in models:
+        versions = [p for p in (MODEL_REPOSITORY / model).iterdir() if p.is_dir() and p.name.isdigit()]
+        assert [v.name for v in versions] == ["1"], model
+        assert any(versions[0].iterdir()), f"{model}/1 is empty: git would drop it (track a placeholder)"
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(MODEL_REPOSITORY)))
+def test_config_parses(path):
+    parsed = parse(path)
+    assert parsed.name == path.relative_to(MODEL_REPOSITORY).parts[0]
+    assert parsed.max_batch_size == 0
+
+
+@pytest.mark.parametrize("model", ENSEMBLES)
+def test_ensemble_io_is_the_request_contract(model):
+    parsed = config(model)
+    assert parsed.platform == "ensemble"
+    expected = {name: (TRITON_DTYPE[str(INPUT_DTYPES[name]).removeprefix("torch.")], request_dims(CFG)[name]) for name in INPUT_NAMES}
+    assert io(parsed.input) == expected
+    assert [t.name for t in parsed.input] == list(INPUT_NAMES)
+    assert io(parsed.output) == {"scores": ("TYPE_FP32", [-1, CFG.tasks])}
+
+
+@pytest.mark.parametrize("model", ENSEMBLES)
+def test_ensemble_steps_connect(model):
+    """Each step feeds a served model its exact inputs from tensors that exist by then."""
+    parsed = config(model)
+    available = {t.name for t in parsed.input}
+    variant = model.removesuffix("_ranker")
+    assert [s.model_name for s in parsed.ensemble_scheduling.step] == ["ranker_features", f"{variant}_interaction"]
+    for step in parsed.ensemble_scheduling.step:
+        composing = config(step.model_name)
+        assert set(step.input_map) == {t.name for t in composing.input}, step.model_name
+        assert set(step.input_map.values()) <= available, step.model_name
+        assert set(step.output_map) <= {t.name for t in composing.output}, step.model_name
+        available |= set(step.output_map.values())
+    assert {t.name for t in parsed.output} <= available
+
+
+@pytest.mark.parametrize("model", sorted(PYTHON_MODELS))
+def test_python_model_dims_match_ranker_config(model):
+    inputs, outputs = PYTHON_MODELS[model]
+    for name in ("config", "gpu"):
+        parsed = config(model, name)
+        assert parsed.backend == "python"
+        assert {t.name: list(t.dims) for t in parsed.input} == inputs
+        assert {t.name: list(t.dims) for t in parsed.output} == outputs
+
+
+@pytest.mark.parametrize("model", sorted(PYTHON_MODELS))
+def test_gpu_config_differs_only_in_placement(model):
+    cpu, gpu = config(model), config(model, "gpu")
+    assert [g.kind for g in cpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
+    assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+    assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+    for field in ("instance_group", "parameters"):
+        cpu.ClearField(field)
+        gpu.ClearField(field)
+    assert cpu == gpu
+    if model != "ranker_features":
+        assert config(model).parameters["variant"].string_value == model.removesuffix("_interaction")
+
+
+def test_stage_dtypes_chain():
+    assert io(config("ranker_features").input) == io(config("ikbo_ranker").input)
+    features = io(config("ranker_features").output)
+    for model in ("ikbo_interaction", "baseline_interaction"):
+        assert io(config(model).input) == features
+        assert io(config(model).output) == io(config("ikbo_ranker").output)
+
+
+def test_shape_ranges_file():
+    ranges = load_shape_ranges()
+    assert isinstance(ranges, ShapeRanges)
+    for low, high in (ranges.users, ranges.candidates):
+        assert isinstance(low, int) and isinstance(high, int) and 1 <= low <= high

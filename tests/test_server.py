@@ -1,0 +1,196 @@
+"""End to end against a real tritonserver (CPU configuration, free ports), over HTTP and gRPC.
+
+Both rankers answer random requests at several U:B mixes like the in-process model built from the
+same weights file; every bad-input kind of issue 2 comes back as HTTP 400 / gRPC INVALID_ARGUMENT
+naming the input, and the server keeps answering good requests correctly. Inputs (and weights) are
+fresh random each run: the seed is in every failure message.
+"""
+
+import secrets
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tritonclient.utils import InferenceServerException
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from client import client_module, infer_inputs, infer_scores  # noqa: E402
+
+from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights  # noqa: E402
+from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
+from ikbo_backend.serving import load_shape_ranges  # noqa: E402
+from ikbo_backend.tritonserver import running_tritonserver  # noqa: E402
+
+SEED = secrets.randbits(32)
+CFG = RankerConfig()
+RANGES = load_shape_ranges()
+RANKERS = ("ikbo_ranker", "baseline_ranker")
+PROTOCOLS = ("http", "grpc")
+CLIENT_ERROR = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
+MIXES = [(1, 64), (15, 1024), (64, 64), (1, 1)]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def weights_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("weights") / "ranker.safetensors"
+    save_weights(path, CFG, make_demo_weights(CFG, seed=SEED))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(weights_file, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("IKBO_WEIGHTS", str(weights_file))  # read by every model at load
+        with running_tritonserver(log_path=tmp_path_factory.mktemp("server") / "tritonserver.log") as running:
+            yield running
+
+
+@pytest.fixture(scope="module")
+def reference(weights_file):
+    """variant → in-process (features, interaction) from the server's weights file."""
+    cfg, weights = load_weights(weights_file)
+    return {variant: build_ranker(variant, cfg, weights) for variant in ("ikbo", "baseline")}
+
+
+@pytest.fixture(scope="module", params=PROTOCOLS)
+def client(request, server):
+    """(protocol, module, client); closed at the end, so the server stops without waiting."""
+    module = client_module(request.param)
+    connection = module.InferenceServerClient(server.http_url if request.param == "http" else server.grpc_url)
+    yield request.param, module, connection
+    connection.close()
+
+
+def expected_scores(reference, model, request) -> np.ndarray:
+    features, interaction = reference[model.removesuffix("_ranker")]
+    with torch.inference_mode():
+        return interaction(features(**to_tensors(request))).numpy()
+
+
+def rel_err(got, want) -> float:
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
+
+
+def assert_answers(client, reference, model, request):
+    _, module, connection = client
+    scores = infer_scores(connection, module, model, request)
+    want = expected_scores(reference, model, request)
+    assert scores.shape == want.shape == (len(request["cand_dense"]), CFG.tasks)
+    assert rel_err(scores, want) <= 1e-5, f"{model}: rel err {rel_err(scores, want):.2e} (seed {SEED})"
+    return scores
+
+
+def request_at(num_users, num_candidates, salt=0):
+    return make_request(CFG, num_users, num_candidates, np.random.default_rng([SEED, num_users, num_candidates, salt]))
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=lambda m: f"U{m[0]}_B{m[1]}")
+def test_rankers_agree_with_in_process_model(client, reference, mix):
+    request = request_at(*mix)
+    ikbo = assert_answers(client, reference, "ikbo_ranker", request)
+    baseline = assert_answers(client, reference, "baseline_ranker", request)
+    assert rel_err(ikbo, baseline) <= 1e-5, f"ikbo vs baseline (seed {SEED})"
+
+
+def test_user_without_candidates(client, reference):
+    request = request_at(3, 40)
+    request["cand_to_user"] = np.where(request["cand_to_user"] == 1, 2, request["cand_to_user"]).astype(np.int32)
+    request["cand_to_user"][0] = 0  # users 0 and 2 have candidates, user 1 none
+    for model in RANKERS:
+        assert_answers(client, reference, model, request)
+
+
+def _with(name, value):
+    def corrupt(r):
+        r[name] = value(r) if callable(value) else value
+        return r
+
+    return corrupt
+
+
+def _poke(name, index, value):
+    def corrupt(r):
+        r[name] = r[name].copy()
+        r[name][index] = value
+        return r
+
+    return corrupt
+
+
+def _rows(names, rows):
+    def corrupt(r):
+        return {k: v[:rows] if k in names else v for k, v in r.items()}
+
+    return corrupt
+
+
+USER_NAMES = ("user_dense", "user_sparse_ids", "user_history_ids", "user_history_len")
+CAND_NAMES = ("cand_dense", "cand_sparse_ids", "cand_to_user")
+# kind → (input the message must name, request → bad request); the base request has U=4, B=32
+BAD = {
+    "wrong dtype": ("user_dense", _with("user_dense", lambda r: r["user_dense"].astype(np.float64))),
+    "wrong dtype mapping": ("cand_to_user", _with("cand_to_user", lambda r: r["cand_to_user"].astype(np.int64))),
+    "wrong rank": ("cand_sparse_ids", _with("cand_sparse_ids", lambda r: r["cand_sparse_ids"][:, :, None])),
+    "wrong rank mapping": ("cand_to_user", _with("cand_to_user", lambda r: r["cand_to_user"][:, None])),
+    "wrong width": ("cand_dense", _with("cand_dense", lambda r: r["cand_dense"][:, :-1])),
+    "mapping length != B": ("cand_to_user", _with("cand_to_user", lambda r: r["cand_to_user"][:-1])),
+    "history_len length != U": ("user_history_len", _with("user_history_len", lambda r: r["user_history_len"][:-1])),
+    "mapping >= U": ("cand_to_user", _poke("cand_to_user", 5, 4)),
+    "mapping negative": ("cand_to_user", _poke("cand_to_user", 0, -1)),
+    "user id outside table": ("user_sparse_ids", _poke("user_sparse_ids", (1, 2), CFG.user_vocab_size)),
+    "cand id negative": ("cand_sparse_ids", _poke("cand_sparse_ids", (7, 0), -3)),
+    "history id outside table": ("user_history_ids", _poke("user_history_ids", (0, 0), CFG.item_vocab_size)),
+    "history len > L": ("user_history_len", _poke("user_history_len", 1, CFG.history_length + 1)),
+    "history len negative": ("user_history_len", _poke("user_history_len", 2, -1)),
+    "NaN dense": ("user_dense", _poke("user_dense", (0, 1), np.nan)),
+    "Inf dense": ("cand_dense", _poke("cand_dense", (9, 2), np.inf)),
+    "-Inf dense": ("user_dense", _poke("user_dense", (3, 0), -np.inf)),
+    "B = 0": ("cand_dense", _rows(CAND_NAMES, 0)),
+    "U = 0": ("user_dense", _rows(USER_NAMES, 0)),
+    "U above range": ("user_dense", lambda r: request_at(RANGES.users[1] + 1, 300)),
+    "B above range": ("cand_dense", lambda r: request_at(2, RANGES.candidates[1] + 1)),
+}
+
+
+def error_of(client, model, request) -> InferenceServerException:
+    _, module, connection = client
+    with pytest.raises(InferenceServerException) as caught:
+        connection.infer(model, infer_inputs(module, request))
+    return caught.value
+
+
+@pytest.mark.parametrize("model", RANKERS)
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_input_is_a_client_error_naming_the_input(client, reference, model, kind):
+    protocol, _, connection = client
+    name, corrupt = BAD[kind]
+    error = error_of(client, model, corrupt(request_at(4, 32)))
+    assert str(error.status()) == CLIENT_ERROR[protocol], f"{kind}: {error}"
+    assert f"'{name}'" in error.message(), f"{kind}: message does not name {name!r}: {error}"
+    assert connection.is_server_ready()
+    assert_answers(client, reference, model, request_at(4, 32, salt=1))
+
+
+def test_bad_mapping_sent_straight_to_an_interaction_model(client, reference):
+    """The interaction stage checks its joins too: a bad index never reaches a gather."""
+    protocol, module, connection = client
+    features, _ = reference["ikbo"]
+    with torch.inference_mode():
+        f = features(**to_tensors(request_at(4, 32)))
+    inputs = {name: getattr(f, name).numpy().copy() for name in ("user_tokens", "cand_tokens", "history_tokens", "history_len", "cand_to_user")}
+    inputs["cand_to_user"][3] = 4
+    for model in ("ikbo_interaction", "baseline_interaction"):
+        error = error_of(client, model, inputs)
+        assert str(error.status()) == CLIENT_ERROR[protocol] and "'cand_to_user'" in error.message(), str(error)
+
+
+def test_server_and_models_ready(client):
+    _, _, connection = client
+    assert connection.is_server_ready()
+    for model in ("ranker_features", "ikbo_interaction", "baseline_interaction", *RANKERS):
+        assert connection.is_model_ready(model), model
