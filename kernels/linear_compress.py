@@ -6,32 +6,340 @@ Math, per candidate b with user u = m[b]:
 Shapes: user_emb [U, Ku, D], cand_emb [B, Kc, D], cand_to_user [B], W [N, Ku + Kc] (user columns
 first), bias [N] → out [B, N, D].
 
-The user GEMM runs at U rows and the candidate GEMM at B rows; the [U, N, D] user result joins the
-candidate result through the mapping (see `_common.add_user_rows`), never replicated.
-Source: "In-Kernel Broadcast Optimization" (Meta, 2025), linear compression embedding.
+The user GEMM runs at U rows and the candidate GEMM at B rows; the [U, N, D] user result Y_u joins the
+candidate result through the mapping, never replicated. Per row g both GEMMs are
+[N, K] @ [K, D]: a batched GEMM whose left operand (the weight) is shared by every row, so one
+output tile is out[g, n0:n0+BLOCK_M, d0:d0+BLOCK_D] and the tiles of one row g are numbered next to
+each other (they share X[g] in L2; the weight stays in L2 throughout).
+
+Triton path, four stages of the IKBO co-design, each selectable (`variant=`):
+    s1  decomposition: user GEMM at U rows → Y_u, candidate GEMM at B rows → out, then a gather-add
+        kernel out[b] += Y_u[m[b]] (+ bias). Plain pointer loads, unpadded weights. Three launches.
+    s2  alignment: weights split and K zero-padded to a multiple of 8 once, at pack time, so every
+        weight row is 16-byte aligned; weight, activation and output tiles move through tensor
+        descriptors (TMA). Still three launches.
+    s3  epilogue fusion (Type II): the candidate GEMM's epilogue reads Y_u[m[b]] and the bias and adds
+        them in registers; the [B, N, D] result is written once. Two launches.
+    s4  one launch: a persistent kernel runs the user tiles first, then the candidate tiles; a
+        candidate tile's epilogue waits on its user tile's flag (set with release semantics after
+        the tile is stored). Loops are software-pipelined across tiles (`flatten=True`).
+Y_u is kept in the output dtype. Activations whose rows are not 16-byte aligned (odd D) fall back
+to masked pointer loads inside the same kernels. Ku = 0 skips the user GEMM; Kc = 0 leaves only
+the user term and the bias. fp16 / bf16 inputs use the tensor cores with fp32 accumulation; fp32
+inputs use tf32 (relative error near 3e-4); fp64 has no Triton path ("auto" takes torch for it).
+Source: "In-Kernel Broadcast Optimization" (Meta, 2025), linear compression embedding; persistent
+TMA GEMM after Triton's `python/tutorials/09-persistent-matmul.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import add_user_rows, check_mapping, check_same, check_tensor, resolve_backend
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+VARIANTS = ("s1", "s2", "s3", "s4")
+_CONFIG_CHOICE: dict = {}  # (variant, dtype, D, device) → index of the first config in tile_configs that launched
+DEFAULT_VARIANT = "s4"
+K_ALIGN = 8  # weight columns padded to a multiple of this at pack time (16 bytes in 16-bit types)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch options shared by the GEMM kernels."""
+
+    block_m: int  # rows of N per tile
+    block_d: int  # columns of D per tile
+    block_k: int
+    num_warps: int = 8
+    num_stages: int = 3
+    warp_specialize: bool = False  # s1–s3: Hopper automatic warp specialization of the K loop (num_warps=4)
+
+
+def tile_configs(variant: str, dtype: torch.dtype, dim: int):
+    """Configs to try, best first: a [128, min(256, D)] tile and 128-byte K steps, then shallower
+    pipelines, then a small tile. Shared memory decides which one launches (see `_run_with_fallback`).
+    Measured on H200 (docs/notes/lce.md): s4's persistent kernel needs num_stages ≤ 2 at 128 × 256.
+    """
+    if _interpreting():
+        yield TileConfig(16, 16, 16, num_warps=4, num_stages=1)
+        return
+    elem = torch.finfo(dtype).bits // 8
+    block_d = max(16, min(256, triton.next_power_of_2(dim)))
+    block_k = 128 // elem
+    num_warps = 8 if block_d >= 128 else 4
+    for num_stages in (3, 2) if variant != "s4" else (2,):
+        yield TileConfig(128, block_d, block_k, num_warps, num_stages)
+    yield TileConfig(64, min(block_d, 128), block_k, 4, 2)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _tile_coords(tile, num_n_tiles, num_d_tiles, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """tile → (row g, n offset, d offset); the N tiles of one row are adjacent (they share X[g])."""
+    n_tile = tile % num_n_tiles
+    rest = tile // num_n_tiles
+    d_tile = rest % num_d_tiles
+    return rest // num_d_tiles, n_tile * BLOCK_M, d_tile * BLOCK_D
+
+
+@triton.jit
+def _tile_mainloop(
+    w_ptr, w_desc, stride_wn,
+    x_ptr, x_desc, stride_xg, stride_xk, stride_xd,
+    g, off_n, off_d, N, D, K,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_TMA: tl.constexpr, X_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """acc[BLOCK_M, BLOCK_D] = W[off_n:, :K] @ X[g, :K, off_d:] in fp32; out-of-range entries are zeros."""
+    rn = off_n + tl.arange(0, BLOCK_M)
+    rd = off_d + tl.arange(0, BLOCK_D)
+    rk = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + g.to(tl.int64) * stride_xg
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+        if W_TMA:
+            w = w_desc.load([off_n, k])  # [BLOCK_M, BLOCK_K], columns ≥ K are zero (padding / OOB fill)
+        else:
+            w_mask = (rn < N)[:, None] & (k + rk < K)[None, :]
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + (k + rk)[None, :], mask=w_mask, other=0.0)
+        if X_TMA:
+            x = x_desc.load([g, k, off_d]).reshape(BLOCK_K, BLOCK_D)  # rows ≥ K of row g: zero fill
+        else:
+            x_mask = (k + rk < K)[:, None] & (rd < D)[None, :]
+            x = tl.load(x_row + (k + rk)[:, None] * stride_xk + rd[None, :] * stride_xd, mask=x_mask, other=0.0)
+        acc = tl.dot(w, x, acc)
+    return acc
+
+
+@triton.jit
+def _tile_epilogue(
+    acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
+    g, off_n, off_d, N, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_TMA: tl.constexpr,
+):
+    """out[g] tile = acc (+ Y_u[m[g]] tile) (+ bias); out and Y_u are contiguous [*, N, D]."""
+    rn = off_n + tl.arange(0, BLOCK_M)
+    rd = off_d + tl.arange(0, BLOCK_D)
+    mask = (rn < N)[:, None] & (rd < D)[None, :]
+    tile_offsets = rn[:, None] * D + rd[None, :]
+    if FUSE_USER:
+        user = tl.load(m_ptr + g).to(tl.int64)
+        y = tl.load(y_ptr + user * N * D + tile_offsets, mask=mask, other=0.0, cache_modifier=".cg")
+        acc += y.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+    result = acc.to(out_ptr.dtype.element_ty)
+    if OUT_TMA:
+        out_desc.store([g, off_n, off_d], result.reshape(1, BLOCK_M, BLOCK_D))
+    else:
+        tl.store(out_ptr + g.to(tl.int64) * N * D + tile_offsets, result, mask=mask)
+
+
+@triton.jit
+def _lce_tile_kernel(
+    w_ptr, w_desc, stride_wn,  # weight [N, K] (s1: unpadded, pointers; s2+: padded copy, descriptor)
+    x_ptr, x_desc, stride_xg, stride_xk, stride_xd,  # activations [G, K, D]
+    out_ptr, out_desc,  # out [G, N, D], contiguous
+    y_ptr, m_ptr, bias_ptr,  # FUSE_USER: Y_u [U, N, D] contiguous, cand_to_user [G]; bias [N]
+    N, D, K,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_TMA: tl.constexpr, X_TMA: tl.constexpr, OUT_TMA: tl.constexpr,
+    FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """One output tile per program: out[g] = W @ X[g] (s1, s2), + Y_u[m[g]] + bias in the epilogue (s3)."""
+    g, off_n, off_d = _tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), BLOCK_M, BLOCK_D)
+    acc = _tile_mainloop(
+        w_ptr, w_desc, stride_wn,
+        x_ptr, x_desc, stride_xg, stride_xk, stride_xd,
+        g, off_n, off_d, N, D, K,
+        BLOCK_M, BLOCK_D, BLOCK_K, W_TMA, X_TMA, WARP_SPECIALIZE,
+    )
+    _tile_epilogue(
+        acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
+        g, off_n, off_d, N, D,
+        BLOCK_M, BLOCK_D, FUSE_USER, HAS_BIAS, OUT_TMA,
+    )
+
+
+@triton.jit
+def _lce_add_user_kernel(
+    out_ptr, y_ptr, m_ptr, bias_ptr,  # out [B, N, D] (updated in place), Y_u [U, N, D], m [B], bias [N]
+    N, D,
+    HAS_USER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """s1 / s2 gather-add: out[b] += Y_u[m[b]] (+ bias[:, None]), one [N·D] row chunk per program."""
+    b = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < N * D
+    row = out_ptr + b * N * D + offsets
+    value = tl.load(row, mask=mask).to(tl.float32)
+    if HAS_USER:
+        user = tl.load(m_ptr + b).to(tl.int64)
+        value += tl.load(y_ptr + user * N * D + offsets, mask=mask).to(tl.float32)
+    if HAS_BIAS:
+        value += tl.load(bias_ptr + offsets // D, mask=mask).to(tl.float32)
+    tl.store(row, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wait_at_least(ptr, target, SPIN_ASM: tl.constexpr):
+    """Spin until the int64 at `ptr` (gpu scope, acquire) is ≥ `target`.
+
+    SPIN_ASM: a PTX loop, which keeps control flow out of the IR (Triton 3.6's Hopper warp
+    specialization pass fails on any scf.while in the kernel); else a while loop (interpreter).
+    """
+    if SPIN_ASM:
+        tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred not_yet;
+            .reg .s64 seen;
+            spin:
+            ld.acquire.gpu.global.s64 seen, [$1];
+            setp.lt.s64 not_yet, seen, $2;
+            @not_yet bra spin;
+            mov.b64 $0, seen;
+            }""",
+            constraints="=l,l,l",
+            args=[ptr, target],
+            dtype=tl.int64,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        while tl.atomic_add(ptr, 0, sem="acquire", scope="gpu") < target:
+            pass
+
+
+@triton.jit(do_not_specialize=["epoch"])
+def _lce_persistent_kernel(
+    wu_desc, xu_ptr, xu_desc, stride_xu_g, stride_xu_k, stride_xu_d,  # user side: W_u (padded), user_emb
+    wc_desc, xc_ptr, xc_desc, stride_xc_g, stride_xc_k, stride_xc_d,  # candidate side: W_c (padded), cand_emb
+    y_ptr, out_ptr, out_desc, m_ptr, bias_ptr,  # Y_u [U, N, D] scratch, out [B, N, D], m [B], bias [N]
+    flag_ptr, epoch,  # int64 flag[user tile] ≥ epoch once that Y_u tile is stored
+    U, B, N, D, KU, KC, NUM_PROGRAMS,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    XU_TMA: tl.constexpr, XC_TMA: tl.constexpr, OUT_TMA: tl.constexpr,
+    HAS_USER: tl.constexpr, HAS_BIAS: tl.constexpr, SPIN_ASM: tl.constexpr,
+):
+    """s4: user tiles, then candidate tiles, in one persistent launch (grid ≤ number of SMs, all resident).
+
+    User tiles come first in every program's order, so no wait can block a user tile. A candidate
+    tile runs its main loop first and waits for its own user tile's flag only in the epilogue.
+    """
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_M)
+    num_d_tiles = tl.cdiv(D, BLOCK_D)
+    tiles_per_row = num_n_tiles * num_d_tiles
+    if HAS_USER:
+        for tile in tl.range(pid, U * tiles_per_row, NUM_PROGRAMS, flatten=True):
+            user, off_n, off_d = _tile_coords(tile, num_n_tiles, num_d_tiles, BLOCK_M, BLOCK_D)
+            acc = _tile_mainloop(
+                wu_desc, wu_desc, 0,
+                xu_ptr, xu_desc, stride_xu_g, stride_xu_k, stride_xu_d,
+                user, off_n, off_d, N, D, KU,
+                BLOCK_M, BLOCK_D, BLOCK_K, True, XU_TMA, False,
+            )
+            _tile_epilogue(
+                acc, y_ptr, y_ptr, y_ptr, m_ptr, bias_ptr,
+                user, off_n, off_d, N, D,
+                BLOCK_M, BLOCK_D, False, False, False,
+            )
+            tl.debug_barrier()  # every thread's Y_u stores precede the flag's release
+            tl.atomic_xchg(flag_ptr + tile, epoch, sem="release", scope="gpu")
+    for tile in tl.range(pid, B * tiles_per_row, NUM_PROGRAMS, flatten=True):
+        cand, off_n, off_d = _tile_coords(tile, num_n_tiles, num_d_tiles, BLOCK_M, BLOCK_D)
+        acc = _tile_mainloop(
+            wc_desc, wc_desc, 0,
+            xc_ptr, xc_desc, stride_xc_g, stride_xc_k, stride_xc_d,
+            cand, off_n, off_d, N, D, KC,
+            BLOCK_M, BLOCK_D, BLOCK_K, True, XC_TMA, False,
+        )
+        if HAS_USER:
+            user = tl.load(m_ptr + cand)
+            _wait_at_least(flag_ptr + user * tiles_per_row + tile % tiles_per_row, epoch, SPIN_ASM)
+        _tile_epilogue(
+            acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
+            cand, off_n, off_d, N, D,
+            BLOCK_M, BLOCK_D, HAS_USER, HAS_BIAS, OUT_TMA,
+        )
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _pad_columns(weight: torch.Tensor, multiple: int) -> torch.Tensor:
+    """weight [N, K] → [N, K'] with K' = max(K, 1) rounded up to `multiple`; new columns are zeros."""
+    cols = triton.cdiv(max(weight.shape[1], 1), multiple) * multiple
+    padded = weight.new_zeros(weight.shape[0], cols)
+    padded[:, : weight.shape[1]] = weight
+    return padded
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A tensor descriptor needs a non-empty tensor, unit last stride, 16-byte aligned base and strides."""
+    elem = t.element_size()
+    return (
+        t.numel() > 0
+        and t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s * elem % 16 == 0 for s in t.stride()[:-1])
+    )
+
+
+def _activation_desc(x: torch.Tensor, cfg: TileConfig):
+    """Descriptor over x [G, K, D] with [1, BLOCK_K, BLOCK_D] blocks, or None (pointer loads)."""
+    if not _tma_ok(x):
+        return None
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, cfg.block_k, cfg.block_d])
+
+
+def _out_desc(out: torch.Tensor, cfg: TileConfig):
+    if not _tma_ok(out):
+        return None
+    return TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_d])
+
+
+def _num_programs(device: torch.device) -> int:
+    # The interpreter runs programs one after another: a single persistent program keeps s4's
+    # flag waits trivially satisfied there.
+    if _interpreting() or device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass(frozen=True)
 class PackedLinearCompress:
-    """Weights of one LCE layer, split into user and candidate columns once, at load time.
+    """Weights of one LCE layer, packed once at load time.
 
-    user_weight [N, Ku], cand_weight [N, Kc], bias [N] or None.
+    user_weight [N, Ku], cand_weight [N, Kc], bias [N] or None (torch path, s1); user_weight_padded
+    [N, Ku'] and cand_weight_padded [N, Kc'] with K' = max(K, 1) rounded up to 8, zero columns after
+    K (s2–s4, 16-byte aligned rows for tensor descriptors).
     """
 
     user_weight: torch.Tensor
     cand_weight: torch.Tensor
     bias: torch.Tensor | None
+    user_weight_padded: torch.Tensor
+    cand_weight_padded: torch.Tensor
+    _flags: dict = field(default_factory=dict, compare=False, repr=False)  # device → [flags, epoch] (s4)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, num_user_tokens: int, bias: torch.Tensor | None = None):
@@ -41,13 +349,18 @@ class PackedLinearCompress:
         if bias is not None:
             check_tensor("bias", bias, 1, FLOAT_TYPES)
             check_same("bias", bias.shape[0], "N (rows of weight)", weight.shape[0])
+        user_weight = weight[:, :num_user_tokens].contiguous()
+        cand_weight = weight[:, num_user_tokens:].contiguous()
         return cls(
-            weight[:, :num_user_tokens].contiguous(),
-            weight[:, num_user_tokens:].contiguous(),
+            user_weight,
+            cand_weight,
             None if bias is None else bias.contiguous(),
+            _pad_columns(user_weight, K_ALIGN),
+            _pad_columns(cand_weight, K_ALIGN),
         )
 
-    def __call__(self, user_emb, cand_emb, cand_to_user, backend: str = "auto") -> torch.Tensor:
+    def __call__(self, user_emb, cand_emb, cand_to_user, backend: str = "auto", variant: str | None = None):
+        """out [B, N, D]; `variant` picks the Triton stage (s1…s4, default the fastest: DEFAULT_VARIANT)."""
         check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
         check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
         num_users, num_user_tokens, dim = user_emb.shape
@@ -59,8 +372,131 @@ class PackedLinearCompress:
             if t is not None and (t.dtype != user_emb.dtype or t.device != user_emb.device):
                 raise ValueError(f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}")
         check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
-        resolve_backend(backend, user_emb.device, triton_available=False)
+        variant = DEFAULT_VARIANT if variant is None else variant
+        if variant not in VARIANTS:
+            raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+        chosen = resolve_backend(backend, user_emb.device, triton_available=True)
+        if chosen == "triton" and backend == "auto" and user_emb.dtype not in TRITON_TYPES:
+            chosen = "torch"  # fp64 on CUDA
+        if chosen == "triton":
+            if user_emb.dtype not in TRITON_TYPES:
+                raise ValueError(f"user_emb: the Triton path takes float32/float16/bfloat16, got {user_emb.dtype}")
+            if user_emb.device.type != "cuda" and not _interpreting():
+                raise ValueError(f"user_emb: the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {user_emb.device}")
+            return self._triton(user_emb, cand_emb, cand_to_user, variant)
         return _linear_compress_torch(user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias)
+
+    def _triton(self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None):
+        """The Triton path for checked inputs.
+
+        `config` fixes the tile config (benchmarks); `out` [B, N, D] and `user_part` [U, N, D] may be
+        given pre-filled (tests poison them with NaN to catch unwritten elements).
+        """
+        num_users, num_user_tokens, dim = user_emb.shape
+        num_candidates = cand_emb.shape[0]
+        rows = self.cand_weight.shape[0]
+        if out is None:
+            out = torch.empty(num_candidates, rows, dim, dtype=user_emb.dtype, device=user_emb.device)  # [B, N, D]
+        if out.numel() == 0:
+            return out
+        if config is not None and config.warp_specialize and variant in ("s1", "s4"):
+            raise ValueError(f"config: warp specialization applies to s2 and s3, not {variant}")
+        if user_part is None:
+            user_part = torch.empty(num_users if num_user_tokens else 0, rows, dim, dtype=out.dtype, device=out.device)  # Y_u
+        configs = [config] if config is not None else list(tile_configs(variant, user_emb.dtype, dim))
+        key = (variant, user_emb.dtype, dim, user_emb.device)
+        start = _CONFIG_CHOICE.get(key, 0)
+        for index in range(start, len(configs)):
+            try:
+                self._launch(variant, user_emb, cand_emb, cand_to_user, out, user_part, configs[index])
+            except triton.runtime.errors.OutOfResources:
+                if index == len(configs) - 1:
+                    raise
+                continue
+            if config is None:
+                _CONFIG_CHOICE[key] = index
+            return out
+
+    def _launch(self, variant, user_emb, cand_emb, cand_to_user, out, user_part, cfg: TileConfig):
+        num_candidates, rows, dim = out.shape
+        has_user = user_emb.shape[1] > 0
+        if variant == "s4":
+            self._launch_persistent(user_emb, cand_emb, cand_to_user, out, user_part, cfg)
+            return
+        padded = variant != "s1"
+        fuse = variant == "s3"
+        if has_user:
+            self._launch_tile(self.user_weight_padded if padded else self.user_weight, user_emb, user_part, None, False, padded, cfg)
+        cand_weight = self.cand_weight_padded if padded else self.cand_weight
+        self._launch_tile(cand_weight, cand_emb, out, (user_part, cand_to_user) if fuse and has_user else None, fuse, padded, cfg)
+        if not fuse and (has_user or self.bias is not None):
+            block = min(4096, triton.next_power_of_2(rows * dim))
+            _lce_add_user_kernel[(num_candidates, triton.cdiv(rows * dim, block))](
+                out, user_part, cand_to_user, self.bias,
+                rows, dim,
+                HAS_USER=has_user, HAS_BIAS=self.bias is not None, BLOCK=block,
+            )
+
+    def _launch_tile(self, weight, x, out, fused_user, with_bias, tma, cfg: TileConfig):
+        """out[g] = weight @ x[g] (+ Y_u[m[g]] when `fused_user` = (Y_u, m)) (+ bias when `with_bias`)."""
+        rows, dim, depth = out.shape[1], out.shape[2], x.shape[1]
+        w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_m, cfg.block_k]) if tma else None
+        x_desc = _activation_desc(x, cfg) if tma else None
+        out_desc = _out_desc(out, cfg) if tma and not cfg.warp_specialize else None  # WS splits the tile: pointer stores
+        user_part, mapping = fused_user if fused_user is not None else (None, None)
+        bias = self.bias if with_bias else None
+        grid = (out.shape[0] * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d),)
+        _lce_tile_kernel[grid](
+            weight, w_desc, weight.stride(0),
+            x, x_desc, x.stride(0), x.stride(1), x.stride(2),
+            out, out_desc,
+            user_part, mapping, bias,
+            rows, dim, depth,
+            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_k,
+            W_TMA=tma, X_TMA=x_desc is not None, OUT_TMA=out_desc is not None,
+            FUSE_USER=fused_user is not None, HAS_BIAS=bias is not None, WARP_SPECIALIZE=cfg.warp_specialize,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    def _sync_state(self, device: torch.device, num_user_tiles: int):
+        """s4's int64 flags (≥ num_user_tiles entries) on `device`, and this call's epoch.
+
+        Flags are never cleared: epochs only grow, a call waits for flag ≥ its own epoch, so no
+        memset runs before the launch. Calls of one module must run in stream order (not on two
+        streams at once).
+        """
+        flags, epoch = self._flags.get(device, (None, 0))
+        if flags is None or flags.numel() < num_user_tiles:
+            flags = torch.zeros(max(num_user_tiles, 1024), dtype=torch.int64, device=device)
+        epoch += 1
+        self._flags[device] = (flags, epoch)
+        return flags, epoch
+
+    def _launch_persistent(self, user_emb, cand_emb, cand_to_user, out, user_part, cfg: TileConfig):
+        num_users, num_user_tokens, dim = user_emb.shape
+        num_candidates, num_cand_tokens, _ = cand_emb.shape
+        rows = out.shape[1]
+        tiles_per_row = triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
+        has_user = num_user_tokens > 0
+        flags, epoch = self._sync_state(out.device, num_users * tiles_per_row * has_user)
+        wu_desc = TensorDescriptor.from_tensor(self.user_weight_padded, [cfg.block_m, cfg.block_k])
+        wc_desc = TensorDescriptor.from_tensor(self.cand_weight_padded, [cfg.block_m, cfg.block_k])
+        xu_desc = _activation_desc(user_emb, cfg)
+        xc_desc = _activation_desc(cand_emb, cfg)
+        out_desc = _out_desc(out, cfg)
+        num_tiles = (num_users * has_user + num_candidates) * tiles_per_row
+        num_programs = min(_num_programs(out.device), num_tiles)
+        _lce_persistent_kernel[(num_programs,)](
+            wu_desc, user_emb, xu_desc, user_emb.stride(0), user_emb.stride(1), user_emb.stride(2),
+            wc_desc, cand_emb, xc_desc, cand_emb.stride(0), cand_emb.stride(1), cand_emb.stride(2),
+            user_part, out, out_desc, cand_to_user, self.bias,
+            flags, epoch,
+            num_users, num_candidates, rows, dim, num_user_tokens, num_cand_tokens, num_programs,
+            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_k,
+            XU_TMA=xu_desc is not None, XC_TMA=xc_desc is not None, OUT_TMA=out_desc is not None,
+            HAS_USER=has_user, HAS_BIAS=self.bias is not None, SPIN_ASM=not _interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
 
 
 def _linear_compress_torch(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias):
@@ -72,16 +508,18 @@ def _linear_compress_torch(user_emb, cand_emb, cand_to_user, user_weight, cand_w
     return add_user_rows(cand_part, user_part, cand_to_user)
 
 
-def ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias=None, backend: str = "auto") -> torch.Tensor:
+def ikbo_linear_compress(
+    user_emb, cand_emb, cand_to_user, weight, bias=None, backend: str = "auto", variant: str | None = None
+) -> torch.Tensor:
     """out[b] = weight @ cat(user_emb[m[b]], cand_emb[b]) (+ bias[:, None]) → [B, N, D].
 
     user_emb [U, Ku, D], cand_emb [B, Kc, D], cand_to_user [B] in [0, U), weight [N, Ku + Kc] (user
-    columns first), bias [N] or None. Splits `weight` on every call; servers hold a
-    `PackedLinearCompress` instead.
+    columns first), bias [N] or None. `variant` picks the Triton stage (s1…s4). Splits and pads
+    `weight` on every call; servers hold a `PackedLinearCompress` instead.
     """
     check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
     check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
     check_tensor("weight", weight, 2, FLOAT_TYPES)
     check_same("weight", weight.shape[1], "Ku + Kc (user + candidate tokens)", user_emb.shape[1] + cand_emb.shape[1])
     packed = PackedLinearCompress.from_weight(weight, user_emb.shape[1], bias)
-    return packed(user_emb, cand_emb, cand_to_user, backend=backend)
+    return packed(user_emb, cand_emb, cand_to_user, backend=backend, variant=variant)
