@@ -8,21 +8,363 @@ q [B, H, S, d] candidate query tokens, k/v [U, H, L, d] user sequences, kv_len [
 Self + target attention shares k/v: each user's sequence attends to itself (causal by default,
 keys < kv_len, query rows ≥ kv_len are zeros) and the candidates attend as above.
 
-The torch path groups candidates by user once per batch and runs one attention per user whose
-query block holds all S tokens of all that user's candidates, so each user's K/V is read once.
-Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention.
+Torch path: groups candidates by user once per batch and runs one attention per user whose query
+block holds all S tokens of all that user's candidates, so each user's K/V is read once.
+
+Triton path (CUDA, bf16/fp16, d ∈ {16, 32, 64, 128}): two launches per call.
+  1. `_plan_kernel` (one program) segments `cand_to_user` by user: counts, a counting sort of the
+     candidates (`order`), and a table of query tiles. A user's candidates are laid out as
+     count·S "virtual" query rows (candidate-major, S tokens each) cut into BLOCK_M-row tiles, so
+     one tile packs the S tokens of BLOCK_M / S candidates (or part of one candidate when S > BLOCK_M).
+  2. `_attention_kernel`, grid (tiles, H): each program gathers its tile's query rows, then streams
+     the user's K/V once through TMA descriptors (FlashAttention-2 online softmax, exp2, fp32
+     accumulators), and scatters the rows back to [B, H, S, d]. Tiles of one user are adjacent in
+     the grid and heads are the slow axis, so programs sharing K/V[u, h] run together (L2 reuse).
+     With self-attention fused, the users' causal query tiles (longest first) come before the
+     candidate tiles in the same grid, over the same K/V.
+Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; FlashAttention-2
+(Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import check_kv_len, check_mapping, check_same, check_tensor, group_by_user, resolve_backend
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+TRITON_TYPES = (torch.float16, torch.bfloat16)
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile configurations
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """BLOCK_M query rows × BLOCK_N keys per step; warps, software-pipeline depth of the K/V loop,
+    register cap per thread (128 lets two 8-warp programs share an SM), Triton's warp specialization."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None = None
+    warp_specialize: bool = False
+
+
+def pick_config(head_dim: int, rows_per_user: float, interpret: bool) -> TileConfig:
+    """Tiles by head dim and packed query rows per user (B·S/U): 64-row tiles when a user has few
+    query rows (the K/V pass is then memory-bound and smaller tiles waste less), else 128."""
+    if interpret:
+        return TileConfig(16, 16, 4, 1)
+    if rows_per_user <= 64:
+        return TileConfig(64, 128 if head_dim <= 64 else 64, 4, 3)
+    return TileConfig(128, 128 if head_dim <= 64 else 64, 8, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _plan_kernel(
+    cand_to_user_ptr,  # [B] int32/int64 in [0, U)
+    order_ptr,  # [B] int32 out: candidates grouped by user
+    tile_ptr,  # [max_tiles, 4] int32 out: (user or -1, first candidate slot, first row, row end)
+    scratch_ptr,  # [4·U + max_tiles] int32: cursor, cand_start, tile_start, count, tile marks
+    num_candidates,
+    num_users,
+    num_queries,
+    max_tiles,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: counting sort of the candidates by user and the table of query tiles.
+
+    Phases are separated by CTA barriers; data another thread wrote is read with `.cg` (L2), since
+    counts are built with atomics that bypass L1. The order inside one user is not stable, which no
+    output depends on: every query row is computed on its own.
+    """
+    offs = tl.arange(0, CHUNK)
+    cursor_ptr = scratch_ptr
+    cand_start_ptr = scratch_ptr + num_users
+    tile_start_ptr = scratch_ptr + 2 * num_users
+    count_ptr = scratch_ptr + 3 * num_users
+    mark_ptr = scratch_ptr + 4 * num_users
+
+    # 0. zero the counts, clear the tile marks
+    for i in range(0, num_users, CHUNK):
+        tl.store(cursor_ptr + i + offs, tl.zeros([CHUNK], tl.int32), mask=i + offs < num_users)
+    for i in range(0, max_tiles, CHUNK):
+        tl.store(mark_ptr + i + offs, tl.full([CHUNK], -1, tl.int32), mask=i + offs < max_tiles)
+    tl.debug_barrier()
+
+    # 1. candidates per user
+    for i in range(0, num_candidates, CHUNK):
+        ok = i + offs < num_candidates
+        user = tl.load(cand_to_user_ptr + i + offs, mask=ok, other=0)
+        tl.atomic_add(cursor_ptr + user, 1, mask=ok)
+    tl.debug_barrier()
+
+    # 2. exclusive scans: first candidate slot and first tile of each user; mark each user's first tile
+    cand_carry = tl.full((), 0, tl.int32)
+    tile_carry = tl.full((), 0, tl.int32)
+    for i in range(0, num_users, CHUNK):
+        users = i + offs
+        ok = users < num_users
+        count = tl.load(cursor_ptr + users, mask=ok, other=0, cache_modifier=".cg")
+        tiles = (count * num_queries + BLOCK_M - 1) // BLOCK_M
+        cand_start = cand_carry + tl.cumsum(count, 0) - count
+        tile_start = tile_carry + tl.cumsum(tiles, 0) - tiles
+        tl.store(cand_start_ptr + users, cand_start, mask=ok)
+        tl.store(tile_start_ptr + users, tile_start, mask=ok)
+        tl.store(count_ptr + users, count, mask=ok)
+        tl.store(mark_ptr + tile_start, users, mask=ok & (tiles > 0))
+        cand_carry += tl.sum(count, 0)
+        tile_carry += tl.sum(tiles, 0)
+    tl.debug_barrier()
+    for i in range(0, num_users, CHUNK):  # the counts become insertion cursors
+        ok = i + offs < num_users
+        tl.store(cursor_ptr + i + offs, tl.load(cand_start_ptr + i + offs, mask=ok, cache_modifier=".cg"), mask=ok)
+    tl.debug_barrier()
+
+    # 3. counting sort
+    for i in range(0, num_candidates, CHUNK):
+        ok = i + offs < num_candidates
+        user = tl.load(cand_to_user_ptr + i + offs, mask=ok, other=0)
+        slot = tl.atomic_add(cursor_ptr + user, 1, mask=ok)
+        tl.store(order_ptr + slot, i + offs, mask=ok)
+
+    # 4. tile table: tile t belongs to the last user whose first tile is ≤ t (running max of marks)
+    user_carry = tl.full((), -1, tl.int32)
+    for i in range(0, max_tiles, CHUNK):
+        tile = i + offs
+        in_table = tile < max_tiles
+        mark = tl.load(mark_ptr + tile, mask=in_table, other=-1, cache_modifier=".cg")
+        user = tl.maximum(tl.associative_scan(mark, 0, _max_combine), user_carry)
+        user_carry = tl.max(user, 0)
+        ok = tile < tile_carry
+        first_slot = tl.load(cand_start_ptr + user, mask=ok, other=0, cache_modifier=".cg")
+        first_tile = tl.load(tile_start_ptr + user, mask=ok, other=0, cache_modifier=".cg")
+        count = tl.load(count_ptr + user, mask=ok, other=0, cache_modifier=".cg")
+        row = tile_ptr + tile * 4
+        tl.store(row + 0, tl.where(ok, user, -1), mask=in_table)
+        tl.store(row + 1, first_slot, mask=in_table)
+        tl.store(row + 2, (tile - first_tile) * BLOCK_M, mask=in_table)
+        tl.store(row + 3, tl.where(ok, count * num_queries, 0), mask=in_table)
+
+
+@triton.jit
+def _attend(
+    acc,
+    m_i,
+    l_i,
+    q,  # [BLOCK_M, D]
+    k_desc,
+    v_desc,  # 2-D views of k / v: key n of (u, h) is row kv_row + n, columns [kv_col, kv_col + D)
+    kv_row,
+    kv_col,
+    lo,
+    hi,  # key range [lo, hi), a multiple of BLOCK_N apart unless MASKED
+    kv_len,
+    row_limit,  # [BLOCK_M]: last key each query row may see (causal), else a large number
+    qk_scale,  # scale · log2(e)
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Online softmax over key blocks [lo, hi) (FlashAttention-2, base 2)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([kv_row + start_n, kv_col])  # [BLOCK_N, D]
+        qk = tl.dot(q, k.T)  # [BLOCK_M, BLOCK_N] fp32
+        if MASKED:
+            keys = start_n + offs_n
+            valid = (keys[None, :] < kv_len) & (keys[None, :] <= row_limit[:, None])
+            qk = tl.where(valid, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_new[:, None]
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_new[:, None]
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([kv_row + start_n, kv_col])  # [BLOCK_N, D]
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _softmax_pass(
+    q,  # [BLOCK_M, D]
+    k_desc,
+    v_desc,
+    kv_offset,  # element offset of K/V[u, h] (int64)
+    stride_kl,  # row stride of the K/V views
+    full_end,  # keys [0, full_end) are seen by every row of the tile: no mask
+    hi,  # keys [full_end, hi) need the kv_len / causal mask
+    kv_len,
+    row_limit,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """softmax(q·Kᵀ)·V of one query tile over one (user, head) → [BLOCK_M, D] fp32 (0 for no keys)."""
+    kv_row = (kv_offset // stride_kl).to(tl.int32)
+    kv_col = (kv_offset % stride_kl).to(tl.int32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row, kv_col, 0, full_end, kv_len, row_limit, qk_scale,
+                            BLOCK_N, False, NUM_STAGES, WARP_SPECIALIZE)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row, kv_col, full_end, hi, kv_len, row_limit, qk_scale,
+                            BLOCK_N, True, NUM_STAGES, False)
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+@triton.jit
+def _self_tile(
+    tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
+    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """One query tile of a user's own sequence; causal tiles are numbered longest first."""
+    q_tiles = num_self_tiles // num_users
+    user = tile % num_users
+    q_tile = (q_tiles - 1 - tile // num_users) if CAUSAL else tile // num_users
+    kv_len = tl.load(kv_len_ptr + user).to(tl.int32)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the user's sequence
+    q_rows = user.to(tl.int64) * stride_uqu + head * stride_uqh + tl.minimum(rows, seq_len - 1) * stride_uql
+    q = tl.load(uq_ptr + (q_rows[:, None] + offs_d[None, :]))  # rows past L read row L-1, never stored
+    if CAUSAL:
+        row_limit = rows
+        hi = tl.minimum(kv_len, q_tile * BLOCK_M + BLOCK_M)
+        full_end = tl.minimum(kv_len // BLOCK_N, (q_tile * BLOCK_M) // BLOCK_N) * BLOCK_N
+    else:
+        row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
+        hi = kv_len
+        full_end = (kv_len // BLOCK_N) * BLOCK_N
+    kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
+    out = _softmax_pass(q, k_desc, v_desc, kv_offset, stride_kl, full_end, hi, kv_len, row_limit, qk_scale,
+                        BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE)
+    out = tl.where((rows < kv_len)[:, None], out, 0.0)  # rows past the history are zeros
+    o_rows = user.to(tl.int64) * stride_uou + head * stride_uoh + rows * stride_uol
+    tl.store(uo_ptr + o_rows[:, None] + offs_d[None, :], out.to(uo_ptr.dtype.element_ty), mask=(rows < seq_len)[:, None])
+
+
+@triton.jit
+def _target_tile(
+    tile, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
+    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, num_queries, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """BLOCK_M packed query rows of one user's candidates (virtual rows: candidate-major, S tokens)."""
+    entry = tile_ptr + tile * 4
+    entry_user = tl.load(entry)  # -1 past the last tile: no rows, no keys, nothing stored
+    first_slot = tl.load(entry + 1)
+    rows = tl.load(entry + 2) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(entry + 3)
+    user = tl.maximum(entry_user, 0)
+    kv_len = tl.where(entry_user >= 0, tl.load(kv_len_ptr + user).to(tl.int32), 0)
+    slot = rows // num_queries
+    token = rows - slot * num_queries
+    cand = tl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(tl.int64)  # padding rows read candidate 0
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
+    q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]))
+    row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
+    kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
+    out = _softmax_pass(q, k_desc, v_desc, kv_offset, stride_kl, (kv_len // BLOCK_N) * BLOCK_N, kv_len, kv_len,
+                        row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE)
+    o_rows = cand * stride_ob + head * stride_oh + token * stride_os
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr,  # [B, H, S, D] candidate queries
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    out_ptr,  # [B, H, S, D]
+    stride_ob,
+    stride_oh,
+    stride_os,
+    uq_ptr,  # [U, H, L, D] user queries (self part; unused without HAS_SELF)
+    stride_uqu,
+    stride_uqh,
+    stride_uql,
+    uo_ptr,  # [U, H, L, D] user output
+    stride_uou,
+    stride_uoh,
+    stride_uol,
+    k_desc,
+    v_desc,  # 2-D [rows, stride_kl] views of k / v, blocks [BLOCK_N, D]
+    stride_ku,
+    stride_kh,
+    stride_kl,  # element strides of k and v [U, H, L, ·] (the same for both)
+    kv_len_ptr,  # [U] int64
+    order_ptr,  # [B] int32 from _plan_kernel
+    tile_ptr,  # [max_tiles, 4] int32 from _plan_kernel
+    num_users,
+    seq_len,
+    num_queries,
+    num_self_tiles,  # U·cdiv(L, BLOCK_M) with HAS_SELF, else 0
+    qk_scale,  # scale · log2(e)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Grid (self tiles + candidate tiles, H). Each tile type is a whole inlined function: values
+    chosen in a branch and used after the K/V loop (output pointers, row offsets) lose their
+    alignment facts, get 64-per-thread layouts and spill."""
+    tl.static_assert(BLOCK_M % BLOCK_N == 0 or not CAUSAL, "causal tiles need BLOCK_N | BLOCK_M")
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    if HAS_SELF and tile < num_self_tiles:
+        _self_tile(tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
+                   k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles,
+                   qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, NUM_STAGES, WARP_SPECIALIZE)
+    else:
+        _target_tile(tile - num_self_tiles, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh,
+                     stride_os, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
+                     num_queries, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: checks, torch paths, launches
+# ---------------------------------------------------------------------------------------------
 
 
 def _check_kv(k, v):
@@ -81,14 +423,121 @@ def _self_attention_torch(user_q, k, v, kv_len, causal, scale):
     return out.masked_fill(~valid_rows[:, None, :, None], 0.0)
 
 
+def interpreting() -> bool:
+    """True when the kernels were built under TRITON_INTERPRET=1 (they then run on CPU tensors)."""
+    return isinstance(_attention_kernel, InterpretedFunction)
+
+
+def _choose_backend(backend, k) -> str:
+    """"auto" → Triton for CUDA bf16/fp16 with d ∈ TRITON_HEAD_DIMS, else torch; "triton" insists."""
+    runnable = k.device.type == "cuda" or interpreting()
+    chosen = resolve_backend(backend, k.device if runnable else torch.device("cpu"), triton_available=True)
+    if backend == "auto" and chosen == "triton" and (k.dtype not in TRITON_TYPES or k.shape[3] not in TRITON_HEAD_DIMS):
+        return "torch"
+    if chosen == "triton":
+        if not runnable:
+            raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got k on {k.device}")
+        if k.dtype not in TRITON_TYPES:
+            raise ValueError(f"k: backend 'triton' expects dtype float16 or bfloat16, got {str(k.dtype).replace('torch.', '')}")
+        if k.shape[3] not in TRITON_HEAD_DIMS:
+            raise ValueError(f"k: backend 'triton' expects d in {TRITON_HEAD_DIMS}, got {k.shape[3]}")
+    return chosen
+
+
+def _kv_views(k, v, block_n):
+    """TMA descriptors over 2-D views of k and v: key n of (u, h) is row (u·s_u + h·s_h) // s_l + n,
+    columns from (u·s_u + h·s_h) % s_l, for strides s_u, s_h, s_l of [U, H, L, ·]. That covers
+    contiguous [U, H, L, d] and [U, L, H, d] storage (also inside a wider fused-QKV row) without a
+    copy; other layouts are copied once at U rows (never replicated). Returns (k_desc, v_desc, strides)."""
+    num_users, heads, seq_len, head_dim = k.shape
+
+    def viewable(t):
+        s_u, s_h, s_l, s_d = t.stride()
+        if s_d != 1 or s_l < head_dim or (s_l * t.element_size()) % 16 or t.data_ptr() % 16 or s_u % s_l:
+            return False
+        return s_h % s_l == 0 or (heads - 1) * s_h + head_dim <= s_l
+
+    if k.stride() != v.stride() or not (viewable(k) and viewable(v)):
+        k, v = k.contiguous(), v.contiguous()
+    s_u, s_h, s_l, _ = k.stride()
+    rows = ((num_users - 1) * s_u + (heads - 1) * s_h) // s_l + seq_len
+    if rows >= 2**31:
+        raise ValueError(f"k: {rows} rows of K/V exceed the int32 TMA coordinate range")
+    descs = [TensorDescriptor(t, [rows, s_l], [s_l, 1], [block_n, head_dim]) for t in (k, v)]
+    return descs[0], descs[1], (s_u, s_h, s_l)
+
+
+def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int):
+    """Run `_plan_kernel`: (order [B] int32, tiles [max_tiles, 4] int32, max_tiles), where max_tiles =
+    cdiv(B·S, BLOCK_M) + min(U, B) bounds the tile count without a device→host sync."""
+    num_candidates = cand_to_user.shape[0]
+    max_tiles = triton.cdiv(num_candidates * num_queries, block_m) + min(num_users, num_candidates)
+    buf = torch.empty(num_candidates + 5 * max_tiles + 4 * num_users, dtype=torch.int32, device=cand_to_user.device)
+    order = buf[:num_candidates]
+    tiles = buf[num_candidates : num_candidates + 4 * max_tiles].view(max_tiles, 4)
+    if num_candidates:
+        _plan_kernel[(1,)](
+            cand_to_user, order, tiles, buf[num_candidates + 4 * max_tiles :],
+            num_candidates, num_users, num_queries, max_tiles,
+            BLOCK_M=block_m, CHUNK=64 if interpreting() else 1024,
+            num_warps=4,
+        )  # fmt: skip
+    return order, tiles, max_tiles
+
+
+def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None, out=None, user_out=None):
+    """Triton path. q [B, H, S, d] (B may be 0), k/v [U, H, L, d], kv_len [U] int64; with user_q
+    [U, H, L, d] the self-attention tiles run in the same grid. `out` / `user_out` may be given
+    (the tests poison them). Returns (out, user_out or None)."""
+    num_candidates, heads, num_queries, head_dim = q.shape
+    num_users, _, seq_len, _ = k.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if user_q is not None and user_out is None:
+        user_out = torch.empty_like(user_q, memory_format=torch.contiguous_format)
+    if num_users * heads * seq_len == 0 or (num_candidates == 0 and user_q is None):
+        out.zero_()
+        return out, None if user_out is None else user_out.zero_()
+    if config is None:
+        config = pick_config(head_dim, num_candidates * num_queries / num_users, interpreting())
+    q = q if q.stride(-1) == 1 else q.contiguous()  # queries are gathered by rows: any other stride
+    if user_q is not None and user_q.stride(-1) != 1:
+        user_q = user_q.contiguous()
+    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_views(k, v, config.block_n)
+    order, tiles, max_tiles = plan_tiles(cand_to_user, num_users, num_queries, config.block_m)
+    num_self_tiles = 0 if user_q is None else num_users * triton.cdiv(seq_len, config.block_m)
+    uq, uo = (q, out) if user_q is None else (user_q, user_out)
+    _attention_kernel[(num_self_tiles + max_tiles, heads)](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        uq, uq.stride(0), uq.stride(1), uq.stride(2),
+        uo, uo.stride(0), uo.stride(1), uo.stride(2),
+        k_desc, v_desc, stride_ku, stride_kh, stride_kl,
+        kv_len, order, tiles,
+        num_users, seq_len, num_queries,
+        num_self_tiles, scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HAS_SELF=user_q is not None, CAUSAL=causal,
+        NUM_STAGES=config.num_stages, WARP_SPECIALIZE=config.warp_specialize,
+        num_warps=config.num_warps, maxnreg=config.maxnreg,
+    )  # fmt: skip
+    return out, user_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------------
+
+
 def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str = "auto") -> torch.Tensor:
     """Target attention of candidate queries over their user's K/V → [B, H, S, d] (see module doc)."""
     _check_kv(k, v)
     _check_queries("q", q, k)
     check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
     kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
-    resolve_backend(backend, k.device, triton_available=False)
+    chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
+    if chosen == "triton":
+        return _launch(q, k, v, cand_to_user, kv_len, scale)[0]
     return _target_attention_torch(q, k, v, cand_to_user, kv_len, scale)
 
 
@@ -101,8 +550,11 @@ def ikbo_self_target_attention(user_q, cand_q, k, v, cand_to_user, kv_len=None, 
     _check_queries("cand_q", cand_q, k)
     check_mapping(cand_to_user, cand_q.shape[0], k.shape[0], k.device)
     kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
-    resolve_backend(backend, k.device, triton_available=False)
+    chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
+    if chosen == "triton":
+        cand_out, user_out = _launch(cand_q, k, v, cand_to_user, kv_len, scale, user_q=user_q, causal=causal)
+        return user_out, cand_out
     user_out = _self_attention_torch(user_q, k, v, kv_len, causal, scale)
     cand_out = _target_attention_torch(cand_q, k, v, cand_to_user, kv_len, scale)
     return user_out, cand_out

@@ -1,21 +1,35 @@
 """IKBO attention (target and self+target) against the fp64 references in kernels/reference.py.
 
 Torch path: hypothesis-drawn U, B, S, L, H, d, kv_len (0 and L included) and mappings (unsorted,
-users with no candidates, U = 1, B = 1, B = U, B = 0), causal and not, fp32 within 1e-5 relative (rows whose reference is zero: absolute).
+users with no candidates, U = 1, B = 1, B = U, B = 0), causal and not, fp32 within 1e-5 relative
+(rows whose reference is zero: absolute).
+Triton path on CPU: the same draws on small shapes (tiles of 16, so several query tiles, key
+blocks and partial blocks) under TRITON_INTERPRET=1, bf16 and fp16 within 1e-2, outputs poisoned
+with NaN first. The interpreter must be on before Triton builds the kernels (at import), so
+`test_triton_kernels_on_cpu` runs those tests in a child pytest with the variable set; this process
+and the other test modules keep compiled kernels.
+Triton path on CUDA (skipped without a GPU): real sizes, bf16 within 1e-2 of fp64.
 Input checks: every bad argument raises ValueError naming it.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import ikbo_attention, ikbo_self_target_attention
+from kernels import attention, ikbo_attention, ikbo_self_target_attention
 from kernels.reference import attention_reference, self_attention_reference
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and attention.interpreting()
+HAS_CUDA = torch.cuda.is_available()
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -42,6 +56,11 @@ def mappings(draw, num_users: int):
     return []
 
 
+# storage of q / k / v / user_q, all viewed as [N, H, S, d]: contiguous; [N, S, H, d] transposed;
+# k/v/user_q as slices of one fused [U, L, 3·H·d] projection (the served model's layout)
+LAYOUTS = ("bhsd", "bshd", "fused")
+
+
 @st.composite
 def problems(draw, max_users=5, max_queries=5, max_len=9, max_heads=3, head_dims=(1, 2, 3, 4, 8, 16)):
     """Shape, mapping, kv_len, scale, layout and a seed for fresh random inputs."""
@@ -61,7 +80,7 @@ def problems(draw, max_users=5, max_queries=5, max_len=9, max_heads=3, head_dims
         kv_len=lengths,
         scale=draw(st.none() | st.floats(0.05, 2.0)),
         index_dtype=draw(st.sampled_from([torch.int64, torch.int32])),
-        bshd=draw(st.booleans()),  # k/v (and q) as [N, S, H, d] storage viewed as [N, H, S, d]
+        layout=draw(st.sampled_from(LAYOUTS)),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -73,16 +92,18 @@ def make_inputs(p, dtype=torch.float32, device="cpu"):
     num_candidates = len(p["mapping"])
 
     def rand(rows, tokens):
-        if p["bshd"]:
-            t = torch.randn(rows, tokens, heads, head_dim, generator=gen).transpose(1, 2)
-        else:
+        if p["layout"] == "bhsd":
             t = torch.randn(rows, heads, tokens, head_dim, generator=gen)
+        else:
+            t = torch.randn(rows, tokens, heads, head_dim, generator=gen).transpose(1, 2)
         return t.to(device=device, dtype=dtype)
 
     q = rand(num_candidates, p["num_queries"])  # [B, H, S, d]
-    k = rand(num_users, seq_len)  # [U, H, L, d]
-    v = rand(num_users, seq_len)  # [U, H, L, d]
-    user_q = rand(num_users, seq_len)  # [U, H, L, d]
+    if p["layout"] == "fused":
+        fused = torch.randn(num_users, seq_len, 3 * heads * head_dim, generator=gen).to(device=device, dtype=dtype)
+        user_q, k, v = (t.unflatten(2, (heads, head_dim)).transpose(1, 2) for t in fused.chunk(3, dim=2))
+    else:
+        user_q, k, v = (rand(num_users, seq_len) for _ in range(3))  # [U, H, L, d]
     cand_to_user = torch.tensor(p["mapping"], dtype=p["index_dtype"], device=device)
     kv_len = None if p["kv_len"] is None else torch.tensor(p["kv_len"], dtype=p["index_dtype"], device=device)
     return q, k, v, user_q, cand_to_user, kv_len
@@ -213,3 +234,167 @@ def test_self_target_attention_rejects(name, change):
     args = {**_good(), **change}
     with pytest.raises(ValueError, match=rf"^{name}:"):
         ikbo_self_target_attention(args["user_q"], args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"])
+
+
+@pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="the Triton path runs here")
+def test_triton_backend_needs_cuda():
+    args = _good()
+    with pytest.raises(ValueError, match=r"^backend:"):
+        ikbo_attention(args["q"], args["k"], args["v"], args["cand_to_user"], backend="triton")
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton path on CPU: TRITON_INTERPRET=1, in a child process
+# ---------------------------------------------------------------------------------------------
+
+if INTERPRETED:
+    # Triton 3.6's interpreter multiplies bf16 operands of tl.dot as their raw uint16 bits; widen
+    # them to fp32 first (exact, as on the GPU's tensor cores, which accumulate in fp32).
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as _interp
+
+    _dot = _interp.InterpreterBuilder.create_dot
+
+    def _widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return _interp.TensorHandle(_interp._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+
+    _interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _dot(self, _widen(a), _widen(b), d, *rest)
+
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by test_triton_kernels_on_cpu under TRITON_INTERPRET=1")
+HALF_TOL = 1e-2
+INTERP_SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# tiles of 16 rows / keys: S up to 20 spans tiles, L up to 40 gives full, partial and masked blocks
+small_problems = problems(max_users=4, max_queries=20, max_len=40, max_heads=2, head_dims=(16, 32))
+
+
+def _poisoned(like):
+    return torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device)
+
+
+def _triton(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):
+    """The Triton path with NaN-poisoned outputs: every element must be written."""
+    lengths = attention.check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
+    scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else scale
+    user_out = None if user_q is None else _poisoned(user_q)
+    return attention._launch(q, k, v, cand_to_user, lengths, scale, user_q, causal, out=_poisoned(q), user_out=user_out)
+
+
+@interpreted
+@INTERP_SETTINGS
+@given(p=small_problems, dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_interp_target_attention(p, dtype):
+    q, k, v, _, cand_to_user, kv_len = make_inputs(p, dtype)
+    out, _ = _triton(q, k, v, cand_to_user, kv_len, p["scale"])
+    assert_rows_close(out, attention_reference(q, k, v, cand_to_user, kv_len, p["scale"]), rtol=HALF_TOL)
+
+
+@interpreted
+@INTERP_SETTINGS
+@given(p=small_problems, dtype=st.sampled_from([torch.bfloat16, torch.float16]), causal=st.booleans())
+def test_interp_self_target_attention(p, dtype, causal):
+    q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, dtype)
+    cand_out, user_out = _triton(q, k, v, cand_to_user, kv_len, p["scale"], user_q, causal)
+    assert_rows_close(user_out, self_attention_reference(user_q, k, v, kv_len, causal, p["scale"]), rtol=HALF_TOL)
+    assert_rows_close(cand_out, attention_reference(q, k, v, cand_to_user, kv_len, p["scale"]), rtol=HALF_TOL)
+
+
+@interpreted
+@settings(max_examples=40, deadline=None)
+@given(num_users=st.integers(1, 70), data=st.data(), num_queries=st.integers(1, 40), block_m=st.sampled_from([16, 64]))
+def test_interp_plan(num_users, data, num_queries, block_m):
+    """`order` groups the candidates by user; the tiles cover each user's count·S rows exactly once."""
+    mapping = data.draw(st.lists(st.integers(0, num_users - 1), min_size=1, max_size=150))
+    cand_to_user = torch.tensor(mapping)
+    order, tiles, max_tiles = attention.plan_tiles(cand_to_user, num_users, num_queries, block_m)
+    assert sorted(order.tolist()) == list(range(len(mapping)))
+    assert (torch.diff(cand_to_user[order.long()]) >= 0).all()
+    counts = torch.bincount(cand_to_user, minlength=num_users).tolist()
+    starts = [sum(counts[:u]) for u in range(num_users)]
+    covered = {u: [] for u in range(num_users)}
+    for user, first_slot, row0, row_end in tiles.tolist():
+        if user < 0:
+            continue
+        assert first_slot == starts[user] and row_end == counts[user] * num_queries and row0 % block_m == 0
+        covered[user].append(row0)
+    for user, rows in covered.items():
+        assert sorted(rows) == list(range(0, counts[user] * num_queries, block_m))
+    assert all(user == -1 for user in tiles[len(sum(covered.values(), [])) :, 0].tolist()), "live tiles come first"
+
+
+@interpreted
+def test_interp_public_ops_dispatch():
+    """backend='triton' runs the kernels (here: the interpreter), 'auto' stays on torch on CPU."""
+    args = {name: t.to(torch.float16) if t.is_floating_point() else t for name, t in _good().items()}
+    args["q"], args["k"], args["v"], args["user_q"] = (torch.randn(*args[n].shape[:3], 16).half() for n in ("q", "k", "v", "user_q"))
+    triton_out = ikbo_self_target_attention(args["user_q"], args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"], backend="triton")
+    torch_out = ikbo_self_target_attention(args["user_q"], args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"], backend="auto")
+    for got, want in zip(triton_out, torch_out):
+        assert_rows_close(got, want.double(), rtol=HALF_TOL, atol=1e-3)
+    with pytest.raises(ValueError, match=r"^k:"):
+        ikbo_attention(args["q"].float(), args["k"].float(), args["v"].float(), args["cand_to_user"], backend="triton")
+
+
+INTERP_TESTS = [name for name in dir() if name.startswith("test_interp_")]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs the interpreter tests itself")
+def test_triton_kernels_on_cpu():
+    """Runs the test_interp_* tests above in a child pytest with TRITON_INTERPRET=1."""
+    root = Path(__file__).resolve().parents[1]
+    ids = [f"{Path(__file__).resolve()}::{name}" for name in INTERP_TESTS]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids],
+        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0 and f"{len(ids)} passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton path on CUDA: real sizes
+# ---------------------------------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU")
+
+
+def _fp64_on_device(q, k, v, cand_to_user, kv_len, user_q=None, causal=True):
+    """fp64 reference at real sizes: the grouped torch path on upcast inputs (SDPA math in fp64)."""
+    up = [t.double() for t in (q, k, v)]
+    if user_q is None:
+        return ikbo_attention(*up, cand_to_user, kv_len, backend="torch"), None
+    user_out, cand_out = ikbo_self_target_attention(user_q.double(), up[0], up[1], up[2], cand_to_user, kv_len, causal=causal, backend="torch")
+    return cand_out, user_out
+
+
+GPU_CASES = [
+    # U, B, S, L, H, d, ragged kv_len, layout
+    (15, 1024, 64, 1024, 4, 128, False, "bhsd"),
+    (7, 300, 8, 1000, 2, 64, True, "bhsd"),
+    (64, 64, 1, 4096, 2, 128, True, "fused"),
+    (3, 700, 5, 333, 4, 64, True, "bshd"),
+]
+
+
+@cuda_only
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "U{}-B{}-S{}-L{}-H{}-d{}-{}-{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_self_target_attention(case, dtype):
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim, ragged, layout = case
+    gen = torch.Generator().manual_seed(num_users * 1000 + num_queries)
+    mapping = torch.randint(0, num_users, (num_candidates,), generator=gen)
+    lengths = [0, seq_len] + torch.randint(0, seq_len + 1, (num_users,), generator=gen).tolist()
+    p = dict(num_users=num_users, mapping=mapping.tolist(), num_queries=num_queries, seq_len=seq_len, heads=heads,
+             head_dim=head_dim, kv_len=lengths[:num_users] if ragged else None, scale=None, index_dtype=torch.int64,
+             layout=layout, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # fmt: skip
+    q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, dtype, "cuda")
+    cand_ref, user_ref = _fp64_on_device(q, k, v, cand_to_user, kv_len, user_q)
+    cand_out, user_out = _triton(q, k, v, cand_to_user, kv_len, None, user_q)
+    assert_rows_close(cand_out, cand_ref, rtol=HALF_TOL, atol=0.0)
+    assert_rows_close(user_out, user_ref, rtol=HALF_TOL, atol=0.0)
+    out = ikbo_attention(q, k, v, cand_to_user, kv_len)  # public op, "auto" → Triton on CUDA
+    assert_rows_close(out, cand_ref, rtol=HALF_TOL, atol=0.0)
+    sample = torch.randperm(num_candidates, generator=gen)[:8].to(q.device)  # the loop reference on a few
+    sub_ref = attention_reference(q[sample], k, v, cand_to_user[sample], kv_len)
+    assert_rows_close(out[sample], sub_ref, rtol=HALF_TOL, atol=0.0)
