@@ -111,30 +111,30 @@ def instance_device(kind: str, device_id) -> torch.device:
 
 
 class _ServedStage:
-    """A stage of the ranker as one model instance serves it: inputs → outputs, torch tensors by name."""
+    """A stage of the ranker as one model instance serves it: `inputs` → `outputs`, torch tensors by
+    name. Subclasses define `__call__`, `example` (a raw request → this stage's inputs, for warm-up)
+    and `io_dims` (what config.pbtxt must declare for a RankerConfig)."""
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    config_parameters: tuple[str, ...] = ()  # config.pbtxt parameters passed to the constructor
 
     def __init__(self, cfg: RankerConfig, ranges: ShapeRanges, device):
         self.cfg, self.ranges, self.device = cfg, ranges, torch.device(device)
 
     @classmethod
-    def _context(cls, args: dict):
-        """Parse the python backend's initialize args: config, parameters, weights, ranges, device."""
+    def from_triton_args(cls, args: dict):
+        """Build from the python backend's initialize args (config and its parameters, weights,
+        ranges of the served repository, instance device), check the config, warm up."""
         model_config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         cfg, weights = load_weights(ensure_weights(weights_path(parameters.get("weights"))))
+        check_model_config(model_config, *cls.io_dims(cfg))
         ranges = load_shape_ranges(Path(args["model_repository"]).parent)
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
-        return model_config, parameters, cfg, weights, ranges, device
-
-    def example(self, request: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """This stage's inputs for a raw request (for warm-up)."""
-        raise NotImplementedError
-
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        model = cls(cfg, weights, ranges, device, **{k: parameters[k] for k in cls.config_parameters})
+        model.warm_up()
+        return model
 
     @torch.inference_mode()
     def warm_up(self, seed: int = 0) -> None:
@@ -153,13 +153,9 @@ class FeatureModel(_ServedStage):
         super().__init__(cfg, ranges, device)
         self.stage = FeatureStage(cfg, weights, self.device)
 
-    @classmethod
-    def from_triton_args(cls, args: dict) -> "FeatureModel":
-        model_config, _, cfg, weights, ranges, device = cls._context(args)
-        check_model_config(model_config, request_dims(cfg), feature_dims(cfg))
-        model = cls(cfg, weights, ranges, device)
-        model.warm_up()
-        return model
+    @staticmethod
+    def io_dims(cfg):
+        return request_dims(cfg), feature_dims(cfg)
 
     def example(self, request):
         return to_tensors(request)
@@ -171,21 +167,18 @@ class FeatureModel(_ServedStage):
 
 
 class InteractionModel(_ServedStage):
-    """ikbo_interaction / baseline_interaction: features → scores [B, T] (parameter `variant`)."""
+    """ikbo_interaction / baseline_interaction: features → scores [B, T] (config parameter `variant`)."""
 
     inputs, outputs = FEATURE_NAMES, ("scores",)
+    config_parameters = ("variant",)
 
-    def __init__(self, variant: str, cfg, weights, ranges, device="cpu"):
+    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo"):
         super().__init__(cfg, ranges, device)
         self.features, self.interaction = build_ranker(variant, cfg, weights, self.device)  # features: warm-up only
 
-    @classmethod
-    def from_triton_args(cls, args: dict) -> "InteractionModel":
-        model_config, parameters, cfg, weights, ranges, device = cls._context(args)
-        check_model_config(model_config, feature_dims(cfg), score_dims(cfg))
-        model = cls(parameters["variant"], cfg, weights, ranges, device)
-        model.warm_up()
-        return model
+    @staticmethod
+    def io_dims(cfg):
+        return feature_dims(cfg), score_dims(cfg)
 
     def example(self, request):
         features = self.features(**to_tensors(request, self.device))
@@ -210,11 +203,10 @@ class InteractionModel(_ServedStage):
 
 
 def _to_torch(name: str, tensor) -> torch.Tensor:
-    """A pb_utils.Tensor (CPU or GPU) as a torch tensor, without a copy where DLPack allows."""
+    """A pb_utils.Tensor (CPU or GPU) as a torch tensor, through DLPack (no copy). Not as_numpy():
+    python backend 2.51's stub builds wrong arrays under numpy 2 (every row = row 0, seen on the H200)."""
     if tensor is None:
         raise InvalidRequest(name, "missing")
-    if tensor.is_cpu():
-        return torch.from_numpy(np.array(tensor.as_numpy()))  # a writable copy; empty tensors included
     return from_dlpack(tensor.to_dlpack())
 
 
