@@ -5,8 +5,9 @@ Providers: `baseline` (user tensors replicated to B rows; marked as the baseline
 from the same weights by `ikbo_backend.ranker.build_ranker`. Stages: `feature` (lookups and dense
 projections, shared code), `interaction` (where the variants differ) and `whole` (feature +
 interaction). Each mix uses a pool of fixed, seeded requests from `make_request` (the tests'
-generator: never zeros, ragged candidates per user); the timed calls cycle through the pool and
-alternate the providers call by call, so both see the same machine state. Reported: median ms per
+generator: never zeros, ragged candidates per user); the timed calls cycle through the pool, each
+provider running its stages as one block, the block order alternating, so both see the same machine
+state. Reported: median ms per
 request, ratio baseline/ikbo, candidates/s of the whole forward.
 
     python scripts/bench_model.py                              # default mixes
@@ -50,9 +51,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def device_name() -> str:
+    """The CPU model, and the GPU when torch sees one."""
+    cpu = f"CPU {cpu_model()}"
+    return f"GPU {torch.cuda.get_device_name(0)}, {cpu}" if torch.cuda.is_available() else cpu
+
+
 def environment() -> str:
     return (
-        f"CPU {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"{device_name()}, {os.cpu_count()} cores, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
     )
@@ -86,10 +93,11 @@ def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: in
             raise RuntimeError(f"{mix}: ikbo and baseline disagree (max relative error {error:.2e})")
         for step in range(warmup + runs):
             k = step % pool
-            for stage in STAGES:
-                arg = features_of[k] if stage == "interaction" else requests[k]
-                for name in models if step % 2 else reversed(models):  # alternate who goes first
-                    elapsed = _time_ms(calls[name, stage], arg)
+            # each provider runs its stages as a block; the block order alternates, so every provider
+            # follows itself half the time and the other half the time (symmetric cache/allocator state)
+            for name in models if step % 2 else reversed(models):
+                for stage in STAGES:
+                    elapsed = _time_ms(calls[name, stage], features_of[k] if stage == "interaction" else requests[k])
                     if step >= warmup:
                         times[name, stage].append(elapsed)
     return {key: statistics.median(values) for key, values in times.items()}

@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""perf_analyzer sweep of both rankers through a real tritonserver: rankers × mixes × concurrency × protocol.
+
+Starts a tritonserver on free ports (`ikbo_backend.tritonserver.running_tritonserver`) unless `--url`
+points at one already running, then runs perf_analyzer once per (mix, protocol, concurrency, ranker),
+the two rankers back to back, with `--input-data perf_configs/<mix>.json` (written first when missing,
+see scripts/make_perf_configs.py) and `-f <run>.csv`. Candidates/s = infer/s × B of the mix.
+
+Writes into --out (default out/perf/): sweep.csv, throughput.png (candidates/s vs concurrency),
+latency.png (p50/p99 latency vs candidates/s), runs/<run>.csv|.log; prints a markdown table.
+
+    python scripts/perf_sweep.py                        # short CPU sweep (a few minutes)
+    python scripts/perf_sweep.py --full                 # every mix, concurrency 1..16, longer windows
+    python scripts/perf_sweep.py --url localhost:8000 --grpc-url localhost:8001
+    PERF_ANALYZER=/tmp/tb/bin/perf_analyzer python scripts/perf_sweep.py --config-name gpu --full
+
+perf_analyzer: $PERF_ANALYZER, else the one next to this Python (tritonclient[all]), else PATH.
+The pip-installed one links libcudart.so.12: its directory from nvidia-cuda-runtime-cu12 is put on
+LD_LIBRARY_PATH when that package is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import urllib.request
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+
+from make_perf_configs import DEFAULT_DIR as CONFIG_DIR  # noqa: E402
+from make_perf_configs import MIXES, ensure_config, mix_shape  # noqa: E402
+
+RANKERS = ("baseline_ranker", "ikbo_ranker")  # baseline first: the reference of every ratio
+PROTOCOLS = ("http", "grpc")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How much to measure: which mixes and concurrency levels, and perf_analyzer's windows.
+
+    request_count 0: stabilise over time windows (perf_analyzer's default method); N > 0: one
+    measurement of exactly N requests, no stability criterion (what a run falls back to when the
+    windows do not stabilise, e.g. on a shared machine).
+    """
+
+    mixes: tuple[str, ...]
+    concurrency: tuple[int, ...]
+    window_ms: int
+    stability_pct: int
+    max_trials: int
+    request_count: int = 0
+
+
+SHORT = Profile(("u15_b1024", "u1_b64", "u64_b64"), (1, 2), window_ms=1500, stability_pct=20, max_trials=5)
+FULL = Profile(tuple(MIXES), (1, 2, 4, 8, 16), window_ms=5000, stability_pct=10, max_trials=10)
+
+
+@dataclass
+class Result:
+    ranker: str
+    mix: str
+    users: int
+    candidates: int
+    protocol: str
+    concurrency: int
+    repeat: int = 0
+    infer_per_s: float = float("nan")
+    candidates_per_s: float = float("nan")
+    p50_ms: float = float("nan")
+    p90_ms: float = float("nan")
+    p99_ms: float = float("nan")
+    mode: str = ""  # "windows" (stable time windows) | "count N" (N requests, no stability criterion)
+    status: str = "ok"  # ok | error: <first error line>
+
+
+# ---------------------------------------------------------------------------------------------
+# perf_analyzer
+# ---------------------------------------------------------------------------------------------
+
+
+def perf_analyzer_command() -> tuple[list[str], dict[str, str]]:
+    """(argv prefix, environment) for perf_analyzer; see the module docstring for the search order."""
+    binary = os.environ.get("PERF_ANALYZER")
+    if not binary:
+        beside = Path(sys.executable).parent / "perf_analyzer"
+        binary = str(beside) if beside.exists() else shutil.which("perf_analyzer")
+    if not binary:
+        raise FileNotFoundError("perf_analyzer not found: set $PERF_ANALYZER or pip install tritonclient[all]")
+    env = dict(os.environ)
+    spec = importlib.util.find_spec("nvidia.cuda_runtime") if importlib.util.find_spec("nvidia") else None
+    if spec and spec.submodule_search_locations:
+        lib = Path(list(spec.submodule_search_locations)[0]) / "lib"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(lib), env.get("LD_LIBRARY_PATH")) if p)
+    return [binary], env
+
+
+def run_perf_analyzer(
+    model: str,
+    url: str,
+    protocol: str,
+    input_data: Path,
+    concurrency: int,
+    profile: Profile,
+    csv_path: Path,
+    log_path: Path,
+    timeout_s: float | None = None,
+) -> tuple[dict[str, str] | None, str, str]:
+    """One perf_analyzer measurement at one concurrency. Returns (its CSV row or None, mode, status).
+
+    mode: "windows" or "count N" (see Profile); status: "ok" or "error: <first error line>".
+    perf_analyzer writes no CSV when its windows do not stabilise (exit code 2); the run is then
+    repeated once as a fixed count of requests: 3 windows' worth at the rate its windows saw.
+    """
+    prefix, env = perf_analyzer_command()
+    if profile.request_count:
+        mode = f"count {profile.request_count}"
+        how = ["--request-count", str(profile.request_count)]
+        limit = timeout_s or 60 + 30 * profile.window_ms / 1e3
+    else:
+        mode = "windows"
+        how = [
+            "--measurement-mode", "time_windows",
+            "--measurement-interval", str(profile.window_ms),
+            "--stability-percentage", str(profile.stability_pct),
+            "--max-trials", str(profile.max_trials),
+        ]  # fmt: skip
+        limit = timeout_s or 30 + 2 * profile.max_trials * profile.window_ms / 1e3
+    argv = prefix + [
+        "-m", model,
+        "-u", url,
+        "-i", protocol,
+        "--input-data", str(input_data),
+        "--concurrency-range", f"{concurrency}:{concurrency}",
+        *how,
+        "-f", str(csv_path),
+        "-v",
+    ]  # fmt: skip
+    csv_path.unlink(missing_ok=True)
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit)
+        output, returncode = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (exc.stdout or "", exc.stderr or ""))
+        output, returncode = f"{output}\ntimed out after {limit:.0f} s", -1
+    with log_path.open("a" if profile.request_count else "w") as log:
+        log.write(" ".join(argv) + "\n\n" + output + "\n")
+
+    rows = []
+    if csv_path.exists():
+        rows = [r for r in csv.DictReader(csv_path.open()) if (r.get("Concurrency") or "").strip().isdigit()]
+    if returncode == 0 and rows:
+        return rows[-1], mode, "ok"
+    rates = [float(m) for m in re.findall(r"Pass \[\d+\] throughput: ([0-9.]+) infer/sec", output)]
+    if "failed to obtain stable measurement" in output.lower() and not profile.request_count and rates:
+        count = max(5 * concurrency, round(statistics.median(rates) * 3 * profile.window_ms / 1e3))
+        fallback = replace(profile, request_count=count)
+        return run_perf_analyzer(model, url, protocol, input_data, concurrency, fallback, csv_path, log_path, timeout_s)
+    problem = next((line.strip() for line in output.splitlines() if "error" in line.lower()), None)
+    return None, mode, f"error: {problem or f'exit code {returncode}, see {log_path}'}"
+
+
+def to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status) -> Result:
+    users, candidates = mix_shape(mix)
+    result = Result(ranker, mix, users, candidates, protocol, concurrency, repeat, mode=mode, status=status)
+    if row is not None:
+        result.infer_per_s = float(row["Inferences/Second"])
+        result.candidates_per_s = result.infer_per_s * candidates
+        for pct in (50, 90, 99):
+            setattr(result, f"p{pct}_ms", float(row[f"p{pct} latency"]) / 1e3)  # perf_analyzer writes µs
+    return result
+
+
+def medians(results: list[Result]) -> list[Result]:
+    """One Result per (ranker, mix, protocol, concurrency): the median of each metric over its good repeats."""
+    groups: dict[tuple, list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.ranker, r.mix, r.protocol, r.concurrency), []).append(r)
+    out = []
+    for runs in groups.values():
+        good = [r for r in runs if r.status == "ok"]
+        if not good:
+            out.append(runs[-1])
+            continue
+        merged = replace(good[0], repeat=len(good), mode="/".join(sorted({r.mode.split()[0] for r in good})))
+        for name in ("infer_per_s", "candidates_per_s", "p50_ms", "p90_ms", "p99_ms"):
+            setattr(merged, name, statistics.median(getattr(r, name) for r in good))
+        out.append(merged)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------------------------
+
+
+def write_csv(results: list[Result], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Result)])
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in results)
+
+
+def markdown_table(results: list[Result]) -> str:
+    """One line per (mix, protocol, concurrency): the two rankers side by side."""
+    by_key = {(r.mix, r.protocol, r.concurrency, r.ranker): r for r in results}
+    lines = [
+        "| mix (U:B) | protocol | concurrency | baseline candidates/s | IKBO candidates/s | IKBO / baseline "
+        "| baseline p50 / p99 ms | IKBO p50 / p99 ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mix, protocol, concurrency in dict.fromkeys((r.mix, r.protocol, r.concurrency) for r in results):
+        base, ikbo = (by_key.get((mix, protocol, concurrency, name)) for name in RANKERS)
+
+        def rate(r):
+            if r is None or r.status != "ok":
+                return r.status.split(":")[0] if r else "–"
+            return f"{r.candidates_per_s:,.0f}" + ("†" if "count" in r.mode else "")
+
+        def lat(r):
+            return f"{r.p50_ms:.1f} / {r.p99_ms:.1f}" if r and r.status == "ok" else "–"
+
+        ratio = "–"
+        if base and ikbo and base.candidates_per_s > 0 and ikbo.candidates_per_s > 0:
+            ratio = f"**{ikbo.candidates_per_s / base.candidates_per_s:.2f}×**"
+        users, candidates = mix_shape(mix)
+        lines.append(f"| {mix} ({users}:{candidates}) | {protocol} | {concurrency} | {rate(base)} | {rate(ikbo)} | {ratio} | {lat(base)} | {lat(ikbo)} |")
+    note = (
+        "\n\n† at least one measurement fell back to a fixed request count: perf_analyzer's time "
+        "windows did not stabilise (shared or noisy machine)."
+    )
+    return "\n".join(lines) + (note if any("count" in r.mode for r in results if r.status == "ok") else "")
+
+
+def plot(results: list[Result], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    good = [r for r in results if r.status == "ok"]
+    mixes = list(dict.fromkeys(r.mix for r in good))
+    if not mixes:
+        return []
+    styles = {"baseline_ranker": "tab:gray", "ikbo_ranker": "tab:green"}
+    paths = []
+    for name, ylabel in (("throughput", "candidates/s"), ("latency", "latency (ms)")):
+        fig, axes = plt.subplots(1, len(mixes), figsize=(5 * len(mixes), 4), squeeze=False)
+        for ax, mix in zip(axes[0], mixes):
+            for ranker in RANKERS:
+                for protocol, marker in zip(PROTOCOLS, ("o", "s")):
+                    rs = sorted((r for r in good if (r.mix, r.ranker, r.protocol) == (mix, ranker, protocol)), key=lambda r: r.concurrency)
+                    if not rs:
+                        continue
+                    label = f"{ranker.removesuffix('_ranker')} {protocol}"
+                    color = styles[ranker]
+                    if name == "throughput":
+                        ax.plot([r.concurrency for r in rs], [r.candidates_per_s for r in rs], marker=marker, color=color, label=label)
+                        ax.set_xlabel("concurrency")
+                        ax.set_xscale("log", base=2)
+                        ax.set_xticks([r.concurrency for r in rs], [str(r.concurrency) for r in rs])
+                        ax.set_ylim(bottom=0)
+                    else:
+                        x = [r.candidates_per_s for r in rs]
+                        ax.plot(x, [r.p50_ms for r in rs], marker=marker, color=color, label=f"{label} p50")
+                        ax.plot(x, [r.p99_ms for r in rs], marker=marker, color=color, linestyle="--", alpha=0.6, label=f"{label} p99")
+                        ax.set_xlabel("candidates/s")
+                        ax.set_ylim(bottom=0)
+            users, candidates = mix_shape(mix)
+            ax.set_title(f"{mix} (U={users}, B={candidates})")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle("IKBO vs baseline ranker through tritonserver (perf_analyzer)")
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def server_version(http_url: str) -> str:
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2", timeout=5) as response:
+            return json.load(response).get("version", "?")
+    except OSError:
+        return "?"
+
+
+def _host_port(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help=f"long sweep: {FULL}")
+    parser.add_argument("--mixes", nargs="+", choices=list(MIXES), help="override the profile's mixes")
+    parser.add_argument("--concurrency", nargs="+", type=int, help="override the profile's concurrency levels")
+    parser.add_argument("--window-ms", type=int, help="override the profile's measurement window")
+    parser.add_argument("--repeats", type=int, default=1, help="measure every point this many times; report medians")
+    parser.add_argument("--rankers", nargs="+", default=list(RANKERS), choices=list(RANKERS))
+    parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=list(PROTOCOLS))
+    parser.add_argument("--url", help="HOST:PORT of a running server's HTTP endpoint (no server is started)")
+    parser.add_argument("--grpc-url", help="HOST:PORT of its gRPC endpoint (default: the HTTP port + 1)")
+    parser.add_argument("--model-repository", type=Path, help="for the started server (default: the project's)")
+    parser.add_argument("--config-name", help="for the started server: --model-config-name (e.g. a GPU config)")
+    parser.add_argument("--configs", type=Path, default=CONFIG_DIR, help="directory of the --input-data files")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "perf")
+    return parser.parse_args(argv)
+
+
+def environment(version: str, profile: Profile, repeats: int) -> str:
+    from bench_model import device_name
+
+    return (
+        f"{device_name()}, {os.cpu_count()} cores; tritonserver {version}; perf_analyzer "
+        f"{perf_analyzer_command()[0][0]} (tritonclient {_version('tritonclient')} installed); "
+        f"{profile.window_ms} ms windows, stability {profile.stability_pct} %, median of {repeats} "
+        f"measurement(s) per cell; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
+    )
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    base = FULL if args.full else SHORT
+    profile = replace(base, mixes=tuple(args.mixes or base.mixes), concurrency=tuple(args.concurrency or base.concurrency))
+    profile = replace(profile, window_ms=args.window_ms or base.window_ms)
+    runs_dir = args.out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    inputs = {mix: ensure_config(mix, args.configs) for mix in profile.mixes}
+    perf_analyzer_command()  # fail before starting a server
+
+    from tqdm import tqdm
+
+    if args.url:
+        server = nullcontext(None)
+    else:
+        from ikbo_backend.tritonserver import running_tritonserver
+
+        server = running_tritonserver(
+            model_repository=args.model_repository, config_name=args.config_name, log_path=args.out / "tritonserver.log"
+        )
+    # the rankers back to back at every point, their order alternating between repeats
+    plan = [
+        (mix, protocol, concurrency, repeat, ranker)
+        for mix in profile.mixes
+        for protocol in args.protocols
+        for concurrency in profile.concurrency
+        for repeat in range(args.repeats)
+        for ranker in (args.rankers if repeat % 2 == 0 else args.rankers[::-1])
+    ]
+    results = []
+    with server as started:
+        http_url = _host_port(started.http_url if started else args.url)
+        if started:
+            grpc_url = _host_port(started.grpc_url)
+        elif args.grpc_url:
+            grpc_url = _host_port(args.grpc_url)
+        else:
+            host, port = http_url.rsplit(":", 1)
+            grpc_url = f"{host}:{int(port) + 1}"
+        version = server_version(http_url)
+        for mix, protocol, concurrency, repeat, ranker in (bar := tqdm(plan, desc="perf_analyzer", unit="run")):
+            bar.set_postfix_str(f"{ranker} {mix} {protocol} c={concurrency}")
+            name = f"{ranker}.{mix}.{protocol}.c{concurrency}.r{repeat}"
+            row, mode, status = run_perf_analyzer(
+                ranker,
+                grpc_url if protocol == "grpc" else http_url,
+                protocol,
+                inputs[mix],
+                concurrency,
+                profile,
+                runs_dir / f"{name}.csv",
+                runs_dir / f"{name}.log",
+            )
+            results.append(to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status))
+            if status != "ok":
+                tqdm.write(f"{name}: {status}, see {runs_dir / name}.log")
+
+    summary = medians(results)
+    write_csv(results, args.out / "sweep.csv")
+    if args.repeats > 1:
+        write_csv(summary, args.out / "sweep_median.csv")
+    plots = plot(summary, args.out)
+    print(f"\n### Server throughput (`scripts/perf_sweep.py`)\n\n{environment(version, profile, args.repeats)}.\n\n{markdown_table(summary)}\n")
+    print(f"wrote {args.out / 'sweep.csv'}" + "".join(f", {p}" for p in plots))
+    if any(r.status != "ok" for r in results):
+        sys.exit(1)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+if __name__ == "__main__":
+    main()

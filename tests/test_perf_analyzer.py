@@ -1,0 +1,62 @@
+"""perf_analyzer against a real tritonserver: a few seconds on `ikbo_ranker` from a perf_configs file.
+
+The server (CPU, free ports) is started by the test; perf_analyzer comes from tritonclient[all]
+(see scripts/perf_sweep.py for how it is found). Passing means: perf_analyzer exits 0, reports
+nonzero throughput, and the server counted successful inferences and no failures.
+"""
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from make_perf_configs import ensure_config  # noqa: E402
+from perf_sweep import Profile, run_perf_analyzer  # noqa: E402
+
+from ikbo_backend.tritonserver import is_ready, running_tritonserver  # noqa: E402
+
+MODEL = "ikbo_ranker"
+MIX = "u15_b1024"
+# a fixed count of requests: no stability criterion to miss on a shared CI machine
+QUICK = Profile((MIX,), (1,), window_ms=1000, stability_pct=50, max_trials=4, request_count=40)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_tritonserver(log_path=tmp_path_factory.mktemp("server") / "tritonserver.log") as running:
+        yield running
+
+
+def inference_counts(http_url: str) -> tuple[int, int]:
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{MODEL}/stats", timeout=10) as response:
+        stats = json.load(response)["model_stats"][0]["inference_stats"]
+    return stats["success"]["count"], stats["fail"]["count"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_perf_analyzer_zero_errors(server, protocol, tmp_path):
+    input_data = ensure_config(MIX)
+    success_before, fail_before = inference_counts(server.http_url)
+    row, _, status = run_perf_analyzer(
+        MODEL,
+        server.grpc_url if protocol == "grpc" else server.http_url,
+        protocol,
+        input_data,
+        concurrency=1,
+        profile=QUICK,
+        csv_path=tmp_path / "run.csv",
+        log_path=tmp_path / "run.log",
+        timeout_s=60,
+    )
+    log = (tmp_path / "run.log").read_text()
+    assert status == "ok", f"{status}\n{log[-3000:]}"
+    assert float(row["Inferences/Second"]) > 0, log[-3000:]
+    success_after, fail_after = inference_counts(server.http_url)
+    assert fail_after == fail_before, f"server counted {fail_after - fail_before} failed inferences\n{log[-3000:]}"
+    assert success_after > success_before
+    assert is_ready(server.http_url)
