@@ -64,13 +64,14 @@ class TileConfig:
     warp_specialize: bool = False
 
 
-def pick_config(head_dim: int, rows_per_user: float, interpret: bool) -> TileConfig:
+def pick_config(head_dim: int, rows_per_user: float, interpret: bool, causal_self: bool = False) -> TileConfig:
     """Tiles by head dim and packed query rows per user (B·S/U): 64-row tiles when a user has few
-    query rows (the K/V pass is then memory-bound and smaller tiles waste less), else 128."""
+    query rows (the K/V pass is then memory-bound and smaller tiles waste less), else 128. Causal
+    self tiles need BLOCK_N | BLOCK_M."""
     if interpret:
         return TileConfig(16, 16, 4, 1)
     if rows_per_user <= 64:
-        return TileConfig(64, 128 if head_dim <= 64 else 64, 4, 3)
+        return TileConfig(64, 128 if head_dim <= 64 and not causal_self else 64, 4, 3)
     return TileConfig(128, 128 if head_dim <= 64 else 64, 8, 3)
 
 
@@ -349,7 +350,7 @@ def _attention_kernel(
     """Grid (self tiles + candidate tiles, H). Each tile type is a whole inlined function: values
     chosen in a branch and used after the K/V loop (output pointers, row offsets) lose their
     alignment facts, get 64-per-thread layouts and spill."""
-    tl.static_assert(BLOCK_M % BLOCK_N == 0 or not CAUSAL, "causal tiles need BLOCK_N | BLOCK_M")
+    tl.static_assert(BLOCK_M % BLOCK_N == 0 or not (HAS_SELF and CAUSAL), "causal tiles need BLOCK_N | BLOCK_M")
     tile = tl.program_id(0)
     head = tl.program_id(1)
     if HAS_SELF and tile < num_self_tiles:
@@ -485,10 +486,11 @@ def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int):
     return order, tiles, max_tiles
 
 
-def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None, out=None, user_out=None):
+def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None, out=None, user_out=None, plan=None):
     """Triton path. q [B, H, S, d] (B may be 0), k/v [U, H, L, d], kv_len [U] int64; with user_q
     [U, H, L, d] the self-attention tiles run in the same grid. `out` / `user_out` may be given
-    (the tests poison them). Returns (out, user_out or None)."""
+    (the tests poison them), and `plan` (from `plan_tiles` with the same BLOCK_M) when one batch's
+    grouping serves several calls. Returns (out, user_out or None)."""
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
@@ -498,12 +500,12 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
         out.zero_()
         return out, None if user_out is None else user_out.zero_()
     if config is None:
-        config = pick_config(head_dim, num_candidates * num_queries / num_users, interpreting())
+        config = pick_config(head_dim, num_candidates * num_queries / num_users, interpreting(), user_q is not None and causal)
     q = q if q.stride(-1) == 1 else q.contiguous()  # queries are gathered by rows: any other stride
     if user_q is not None and user_q.stride(-1) != 1:
         user_q = user_q.contiguous()
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_views(k, v, config.block_n)
-    order, tiles, max_tiles = plan_tiles(cand_to_user, num_users, num_queries, config.block_m)
+    order, tiles, max_tiles = plan_tiles(cand_to_user, num_users, num_queries, config.block_m) if plan is None else plan
     num_self_tiles = 0 if user_q is None else num_users * triton.cdiv(seq_len, config.block_m)
     uq, uo = (q, out) if user_q is None else (user_q, user_out)
     _attention_kernel[(num_self_tiles + max_tiles, heads)](

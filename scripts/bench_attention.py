@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""IKBO attention benchmark (GPU): providers side by side at the canonical shape, self+target, sweep.
+
+    scripts/bench_attention.py [--sweep full|corners|none] [--no-flex] [--tune] [--smoke]   (or scripts/bench_kernels.py attention ...)
+
+Canonical shape, bf16, non-causal target attention: B=1024 candidates, S=64 query tokens each,
+U=15 users with ragged counts, L=1024, H=4, d=128; FLOPs = 4·B·H·S·L·d. Providers:
+  baseline          index_select K/V to B rows + SDPA (the replication is timed)
+  sdpa_replicated   SDPA on K/V replicated beforehand (kernel only)
+  packed_flash/…    SDPA on each user's candidates packed into one query sequence, [U, H, c·S, d];
+                    needs equal counts, so it runs B' = U·round(B/U) candidates (its own FLOPs)
+  flex              FlexAttention (torch.compile) over the flattened sorted queries and all users'
+                    keys, block mask: query's user == key's user (ragged, no replication)
+  ours              kernels.ikbo_attention on CUDA (Triton: plan + packed-tile kernel), per call
+Self+target: causal self-attention of U×L plus the target attention; "apart" is the best self
+kernel (SDPA flash is_causal, or ours alone) plus our target kernel; "fused" is one launch.
+Sweep: S ∈ {1, 8, 64}, L ∈ {256, 1024, 4096}, d ∈ {64, 128}, B/U ∈ {1, 16, 70, 256} at B=1024
+(U = B / ratio), baseline vs ours.
+Metrics: median ms (`triton.testing.do_bench`, which clears L2 before each run), TFLOP/s, % of
+the floor max(FLOPs / matmul rate, bytes / copy bandwidth), both ceilings measured in this run.
+Outputs are checked before timing: ours (poisoned with NaN) against fp64 at the canonical shape,
+every provider and sweep point against each other. Prints markdown; with $OUT set, writes
+$OUT/attention_bench.md. Kernels are compiled first in parallel worker processes (shared disk
+cache) to spend less device time. --smoke runs the same code on the CPU under TRITON_INTERPRET=1
+with tiny shapes: a check of this script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton builds the kernels
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from kernels import attention  # noqa: E402
+from kernels.attention import TileConfig, ikbo_attention, ikbo_self_target_attention  # noqa: E402
+
+SMOKE = "--smoke" in sys.argv
+DEVICE = "cpu" if SMOKE else "cuda"
+DTYPE = torch.float16 if SMOKE else torch.bfloat16  # Triton 3.6's interpreter gets bf16 dots wrong
+BF16_TOL = 1e-2
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_users: int  # U
+    num_candidates: int  # B
+    num_queries: int  # S
+    seq_len: int  # L
+    heads: int  # H
+    head_dim: int  # d
+
+    @property
+    def target_flops(self):
+        return 4 * self.num_candidates * self.heads * self.num_queries * self.seq_len * self.head_dim
+
+    @property
+    def self_flops(self):  # causal: L(L+1)/2 query-key pairs per user and head
+        return 4 * self.num_users * self.heads * self.seq_len * (self.seq_len + 1) // 2 * self.head_dim
+
+    def target_bytes(self, itemsize=2):  # q and out once, K/V once per user
+        return itemsize * self.heads * self.head_dim * (2 * self.num_candidates * self.num_queries + 2 * self.num_users * self.seq_len)
+
+
+CANONICAL = Shape(15, 1024, 64, 1024, 4, 128)
+SMOKE_CANONICAL = Shape(3, 10, 5, 40, 2, 16)
+SWEEP = [
+    (s, length, d, ratio)
+    for s in (1, 8, 64)
+    for length in (256, 1024, 4096)
+    for d in (64, 128)
+    for ratio in (1, 16, 70, 256)
+]
+SWEEP_CANDIDATES = 1024
+# Tile configurations timed beside the default with --tune (target attention, canonical shape).
+TUNE_CONFIGS = [
+    TileConfig(128, 64, 8, 3),
+    TileConfig(128, 128, 8, 2),
+    TileConfig(128, 64, 8, 2, maxnreg=128),
+    TileConfig(128, 32, 8, 3, maxnreg=128),
+    TileConfig(64, 64, 4, 2),
+    TileConfig(64, 128, 4, 2),
+    TileConfig(128, 64, 8, 2),
+]
+
+
+def ragged_counts(num_users: int, num_candidates: int):
+    """Zipf-like candidate counts (weights 1/(u+1)^0.7), every user at least one when B ≥ U."""
+    weights = torch.tensor([1.0 / (u + 1) ** 0.7 for u in range(num_users)])
+    counts = torch.floor(weights / weights.sum() * num_candidates).long()
+    if num_candidates >= num_users:
+        counts = counts.clamp(min=1)
+    while counts.sum() > num_candidates:
+        counts[counts.argmax()] -= 1
+    counts[0] += num_candidates - counts.sum()
+    return counts
+
+
+def make_problem(shape: Shape, seed: int = 0, counts=None, with_user_q=False):
+    """Fresh random bf16 q/k/v (user_q too if asked; never zeros), drawn on the device, and a
+    shuffled mapping with the given (default: ragged) counts."""
+    cpu_gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    counts = ragged_counts(shape.num_users, shape.num_candidates) if counts is None else counts
+    mapping = torch.repeat_interleave(torch.arange(shape.num_users), counts)[torch.randperm(int(counts.sum()), generator=cpu_gen)]
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen, device=DEVICE, dtype=DTYPE)
+
+    user_shape = (shape.num_users, shape.heads, shape.seq_len, shape.head_dim)
+    return dict(
+        q=rand(mapping.shape[0], shape.heads, shape.num_queries, shape.head_dim),
+        k=rand(*user_shape),
+        v=rand(*user_shape),
+        user_q=rand(*user_shape) if with_user_q else None,
+        cand_to_user=mapping.to(DEVICE),
+        counts=counts,
+    )
+
+
+def label(config: TileConfig) -> str:
+    regs = f" ≤{config.maxnreg} regs" if config.maxnreg else ""
+    return f"{config.block_m}×{config.block_n}, {config.num_warps} warps, {config.num_stages} stages{regs}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Providers
+# ---------------------------------------------------------------------------------------------
+
+
+def baseline(p):
+    rows = p["cand_to_user"]
+    return F.scaled_dot_product_attention(p["q"], p["k"].index_select(0, rows), p["v"].index_select(0, rows))
+
+
+def ours(p, config=None):
+    if config is None:
+        return ikbo_attention(p["q"], p["k"], p["v"], p["cand_to_user"], backend="triton")
+    lengths = torch.full((p["k"].shape[0],), p["k"].shape[2], dtype=torch.int64, device=DEVICE)
+    return attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], lengths, 1 / math.sqrt(p["k"].shape[3]), config=config)[0]
+
+
+def packed(p, backend):
+    """p holds an equal-count problem; q_packed [U, H, c·S, d] built outside the timed region."""
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(p["q_packed"], p["k"], p["v"])
+
+
+def make_flex(p, shape):
+    """FlexAttention over flattened, user-sorted queries [1, H, B·S, d] and keys [1, H, U·L, d]."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    order = torch.argsort(p["cand_to_user"], stable=True)
+    q_user = p["cand_to_user"][order].repeat_interleave(shape.num_queries).int()
+    kv_user = torch.arange(shape.num_users, device=DEVICE).repeat_interleave(shape.seq_len).int()
+    q_flat = p["q"][order].permute(1, 0, 2, 3).reshape(1, shape.heads, -1, shape.head_dim)
+    k_flat, v_flat = (t.permute(1, 0, 2, 3).reshape(1, shape.heads, -1, shape.head_dim) for t in (p["k"], p["v"]))
+
+    def same_user(b, h, q_idx, kv_idx):
+        return q_user[q_idx] == kv_user[kv_idx]
+
+    mask = create_block_mask(same_user, None, None, q_flat.shape[2], k_flat.shape[2], device=DEVICE)
+    compiled = torch.compile(flex_attention)
+
+    def run():
+        return compiled(q_flat, k_flat, v_flat, block_mask=mask)
+
+    def unflatten(out):  # back to [B, H, S, d] in candidate order, for the check
+        res = torch.empty_like(p["q"])
+        res[order] = out.reshape(shape.heads, -1, shape.num_queries, shape.head_dim).permute(1, 0, 2, 3)
+        return res
+
+    return run, unflatten
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+def timed(fn, warmup=25, rep=100):
+    """Median ms: triton.testing.do_bench on the GPU, wall clock (3 runs) under --smoke."""
+    if SMOKE:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[1]
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def ceilings():
+    """(bf16 matmul FLOP/s, copy bytes/s) measured here: 8192³ random matmul, 4 GiB copy."""
+    if SMOKE:
+        return 1e12, 1e11
+    a, b = (torch.randn(8192, 8192, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    flops = 2 * 8192**3 / (timed(lambda: a @ b) * 1e-3)
+    src = torch.randn(2**29, device=DEVICE)  # 2 GiB fp32
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 4 / (timed(lambda: dst.copy_(src)) * 1e-3)
+    del a, b, src, dst
+    return flops, bandwidth
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def fp64_target(p):
+    return ikbo_attention(*(p[n].double() for n in ("q", "k", "v")), p["cand_to_user"], backend="torch")
+
+
+def poisoned_ours(p, user_q=None):
+    lengths = torch.full((p["k"].shape[0],), p["k"].shape[2], dtype=torch.int64, device=DEVICE)
+    out = torch.full_like(p["q"], float("nan"))
+    user_out = None if user_q is None else torch.full_like(user_q, float("nan"))
+    return attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], lengths, 1 / math.sqrt(p["k"].shape[3]), user_q, True, out=out, user_out=user_out)
+
+
+def _warm(job):
+    """Worker: compile (into the shared disk cache) what `job` will launch."""
+    kind, shape, config = job
+    p = make_problem(shape, with_user_q=kind in ("fused", "self"))
+    if kind == "flex":
+        make_flex(p, shape)[0]()
+    elif kind == "target":
+        ours(p, config)
+    elif kind == "fused":
+        ikbo_self_target_attention(p["user_q"], p["q"], p["k"], p["v"], p["cand_to_user"], backend="triton")
+    elif kind == "self":
+        lengths = torch.full((shape.num_users,), shape.seq_len, dtype=torch.int64, device=DEVICE)
+        attention._launch(p["q"][:0], p["k"], p["v"], p["cand_to_user"][:0], lengths, 1.0, p["user_q"])
+    torch.cuda.synchronize()
+    return job
+
+
+def warm_up(jobs, workers=12):
+    start = time.perf_counter()
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        list(pool.map(_warm, jobs))
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+def canonical_section(shape, peak, bandwidth, with_flex, tune):
+    lines = []
+    p = make_problem(shape, seed=1)
+    floor_ms = max(shape.target_flops / peak, shape.target_bytes() / bandwidth) * 1e3
+    ref = fp64_target(p)
+    err_ours = rel_err(poisoned_ours(p)[0], ref)
+    assert err_ours <= BF16_TOL, f"ours: relative error {err_ours:.2e} vs fp64"
+    base_out = baseline(p)
+    rows = []  # (provider, ms, flops, check, note)
+
+    def add(name, fn, flops, out=None, note=""):
+        check = "" if out is None else f"{rel_err(out, ref):.1e}"
+        rows.append((name, timed(fn), flops, check, note))
+
+    add("baseline (index_select + SDPA)", lambda: baseline(p), shape.target_flops, base_out, "replication timed")
+    k_rep, v_rep = (p[n].index_select(0, p["cand_to_user"]) for n in ("k", "v"))
+    add("sdpa_replicated (kernel only)", lambda: F.scaled_dot_product_attention(p["q"], k_rep, v_rep), shape.target_flops)
+    del k_rep, v_rep
+    if not SMOKE:
+        per_user = round(shape.num_candidates / shape.num_users)
+        eq = make_problem(replace(shape, num_candidates=per_user * shape.num_users), seed=2, counts=torch.full((shape.num_users,), per_user))
+        order = torch.argsort(eq["cand_to_user"], stable=True)
+        eq["q_packed"] = eq["q"][order].view(shape.num_users, per_user, shape.heads, shape.num_queries, shape.head_dim).transpose(1, 2).reshape(shape.num_users, shape.heads, per_user * shape.num_queries, shape.head_dim)
+        eq_flops = replace(shape, num_candidates=per_user * shape.num_users).target_flops
+        for name, backend in (("packed_flash", SDPBackend.FLASH_ATTENTION), ("packed_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                packed(eq, backend)
+                add(f"{name} (equal counts {per_user}/user)", lambda b=backend: packed(eq, b), eq_flops, note=f"B'={per_user * shape.num_users}")
+            except RuntimeError as exc:  # backend not available for this shape/device
+                rows.append((name, float("nan"), eq_flops, "", f"unavailable: {str(exc)[:60]}"))
+        del eq
+    if with_flex:
+        try:
+            run, unflatten = make_flex(p, shape)
+            add("flex (block mask, ragged)", run, shape.target_flops, unflatten(run()))
+        except Exception as exc:  # noqa: BLE001 (report and go on: a missing peer is not a failure of ours)
+            rows.append(("flex", float("nan"), shape.target_flops, "", f"failed: {type(exc).__name__}: {str(exc)[:60]}"))
+    add("**ours** (ikbo_attention, Triton)", lambda: ours(p), shape.target_flops, ours(p), "default " + label(attention.pick_config(shape.head_dim, shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting())))
+    config = attention.pick_config(shape.head_dim, shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting())
+    plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m)
+    lengths = torch.full((shape.num_users,), shape.seq_len, dtype=torch.int64, device=DEVICE)
+    scale = 1 / math.sqrt(shape.head_dim)
+    add("ours: attention kernel only (plan given)", lambda: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], lengths, scale, plan=plan), shape.target_flops)
+    add("ours: plan kernel only", lambda: attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m), shape.target_flops, note="FLOPs of the op")
+    if tune:
+        for config in TUNE_CONFIGS:
+            add(f"ours {label(config)}", lambda c=config: ours(p, c), shape.target_flops, ours(p, config))
+
+    base_ms = rows[0][1]
+    lines.append(f"Target attention, {shape}, counts {p['counts'].tolist()}, bf16, non-causal")
+    lines.append(f"floor {floor_ms:.3f} ms (FLOPs / {peak / 1e12:.0f} TFLOP/s; bytes / {bandwidth / 1e12:.2f} TB/s); ours rel err vs fp64 {err_ours:.1e} (poisoned output)\n")
+    lines.append("| provider | ms | TFLOP/s | × baseline | % of floor | err vs fp64 | note |")
+    lines.append("|---|---:|---:|---:|---:|---:|---|")
+    for name, ms, flops, check, note in rows:
+        lines.append(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | {base_ms / ms:.2f} | {100 * floor_ms / ms * flops / shape.target_flops:.0f} | {check} | {note} |")
+    return lines
+
+
+def self_target_section(shape, peak):
+    lines = []
+    p = make_problem(shape, seed=3, with_user_q=True)
+    lengths = torch.full((shape.num_users,), shape.seq_len, dtype=torch.int64, device=DEVICE)
+    cand_out, user_out = poisoned_ours(p, p["user_q"])
+    fp64 = ikbo_self_target_attention(*(p[n].double() for n in ("user_q", "q", "k", "v")), p["cand_to_user"], backend="torch")
+    err = max(rel_err(user_out, fp64[0]), rel_err(cand_out, fp64[1]))
+    assert err <= BF16_TOL, f"fused: relative error {err:.2e} vs fp64"
+    scale = 1 / math.sqrt(shape.head_dim)
+
+    def self_sdpa():
+        return F.scaled_dot_product_attention(p["user_q"], p["k"], p["v"], is_causal=True)
+
+    def self_ours():
+        return attention._launch(p["q"][:0], p["k"], p["v"], p["cand_to_user"][:0], lengths, scale, p["user_q"])[1]
+
+    rows = [
+        ("self: SDPA is_causal", timed(self_sdpa), shape.self_flops),
+        ("self: ours alone", timed(self_ours), shape.self_flops),
+        ("target: ours", timed(lambda: ours(p)), shape.target_flops),
+    ]
+    apart = min(rows[0][1], rows[1][1]) + rows[2][1]
+    fused = timed(lambda: ikbo_self_target_attention(p["user_q"], p["q"], p["k"], p["v"], p["cand_to_user"], backend="triton"))
+    total = shape.self_flops + shape.target_flops
+    rows += [("apart (best self + target)", apart, total), ("**fused** (one launch)", fused, total)]
+    lines.append(f"\nSelf (causal, U×L) + target attention, {shape}; fused rel err vs fp64 {err:.1e}; fused / apart = {fused / apart:.3f}\n")
+    lines.append("| part | ms | TFLOP/s |")
+    lines.append("|---|---:|---:|")
+    lines += [f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |" for name, ms, flops in rows]
+    return lines
+
+
+# the sweep's extremes, for a short run (--sweep corners)
+CORNERS = [(1, 4096, 128, 1), (64, 256, 64, 256), (8, 1024, 64, 16), (64, 4096, 128, 70), (1, 256, 64, 256)]
+
+
+def sweep_shapes(points):
+    if SMOKE:
+        return [Shape(max(1, 8 // ratio), 8, s, length, 2, d) for s, length, d, ratio in [(1, 40, 16, 1), (8, 20, 32, 4)]]
+    return [Shape(SWEEP_CANDIDATES // ratio, SWEEP_CANDIDATES, s, length, 4, d) for s, length, d, ratio in points]
+
+
+def sweep_section(points):
+    lines = ["\nSweep (bf16, non-causal target, H=4, B=1024, ragged counts): baseline vs ours\n"]
+    lines.append("| S | L | d | B/U | U | baseline ms | ours ms | speedup | ours TFLOP/s | err vs baseline |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    slowest = math.inf
+    for shape in sweep_shapes(points):
+        p = make_problem(shape, seed=4)
+        base_out, our_out = baseline(p), ours(p)
+        err = rel_err(our_out, base_out)
+        base_ms, our_ms = timed(lambda: baseline(p), 5, 30), timed(lambda: ours(p), 5, 30)
+        slowest = min(slowest, base_ms / our_ms)
+        ratio = shape.num_candidates // shape.num_users
+        lines.append(f"| {shape.num_queries} | {shape.seq_len} | {shape.head_dim} | {ratio} | {shape.num_users} | {base_ms:.3f} | {our_ms:.3f} | {base_ms / our_ms:.2f} | {shape.target_flops / our_ms / 1e9:.0f} | {err:.1e} |")
+        del p, base_out, our_out
+    lines.append(f"\nsmallest speedup over the baseline in the sweep: {slowest:.2f}×")
+    return lines
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", choices=("full", "corners", "none"), default="full")
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--tune", action="store_true", help="also time the TUNE_CONFIGS at the canonical shape")
+    parser.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
+    args = parser.parse_args(argv)
+    canonical = SMOKE_CANONICAL if SMOKE else CANONICAL
+    points = {"full": SWEEP, "corners": CORNERS, "none": []}[args.sweep]
+    header = [f"# IKBO attention benchmark, {datetime.date.today()}"]
+    if not SMOKE:
+        props = torch.cuda.get_device_properties(0)
+        header.append(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}")
+        jobs = [("target", canonical, None), ("fused", canonical, None), ("self", canonical, None)]
+        jobs += [("target", canonical, c) for c in TUNE_CONFIGS] if args.tune else []
+        jobs += [("flex", canonical, None)] if not args.no_flex else []
+        jobs += [("target", s, None) for s in sweep_shapes(points)]
+        header.append(f"compiled {len(jobs)} kernel variants in worker processes: {warm_up(jobs):.0f} s")
+    peak, bandwidth = ceilings()
+    header.append(f"ceilings measured here: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s\n")
+    print("\n".join(header), flush=True)
+    lines = header + canonical_section(canonical, peak, bandwidth, not (args.no_flex or SMOKE), args.tune)
+    print("\n".join(lines[len(header):]), flush=True)
+    more = self_target_section(canonical, peak)
+    print("\n".join(more), flush=True)
+    lines += more
+    if points:
+        more = sweep_section(points)
+        print("\n".join(more), flush=True)
+        lines += more
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "attention_bench.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
