@@ -67,13 +67,15 @@ class TileConfig:
     block_k: int
     num_warps: int = 8
     num_stages: int = 3
-    warp_specialize: bool = False  # s1–s3: Hopper automatic warp specialization of the K loop (num_warps=4)
+    warp_specialize: bool = False  # s2, s3: Hopper automatic warp specialization of the K loop (num_warps=4)
+    epilogue_split: bool = False  # epilogue in two [block_m, block_d / 2] halves (less shared memory)
 
 
 def tile_configs(variant: str, dtype: torch.dtype, dim: int):
-    """Configs to try, best first: a [128, min(256, D)] tile and 128-byte K steps, then shallower
-    pipelines, then a small tile. Shared memory decides which one launches (see `_run_with_fallback`).
-    Measured on H200 (docs/notes/lce.md): s4's persistent kernel needs num_stages ≤ 2 at 128 × 256.
+    """Configs to try, best first: a [128, min(256, D)] tile with 128-byte K steps and the deepest
+    pipeline that fits, then shallower ones, then a small tile; the first that launches is kept
+    (shared memory decides, see `_triton`). Shared memory at 128 × 256 × 64, bf16 (ptxas, sm_90a):
+    s3 4 stages, split epilogue 197 KB; s4 3 stages, split epilogue 213 KB (4 stages: 262 KB).
     """
     if _interpreting():
         yield TileConfig(16, 16, 16, num_warps=4, num_stages=1)
@@ -82,8 +84,10 @@ def tile_configs(variant: str, dtype: torch.dtype, dim: int):
     block_d = max(16, min(256, triton.next_power_of_2(dim)))
     block_k = 128 // elem
     num_warps = 8 if block_d >= 128 else 4
-    for num_stages in (3, 2) if variant != "s4" else (2,):
-        yield TileConfig(128, block_d, block_k, num_warps, num_stages)
+    split = variant != "s1" and block_d >= 64
+    stages = {"s1": (3, 2), "s2": (4, 3), "s3": (4, 3), "s4": (3, 2)}[variant]
+    for num_stages in stages:
+        yield TileConfig(128, block_d, block_k, num_warps, num_stages, epilogue_split=split)
     yield TileConfig(64, min(block_d, 128), block_k, 4, 2)
 
 
@@ -129,7 +133,7 @@ def _tile_mainloop(
 
 
 @triton.jit
-def _tile_epilogue(
+def _epilogue_part(
     acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
     g, off_n, off_d, N, D,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -154,6 +158,32 @@ def _tile_epilogue(
 
 
 @triton.jit
+def _tile_epilogue(
+    acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
+    g, off_n, off_d, N, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """The epilogue in one piece, or (SPLIT) in two [BLOCK_M, BLOCK_D / 2] halves: half the shared
+    memory for the output staging and the layout conversions (after tutorial 09's EPILOGUE_SUBTILE)."""
+    if SPLIT:
+        left, right = acc.reshape(BLOCK_M, 2, BLOCK_D // 2).permute(0, 2, 1).split()
+        _epilogue_part(
+            left, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D,
+            BLOCK_M, BLOCK_D // 2, FUSE_USER, HAS_BIAS, OUT_TMA,
+        )
+        _epilogue_part(
+            right, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d + BLOCK_D // 2, N, D,
+            BLOCK_M, BLOCK_D // 2, FUSE_USER, HAS_BIAS, OUT_TMA,
+        )
+    else:
+        _epilogue_part(
+            acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D,
+            BLOCK_M, BLOCK_D, FUSE_USER, HAS_BIAS, OUT_TMA,
+        )
+
+
+@triton.jit
 def _lce_tile_kernel(
     w_ptr, w_desc, stride_wn,  # weight [N, K] (s1: unpadded, pointers; s2+: padded copy, descriptor)
     x_ptr, x_desc, stride_xg, stride_xk, stride_xd,  # activations [G, K, D]
@@ -162,7 +192,7 @@ def _lce_tile_kernel(
     N, D, K,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     W_TMA: tl.constexpr, X_TMA: tl.constexpr, OUT_TMA: tl.constexpr,
-    FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One output tile per program: out[g] = W @ X[g] (s1, s2), + Y_u[m[g]] + bias in the epilogue (s3)."""
     g, off_n, off_d = _tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), BLOCK_M, BLOCK_D)
@@ -175,7 +205,7 @@ def _lce_tile_kernel(
     _tile_epilogue(
         acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
         g, off_n, off_d, N, D,
-        BLOCK_M, BLOCK_D, FUSE_USER, HAS_BIAS, OUT_TMA,
+        BLOCK_M, BLOCK_D, FUSE_USER, HAS_BIAS, OUT_TMA, SPLIT,
     )
 
 
@@ -237,7 +267,7 @@ def _lce_persistent_kernel(
     U, B, N, D, KU, KC, NUM_PROGRAMS,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     XU_TMA: tl.constexpr, XC_TMA: tl.constexpr, OUT_TMA: tl.constexpr,
-    HAS_USER: tl.constexpr, HAS_BIAS: tl.constexpr, SPIN_ASM: tl.constexpr,
+    HAS_USER: tl.constexpr, HAS_BIAS: tl.constexpr, SPIN_ASM: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """s4: user tiles, then candidate tiles, in one persistent launch (grid ≤ number of SMs, all resident).
 
@@ -260,11 +290,14 @@ def _lce_persistent_kernel(
             _tile_epilogue(
                 acc, y_ptr, y_ptr, y_ptr, m_ptr, bias_ptr,
                 user, off_n, off_d, N, D,
-                BLOCK_M, BLOCK_D, False, False, False,
+                BLOCK_M, BLOCK_D, False, False, False, SPLIT,
             )
             tl.debug_barrier()  # every thread's Y_u stores precede the flag's release
             tl.atomic_xchg(flag_ptr + tile, epoch, sem="release", scope="gpu")
-    for tile in tl.range(pid, B * tiles_per_row, NUM_PROGRAMS, flatten=True):
+    # Programs that ran user tiles take the candidate tiles at the end of each wave.
+    user_tiles = U * tiles_per_row if HAS_USER else 0
+    first = (pid + NUM_PROGRAMS - user_tiles % NUM_PROGRAMS) % NUM_PROGRAMS
+    for tile in tl.range(first, B * tiles_per_row, NUM_PROGRAMS, flatten=True):
         cand, off_n, off_d = _tile_coords(tile, num_n_tiles, num_d_tiles, BLOCK_M, BLOCK_D)
         acc = _tile_mainloop(
             wc_desc, wc_desc, 0,
@@ -278,7 +311,7 @@ def _lce_persistent_kernel(
         _tile_epilogue(
             acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
             cand, off_n, off_d, N, D,
-            BLOCK_M, BLOCK_D, HAS_USER, HAS_BIAS, OUT_TMA,
+            BLOCK_M, BLOCK_D, HAS_USER, HAS_BIAS, OUT_TMA, SPLIT,
         )
 
 
@@ -314,7 +347,8 @@ def _activation_desc(x: torch.Tensor, cfg: TileConfig):
 def _out_desc(out: torch.Tensor, cfg: TileConfig):
     if not _tma_ok(out):
         return None
-    return TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_d])
+    block_d = cfg.block_d // 2 if cfg.epilogue_split else cfg.block_d
+    return TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, block_d])
 
 
 def _num_programs(device: torch.device) -> int:
@@ -455,6 +489,7 @@ class PackedLinearCompress:
             BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_k,
             W_TMA=tma, X_TMA=x_desc is not None, OUT_TMA=out_desc is not None,
             FUSE_USER=fused_user is not None, HAS_BIAS=bias is not None, WARP_SPECIALIZE=cfg.warp_specialize,
+            SPLIT=cfg.epilogue_split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -494,7 +529,7 @@ class PackedLinearCompress:
             num_users, num_candidates, rows, dim, num_user_tokens, num_cand_tokens, num_programs,
             BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_k,
             XU_TMA=xu_desc is not None, XC_TMA=xc_desc is not None, OUT_TMA=out_desc is not None,
-            HAS_USER=has_user, HAS_BIAS=self.bias is not None, SPIN_ASM=not _interpreting(),
+            HAS_USER=has_user, HAS_BIAS=self.bias is not None, SPIN_ASM=not _interpreting(), SPLIT=cfg.epilogue_split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

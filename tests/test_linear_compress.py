@@ -30,7 +30,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import PackedLinearCompress, ikbo_linear_compress
-from kernels.linear_compress import VARIANTS
+from kernels.linear_compress import VARIANTS, TileConfig
 from kernels.reference import linear_compress_reference
 
 FP32_TOL = 1e-5
@@ -218,7 +218,10 @@ def test_triton_interpreted():
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
 
 
-def _check_triton(case: Case, variant: str, dtype: torch.dtype, tol: float) -> None:
+INTERPRETED_CONFIGS = [None, TileConfig(16, 32, 16, num_warps=4, num_stages=1, epilogue_split=True)]
+
+
+def _check_triton(case: Case, variant: str, dtype: torch.dtype, tol: float, config=None) -> None:
     user_emb, cand_emb, cand_to_user, weight, bias = make_inputs(case, dtype)
     ref = linear_compress_reference(user_emb, cand_emb, cand_to_user, weight, bias)
     packed = PackedLinearCompress.from_weight(weight, case.num_user_tokens, bias)
@@ -227,7 +230,7 @@ def _check_triton(case: Case, variant: str, dtype: torch.dtype, tol: float) -> N
     user_part = torch.full((case.num_users, case.out_rows, case.dim), float("nan"), dtype=dtype)
     if case.num_user_tokens == 0:
         user_part = user_part[:0]
-    packed._triton(user_emb, cand_emb, cand_to_user, variant, out=out, user_part=user_part)
+    packed._triton(user_emb, cand_emb, cand_to_user, variant, config=config, out=out, user_part=user_part)
     assert bool(torch.isfinite(out).all()), (case, variant)
     assert rel_err(out, ref) <= tol, (case, variant, rel_err(out, ref))
     public = packed(user_emb, cand_emb, cand_to_user, backend="triton", variant=variant)
@@ -250,15 +253,20 @@ INTERPRETED_CORNERS = [
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", INTERPRETED_CORNERS, ids=lambda c: f"U{c.num_users}-B{len(c.mapping)}-Ku{c.num_user_tokens}-Kc{c.num_cand_tokens}-D{c.dim}")
-def test_interpreted_corners(case, variant):
-    _check_triton(case, variant, torch.float32, FP32_TOL)
+@pytest.mark.parametrize("config", INTERPRETED_CONFIGS, ids=["default", "split"])
+def test_interpreted_corners(case, variant, config):
+    _check_triton(case, variant, torch.float32, FP32_TOL, config)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
 @settings(max_examples=60, deadline=None)
-@given(case=cases(max_users=5, max_candidates=10, max_tokens=40, max_dim=40, max_rows=40), variant=st.sampled_from(VARIANTS))
-def test_interpreted_drawn(case, variant):
-    _check_triton(case, variant, torch.float32, FP32_TOL)
+@given(
+    case=cases(max_users=5, max_candidates=10, max_tokens=40, max_dim=40, max_rows=40),
+    variant=st.sampled_from(VARIANTS),
+    config=st.sampled_from(INTERPRETED_CONFIGS),
+)
+def test_interpreted_drawn(case, variant, config):
+    _check_triton(case, variant, torch.float32, FP32_TOL, config)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
