@@ -64,15 +64,18 @@ class TileConfig:
     warp_specialize: bool = False
 
 
-def pick_config(head_dim: int, rows_per_user: float, interpret: bool, causal_self: bool = False) -> TileConfig:
-    """Tiles by head dim and packed query rows per user (B·S/U): 64-row tiles when a user has few
-    query rows (the K/V pass is then memory-bound and smaller tiles waste less), else 128. Causal
-    self tiles need BLOCK_N | BLOCK_M."""
+def pick_config(rows_per_user: float, interpret: bool) -> TileConfig:
+    """Tiles by packed query rows per user (B·S/U, plus L with self-attention). 128-row tiles with
+    ≤ 128 registers, so that two 8-warp programs share an SM and one's softmax overlaps the other's
+    matrix products (the best of TUNE_CONFIGS in scripts/bench_attention.py on the H200: 0.347 ms at
+    the canonical shape, against 0.397 for one program per SM); 64-row tiles when a user has few
+    query rows (the K/V pass is then memory-bound and smaller tiles waste less). Causal self tiles
+    need BLOCK_N | BLOCK_M, which both satisfy."""
     if interpret:
         return TileConfig(16, 16, 4, 1)
     if rows_per_user <= 64:
-        return TileConfig(64, 128 if head_dim <= 64 and not causal_self else 64, 4, 3)
-    return TileConfig(128, 128 if head_dim <= 64 else 64, 8, 3)
+        return TileConfig(64, 64, 4, 2)
+    return TileConfig(128, 64, 8, 2, maxnreg=128)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,96 +84,65 @@ def pick_config(head_dim: int, rows_per_user: float, interpret: bool, causal_sel
 
 
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def _plan_kernel(
-    cand_to_user_ptr,  # [B] int32/int64 in [0, U)
-    order_ptr,  # [B] int32 out: candidates grouped by user
-    tile_ptr,  # [max_tiles, 4] int32 out: (user or -1, first candidate slot, first row, row end)
-    scratch_ptr,  # [4·U + max_tiles] int32: cursor, cand_start, tile_start, count, tile marks
+    cand_to_user_ptr,  # [B] int32/int64, expected in [0, U)
+    kv_len_ptr,  # [U] int32/int64, expected in [0, L] (unused without HAS_KV_LEN)
+    order_ptr,  # [B] int32 out: candidates grouped by user, in their original order within a user
+    tile_ptr,  # [B·S // BLOCK_M + U, 4] int32 out: (user or -1, first candidate slot, first row, row end)
+    flag_ptr,  # [1] int32 out: 1 when a mapping or kv_len value is out of range
     num_candidates,
     num_users,
+    seq_len,
     num_queries,
-    max_tiles,
+    HAS_KV_LEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """One program: counting sort of the candidates by user and the table of query tiles.
-
-    Phases are separated by CTA barriers; data another thread wrote is read with `.cg` (L2), since
-    counts are built with atomics that bypass L1. The order inside one user is not stable, which no
-    output depends on: every query row is computed on its own.
-    """
+    """Program u reads the whole mapping twice: first = #candidates of users < u and count = #of u,
+    then writes its candidates to order[first, first + count) and its tiles to the slots
+    [start(u), start(u + 1)), start(u) = first·S // BLOCK_M + u, which holds the cdiv(count·S,
+    BLOCK_M) tiles it needs (unused slots get user -1). No atomics, no cross-program traffic; O(U·B)
+    loads, which the U programs share. Out-of-range values are never matched (their rows are left
+    unwritten), and program 0 raises the flag, on which the host raises the ValueError."""
+    user = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
-    cursor_ptr = scratch_ptr
-    cand_start_ptr = scratch_ptr + num_users
-    tile_start_ptr = scratch_ptr + 2 * num_users
-    count_ptr = scratch_ptr + 3 * num_users
-    mark_ptr = scratch_ptr + 4 * num_users
-
-    # 0. zero the counts, clear the tile marks
-    for i in range(0, num_users, CHUNK):
-        tl.store(cursor_ptr + i + offs, tl.zeros([CHUNK], tl.int32), mask=i + offs < num_users)
-    for i in range(0, max_tiles, CHUNK):
-        tl.store(mark_ptr + i + offs, tl.full([CHUNK], -1, tl.int32), mask=i + offs < max_tiles)
-    tl.debug_barrier()
-
-    # 1. candidates per user
+    first = tl.full((), 0, tl.int32)
+    count = tl.full((), 0, tl.int32)
+    bad = tl.full((), 0, tl.int32)
     for i in range(0, num_candidates, CHUNK):
         ok = i + offs < num_candidates
-        user = tl.load(cand_to_user_ptr + i + offs, mask=ok, other=0)
-        tl.atomic_add(cursor_ptr + user, 1, mask=ok)
-    tl.debug_barrier()
-
-    # 2. exclusive scans: first candidate slot and first tile of each user; mark each user's first tile
-    cand_carry = tl.full((), 0, tl.int32)
-    tile_carry = tl.full((), 0, tl.int32)
-    for i in range(0, num_users, CHUNK):
-        users = i + offs
-        ok = users < num_users
-        count = tl.load(cursor_ptr + users, mask=ok, other=0, cache_modifier=".cg")
-        tiles = (count * num_queries + BLOCK_M - 1) // BLOCK_M
-        cand_start = cand_carry + tl.cumsum(count, 0) - count
-        tile_start = tile_carry + tl.cumsum(tiles, 0) - tiles
-        tl.store(cand_start_ptr + users, cand_start, mask=ok)
-        tl.store(tile_start_ptr + users, tile_start, mask=ok)
-        tl.store(count_ptr + users, count, mask=ok)
-        tl.store(mark_ptr + tile_start, users, mask=ok & (tiles > 0))
-        cand_carry += tl.sum(count, 0)
-        tile_carry += tl.sum(tiles, 0)
-    tl.debug_barrier()
-    for i in range(0, num_users, CHUNK):  # the counts become insertion cursors
-        ok = i + offs < num_users
-        tl.store(cursor_ptr + i + offs, tl.load(cand_start_ptr + i + offs, mask=ok, cache_modifier=".cg"), mask=ok)
-    tl.debug_barrier()
-
-    # 3. counting sort
+        m = tl.load(cand_to_user_ptr + i + offs, mask=ok, other=0)
+        first += tl.sum((ok & (m < user)).to(tl.int32), 0)
+        count += tl.sum((ok & (m == user)).to(tl.int32), 0)
+        bad = tl.maximum(bad, tl.max((ok & ((m < 0) | (m >= num_users))).to(tl.int32), 0))
+    seen = tl.full((), 0, tl.int32)
     for i in range(0, num_candidates, CHUNK):
         ok = i + offs < num_candidates
-        user = tl.load(cand_to_user_ptr + i + offs, mask=ok, other=0)
-        slot = tl.atomic_add(cursor_ptr + user, 1, mask=ok)
-        tl.store(order_ptr + slot, i + offs, mask=ok)
+        mine = ok & (tl.load(cand_to_user_ptr + i + offs, mask=ok, other=0) == user)
+        slot = first + seen + tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(order_ptr + slot, i + offs, mask=mine)
+        seen += tl.sum(mine.to(tl.int32), 0)
 
-    # 4. tile table: tile t belongs to the last user whose first tile is ≤ t (running max of marks)
-    user_carry = tl.full((), -1, tl.int32)
-    for i in range(0, max_tiles, CHUNK):
-        tile = i + offs
-        in_table = tile < max_tiles
-        mark = tl.load(mark_ptr + tile, mask=in_table, other=-1, cache_modifier=".cg")
-        user = tl.maximum(tl.associative_scan(mark, 0, _max_combine), user_carry)
-        user_carry = tl.max(user, 0)
-        ok = tile < tile_carry
-        first_slot = tl.load(cand_start_ptr + user, mask=ok, other=0, cache_modifier=".cg")
-        first_tile = tl.load(tile_start_ptr + user, mask=ok, other=0, cache_modifier=".cg")
-        count = tl.load(count_ptr + user, mask=ok, other=0, cache_modifier=".cg")
-        row = tile_ptr + tile * 4
-        tl.store(row + 0, tl.where(ok, user, -1), mask=in_table)
-        tl.store(row + 1, first_slot, mask=in_table)
-        tl.store(row + 2, (tile - first_tile) * BLOCK_M, mask=in_table)
-        tl.store(row + 3, tl.where(ok, count * num_queries, 0), mask=in_table)
+    rows = count * num_queries
+    tiles = (rows + BLOCK_M - 1) // BLOCK_M
+    start = (first * num_queries) // BLOCK_M + user
+    stop = ((first + count) * num_queries) // BLOCK_M + user + 1
+    for j in range(0, stop - start, CHUNK):
+        t = j + offs
+        entry = tile_ptr + (start + t) * 4
+        live = t < stop - start
+        tl.store(entry + 0, tl.where(t < tiles, user, -1), mask=live)
+        tl.store(entry + 1, tl.full([CHUNK], 0, tl.int32) + first, mask=live)
+        tl.store(entry + 2, t * BLOCK_M, mask=live)
+        tl.store(entry + 3, tl.full([CHUNK], 0, tl.int32) + rows, mask=live)
+
+    if user == 0:
+        if HAS_KV_LEN:
+            for i in range(0, num_users, CHUNK):
+                ok = i + offs < num_users
+                kv = tl.load(kv_len_ptr + i + offs, mask=ok, other=0)
+                bad = tl.maximum(bad, tl.max((ok & ((kv < 0) | (kv > seq_len))).to(tl.int32), 0))
+        tl.store(flag_ptr, bad)
 
 
 @triton.jit
@@ -248,17 +220,25 @@ def _softmax_pass(
 
 
 @triton.jit
+def _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN: tl.constexpr):
+    """Valid keys of `user`, clamped to [0, L] (out-of-range values are reported by the plan)."""
+    if HAS_KV_LEN:
+        return tl.minimum(tl.maximum(tl.load(kv_len_ptr + user).to(tl.int32), 0), seq_len)
+    return seq_len
+
+
+@triton.jit
 def _self_tile(
     tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
     k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """One query tile of a user's own sequence; causal tiles are numbered longest first."""
     q_tiles = num_self_tiles // num_users
     user = tile % num_users
     q_tile = (q_tiles - 1 - tile // num_users) if CAUSAL else tile // num_users
-    kv_len = tl.load(kv_len_ptr + user).to(tl.int32)
+    kv_len = _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the user's sequence
     q_rows = user.to(tl.int64) * stride_uqu + head * stride_uqh + tl.minimum(rows, seq_len - 1) * stride_uql
@@ -282,9 +262,9 @@ def _self_tile(
 @triton.jit
 def _target_tile(
     tile, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, num_queries, qk_scale,
+    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """BLOCK_M packed query rows of one user's candidates (virtual rows: candidate-major, S tokens)."""
     entry = tile_ptr + tile * 4
@@ -293,7 +273,7 @@ def _target_tile(
     rows = tl.load(entry + 2) + tl.arange(0, BLOCK_M)
     row_ok = rows < tl.load(entry + 3)
     user = tl.maximum(entry_user, 0)
-    kv_len = tl.where(entry_user >= 0, tl.load(kv_len_ptr + user).to(tl.int32), 0)
+    kv_len = tl.where(entry_user >= 0, _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN), 0)
     slot = rows // num_queries
     token = rows - slot * num_queries
     cand = tl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(tl.int64)  # padding rows read candidate 0
@@ -331,7 +311,7 @@ def _attention_kernel(
     stride_ku,
     stride_kh,
     stride_kl,  # element strides of k and v [U, H, L, ·] (the same for both)
-    kv_len_ptr,  # [U] int64
+    kv_len_ptr,  # [U] int32/int64 (unused without HAS_KV_LEN: every key valid)
     order_ptr,  # [B] int32 from _plan_kernel
     tile_ptr,  # [max_tiles, 4] int32 from _plan_kernel
     num_users,
@@ -344,6 +324,7 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     HAS_SELF: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
@@ -356,11 +337,11 @@ def _attention_kernel(
     if HAS_SELF and tile < num_self_tiles:
         _self_tile(tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
                    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles,
-                   qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, NUM_STAGES, WARP_SPECIALIZE)
+                   qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
     else:
         _target_tile(tile - num_self_tiles, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh,
                      stride_os, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
-                     num_queries, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE)
+                     seq_len, num_queries, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,60 +449,89 @@ def _kv_views(k, v, block_n):
     return descs[0], descs[1], (s_u, s_h, s_l)
 
 
-def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int):
-    """Run `_plan_kernel`: (order [B] int32, tiles [max_tiles, 4] int32, max_tiles), where max_tiles =
-    cdiv(B·S, BLOCK_M) + min(U, B) bounds the tile count without a device→host sync."""
+def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int, kv_len=None, seq_len: int = 0):
+    """Run `_plan_kernel` → (order [B] int32, tiles [max_tiles, 4] int32, max_tiles, flag [1] int32),
+    with max_tiles = B·S // BLOCK_M + U, known without a device→host sync. flag is 1 when a
+    mapping value lies outside [0, U) or a kv_len value outside [0, L]."""
     num_candidates = cand_to_user.shape[0]
-    max_tiles = triton.cdiv(num_candidates * num_queries, block_m) + min(num_users, num_candidates)
-    buf = torch.empty(num_candidates + 5 * max_tiles + 4 * num_users, dtype=torch.int32, device=cand_to_user.device)
-    order = buf[:num_candidates]
-    tiles = buf[num_candidates : num_candidates + 4 * max_tiles].view(max_tiles, 4)
-    if num_candidates:
-        _plan_kernel[(1,)](
-            cand_to_user, order, tiles, buf[num_candidates + 4 * max_tiles :],
-            num_candidates, num_users, num_queries, max_tiles,
-            BLOCK_M=block_m, CHUNK=64 if interpreting() else 1024,
-            num_warps=4,
-        )  # fmt: skip
-    return order, tiles, max_tiles
+    max_tiles = num_candidates * num_queries // block_m + num_users
+    buf = torch.empty(1 + num_candidates + 4 * max_tiles, dtype=torch.int32, device=cand_to_user.device)
+    flag, order, tiles = buf[:1], buf[1 : 1 + num_candidates], buf[1 + num_candidates :].view(max_tiles, 4)
+    _plan_kernel[(num_users,)](
+        cand_to_user, cand_to_user if kv_len is None else kv_len, order, tiles, flag,
+        num_candidates, num_users, seq_len, num_queries,
+        HAS_KV_LEN=kv_len is not None, BLOCK_M=block_m, CHUNK=64 if interpreting() else 1024,
+        num_warps=4,
+    )  # fmt: skip
+    return order, tiles, max_tiles, flag
 
 
 def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None, out=None, user_out=None, plan=None):
-    """Triton path. q [B, H, S, d] (B may be 0), k/v [U, H, L, d], kv_len [U] int64; with user_q
-    [U, H, L, d] the self-attention tiles run in the same grid. `out` / `user_out` may be given
-    (the tests poison them), and `plan` (from `plan_tiles` with the same BLOCK_M) when one batch's
-    grouping serves several calls. Returns (out, user_out or None)."""
+    """Triton path. q [B, H, S, d] (B may be 0), k/v [U, H, L, d] (U ≥ 1), kv_len [U] int32/int64 or
+    None; with user_q [U, H, L, d] the self-attention tiles run in the same grid. `out` / `user_out`
+    may be given (the tests poison them), and `plan` (from `plan_tiles` with the same BLOCK_M) when
+    one batch's grouping serves several calls. Nothing here waits for the device.
+    Returns (out, user_out or None, flag): flag [1] int32 is 1 when an index value was out of range."""
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if user_q is not None and user_out is None:
         user_out = torch.empty_like(user_q, memory_format=torch.contiguous_format)
-    if num_users * heads * seq_len == 0 or (num_candidates == 0 and user_q is None):
-        out.zero_()
-        return out, None if user_out is None else user_out.zero_()
     if config is None:
-        config = pick_config(head_dim, num_candidates * num_queries / num_users, interpreting(), user_q is not None and causal)
+        rows_per_user = (num_candidates * num_queries + (0 if user_q is None else seq_len)) / num_users
+        config = pick_config(rows_per_user, interpreting())
+    if plan is None:
+        plan = plan_tiles(cand_to_user, num_users, num_queries, config.block_m, kv_len, seq_len)
+    order, tiles, max_tiles, flag = plan
+    if heads * seq_len == 0 or (num_candidates == 0 and user_q is None):
+        out.zero_()
+        return out, None if user_out is None else user_out.zero_(), flag
     q = q if q.stride(-1) == 1 else q.contiguous()  # queries are gathered by rows: any other stride
     if user_q is not None and user_q.stride(-1) != 1:
         user_q = user_q.contiguous()
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_views(k, v, config.block_n)
-    order, tiles, max_tiles = plan_tiles(cand_to_user, num_users, num_queries, config.block_m) if plan is None else plan
     num_self_tiles = 0 if user_q is None else num_users * triton.cdiv(seq_len, config.block_m)
+    num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     uq, uo = (q, out) if user_q is None else (user_q, user_out)
-    _attention_kernel[(num_self_tiles + max_tiles, heads)](
+    _attention_kernel[(num_self_tiles + num_target_tiles, heads)](
         q, q.stride(0), q.stride(1), q.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
         uq, uq.stride(0), uq.stride(1), uq.stride(2),
         uo, uo.stride(0), uo.stride(1), uo.stride(2),
         k_desc, v_desc, stride_ku, stride_kh, stride_kl,
-        kv_len, order, tiles,
+        order if kv_len is None else kv_len, order, tiles,
         num_users, seq_len, num_queries,
         num_self_tiles, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HAS_SELF=user_q is not None, CAUSAL=causal,
+        HAS_SELF=user_q is not None, CAUSAL=causal, HAS_KV_LEN=kv_len is not None,
         NUM_STAGES=config.num_stages, WARP_SPECIALIZE=config.warp_specialize,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
     )  # fmt: skip
+    return out, user_out, flag
+
+
+def _check_index_shapes(cand_to_user, kv_len, num_candidates, k):
+    """The checks of check_mapping / check_kv_len that need no values (no device→host sync): rank,
+    dtype, length and device. The Triton path runs these before launching and the value checks
+    only when the plan kernel flagged a value out of range, so a call waits for the device once."""
+    for name, t, length, what in (("cand_to_user", cand_to_user, num_candidates, "B (rows of the candidate tensor)"),
+                                  ("kv_len", kv_len, k.shape[0], "U (rows of k)")):  # fmt: skip
+        if t is None:
+            continue
+        check_tensor(name, t, 1, (torch.int32, torch.int64))
+        check_same(name, t.shape[0], what, length)
+        if t.device != k.device:
+            raise ValueError(f"{name}: expected device {k.device}, got {t.device}")
+
+
+def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):
+    _check_index_shapes(cand_to_user, kv_len, q.shape[0], k)
+    if k.shape[0] == 0:  # no users, so no candidates either (checked above)
+        return torch.zeros_like(q), None if user_q is None else torch.zeros_like(user_q)
+    out, user_out, flag = _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal)
+    if flag.item():  # the one wait for the device; then the checks that name the bad value
+        check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
+        check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
     return out, user_out
 
 
@@ -534,12 +544,12 @@ def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str 
     """Target attention of candidate queries over their user's K/V → [B, H, S, d] (see module doc)."""
     _check_kv(k, v)
     _check_queries("q", q, k)
-    check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
-    kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
     if chosen == "triton":
-        return _launch(q, k, v, cand_to_user, kv_len, scale)[0]
+        return _triton_op(q, k, v, cand_to_user, kv_len, scale)[0]
+    check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
+    kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
     return _target_attention_torch(q, k, v, cand_to_user, kv_len, scale)
 
 
@@ -550,13 +560,13 @@ def ikbo_self_target_attention(user_q, cand_q, k, v, cand_to_user, kv_len=None, 
     _check_queries("user_q", user_q, k, "L (dim 2 of k)", k.shape[2])
     check_same("user_q", user_q.shape[0], "U (rows of k)", k.shape[0])
     _check_queries("cand_q", cand_q, k)
-    check_mapping(cand_to_user, cand_q.shape[0], k.shape[0], k.device)
-    kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
     if chosen == "triton":
-        cand_out, user_out = _launch(cand_q, k, v, cand_to_user, kv_len, scale, user_q=user_q, causal=causal)
+        cand_out, user_out = _triton_op(cand_q, k, v, cand_to_user, kv_len, scale, user_q, causal)
         return user_out, cand_out
+    check_mapping(cand_to_user, cand_q.shape[0], k.shape[0], k.device)
+    kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
     user_out = _self_attention_torch(user_q, k, v, kv_len, causal, scale)
     cand_out = _target_attention_torch(cand_q, k, v, cand_to_user, kv_len, scale)
     return user_out, cand_out
