@@ -33,6 +33,7 @@ TMA GEMM after Triton's `python/tutorials/09-persistent-matmul.py`.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -46,8 +47,8 @@ from ._common import add_user_rows, check_mapping, check_same, check_tensor, res
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 VARIANTS = ("s1", "s2", "s3", "s4")
-_CONFIG_CHOICE: dict = {}  # (variant, dtype, D, device) → index of the first config in tile_configs that launched
-DEFAULT_VARIANT = "s4"
+_CONFIG_CHOICE: dict = {}  # (variant, dtype, D, device) → the first config of tile_configs that launched
+S4_MIN_CANDIDATES_PER_USER = 16  # default variant: s4 when B ≥ 16·U, else s3 (H200 sweep, docs/notes/lce.md)
 K_ALIGN = 8  # weight columns padded to a multiple of this at pack time (16 bytes in 16-bit types)
 
 
@@ -351,12 +352,22 @@ def _out_desc(out: torch.Tensor, cfg: TileConfig):
     return TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, block_d])
 
 
+@functools.lru_cache(maxsize=None)
 def _num_programs(device: torch.device) -> int:
     # The interpreter runs programs one after another: a single persistent program keeps s4's
     # flag waits trivially satisfied there.
     if _interpreting() or device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_variant(num_users: int, num_candidates: int) -> str:
+    """s4 (one persistent launch) when users have many candidates each, else s3 (two launches).
+
+    On the H200 sweep s4 wins from B/U = 16 up; at B/U ≤ 4 its user phase (U·N/128 tiles of
+    depth Ku ahead of every candidate tile) makes it slower than s3.
+    """
+    return "s4" if num_candidates >= S4_MIN_CANDIDATES_PER_USER * num_users else "s3"
 
 
 @dataclass(frozen=True)
@@ -373,7 +384,7 @@ class PackedLinearCompress:
     bias: torch.Tensor | None
     user_weight_padded: torch.Tensor
     cand_weight_padded: torch.Tensor
-    _flags: dict = field(default_factory=dict, compare=False, repr=False)  # device → [flags, epoch] (s4)
+    _flags: dict = field(default_factory=dict, compare=False, repr=False)  # s4 flags per device, weight descriptors
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, num_user_tokens: int, bias: torch.Tensor | None = None):
@@ -394,7 +405,7 @@ class PackedLinearCompress:
         )
 
     def __call__(self, user_emb, cand_emb, cand_to_user, backend: str = "auto", variant: str | None = None):
-        """out [B, N, D]; `variant` picks the Triton stage (s1…s4, default the fastest: DEFAULT_VARIANT)."""
+        """out [B, N, D]; `variant` picks the Triton stage (s1…s4; default: `default_variant`)."""
         check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
         check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
         num_users, num_user_tokens, dim = user_emb.shape
@@ -406,7 +417,7 @@ class PackedLinearCompress:
             if t is not None and (t.dtype != user_emb.dtype or t.device != user_emb.device):
                 raise ValueError(f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}")
         check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
-        variant = DEFAULT_VARIANT if variant is None else variant
+        variant = default_variant(num_users, num_candidates) if variant is None else variant
         if variant not in VARIANTS:
             raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
         chosen = resolve_backend(backend, user_emb.device, triton_available=True)
@@ -437,18 +448,22 @@ class PackedLinearCompress:
             raise ValueError(f"config: warp specialization applies to s2 and s3, not {variant}")
         if user_part is None:
             user_part = torch.empty(num_users if num_user_tokens else 0, rows, dim, dtype=out.dtype, device=out.device)  # Y_u
-        configs = [config] if config is not None else list(tile_configs(variant, user_emb.dtype, dim))
+        if variant == "s4" and out.is_cuda and torch.cuda.is_current_stream_capturing():
+            variant = "s3"  # s4's per-call epoch would be frozen into a CUDA graph: take the graph-safe s3
         key = (variant, user_emb.dtype, dim, user_emb.device)
-        start = _CONFIG_CHOICE.get(key, 0)
-        for index in range(start, len(configs)):
+        if config is None and key in _CONFIG_CHOICE:
+            self._launch(variant, user_emb, cand_emb, cand_to_user, out, user_part, _CONFIG_CHOICE[key])
+            return out
+        configs = [config] if config is not None else list(tile_configs(variant, user_emb.dtype, dim))
+        for index, cfg in enumerate(configs):
             try:
-                self._launch(variant, user_emb, cand_emb, cand_to_user, out, user_part, configs[index])
+                self._launch(variant, user_emb, cand_emb, cand_to_user, out, user_part, cfg)
             except triton.runtime.errors.OutOfResources:
                 if index == len(configs) - 1:
                     raise
                 continue
             if config is None:
-                _CONFIG_CHOICE[key] = index
+                _CONFIG_CHOICE[key] = cfg
             return out
 
     def _launch(self, variant, user_emb, cand_emb, cand_to_user, out, user_part, cfg: TileConfig):
@@ -474,7 +489,7 @@ class PackedLinearCompress:
     def _launch_tile(self, weight, x, out, fused_user, with_bias, tma, cfg: TileConfig):
         """out[g] = weight @ x[g] (+ Y_u[m[g]] when `fused_user` = (Y_u, m)) (+ bias when `with_bias`)."""
         rows, dim, depth = out.shape[1], out.shape[2], x.shape[1]
-        w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_m, cfg.block_k]) if tma else None
+        w_desc = self._weight_desc(weight, cfg) if tma else None
         x_desc = _activation_desc(x, cfg) if tma else None
         out_desc = _out_desc(out, cfg) if tma and not cfg.warp_specialize else None  # WS splits the tile: pointer stores
         user_part, mapping = fused_user if fused_user is not None else (None, None)
@@ -492,6 +507,13 @@ class PackedLinearCompress:
             SPLIT=cfg.epilogue_split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+
+    def _weight_desc(self, weight: torch.Tensor, cfg: TileConfig) -> TensorDescriptor:
+        """Descriptor over one of the packed (padded) weights, made once per block shape."""
+        key = ("desc", weight.data_ptr(), cfg.block_m, cfg.block_k)
+        if key not in self._flags:
+            self._flags[key] = TensorDescriptor.from_tensor(weight, [cfg.block_m, cfg.block_k])
+        return self._flags[key]
 
     def _sync_state(self, device: torch.device, num_user_tiles: int):
         """s4's int64 flags (≥ num_user_tiles entries) on `device`, and this call's epoch.
@@ -514,8 +536,8 @@ class PackedLinearCompress:
         tiles_per_row = triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
         has_user = num_user_tokens > 0
         flags, epoch = self._sync_state(out.device, num_users * tiles_per_row * has_user)
-        wu_desc = TensorDescriptor.from_tensor(self.user_weight_padded, [cfg.block_m, cfg.block_k])
-        wc_desc = TensorDescriptor.from_tensor(self.cand_weight_padded, [cfg.block_m, cfg.block_k])
+        wu_desc = self._weight_desc(self.user_weight_padded, cfg)
+        wc_desc = self._weight_desc(self.cand_weight_padded, cfg)
         xu_desc = _activation_desc(user_emb, cfg)
         xc_desc = _activation_desc(cand_emb, cfg)
         out_desc = _out_desc(out, cfg)

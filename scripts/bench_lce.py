@@ -33,7 +33,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig  # noqa: E402
 
@@ -253,10 +253,16 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
     return lines, rows, floor, p
 
 
-def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log):
+def graph_ms(fn) -> float:
+    """Median of CUDA-graph replays: device time without the host's launch overhead."""
+    return do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=False):
+    graph_head = " S0 graph ms | s3 graph ms |" if with_graph else ""
     lines = [
-        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | best Triton × S0 | floor ms | best % of floor | rel err s3 / s4 |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | best Triton × S0 | floor ms | best % of floor | rel err s3 / s4 |" + graph_head,
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: | ---: |" * with_graph,
     ]
     raw = []
     shape = dict(base_shape)
@@ -282,13 +288,18 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log):
                 except Exception as exc:
                     log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                     times[name] = float("nan")
+            graph = ""
+            if with_graph:  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
+                s0_fn = lambda: s0_materialized(*args, p.weight, p.bias)  # noqa: E731
+                s3_fn = lambda: packed._triton(*args, "s3")  # noqa: E731
+                graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} |"
             best = min(times["s3"], times["s4"])
             floor = floor_ms(p, flop_rate, copy_rate)
             raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()}, **{"err_" + k: v for k, v in errs.items()}))
             lines.append(
                 f"| {num_candidates} | {num_users} | {num_candidates / num_users:.0f} | {times['S0']:.4f} | "
                 f"{times['s3']:.4f} | {times['s4']:.4f} | {times['S0'] / best:.2f} | {floor:.4f} | {100 * floor / best:.0f}% | "
-                f"{errs.get('s3', float('nan')):.1e} / {errs.get('s4', float('nan')):.1e} |"
+                f"{errs.get('s3', float('nan')):.1e} / {errs.get('s4', float('nan')):.1e} |" + graph
             )
             log(lines[-1])
             del p, packed, ref
@@ -314,6 +325,7 @@ def main(argv=None):
     parser.add_argument("--no-sweep", action="store_true", help="canonical shape only")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile providers")
     parser.add_argument("--configs", action="store_true", help="also time alternative tile configs of s3 / s4")
+    parser.add_argument("--graph", action="store_true", help="sweep: also time S0 and s3 as CUDA-graph replays")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter (checks the script)")
     parser.add_argument("--ws-probe", action="store_true", help="only run s3 with Hopper warp specialization once (wrap in `timeout`)")
     args = parser.parse_args(argv)
@@ -324,7 +336,7 @@ def main(argv=None):
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("bench_lce --smoke: set TRITON_INTERPRET=1 before Triton is imported (run this file directly)")
         DEVICE, DTYPE, shape, candidate_counts = "cpu", torch.float32, SMOKE_CANONICAL, SMOKE_SWEEP_CANDIDATES
-        args.no_compile, args.configs = True, False
+        args.no_compile, args.configs, args.graph = True, False, False
     elif not torch.cuda.is_available():
         sys.exit("bench_lce: needs a CUDA device")
     else:
@@ -354,7 +366,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     raw = {"canonical": rows, "floor_ms": floor, "flop_rate": flop_rate, "copy_rate": copy_rate}
     if not args.no_sweep:
-        sweep_lines, raw["sweep"] = sweep(shape, candidate_counts, flop_rate, copy_rate, log)
+        sweep_lines, raw["sweep"] = sweep(shape, candidate_counts, flop_rate, copy_rate, log, args.graph)
         report += ["", "sweep (Ku={ku}, Kc={kc}, D={dim}, N={rows}; U = round(B / ratio), at least 1):".format(**shape), "", *sweep_lines]
     text = "\n".join(report)
     print("\n" + text, flush=True)
