@@ -76,7 +76,7 @@ def tile_configs(variant: str, dtype: torch.dtype, dim: int):
     """Configs to try, best first: a [128, min(256, D)] tile with 128-byte K steps and the deepest
     pipeline that fits, then shallower ones, then a small tile; the first that launches is kept
     (shared memory decides, see `_triton`). Shared memory at 128 × 256 × 64, bf16 (ptxas, sm_90a):
-    s3 4 stages, split epilogue 197 KB; s4 3 stages, split epilogue 213 KB (4 stages: 262 KB).
+    s3 4 stages 197 KB; s4 3 stages with the split epilogue 213 KB (whole epilogue: 245 KB, too much).
     """
     if _interpreting():
         yield TileConfig(16, 16, 16, num_warps=4, num_stages=1)
@@ -85,7 +85,7 @@ def tile_configs(variant: str, dtype: torch.dtype, dim: int):
     block_d = max(16, min(256, triton.next_power_of_2(dim)))
     block_k = 128 // elem
     num_warps = 8 if block_d >= 128 else 4
-    split = variant != "s1" and block_d >= 64
+    split = variant == "s4" and block_d >= 64  # s3 on the H200: 0.363 ms whole vs 0.374 ms split
     stages = {"s1": (3, 2), "s2": (4, 3), "s3": (4, 3), "s4": (3, 2)}[variant]
     for num_stages in stages:
         yield TileConfig(128, block_d, block_k, num_warps, num_stages, epilogue_split=split)
