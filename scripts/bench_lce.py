@@ -288,8 +288,8 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
                 except Exception as exc:
                     log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                     times[name] = float("nan")
-            graph = ""
-            if with_graph:  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
+            graph = " | |" if with_graph else ""
+            if with_graph and num_candidates <= 1024:  # host overhead matters only for small problems  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
                 s0_fn = lambda: s0_materialized(*args, p.weight, p.bias)  # noqa: E731
                 s3_fn = lambda: packed._triton(*args, "s3")  # noqa: E731
                 graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} |"
