@@ -56,10 +56,11 @@ def input_widths(cfg: RankerConfig) -> dict[str, int | None]:
 
 @dataclass(frozen=True)
 class ShapeRanges:
-    """Declared batch ranges, inclusive. One source for validation, warm-up and precompilation."""
+    """Declared batch ranges, inclusive. One source for validation, warm-up and precompilation:
+    the served numbers live in `model_repository/shape_ranges.json` (`serving.load_shape_ranges`)."""
 
-    users: tuple[int, int] = (1, 256)
-    candidates: tuple[int, int] = (1, 8192)
+    users: tuple[int, int]
+    candidates: tuple[int, int]
 
     @classmethod
     def from_json(cls, path) -> "ShapeRanges":
