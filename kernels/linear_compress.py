@@ -22,7 +22,11 @@ Triton path, four stages of the IKBO co-design, each selectable (`variant=`):
         them in registers; the [B, N, D] result is written once. Two launches.
     s4  one launch: a persistent kernel runs the user tiles first, then the candidate tiles; a
         candidate tile's epilogue waits on its user tile's flag (set with release semantics after
-        the tile is stored). Loops are software-pipelined across tiles (`flatten=True`).
+        the tile is stored). Loops are software-pipelined across tiles (`flatten=True`). Inside a
+        CUDA-graph capture the op takes s3 (s4's per-call epoch would be frozen into the graph).
+With no `variant`, `default_variant(U, B)` picks s4 or s3, whichever measured faster (H200).
+Triton 3.6's Hopper warp specialization (`tl.range(..., warp_specialize=True)`) compiles for s2/s3
+but hung on the H200; it is off by default (TileConfig.warp_specialize, docs/notes/lce.md).
 Y_u is kept in the output dtype. Activations whose rows are not 16-byte aligned (odd D) fall back
 to masked pointer loads inside the same kernels. Ku = 0 skips the user GEMM; Kc = 0 leaves only
 the user term and the bias. fp16 / bf16 inputs use the tensor cores with fp32 accumulation; fp32
@@ -48,7 +52,8 @@ FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 VARIANTS = ("s1", "s2", "s3", "s4")
 _CONFIG_CHOICE: dict = {}  # (variant, dtype, D, device) → the first config of tile_configs that launched
-S4_MIN_CANDIDATES_PER_USER = 16  # default variant: s4 when B ≥ 16·U, else s3 (H200 sweep, docs/notes/lce.md)
+S4_MIN_CANDIDATES_PER_USER = 32  # default variant, from the H200 sweep (docs/notes/lce.md): see default_variant
+SMALL_BATCH = 256  # at most this many candidates: s4 from B/U ≥ 4 (one launch, less host time)
 K_ALIGN = 8  # weight columns padded to a multiple of this at pack time (16 bytes in 16-bit types)
 
 
@@ -362,12 +367,17 @@ def _num_programs(device: torch.device) -> int:
 
 
 def default_variant(num_users: int, num_candidates: int) -> str:
-    """s4 (one persistent launch) when users have many candidates each, else s3 (two launches).
+    """s4 (one persistent launch) where it measured faster on the H200, else s3 (two launches).
 
-    On the H200 sweep s4 wins from B/U = 16 up; at B/U ≤ 4 its user phase (U·N/128 tiles of
-    depth Ku ahead of every candidate tile) makes it slower than s3.
+    s4 wins from B/U ≈ 64 up (at B/U = 16 s3 is 2–4% faster: s4's user phase, U·N/128 tiles of
+    depth Ku, runs ahead of every candidate tile), and on small batches (B ≤ 256, B/U ≥ 4) where
+    one launch instead of two halves the host's share. At B/U = 1 s3 is up to 1.7× faster.
     """
-    return "s4" if num_candidates >= S4_MIN_CANDIDATES_PER_USER * num_users else "s3"
+    if num_candidates >= S4_MIN_CANDIDATES_PER_USER * num_users:
+        return "s4"
+    if num_candidates <= SMALL_BATCH and num_candidates >= 4 * num_users:
+        return "s4"
+    return "s3"
 
 
 @dataclass(frozen=True)
