@@ -529,7 +529,10 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):
     if k.shape[0] == 0:  # no users, so no candidates either (checked above)
         return torch.zeros_like(q), None if user_q is None else torch.zeros_like(user_q)
     out, user_out, flag = _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal)
-    if flag.item():  # the one wait for the device; then the checks that name the bad value
+    # The one wait for the device, then the checks that name the bad value. Not while a CUDA graph
+    # is being captured (no wait is allowed there): values are then the caller's to check; the
+    # kernels still read nothing out of bounds (bad rows are left unwritten, kv_len is clamped).
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()) and flag.item():
         check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
         check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
     return out, user_out
