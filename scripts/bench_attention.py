@@ -377,8 +377,8 @@ def self_target_section(shape, peak):
     return lines
 
 
-# the sweep's extremes, for a short run (--sweep corners)
-CORNERS = [(1, 4096, 128, 1), (64, 256, 64, 256), (8, 1024, 64, 16), (64, 4096, 128, 70), (1, 256, 64, 256)]
+# the sweep's extremes and its slowest points (2026-11-29 run), for a short run (--sweep corners)
+CORNERS = [(1, 256, 64, 256), (8, 256, 64, 1), (8, 256, 64, 16), (64, 256, 64, 256), (1, 4096, 128, 1), (64, 4096, 128, 70)]
 
 
 def sweep_shapes(points):
