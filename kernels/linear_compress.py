@@ -80,8 +80,8 @@ class TileConfig:
 def tile_configs(variant: str, dtype: torch.dtype, dim: int):
     """Configs to try, best first: a [128, min(256, D)] tile with 128-byte K steps and the deepest
     pipeline that fits, then shallower ones, then a small tile; the first that launches is kept
-    (shared memory decides, see `_triton`). Shared memory at 128 × 256 × 64, bf16 (ptxas, sm_90a):
-    s3 4 stages 197 KB; s4 3 stages with the split epilogue 213 KB (whole epilogue: 245 KB, too much).
+    (shared memory decides, see `_triton`). Shared memory at 128 × 256 × 64, bf16 (sm_90a): s3 at
+    4 stages 192 KiB; s4 at 3 stages 208 KiB with the split epilogue (240 KiB whole: over 227 KiB).
     """
     if _interpreting():
         yield TileConfig(16, 16, 16, num_warps=4, num_stages=1)
