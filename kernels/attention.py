@@ -11,9 +11,10 @@ keys < kv_len, query rows ≥ kv_len are zeros) and the candidates attend as abo
 Torch path: groups candidates by user once per batch and runs one attention per user whose query
 block holds all S tokens of all that user's candidates, so each user's K/V is read once.
 
-Triton path (CUDA, bf16/fp16, d ∈ {16, 32, 64, 128}): two launches per call.
-  1. `_plan_kernel` (one program) segments `cand_to_user` by user: counts, a counting sort of the
-     candidates (`order`), and a table of query tiles. A user's candidates are laid out as
+Triton path (CUDA, bf16/fp16, d ∈ {16, 32, 64, 128}): two launches per call, one wait at the end
+(for the range flag, so that bad indices still raise the ValueError naming them).
+  1. `_plan_kernel`, one program per user, segments `cand_to_user` by user: the candidates in
+     user order (`order`, stable) and a table of query tiles. A user's candidates are laid out as
      count·S "virtual" query rows (candidate-major, S tokens each) cut into BLOCK_M-row tiles, so
      one tile packs the S tokens of BLOCK_M / S candidates (or part of one candidate when S > BLOCK_M).
   2. `_attention_kernel`, grid (tiles, H): each program gathers its tile's query rows, then streams
@@ -24,6 +25,7 @@ Triton path (CUDA, bf16/fp16, d ∈ {16, 32, 64, 128}): two launches per call.
      candidate tiles in the same grid, over the same K/V.
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; FlashAttention-2
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
+Measurements, what was tried and what worked: docs/notes/attention.md.
 """
 
 from __future__ import annotations
@@ -478,7 +480,7 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
     if user_q is not None and user_out is None:
         user_out = torch.empty_like(user_q, memory_format=torch.contiguous_format)
     if config is None:
-        rows_per_user = (num_candidates * num_queries + (0 if user_q is None else seq_len)) / num_users
+        rows_per_user = num_candidates * num_queries / num_users + (0 if user_q is None else seq_len)
         config = pick_config(rows_per_user, interpreting())
     if plan is None:
         plan = plan_tiles(cand_to_user, num_users, num_queries, config.block_m, kv_len, seq_len)
