@@ -32,13 +32,19 @@ def check_same(name: str, actual, expected_name: str, expected) -> None:
         raise ValueError(f"{name}: expected {expected_name} = {expected}, got {actual}")
 
 
+def _within(values: torch.Tensor, low: int, high: int) -> bool:
+    """low <= values <= high everywhere, with one reduction and one device sync."""
+    lowest, highest = torch.aminmax(values)
+    return bool((lowest >= low) & (highest <= high))
+
+
 def check_mapping(cand_to_user, num_candidates: int, num_users: int, device: torch.device) -> None:
     """cand_to_user: [B] int32/int64 with every value in [0, U), on the inputs' device."""
     check_tensor("cand_to_user", cand_to_user, 1, (torch.int32, torch.int64))
     check_same("cand_to_user", cand_to_user.shape[0], "B (rows of the candidate tensor)", num_candidates)
     if cand_to_user.device != device:
         raise ValueError(f"cand_to_user: expected device {device}, got {cand_to_user.device}")
-    if num_candidates and (int(cand_to_user.min()) < 0 or int(cand_to_user.max()) >= num_users):
+    if num_candidates and not _within(cand_to_user, 0, num_users - 1):
         bad = cand_to_user[(cand_to_user < 0) | (cand_to_user >= num_users)][0]
         raise ValueError(f"cand_to_user: value {int(bad)} is outside [0, U={num_users})")
 
@@ -51,7 +57,7 @@ def check_kv_len(kv_len, num_users: int, max_len: int, device: torch.device):
     check_same("kv_len", kv_len.shape[0], "U (rows of k)", num_users)
     if kv_len.device != device:
         raise ValueError(f"kv_len: expected device {device}, got {kv_len.device}")
-    if num_users and (int(kv_len.min()) < 0 or int(kv_len.max()) > max_len):
+    if num_users and not _within(kv_len, 0, max_len):
         raise ValueError(f"kv_len: values must lie in [0, L={max_len}], got [{int(kv_len.min())}, {int(kv_len.max())}]")
     return kv_len.long()
 
