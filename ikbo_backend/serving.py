@@ -133,6 +133,7 @@ class _ServedStage:
         ranges = load_shape_ranges(Path(args["model_repository"]).parent)
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
         model = cls(cfg, weights, ranges, device, **{k: parameters[k] for k in cls.config_parameters})
+        model.name = args["model_name"]  # for error messages
         model.warm_up()
         return model
 
@@ -210,13 +211,31 @@ def _to_torch(name: str, tensor) -> torch.Tensor:
     return from_dlpack(tensor.to_dlpack())
 
 
+# Test-only fault injection: with IKBO_TEST_FAULTS=1 in the server's environment (never in `make serve`),
+# a request parameter ikbo_test_fault="raise" makes execute raise an exception whose text holds internal
+# details (this process's command line: model.py path, shared-memory key), as a real bug's might.
+TEST_FAULTS_ENV = "IKBO_TEST_FAULTS"
+TEST_FAULT_PARAMETER = "ikbo_test_fault"
+
+
+def _injected_fault(request) -> None:
+    if os.environ.get(TEST_FAULTS_ENV) != "1":
+        return
+    if json.loads(request.parameters() or "{}").get(TEST_FAULT_PARAMETER) == "raise":
+        cmdline = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        raise RuntimeError(f"injected test fault in {cmdline}")
+
+
 def execute_requests(pb_utils, model: _ServedStage, requests) -> list:
     """The python backend's execute: one response per request. A ValueError (InvalidRequest included)
     becomes an INVALID_ARG error response for that request alone (HTTP 400, gRPC INVALID_ARGUMENT);
-    any other exception an INTERNAL one; the other requests of the call are unaffected."""
+    any other exception an INTERNAL one (HTTP 500) that names the model and the exception type only:
+    its text, which may hold paths or shared-memory keys, goes to the server log. The other requests
+    of the call are unaffected."""
     responses = []
     for request in requests:
         try:
+            _injected_fault(request)
             inputs = {name: _to_torch(name, pb_utils.get_input_tensor_by_name(request, name)) for name in model.inputs}
             with torch.inference_mode():
                 outputs = model(inputs)
@@ -225,6 +244,8 @@ def execute_requests(pb_utils, model: _ServedStage, requests) -> list:
         except ValueError as e:
             responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
         except Exception as e:  # noqa: BLE001 — one bad request must not fail the others
-            pb_utils.Logger.log_error(f"{type(e).__name__}: {e}")
-            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)))
+            name = getattr(model, "name", type(model).__name__)
+            pb_utils.Logger.log_error(f"{name}: {type(e).__name__}: {e}")
+            message = f"model '{name}': internal error ({type(e).__name__}); details are in the server log"
+            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)))
     return responses
