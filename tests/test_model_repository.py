@@ -13,6 +13,7 @@ from ikbo_backend.serving import MODEL_REPOSITORY, feature_dims, load_shape_rang
 
 CFG = RankerConfig()
 ENSEMBLES = ("ikbo_ranker", "baseline_ranker")
+ONLINE = ("ikbo_ranker_online", "baseline_ranker_online")  # batched (max_batch_size > 0): tests/test_online.py
 PYTHON_MODELS = {  # name → (input dims, output dims)
     "ranker_features": (request_dims(CFG), feature_dims(CFG)),
     "ikbo_interaction": (feature_dims(CFG), score_dims(CFG)),
@@ -36,7 +37,7 @@ def io(tensors) -> dict[str, tuple[str, list[int]]]:
 
 def test_repository_holds_exactly_the_served_models():
     models = {p.name for p in MODEL_REPOSITORY.iterdir() if p.is_dir()}
-    assert models == set(ENSEMBLES) | set(PYTHON_MODELS)
+    assert models == set(ENSEMBLES) | set(PYTHON_MODELS) | set(ONLINE)
     for model in models:
         versions = [p for p in (MODEL_REPOSITORY / model).iterdir() if p.is_dir() and p.name.isdigit()]
         assert [v.name for v in versions] == ["1"], model
@@ -47,7 +48,7 @@ def test_repository_holds_exactly_the_served_models():
 def test_config_parses(path):
     parsed = parse(path)
     assert parsed.name == path.relative_to(MODEL_REPOSITORY).parts[0]
-    assert parsed.max_batch_size == 0
+    assert (parsed.max_batch_size > 0) == (parsed.name in ONLINE)
 
 
 @pytest.mark.parametrize("model", ENSEMBLES)

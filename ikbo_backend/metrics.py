@@ -1,0 +1,66 @@
+"""Custom Prometheus metrics of the ranking models, through the python backend's metrics API
+(`pb_utils.MetricFamily`; shown on tritonserver's metrics port, /metrics). Labels: `model`.
+
+| metric                                 | kind      | per IKBO batch of U users, B candidates     |
+|----------------------------------------|-----------|---------------------------------------------|
+| ikbo_candidates_scored_total           | counter   | += B                                        |
+| ikbo_users_scored_total                | counter   | += U                                        |
+| ikbo_candidates_per_user               | histogram | observes B / U (buckets CANDIDATES_PER_USER_BUCKETS) |
+| ikbo_broadcast_bytes_avoided_total     | counter   | += (B − U) · replicated_row_bytes(cfg)      |
+
+Batches are counted where they run: `ikbo_interaction` (the batch ensemble's interaction step) and
+`ikbo_ranker_online` (a coalesced batch of online requests); warm-up is not counted. The bytes
+avoided are those the baseline interaction materializes by replicating user rows to candidate rows
+(`BaselineRanker`: user_tokens [Ku, D], history_tokens [L, D], history_len per row), less the U
+rows it would hold anyway. `pb_utils` is passed in, so this module imports without a server.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ranker import RankerConfig
+
+CANDIDATES_PER_USER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def replicated_row_bytes(cfg: RankerConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one user's row in the tensors the baseline replicates per candidate:
+    user_tokens [Ku, D] and history_tokens [L, D] in `dtype`, history_len int32."""
+    element = torch.finfo(dtype).bits // 8
+    return (cfg.user_tokens + cfg.history_length) * cfg.embedding_dim * element + torch.iinfo(torch.int32).bits // 8
+
+
+def broadcast_bytes_avoided(num_users: int, num_candidates: int, row_bytes: int) -> int:
+    """(B − U) · row_bytes: what replicating U user rows to B candidate rows would have added."""
+    return max(num_candidates - num_users, 0) * row_bytes
+
+
+class RankerMetrics:
+    """The metric families above, for one model (label `model`). `record(U, B)` once per batch."""
+
+    def __init__(self, pb_utils, model_name: str, row_bytes: int):
+        family = pb_utils.MetricFamily
+        labels = {"model": model_name}
+        self.row_bytes = row_bytes
+        self._families = [  # keep the families alive as long as their metrics
+            family(name="ikbo_candidates_scored_total", description="Candidates scored", kind=family.COUNTER),
+            family(name="ikbo_users_scored_total", description="Users scored", kind=family.COUNTER),
+            family(name="ikbo_candidates_per_user", description="Candidates per user (B/U) of each batch", kind=family.HISTOGRAM),
+            family(
+                name="ikbo_broadcast_bytes_avoided_total",
+                description="Bytes of user rows a broadcasting (baseline) model would have replicated: (B - U) * bytes per user row",
+                kind=family.COUNTER,
+            ),
+        ]
+        candidates, users, ratio, avoided = self._families
+        self.candidates = candidates.Metric(labels=labels)
+        self.users = users.Metric(labels=labels)
+        self.ratio = ratio.Metric(labels=labels, buckets=[float(b) for b in CANDIDATES_PER_USER_BUCKETS])
+        self.avoided = avoided.Metric(labels=labels)
+
+    def record(self, num_users: int, num_candidates: int) -> None:
+        self.candidates.increment(float(num_candidates))
+        self.users.increment(float(num_users))
+        self.ratio.observe(num_candidates / max(num_users, 1))
+        self.avoided.increment(float(broadcast_bytes_avoided(num_users, num_candidates, self.row_bytes)))

@@ -1,0 +1,22 @@
+"""ikbo_ranker_online / baseline_ranker_online: one user per request, coalesced by the dynamic batcher
+into one batch per execute (ikbo_backend.online; variant from config). IKBO: custom metrics."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: the stub ignores PYTHONPATH
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes  # noqa: E402
+from ikbo_backend.online import OnlineModel, execute_online  # noqa: E402
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model = OnlineModel.from_triton_args(args)  # config, weights, device, warm-up
+        ikbo = self.model.variant == "ikbo"
+        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg)) if ikbo else None
+
+    def execute(self, requests):
+        return execute_online(pb_utils, self.model, requests, self.metrics)

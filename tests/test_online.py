@@ -1,0 +1,318 @@
+"""Online endpoints (ikbo_backend/online.py): one user per request, coalesced by the runtime.
+
+Without a server: the batch ↔ online conversions, the mapping built from request boundaries, the cut
+at the declared ranges, and `execute_online` through the stand-in pb_utils of test_serving (a bad
+request fails alone, the others are bit-identical to the same batch without it).
+With a real tritonserver (CPU configuration, or configs/gpu.pbtxt on a GPU machine): concurrent
+requests over HTTP and gRPC are answered like the in-process model on each request alone, the
+backend really received several requests per execute, and bad requests interleaved with good ones
+fail alone. Inputs and weights are fresh random each run: the seed is in every failure message.
+"""
+
+import secrets
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+from tritonclient.utils import InferenceServerException
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from client import client_module, infer_inputs  # noqa: E402
+from test_serving import FAKE_PB_UTILS  # noqa: E402
+
+from ikbo_backend.online import (  # noqa: E402
+    ONLINE_INPUT_NAMES,
+    OnlineModel,
+    coalesce,
+    execute_online,
+    groups_within,
+    merge_scores,
+    online_dims,
+    split_by_user,
+    unbatch,
+)
+from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights  # noqa: E402
+from ikbo_backend.requests import ShapeRanges, make_request, to_tensors  # noqa: E402
+from ikbo_backend.serving import MODEL_REPOSITORY, score_dims  # noqa: E402
+from ikbo_backend.tritonserver import has_gpu, running_tritonserver  # noqa: E402
+
+SEED = secrets.randbits(32)
+CFG = RankerConfig()
+SMALL = RankerConfig(user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,))
+VARIANTS = ("ikbo", "baseline")
+CLIENT_ERROR = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
+GPU = has_gpu()
+DEVICE = "cuda" if GPU else "cpu"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def rng(*salt):
+    return np.random.default_rng([SEED, *salt])
+
+
+def request_with(cfg, num_users, num_candidates, generator) -> dict[str, np.ndarray]:
+    """A random batch request in which every user has at least one candidate (an online request
+    without candidates is a client error)."""
+    request = make_request(cfg, num_users, num_candidates, generator)
+    counts = 1 + generator.multinomial(num_candidates - num_users, np.full(num_users, 1 / num_users))
+    request["cand_to_user"] = generator.permutation(np.repeat(np.arange(num_users), counts)).astype(np.int32)
+    return request
+
+
+def alone(one: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An online request as a batch request of its own (U = 1, mapping all 0)."""
+    single = {name: one[name] if name != "user_history_len" else one[name][:, 0] for name in ONLINE_INPUT_NAMES}
+    single.update({name: single[name][0] for name in ("cand_dense", "cand_sparse_ids")})
+    single["cand_to_user"] = np.zeros(len(single["cand_dense"]), dtype=np.int32)
+    return single
+
+
+def as_served(one: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """An online request as the python backend receives it (user_history_len reshaped to [1])."""
+    return to_tensors({name: one[name].reshape(1) if name == "user_history_len" else one[name] for name in one})
+
+
+def rel_err(got, want) -> float:
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
+
+
+# ------------------------------------------------------------------ without a server
+
+
+def online_config(model, name="config"):
+    path = MODEL_REPOSITORY / model / ("config.pbtxt" if name == "config" else f"configs/{name}.pbtxt")
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_online_configs(variant):
+    model = f"{variant}_ranker_online"
+    cpu, gpu = online_config(model), online_config(model, "gpu")
+    assert cpu.backend == "python" and cpu.max_batch_size > 0
+    assert {t.name: list(t.dims) for t in cpu.input} == online_dims(CFG)
+    assert {t.name: list(t.dims) for t in cpu.output} == score_dims(CFG)
+    assert {t.name for t in cpu.input if t.allow_ragged_batch} == {"cand_dense", "cand_sparse_ids"}
+    assert list(next(t for t in cpu.input if t.name == "user_history_len").reshape.shape) == []
+    assert cpu.dynamic_batching.max_queue_delay_microseconds > 0
+    assert cpu.dynamic_batching.default_queue_policy.max_queue_size > 0
+    assert cpu.parameters["variant"].string_value == variant
+    assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+    assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+    for parsed in (cpu, gpu):
+        parsed.ClearField("instance_group")
+        parsed.ClearField("parameters")
+    assert cpu == gpu
+
+
+def test_split_by_user_round_trip():
+    request = make_request(CFG, 5, 70, rng(1))
+    online = split_by_user(request)
+    assert len(online) == 5
+    for user, one in enumerate(online):
+        n = int((request["cand_to_user"] == user).sum())
+        assert one["user_dense"].shape == (1, CFG.user_dense_features)
+        assert one["user_history_len"].shape == (1, 1)
+        assert one["cand_dense"].shape == (1, n, CFG.cand_dense_features)
+        assert one["cand_sparse_ids"].shape == (1, n, CFG.cand_sparse_features)
+    fake_scores = [np.arange(one["cand_dense"].shape[1], dtype=np.float32)[None, :, None] + 1000 * u for u, one in enumerate(online)]
+    merged = merge_scores(request, fake_scores)
+    for user in range(5):
+        np.testing.assert_array_equal(merged[request["cand_to_user"] == user, 0], fake_scores[user][0, :, 0])
+
+
+def test_coalesce_builds_the_mapping_from_request_boundaries():
+    request = make_request(CFG, 3, 8, rng(2))
+    request["cand_to_user"] = np.array([0, 0, 0, 1, 2, 2, 2, 2], dtype=np.int32)
+    batch = coalesce([unbatch(as_served(one)) for one in split_by_user(request)])
+    assert batch["cand_to_user"].tolist() == request["cand_to_user"].tolist()
+    for name, tensor in to_tensors(request).items():
+        torch.testing.assert_close(batch[name], tensor, rtol=0, atol=0)
+
+
+def test_groups_within_the_declared_ranges():
+    assert groups_within([], 4, 10) == []
+    assert groups_within([3, 3, 3], 4, 10) == [slice(0, 3)]
+    assert groups_within([3, 3, 3, 3, 3], 2, 100) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert groups_within([6, 5, 4, 1, 10], 8, 10) == [slice(0, 1), slice(1, 4), slice(4, 5)]
+
+
+@pytest.fixture(scope="module")
+def small_weights():
+    return make_demo_weights(SMALL, seed=SEED % 1000)
+
+
+class _Recorder:
+    def __init__(self):
+        self.batches = []
+
+    def record(self, num_users, num_candidates):
+        self.batches.append((num_users, num_candidates))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bad_request_fails_alone_and_the_batch_is_unchanged(small_weights, variant):
+    model = OnlineModel(SMALL, small_weights, ShapeRanges((1, 8), (1, 40)), variant=variant)
+    request = request_with(SMALL, 4, 30, rng(3))
+    good = [as_served(one) for one in split_by_user(request)]
+    bad_id = dict(good[1], cand_sparse_ids=good[1]["cand_sparse_ids"].clone().fill_(SMALL.cand_vocab_size))
+    two_users = dict(good[2], user_dense=good[2]["user_dense"].repeat(2, 1))
+    too_many = {k: v.repeat(1, 41, 1) if k.startswith("cand") else v for k, v in good[0].items()}  # n = 41 > 40
+    recorder = _Recorder()
+    mixed = execute_online(FAKE_PB_UTILS, model, [good[0], bad_id, good[1], two_users, good[2], too_many, good[3]], recorder)
+    clean = execute_online(FAKE_PB_UTILS, model, good, None)
+
+    for response, name in ((mixed[1], "cand_sparse_ids"), (mixed[3], "user_dense"), (mixed[5], "cand_dense")):
+        assert response.error.code == "INVALID_ARG" and f"'{name}'" in response.error.message, response.error.message
+    answered = [mixed[i] for i in (0, 2, 4, 6)]
+    assert all(r.error is None for r in answered + clean)
+    assert recorder.batches == [(4, 30)]
+    features, interaction = build_ranker(variant, SMALL, small_weights)
+    for user, (got, want) in enumerate(zip(answered, clean)):
+        torch.testing.assert_close(got.outputs["scores"], want.outputs["scores"], rtol=0, atol=0)  # bit-identical
+        solo = interaction(features(**to_tensors(alone(split_by_user(request)[user]))))
+        assert got.outputs["scores"].shape == (1, solo.shape[0], SMALL.tasks)
+        torch.testing.assert_close(got.outputs["scores"][0], solo, rtol=1e-5, atol=1e-7)
+
+
+def test_batches_are_cut_at_the_candidate_range(small_weights):
+    model = OnlineModel(SMALL, small_weights, ShapeRanges((1, 3), (1, 40)))
+    request = make_request(SMALL, 7, 100, rng(4))
+    request["cand_to_user"] = rng(4).permutation(np.repeat(np.arange(7), [5, 30, 12, 20, 1, 15, 17])).astype(np.int32)
+    online = split_by_user(request)
+    recorder = _Recorder()
+    responses = execute_online(FAKE_PB_UTILS, model, [as_served(one) for one in online], recorder)
+    assert all(u <= 3 and b <= 40 for u, b in recorder.batches) and sum(u for u, _ in recorder.batches) == 7, recorder.batches
+    features, interaction = build_ranker("ikbo", SMALL, small_weights)
+    want = interaction(features(**to_tensors(request))).numpy()
+    got = merge_scores(request, [r.outputs["scores"].numpy() for r in responses])
+    assert rel_err(got, want) <= 1e-5
+
+
+# ------------------------------------------------------------------ with a real tritonserver
+
+ONLINE_MODELS = ("ikbo_ranker_online", "baseline_ranker_online")
+
+
+@pytest.fixture(scope="module")
+def weights_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("weights") / "ranker.safetensors"
+    save_weights(path, CFG, make_demo_weights(CFG, seed=SEED))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(weights_file, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("IKBO_WEIGHTS", str(weights_file))
+        log_path = tmp_path_factory.mktemp("server") / "tritonserver.log"
+        load = [f"--load-model={m}" for m in ONLINE_MODELS]
+        with running_tritonserver(
+            config_name="gpu" if GPU else None, log_path=log_path, extra_args=["--model-control-mode=explicit", *load]
+        ) as running:
+            yield running
+
+
+@pytest.fixture(scope="module")
+def reference(weights_file):
+    cfg, weights = load_weights(weights_file)
+    return {variant: build_ranker(variant, cfg, weights, DEVICE) for variant in VARIANTS}
+
+
+def solo_scores(reference, model, one) -> np.ndarray:
+    features, interaction = reference[model.removesuffix("_ranker_online")]
+    with torch.inference_mode():
+        return interaction(features(**to_tensors(alone(one), DEVICE))).cpu().numpy()
+
+
+def connect(server, protocol):
+    module = client_module(protocol)
+    return module, module.InferenceServerClient(server.http_url if protocol == "http" else server.grpc_url)
+
+
+def send_concurrently(server, model, requests, protocol_of):
+    """Each request from its own thread and client; → list of scores or InferenceServerException."""
+
+    def send(index):
+        module, connection = connect(server, protocol_of(index))
+        try:
+            result = connection.infer(model, infer_inputs(module, requests[index]), outputs=[module.InferRequestedOutput("scores")])
+            return result.as_numpy("scores")
+        except InferenceServerException as e:
+            return e
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(send, range(len(requests))))
+
+
+def statistics(server, model):
+    _, connection = connect(server, "http")
+    try:
+        stats = connection.get_inference_statistics(model)["model_stats"][0]
+    finally:
+        connection.close()
+    return int(stats["inference_count"]), int(stats["execution_count"])
+
+
+@pytest.mark.parametrize("model", ONLINE_MODELS)
+def test_concurrent_requests_are_coalesced_and_answered_alone_correctly(server, reference, model):
+    online = split_by_user(request_with(CFG, 24, 24 * 68, rng(5, len(model))))
+    before = statistics(server, model)
+    answers = send_concurrently(server, model, online, lambda i: ("http", "grpc")[i % 2])
+    inferences, executions = (a - b for a, b in zip(statistics(server, model), before))
+    for index, (one, scores) in enumerate(zip(online, answers)):
+        assert not isinstance(scores, Exception), f"request {index}: {scores} (seed {SEED})"
+        want = solo_scores(reference, model, one)
+        assert scores.shape == (1, *want.shape), f"request {index}: {scores.shape} (seed {SEED})"
+        assert rel_err(scores[0], want) <= 1e-5, f"{model} request {index}: rel err {rel_err(scores[0], want):.2e} (seed {SEED})"
+    assert inferences == len(online)
+    assert executions < inferences, f"{model}: {executions} executes for {inferences} requests: nothing was coalesced"
+
+
+BAD_ONLINE = {  # kind → (input the message names, request → bad request)
+    "NaN dense": ("cand_dense", lambda r: r | {"cand_dense": np.where(np.arange(r["cand_dense"].shape[1])[None, :, None] == 0, np.nan, r["cand_dense"]).astype(np.float32)}),
+    "id outside table": ("cand_sparse_ids", lambda r: r | {"cand_sparse_ids": r["cand_sparse_ids"] + CFG.cand_vocab_size}),
+    "history len > L": ("user_history_len", lambda r: r | {"user_history_len": np.full((1, 1), CFG.history_length + 1, np.int32)}),
+    "two users": ("user_dense", lambda r: {k: np.concatenate([v, v]) for k, v in r.items()}),
+    "no candidates": ("cand_dense", lambda r: r | {k: r[k][:, :0] for k in ("cand_dense", "cand_sparse_ids")}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("protocol", ("http", "grpc"))
+def test_bad_requests_interleaved_with_good_ones_fail_alone(server, reference, protocol):
+    model = "ikbo_ranker_online"
+    good = split_by_user(request_with(CFG, 2 * len(BAD_ONLINE), 40 * len(BAD_ONLINE), rng(6, len(protocol))))
+    requests, expected = [], []
+    for index, one in enumerate(good):
+        kind = list(BAD_ONLINE)[index // 2]
+        requests.append(one if index % 2 == 0 else BAD_ONLINE[kind][1](one))
+        expected.append(None if index % 2 == 0 else (kind, BAD_ONLINE[kind][0]))
+    answers = send_concurrently(server, model, requests, lambda i: protocol)
+    for index, (answer, want) in enumerate(zip(answers, expected)):
+        if want is None:
+            assert not isinstance(answer, Exception), f"good request {index} failed: {answer} (seed {SEED})"
+            solo = solo_scores(reference, model, requests[index])
+            assert rel_err(answer[0], solo) <= 1e-5, f"request {index}: rel err {rel_err(answer[0], solo):.2e} (seed {SEED})"
+        else:
+            kind, name = want
+            assert isinstance(answer, InferenceServerException), f"{kind}: answered (seed {SEED})"
+            assert str(answer.status()) == CLIENT_ERROR[protocol] and f"'{name}'" in answer.message(), f"{kind}: {answer}"
+
+
+def test_client_cannot_send_the_mapping(server):
+    module, connection = connect(server, "grpc")
+    try:
+        one = split_by_user(request_with(CFG, 1, 5, rng(7)))[0]
+        with pytest.raises(InferenceServerException, match="cand_to_user"):
+            connection.infer("ikbo_ranker_online", infer_inputs(module, one | {"cand_to_user": np.zeros((1, 5), np.int32)}))
+    finally:
+        connection.close()
