@@ -59,6 +59,14 @@ class RankerMetrics:
         self.ratio = ratio.Metric(labels=labels, buckets=[float(b) for b in CANDIDATES_PER_USER_BUCKETS])
         self.avoided = avoided.Metric(labels=labels)
 
+    def record_responses(self, pb_utils, requests, responses, users_input="user_tokens", candidates_input="cand_tokens") -> None:
+        """`record` for each answered request of a batch model (U, B = rows of these two inputs)."""
+        for request, response in zip(requests, responses):
+            if not response.has_error():
+                users = pb_utils.get_input_tensor_by_name(request, users_input).shape()[0]
+                candidates = pb_utils.get_input_tensor_by_name(request, candidates_input).shape()[0]
+                self.record(users, candidates)
+
     def record(self, num_users: int, num_candidates: int) -> None:
         self.candidates.increment(float(num_candidates))
         self.users.increment(float(num_users))

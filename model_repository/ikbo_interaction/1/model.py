@@ -1,4 +1,5 @@
-"""ikbo_interaction: features → scores (ikbo_backend.serving.InteractionModel, variant from config)."""
+"""ikbo_interaction: features → scores (ikbo_backend.serving.InteractionModel, variant from config),
+with the custom IKBO metrics (ikbo_backend.metrics) of each answered batch."""
 
 import sys
 from pathlib import Path
@@ -7,12 +8,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: t
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes  # noqa: E402
 from ikbo_backend.serving import InteractionModel, execute_requests  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.model = InteractionModel.from_triton_args(args)  # config, weights, device, warm-up
+        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg))
 
     def execute(self, requests):
-        return execute_requests(pb_utils, self.model, requests)
+        responses = execute_requests(pb_utils, self.model, requests)
+        self.metrics.record_responses(pb_utils, requests, responses)
+        return responses

@@ -1,0 +1,133 @@
+"""Custom Prometheus metrics (ikbo_backend/metrics.py): the byte count against what the baseline
+really replicates, the recording through a stand-in for pb_utils, and the values a real tritonserver
+shows on its metrics port after known requests to the batch (ikbo_ranker → ikbo_interaction) and
+online (ikbo_ranker_online) endpoints."""
+
+import re
+import secrets
+import sys
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from client import client_module, infer_inputs, infer_scores  # noqa: E402
+from test_online import request_with  # noqa: E402
+
+from ikbo_backend.metrics import CANDIDATES_PER_USER_BUCKETS, RankerMetrics, broadcast_bytes_avoided, replicated_row_bytes  # noqa: E402
+from ikbo_backend.online import split_by_user  # noqa: E402
+from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights  # noqa: E402
+from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
+from ikbo_backend.tritonserver import has_gpu, running_tritonserver  # noqa: E402
+
+SEED = secrets.randbits(32)
+CFG = RankerConfig()
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_row_bytes_are_what_the_baseline_replicates_per_candidate():
+    """BaselineRanker index_selects user_tokens, history_tokens and history_len to B rows."""
+    features = build_ranker("baseline", CFG, make_demo_weights(CFG))[0](**to_tensors(make_request(CFG, 3, 10, np.random.default_rng(SEED))))
+    replicated = (features.user_tokens, features.history_tokens, features.history_len)
+    assert replicated_row_bytes(CFG) == sum(t[0].numel() * t.element_size() for t in replicated) == (10 + 64) * 64 * 4 + 4
+    assert replicated_row_bytes(CFG, torch.bfloat16) == (10 + 64) * 64 * 2 + 4
+    assert broadcast_bytes_avoided(15, 1024, 100) == 1009 * 100
+    assert broadcast_bytes_avoided(4, 4, 100) == 0
+
+
+class _Metric:
+    def __init__(self, family, labels, buckets=None):
+        self.family, self.labels, self.buckets, self.values = family, labels, buckets, []
+
+    def increment(self, value):
+        self.values.append(value)
+
+    def observe(self, value):
+        self.values.append(value)
+
+
+class _Family:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind = name, kind
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 — the pb_utils name
+        return _Metric(self, labels, buckets)
+
+
+def test_record_through_the_metric_families():
+    metrics = RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", row_bytes=10)
+    metrics.record(4, 100)
+    metrics.record(1, 1)
+    assert metrics.candidates.values == [100, 1] and metrics.users.values == [4, 1]
+    assert metrics.ratio.values == [25, 1] and metrics.ratio.buckets == list(CANDIDATES_PER_USER_BUCKETS)
+    assert metrics.avoided.values == [960, 0]
+    assert {m.family.kind for m in (metrics.candidates, metrics.users, metrics.avoided)} == {"counter"}
+    assert metrics.ratio.family.kind == "histogram" and metrics.candidates.labels == {"model": "m"}
+
+
+# ------------------------------------------------------------------ with a real tritonserver
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "tritonserver.log"
+    load = ["--model-control-mode=explicit", "--load-model=ikbo_ranker", "--load-model=ikbo_ranker_online"]
+    with running_tritonserver(config_name="gpu" if has_gpu() else None, log_path=log_path, extra_args=load) as running:
+        yield running
+
+
+def scrape(server) -> dict[tuple[str, str], float]:
+    """(sample name, model label) → value of every ikbo_* sample; histogram buckets as name + '{le}'."""
+    text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r'^(ikbo_\w+)\{([^}]*)\} (\S+)$', line)
+        if match:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+            name = match.group(1) + (f"{{{labels['le']}}}" if "le" in labels else "")
+            samples[(name, labels["model"])] = float(match.group(3))
+    return samples
+
+
+def expected(batches: list[tuple[int, int]], model: str) -> dict[tuple[str, str], float]:
+    row = replicated_row_bytes(CFG)
+    values = {
+        "ikbo_candidates_scored_total": sum(b for _, b in batches),
+        "ikbo_users_scored_total": sum(u for u, _ in batches),
+        "ikbo_broadcast_bytes_avoided_total": sum((b - u) * row for u, b in batches),
+        "ikbo_candidates_per_user_count": len(batches),
+        "ikbo_candidates_per_user_sum": sum(b / u for u, b in batches),
+    }
+    for le in CANDIDATES_PER_USER_BUCKETS:
+        values[f"ikbo_candidates_per_user_bucket{{{le}}}"] = sum(b / u <= le for u, b in batches)
+    return {(name, model): value for name, value in values.items()}
+
+
+def test_metrics_after_known_requests(server):
+    """Requests one at a time, so every online request is a batch of its own."""
+    module = client_module("grpc")
+    connection = module.InferenceServerClient(server.grpc_url)
+    try:
+        assert not any(name.endswith("_total") and value for (name, _), value in scrape(server).items()), "warm-up was counted"
+        batch_mixes = [(3, 40), (15, 1024), (1, 1)]
+        for users, candidates in batch_mixes:
+            infer_scores(connection, module, "ikbo_ranker", make_request(CFG, users, candidates, np.random.default_rng([SEED, users])))
+        online = split_by_user(request_with(CFG, 5, 300, np.random.default_rng(SEED)))
+        for one in online:
+            connection.infer("ikbo_ranker_online", infer_inputs(module, one))
+    finally:
+        connection.close()
+    got = scrape(server)
+    online_batches = [(1, one["cand_dense"].shape[1]) for one in online]
+    for model, batches in (("ikbo_interaction", batch_mixes), ("ikbo_ranker_online", online_batches)):
+        for key, value in expected(batches, model).items():
+            assert key in got, f"{key} not on the metrics port"
+            assert got[key] == pytest.approx(value, rel=1e-6), f"{key}: {got[key]} != {value} (seed {SEED})"
