@@ -1,0 +1,778 @@
+"""The pass: trace a model with torch.fx, propagate where each value lives, rebuild the graph with
+user-side work at U rows.
+
+Every value of the traced graph gets one of these forms while the new graph is built, in order:
+    Plain   — computed as in the original (candidate rows B, user rows U, or no batch dim);
+    Rep     — user[mapping] kept virtual: only `user` [U, ...] exists in the new graph;
+    Concat  — cat(parts, dim) of Rep and candidate parts, kept as its parts;
+    RepShape / Rows — x.shape / x.shape[0] of a Rep (B in the original, U in the user-row graph).
+A Rep is created at each replication site (x[m], x.index_select(0, m), x.repeat_interleave(r, 0),
+x.expand(B, ...) of one row) and flows through ops that act row by row (they run on `user` at U
+rows). Where a Rep meets candidate rows, the op becomes a join (add_user_rows, the Type I split of a
+linear, ikbo_linear_compress, ikbo_attention, a grouped op); where no join exists, the Rep is
+materialized right there (`ops.index_rows`) and the report says where and why.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map
+
+from kernels import ikbo_attention
+
+from . import ops
+
+# ----------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Shape and dtype of a tensor in the example run."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def is_float(self):
+        return self.dtype.is_floating_point
+
+
+@dataclass(eq=False)
+class Mapping:
+    """One candidate → user mapping; `node` (new graph) is an index tensor [B] into the user rows."""
+
+    key: Any
+    node: fx.Node
+    name: str
+
+
+@dataclass(eq=False)
+class Plain:
+    node: Any  # new-graph node (or a literal)
+    meta: Any
+    batched: bool = False  # has the B candidate rows as dim 0
+    mapping: Mapping | None = None  # this value is the mapping (maybe converted)
+
+
+@dataclass(eq=False)
+class Rep:
+    user: fx.Node  # [U, ...] (or a tuple of them)
+    mapping: Mapping
+    meta: Any  # of the replicated value (B rows)
+    source: str
+    materialized: fx.Node | None = None
+
+
+@dataclass(eq=False)
+class Concat:
+    parts: list
+    dim: int  # non-negative
+    meta: Meta
+    materialized: fx.Node | None = None
+
+
+@dataclass(eq=False)
+class RepShape:
+    user_shape: fx.Node
+    mapping: Mapping
+    meta: Any
+
+
+@dataclass(eq=False)
+class Rows:
+    user_rows: fx.Node
+    mapping: Mapping
+    meta: int
+
+
+VALUES = (Plain, Rep, Concat, RepShape, Rows)
+
+
+def is_value(x):
+    return isinstance(x, VALUES)
+
+
+def to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return Meta(tuple(x.shape), x.dtype)
+    if isinstance(x, torch.Size):
+        return tuple(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_meta(v) for v in x)
+    return x
+
+
+# ----------------------------------------------------------------------------- report
+
+
+@dataclass
+class Report:
+    """What the pass rewrote and what it left, for a person."""
+
+    rewritten: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def replications_left(self) -> int:
+        return len(self.left)
+
+    def __str__(self):
+        lines = ["IKBO transformation report", f"rewritten ({len(self.rewritten)}):"]
+        lines += [f"  - {r}" for r in self.rewritten] or ["  (nothing)"]
+        lines += [f"left ({len(self.left)}):"] + ([f"  - {r}" for r in self.left] or ["  (nothing: no user tensor is replicated to B rows)"])
+        if self.notes:
+            lines += ["notes:"] + [f"  - {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- op tables
+
+ELEMENTWISE_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.neg, operator.invert, operator.and_, operator.or_, operator.xor,
+    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.abs,
+    torch.add, torch.sub, torch.mul, torch.div, torch.where, torch.maximum, torch.minimum, torch.pow, torch.exp,
+    torch.log, torch.sqrt, torch.rsqrt, torch.tanh, torch.sigmoid, torch.relu, torch.abs, torch.clamp, torch.neg,
+    torch.logical_and, torch.logical_or, torch.logical_not, torch.masked_fill, torch.square, torch.reciprocal,
+    F.relu, F.gelu, F.silu, F.dropout, F.tanh, F.sigmoid, F.leaky_relu, F.elu, F.softplus, F.hardtanh, F.mish,
+}  # fmt: skip
+ELEMENTWISE_METHODS = {
+    "add", "sub", "mul", "div", "masked_fill", "clamp", "clamp_min", "clamp_max", "relu", "sigmoid", "tanh", "exp",
+    "log", "sqrt", "rsqrt", "pow", "abs", "neg", "float", "double", "half", "bfloat16", "long", "int", "bool", "to",
+    "type_as", "contiguous", "clone", "detach", "sign", "where", "logical_not", "square", "reciprocal", "type",
+    "__and__", "__or__", "__invert__", "eq", "ne", "lt", "le", "gt", "ge",
+}  # fmt: skip
+ADD_SUB = {operator.add: 1.0, torch.add: 1.0, "add": 1.0, operator.sub: -1.0, torch.sub: -1.0, "sub": -1.0}
+REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "norm", "std", "var", "all", "any", "count_nonzero"}
+SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
+MATMUL = {torch.matmul, torch.bmm, operator.matmul, "matmul", "bmm", "__matmul__"}
+CONVERSIONS = {"long", "int", "to", "type", "contiguous", "clone", "detach"}  # keep a mapping a mapping
+SDPA = F.scaled_dot_product_attention
+
+
+def _name(target) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def _norm(dim, ndim):
+    return dim + ndim if dim < 0 else dim
+
+
+def _arg(args, kwargs, pos, name, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else default
+
+
+def _tensors(tree):
+    return [v for v in tree_flatten(tree)[0] if is_value(v) and isinstance(v.meta, Meta)]
+
+
+# ----------------------------------------------------------------------------- the pass
+
+
+class Rewriter:
+    def __init__(self, traced: fx.GraphModule, example_inputs, mapping_name: str):
+        self.traced, self.mapping_name = traced, mapping_name
+        self.graph = fx.Graph()
+        self.report = Report()
+        self.env: dict[fx.Node, Any] = {}
+        self.mappings: dict[Any, Mapping] = {}
+        self.counter = 0
+        self.meta = self._run_example(example_inputs)
+        placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+        names = [n.target for n in placeholders]
+        if mapping_name not in names:
+            raise ValueError(f"model: forward has no argument named {mapping_name!r} (arguments: {names})")
+        self.num_candidates = self.meta[placeholders[names.index(mapping_name)]].shape[0]
+
+    def _run_example(self, example_inputs):
+        meta = {}
+
+        class Recorder(fx.Interpreter):
+            def run_node(self, n):
+                out = super().run_node(n)
+                meta[n] = to_meta(out)
+                return out
+
+        with torch.no_grad():
+            Recorder(self.traced).run(*example_inputs)
+        return meta
+
+    # --- emitting ------------------------------------------------------------------------------
+
+    def emit(self, op, target, args=(), kwargs=None):
+        return self.graph.create_node(op, target, tuple(args), dict(kwargs or {}))
+
+    def attach(self, prefix, value) -> str:
+        """Store a constant or module on the rewritten module; returns its attribute name."""
+        self.counter += 1
+        name = f"_ikbo_{prefix}_{self.counter}"
+        setattr(self.traced, name, value)
+        return name
+
+    def user_side(self, x):
+        """A value's form in the user-row graph (Rep → U rows)."""
+        if isinstance(x, Rep):
+            return x.user
+        if isinstance(x, Rows):
+            return x.user_rows
+        if isinstance(x, RepShape):
+            return x.user_shape
+        if isinstance(x, Plain):
+            return x.node
+        if isinstance(x, Concat):
+            raise AssertionError("a Concat has no user-row form")
+        return x
+
+    def materialize(self, x, consumer: str, why: str):
+        """A value's form at B rows; replicates a Rep (and reports it)."""
+        if isinstance(x, Plain):
+            return x.node
+        if isinstance(x, Rows):
+            return self.emit("call_function", ops.mapping_rows, (x.mapping.node,))
+        if isinstance(x, RepShape):
+            return self.emit("call_function", ops.rep_shape, (x.user_shape, x.mapping.node))
+        if isinstance(x, Concat):
+            if x.materialized is None:
+                parts = [self.materialize(p, consumer, why) for p in x.parts]
+                x.materialized = self.emit("call_function", torch.cat, (parts,), {"dim": x.dim})
+            return x.materialized
+        if isinstance(x, Rep):
+            if x.materialized is None:
+                fn = ops.index_rows_tuple if isinstance(x.meta, tuple) else ops.index_rows
+                x.materialized = self.emit("call_function", fn, (x.user, x.mapping.node))
+                small = isinstance(x.meta, Meta) and not x.meta.is_float
+                entry = f"{x.source} replicated to B rows at `{consumer}`: {why}"
+                if small:
+                    self.report.notes.append(f"{entry} (non-float, {x.meta.dtype}: index/mask data, not counted as a replication)")
+                else:
+                    self.report.left.append(entry)
+            return x.materialized
+        return x
+
+    def plain(self, op, target, args, kwargs, meta, name, why):
+        """Emit the op as in the original, materializing what it reads."""
+        batched = any(isinstance(v, (Rep, Concat, Rows, RepShape)) or (isinstance(v, Plain) and (v.batched or v.mapping)) for v in tree_flatten((args, kwargs))[0])
+        m = lambda v: self.materialize(v, name, why) if is_value(v) else v  # noqa: E731
+        node = self.emit(op, target, tree_map(m, args, is_leaf=is_value), tree_map(m, kwargs, is_leaf=is_value))
+        rows_b = isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
+        return Plain(node, meta, batched=batched and (rows_b or isinstance(meta, tuple)))
+
+    # --- main loop -----------------------------------------------------------------------------
+
+    def run(self) -> tuple[fx.GraphModule, Report]:
+        for node in self.traced.graph.nodes:
+            meta = self.meta.get(node)
+            if node.op == "placeholder":
+                new = self.graph.placeholder(node.target)
+                if node.target == self.mapping_name:
+                    mapping = Mapping(("input",), new, node.target)
+                    self.env[node] = Plain(new, meta, batched=True, mapping=mapping)
+                else:
+                    rows_b = isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
+                    self.env[node] = Plain(new, meta, batched=rows_b)
+            elif node.op == "get_attr":
+                self.env[node] = Plain(self.emit("get_attr", node.target), meta)
+            elif node.op == "output":
+                out = tree_map(lambda v: self.materialize(v, "output", "the model returns it") if is_value(v) else v, self._lookup(node.args[0]), is_leaf=is_value)
+                self.graph.output(out)
+            else:
+                args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
+                self.env[node] = self.apply(node.op, node.target, args, kwargs, meta, node.name)
+        self.graph.eliminate_dead_code()
+        self.graph.lint()
+        module = fx.GraphModule(self.traced, self.graph, class_name="IkboRewritten")
+        return module, self.report
+
+    def _lookup(self, tree):
+        return tree_map(lambda a: self.env[a] if isinstance(a, fx.Node) else a, tree)
+
+    # --- dispatch ------------------------------------------------------------------------------
+
+    def apply(self, op, target, args, kwargs, meta, name):
+        values = [v for v in tree_flatten((args, kwargs))[0] if is_value(v)]
+        key = target
+        if op in ("call_function", "call_method"):
+            for handler in (self.replication_site, self.mapping_conversion):
+                out = handler(key, args, kwargs, meta, name)
+                if out is not None:
+                    return out
+        if not any(isinstance(v, (Rep, Concat, Rows, RepShape)) for v in values):
+            return self.plain(op, target, args, kwargs, meta, name, "")
+        if op not in ("call_function", "call_method"):
+            return self.plain(op, target, args, kwargs, meta, name, f"{op} is not traced into")
+        for handler in (self.shape_access, self.concat_ops, self.rowwise, self.joins):
+            out = handler(op, key, args, kwargs, meta, name)
+            if out is not None:
+                return out
+        return self.plain(op, target, args, kwargs, meta, name, self.why_not(key, args, kwargs, meta))
+
+    # --- replication sites ---------------------------------------------------------------------
+
+    def _mapping_of(self, v):
+        return v.mapping if isinstance(v, Plain) else None
+
+    def _user_tensor(self, v):
+        return isinstance(v, Plain) and not v.batched and v.mapping is None and isinstance(v.meta, Meta) and v.meta.ndim > 0
+
+    def replication_site(self, key, args, kwargs, meta, name):
+        if key is operator.getitem and len(args) == 2:
+            src, index = args
+            if self._user_tensor(src) and self._mapping_of(index):
+                return self.new_rep(src, self._mapping_of(index), meta, name, "x[cand_to_user]")
+        if key in (torch.index_select, "index_select"):
+            src, dim, index = args[0], _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "index")
+            if self._user_tensor(src) and dim in (0, -src.meta.ndim if isinstance(src.meta, Meta) else 0) and self._mapping_of(index):
+                return self.new_rep(src, self._mapping_of(index), meta, name, "index_select(0, cand_to_user)")
+        if key in (torch.repeat_interleave, "repeat_interleave") and len(args) >= 2:
+            src, repeats, dim = args[0], args[1], _arg(args, kwargs, 2, "dim")
+            if self._user_tensor(src) and dim == 0 and not (isinstance(repeats, Plain) and repeats.batched):
+                mkey = ("repeat_interleave", id(repeats) if is_value(repeats) else repeats)
+                if mkey not in self.mappings:
+                    node = self.emit("call_function", ops.repeat_mapping, (src.node, repeats.node if is_value(repeats) else repeats))
+                    self.mappings[mkey] = Mapping(mkey, node, f"repeat_interleave at {name}")
+                return self.new_rep(src, self.mappings[mkey], meta, name, "repeat_interleave(counts, dim=0)")
+        if key == "expand" and self._user_tensor(args[0]) and args[0].meta.shape[0] == 1:
+            sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+            if sizes and isinstance(meta, Meta) and meta.shape[0] == self.num_candidates and self.num_candidates != 1:
+                rows = sizes[0]
+                rows_b = self.materialize(rows, name, "") if is_value(rows) else rows
+                mkey = ("expand", id(rows) if is_value(rows) else rows)
+                if mkey not in self.mappings:
+                    node = self.emit("call_function", ops.expand_mapping, (rows_b, args[0].node))
+                    self.mappings[mkey] = Mapping(mkey, node, f"expand at {name}")
+                user = self.emit("call_method", "expand", (args[0].node, 1, *[self.user_side(s) for s in sizes[1:]]))
+                rep = Rep(user, self.mappings[mkey], meta, f"{name} (expand of one user row)")
+                self.report.rewritten.append(f"`{name}`: expand of a single user row to B rows kept virtual")
+                return rep
+        return None
+
+    def new_rep(self, src, mapping, meta, name, how):
+        self.report.rewritten.append(f"`{name}`: replication {how} kept virtual (user rows stay at U)")
+        return Rep(src.node, mapping, meta, f"`{name}`")
+
+    def mapping_conversion(self, key, args, kwargs, meta, name):
+        if key in CONVERSIONS and args and self._mapping_of(args[0]):
+            node = self.emit("call_method", key, tree_map(lambda v: v.node if is_value(v) else v, args, is_leaf=is_value), kwargs)
+            return Plain(node, meta, batched=True, mapping=args[0].mapping)
+        return None
+
+    # --- shapes of Reps ------------------------------------------------------------------------
+
+    def shape_access(self, op, key, args, kwargs, meta, name):
+        x = args[0] if args else None
+        if key is getattr and isinstance(x, Rep):
+            if args[1] == "shape":
+                return RepShape(self.emit("call_function", getattr, (x.user, "shape")), x.mapping, meta)
+            if args[1] in ("dtype", "device", "ndim", "is_cuda", "layout"):
+                return Plain(self.emit("call_function", getattr, (x.user, args[1])), meta)
+        if key is operator.getitem and isinstance(x, RepShape) and isinstance(args[1], int):
+            node = self.emit("call_function", operator.getitem, (x.user_shape, args[1]))
+            return Rows(node, x.mapping, meta) if _norm(args[1], len(x.meta)) == 0 else Plain(node, meta)
+        if key == "size" and isinstance(x, Rep):
+            dim = _arg(args, kwargs, 1, "dim")
+            if dim is None:
+                return RepShape(self.emit("call_method", "size", (x.user,)), x.mapping, meta)
+            node = self.emit("call_method", "size", (x.user, dim))
+            return Rows(node, x.mapping, meta) if _norm(dim, x.meta.ndim) == 0 else Plain(node, meta)
+        if key == "dim" and isinstance(x, Rep):
+            return Plain(x.meta.ndim, meta)
+        return None
+
+    # --- row-wise ops: run at U rows -----------------------------------------------------------
+
+    def rowwise_ok(self, key, args, kwargs, meta):
+        """Does the op act on dim 0 row by row (for the batched arguments)? None if unknown."""
+        if not isinstance(meta, (Meta, tuple)):
+            return False
+        tensors = _tensors((args, kwargs))
+        x = args[0] if args else None
+        if key is operator.getitem and isinstance(x, Rep) and isinstance(x.meta, tuple):
+            return isinstance(args[1], int)
+        if key in (torch.cat, torch.stack):
+            parts, dim = args[0], _arg(args, kwargs, 1, "dim", 0)
+            ndim = parts[0].meta.ndim + (key is torch.stack) if parts and is_value(parts[0]) else 0
+            return all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1 and _norm(dim, ndim) != 0
+        xnd = x.meta.ndim if is_value(x) and isinstance(x.meta, Meta) else None
+        if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS:
+            if not isinstance(meta, Meta) or meta.ndim == 0:
+                return False
+            if key in (F.dropout,) and _arg(args, kwargs, 2, "training", True):
+                return False
+            for t in tensors:
+                if self.batched(t):
+                    if t.meta.ndim != meta.ndim:
+                        return False
+                elif not (t.meta.ndim < meta.ndim or t.meta.shape[0] == 1):
+                    return False
+            return True
+        if key in MATMUL and len(args) == 2 and is_value(args[1]) and self.batched(args[1]) and not self.batched(x):
+            return is_value(x) and x.meta.ndim <= 2 and args[1].meta.ndim >= 3
+        if xnd is None or not self.batched(x) or xnd == 0:
+            return False
+        others_plain = all(not self.batched(t) for t in tensors if t is not x)
+        if key in SOFTMAX:
+            return others_plain and _norm(_arg(args, kwargs, 1, "dim"), xnd) != 0
+        if key in REDUCTIONS or key in (torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp):
+            dim = _arg(args, kwargs, 1, "dim")
+            dims = dim if isinstance(dim, (tuple, list)) else [dim]
+            return dim is not None and all(isinstance(d, int) and _norm(d, xnd) != 0 for d in dims)
+        if key in ("cumsum", "cumprod", torch.cumsum, F.normalize):
+            dim = _arg(args, kwargs, 1, "dim", 1 if key is F.normalize else None)
+            return dim is not None and _norm(dim, xnd) != 0
+        if key in ("flatten", torch.flatten):
+            return _norm(_arg(args, kwargs, 1, "start_dim", 0), xnd) >= 1
+        if key in ("unsqueeze", torch.unsqueeze):
+            return _norm(_arg(args, kwargs, 1, "dim"), xnd + 1) != 0
+        if key in ("squeeze", torch.squeeze):
+            dim = _arg(args, kwargs, 1, "dim")
+            return isinstance(dim, int) and _norm(dim, xnd) != 0
+        if key in ("transpose", torch.transpose, "swapaxes"):
+            return _norm(_arg(args, kwargs, 1, "dim0"), xnd) != 0 and _norm(_arg(args, kwargs, 2, "dim1"), xnd) != 0
+        if key in ("permute", torch.permute):
+            dims = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+            return bool(dims) and _norm(dims[0], xnd) == 0
+        if key in ("chunk", torch.chunk, "split", torch.split, "unbind", torch.unbind):
+            dim = _arg(args, kwargs, 1 if key in ("unbind", torch.unbind) else 2, "dim", 0)
+            return _norm(dim, xnd) != 0
+        if key in ("view", "reshape", torch.reshape):
+            sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+            if not sizes or not isinstance(meta, Meta) or meta.shape[0] != x.meta.shape[0]:
+                return False
+            if any(isinstance(s, Rows) for s in sizes[1:]) or any(isinstance(s, Plain) and s.batched for s in sizes):
+                return False
+            return isinstance(sizes[0], Rows) or sizes[0] == -1
+        if key == "expand":
+            sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+            return bool(sizes) and (isinstance(sizes[0], Rows) or sizes[0] == -1) and not any(isinstance(s, Rows) for s in sizes[1:])
+        if key is operator.getitem:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(is_value(i) for i in index) or not index:
+                return False
+            first = index[0]
+            return isinstance(first, slice) and first == slice(None)
+        if key in (F.linear,):
+            return others_plain and xnd >= 2
+        if key in (F.layer_norm, getattr(F, "rms_norm", None)):
+            return others_plain and len(_arg(args, kwargs, 1, "normalized_shape")) < xnd
+        if key is F.embedding:
+            return not self.batched(_arg(args, kwargs, 1, "weight"))
+        if key in MATMUL:
+            a, b = args[0], args[1]
+            if self.batched(a) and self.batched(b):
+                return a.meta.ndim == b.meta.ndim >= 3
+            if self.batched(a):
+                return a.meta.ndim >= 2 and b.meta.ndim <= 2
+            return False
+        if key is SDPA:
+            q, k, v = args[:3]
+            mask = _arg(args, kwargs, 3, "attn_mask")
+            return all(self.batched(t) and t.meta.ndim == 4 for t in (q, k, v)) and (
+                mask is None or (self.batched(mask) and mask.meta.ndim == 4) or (not self.batched(mask) and mask.meta.ndim < 4)
+            )
+        return False
+
+    def batched(self, v):
+        return isinstance(v, (Rep, Concat)) or (isinstance(v, Plain) and (v.batched or v.mapping is not None))
+
+    def rowwise(self, op, key, args, kwargs, meta, name):
+        if key is torch.cat or key is torch.stack:
+            if not all(isinstance(p, Rep) for p in args[0]):
+                return None
+        reps = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, (Rep, Rows, RepShape))]
+        batched_plain = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, (Plain, Concat)) and self.batched(v)]
+        if batched_plain or len({r.mapping.key for r in reps}) != 1:
+            return None
+        if not self.rowwise_ok(key, args, kwargs, meta):
+            return None
+        u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
+        node = self.emit(op, key, tree_map(u, args, is_leaf=is_value), tree_map(u, kwargs, is_leaf=is_value))
+        rep = reps[0]
+        source = next((r.source for r in reps if isinstance(r, Rep)), "")
+        if key is SDPA:
+            self.report.rewritten.append(f"`{name}`: attention with replicated q, k, v runs at U rows (self-attention per user)")
+        elif key is F.linear or key in MATMUL:
+            self.report.rewritten.append(f"`{name}`: {_name(key)} runs at U rows")
+        return Rep(node, rep.mapping, meta, source)
+
+    # --- concat of user and candidate parts ----------------------------------------------------
+
+    def concat_ops(self, op, key, args, kwargs, meta, name):
+        if key is torch.cat:
+            parts, dim = list(args[0]), _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim)
+            flat = []
+            for p in parts:
+                flat += p.parts if isinstance(p, Concat) and p.dim == dim else [p]
+            if dim == 0 or not any(isinstance(p, Rep) for p in flat) or not all(self.batched(p) and isinstance(p.meta, Meta) for p in flat):
+                return None
+            if all(isinstance(p, Rep) for p in flat) and len({p.mapping.key for p in flat}) == 1:
+                return None  # row-wise
+            return Concat(flat, dim, meta)
+        concat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, Concat)]
+        if not concat:
+            return None
+        c = concat[0]
+        if key is F.linear and args[0] is c and c.dim == c.meta.ndim - 1:
+            weight, bias = _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+            if not self.batched(weight) and not (bias is not None and self.batched(bias)):
+                return self.split_linear(c, weight, bias, meta, name, weight_cols=True)
+        if key in MATMUL and len(args) == 2:
+            a, b = args
+            if a is c and c.dim == c.meta.ndim - 1 and not self.batched(b) and b.meta.ndim == 2:
+                return self.split_linear(c, b, None, meta, name, weight_cols=False)
+            if b is c and c.meta.ndim == 3 and c.dim == 1 and not self.batched(a) and a.meta.ndim == 2:
+                return self.split_compress(a, c, meta, name)
+        if (key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS) and self.rowwise_ok(key, args, kwargs, meta):
+            return self.split_elementwise(op, key, args, kwargs, c, meta, name)
+        return None
+
+    def _slice(self, v, dim_from_end, start, stop, name):
+        """v[..., start:stop, ...] along the dim `dim_from_end` from the end (v's form kept)."""
+        if not is_value(v) or not isinstance(v.meta, Meta):
+            return v
+        dim = v.meta.ndim - dim_from_end
+        if dim < 0 or v.meta.shape[dim] == 1:
+            return v  # broadcast along that dim
+        index = (slice(None),) * dim + (slice(start, stop),)
+        shape = list(v.meta.shape)
+        shape[dim] = stop - start
+        meta = Meta(tuple(shape), v.meta.dtype)
+        if isinstance(v, Rep):
+            return Rep(self.emit("call_function", operator.getitem, (v.user, index)), v.mapping, meta, v.source)
+        if isinstance(v, Concat):
+            offset = 0
+            for p in v.parts:
+                size = p.meta.shape[v.dim]
+                if (offset, offset + size) == (start, stop) and v.dim == dim:
+                    return p
+                offset += size
+            return Plain(self.emit("call_function", operator.getitem, (self.materialize(v, "slice", "split of a concat"), index)), meta, True)
+        return Plain(self.emit("call_function", operator.getitem, (v.node, index)), meta, v.batched)
+
+    def split_elementwise(self, op, key, args, kwargs, c, meta, name):
+        """An elementwise op over a concat: apply it to each part (the other operands sliced alike)."""
+        dim_from_end = c.meta.ndim - c.dim
+        parts, offset = [], 0
+        for p in c.parts:
+            size = p.meta.shape[c.dim]
+            s = lambda v, a=offset, b=offset + size: self._slice(v, dim_from_end, a, b, name) if is_value(v) else v  # noqa: E731
+            shape = list(meta.shape)
+            shape[c.dim] = size
+            pargs, pkwargs = tree_map(s, args, is_leaf=is_value), tree_map(s, kwargs, is_leaf=is_value)
+            parts.append(self.apply(op, key, pargs, pkwargs, Meta(tuple(shape), meta.dtype), f"{name}[part {len(parts)}]"))
+            offset += size
+        self.report.rewritten.append(f"`{name}`: {_name(key)} over a user+candidate concat applied per part")
+        if not any(isinstance(p, (Rep, Concat)) for p in parts):
+            return Plain(self.emit("call_function", torch.cat, ([p.node for p in parts],), {"dim": c.dim}), meta, True)
+        if all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1:
+            node = self.emit("call_function", torch.cat, ([p.user for p in parts],), {"dim": c.dim})
+            return Rep(node, parts[0].mapping, meta, parts[0].source)
+        return Concat(parts, c.dim, meta)
+
+    def _weight_slice(self, weight, start, stop, cols: bool):
+        """weight[:, start:stop] (cols) or weight[start:stop]; constants sliced once, here."""
+        index = (slice(None), slice(start, stop)) if cols else (slice(start, stop),)
+        if isinstance(weight, Plain) and weight.node.op == "get_attr":
+            tensor = getattr(self.traced, weight.node.target)[index].contiguous()
+            return self.emit("get_attr", self.attach("weight", tensor))
+        return self.emit("call_function", operator.getitem, (weight.node, index))
+
+    def _join(self, cand_sum, user_terms, rows_of, meta, name):
+        """cand_sum [B, ...] (or None) + Σ user_terms[mapping][m] through add_user_rows."""
+        for mapping, terms in user_terms.items():
+            total = terms[0]
+            for t in terms[1:]:
+                total = self.emit("call_function", operator.add, (total, t))
+            if cand_sum is None:
+                zeros_shape = self.emit("call_function", ops.rep_shape, (self.emit("call_function", getattr, (total, "shape")), mapping.node))
+                cand_sum = self.emit("call_function", torch.zeros, (zeros_shape,), {"dtype": meta.dtype, "device": self.emit("call_function", getattr, (total, "device"))})
+            cand_sum = self.emit("call_function", ops.add_user_rows_broadcast, (cand_sum, total, mapping.node))
+        return Plain(cand_sum, meta, True)
+
+    def split_linear(self, c, weight, bias, meta, name, weight_cols: bool):
+        """linear(cat(parts, -1), W, b) = Σ linear(part_i, W_i) + b; user parts at U rows (Type I)."""
+        cand_sum, user_terms, offset = None, {}, 0
+        for p in c.parts:
+            size = p.meta.shape[c.dim]
+            w = self._weight_slice(weight, offset, offset + size, cols=weight_cols)
+            offset += size
+            if isinstance(p, Rep):
+                term = self.emit("call_function", F.linear if weight_cols else torch.matmul, (p.user, w))
+                user_terms.setdefault(p.mapping, []).append(term)
+            else:
+                term = self.emit("call_function", F.linear if weight_cols else torch.matmul, (self.materialize(p, name, "part of a concat"), w))
+                cand_sum = term if cand_sum is None else self.emit("call_function", operator.add, (cand_sum, term))
+        if bias is not None:
+            b = bias.node if is_value(bias) else bias
+            cand_sum = self.emit("call_function", operator.add, (cand_sum, b)) if cand_sum is not None else None
+            if cand_sum is None:
+                first = next(iter(user_terms.values()))
+                first[0] = self.emit("call_function", operator.add, (first[0], b))
+        self.report.rewritten.append(
+            f"`{name}`: linear over cat(user, candidate) split (Type I): user columns at U rows, candidate columns at B rows, joined by add_user_rows"
+        )
+        return self._join(cand_sum, user_terms, None, meta, name)
+
+    def split_compress(self, weight, c, meta, name):
+        """matmul(W, cat(parts, dim=1)) over tokens: ikbo_linear_compress for [user, candidate]."""
+        kinds = [isinstance(p, Rep) for p in c.parts]
+        if kinds == [True, False] and isinstance(weight, Plain) and weight.node.op == "get_attr":
+            user, cand = c.parts
+            module = ops.LinearCompress(getattr(self.traced, weight.node.target), user.meta.shape[1])
+            node = self.emit("call_module", self.attach("lce", module), (user.user, self.materialize(cand, name, ""), user.mapping.node))
+            self.report.rewritten.append(f"`{name}`: matmul(W, cat(user tokens, candidate tokens)) → ikbo_linear_compress (weights packed once)")
+            return Plain(node, meta, True)
+        cand_sum, user_terms, offset = None, {}, 0
+        for p in c.parts:
+            size = p.meta.shape[1]
+            w = self._weight_slice(weight, offset, offset + size, cols=True)
+            offset += size
+            if isinstance(p, Rep):
+                user_terms.setdefault(p.mapping, []).append(self.emit("call_function", torch.matmul, (w, p.user)))
+            else:
+                term = self.emit("call_function", torch.matmul, (w, self.materialize(p, name, "")))
+                cand_sum = term if cand_sum is None else self.emit("call_function", operator.add, (cand_sum, term))
+        self.report.rewritten.append(f"`{name}`: matmul(W, cat over tokens) split (Type I): user tokens at U rows, joined by add_user_rows")
+        return self._join(cand_sum, user_terms, None, meta, name)
+
+    # --- joins of user rows with candidate rows ------------------------------------------------
+
+    def joins(self, op, key, args, kwargs, meta, name):
+        flat = [v for v in tree_flatten((args, kwargs))[0] if is_value(v)]
+        if any(isinstance(v, Concat) for v in flat):
+            return None
+        reps = [v for v in flat if isinstance(v, Rep)]
+        # non-float user data (lengths, masks) is cheap to replicate: do it, then look again
+        if any(isinstance(r.meta, Meta) and not r.meta.is_float for r in reps) and key is not SDPA:
+            small = lambda v: Plain(self.materialize(v, name, f"{_name(key)} combines it with candidate rows"), v.meta, True) if isinstance(v, Rep) and not v.meta.is_float else v  # noqa: E731
+            args, kwargs = tree_map(small, args, is_leaf=is_value), tree_map(small, kwargs, is_leaf=is_value)
+            return self.apply(op, key, args, kwargs, meta, name)
+        if len({r.mapping.key for r in reps}) != 1 or any(isinstance(v, (Rows, RepShape)) for v in flat):
+            return None
+        mapping = reps[0].mapping
+        if key is SDPA:
+            return self.attention(args, kwargs, meta, name)
+        if not self.rowwise_ok(key, args, kwargs, meta):
+            return None
+        if key in ADD_SUB and len(args) == 2 and not kwargs and all(is_value(a) and self.batched(a) for a in args):
+            a, b = args
+            sign = ADD_SUB[key]
+            if isinstance(a, Rep):
+                node = self.emit("call_function", ops.add_user_rows_broadcast, (b.node, a.user, mapping.node), {"cand_sign": sign})
+            else:
+                node = self.emit("call_function", ops.add_user_rows_broadcast, (a.node, b.user, mapping.node), {"user_sign": sign})
+            self.report.rewritten.append(f"`{name}`: {_name(key)} of candidate rows and replicated user rows → add_user_rows")
+            return Plain(node, meta, True)
+        if key in MATMUL and len(args) == 2 and all(self.batched(a) for a in args):
+            a, b = args
+            if a.meta.ndim == b.meta.ndim >= 3:
+                cand_left = isinstance(b, Rep)
+                cand, user = (a, b) if cand_left else (b, a)
+                node = self.emit("call_function", ops.grouped_matmul, (cand.node, user.user, mapping.node, cand_left))
+                self.report.rewritten.append(f"`{name}`: batched matmul of candidate rows with replicated user rows → grouped per user (user matrix read once per user)")
+                return Plain(node, meta, True)
+            return None
+        if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS:
+            return self.grouped(op, key, args, kwargs, mapping, reps, meta, name)
+        return None
+
+    def grouped(self, op, key, args, kwargs, mapping, reps, meta, name):
+        tensors, roles = [], {}
+
+        def slot(v):
+            if not is_value(v):
+                return v
+            if isinstance(v, Rep):
+                role, node = "user", v.user
+            elif self.batched(v):
+                role, node = "cand", v.node
+            else:
+                role, node = "plain", v.node
+            tensors.append(node)
+            return ops.Slot(role, len(tensors) - 1)
+
+        sargs, skwargs = tree_map(slot, args, is_leaf=is_value), tree_map(slot, kwargs, is_leaf=is_value)
+        if op == "call_method":
+            fn = getattr(torch.Tensor, key)
+        else:
+            fn = key
+        module = ops.GroupedOp(fn, sargs, skwargs, f"{_name(key)} at {name}")
+        num_users = self.emit("call_function", operator.getitem, (self.emit("call_function", getattr, (reps[0].user, "shape")), 0))
+        node = self.emit("call_module", self.attach("grouped", module), (mapping.node, num_users, *tensors))
+        self.report.rewritten.append(f"`{name}`: {_name(key)} of candidate rows with replicated user rows → grouped per user (user row broadcast, not copied)")
+        return Plain(node, meta, True)
+
+    # --- attention -----------------------------------------------------------------------------
+
+    def attention(self, args, kwargs, meta, name):
+        q, k, v = args[:3]
+        mask = _arg(args, kwargs, 3, "attn_mask")
+        dropout, causal = _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
+        scale = _arg(args, kwargs, 6, "scale")
+        if not (isinstance(k, Rep) and isinstance(v, Rep) and k.mapping is v.mapping and isinstance(q, Plain) and q.batched):
+            return None
+        if dropout or causal or _arg(args, kwargs, 7, "enable_gqa", False) or q.meta.ndim != 4 or k.meta.ndim != 4:
+            return None
+        seq_len = k.meta.shape[2]
+        kv_len = None
+        if mask is not None:
+            lengths = self.prefix_lengths(mask, seq_len, k.mapping)
+            if lengths is None:
+                return None
+            kv_len = self.emit("call_function", ops.kv_len_from, (lengths, seq_len))
+        node = self.emit("call_function", ikbo_attention, (q.node, k.user, v.user, k.mapping.node, kv_len, scale))
+        self.report.rewritten.append(f"`{name}`: attention of candidate queries over replicated K/V → ikbo_attention" + (" (key-length mask)" if kv_len is not None else ""))
+        return Plain(node, meta, True)
+
+    def prefix_lengths(self, mask, seq_len, mapping):
+        """The user-row lengths node if `mask` is arange(L) < lengths[m][:, None] broadcast over
+        heads and queries ([B, 1, 1, L]); else None."""
+        if not isinstance(mask, Rep) or mask.mapping is not mapping or mask.meta.ndim != 4 or mask.meta.shape[1:3] != (1, 1) or mask.meta.shape[3] != seq_len:
+            return None
+        user = mask.user
+        while user.op == "call_function" and user.target is operator.getitem or (user.op == "call_method" and user.target == "unsqueeze"):
+            if user.target is operator.getitem:
+                index = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
+                if not all(i is None or i == slice(None) for i in index):
+                    return None
+            user = user.args[0]
+        if user.op != "call_function" or user.target not in (operator.lt, operator.gt, torch.lt, torch.gt):
+            return None
+        a, b = user.args
+        positions, column = (a, b) if user.target in (operator.lt, torch.lt) else (b, a)
+        if not (isinstance(positions, fx.Node) and positions.op == "call_function" and positions.target is torch.arange):
+            return None
+        bounds = [x for x in positions.args]
+        if bounds not in ([seq_len], [0, seq_len]) or positions.kwargs.get("dtype") not in (None, torch.int64):
+            return None
+        if not (isinstance(column, fx.Node) and column.op == "call_function" and column.target is operator.getitem and column.args[1] == (slice(None), None)):
+            if not (isinstance(column, fx.Node) and column.op == "call_method" and column.target == "unsqueeze" and column.args[1] in (1, -1)):
+                return None
+        return column.args[0]
+
+    # --- why an op was left --------------------------------------------------------------------
+
+    def why_not(self, key, args, kwargs, meta):
+        flat = [v for v in tree_flatten((args, kwargs))[0] if is_value(v)]
+        reps = [v for v in flat if isinstance(v, Rep)]
+        if len({r.mapping.key for r in reps}) > 1:
+            return "it combines user rows replicated through different mappings"
+        if any(isinstance(v, Concat) for v in flat):
+            return f"{_name(key)} over a concat of user and candidate parts has no per-part form"
+        if key is SDPA:
+            return "attention whose mask is not a key-length prefix mask, or with dropout / is_causal / candidate K/V"
+        if self.batched(args[0] if args else None) and not self.rowwise_ok(key, args, kwargs, meta):
+            return f"{_name(key)} is not known to act row by row on dim 0 (e.g. it reduces or reorders candidates)"
+        return f"no IKBO join for {_name(key)}"
