@@ -161,6 +161,7 @@ def execute_online(pb_utils, model: OnlineModel, requests, metrics=None) -> list
         except Exception as e:  # noqa: BLE001 — answer every request of the chunk
             name = getattr(model, "name", type(model).__name__)
             pb_utils.Logger.log_error(f"{name}: {type(e).__name__}: {e}")  # details only in the server log
+            message = f"model '{name}': internal error ({type(e).__name__}); details are in the server log"
             for index, _ in members:
-                responses[index] = error(f"model '{name}': internal error ({type(e).__name__}); details are in the server log", pb_utils.TritonError.INTERNAL)
+                responses[index] = error(message, pb_utils.TritonError.INTERNAL)
     return responses

@@ -279,7 +279,7 @@ def test_concurrent_requests_are_coalesced_and_answered_alone_correctly(server, 
 
 
 BAD_ONLINE = {  # kind → (input the message names, request → bad request)
-    "NaN dense": ("cand_dense", lambda r: r | {"cand_dense": np.where(np.arange(r["cand_dense"].shape[1])[None, :, None] == 0, np.nan, r["cand_dense"]).astype(np.float32)}),
+    "NaN dense": ("cand_dense", lambda r: r | {"cand_dense": np.insert(r["cand_dense"][:, 1:], 0, np.nan, axis=1)}),
     "id outside table": ("cand_sparse_ids", lambda r: r | {"cand_sparse_ids": r["cand_sparse_ids"] + CFG.cand_vocab_size}),
     "history len > L": ("user_history_len", lambda r: r | {"user_history_len": np.full((1, 1), CFG.history_length + 1, np.int32)}),
     "two users": ("user_dense", lambda r: {k: np.concatenate([v, v]) for k, v in r.items()}),
