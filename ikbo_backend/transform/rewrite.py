@@ -222,6 +222,13 @@ class Rewriter:
         setattr(self.traced, name, value)
         return name
 
+    def fetch(self, target: str):
+        """The tensor behind a get_attr target ("top.0.weight")."""
+        value = self.traced
+        for part in target.split("."):
+            value = getattr(value, part)
+        return value
+
     def user_side(self, x):
         """A value's form in the user-row graph (Rep → U rows)."""
         if isinstance(x, Rep):
@@ -268,7 +275,8 @@ class Rewriter:
         m = lambda v: self.materialize(v, name, why) if is_value(v) else v  # noqa: E731
         node = self.emit(op, target, tree_map(m, args, is_leaf=is_value), tree_map(m, kwargs, is_leaf=is_value))
         rows_b = isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
-        return Plain(node, meta, batched=batched and (rows_b or isinstance(meta, tuple)))
+        count_b = type(meta) is int and meta == self.num_candidates  # e.g. cand.shape[0]
+        return Plain(node, meta, batched=batched and (rows_b or count_b or isinstance(meta, tuple)))
 
     # --- main loop -----------------------------------------------------------------------------
 
@@ -291,9 +299,10 @@ class Rewriter:
             else:
                 args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
                 self.env[node] = self.apply(node.op, node.target, args, kwargs, meta, node.name)
-        self.graph.eliminate_dead_code()
-        self.graph.lint()
         module = fx.GraphModule(self.traced, self.graph, class_name="IkboRewritten")
+        module.graph.eliminate_dead_code()
+        module.graph.lint()
+        module.recompile()
         return module, self.report
 
     def _lookup(self, tree):
@@ -451,12 +460,12 @@ class Rewriter:
             sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
             if not sizes or not isinstance(meta, Meta) or meta.shape[0] != x.meta.shape[0]:
                 return False
-            if any(isinstance(s, Rows) for s in sizes[1:]) or any(isinstance(s, Plain) and s.batched for s in sizes):
+            if any(isinstance(s, Rows) for s in sizes[1:]) or any(isinstance(s, Plain) and s.batched for s in sizes[1:]):
                 return False
-            return isinstance(sizes[0], Rows) or sizes[0] == -1
+            return self.is_count(sizes[0])
         if key == "expand":
             sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
-            return bool(sizes) and (isinstance(sizes[0], Rows) or sizes[0] == -1) and not any(isinstance(s, Rows) for s in sizes[1:])
+            return bool(sizes) and self.is_count(sizes[0]) and not any(isinstance(s, Rows) for s in sizes[1:])
         if key is operator.getitem:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             if any(is_value(i) for i in index) or not index:
@@ -484,6 +493,10 @@ class Rewriter:
             )
         return False
 
+    def is_count(self, size):
+        """A view size that is the row count B (or -1 there)."""
+        return isinstance(size, Rows) or size == -1 or (isinstance(size, Plain) and size.batched and type(size.meta) is int)
+
     def batched(self, v):
         return isinstance(v, (Rep, Concat)) or (isinstance(v, Plain) and (v.batched or v.mapping is not None))
 
@@ -492,11 +505,16 @@ class Rewriter:
             if not all(isinstance(p, Rep) for p in args[0]):
                 return None
         reps = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, (Rep, Rows, RepShape))]
-        batched_plain = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, (Plain, Concat)) and self.batched(v)]
+        batched_plain = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, (Plain, Concat)) and self.batched(v) and isinstance(v.meta, Meta)]
         if batched_plain or len({r.mapping.key for r in reps}) != 1:
             return None
         if not self.rowwise_ok(key, args, kwargs, meta):
             return None
+        if key in ("view", "reshape", torch.reshape, "expand") and isinstance(args[1] if len(args) == 2 else None, (tuple, list)):
+            args = (args[0], *args[1])
+        if key in ("view", "reshape", torch.reshape, "expand") and isinstance(args[1], Plain):  # B from a candidate tensor
+            rows = self.emit("call_function", operator.getitem, (self.emit("call_function", getattr, (args[0].user, "shape")), 0))
+            args = (args[0], rows, *args[2:])
         u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
         node = self.emit(op, key, tree_map(u, args, is_leaf=is_value), tree_map(u, kwargs, is_leaf=is_value))
         rep = reps[0]
@@ -585,7 +603,7 @@ class Rewriter:
         """weight[:, start:stop] (cols) or weight[start:stop]; constants sliced once, here."""
         index = (slice(None), slice(start, stop)) if cols else (slice(start, stop),)
         if isinstance(weight, Plain) and weight.node.op == "get_attr":
-            tensor = getattr(self.traced, weight.node.target)[index].contiguous()
+            tensor = self.fetch(weight.node.target)[index].contiguous()
             return self.emit("get_attr", self.attach("weight", tensor))
         return self.emit("call_function", operator.getitem, (weight.node, index))
 
@@ -630,7 +648,7 @@ class Rewriter:
         kinds = [isinstance(p, Rep) for p in c.parts]
         if kinds == [True, False] and isinstance(weight, Plain) and weight.node.op == "get_attr":
             user, cand = c.parts
-            module = ops.LinearCompress(getattr(self.traced, weight.node.target), user.meta.shape[1])
+            module = ops.LinearCompress(self.fetch(weight.node.target), user.meta.shape[1])
             node = self.emit("call_module", self.attach("lce", module), (user.user, self.materialize(cand, name, ""), user.mapping.node))
             self.report.rewritten.append(f"`{name}`: matmul(W, cat(user tokens, candidate tokens)) → ikbo_linear_compress (weights packed once)")
             return Plain(node, meta, True)
