@@ -264,11 +264,16 @@ class BaselineRanker(_Interaction):
 
 
 def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend: str = "auto"):
-    """(FeatureStage, interaction) for variant "ikbo" or "baseline"."""
+    """(FeatureStage, interaction) for variant "ikbo", "baseline" or "transformed" (BaselineRanker
+    after the IKBO transformation, ikbo_backend.transform)."""
     if variant == "ikbo":
         interaction = IkboRanker(cfg, weights, device, backend)
     elif variant == "baseline":
         interaction = BaselineRanker(cfg, weights, device)
+    elif variant == "transformed":
+        from .transform.serving import TransformedInteraction  # the pass imports this module
+
+        interaction = TransformedInteraction(cfg, weights, device)
     else:
-        raise ValueError(f"variant: expected 'ikbo' or 'baseline', got {variant!r}")
+        raise ValueError(f"variant: expected 'ikbo', 'baseline' or 'transformed', got {variant!r}")
     return FeatureStage(cfg, weights, device), interaction

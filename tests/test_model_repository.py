@@ -12,12 +12,13 @@ from ikbo_backend.requests import INPUT_DTYPES, INPUT_NAMES, ShapeRanges
 from ikbo_backend.serving import MODEL_REPOSITORY, feature_dims, load_shape_ranges, request_dims, score_dims
 
 CFG = RankerConfig()
-ENSEMBLES = ("ikbo_ranker", "baseline_ranker")
+ENSEMBLES = ("ikbo_ranker", "baseline_ranker", "transformed_ranker")
 ONLINE = ("ikbo_ranker_online", "baseline_ranker_online")  # batched (max_batch_size > 0): tests/test_online.py
 PYTHON_MODELS = {  # name → (input dims, output dims)
     "ranker_features": (request_dims(CFG), feature_dims(CFG)),
     "ikbo_interaction": (feature_dims(CFG), score_dims(CFG)),
     "baseline_interaction": (feature_dims(CFG), score_dims(CFG)),
+    "transformed_interaction": (feature_dims(CFG), score_dims(CFG)),
 }
 TRITON_DTYPE = {"float32": "TYPE_FP32", "int64": "TYPE_INT64", "int32": "TYPE_INT32"}
 CONFIG_FILES = sorted(MODEL_REPOSITORY.glob("*/config.pbtxt")) + sorted(MODEL_REPOSITORY.glob("*/configs/*.pbtxt"))

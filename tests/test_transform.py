@@ -282,3 +282,43 @@ def test_users_without_candidates_and_empty_batches():
 def test_mapping_argument_is_required():
     with pytest.raises(ValueError, match="cand_to_user"):
         to_ikbo(nn.Linear(3, 3), (torch.randn(2, 3),))
+
+
+# ----------------------------------------------------------------------------- served
+
+
+@pytest.mark.timeout(600)
+def test_served_transformed_ranker_matches_ikbo_ranker(tmp_path, monkeypatch):
+    """transformed_ranker (BaselineRanker's code after the pass) answers like ikbo_ranker over HTTP."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import tritonclient.http as http
+    from client import infer_scores
+
+    from ikbo_backend.ranker import save_weights
+    from ikbo_backend.tritonserver import has_gpu, running_tritonserver
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    cfg = RankerConfig()
+    weights_file = tmp_path / "ranker.safetensors"
+    save_weights(weights_file, cfg, make_demo_weights(cfg, seed=seed))
+    monkeypatch.setenv("IKBO_WEIGHTS", str(weights_file))
+    models = ("ranker_features", "ikbo_interaction", "transformed_interaction", "ikbo_ranker", "transformed_ranker")
+    explicit = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)]
+    gpu = has_gpu()
+    with running_tritonserver(config_name="gpu" if gpu else None, extra_args=explicit, log_path=tmp_path / "tritonserver.log") as server:
+        client = http.InferenceServerClient(server.http_url)
+        try:
+            for num_users, num_candidates in [(1, 64), (15, 1024), (64, 64), (1, 1)]:
+                request = make_request(cfg, num_users, num_candidates, np.random.default_rng([seed, num_users, num_candidates]))
+                ikbo = infer_scores(client, http, "ikbo_ranker", request)
+                transformed = infer_scores(client, http, "transformed_ranker", request)
+                assert transformed.shape == ikbo.shape == (num_candidates, cfg.tasks)
+                err = float(np.abs(transformed - ikbo).max() / np.abs(ikbo).max())
+                # same ops at the same places on CPU; on CUDA both run the same IKBO kernels (tf32 LCE)
+                assert err <= (2e-4 if gpu else RTOL), f"U={num_users} B={num_candidates}: rel err {err:.2e} (seed {seed})"
+        finally:
+            client.close()
+        assert "no user tensor is replicated to B rows" in server.log_path.read_text(errors="replace")
