@@ -5,11 +5,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
 from ikbo_backend.requests import make_request, to_tensors
+from ikbo_backend.transform import ReplicationDetector
 
 # Small dims, none of them equal to the U and B drawn below, so row counts identify tensors.
 CFG = RankerConfig(
@@ -63,28 +62,6 @@ def test_mapping_matters():
     moved = dict(request, cand_to_user=(request["cand_to_user"] + 1) % 3)
     assert rel_err(score("ikbo", moved), score("ikbo", request)) > 1e-4
     assert rel_err(score("ikbo", moved), score("baseline", moved, dtype=torch.float64)) <= 1e-5
-
-
-class ReplicationDetector(TorchDispatchMode):
-    """Records ops that turn a U-row float tensor into a B-row float tensor with no B-row float input.
-
-    That is a user tensor replicated to candidate count; combining a B-row candidate tensor with
-    U-row user rows (the IKBO join) has a B-row input and is not recorded.
-    """
-
-    def __init__(self, num_users, num_candidates):
-        super().__init__()
-        self.num_users, self.num_candidates = num_users, num_candidates
-        self.replications = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()]
-        rows_in = {t.shape[0] for t in inputs}
-        if self.num_users in rows_in and self.num_candidates not in rows_in and any(t.shape[0] == self.num_candidates for t in outputs):
-            self.replications.append(str(func))
-        return out
 
 
 def run_detected(variant):
