@@ -16,6 +16,7 @@ materialized right there (`ops.index_rows`) and the report says where and why.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +191,8 @@ class Rewriter:
         self.env: dict[fx.Node, Any] = {}
         self.mappings: dict[Any, Mapping] = {}
         self.counter = 0
+        self.sunk: Counter = Counter()  # op name → how many ran at U rows instead of B
+        self.fused: dict[fx.Node, Any] = {}  # original nodes already computed by a fused op
         self.meta = self._run_example(example_inputs)
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
         names = [n.target for n in placeholders]
@@ -296,9 +299,16 @@ class Rewriter:
             elif node.op == "output":
                 out = tree_map(lambda v: self.materialize(v, "output", "the model returns it") if is_value(v) else v, self._lookup(node.args[0]), is_leaf=is_value)
                 self.graph.output(out)
+            elif node in self.fused:
+                self.env[node] = self.fused.pop(node)
+            elif (chain := self.attention_chain(node)) is not None:
+                self.env[node] = self.fuse_attention_chain(node, *chain)
             else:
                 args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
                 self.env[node] = self.apply(node.op, node.target, args, kwargs, meta, node.name)
+        if self.sunk:
+            ops_run = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in self.sunk.most_common())
+            self.report.rewritten.append(f"{sum(self.sunk.values())} row-wise ops run at U rows instead of B rows: {ops_run}")
         module = fx.GraphModule(self.traced, self.graph, class_name="IkboRewritten")
         module.graph.eliminate_dead_code()
         module.graph.lint()
@@ -521,8 +531,8 @@ class Rewriter:
         source = next((r.source for r in reps if isinstance(r, Rep)), "")
         if key is SDPA:
             self.report.rewritten.append(f"`{name}`: attention with replicated q, k, v runs at U rows (self-attention per user)")
-        elif key is F.linear or key in MATMUL:
-            self.report.rewritten.append(f"`{name}`: {_name(key)} runs at U rows")
+        elif isinstance(meta, Meta) and meta.ndim:
+            self.sunk[_name(key)] += 1
         return Rep(node, rep.mapping, meta, source)
 
     # --- concat of user and candidate parts ----------------------------------------------------
@@ -753,6 +763,51 @@ class Rewriter:
         node = self.emit("call_function", ikbo_attention, (q.node, k.user, v.user, k.mapping.node, kv_len, scale))
         self.report.rewritten.append(f"`{name}`: attention of candidate queries over replicated K/V → ikbo_attention" + (" (key-length mask)" if kv_len is not None else ""))
         return Plain(node, meta, True)
+
+    def attention_chain(self, scores):
+        """(q, kᵀ, scaled, probs, out, v, scale) if `scores` starts matmul(q, kᵀ) [· c | / c] →
+        softmax(-1) → matmul(·, v) with single-use intermediates, q candidate rows [B, (H,) S, d],
+        kᵀ and v replicated through one mapping (v computed before); else None."""
+        matmul = lambda n: n.op == "call_function" and n.target in (torch.matmul, operator.matmul) or n.op == "call_method" and n.target == "matmul"  # noqa: E731
+        if not (matmul(scores) and len(scores.args) == 2 and len(scores.users) == 1):
+            return None
+        q, k_t = (self.env.get(a) for a in scores.args)
+        if not (isinstance(q, Plain) and q.batched and isinstance(k_t, Rep) and isinstance(q.meta, Meta) and q.meta.ndim in (3, 4) and k_t.meta.ndim == q.meta.ndim):
+            return None
+        scaled, scale = next(iter(scores.users)), 1.0
+        if scaled.op == "call_function" and scaled.target in (operator.mul, operator.truediv) and scaled.args[0] is scores and isinstance(scaled.args[1], (int, float)):
+            scale = scaled.args[1] if scaled.target is operator.mul else 1.0 / scaled.args[1]
+            if len(scaled.users) != 1:
+                return None
+            probs = next(iter(scaled.users))
+        else:
+            probs, scaled = scaled, None
+        source = scaled or scores
+        is_softmax = probs.target in (F.softmax, torch.softmax, "softmax") and probs.args[0] is source
+        dim = _arg(probs.args, probs.kwargs, 1, "dim")
+        if not (is_softmax and dim in (-1, q.meta.ndim - 1) and not probs.kwargs.get("dtype") and len(probs.users) == 1):
+            return None
+        out = next(iter(probs.users))
+        v = self.env.get(out.args[1]) if matmul(out) and len(out.args) == 2 and out.args[0] is probs else None
+        if not (isinstance(v, Rep) and v.mapping is k_t.mapping and v.meta.ndim == q.meta.ndim):
+            return None
+        return q, k_t, scaled, probs, out, v, scale
+
+    def fuse_attention_chain(self, scores, q, k_t, scaled, probs, out, v, scale):
+        """matmul-softmax-matmul over replicated K/V → ikbo_attention (3-D inputs get a head dim)."""
+        k = self.emit("call_method", "transpose", (k_t.user, -2, -1))
+        q_node, v_node = q.node, v.user
+        if q.meta.ndim == 3:
+            q_node, k, v_node = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k, v_node))
+        node = self.emit("call_function", ikbo_attention, (q_node, k, v_node, k_t.mapping.node, None, scale))
+        if q.meta.ndim == 3:
+            node = self.emit("call_method", "squeeze", (node, 1))
+        for n in (scaled, probs):
+            if n is not None:
+                self.fused[n] = None  # computed inside the fused op; nothing else reads it
+        self.fused[out] = Plain(node, self.meta[out], True)
+        self.report.rewritten.append(f"`{scores.name}` … `{out.name}`: matmul-softmax-matmul of candidate queries over replicated K/V → ikbo_attention")
+        return None
 
     def prefix_lengths(self, mask, seq_len, mapping):
         """The user-row lengths node if `mask` is arange(L) < lengths[m][:, None] broadcast over
