@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
@@ -208,15 +208,26 @@ def weights_file(tmp_path_factory):
     return path
 
 
+QUEUE_DELAY_US = 100_000  # overrides the configs' max_queue_delay_microseconds: the batches do not depend on timing
+
+
 @pytest.fixture(scope="module")
 def server(weights_file, tmp_path_factory):
+    """Started empty; the online models are loaded with their config (CPU or GPU) where only the queue
+    delay differs, as a deployment would set it (load request with a config)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("IKBO_WEIGHTS", str(weights_file))
         log_path = tmp_path_factory.mktemp("server") / "tritonserver.log"
-        load = [f"--load-model={m}" for m in ONLINE_MODELS]
-        with running_tritonserver(
-            config_name="gpu" if GPU else None, log_path=log_path, extra_args=["--model-control-mode=explicit", *load]
-        ) as running:
+        with running_tritonserver(log_path=log_path, extra_args=["--model-control-mode=explicit"]) as running:
+            _, connection = connect(running, "http")
+            try:
+                for model in ONLINE_MODELS:
+                    config = online_config(model, "gpu" if GPU else "config")
+                    config.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
+                    connection.load_model(model, config=json_format.MessageToJson(config))
+                    assert connection.get_model_config(model)["dynamic_batching"]["max_queue_delay_microseconds"] == QUEUE_DELAY_US
+            finally:
+                connection.close()
             yield running
 
 
