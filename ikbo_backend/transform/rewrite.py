@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
-from kernels import ikbo_attention
+from kernels import ikbo_attention, ikbo_self_target_attention
 
 from . import ops
 
@@ -309,6 +309,7 @@ class Rewriter:
         if self.sunk:
             ops_run = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in self.sunk.most_common())
             self.report.rewritten.append(f"{sum(self.sunk.values())} row-wise ops run at U rows instead of B rows: {ops_run}")
+        fuse_self_target_attention(self.graph, self.report)
         module = fx.GraphModule(self.traced, self.graph, class_name="IkboRewritten")
         module.graph.eliminate_dead_code()
         module.graph.lint()
@@ -849,3 +850,104 @@ class Rewriter:
         if self.batched(args[0] if args else None) and not self.rowwise_ok(key, args, kwargs, meta):
             return f"{_name(key)} is not known to act row by row on dim 0 (e.g. it reduces or reorders candidates)"
         return f"no IKBO join for {_name(key)}"
+
+
+# ----------------------------------------------------------------------------- self + target fusion
+
+KEYS_INDEX = (slice(None), None, None, slice(None))  # [U, L] → [U, 1, 1, L]: a mask over keys
+ROWS_INDEX = (slice(None), None, slice(None), None)  # [U, L] → [U, 1, L, 1]: a mask over query rows
+
+
+def _match_prefix(node, seq_len):
+    """(lengths, index) if node = (arange(L) < lengths[:, None])[index]; else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    less, index = node.args
+    if not (isinstance(less, fx.Node) and less.op == "call_function" and less.target in (operator.lt, torch.lt)):
+        return None
+    positions, column = less.args
+    if not (isinstance(positions, fx.Node) and positions.target is torch.arange and list(positions.args) in ([seq_len], [0, seq_len])):
+        return None
+    if not (isinstance(column, fx.Node) and column.target is operator.getitem and column.args[1] == (slice(None), None)):
+        return None
+    return column.args[0], index
+
+
+def _is_causal_mask(node, seq_len):
+    """ones(L, L, dtype=bool).tril()"""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "tril" and len(node.args) == 1 and not node.kwargs):
+        return False
+    ones = node.args[0]
+    return isinstance(ones, fx.Node) and ones.target is torch.ones and list(ones.args) == [seq_len, seq_len] and ones.kwargs.get("dtype") is torch.bool
+
+
+def _self_attention_form(sdpa, lengths, seq_len, scale):
+    """causal flag if `sdpa` is self-attention over keys < lengths (causal or not) whose every reader
+    zeroes the query rows ≥ lengths (then the fused op's zero rows change nothing); else None."""
+    args, kwargs = sdpa.args, sdpa.kwargs
+    if len(args) > 4 or set(kwargs) - {"attn_mask", "scale"} or kwargs.get("scale") != scale:
+        return None
+    mask = _arg(args, kwargs, 3, "attn_mask")
+    causal = False
+    if isinstance(mask, fx.Node) and mask.target is operator.and_:
+        first, second = mask.args
+        if _is_causal_mask(second, seq_len):
+            mask, causal = first, True
+        elif _is_causal_mask(first, seq_len):
+            mask, causal = second, True
+    if _match_prefix(mask, seq_len) != (lengths, KEYS_INDEX):
+        return None
+    for reader in sdpa.users:
+        if not (reader.op == "call_method" and reader.target == "masked_fill" and reader.args[0] is sdpa and reader.args[2] in (0, 0.0)):
+            return None
+        inverted = reader.args[1]
+        if not (isinstance(inverted, fx.Node) and inverted.target is operator.invert and _match_prefix(inverted.args[0], seq_len) == (lengths, ROWS_INDEX)):
+            return None
+    return causal
+
+
+def _downstream(node):
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def fuse_self_target_attention(graph: fx.Graph, report: Report) -> None:
+    """SDPA self-attention at U rows + ikbo_attention over the same K/V → one
+    ikbo_self_target_attention (K/V read once for both, as IkboRanker does)."""
+    for target in [n for n in graph.nodes if n.op == "call_function" and n.target is ikbo_attention]:
+        cand_q, k, v, mapping, kv_len, scale = target.args
+        if not (isinstance(kv_len, fx.Node) and kv_len.target is ops.kv_len_from):
+            continue
+        lengths, seq_len = kv_len.args
+        for sdpa in [u for u in k.users if u.op == "call_function" and u.target is SDPA and u.args[1] is k and u.args[2] is v]:
+            causal = _self_attention_form(sdpa, lengths, seq_len, scale)
+            after = _downstream(sdpa)
+            if causal is None or target in after:
+                continue
+            with graph.inserting_before(target):
+                fused = graph.call_function(
+                    ikbo_self_target_attention, (sdpa.args[0], cand_q, k, v, mapping, kv_len), {"causal": causal, "scale": scale}
+                )
+                user_out = graph.call_function(operator.getitem, (fused, 0))
+                cand_out = graph.call_function(operator.getitem, (fused, 1))
+            target.replace_all_uses_with(cand_out)
+            sdpa.replace_all_uses_with(user_out)
+            before = []
+            for node in graph.nodes:
+                if node is fused:
+                    break
+                if node in after:
+                    before.append(node)
+            anchor = cand_out
+            for node in before:  # readers of the self-attention placed before the fused op move after it
+                anchor.append(node)
+                anchor = node
+            graph.erase_node(target)
+            graph.erase_node(sdpa)
+            report.rewritten.append(f"self-attention at U rows and ikbo_attention over the same K/V → one ikbo_self_target_attention (causal={causal})")
+            break
