@@ -154,6 +154,20 @@ class TwoReplications(nn.Module):
         return self.out(torch.cat([mixed, pooled, glob, cand_dense], dim=1))
 
 
+class ElementwiseJoins(nn.Module):
+    """Replicated user rows meeting candidate rows in assorted elementwise ops (sub both ways, where,
+    maximum, division)."""
+
+    def __init__(self):
+        super().__init__()
+        self.user, self.out = nn.Linear(FU, FC), nn.Linear(FC, 2)
+
+    def forward(self, user_dense, cand_dense, cand_to_user):
+        u = torch.tanh(self.user(user_dense))[cand_to_user]  # [B, FC]
+        x = (cand_dense - u) * (u - cand_dense) + torch.where(cand_dense > 0, u, cand_dense)
+        return self.out(x + torch.maximum(u, cand_dense) / (1 + u.abs()))
+
+
 class DlrmFull(nn.Module):
     """Textbook DLRM interaction: all pairwise dots of one concatenated feature set (user and candidate
     features together), lower triangle. The bmm over the concat has no per-part form in the pass."""
@@ -198,6 +212,7 @@ MODELS = {
     "target_attention": (TargetAttention, user_candidate_inputs, True),
     "concat_mlp": (ConcatMlp, user_candidate_inputs, True),
     "two_replications": (TwoReplications, lambda u, b, g: user_candidate_inputs(u, b, g, sorted_mapping=True), True),
+    "elementwise_joins": (ElementwiseJoins, user_candidate_inputs, True),
     "dlrm_full": (DlrmFull, user_candidate_inputs, False),
 }
 
