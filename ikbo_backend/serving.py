@@ -28,6 +28,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from .ranker import Features, FeatureStage, RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
 from .requests import INPUT_NAMES, InvalidRequest, ShapeRanges, input_widths, make_request, to_tensors, validate_request
+from .shape_spec import bucket_representatives
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -137,11 +138,16 @@ class _ServedStage:
         model.warm_up()
         return model
 
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        """(U, B): the declared range's ends and middle, then one shape per Triton shape bucket of
+        each op on this device (ikbo_backend/shape_spec.py; none on a CPU)."""
+        return list(dict.fromkeys(warmup_sizes(self.ranges) + bucket_representatives(self.cfg, self.ranges, self.device)))
+
     @torch.inference_mode()
     def warm_up(self, seed: int = 0) -> None:
-        """Run requests at the declared range's ends and middle."""
+        """Run requests at `warmup_shapes`: no Triton compilation is left for the request path."""
         rng = np.random.default_rng(seed)
-        for num_users, num_candidates in warmup_sizes(self.ranges):
+        for num_users, num_candidates in self.warmup_shapes():
             self(self.example(make_request(self.cfg, num_users, num_candidates, rng)))
 
 

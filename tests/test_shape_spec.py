@@ -1,0 +1,119 @@
+"""Shape buckets (ikbo_backend/shape_spec.py): the enumeration finds the key of every (U, B) of a range,
+each representative lies in its bucket, the served models warm up at every representative, and — on
+a GPU only — no Triton kernel compiles during requests after the warm-up (counted with Triton's
+jit_post_compile_hook in a fresh process, so no earlier test has filled the kernel caches)."""
+
+import multiprocessing
+import secrets
+
+import numpy as np
+import pytest
+import torch
+
+from ikbo_backend import serving, shape_spec
+from ikbo_backend.ranker import RankerConfig, make_demo_weights
+from ikbo_backend.requests import ShapeRanges
+from ikbo_backend.serving import InteractionModel, load_shape_ranges, warmup_sizes
+from ikbo_backend.shape_spec import KEYS, OPS, bucket_representatives, candidate_counts, shape_buckets
+
+SEED = secrets.randbits(32)
+CFG = RankerConfig()
+SERVED = load_shape_ranges()
+GPUS = [(torch.float32, 132), (torch.bfloat16, 132), (torch.bfloat16, 78)]  # (model dtype, SMs): H200 and smaller
+
+
+@pytest.mark.parametrize("dtype, sms", GPUS, ids=lambda x: str(x).replace("torch.", ""))
+def test_every_shape_of_a_range_falls_in_an_enumerated_bucket(dtype, sms):
+    """Exhaustive over a range that reaches past the exhaustive part of the enumeration (B > 1024)."""
+    ranges = ShapeRanges(users=(1, 40), candidates=(1, 2100))
+    buckets = shape_buckets(CFG, ranges, dtype, sms)
+    for op in OPS:
+        keys = {KEYS[op](CFG, u, b, dtype, sms) for u in range(1, 41) for b in range(1, 2101)}
+        assert keys == {bucket.key for bucket in buckets[op]}, op
+
+
+@pytest.mark.parametrize("dtype, sms", GPUS, ids=lambda x: str(x).replace("torch.", ""))
+def test_random_shapes_of_the_served_range_fall_in_a_bucket(dtype, sms):
+    rng = np.random.default_rng(SEED)
+    buckets = shape_buckets(CFG, SERVED, dtype, sms)
+    users = rng.integers(SERVED.users[0], SERVED.users[1] + 1, 5000)
+    shapes = zip(users, rng.integers(SERVED.candidates[0], SERVED.candidates[1] + 1, 5000))
+    for u, b in shapes:
+        for op in OPS:
+            assert KEYS[op](CFG, int(u), int(b), dtype, sms) in {bucket.key for bucket in buckets[op]}, (op, u, b, SEED)
+
+
+def test_representatives_lie_in_their_bucket_and_range():
+    for dtype, sms in GPUS:
+        for op, buckets in shape_buckets(CFG, SERVED, dtype, sms).items():
+            for bucket in buckets:
+                u, b = bucket.representative
+                assert SERVED.users[0] <= u <= SERVED.users[1] and SERVED.candidates[0] <= b <= SERVED.candidates[1]
+                assert KEYS[op](CFG, u, b, dtype, sms) == bucket.key
+
+
+def test_served_fp32_model_buckets():
+    """fp32 on the H200: LCE s3 and six s4 specializations; attention takes torch (fp32)."""
+    buckets = shape_buckets(CFG, SERVED, torch.float32, 132)
+    assert sorted(b.key for b in buckets["lce"])[-1][0] == "s4" and len(buckets["lce"]) == 7
+    assert [b.key for b in buckets["attention"]] == [("torch",)]
+    assert len(bucket_representatives(CFG, SERVED, "cpu")) == 1  # a CPU: no Triton, one torch bucket per op
+
+
+def test_candidate_counts():
+    counts = candidate_counts(ShapeRanges((1, 1), (1, 1100)))
+    assert counts[:1024] == list(range(1, 1025))
+    assert counts[1024:] == [1025, 1039, 1040, 1041, 1055, 1056, 1057, 1071, 1072, 1073, 1087, 1088, 1089]
+    assert candidate_counts(ShapeRanges((1, 1), (5, 9))) == [5, 6, 7, 8, 9]
+
+
+def test_warm_up_runs_every_bucket_representative(monkeypatch):
+    """With the SM count of an H200, the warm-up runs the range's ends and middle and every bucket's
+    representative (here on the CPU: the shapes are what is checked)."""
+    monkeypatch.setattr(shape_spec, "device_sms", lambda device: 132)
+    model = InteractionModel(CFG, make_demo_weights(CFG, seed=1), SERVED, variant="ikbo")
+    seen = []
+    make_request = serving.make_request
+    monkeypatch.setattr(serving, "make_request", lambda cfg, u, b, rng: seen.append((u, b)) or make_request(cfg, u, b, rng))
+    monkeypatch.setattr(serving, "warmup_sizes", lambda ranges: [(1, 1), (3, 40)])  # the range's far end is slow on a CPU
+    model.warm_up()
+    representatives = [b.representative for op in OPS for b in shape_buckets(CFG, SERVED, torch.float32, 132)[op]]
+    assert set(seen) == {(1, 1), (3, 40)} | set(representatives) and len(seen) == len(set(seen))
+    assert warmup_sizes(SERVED)[-1] == (SERVED.users[1], SERVED.candidates[1])
+
+
+# ------------------------------------------------------------------ GPU only
+
+
+def _compilations(variant_class: str, seed: int) -> tuple[int, list[str]]:
+    """In a fresh process: (kernels compiled by the warm-up, kernels compiled by requests after it)."""
+    from triton import knobs
+
+    from ikbo_backend.online import OnlineModel
+    from ikbo_backend.requests import make_request
+
+    compiled = []
+    knobs.runtime.jit_post_compile_hook = lambda *, fn, **kwargs: compiled.append(fn.name)
+    cls = {"InteractionModel": InteractionModel, "OnlineModel": OnlineModel}[variant_class]
+    model = cls(CFG, make_demo_weights(CFG, seed=seed % 1000), SERVED, "cuda", variant="ikbo")
+    model.warm_up()
+    at_warm_up = len(compiled)
+    rng = np.random.default_rng(seed)
+    shapes = [(u + du, b + db) for u, b in bucket_representatives(CFG, SERVED, "cuda") for du in (0, 1, 16) for db in (0, 1, 16, 17)]
+    shapes += [(15, 1020), (1, 1), (1, 8192), (256, 8192), (256, 256), (64, 64), (48, 1536)]
+    shapes += list(zip(rng.integers(1, 257, 60).tolist(), rng.integers(1, 8193, 60).tolist()))
+    with torch.inference_mode():
+        for u, b in shapes:
+            u, b = min(u, SERVED.users[1]), max(min(b, SERVED.candidates[1]), u)
+            model(model.example(make_request(CFG, u, b, rng)))
+    torch.cuda.synchronize()
+    return at_warm_up, compiled[at_warm_up:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles kernels only for a GPU (CPU runs the torch path)")
+@pytest.mark.parametrize("variant_class", ["InteractionModel", "OnlineModel"])
+def test_no_triton_compilation_on_the_request_path(variant_class):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        at_warm_up, during_requests = pool.apply(_compilations, (variant_class, SEED))
+    assert at_warm_up > 0, "the hook saw no compilation during the warm-up: it does not count"
+    assert during_requests == [], f"compiled on the request path: {during_requests} (seed {SEED})"
