@@ -294,6 +294,26 @@ def test_users_without_candidates_and_empty_batches():
             assert module(*empty).shape == model(*empty).shape, name
 
 
+class DataDependent(nn.Module):
+    """Python control flow on tensor values: torch.fx cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(FU, 2)
+
+    def forward(self, user_dense, cand_to_user):
+        x = self.layer(user_dense[cand_to_user])
+        return x * 2 if bool(x.sum() > 0) else x
+
+
+def test_untraceable_model_is_served_unchanged():
+    model = DataDependent()
+    inputs = user_candidate_inputs(*EXAMPLE, torch.Generator().manual_seed(2))
+    module, report = to_ikbo(model, args_for(model, inputs))
+    assert module is model
+    assert report.replications_left == 1 and "could not trace" in str(report)
+
+
 def test_mapping_argument_is_required():
     with pytest.raises(ValueError, match="cand_to_user"):
         to_ikbo(nn.Linear(3, 3), (torch.randn(2, 3),))

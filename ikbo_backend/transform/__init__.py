@@ -14,8 +14,11 @@ What cannot be rewritten is replicated where it is consumed, and the report says
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from .detect import ReplicationDetector
 from .rewrite import Report, Rewriter
@@ -37,8 +40,46 @@ def trace(model: torch.nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph, class_name=type(model).__name__)
 
 
-def to_ikbo(model: torch.nn.Module, example_inputs, mapping_name: str = MAPPING_ARGUMENT) -> tuple[fx.GraphModule, Report]:
+def to_ikbo(model: torch.nn.Module, example_inputs, mapping_name: str = MAPPING_ARGUMENT, rtol: float = 1e-4):
     """(rewritten module, report). `example_inputs`: forward's positional arguments for one request,
-    with U ≠ B (row counts tell user tensors from candidate tensors); values are not baked in."""
-    traced = trace(model)
-    return Rewriter(traced, tuple(example_inputs), mapping_name).run()
+    with U ≠ B (row counts tell user tensors from candidate tensors); values are not baked in.
+
+    Never wrong: a model that does not trace, or whose rewrite fails or disagrees with it on the
+    example (relative error above `rtol`), comes back unchanged, with the reason in the report.
+    """
+    example_inputs = tuple(example_inputs)
+    names = list(inspect.signature(model.forward).parameters)
+    if mapping_name not in names:
+        raise ValueError(f"model: forward has no argument named {mapping_name!r} (arguments: {names})")
+    try:
+        traced = trace(model)
+    except Exception as e:  # noqa: BLE001 — any tracer failure: serve the model as it is
+        return model, Report(left=[f"the whole model: torch.fx could not trace it ({type(e).__name__}: {e}); served unchanged"])
+    try:
+        module, report = Rewriter(traced, example_inputs, mapping_name).run()
+    except Exception as e:  # noqa: BLE001 — a rewrite the pass cannot complete: serve the model as it is
+        return model, Report(left=[f"the whole model: the rewrite failed ({type(e).__name__}: {e}); served unchanged"])
+    error = _disagreement(model, module, example_inputs)
+    if error > rtol:
+        return model, Report(left=[f"the whole model: the rewrite disagrees with it on the example (rel. error {error:.1e}); served unchanged"])
+    return module, report
+
+
+def _disagreement(model, module, example_inputs) -> float:
+    """Largest relative error of `module` against `model` over their tensor outputs."""
+    with torch.no_grad():
+        expected, actual = tree_flatten(model(*example_inputs))[0], tree_flatten(module(*example_inputs))[0]
+    if len(expected) != len(actual):
+        return float("inf")
+    worst = 0.0
+    for e, a in zip(expected, actual):
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor) or a.shape != e.shape:
+                return float("inf")
+            e, a = e.double(), a.double()
+            both_nan = torch.isnan(e) & torch.isnan(a)
+            e, a = torch.where(both_nan, 0.0, e), torch.where(both_nan, 0.0, a)
+            worst = max(worst, float((a - e).norm() / e.norm().clamp(min=1e-30)))
+        elif e != a:
+            return float("inf")
+    return worst
