@@ -196,6 +196,30 @@ def test_batches_are_cut_at_the_candidate_range(small_weights):
     assert rel_err(got, want) <= 1e-5
 
 
+def test_an_internal_error_fails_its_batch_only_and_hides_details(small_weights, monkeypatch):
+    """Two batches (cut at 2 users); the model raises on the second: INTERNAL naming the model and the
+    exception type, not its text; the first batch is answered."""
+    model = OnlineModel(SMALL, small_weights, ShapeRanges((1, 2), (1, 40)))
+    model.name = "ikbo_ranker_online"
+    online = [as_served(one) for one in split_by_user(request_with(SMALL, 4, 20, rng(8)))]
+    calls = []
+    forward = OnlineModel.__call__
+
+    def failing_second(self, batch):
+        calls.append(len(batch["user_dense"]))
+        if len(calls) == 2:
+            raise RuntimeError("secret /dev/shm/key")
+        return forward(self, batch)
+
+    monkeypatch.setattr(OnlineModel, "__call__", failing_second)
+    responses = execute_online(FAKE_PB_UTILS, model, online)
+    assert calls == [2, 2]
+    assert all(r.error is None for r in responses[:2])
+    for r in responses[2:]:
+        assert r.error.code == "INTERNAL" and "RuntimeError" in r.error.message and "ikbo_ranker_online" in r.error.message
+        assert "secret" not in r.error.message
+
+
 # ------------------------------------------------------------------ with a real tritonserver
 
 ONLINE_MODELS = ("ikbo_ranker_online", "baseline_ranker_online")
