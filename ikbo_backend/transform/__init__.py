@@ -40,12 +40,14 @@ def trace(model: torch.nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph, class_name=type(model).__name__)
 
 
-def to_ikbo(model: torch.nn.Module, example_inputs, mapping_name: str = MAPPING_ARGUMENT, rtol: float = 1e-4):
+def to_ikbo(model: torch.nn.Module, example_inputs, mapping_name: str = MAPPING_ARGUMENT, rtol: float = 1e-3):
     """(rewritten module, report). `example_inputs`: forward's positional arguments for one request,
     with U ≠ B (row counts tell user tensors from candidate tensors); values are not baked in.
 
     Never wrong: a model that does not trace, or whose rewrite fails or disagrees with it on the
     example (relative error above `rtol`), comes back unchanged, with the reason in the report.
+    `rtol` catches a wrong rewrite (errors of order 1), not rounding: on CUDA the IKBO linear
+    compression runs fp32 in tf32 (relative error near 3e-4 on its own output).
     """
     example_inputs = tuple(example_inputs)
     names = list(inspect.signature(model.forward).parameters)
