@@ -124,7 +124,9 @@ class ConcatMlp(nn.Module):
         super().__init__()
         self.user_emb = nn.Embedding(VU, 8)
         self.user_norm = nn.LayerNorm(FU)
-        self.net = nn.Sequential(nn.Linear(FU + SU * 8 + FC, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.net = nn.Sequential(
+            nn.Linear(FU + SU * 8 + FC, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3)
+        )
 
     def forward(self, user_dense, user_ids, cand_dense, cand_to_user):
         rows = cand_to_user.long()
@@ -201,7 +203,7 @@ def ranker_inputs(num_users, num_candidates, gen):
     features, _ = build_ranker("baseline", RANKER_CFG, RANKER_WEIGHTS)
     seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
     f = features(**to_tensors(make_request(RANKER_CFG, num_users, num_candidates, np.random.default_rng(seed))))
-    return dict(user_tokens=f.user_tokens, cand_tokens=f.cand_tokens, history_tokens=f.history_tokens, history_len=f.history_len, cand_to_user=f.cand_to_user)
+    return {name: getattr(f, name) for name in ("user_tokens", "cand_tokens", "history_tokens", "history_len", "cand_to_user")}
 
 
 # name → (model factory, inputs(U, B, gen) → dict in forward's order, fully handled)

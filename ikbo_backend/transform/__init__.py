@@ -63,7 +63,8 @@ def to_ikbo(model: torch.nn.Module, example_inputs, mapping_name: str = MAPPING_
         return model, Report(left=[f"the whole model: the rewrite failed ({type(e).__name__}: {e}); served unchanged"])
     error = _disagreement(model, module, example_inputs)
     if error > rtol:
-        return model, Report(left=[f"the whole model: the rewrite disagrees with it on the example (rel. error {error:.1e}); served unchanged"])
+        reason = f"the rewrite disagrees with it on the example (rel. error {error:.1e})"
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"])
     return module, report
 
 

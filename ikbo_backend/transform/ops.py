@@ -55,7 +55,7 @@ def kv_len_from(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
     return lengths.clamp(0, seq_len).long()
 
 
-def add_user_rows_broadcast(cand: torch.Tensor, user: torch.Tensor, cand_to_user: torch.Tensor, cand_sign: float = 1.0, user_sign: float = 1.0):
+def add_user_rows_broadcast(cand, user, cand_to_user, cand_sign: float = 1.0, user_sign: float = 1.0) -> torch.Tensor:
     """cand_sign·cand[b] + user_sign·user[m[b]] with broadcasting over the trailing dims (`add_user_rows`)."""
     trailing = torch.broadcast_shapes(cand.shape[1:], user.shape[1:])
     dtype = torch.result_type(cand, user)

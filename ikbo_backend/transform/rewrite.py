@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,165 +24,16 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
-from kernels import ikbo_attention, ikbo_self_target_attention
-
 from . import ops
-
-# ----------------------------------------------------------------------------- values
-
-
-@dataclass(frozen=True)
-class Meta:
-    """Shape and dtype of a tensor in the example run."""
-
-    shape: tuple
-    dtype: torch.dtype
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def is_float(self):
-        return self.dtype.is_floating_point
-
-
-@dataclass(eq=False)
-class Mapping:
-    """One candidate → user mapping; `node` (new graph) is an index tensor [B] into the user rows."""
-
-    key: Any
-    node: fx.Node
-    name: str
-
-
-@dataclass(eq=False)
-class Plain:
-    node: Any  # new-graph node (or a literal)
-    meta: Any
-    batched: bool = False  # has the B candidate rows as dim 0
-    mapping: Mapping | None = None  # this value is the mapping (maybe converted)
-
-
-@dataclass(eq=False)
-class Rep:
-    user: fx.Node  # [U, ...] (or a tuple of them)
-    mapping: Mapping
-    meta: Any  # of the replicated value (B rows)
-    source: str
-    materialized: fx.Node | None = None
-
-
-@dataclass(eq=False)
-class Concat:
-    parts: list
-    dim: int  # non-negative
-    meta: Meta
-    materialized: fx.Node | None = None
-
-
-@dataclass(eq=False)
-class RepShape:
-    user_shape: fx.Node
-    mapping: Mapping
-    meta: Any
-
-
-@dataclass(eq=False)
-class Rows:
-    user_rows: fx.Node
-    mapping: Mapping
-    meta: int
-
-
-VALUES = (Plain, Rep, Concat, RepShape, Rows)
-
-
-def is_value(x):
-    return isinstance(x, VALUES)
-
-
-def to_meta(x):
-    if isinstance(x, torch.Tensor):
-        return Meta(tuple(x.shape), x.dtype)
-    if isinstance(x, torch.Size):
-        return tuple(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_meta(v) for v in x)
-    return x
-
-
-# ----------------------------------------------------------------------------- report
-
-
-@dataclass
-class Report:
-    """What the pass rewrote and what it left, for a person."""
-
-    rewritten: list[str] = field(default_factory=list)
-    left: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def replications_left(self) -> int:
-        return len(self.left)
-
-    def __str__(self):
-        lines = ["IKBO transformation report", f"rewritten ({len(self.rewritten)}):"]
-        lines += [f"  - {r}" for r in self.rewritten] or ["  (nothing)"]
-        lines += [f"left ({len(self.left)}):"] + ([f"  - {r}" for r in self.left] or ["  (nothing: no user tensor is replicated to B rows)"])
-        if self.notes:
-            lines += ["notes:"] + [f"  - {n}" for n in self.notes]
-        return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- op tables
-
-ELEMENTWISE_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
-    operator.neg, operator.invert, operator.and_, operator.or_, operator.xor,
-    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.abs,
-    torch.add, torch.sub, torch.mul, torch.div, torch.where, torch.maximum, torch.minimum, torch.pow, torch.exp,
-    torch.log, torch.sqrt, torch.rsqrt, torch.tanh, torch.sigmoid, torch.relu, torch.abs, torch.clamp, torch.neg,
-    torch.logical_and, torch.logical_or, torch.logical_not, torch.masked_fill, torch.square, torch.reciprocal,
-    F.relu, F.gelu, F.silu, F.dropout, F.tanh, F.sigmoid, F.leaky_relu, F.elu, F.softplus, F.hardtanh, F.mish,
-}  # fmt: skip
-ELEMENTWISE_METHODS = {
-    "add", "sub", "mul", "div", "masked_fill", "clamp", "clamp_min", "clamp_max", "relu", "sigmoid", "tanh", "exp",
-    "log", "sqrt", "rsqrt", "pow", "abs", "neg", "float", "double", "half", "bfloat16", "long", "int", "bool", "to",
-    "type_as", "contiguous", "clone", "detach", "sign", "where", "logical_not", "square", "reciprocal", "type",
-    "__and__", "__or__", "__invert__", "eq", "ne", "lt", "le", "gt", "ge",
-}  # fmt: skip
-ADD_SUB = {operator.add: 1.0, torch.add: 1.0, "add": 1.0, operator.sub: -1.0, torch.sub: -1.0, "sub": -1.0}
-REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "norm", "std", "var", "all", "any", "count_nonzero"}
-SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
-MATMUL = {torch.matmul, torch.bmm, operator.matmul, "matmul", "bmm", "__matmul__"}
-CONVERSIONS = {"long", "int", "to", "type", "contiguous", "clone", "detach"}  # keep a mapping a mapping
-SDPA = F.scaled_dot_product_attention
-
-
-def _name(target) -> str:
-    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
-
-
-def _norm(dim, ndim):
-    return dim + ndim if dim < 0 else dim
-
-
-def _arg(args, kwargs, pos, name, default=None):
-    if name in kwargs:
-        return kwargs[name]
-    return args[pos] if len(args) > pos else default
-
-
-def _tensors(tree):
-    return [v for v in tree_flatten(tree)[0] if is_value(v) and isinstance(v.meta, Meta)]
-
-
+from .attention import AttentionRewrites, fuse_self_target_attention
+from .values import (
+    ADD_SUB, CONVERSIONS, ELEMENTWISE_FUNCTIONS, ELEMENTWISE_METHODS, MATMUL, REDUCTIONS, SDPA, SOFTMAX,
+    Concat, Mapping, Meta, Plain, Rep, RepShape, Report, Rows, _arg, _name, _norm, _tensors, is_value, to_meta,
+)  # fmt: skip
 # ----------------------------------------------------------------------------- the pass
 
 
-class Rewriter:
+class Rewriter(AttentionRewrites):
     def __init__(self, traced: fx.GraphModule, example_inputs, mapping_name: str):
         self.traced, self.mapping_name = traced, mapping_name
         self.graph = fx.Graph()
@@ -274,7 +124,8 @@ class Rewriter:
 
     def plain(self, op, target, args, kwargs, meta, name, why):
         """Emit the op as in the original, materializing what it reads."""
-        batched = any(isinstance(v, (Rep, Concat, Rows, RepShape)) or (isinstance(v, Plain) and (v.batched or v.mapping)) for v in tree_flatten((args, kwargs))[0])
+        flat = tree_flatten((args, kwargs))[0]
+        batched = any(isinstance(v, (Rep, Concat, Rows, RepShape)) or (isinstance(v, Plain) and (v.batched or v.mapping)) for v in flat)
         m = lambda v: self.materialize(v, name, why) if is_value(v) else v  # noqa: E731
         node = self.emit(op, target, tree_map(m, args, is_leaf=is_value), tree_map(m, kwargs, is_leaf=is_value))
         rows_b = isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
@@ -297,7 +148,8 @@ class Rewriter:
             elif node.op == "get_attr":
                 self.env[node] = Plain(self.emit("get_attr", node.target), meta)
             elif node.op == "output":
-                out = tree_map(lambda v: self.materialize(v, "output", "the model returns it") if is_value(v) else v, self._lookup(node.args[0]), is_leaf=is_value)
+                returned = lambda v: self.materialize(v, "output", "the model returns it") if is_value(v) else v  # noqa: E731
+                out = tree_map(returned, self._lookup(node.args[0]), is_leaf=is_value)
                 self.graph.output(out)
             elif node in self.fused:
                 self.env[node] = self.fused.pop(node)
@@ -516,7 +368,8 @@ class Rewriter:
             if not all(isinstance(p, Rep) for p in args[0]):
                 return None
         reps = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, (Rep, Rows, RepShape))]
-        batched_plain = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, (Plain, Concat)) and self.batched(v) and isinstance(v.meta, Meta)]
+        flat = tree_flatten((args, kwargs))[0]
+        batched_plain = [v for v in flat if isinstance(v, (Plain, Concat)) and self.batched(v) and isinstance(v.meta, Meta)]
         if batched_plain or len({r.mapping.key for r in reps}) != 1:
             return None
         if not self.rowwise_ok(key, args, kwargs, meta):
@@ -587,7 +440,8 @@ class Rewriter:
                 if (offset, offset + size) == (start, stop) and v.dim == dim:
                     return p
                 offset += size
-            return Plain(self.emit("call_function", operator.getitem, (self.materialize(v, "slice", "split of a concat"), index)), meta, True)
+            whole = self.materialize(v, "slice", "split of a concat")
+            return Plain(self.emit("call_function", operator.getitem, (whole, index)), meta, True)
         return Plain(self.emit("call_function", operator.getitem, (v.node, index)), meta, v.batched)
 
     def split_elementwise(self, op, key, args, kwargs, c, meta, name):
@@ -625,8 +479,9 @@ class Rewriter:
             for t in terms[1:]:
                 total = self.emit("call_function", operator.add, (total, t))
             if cand_sum is None:
-                zeros_shape = self.emit("call_function", ops.rep_shape, (self.emit("call_function", getattr, (total, "shape")), mapping.node))
-                cand_sum = self.emit("call_function", torch.zeros, (zeros_shape,), {"dtype": meta.dtype, "device": self.emit("call_function", getattr, (total, "device"))})
+                shape = self.emit("call_function", ops.rep_shape, (self.emit("call_function", getattr, (total, "shape")), mapping.node))
+                device = self.emit("call_function", getattr, (total, "device"))
+                cand_sum = self.emit("call_function", torch.zeros, (shape,), {"dtype": meta.dtype, "device": device})
             cand_sum = self.emit("call_function", ops.add_user_rows_broadcast, (cand_sum, total, mapping.node))
         return Plain(cand_sum, meta, True)
 
@@ -641,7 +496,8 @@ class Rewriter:
                 term = self.emit("call_function", F.linear if weight_cols else torch.matmul, (p.user, w))
                 user_terms.setdefault(p.mapping, []).append(term)
             else:
-                term = self.emit("call_function", F.linear if weight_cols else torch.matmul, (self.materialize(p, name, "part of a concat"), w))
+                cand = self.materialize(p, name, "part of a concat")
+                term = self.emit("call_function", F.linear if weight_cols else torch.matmul, (cand, w))
                 cand_sum = term if cand_sum is None else self.emit("call_function", operator.add, (cand_sum, term))
         if bias is not None:
             b = bias.node if is_value(bias) else bias
@@ -650,7 +506,8 @@ class Rewriter:
                 first = next(iter(user_terms.values()))
                 first[0] = self.emit("call_function", operator.add, (first[0], b))
         self.report.rewritten.append(
-            f"`{name}`: linear over cat(user, candidate) split (Type I): user columns at U rows, candidate columns at B rows, joined by add_user_rows"
+            f"`{name}`: linear over cat(user, candidate) split (Type I): user columns at U rows, "
+            "candidate columns at B rows, joined by add_user_rows"
         )
         return self._join(cand_sum, user_terms, None, meta, name)
 
@@ -661,7 +518,9 @@ class Rewriter:
             user, cand = c.parts
             module = ops.LinearCompress(self.fetch(weight.node.target), user.meta.shape[1])
             node = self.emit("call_module", self.attach("lce", module), (user.user, self.materialize(cand, name, ""), user.mapping.node))
-            self.report.rewritten.append(f"`{name}`: matmul(W, cat(user tokens, candidate tokens)) → ikbo_linear_compress (weights packed once)")
+            self.report.rewritten.append(
+                f"`{name}`: matmul(W, cat(user tokens, candidate tokens)) → ikbo_linear_compress (weights packed once)"
+            )
             return Plain(node, meta, True)
         cand_sum, user_terms, offset = None, {}, 0
         for p in c.parts:
@@ -685,7 +544,11 @@ class Rewriter:
         reps = [v for v in flat if isinstance(v, Rep)]
         # non-float user data (lengths, masks) is cheap to replicate: do it, then look again
         if any(isinstance(r.meta, Meta) and not r.meta.is_float for r in reps) and key is not SDPA:
-            small = lambda v: Plain(self.materialize(v, name, f"{_name(key)} combines it with candidate rows"), v.meta, True) if isinstance(v, Rep) and not v.meta.is_float else v  # noqa: E731
+            why = f"{_name(key)} combines it with candidate rows"
+
+            def small(v):
+                return Plain(self.materialize(v, name, why), v.meta, True) if isinstance(v, Rep) and not v.meta.is_float else v
+
             args, kwargs = tree_map(small, args, is_leaf=is_value), tree_map(small, kwargs, is_leaf=is_value)
             return self.apply(op, key, args, kwargs, meta, name)
         if len({r.mapping.key for r in reps}) != 1 or any(isinstance(v, (Rows, RepShape)) for v in flat):
@@ -710,7 +573,10 @@ class Rewriter:
                 cand_left = isinstance(b, Rep)
                 cand, user = (a, b) if cand_left else (b, a)
                 node = self.emit("call_function", ops.grouped_matmul, (cand.node, user.user, mapping.node, cand_left))
-                self.report.rewritten.append(f"`{name}`: batched matmul of candidate rows with replicated user rows → grouped per user (user matrix read once per user)")
+                self.report.rewritten.append(
+                    f"`{name}`: batched matmul of candidate rows with replicated user rows → grouped per user "
+                    "(user matrix read once per user)"
+                )
                 return Plain(node, meta, True)
             return None
         if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS:
@@ -740,101 +606,10 @@ class Rewriter:
         module = ops.GroupedOp(fn, sargs, skwargs, f"{_name(key)} at {name}")
         num_users = self.emit("call_function", operator.getitem, (self.emit("call_function", getattr, (reps[0].user, "shape")), 0))
         node = self.emit("call_module", self.attach("grouped", module), (mapping.node, num_users, *tensors))
-        self.report.rewritten.append(f"`{name}`: {_name(key)} of candidate rows with replicated user rows → grouped per user (user row broadcast, not copied)")
+        self.report.rewritten.append(
+            f"`{name}`: {_name(key)} of candidate rows with replicated user rows → grouped per user (user row broadcast, not copied)"
+        )
         return Plain(node, meta, True)
-
-    # --- attention -----------------------------------------------------------------------------
-
-    def attention(self, args, kwargs, meta, name):
-        q, k, v = args[:3]
-        mask = _arg(args, kwargs, 3, "attn_mask")
-        dropout, causal = _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
-        scale = _arg(args, kwargs, 6, "scale")
-        if not (isinstance(k, Rep) and isinstance(v, Rep) and k.mapping is v.mapping and isinstance(q, Plain) and q.batched):
-            return None
-        if dropout or causal or _arg(args, kwargs, 7, "enable_gqa", False) or q.meta.ndim != 4 or k.meta.ndim != 4:
-            return None
-        seq_len = k.meta.shape[2]
-        kv_len = None
-        if mask is not None:
-            lengths = self.prefix_lengths(mask, seq_len, k.mapping)
-            if lengths is None:
-                return None
-            kv_len = self.emit("call_function", ops.kv_len_from, (lengths, seq_len))
-        node = self.emit("call_function", ikbo_attention, (q.node, k.user, v.user, k.mapping.node, kv_len, scale))
-        self.report.rewritten.append(f"`{name}`: attention of candidate queries over replicated K/V → ikbo_attention" + (" (key-length mask)" if kv_len is not None else ""))
-        return Plain(node, meta, True)
-
-    def attention_chain(self, scores):
-        """(q, kᵀ, scaled, probs, out, v, scale) if `scores` starts matmul(q, kᵀ) [· c | / c] →
-        softmax(-1) → matmul(·, v) with single-use intermediates, q candidate rows [B, (H,) S, d],
-        kᵀ and v replicated through one mapping (v computed before); else None."""
-        matmul = lambda n: n.op == "call_function" and n.target in (torch.matmul, operator.matmul) or n.op == "call_method" and n.target == "matmul"  # noqa: E731
-        if not (matmul(scores) and len(scores.args) == 2 and len(scores.users) == 1):
-            return None
-        q, k_t = (self.env.get(a) for a in scores.args)
-        if not (isinstance(q, Plain) and q.batched and isinstance(k_t, Rep) and isinstance(q.meta, Meta) and q.meta.ndim in (3, 4) and k_t.meta.ndim == q.meta.ndim):
-            return None
-        scaled, scale = next(iter(scores.users)), 1.0
-        if scaled.op == "call_function" and scaled.target in (operator.mul, operator.truediv) and scaled.args[0] is scores and isinstance(scaled.args[1], (int, float)):
-            scale = scaled.args[1] if scaled.target is operator.mul else 1.0 / scaled.args[1]
-            if len(scaled.users) != 1:
-                return None
-            probs = next(iter(scaled.users))
-        else:
-            probs, scaled = scaled, None
-        source = scaled or scores
-        is_softmax = probs.target in (F.softmax, torch.softmax, "softmax") and probs.args[0] is source
-        dim = _arg(probs.args, probs.kwargs, 1, "dim")
-        if not (is_softmax and dim in (-1, q.meta.ndim - 1) and not probs.kwargs.get("dtype") and len(probs.users) == 1):
-            return None
-        out = next(iter(probs.users))
-        v = self.env.get(out.args[1]) if matmul(out) and len(out.args) == 2 and out.args[0] is probs else None
-        if not (isinstance(v, Rep) and v.mapping is k_t.mapping and v.meta.ndim == q.meta.ndim):
-            return None
-        return q, k_t, scaled, probs, out, v, scale
-
-    def fuse_attention_chain(self, scores, q, k_t, scaled, probs, out, v, scale):
-        """matmul-softmax-matmul over replicated K/V → ikbo_attention (3-D inputs get a head dim)."""
-        k = self.emit("call_method", "transpose", (k_t.user, -2, -1))
-        q_node, v_node = q.node, v.user
-        if q.meta.ndim == 3:
-            q_node, k, v_node = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k, v_node))
-        node = self.emit("call_function", ikbo_attention, (q_node, k, v_node, k_t.mapping.node, None, scale))
-        if q.meta.ndim == 3:
-            node = self.emit("call_method", "squeeze", (node, 1))
-        for n in (scaled, probs):
-            if n is not None:
-                self.fused[n] = None  # computed inside the fused op; nothing else reads it
-        self.fused[out] = Plain(node, self.meta[out], True)
-        self.report.rewritten.append(f"`{scores.name}` … `{out.name}`: matmul-softmax-matmul of candidate queries over replicated K/V → ikbo_attention")
-        return None
-
-    def prefix_lengths(self, mask, seq_len, mapping):
-        """The user-row lengths node if `mask` is arange(L) < lengths[m][:, None] broadcast over
-        heads and queries ([B, 1, 1, L]); else None."""
-        if not isinstance(mask, Rep) or mask.mapping is not mapping or mask.meta.ndim != 4 or mask.meta.shape[1:3] != (1, 1) or mask.meta.shape[3] != seq_len:
-            return None
-        user = mask.user
-        while user.op == "call_function" and user.target is operator.getitem or (user.op == "call_method" and user.target == "unsqueeze"):
-            if user.target is operator.getitem:
-                index = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
-                if not all(i is None or i == slice(None) for i in index):
-                    return None
-            user = user.args[0]
-        if user.op != "call_function" or user.target not in (operator.lt, operator.gt, torch.lt, torch.gt):
-            return None
-        a, b = user.args
-        positions, column = (a, b) if user.target in (operator.lt, torch.lt) else (b, a)
-        if not (isinstance(positions, fx.Node) and positions.op == "call_function" and positions.target is torch.arange):
-            return None
-        bounds = [x for x in positions.args]
-        if bounds not in ([seq_len], [0, seq_len]) or positions.kwargs.get("dtype") not in (None, torch.int64):
-            return None
-        if not (isinstance(column, fx.Node) and column.op == "call_function" and column.target is operator.getitem and column.args[1] == (slice(None), None)):
-            if not (isinstance(column, fx.Node) and column.op == "call_method" and column.target == "unsqueeze" and column.args[1] in (1, -1)):
-                return None
-        return column.args[0]
 
     # --- why an op was left --------------------------------------------------------------------
 
@@ -850,104 +625,3 @@ class Rewriter:
         if self.batched(args[0] if args else None) and not self.rowwise_ok(key, args, kwargs, meta):
             return f"{_name(key)} is not known to act row by row on dim 0 (e.g. it reduces or reorders candidates)"
         return f"no IKBO join for {_name(key)}"
-
-
-# ----------------------------------------------------------------------------- self + target fusion
-
-KEYS_INDEX = (slice(None), None, None, slice(None))  # [U, L] → [U, 1, 1, L]: a mask over keys
-ROWS_INDEX = (slice(None), None, slice(None), None)  # [U, L] → [U, 1, L, 1]: a mask over query rows
-
-
-def _match_prefix(node, seq_len):
-    """(lengths, index) if node = (arange(L) < lengths[:, None])[index]; else None."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
-        return None
-    less, index = node.args
-    if not (isinstance(less, fx.Node) and less.op == "call_function" and less.target in (operator.lt, torch.lt)):
-        return None
-    positions, column = less.args
-    if not (isinstance(positions, fx.Node) and positions.target is torch.arange and list(positions.args) in ([seq_len], [0, seq_len])):
-        return None
-    if not (isinstance(column, fx.Node) and column.target is operator.getitem and column.args[1] == (slice(None), None)):
-        return None
-    return column.args[0], index
-
-
-def _is_causal_mask(node, seq_len):
-    """ones(L, L, dtype=bool).tril()"""
-    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "tril" and len(node.args) == 1 and not node.kwargs):
-        return False
-    ones = node.args[0]
-    return isinstance(ones, fx.Node) and ones.target is torch.ones and list(ones.args) == [seq_len, seq_len] and ones.kwargs.get("dtype") is torch.bool
-
-
-def _self_attention_form(sdpa, lengths, seq_len, scale):
-    """causal flag if `sdpa` is self-attention over keys < lengths (causal or not) whose every reader
-    zeroes the query rows ≥ lengths (then the fused op's zero rows change nothing); else None."""
-    args, kwargs = sdpa.args, sdpa.kwargs
-    if len(args) > 4 or set(kwargs) - {"attn_mask", "scale"} or kwargs.get("scale") != scale:
-        return None
-    mask = _arg(args, kwargs, 3, "attn_mask")
-    causal = False
-    if isinstance(mask, fx.Node) and mask.target is operator.and_:
-        first, second = mask.args
-        if _is_causal_mask(second, seq_len):
-            mask, causal = first, True
-        elif _is_causal_mask(first, seq_len):
-            mask, causal = second, True
-    if _match_prefix(mask, seq_len) != (lengths, KEYS_INDEX):
-        return None
-    for reader in sdpa.users:
-        if not (reader.op == "call_method" and reader.target == "masked_fill" and reader.args[0] is sdpa and reader.args[2] in (0, 0.0)):
-            return None
-        inverted = reader.args[1]
-        if not (isinstance(inverted, fx.Node) and inverted.target is operator.invert and _match_prefix(inverted.args[0], seq_len) == (lengths, ROWS_INDEX)):
-            return None
-    return causal
-
-
-def _downstream(node):
-    seen, todo = set(), [node]
-    while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return seen
-
-
-def fuse_self_target_attention(graph: fx.Graph, report: Report) -> None:
-    """SDPA self-attention at U rows + ikbo_attention over the same K/V → one
-    ikbo_self_target_attention (K/V read once for both, as IkboRanker does)."""
-    for target in [n for n in graph.nodes if n.op == "call_function" and n.target is ikbo_attention]:
-        cand_q, k, v, mapping, kv_len, scale = target.args
-        if not (isinstance(kv_len, fx.Node) and kv_len.target is ops.kv_len_from):
-            continue
-        lengths, seq_len = kv_len.args
-        for sdpa in [u for u in k.users if u.op == "call_function" and u.target is SDPA and u.args[1] is k and u.args[2] is v]:
-            causal = _self_attention_form(sdpa, lengths, seq_len, scale)
-            after = _downstream(sdpa)
-            if causal is None or target in after:
-                continue
-            with graph.inserting_before(target):
-                fused = graph.call_function(
-                    ikbo_self_target_attention, (sdpa.args[0], cand_q, k, v, mapping, kv_len), {"causal": causal, "scale": scale}
-                )
-                user_out = graph.call_function(operator.getitem, (fused, 0))
-                cand_out = graph.call_function(operator.getitem, (fused, 1))
-            target.replace_all_uses_with(cand_out)
-            sdpa.replace_all_uses_with(user_out)
-            before = []
-            for node in graph.nodes:
-                if node is fused:
-                    break
-                if node in after:
-                    before.append(node)
-            anchor = cand_out
-            for node in before:  # readers of the self-attention placed before the fused op move after it
-                anchor.append(node)
-                anchor = node
-            graph.erase_node(target)
-            graph.erase_node(sdpa)
-            report.rewritten.append(f"self-attention at U rows and ikbo_attention over the same K/V → one ikbo_self_target_attention (causal={causal})")
-            break

@@ -47,7 +47,8 @@ class TransformedInteraction:
     """Features → scores with the rewritten BaselineRanker graph; `report` says what the pass did."""
 
     def __init__(self, cfg: RankerConfig, weights, device="cpu"):
-        self.module, self.report = to_ikbo(BaselineInteraction(BaselineRanker(cfg, weights, device)), astuple(example_features(cfg, device)))
+        baseline = BaselineInteraction(BaselineRanker(cfg, weights, device))
+        self.module, self.report = to_ikbo(baseline, astuple(example_features(cfg, device)))
 
     def __call__(self, f: Features) -> torch.Tensor:
         return self.module(f.user_tokens, f.cand_tokens, f.history_tokens, f.history_len, f.cand_to_user)

@@ -1,0 +1,231 @@
+"""Attention rewrites: candidate queries over replicated K/V → ikbo_attention (SDPA with a key-length
+mask, or matmul-softmax-matmul), and the causal self-attention of the same K/V fused in
+(ikbo_self_target_attention)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from kernels import ikbo_attention, ikbo_self_target_attention
+
+from . import ops
+from .values import SDPA, Meta, Plain, Rep, Report, _arg
+
+
+class AttentionRewrites:
+    """Methods of `rewrite.Rewriter` that handle attention."""
+
+    def attention(self, args, kwargs, meta, name):
+        q, k, v = args[:3]
+        mask = _arg(args, kwargs, 3, "attn_mask")
+        dropout, causal = _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
+        scale = _arg(args, kwargs, 6, "scale")
+        if not (isinstance(k, Rep) and isinstance(v, Rep) and k.mapping is v.mapping and isinstance(q, Plain) and q.batched):
+            return None
+        if dropout or causal or _arg(args, kwargs, 7, "enable_gqa", False) or q.meta.ndim != 4 or k.meta.ndim != 4:
+            return None
+        seq_len = k.meta.shape[2]
+        kv_len = None
+        if mask is not None:
+            lengths = self.prefix_lengths(mask, seq_len, k.mapping)
+            if lengths is None:
+                return None
+            kv_len = self.emit("call_function", ops.kv_len_from, (lengths, seq_len))
+        node = self.emit("call_function", ikbo_attention, (q.node, k.user, v.user, k.mapping.node, kv_len, scale))
+        masked = " (key-length mask)" if kv_len is not None else ""
+        self.report.rewritten.append(f"`{name}`: attention of candidate queries over replicated K/V → ikbo_attention{masked}")
+        return Plain(node, meta, True)
+
+    def attention_chain(self, scores):
+        """(q, kᵀ, scaled, probs, out, v, scale) if `scores` starts matmul(q, kᵀ) [· c | / c] →
+        softmax(-1) → matmul(·, v) with single-use intermediates, q candidate rows [B, (H,) S, d],
+        kᵀ and v replicated through one mapping (v computed before); else None."""
+        def matmul(n):
+            return n.op == "call_function" and n.target in (torch.matmul, operator.matmul) or n.op == "call_method" and n.target == "matmul"
+
+        if not (matmul(scores) and len(scores.args) == 2 and len(scores.users) == 1):
+            return None
+        q, k_t = (self.env.get(a) for a in scores.args)
+        if not (isinstance(q, Plain) and q.batched and isinstance(q.meta, Meta) and q.meta.ndim in (3, 4)):
+            return None
+        if not (isinstance(k_t, Rep) and k_t.meta.ndim == q.meta.ndim):
+            return None
+        scaled, scale = next(iter(scores.users)), 1.0
+        by_constant = scaled.op == "call_function" and scaled.target in (operator.mul, operator.truediv)
+        if by_constant and scaled.args[0] is scores and isinstance(scaled.args[1], (int, float)):
+            scale = scaled.args[1] if scaled.target is operator.mul else 1.0 / scaled.args[1]
+            if len(scaled.users) != 1:
+                return None
+            probs = next(iter(scaled.users))
+        else:
+            probs, scaled = scaled, None
+        source = scaled or scores
+        is_softmax = probs.target in (F.softmax, torch.softmax, "softmax") and probs.args[0] is source
+        dim = _arg(probs.args, probs.kwargs, 1, "dim")
+        if not (is_softmax and dim in (-1, q.meta.ndim - 1) and not probs.kwargs.get("dtype") and len(probs.users) == 1):
+            return None
+        out = next(iter(probs.users))
+        v = self.env.get(out.args[1]) if matmul(out) and len(out.args) == 2 and out.args[0] is probs else None
+        if not (isinstance(v, Rep) and v.mapping is k_t.mapping and v.meta.ndim == q.meta.ndim):
+            return None
+        return q, k_t, scaled, probs, out, v, scale
+
+    def fuse_attention_chain(self, scores, q, k_t, scaled, probs, out, v, scale):
+        """matmul-softmax-matmul over replicated K/V → ikbo_attention (3-D inputs get a head dim)."""
+        k = self.emit("call_method", "transpose", (k_t.user, -2, -1))
+        q_node, v_node = q.node, v.user
+        if q.meta.ndim == 3:
+            q_node, k, v_node = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k, v_node))
+        node = self.emit("call_function", ikbo_attention, (q_node, k, v_node, k_t.mapping.node, None, scale))
+        if q.meta.ndim == 3:
+            node = self.emit("call_method", "squeeze", (node, 1))
+        for n in (scaled, probs):
+            if n is not None:
+                self.fused[n] = None  # computed inside the fused op; nothing else reads it
+        self.fused[out] = Plain(node, self.meta[out], True)
+        self.report.rewritten.append(
+            f"`{scores.name}` … `{out.name}`: matmul-softmax-matmul of candidate queries over replicated K/V → ikbo_attention"
+        )
+        return None
+
+    def prefix_lengths(self, mask, seq_len, mapping):
+        """The user-row lengths node if `mask` is arange(L) < lengths[m][:, None] broadcast over
+        heads and queries ([B, 1, 1, L]); else None."""
+        if not isinstance(mask, Rep) or mask.mapping is not mapping or mask.meta.ndim != 4:
+            return None
+        if mask.meta.shape[1:3] != (1, 1) or mask.meta.shape[3] != seq_len:
+            return None
+        user = mask.user
+        while user.op == "call_function" and user.target is operator.getitem or (user.op == "call_method" and user.target == "unsqueeze"):
+            if user.target is operator.getitem:
+                index = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
+                if not all(i is None or i == slice(None) for i in index):
+                    return None
+            user = user.args[0]
+        if user.op != "call_function" or user.target not in (operator.lt, operator.gt, torch.lt, torch.gt):
+            return None
+        a, b = user.args
+        positions, column = (a, b) if user.target in (operator.lt, torch.lt) else (b, a)
+        if not (isinstance(positions, fx.Node) and positions.op == "call_function" and positions.target is torch.arange):
+            return None
+        bounds = [x for x in positions.args]
+        if bounds not in ([seq_len], [0, seq_len]) or positions.kwargs.get("dtype") not in (None, torch.int64):
+            return None
+        if not isinstance(column, fx.Node):
+            return None
+        indexed = column.op == "call_function" and column.target is operator.getitem and column.args[1] == (slice(None), None)
+        unsqueezed = column.op == "call_method" and column.target == "unsqueeze" and column.args[1] in (1, -1)
+        if not (indexed or unsqueezed):
+            return None
+        return column.args[0]
+
+
+# ----------------------------------------------------------------------------- self + target fusion
+
+KEYS_INDEX = (slice(None), None, None, slice(None))  # [U, L] → [U, 1, 1, L]: a mask over keys
+ROWS_INDEX = (slice(None), None, slice(None), None)  # [U, L] → [U, 1, L, 1]: a mask over query rows
+
+
+def _match_prefix(node, seq_len):
+    """(lengths, index) if node = (arange(L) < lengths[:, None])[index]; else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    less, index = node.args
+    if not (isinstance(less, fx.Node) and less.op == "call_function" and less.target in (operator.lt, torch.lt)):
+        return None
+    positions, column = less.args
+    if not (isinstance(positions, fx.Node) and positions.target is torch.arange and list(positions.args) in ([seq_len], [0, seq_len])):
+        return None
+    if not (isinstance(column, fx.Node) and column.target is operator.getitem and column.args[1] == (slice(None), None)):
+        return None
+    return column.args[0], index
+
+
+def _is_causal_mask(node, seq_len):
+    """ones(L, L, dtype=bool).tril()"""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "tril" and len(node.args) == 1 and not node.kwargs):
+        return False
+    ones = node.args[0]
+    if not (isinstance(ones, fx.Node) and ones.target is torch.ones):
+        return False
+    return list(ones.args) == [seq_len, seq_len] and ones.kwargs.get("dtype") is torch.bool
+
+
+def _self_attention_form(sdpa, lengths, seq_len, scale):
+    """causal flag if `sdpa` is self-attention over keys < lengths (causal or not) whose every reader
+    zeroes the query rows ≥ lengths (then the fused op's zero rows change nothing); else None."""
+    args, kwargs = sdpa.args, sdpa.kwargs
+    if len(args) > 4 or set(kwargs) - {"attn_mask", "scale"} or kwargs.get("scale") != scale:
+        return None
+    mask = _arg(args, kwargs, 3, "attn_mask")
+    causal = False
+    if isinstance(mask, fx.Node) and mask.target is operator.and_:
+        first, second = mask.args
+        if _is_causal_mask(second, seq_len):
+            mask, causal = first, True
+        elif _is_causal_mask(first, seq_len):
+            mask, causal = second, True
+    if _match_prefix(mask, seq_len) != (lengths, KEYS_INDEX):
+        return None
+    for reader in sdpa.users:
+        if not (reader.op == "call_method" and reader.target == "masked_fill" and reader.args[0] is sdpa and reader.args[2] in (0, 0.0)):
+            return None
+        inverted = reader.args[1]
+        if not (isinstance(inverted, fx.Node) and inverted.target is operator.invert):
+            return None
+        if _match_prefix(inverted.args[0], seq_len) != (lengths, ROWS_INDEX):
+            return None
+    return causal
+
+
+def _downstream(node):
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def fuse_self_target_attention(graph: fx.Graph, report: Report) -> None:
+    """SDPA self-attention at U rows + ikbo_attention over the same K/V → one
+    ikbo_self_target_attention (K/V read once for both, as IkboRanker does)."""
+    for target in [n for n in graph.nodes if n.op == "call_function" and n.target is ikbo_attention]:
+        cand_q, k, v, mapping, kv_len, scale = target.args
+        if not (isinstance(kv_len, fx.Node) and kv_len.target is ops.kv_len_from):
+            continue
+        lengths, seq_len = kv_len.args
+        for sdpa in [u for u in k.users if u.op == "call_function" and u.target is SDPA and u.args[1] is k and u.args[2] is v]:
+            causal = _self_attention_form(sdpa, lengths, seq_len, scale)
+            after = _downstream(sdpa)
+            if causal is None or target in after:
+                continue
+            with graph.inserting_before(target):
+                fused = graph.call_function(
+                    ikbo_self_target_attention, (sdpa.args[0], cand_q, k, v, mapping, kv_len), {"causal": causal, "scale": scale}
+                )
+                user_out = graph.call_function(operator.getitem, (fused, 0))
+                cand_out = graph.call_function(operator.getitem, (fused, 1))
+            target.replace_all_uses_with(cand_out)
+            sdpa.replace_all_uses_with(user_out)
+            before = []
+            for node in graph.nodes:
+                if node is fused:
+                    break
+                if node in after:
+                    before.append(node)
+            anchor = cand_out
+            for node in before:  # readers of the self-attention placed before the fused op move after it
+                anchor.append(node)
+                anchor = node
+            graph.erase_node(target)
+            graph.erase_node(sdpa)
+            report.rewritten.append(
+                f"self-attention at U rows and ikbo_attention over the same K/V → one ikbo_self_target_attention (causal={causal})"
+            )
+            break
