@@ -7,6 +7,8 @@
 | ikbo_users_scored_total                | counter   | += U                                        |
 | ikbo_candidates_per_user               | histogram | observes B / U (buckets CANDIDATES_PER_USER_BUCKETS) |
 | ikbo_broadcast_bytes_avoided_total     | counter   | += (B − U) · replicated_row_bytes(cfg)      |
+| ikbo_triton_compilations_total         | counter   | Triton compilations in the model's process, |
+|                                        |           | label phase: "warmup" (load), "request" (0) |
 
 Batches are counted where they run: `ikbo_interaction` (the batch ensemble's interaction step) and
 `ikbo_ranker_online` (a coalesced batch of online requests); warm-up is not counted. The bytes
@@ -39,7 +41,8 @@ def broadcast_bytes_avoided(num_users: int, num_candidates: int, row_bytes: int)
 class RankerMetrics:
     """The metric families above, for one model (label `model`). `record(U, B)` once per batch."""
 
-    def __init__(self, pb_utils, model_name: str, row_bytes: int):
+    def __init__(self, pb_utils, model_name: str, row_bytes: int, compilations=None):
+        """`compilations`: a shape_spec.CompileCounter installed before the model was built."""
         family = pb_utils.MetricFamily
         labels = {"model": model_name}
         self.row_bytes = row_bytes
@@ -58,6 +61,22 @@ class RankerMetrics:
         self.users = users.Metric(labels=labels)
         self.ratio = ratio.Metric(labels=labels, buckets=[float(b) for b in CANDIDATES_PER_USER_BUCKETS])
         self.avoided = avoided.Metric(labels=labels)
+        self.compilations, self._compiled = compilations, {"warmup": 0, "request": 0}
+        if compilations is not None:
+            compiled = family(name="ikbo_triton_compilations_total", description="Triton kernel compilations", kind=family.COUNTER)
+            self._families.append(compiled)
+            self._compiled_metrics = {phase: compiled.Metric(labels={**labels, "phase": phase}) for phase in self._compiled}
+            self.sync_compilations()
+
+    def sync_compilations(self) -> None:
+        """Bring ikbo_triton_compilations_total up to the counter's numbers."""
+        if self.compilations is None:
+            return
+        for phase, metric in self._compiled_metrics.items():
+            new = self.compilations.counts[phase] - self._compiled[phase]
+            if new:
+                metric.increment(float(new))
+                self._compiled[phase] += new
 
     def record_responses(self, pb_utils, requests, responses, users_input="user_tokens", candidates_input="cand_tokens") -> None:
         """`record` for each answered request of a batch model (U, B = rows of these two inputs)."""
@@ -72,3 +91,4 @@ class RankerMetrics:
         self.users.increment(float(num_users))
         self.ratio.observe(num_candidates / max(num_users, 1))
         self.avoided.increment(float(broadcast_bytes_avoided(num_users, num_candidates, self.row_bytes)))
+        self.sync_compilations()

@@ -21,7 +21,8 @@ holds everything of that which a request's (U, B) can change:
 On a CPU both ops run torch: one bucket each, and the warm-up is the range's ends and middle
 (`serving.warmup_sizes`). Tensor descriptors are specialized on their block shape only (constant
 per config). `tests/test_shape_spec.py` checks the enumeration against every (U, B) of a range, and
-on a GPU counts compilations during requests after the warm-up (it must be 0).
+on a GPU counts compilations during requests after the warm-up (it must be 0); `CompileCounter`
+counts them in a served model's process (metric ikbo_triton_compilations_total{phase}).
 """
 
 from __future__ import annotations
@@ -129,3 +130,28 @@ def bucket_representatives(cfg: RankerConfig, ranges: ShapeRanges, device, dtype
     """(U, B) to warm up at so that every bucket of every op has run once on `device`."""
     buckets = shape_buckets(cfg, ranges, dtype, device_sms(device))
     return list(dict.fromkeys(b.representative for op in OPS for b in buckets[op]))
+
+
+class CompileCounter:
+    """Triton kernel compilations in this process, by phase: "warmup" until `phase` is set to
+    "request". Counted through triton.knobs.runtime.jit_post_compile_hook (called after every
+    compilation, also when the binary comes from Triton's disk cache); a hook already set is kept."""
+
+    def __init__(self):
+        self.phase = "warmup"
+        self.counts = {"warmup": 0, "request": 0}
+        self.kernels: list[tuple[str, str]] = []  # (phase, kernel name)
+
+    @classmethod
+    def install(cls) -> "CompileCounter":
+        from triton import knobs
+
+        counter, previous = cls(), knobs.runtime.jit_post_compile_hook
+
+        def hook(**kwargs):
+            counter.counts[counter.phase] += 1
+            counter.kernels.append((counter.phase, kwargs["fn"].name))
+            return previous(**kwargs) if previous is not None else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+        return counter

@@ -1,7 +1,8 @@
 """Custom Prometheus metrics (ikbo_backend/metrics.py): the byte count against what the baseline
 really replicates, the recording through a stand-in for pb_utils, and the values a real tritonserver
 shows on its metrics port after known requests to the batch (ikbo_ranker → ikbo_interaction) and
-online (ikbo_ranker_online) endpoints."""
+online (ikbo_ranker_online) endpoints — among them the Triton compilations during requests: 0 (on a
+GPU the warm-up's count must be positive, so the counter is live)."""
 
 import re
 import secrets
@@ -23,6 +24,7 @@ from ikbo_backend.metrics import CANDIDATES_PER_USER_BUCKETS, RankerMetrics, bro
 from ikbo_backend.online import split_by_user  # noqa: E402
 from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights  # noqa: E402
 from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
+from ikbo_backend.shape_spec import CompileCounter  # noqa: E402
 from ikbo_backend.tritonserver import has_gpu, running_tritonserver  # noqa: E402
 
 SEED = secrets.randbits(32)
@@ -73,6 +75,23 @@ def test_record_through_the_metric_families():
     assert metrics.ratio.family.kind == "histogram" and metrics.candidates.labels == {"model": "m"}
 
 
+def test_compile_counter_counts_by_phase_and_keeps_an_earlier_hook(monkeypatch):
+    from triton import knobs
+
+    earlier = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kwargs: earlier.append(kwargs["fn"].name))
+    counter = CompileCounter.install()
+    compiled = SimpleNamespace(name="_lce_tile_kernel")
+    knobs.runtime.jit_post_compile_hook(fn=compiled, key=None)  # what triton.runtime.jit calls after a compilation
+    counter.phase = "request"
+    knobs.runtime.jit_post_compile_hook(fn=compiled, key=None)
+    assert counter.counts == {"warmup": 1, "request": 1} and earlier == ["_lce_tile_kernel"] * 2
+    metrics = RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", row_bytes=10, compilations=counter)
+    assert [m.values for m in metrics._compiled_metrics.values()] == [[1], [1]]
+    metrics.record(1, 2)  # nothing new: nothing added
+    assert [m.values for m in metrics._compiled_metrics.values()] == [[1], [1]]
+
+
 # ------------------------------------------------------------------ with a real tritonserver
 
 
@@ -92,7 +111,8 @@ def scrape(server) -> dict[tuple[str, str], float]:
         match = re.match(r'^(ikbo_\w+)\{([^}]*)\} (\S+)$', line)
         if match:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
-            name = match.group(1) + (f"{{{labels['le']}}}" if "le" in labels else "")
+            extra = labels.get("le", labels.get("phase"))
+            name = match.group(1) + (f"{{{extra}}}" if extra is not None else "")
             samples[(name, labels["model"])] = float(match.group(3))
     return samples
 
@@ -116,7 +136,8 @@ def test_metrics_after_known_requests(server):
     module = client_module("grpc")
     connection = module.InferenceServerClient(server.grpc_url)
     try:
-        assert not any(name.endswith("_total") and value for (name, _), value in scrape(server).items()), "warm-up was counted"
+        at_start = scrape(server)
+        assert not any(name.endswith("_total") and value for (name, _), value in at_start.items()), "warm-up was counted"
         batch_mixes = [(3, 40), (15, 1024), (1, 1)]
         for users, candidates in batch_mixes:
             infer_scores(connection, module, "ikbo_ranker", make_request(CFG, users, candidates, np.random.default_rng([SEED, users])))
@@ -126,6 +147,10 @@ def test_metrics_after_known_requests(server):
     finally:
         connection.close()
     got = scrape(server)
+    for model in ("ikbo_interaction", "ikbo_ranker_online"):  # GPU: the warm-up compiled; CPU: Triton never runs
+        warm_up, requests = (got[(f"ikbo_triton_compilations_total{{{phase}}}", model)] for phase in ("warmup", "request"))
+        assert requests == 0, f"{model}: {requests} Triton compilations on the request path"
+        assert (warm_up > 0) == has_gpu(), f"{model}: {warm_up} Triton compilations during the warm-up"
     online_batches = [(1, one["cand_dense"].shape[1]) for one in online]
     for model, batches in (("ikbo_interaction", batch_mixes), ("ikbo_ranker_online", online_batches)):
         for key, value in expected(batches, model).items():

@@ -10,13 +10,16 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes  # noqa: E402
 from ikbo_backend.online import OnlineModel, execute_online  # noqa: E402
+from ikbo_backend.shape_spec import CompileCounter  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        compilations = CompileCounter.install()  # Triton compilations: warm-up, then requests (must stay 0)
         self.model = OnlineModel.from_triton_args(args)  # config, weights, device, warm-up
+        compilations.phase = "request"
         ikbo = self.model.variant == "ikbo"
-        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg)) if ikbo else None
+        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg), compilations) if ikbo else None
 
     def execute(self, requests):
         return execute_online(pb_utils, self.model, requests, self.metrics)

@@ -10,12 +10,15 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes  # noqa: E402
 from ikbo_backend.serving import InteractionModel, execute_requests  # noqa: E402
+from ikbo_backend.shape_spec import CompileCounter  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        compilations = CompileCounter.install()  # Triton compilations: warm-up, then requests (must stay 0)
         self.model = InteractionModel.from_triton_args(args)  # config, weights, device, warm-up
-        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg))
+        compilations.phase = "request"
+        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg), compilations)
 
     def execute(self, requests):
         responses = execute_requests(pb_utils, self.model, requests)
