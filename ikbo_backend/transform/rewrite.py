@@ -28,7 +28,7 @@ from . import ops
 from .attention import AttentionRewrites, fuse_self_target_attention
 from .values import (
     ADD_SUB, CONVERSIONS, ELEMENTWISE_FUNCTIONS, ELEMENTWISE_METHODS, MATMUL, REDUCTIONS, SDPA, SOFTMAX,
-    Concat, Mapping, Meta, Plain, Rep, RepShape, Report, Rows, _arg, _name, _norm, _tensors, is_value, to_meta,
+    Concat, Mapping, Meta, Plain, Rep, RepShape, Report, Rows, _arg, _name, _norm, _off_rows, _tensors, is_value, to_meta,
 )  # fmt: skip
 # ----------------------------------------------------------------------------- the pass
 
@@ -258,6 +258,8 @@ class Rewriter(AttentionRewrites):
             if dim is None:
                 return RepShape(self.emit("call_method", "size", (x.user,)), x.mapping, meta)
             node = self.emit("call_method", "size", (x.user, dim))
+            if _norm(dim, x.meta.ndim) is None:
+                return None
             return Rows(node, x.mapping, meta) if _norm(dim, x.meta.ndim) == 0 else Plain(node, meta)
         if key == "dim" and isinstance(x, Rep):
             return Plain(x.meta.ndim, meta)
@@ -276,7 +278,7 @@ class Rewriter(AttentionRewrites):
         if key in (torch.cat, torch.stack):
             parts, dim = args[0], _arg(args, kwargs, 1, "dim", 0)
             ndim = parts[0].meta.ndim + (key is torch.stack) if parts and is_value(parts[0]) else 0
-            return all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1 and _norm(dim, ndim) != 0
+            return all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1 and _off_rows(dim, ndim)
         xnd = x.meta.ndim if is_value(x) and isinstance(x.meta, Meta) else None
         if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS:
             if not isinstance(meta, Meta) or meta.ndim == 0:
@@ -296,29 +298,29 @@ class Rewriter(AttentionRewrites):
             return False
         others_plain = all(not self.batched(t) for t in tensors if t is not x)
         if key in SOFTMAX:
-            return others_plain and _norm(_arg(args, kwargs, 1, "dim"), xnd) != 0
+            return others_plain and _off_rows(_arg(args, kwargs, 1, "dim"), xnd)
         if key in REDUCTIONS or key in (torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp):
             dim = _arg(args, kwargs, 1, "dim")
             dims = dim if isinstance(dim, (tuple, list)) else [dim]
-            return dim is not None and all(isinstance(d, int) and _norm(d, xnd) != 0 for d in dims)
+            return dim is not None and all(_off_rows(d, xnd) for d in dims)
         if key in ("cumsum", "cumprod", torch.cumsum, F.normalize):
             dim = _arg(args, kwargs, 1, "dim", 1 if key is F.normalize else None)
-            return dim is not None and _norm(dim, xnd) != 0
+            return _off_rows(dim, xnd)
         if key in ("flatten", torch.flatten):
-            return _norm(_arg(args, kwargs, 1, "start_dim", 0), xnd) >= 1
+            return _off_rows(_arg(args, kwargs, 1, "start_dim", 0), xnd)
         if key in ("unsqueeze", torch.unsqueeze):
-            return _norm(_arg(args, kwargs, 1, "dim"), xnd + 1) != 0
+            return _off_rows(_arg(args, kwargs, 1, "dim"), xnd + 1)
         if key in ("squeeze", torch.squeeze):
             dim = _arg(args, kwargs, 1, "dim")
-            return isinstance(dim, int) and _norm(dim, xnd) != 0
+            return _off_rows(dim, xnd)
         if key in ("transpose", torch.transpose, "swapaxes"):
-            return _norm(_arg(args, kwargs, 1, "dim0"), xnd) != 0 and _norm(_arg(args, kwargs, 2, "dim1"), xnd) != 0
+            return _off_rows(_arg(args, kwargs, 1, "dim0"), xnd) and _off_rows(_arg(args, kwargs, 2, "dim1"), xnd)
         if key in ("permute", torch.permute):
             dims = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
-            return bool(dims) and _norm(dims[0], xnd) == 0
+            return bool(dims) and _norm(dims[0], xnd) == 0 and all(_norm(d, xnd) is not None for d in dims)
         if key in ("chunk", torch.chunk, "split", torch.split, "unbind", torch.unbind):
             dim = _arg(args, kwargs, 1 if key in ("unbind", torch.unbind) else 2, "dim", 0)
-            return _norm(dim, xnd) != 0
+            return _off_rows(dim, xnd)
         if key in ("view", "reshape", torch.reshape):
             sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
             if not sizes or not isinstance(meta, Meta) or meta.shape[0] != x.meta.shape[0]:
@@ -394,6 +396,8 @@ class Rewriter(AttentionRewrites):
     def concat_ops(self, op, key, args, kwargs, meta, name):
         if key is torch.cat:
             parts, dim = list(args[0]), _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim)
+            if dim is None:
+                return None
             flat = []
             for p in parts:
                 flat += p.parts if isinstance(p, Concat) and p.dim == dim else [p]

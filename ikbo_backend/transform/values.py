@@ -139,7 +139,7 @@ ELEMENTWISE_METHODS = {
     "__and__", "__or__", "__invert__", "eq", "ne", "lt", "le", "gt", "ge",
 }  # fmt: skip
 ADD_SUB = {operator.add: 1.0, torch.add: 1.0, "add": 1.0, operator.sub: -1.0, torch.sub: -1.0, "sub": -1.0}
-REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "norm", "std", "var", "all", "any", "count_nonzero"}
+REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "all", "any", "count_nonzero"}  # dim = 2nd argument
 SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
 MATMUL = {torch.matmul, torch.bmm, operator.matmul, "matmul", "bmm", "__matmul__"}
 CONVERSIONS = {"long", "int", "to", "type", "contiguous", "clone", "detach"}  # keep a mapping a mapping
@@ -151,7 +151,15 @@ def _name(target) -> str:
 
 
 def _norm(dim, ndim):
+    """A dim index made non-negative; None for anything but a plain int (then no rule applies)."""
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        return None
     return dim + ndim if dim < 0 else dim
+
+
+def _off_rows(dim, ndim) -> bool:
+    """`dim` is a known int dim other than dim 0 (the row dim)."""
+    return _norm(dim, ndim) not in (None, 0)
 
 
 def _arg(args, kwargs, pos, name, default=None):
