@@ -30,7 +30,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from .ranker import RankerConfig, build_ranker
-from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest, input_widths, validate_request
+from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest, input_widths, make_request, validate_request
 from .serving import _ServedStage, _to_torch, score_dims
 
 ONLINE_INPUT_NAMES = tuple(name for name in INPUT_NAMES if name != "cand_to_user")
@@ -57,6 +57,17 @@ def split_by_user(request: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]
         one.update({name: request[name][rows][None] for name in ONLINE_CAND_INPUTS})
         online.append(one)
     return online
+
+
+def make_online_batch(cfg: RankerConfig, num_users: int, num_candidates: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A random batch request (`make_request`) in which every user has at least one candidate (B ≥ U),
+    so that `split_by_user` of it gives U valid online requests of B/U candidates on average."""
+    if not 1 <= num_users <= num_candidates:
+        raise ValueError(f"num_users: expected in [1, B={num_candidates}], got {num_users}")
+    request = make_request(cfg, num_users, num_candidates, rng)
+    counts = 1 + rng.multinomial(num_candidates - num_users, np.full(num_users, 1 / num_users))
+    request["cand_to_user"] = rng.permutation(np.repeat(np.arange(num_users), counts)).astype(np.int32)
+    return request
 
 
 def merge_scores(request: dict[str, np.ndarray], scores: list[np.ndarray]) -> np.ndarray:

@@ -18,10 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from client import client_module, infer_inputs, infer_scores  # noqa: E402
-from test_online import request_with  # noqa: E402
 
 from ikbo_backend.metrics import CANDIDATES_PER_USER_BUCKETS, RankerMetrics, broadcast_bytes_avoided, replicated_row_bytes  # noqa: E402
-from ikbo_backend.online import split_by_user  # noqa: E402
+from ikbo_backend.online import make_online_batch, split_by_user  # noqa: E402
 from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights  # noqa: E402
 from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
 from ikbo_backend.shape_spec import CompileCounter  # noqa: E402
@@ -141,7 +140,7 @@ def test_metrics_after_known_requests(server):
         batch_mixes = [(3, 40), (15, 1024), (1, 1)]
         for users, candidates in batch_mixes:
             infer_scores(connection, module, "ikbo_ranker", make_request(CFG, users, candidates, np.random.default_rng([SEED, users])))
-        online = split_by_user(request_with(CFG, 5, 300, np.random.default_rng(SEED)))
+        online = split_by_user(make_online_batch(CFG, 5, 300, np.random.default_rng(SEED)))
         for one in online:
             connection.infer("ikbo_ranker_online", infer_inputs(module, one))
     finally:

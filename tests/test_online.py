@@ -33,6 +33,7 @@ from ikbo_backend.online import (  # noqa: E402
     coalesce,
     execute_online,
     groups_within,
+    make_online_batch,
     merge_scores,
     online_dims,
     split_by_user,
@@ -56,15 +57,6 @@ pytestmark = pytest.mark.timeout(600)
 
 def rng(*salt):
     return np.random.default_rng([SEED, *salt])
-
-
-def request_with(cfg, num_users, num_candidates, generator) -> dict[str, np.ndarray]:
-    """A random batch request in which every user has at least one candidate (an online request
-    without candidates is a client error)."""
-    request = make_request(cfg, num_users, num_candidates, generator)
-    counts = 1 + generator.multinomial(num_candidates - num_users, np.full(num_users, 1 / num_users))
-    request["cand_to_user"] = generator.permutation(np.repeat(np.arange(num_users), counts)).astype(np.int32)
-    return request
 
 
 def alone(one: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -128,6 +120,15 @@ def test_split_by_user_round_trip():
         np.testing.assert_array_equal(merged[request["cand_to_user"] == user, 0], fake_scores[user][0, :, 0])
 
 
+def test_online_batches_give_every_user_a_candidate():
+    for users, candidates in ((1, 1), (64, 64), (15, 1024)):
+        online = split_by_user(make_online_batch(CFG, users, candidates, rng(9, users)))
+        counts = [one["cand_dense"].shape[1] for one in online]
+        assert len(counts) == users and min(counts) >= 1 and sum(counts) == candidates
+    with pytest.raises(ValueError, match="num_users"):
+        make_online_batch(CFG, 5, 4, rng(9))
+
+
 def test_coalesce_builds_the_mapping_from_request_boundaries():
     request = make_request(CFG, 3, 8, rng(2))
     request["cand_to_user"] = np.array([0, 0, 0, 1, 2, 2, 2, 2], dtype=np.int32)
@@ -160,7 +161,7 @@ class _Recorder:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bad_request_fails_alone_and_the_batch_is_unchanged(small_weights, variant):
     model = OnlineModel(SMALL, small_weights, ShapeRanges((1, 8), (1, 40)), variant=variant)
-    request = request_with(SMALL, 4, 30, rng(3))
+    request = make_online_batch(SMALL, 4, 30, rng(3))
     good = [as_served(one) for one in split_by_user(request)]
     bad_id = dict(good[1], cand_sparse_ids=good[1]["cand_sparse_ids"].clone().fill_(SMALL.cand_vocab_size))
     two_users = dict(good[2], user_dense=good[2]["user_dense"].repeat(2, 1))
@@ -201,7 +202,7 @@ def test_an_internal_error_fails_its_batch_only_and_hides_details(small_weights,
     exception type, not its text; the first batch is answered."""
     model = OnlineModel(SMALL, small_weights, ShapeRanges((1, 2), (1, 40)))
     model.name = "ikbo_ranker_online"
-    online = [as_served(one) for one in split_by_user(request_with(SMALL, 4, 20, rng(8)))]
+    online = [as_served(one) for one in split_by_user(make_online_batch(SMALL, 4, 20, rng(8)))]
     calls = []
     forward = OnlineModel.__call__
 
@@ -300,7 +301,7 @@ def statistics(server, model):
 
 @pytest.mark.parametrize("model", ONLINE_MODELS)
 def test_concurrent_requests_are_coalesced_and_answered_alone_correctly(server, reference, model):
-    online = split_by_user(request_with(CFG, 24, 24 * 68, rng(5, len(model))))
+    online = split_by_user(make_online_batch(CFG, 24, 24 * 68, rng(5, len(model))))
     before = statistics(server, model)
     answers = send_concurrently(server, model, online, lambda i: ("http", "grpc")[i % 2])
     inferences, executions = (a - b for a, b in zip(statistics(server, model), before))
@@ -325,7 +326,7 @@ BAD_ONLINE = {  # kind → (input the message names, request → bad request)
 @pytest.mark.parametrize("protocol", ("http", "grpc"))
 def test_bad_requests_interleaved_with_good_ones_fail_alone(server, reference, protocol):
     model = "ikbo_ranker_online"
-    good = split_by_user(request_with(CFG, 2 * len(BAD_ONLINE), 40 * len(BAD_ONLINE), rng(6, len(protocol))))
+    good = split_by_user(make_online_batch(CFG, 2 * len(BAD_ONLINE), 40 * len(BAD_ONLINE), rng(6, len(protocol))))
     requests, expected = [], []
     for index, one in enumerate(good):
         kind = list(BAD_ONLINE)[index // 2]
@@ -346,7 +347,7 @@ def test_bad_requests_interleaved_with_good_ones_fail_alone(server, reference, p
 def test_client_cannot_send_the_mapping(server):
     module, connection = connect(server, "grpc")
     try:
-        one = split_by_user(request_with(CFG, 1, 5, rng(7)))[0]
+        one = split_by_user(make_online_batch(CFG, 1, 5, rng(7)))[0]
         with pytest.raises(InferenceServerException, match="cand_to_user"):
             connection.infer("ikbo_ranker_online", infer_inputs(module, one | {"cand_to_user": np.zeros((1, 5), np.int32)}))
     finally:
