@@ -12,6 +12,10 @@ always written with a decimal point (perf_analyzer rejects `1` as float data).
 
     python scripts/make_perf_configs.py                  # every mix into perf_configs/
     python scripts/make_perf_configs.py --mixes u15_b1024 --out /tmp/pc
+
+Online endpoints (ikbo_ranker_online, baseline_ranker_online): perf_configs/<mix>.online.json holds
+the same mix as U one-user requests of B/U candidates on average (`online_perf_data`; shapes without
+the request dimension, which perf_analyzer adds with its batch size 1).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ikbo_backend.ranker import RankerConfig  # noqa: E402
+from ikbo_backend.online import ONLINE_INPUT_NAMES, make_online_batch, split_by_user  # noqa: E402
 from ikbo_backend.requests import INPUT_NAMES, input_widths, make_request  # noqa: E402
 
 DEFAULT_DIR = ROOT / "perf_configs"
@@ -66,6 +71,44 @@ def perf_data(cfg: RankerConfig, name: str, num_requests: int = REQUESTS_PER_FIL
         request = make_request(cfg, num_users, num_candidates, rng)
         data.append({k: {"content": _content(request[k]), "shape": list(request[k].shape)} for k in INPUT_NAMES})
     return {"data": data}
+
+
+def online_perf_data(cfg: RankerConfig, name: str, num_batches: int = REQUESTS_PER_FILE, seed: int = 0) -> dict:
+    """The --input-data document of the online endpoints for one mix: `num_batches` batches of U
+    users and B candidates (every user at least one), each sent as U one-user requests."""
+    num_users, num_candidates = mix_shape(name)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode()), 1])
+    data = []
+    for _ in range(num_batches):
+        for one in split_by_user(make_online_batch(cfg, num_users, num_candidates, rng)):
+            data.append({k: {"content": _content(one[k]), "shape": list(one[k].shape[1:])} for k in ONLINE_INPUT_NAMES})
+    return {"data": data}
+
+
+def candidates_per_request(path: Path) -> float:
+    """Mean candidates per request of an --input-data file (rows of cand_dense)."""
+    data = json.loads(Path(path).read_text())["data"]
+    return sum(step["cand_dense"]["shape"][0] for step in data) / len(data)
+
+
+def ensure_online_config(name: str, out_dir=DEFAULT_DIR, cfg: RankerConfig | None = None) -> Path:
+    """Path of <out_dir>/<name>.online.json, (re)written when missing or drawn for other model dims."""
+    cfg = cfg or RankerConfig()
+    path = Path(out_dir) / f"{name}.online.json"
+    expected = {k: [w] if w is not None else [1] for k, w in input_widths(cfg).items() if k in ONLINE_INPUT_NAMES}
+    expected.update({k: [-1, input_widths(cfg)[k]] for k in ("cand_dense", "cand_sparse_ids")})
+    if path.exists():
+        try:
+            first = json.loads(path.read_text())["data"][0]
+            if {k: [-1, *v["shape"][1:]] if k.startswith("cand") else v["shape"] for k, v in first.items()} == expected:
+                return path
+        except (ValueError, KeyError, IndexError):
+            pass  # unreadable: write it again
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(online_perf_data(cfg, name), separators=(",", ":")))
+    tmp.replace(path)
+    return path
 
 
 def write_config(name: str, out_dir=DEFAULT_DIR, num_requests: int = REQUESTS_PER_FILE, seed: int = 0, cfg: RankerConfig | None = None) -> Path:
