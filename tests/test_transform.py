@@ -316,6 +316,16 @@ def test_untraceable_model_is_served_unchanged():
     assert report.replications_left == 1 and "could not trace" in str(report)
 
 
+def test_rewrite_that_disagrees_is_not_served(monkeypatch):
+    """The example check: a join that computes the wrong thing sends the model back unchanged."""
+    from ikbo_backend.transform import ops
+
+    monkeypatch.setattr(ops, "add_user_rows_broadcast", lambda cand, user, mapping, **signs: cand)  # drops the user term
+    model = ConcatMlp().eval()
+    module, report = to_ikbo(model, args_for(model, user_candidate_inputs(*EXAMPLE, torch.Generator().manual_seed(3))))
+    assert module is model and "disagrees" in str(report)
+
+
 def test_mapping_argument_is_required():
     with pytest.raises(ValueError, match="cand_to_user"):
         to_ikbo(nn.Linear(3, 3), (torch.randn(2, 3),))
