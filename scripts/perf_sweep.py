@@ -86,6 +86,7 @@ class Result:
     p99_ms: float = float("nan")
     mode: str = ""  # "windows" (stable time windows) | "count N" (N requests, no stability criterion)
     status: str = "ok"  # ok | error: <first error line>
+    load1: float = float("nan")  # 1-minute load average when the run ended (other work on the machine)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,8 +186,12 @@ def to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status) -> 
     return result
 
 
-def medians(results: list[Result]) -> list[Result]:
-    """One Result per (ranker, mix, protocol, concurrency): the median of each metric over its good repeats."""
+def aggregate(results: list[Result], how: str = "median") -> list[Result]:
+    """One Result per (ranker, mix, protocol, concurrency) over its good repeats.
+
+    "median": the median of each metric; "best": the repeat with the highest throughput, whole (on a
+    shared machine, other work only ever slows a run down, like `timeit`'s minimum).
+    """
     groups: dict[tuple, list[Result]] = {}
     for r in results:
         groups.setdefault((r.ranker, r.mix, r.protocol, r.concurrency), []).append(r)
@@ -195,11 +200,13 @@ def medians(results: list[Result]) -> list[Result]:
         good = [r for r in runs if r.status == "ok"]
         if not good:
             out.append(runs[-1])
-            continue
-        merged = replace(good[0], repeat=len(good), mode="/".join(sorted({r.mode.split()[0] for r in good})))
-        for name in ("infer_per_s", "candidates_per_s", "p50_ms", "p90_ms", "p99_ms"):
-            setattr(merged, name, statistics.median(getattr(r, name) for r in good))
-        out.append(merged)
+        elif how == "best":
+            out.append(replace(max(good, key=lambda r: r.candidates_per_s), repeat=len(good)))
+        else:
+            merged = replace(good[0], repeat=len(good), mode="/".join(sorted({r.mode for r in good})))
+            for name in ("infer_per_s", "candidates_per_s", "p50_ms", "p90_ms", "p99_ms", "load1"):
+                setattr(merged, name, statistics.median(getattr(r, name) for r in good))
+            out.append(merged)
     return out
 
 
@@ -247,7 +254,12 @@ def markdown_table(results: list[Result]) -> str:
 
 
 def plot(results: list[Result], out_dir: Path) -> list[Path]:
-    import matplotlib
+    """throughput.png and latency.png, one panel per mix (none when matplotlib is not installed)."""
+    try:
+        import matplotlib
+    except ImportError:  # e.g. a bare GPU machine's Python: the CSV and the table still come out
+        print("matplotlib not installed: no plots", file=sys.stderr)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -317,7 +329,8 @@ def parse_args(argv):
     parser.add_argument("--mixes", nargs="+", choices=list(MIXES), help="override the profile's mixes")
     parser.add_argument("--concurrency", nargs="+", type=int, help="override the profile's concurrency levels")
     parser.add_argument("--window-ms", type=int, help="override the profile's measurement window")
-    parser.add_argument("--repeats", type=int, default=1, help="measure every point this many times; report medians")
+    parser.add_argument("--repeats", type=int, default=1, help="measure every point this many times")
+    parser.add_argument("--aggregate", choices=("median", "best"), default="median", help="how repeats are combined")
     parser.add_argument("--rankers", nargs="+", default=list(RANKERS), choices=list(RANKERS))
     parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=list(PROTOCOLS))
     parser.add_argument("--url", help="HOST:PORT of a running server's HTTP endpoint (no server is started)")
@@ -329,13 +342,13 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def environment(version: str, profile: Profile, repeats: int) -> str:
+def environment(version: str, profile: Profile, repeats: int, how: str) -> str:
     from bench_model import device_name
 
     return (
         f"{device_name()}, {os.cpu_count()} cores; tritonserver {version}; perf_analyzer "
         f"{perf_analyzer_command()[0][0]} (tritonclient {_version('tritonclient')} installed); "
-        f"{profile.window_ms} ms windows, stability {profile.stability_pct} %, median of {repeats} "
+        f"{profile.window_ms} ms windows, stability {profile.stability_pct} %, {how} of {repeats} "
         f"measurement(s) per cell; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
     )
 
@@ -350,7 +363,18 @@ def main(argv=None) -> None:
     inputs = {mix: ensure_config(mix, args.configs) for mix in profile.mixes}
     perf_analyzer_command()  # fail before starting a server
 
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress on stderr without tqdm (a bare GPU machine's Python)
+
+        class tqdm(list):  # noqa: N801
+            def __init__(self, items, **_):
+                super().__init__(items)
+
+            def set_postfix_str(self, text):
+                print(f"[{len(self)} runs] {text}", file=sys.stderr, flush=True)
+
+            write = staticmethod(lambda text: print(text, file=sys.stderr))
 
     if args.url:
         server = nullcontext(None)
@@ -394,15 +418,16 @@ def main(argv=None) -> None:
                 runs_dir / f"{name}.log",
             )
             results.append(to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status))
+            results[-1].load1 = os.getloadavg()[0]
             if status != "ok":
                 tqdm.write(f"{name}: {status}, see {runs_dir / name}.log")
 
-    summary = medians(results)
+    summary = aggregate(results, args.aggregate)
     write_csv(results, args.out / "sweep.csv")
     if args.repeats > 1:
-        write_csv(summary, args.out / "sweep_median.csv")
+        write_csv(summary, args.out / f"sweep_{args.aggregate}.csv")
     plots = plot(summary, args.out)
-    print(f"\n### Server throughput (`scripts/perf_sweep.py`)\n\n{environment(version, profile, args.repeats)}.\n\n{markdown_table(summary)}\n")
+    print(f"\n### Server throughput (`scripts/perf_sweep.py`)\n\n{environment(version, profile, args.repeats, args.aggregate)}.\n\n{markdown_table(summary)}\n")
     print(f"wrote {args.out / 'sweep.csv'}" + "".join(f", {p}" for p in plots))
     if any(r.status != "ok" for r in results):
         sys.exit(1)
