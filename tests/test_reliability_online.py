@@ -1,0 +1,34 @@
+"""Reliability rows of issue 6 on the online (dynamically batched) endpoints, short forms: batch
+isolation (bad and good one-user requests interleaved; good answers as when sent alone, bad ones
+400 naming the input) on the shipped configs, and queue full on a copy whose max_queue_size is 8
+(REJECT: overflow answered 503 "Exceeds maximum queue size", accepted p99 bounded). Long forms:
+scripts/reliability.py online.
+"""
+
+import secrets
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import reliability  # noqa: E402
+
+from ikbo_backend.tritonserver import running_tritonserver  # noqa: E402
+
+SEED = secrets.randbits(31)
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_bad_requests_in_a_batch_do_not_change_the_good_answers():
+    with reliability.online_repository() as repo, running_tritonserver(repo) as server:
+        result = reliability.batch_isolation(server, rounds=2, seed=SEED)
+    assert not result["failures"], f"seed {SEED}: {result['failures'][:5]}"
+    assert result["max_rel_err_to_solo"] <= 1e-5, result
+
+
+def test_queue_overflow_is_rejected_with_503_and_accepted_latency_stays_bounded():
+    with reliability.online_repository(max_queue_size=8) as repo, running_tritonserver(repo) as server:
+        result = reliability.queue_full(server, bursts=2, p99_bound_s=30)
+    assert result["rejected_503"] > 0 and result["accepted"] > 0 and not result["failures"], result
