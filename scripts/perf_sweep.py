@@ -6,6 +6,11 @@ points at one already running, then runs perf_analyzer once per (mix, protocol, 
 the two rankers back to back, with `--input-data perf_configs/<mix>.json` (written first when missing,
 see scripts/make_perf_configs.py) and `-f <run>.csv`. Candidates/s = infer/s × B of the mix.
 
+Online endpoints (`ikbo_ranker_online`, `baseline_ranker_online`: one user per request, coalesced by
+the server): a mix is sent as U one-user requests of B/U candidates on average
+(`perf_configs/<mix>.online.json`), and concurrency level c keeps c·U requests in flight (`in_flight`),
+the offered load of c batch requests. Candidates/s = infer/s × candidates per request of the file.
+
 Writes into --out (default out/perf/): sweep.csv, throughput.png (candidates/s vs concurrency),
 latency.png (p50/p99 latency vs candidates/s), runs/<run>.csv|.log; prints a markdown table.
 
@@ -43,9 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
 from make_perf_configs import DEFAULT_DIR as CONFIG_DIR  # noqa: E402
-from make_perf_configs import MIXES, ensure_config, mix_shape  # noqa: E402
+from make_perf_configs import MIXES, candidates_per_request, ensure_config, ensure_online_config, mix_shape  # noqa: E402
 
 RANKERS = ("baseline_ranker", "ikbo_ranker")  # baseline first: the reference of every ratio
+ONLINE_RANKERS = ("baseline_ranker_online", "ikbo_ranker_online")  # one user per request
+PAIRS = {"batch": RANKERS, "online": ONLINE_RANKERS}
 PROTOCOLS = ("http", "grpc")
 
 
@@ -87,6 +94,7 @@ class Result:
     mode: str = ""  # "windows" (stable time windows) | "count N" (N requests, no stability criterion)
     status: str = "ok"  # ok | error: <first error line>
     load1: float = float("nan")  # 1-minute load average when the run ended (other work on the machine)
+    in_flight: int = 0  # perf_analyzer's concurrency: = concurrency (batch), concurrency × U (online)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,12 +183,13 @@ def run_perf_analyzer(
     return None, mode, f"error: {problem or f'exit code {returncode}, see {log_path}'}"
 
 
-def to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status) -> Result:
+def to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status, per_request: float | None = None) -> Result:
+    """`per_request`: candidates per request (online endpoints), default B of the mix."""
     users, candidates = mix_shape(mix)
     result = Result(ranker, mix, users, candidates, protocol, concurrency, repeat, mode=mode, status=status)
     if row is not None:
         result.infer_per_s = float(row["Inferences/Second"])
-        result.candidates_per_s = result.infer_per_s * candidates
+        result.candidates_per_s = result.infer_per_s * (per_request or candidates)
         for pct in (50, 90, 99):
             setattr(result, f"p{pct}_ms", float(row[f"p{pct} latency"]) / 1e3)  # perf_analyzer writes µs
     return result
@@ -223,15 +232,21 @@ def write_csv(results: list[Result], path: Path) -> None:
 
 
 def markdown_table(results: list[Result]) -> str:
-    """One line per (mix, protocol, concurrency): the two rankers side by side."""
+    """One line per (mix, protocol, concurrency, endpoint batch | online): the two rankers side by side."""
     by_key = {(r.mix, r.protocol, r.concurrency, r.ranker): r for r in results}
     lines = [
-        "| mix (U:B) | protocol | concurrency | baseline candidates/s | IKBO candidates/s | IKBO / baseline "
+        "| mix (U:B) | protocol | concurrency | endpoint | baseline candidates/s | IKBO candidates/s | IKBO / baseline "
         "| baseline p50 / p99 ms | IKBO p50 / p99 ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for mix, protocol, concurrency in dict.fromkeys((r.mix, r.protocol, r.concurrency) for r in results):
-        base, ikbo = (by_key.get((mix, protocol, concurrency, name)) for name in RANKERS)
+    points = [
+        (mix, protocol, concurrency, endpoint)
+        for mix, protocol, concurrency in dict.fromkeys((r.mix, r.protocol, r.concurrency) for r in results)
+        for endpoint, pair in PAIRS.items()
+        if any((mix, protocol, concurrency, name) in by_key for name in pair)
+    ]
+    for mix, protocol, concurrency, endpoint in points:
+        base, ikbo = (by_key.get((mix, protocol, concurrency, name)) for name in PAIRS[endpoint])
 
         def rate(r):
             if r is None or r.status != "ok":
@@ -245,7 +260,10 @@ def markdown_table(results: list[Result]) -> str:
         if base and ikbo and base.candidates_per_s > 0 and ikbo.candidates_per_s > 0:
             ratio = f"**{ikbo.candidates_per_s / base.candidates_per_s:.2f}×**"
         users, candidates = mix_shape(mix)
-        lines.append(f"| {mix} ({users}:{candidates}) | {protocol} | {concurrency} | {rate(base)} | {rate(ikbo)} | {ratio} | {lat(base)} | {lat(ikbo)} |")
+        lines.append(
+            f"| {mix} ({users}:{candidates}) | {protocol} | {concurrency} | {endpoint} | {rate(base)} | {rate(ikbo)} | {ratio} "
+            f"| {lat(base)} | {lat(ikbo)} |"
+        )
     note = (
         "\n\n† at least one measurement fell back to a fixed request count: perf_analyzer's time "
         "windows did not stabilise (shared or noisy machine)."
@@ -269,29 +287,29 @@ def plot(results: list[Result], out_dir: Path) -> list[Path]:
     if not mixes:
         return []
     styles = {"baseline_ranker": "tab:gray", "ikbo_ranker": "tab:green"}
+    styles.update({"baseline_ranker_online": "tab:brown", "ikbo_ranker_online": "tab:blue"})
     paths = []
     for name, ylabel in (("throughput", "candidates/s"), ("latency", "latency (ms)")):
         fig, axes = plt.subplots(1, len(mixes), figsize=(5 * len(mixes), 4), squeeze=False)
         for ax, mix in zip(axes[0], mixes):
-            for ranker in RANKERS:
+            for ranker in RANKERS + ONLINE_RANKERS:
                 for protocol, marker in zip(PROTOCOLS, ("o", "s")):
                     rs = sorted((r for r in good if (r.mix, r.ranker, r.protocol) == (mix, ranker, protocol)), key=lambda r: r.concurrency)
                     if not rs:
                         continue
-                    label = f"{ranker.removesuffix('_ranker')} {protocol}"
+                    label = f"{ranker.replace('_ranker', '')} {protocol}"
                     color = styles[ranker]
                     if name == "throughput":
                         ax.plot([r.concurrency for r in rs], [r.candidates_per_s for r in rs], marker=marker, color=color, label=label)
                         ax.set_xlabel("concurrency")
                         ax.set_xscale("log", base=2)
                         ax.set_xticks([r.concurrency for r in rs], [str(r.concurrency) for r in rs])
-                        ax.set_ylim(bottom=0)
                     else:
                         x = [r.candidates_per_s for r in rs]
                         ax.plot(x, [r.p50_ms for r in rs], marker=marker, color=color, label=f"{label} p50")
                         ax.plot(x, [r.p99_ms for r in rs], marker=marker, color=color, linestyle="--", alpha=0.6, label=f"{label} p99")
                         ax.set_xlabel("candidates/s")
-                        ax.set_ylim(bottom=0)
+            ax.set_ylim(bottom=0)  # after every line: an earlier set_ylim would freeze the top at the first line's
             users, candidates = mix_shape(mix)
             ax.set_title(f"{mix} (U={users}, B={candidates})")
             ax.set_ylabel(ylabel)
@@ -331,7 +349,7 @@ def parse_args(argv):
     parser.add_argument("--window-ms", type=int, help="override the profile's measurement window")
     parser.add_argument("--repeats", type=int, default=1, help="measure every point this many times")
     parser.add_argument("--aggregate", choices=("median", "best"), default="median", help="how repeats are combined")
-    parser.add_argument("--rankers", nargs="+", default=list(RANKERS), choices=list(RANKERS))
+    parser.add_argument("--rankers", nargs="+", default=list(RANKERS + ONLINE_RANKERS), choices=list(RANKERS + ONLINE_RANKERS))
     parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=list(PROTOCOLS))
     parser.add_argument("--url", help="HOST:PORT of a running server's HTTP endpoint (no server is started)")
     parser.add_argument("--grpc-url", help="HOST:PORT of its gRPC endpoint (default: the HTTP port + 1)")
@@ -361,6 +379,8 @@ def main(argv=None) -> None:
     runs_dir = args.out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     inputs = {mix: ensure_config(mix, args.configs) for mix in profile.mixes}
+    online_inputs = {mix: ensure_online_config(mix, args.configs) for mix in profile.mixes}
+    per_request = {mix: candidates_per_request(path) for mix, path in online_inputs.items()}
     perf_analyzer_command()  # fail before starting a server
 
     try:
@@ -405,20 +425,22 @@ def main(argv=None) -> None:
             grpc_url = f"{host}:{int(port) + 1}"
         version = server_version(http_url)
         for mix, protocol, concurrency, repeat, ranker in (bar := tqdm(plan, desc="perf_analyzer", unit="run")):
-            bar.set_postfix_str(f"{ranker} {mix} {protocol} c={concurrency}")
+            online = ranker in ONLINE_RANKERS
+            in_flight = concurrency * mix_shape(mix)[0] if online else concurrency
+            bar.set_postfix_str(f"{ranker} {mix} {protocol} c={concurrency}" + (f" ({in_flight} in flight)" if online else ""))
             name = f"{ranker}.{mix}.{protocol}.c{concurrency}.r{repeat}"
             row, mode, status = run_perf_analyzer(
                 ranker,
                 grpc_url if protocol == "grpc" else http_url,
                 protocol,
-                inputs[mix],
-                concurrency,
+                online_inputs[mix] if online else inputs[mix],
+                in_flight,
                 profile,
                 runs_dir / f"{name}.csv",
                 runs_dir / f"{name}.log",
             )
-            results.append(to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status))
-            results[-1].load1 = os.getloadavg()[0]
+            results.append(to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status, per_request[mix] if online else None))
+            results[-1].load1, results[-1].in_flight = os.getloadavg()[0], in_flight
             if status != "ok":
                 tqdm.write(f"{name}: {status}, see {runs_dir / name}.log")
 
