@@ -5,8 +5,8 @@ at the declared ranges, and `execute_online` through the stand-in pb_utils of te
 request fails alone, the others are bit-identical to the same batch without it).
 With a real tritonserver (CPU configuration, or configs/gpu.pbtxt on a GPU machine): concurrent
 requests over HTTP and gRPC are answered like the in-process model on each request alone, the
-backend really received several requests per execute, and bad requests interleaved with good ones
-fail alone. Inputs and weights are fresh random each run: the seed is in every failure message.
+backend really received several requests per execute, bad requests interleaved with good ones
+fail alone, and perf_analyzer drives the endpoint with the sweep's online input. Inputs and weights are fresh random each run: the seed is in every failure message.
 """
 
 import secrets
@@ -352,3 +352,21 @@ def test_client_cannot_send_the_mapping(server):
             connection.infer("ikbo_ranker_online", infer_inputs(module, one | {"cand_to_user": np.zeros((1, 5), np.int32)}))
     finally:
         connection.close()
+
+
+@pytest.mark.timeout(180)
+def test_perf_analyzer_drives_the_online_endpoint(server, tmp_path):
+    """The sweep's online input (U one-user requests of ragged n) through perf_analyzer: no error, and
+    the server coalesced its 15 requests in flight."""
+    from make_perf_configs import candidates_per_request, ensure_online_config
+    from perf_sweep import Profile, run_perf_analyzer
+
+    model = "ikbo_ranker_online"
+    data = ensure_online_config("u15_b1024", tmp_path)
+    assert candidates_per_request(data) == pytest.approx(1024 / 15)
+    quick = Profile(("u15_b1024",), (1,), window_ms=1000, stability_pct=50, max_trials=4, request_count=60)
+    before = statistics(server, model)
+    row, _, status = run_perf_analyzer(model, server.grpc_url, "grpc", data, 15, quick, tmp_path / "run.csv", tmp_path / "run.log", 120)
+    assert status == "ok" and float(row["Inferences/Second"]) > 0, (tmp_path / "run.log").read_text()[-3000:]
+    inferences, executions = (a - b for a, b in zip(statistics(server, model), before))
+    assert inferences >= 60 and executions < inferences, (inferences, executions)
