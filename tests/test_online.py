@@ -6,7 +6,8 @@ request fails alone, the others are bit-identical to the same batch without it).
 With a real tritonserver (CPU configuration, or configs/gpu.pbtxt on a GPU machine): concurrent
 requests over HTTP and gRPC are answered like the in-process model on each request alone, the
 backend really received several requests per execute, bad requests interleaved with good ones
-fail alone, and perf_analyzer drives the endpoint with the sweep's online input. Inputs and weights are fresh random each run: the seed is in every failure message.
+fail alone, and perf_analyzer drives the endpoint with the sweep's online input. Inputs and weights
+are fresh random each run: the seed is in every failure message.
 """
 
 import secrets
