@@ -629,6 +629,10 @@ def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: 
             if unclear:
                 failures.append(f"kill {k}: unclear errors {unclear[:3]}")
         wait_ready(served)
+    repo = next((a.split("=", 1)[1] for a in served.process.args if str(a).startswith("--model-repository=")), str(MODEL_REPOSITORY))
+    orphans = orphan_stubs(repo)
+    if orphans:
+        failures.append(f"python backend stubs left without their tritonserver: {orphans}")
     final_pid = served.triton_pid()
     current = shm_segments(final_pid) if final_pid else set()
     leaked = sorted(s for s in seen_segments - current if Path(s).exists())
@@ -645,9 +649,27 @@ def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: 
         "requests": len(ikbo.log) + len(baseline.log),
         "shm_segments_server_now": len(current),
         "shm_leaked": leaked,
+        "orphan_stubs": len(orphans),
         "shm_new_files_total": len(new_files),
         "failures": failures,
     }
+
+
+def orphan_stubs(model_repository) -> list[int]:
+    """Pids of python backend stubs serving `model_repository` whose tritonserver is gone (parent 1)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        comm, ppid = stat[stat.index("(") + 1 : stat.rindex(")")], int(stat[stat.rindex(")") + 2 :].split()[1])
+        if comm.startswith("triton_python_b") and ppid == 1 and len(argv) > 1 and argv[1].decode(errors="replace").startswith(str(model_repository)):
+            found.append(int(proc.name))
+    return found
 
 
 def graceful_shutdown(served: Served, exit_timeout: int) -> dict:
