@@ -4,16 +4,17 @@ One request holds U users and B candidates:
 
 | input              | side    | dtype | shape   | meaning                                   |
 |--------------------|---------|-------|---------|-------------------------------------------|
-| user_dense         | RO      | FP32  | [U, Fu] | user dense features (finite)              |
+| user_dense         | RO      | FP32  | [U, Fu] | user dense features, finite, |x| ≤ 1e30   |
 | user_sparse_ids    | RO      | INT64 | [U, Su] | one id per user sparse slot, [0, Vu)      |
 | user_history_ids   | RO      | INT64 | [U, L]  | item ids of the history, [0, Vi)          |
 | user_history_len   | RO      | INT32 | [U]     | valid history positions, [0, L]           |
-| cand_dense         | NRO     | FP32  | [B, Fc] | candidate dense features (finite)         |
+| cand_dense         | NRO     | FP32  | [B, Fc] | candidate dense features, finite, ≤ 1e30  |
 | cand_sparse_ids    | NRO     | INT64 | [B, Sc] | one id per candidate sparse slot, [0, Vc) |
 | cand_to_user       | mapping | INT32 | [B]     | the user of each candidate, [0, U)        |
 
 Output `scores` FP32 [B, T]. IDs outside a table are rejected (no hashing); NaN/Inf dense values
-are rejected. History positions ≥ user_history_len are ignored but must hold valid ids (pad with 0).
+are rejected, and so are dense magnitudes above DENSE_ABS_MAX (near the float32 maximum the
+first projection overflows). History positions ≥ user_history_len are ignored but must hold valid ids (pad with 0).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .ranker import RankerConfig
 USER_INPUTS = ("user_dense", "user_sparse_ids", "user_history_ids", "user_history_len")
 CAND_INPUTS = ("cand_dense", "cand_sparse_ids", "cand_to_user")
 INPUT_NAMES = USER_INPUTS + CAND_INPUTS
+DENSE_ABS_MAX = 1e30  # |dense feature| bound: scores stay finite up to here (tests/test_reliability_numeric.py)
 INPUT_DTYPES = {
     "user_dense": torch.float32,
     "user_sparse_ids": torch.int64,
@@ -126,6 +128,10 @@ def validate_request(cfg: RankerConfig, ranges: ShapeRanges, inputs: dict[str, t
         if not bool(finite.all()):
             index = [int(i) for i in (~finite).nonzero()[0]]
             raise InvalidRequest(name, f"NaN or Inf at index {index}")
+        too_large = inputs[name].abs() > DENSE_ABS_MAX
+        if bool(too_large.any()):
+            index = [int(i) for i in too_large.nonzero()[0]]
+            raise InvalidRequest(name, f"magnitude {float(inputs[name][tuple(index)]):.3g} at index {index} is above {DENSE_ABS_MAX:g}")
     _check_range("cand_to_user", inputs["cand_to_user"], 0, num_users, f"[0, U={num_users})")
     _check_range("user_history_len", inputs["user_history_len"], 0, cfg.history_length + 1, f"[0, L={cfg.history_length}]")
     _check_range("user_sparse_ids", inputs["user_sparse_ids"], 0, cfg.user_vocab_size, f"the table [0, {cfg.user_vocab_size})")

@@ -1,10 +1,10 @@
 """Numeric safety (issue 6): IKBO and baseline scores are finite for valid requests within the
-declared ranges, with extreme but valid values: dense features up to |x| = 1e37 (and subnormals),
+declared ranges, with extreme but valid values: dense features up to |x| = DENSE_ABS_MAX (and subnormals),
 ids at both ends of their tables, history lengths 0 and L, users with no candidates, U and B at the
 ends of shape_ranges.json. In process, the demo weights; hypothesis draws the requests.
 
-Found: the contract says only "finite" for dense features; near the float32 maximum (|x| ≳ 1.6e38,
-mixed signs) the first projection overflows and the scores become NaN (xfail below, strict).
+Near the float32 maximum (|x| ≳ 1.6e38, mixed signs) the first projection overflows, so the contract
+bounds dense magnitudes by DENSE_ABS_MAX and validation refuses larger ones.
 """
 
 import numpy as np
@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights
-from ikbo_backend.requests import make_request, to_tensors, validate_request
+from ikbo_backend.requests import DENSE_ABS_MAX, InvalidRequest, make_request, to_tensors, validate_request
 from ikbo_backend.serving import load_shape_ranges
 
 CFG = RankerConfig()
 RANGES = load_shape_ranges()
-MAGNITUDES = (0.0, 1e-45, 1e-38, 1.0, 1e3, 1e10, 1e20, 1e30, 1e37)
+MAGNITUDES = (0.0, 1e-45, 1e-38, 1.0, 1e3, 1e10, 1e20, DENSE_ABS_MAX)
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -71,9 +71,12 @@ def test_scores_finite_for_extreme_valid_requests(rankers, num_users, num_candid
 
 @pytest.mark.parametrize("num_users,num_candidates", [(RANGES.users[0], RANGES.candidates[0]), (RANGES.users[1], RANGES.candidates[1]), (RANGES.users[1], RANGES.users[1])])
 def test_scores_finite_at_the_ends_of_the_declared_ranges(rankers, num_users, num_candidates):
-    assert_finite(rankers, extreme_request(num_users, num_candidates, 0, 1e37, "last", "full", False))
+    assert_finite(rankers, extreme_request(num_users, num_candidates, 0, DENSE_ABS_MAX, "last", "full", False))
 
 
-@pytest.mark.xfail(strict=True, reason="dense values near the float32 maximum overflow the first projection (NaN scores); the contract bounds them only by 'finite'")
-def test_scores_finite_at_the_float32_maximum(rankers):
-    assert_finite(rankers, extreme_request(4, 32, 0, np.finfo(np.float32).max, None, None, False))
+@pytest.mark.parametrize("name", ["user_dense", "cand_dense"])
+def test_dense_values_beyond_the_bound_are_refused(name):
+    request = extreme_request(4, 32, int(np.random.default_rng().integers(1 << 30)), 1.0, None, None, False)
+    request[name][1, 2] = np.float32(np.finfo(np.float32).max)
+    with pytest.raises(InvalidRequest, match=f"input '{name}': magnitude .* at index \\[1, 2\\] is above"):
+        validate_request(CFG, RANGES, to_tensors(request))
