@@ -3,11 +3,13 @@
 
     .venv/bin/python scripts/client.py --url localhost:8000 --protocol http
     .venv/bin/python scripts/client.py --url localhost:8001 --protocol grpc --model baseline_ranker --users 64 --candidates 64
+    .venv/bin/python scripts/client.py --url localhost:8000 --model ikbo_ranker_online   # U concurrent one-user requests
 """
 
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ikbo_backend.ranker import RankerConfig  # noqa: E402
+from ikbo_backend.online import make_online_batch, merge_scores, split_by_user  # noqa: E402
 from ikbo_backend.requests import make_request  # noqa: E402
 
 
@@ -51,7 +54,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="localhost:8000", help="host:port (HTTP 8000, gRPC 8001 by default)")
     parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
-    parser.add_argument("--model", default="ikbo_ranker", help="ikbo_ranker or baseline_ranker")
+    parser.add_argument("--model", default="ikbo_ranker", help="ikbo_ranker, baseline_ranker, or an *_online model")
     parser.add_argument("--users", type=int, default=15, help="U")
     parser.add_argument("--candidates", type=int, default=1024, help="B")
     parser.add_argument("--seed", type=int, default=None, help="request seed (default: random)")
@@ -59,11 +62,18 @@ def main():
     args = parser.parse_args()
 
     module = client_module(args.protocol)
-    request = make_request(RankerConfig(), args.users, args.candidates, np.random.default_rng(args.seed))
-    client = module.InferenceServerClient(args.url)
+    online = args.model.endswith("_online")
+    make = make_online_batch if online else make_request
+    request = make(RankerConfig(), args.users, args.candidates, np.random.default_rng(args.seed))
+    client = module.InferenceServerClient(args.url, concurrency=args.users) if online and args.protocol == "http" else module.InferenceServerClient(args.url)
     try:
         start = time.perf_counter()
-        scores = infer_scores(client, module, args.model, request)
+        if online:  # one request per user, sent together so the server's batcher can coalesce them
+            with ThreadPoolExecutor(args.users) as pool:
+                answers = list(pool.map(lambda r: infer_scores(client, module, args.model, r), split_by_user(request)))
+            scores = merge_scores(request, answers)
+        else:
+            scores = infer_scores(client, module, args.model, request)
         elapsed_ms = (time.perf_counter() - start) * 1e3
     finally:
         client.close()
