@@ -2,7 +2,8 @@
 """In-process CPU benchmark of the ranker: IKBO vs baseline, side by side in one run.
 
 Providers: `baseline` (user tensors replicated to B rows; marked as the baseline) and `ikbo`, built
-from the same weights by `ikbo_backend.ranker.build_ranker`. Stages: `feature` (lookups and dense
+by `ikbo_backend.ranker.build_ranker` from the weights the server loads (`serving.ensure_weights`:
+the demo weights, created if missing). Stages: `feature` (lookups and dense
 projections, shared code), `interaction` (where the variants differ) and `whole` (feature +
 interaction). Each mix uses a pool of fixed, seeded requests from `make_request` (the tests'
 generator: never zeros, ragged candidates per user); the timed calls cycle through the pool, each
@@ -33,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from make_perf_configs import mix_shape  # noqa: E402
 
-from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights  # noqa: E402
+from ikbo_backend.ranker import build_ranker, load_weights  # noqa: E402
 from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
+from ikbo_backend.serving import ensure_weights  # noqa: E402
 
 PROVIDERS = ("baseline", "ikbo")  # baseline first: the reference of every ratio
 STAGES = ("feature", "interaction", "whole")
@@ -135,8 +137,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    cfg = RankerConfig()
-    weights = make_demo_weights(cfg, seed=0)
+    cfg, weights = load_weights(ensure_weights())  # the weights the server loads (demo weights if missing)
     models = {name: build_ranker(name, cfg, weights, backend="torch") for name in PROVIDERS}
     results = {}
     for mix in args.mixes:
@@ -145,7 +146,8 @@ def main(argv=None) -> None:
 
     section = (
         "### Model forward, in process (`scripts/bench_model.py`)\n\n"
-        f"{environment()}. Demo model dims (`RankerConfig()`), fp32, torch path, "
+        f"{environment()}. Served weights, D={cfg.embedding_dim} L={cfg.history_length} N={cfg.compressed_tokens} "
+        f"S={cfg.query_tokens} H={cfg.heads} MLP {'-'.join(map(str, cfg.mlp_hidden))} T={cfg.tasks}, fp32, torch path, "
         f"`torch.inference_mode`, {args.pool} fixed seeded requests per mix from `make_request`.\n\n"
         f"{table(results, args.runs)}\n"
     )
