@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from .ranker import RankerConfig, build_ranker
+from .ranker import COMPUTE_DTYPES, RankerConfig, build_ranker
 from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest, input_widths, make_request, validate_request
 from .serving import _ServedStage, _to_torch, score_dims
 
@@ -119,12 +119,13 @@ class OnlineModel(_ServedStage):
     on a batch in the batch contract (warm-up, tests); `execute_online` serves the online contract."""
 
     inputs, outputs = ONLINE_INPUT_NAMES, ("scores",)
-    config_parameters = ("variant",)
+    config_parameters = ("variant", "compute_dtype")
 
-    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo"):
+    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32"):
         super().__init__(cfg, ranges, device)
         self.variant = variant
-        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device)
+        self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
+        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)
 
     @staticmethod
     def io_dims(cfg):

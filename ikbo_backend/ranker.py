@@ -80,6 +80,39 @@ class RankerConfig:
         return self.embedding_dim + self.compressed_tokens * self.embedding_dim + self.embedding_dim
 
 
+# Named model sizes. "demo" (the defaults) is what the CPU configs and CI serve; "large" is the
+# GPU-scale model of model_repository/*/configs/large.pbtxt: long user histories (L = 512, D = 256,
+# d = 128) and many user tokens (Ku = 128 vs Kc = 32), where the replicated user work of the baseline
+# dominates, as in production rankers.
+PROFILES = {
+    "demo": RankerConfig(),
+    "large": RankerConfig(
+        user_dense_features=64,
+        user_sparse_features=32,
+        user_vocab_size=5_000,
+        user_dense_tokens=96,
+        cand_dense_features=32,
+        cand_sparse_features=24,
+        cand_vocab_size=5_000,
+        cand_dense_tokens=8,
+        item_vocab_size=100_000,
+        history_length=512,
+        embedding_dim=256,
+        compressed_tokens=32,
+        query_tokens=8,
+        heads=2,
+        mlp_hidden=(1024, 256),
+    ),
+}
+
+
+def profile_config(name: str) -> RankerConfig:
+    """The RankerConfig of a named profile (PROFILES)."""
+    if name not in PROFILES:
+        raise ValueError(f"profile: expected one of {sorted(PROFILES)}, got {name!r}")
+    return PROFILES[name]
+
+
 def weight_shapes(cfg: RankerConfig) -> dict[str, tuple[int, ...]]:
     """Name → shape of every weight tensor."""
     dim = cfg.embedding_dim
@@ -263,17 +296,41 @@ class BaselineRanker(_Interaction):
         return self._mlp_tail(hidden)
 
 
-def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend: str = "auto"):
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CastInteraction:
+    """An interaction run in a 16-bit compute dtype: float features cast on the way in, scores
+    returned as float32 (the served contract). Weights are cast once, by `build_ranker`."""
+
+    def __init__(self, interaction, dtype: torch.dtype):
+        self.interaction, self.dtype = interaction, dtype
+
+    def __call__(self, f: Features) -> torch.Tensor:
+        cast = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in vars(f).items()}
+        return self.interaction(Features(**cast)).float()
+
+
+def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend: str = "auto", dtype=None):
     """(FeatureStage, interaction) for variant "ikbo", "baseline" or "transformed" (BaselineRanker
-    after the IKBO transformation, ikbo_backend.transform)."""
+    after the IKBO transformation, ikbo_backend.transform). With `dtype` (a torch dtype or a
+    COMPUTE_DTYPES name) the interaction's weights are cast to it once and a 16-bit interaction
+    returns float32 scores; None keeps the weights' dtype (tests pass float64 weights)."""
+    if dtype is not None:
+        dtype = COMPUTE_DTYPES[dtype] if isinstance(dtype, str) and dtype in COMPUTE_DTYPES else dtype
+        if dtype not in COMPUTE_DTYPES.values():
+            raise ValueError(f"compute dtype: expected one of {sorted(COMPUTE_DTYPES)}, got {dtype!r}")
+    cast = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in weights.items()}
     if variant == "ikbo":
-        interaction = IkboRanker(cfg, weights, device, backend)
+        interaction = IkboRanker(cfg, cast, device, backend)
     elif variant == "baseline":
-        interaction = BaselineRanker(cfg, weights, device)
+        interaction = BaselineRanker(cfg, cast, device)
     elif variant == "transformed":
         from .transform.serving import TransformedInteraction  # the pass imports this module
 
-        interaction = TransformedInteraction(cfg, weights, device)
+        interaction = TransformedInteraction(cfg, cast, device, dtype or next(v.dtype for v in cast.values() if v.is_floating_point()))
     else:
         raise ValueError(f"variant: expected 'ikbo', 'baseline' or 'transformed', got {variant!r}")
+    if dtype in (torch.float16, torch.bfloat16):
+        interaction = CastInteraction(interaction, dtype)
     return FeatureStage(cfg, weights, device), interaction

@@ -7,8 +7,11 @@ Declared once:
   validation (`validate_request`), warm-up (`warmup_sizes`) and later kernel precompilation.
 - weights: the `weights` parameter of a model's config (relative paths from the repository root of
   this project), else `$IKBO_WEIGHTS`, else `<repo>/weights/ranker.safetensors`; a missing file is
-  created with the demo weights (RankerConfig defaults, seed 0). The RankerConfig travels in the
-  safetensors metadata; `check_model_config` refuses a config.pbtxt whose dims disagree with it.
+  created with random weights (seed 0) of the config's `profile` parameter (ranker.PROFILES,
+  default "demo"). The RankerConfig travels in the safetensors metadata; `check_model_config`
+  refuses a config.pbtxt whose dims disagree with it.
+- compute dtype: the interaction models' `compute_dtype` parameter ("float32" default, "bfloat16"
+  in the large GPU configs: the Triton attention kernels take 16-bit inputs only).
 
 `triton_python_backend_utils` is imported only by the model.py files; they hand it to
 `execute_requests`, so this module imports without a server.
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from .ranker import Features, FeatureStage, RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
+from .ranker import COMPUTE_DTYPES, Features, FeatureStage, RankerConfig, build_ranker, load_weights, make_demo_weights, profile_config, save_weights
 from .requests import INPUT_NAMES, InvalidRequest, ShapeRanges, input_widths, make_request, to_tensors, validate_request
 from .shape_spec import bucket_representatives
 
@@ -43,16 +46,16 @@ def weights_path(parameter: str | None = None) -> Path:
     return (REPO_ROOT / chosen).resolve()  # absolute paths stay as they are
 
 
-def ensure_weights(path=None) -> Path:
-    """Create the demo weights at `path` if the file is missing. Atomic (temp file, then rename),
-    so models loading in parallel never read half a file."""
+def ensure_weights(path=None, profile: str = "demo") -> Path:
+    """Create random weights (seed 0) of the named profile at `path` if the file is missing. Atomic
+    (temp file, then rename), so models loading in parallel never read half a file."""
     path = Path(path) if path is not None else weights_path()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.close(fd)
         try:
-            cfg = RankerConfig()
+            cfg = profile_config(profile)
             save_weights(tmp, cfg, make_demo_weights(cfg, seed=0))
             os.replace(tmp, path)
         finally:
@@ -129,11 +132,11 @@ class _ServedStage:
         ranges of the served repository, instance device), check the config, warm up."""
         model_config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        cfg, weights = load_weights(ensure_weights(weights_path(parameters.get("weights"))))
+        cfg, weights = load_weights(ensure_weights(weights_path(parameters.get("weights")), parameters.get("profile", "demo")))
         check_model_config(model_config, *cls.io_dims(cfg))
         ranges = load_shape_ranges(Path(args["model_repository"]).parent)
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
-        model = cls(cfg, weights, ranges, device, **{k: parameters[k] for k in cls.config_parameters})
+        model = cls(cfg, weights, ranges, device, **{k: parameters[k] for k in cls.config_parameters if k in parameters})
         model.name = args["model_name"]  # for error messages
         model.warm_up()
         return model
@@ -141,7 +144,8 @@ class _ServedStage:
     def warmup_shapes(self) -> list[tuple[int, int]]:
         """(U, B): the declared range's ends and middle, then one shape per Triton shape bucket of
         each op on this device (ikbo_backend/shape_spec.py; none on a CPU)."""
-        return list(dict.fromkeys(warmup_sizes(self.ranges) + bucket_representatives(self.cfg, self.ranges, self.device)))
+        buckets = bucket_representatives(self.cfg, self.ranges, self.device, getattr(self, "compute_dtype", torch.float32))
+        return list(dict.fromkeys(warmup_sizes(self.ranges) + buckets))
 
     @torch.inference_mode()
     def warm_up(self, seed: int = 0) -> None:
@@ -177,11 +181,12 @@ class InteractionModel(_ServedStage):
     """ikbo_interaction / baseline_interaction: features → scores [B, T] (config parameter `variant`)."""
 
     inputs, outputs = FEATURE_NAMES, ("scores",)
-    config_parameters = ("variant",)
+    config_parameters = ("variant", "compute_dtype")
 
-    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo"):
+    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32"):
         super().__init__(cfg, ranges, device)
-        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device)  # features: warm-up only
+        self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
+        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)  # features: warm-up only
 
     @staticmethod
     def io_dims(cfg):

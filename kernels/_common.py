@@ -97,9 +97,13 @@ def add_user_rows(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user
         raise ValueError(f"user_part: trailing shape {list(user_part.shape[1:])} != cand_part's {list(trailing)}")
     if cand_part.shape[0] == 0:
         return cand_part.clone()
-    select = selection_matrix(cand_to_user, user_part.shape[0], cand_part.dtype)
-    out = torch.sparse.addmm(cand_part.reshape(cand_part.shape[0], -1), select, user_part.reshape(user_part.shape[0], -1))
-    return out.reshape(cand_part.shape)
+    # 16-bit inputs are added in float32: the MKL sparse kernels have no bfloat16, and fp32 costs one
+    # cast of [B, ...] against no loss of precision
+    compute = torch.float32 if cand_part.dtype in (torch.float16, torch.bfloat16) else cand_part.dtype
+    select = selection_matrix(cand_to_user, user_part.shape[0], compute)
+    cand_rows = cand_part.reshape(cand_part.shape[0], -1).to(compute)
+    out = torch.sparse.addmm(cand_rows, select, user_part.reshape(user_part.shape[0], -1).to(compute))
+    return out.to(cand_part.dtype).reshape(cand_part.shape)
 
 
 def group_by_user(cand_to_user: torch.Tensor, num_users: int):

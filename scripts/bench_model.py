@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""In-process CPU benchmark of the ranker: IKBO vs baseline, side by side in one run.
+"""In-process benchmark of the ranker (CPU or GPU): IKBO vs baseline, side by side in one run.
 
-Providers: `baseline` (user tensors replicated to B rows; marked as the baseline) and `ikbo`, built
-by `ikbo_backend.ranker.build_ranker` from the weights the server loads (`serving.ensure_weights`:
-the demo weights, created if missing). Stages: `feature` (lookups and dense
+Providers: `baseline` (user tensors replicated to B rows; marked as the baseline) and `ikbo` (and,
+with --providers, `transformed`: the baseline's code after the IKBO pass), built by
+`ikbo_backend.ranker.build_ranker` from the weights the server loads for --profile
+(`serving.ensure_weights`: created if missing). On a GPU (--device cuda) every timed call ends with
+a device synchronize (wall time of the request, launches included), and `--profile-kernels` adds
+the sum of the kernel times of one call (torch.profiler): the gap between the two is host time,
+the most CUDA graphs could remove. Stages: `feature` (lookups and dense
 projections, shared code), `interaction` (where the variants differ) and `whole` (feature +
 interaction). Each mix uses a pool of fixed, seeded requests from `make_request` (the tests'
 generator: never zeros, ragged candidates per user); the timed calls cycle through the pool, each
@@ -13,6 +17,7 @@ request, ratio baseline/ikbo, candidates/s of the whole forward.
 
     python scripts/bench_model.py                              # default mixes
     python scripts/bench_model.py --mixes u15_b1024 --runs 200 --append docs/perf.md
+    python scripts/bench_model.py --device cuda --profile large --dtype bfloat16 --profile-kernels
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from make_perf_configs import mix_shape  # noqa: E402
 
-from ikbo_backend.ranker import build_ranker, load_weights  # noqa: E402
+from ikbo_backend.ranker import COMPUTE_DTYPES, PROFILES, build_ranker, load_weights  # noqa: E402
 from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
-from ikbo_backend.serving import ensure_weights  # noqa: E402
+from ikbo_backend.serving import REPO_ROOT, ensure_weights, weights_path  # noqa: E402
 
 PROVIDERS = ("baseline", "ikbo")  # baseline first: the reference of every ratio
+AGREEMENT = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}  # max |ikbo − baseline| / max |baseline|
 STAGES = ("feature", "interaction", "whole")
 DEFAULT_MIXES = ("u15_b1024", "u1_b1024", "u4_b256", "u64_b64", "u1_b64")
 
@@ -67,17 +73,35 @@ def environment() -> str:
     )
 
 
-def _time_ms(fn, arg) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn, arg, device: torch.device) -> float:
+    _sync(device)
     start = time.perf_counter()
     fn(arg)
+    _sync(device)
     return (time.perf_counter() - start) * 1e3
 
 
-def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: int) -> dict:
-    """Median ms per (provider, stage) over `runs` calls, cycling through `pool` fixed requests."""
+def kernel_ms(fn, arg, device: torch.device) -> float:
+    """Sum of the device kernel times of one call (torch.profiler), in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(arg)
+        _sync(device)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
+def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: int, device=torch.device("cpu"), kernels: bool = False) -> dict:
+    """Median ms per (provider, stage) over `runs` calls, cycling through `pool` fixed requests;
+    with `kernels`, also (provider, "kernels"): the kernel-time sum of one interaction call."""
     num_users, num_candidates = mix_shape(mix)
     rng = np.random.default_rng([seed, num_users, num_candidates])
-    requests = [to_tensors(make_request(cfg, num_users, num_candidates, rng)) for _ in range(pool)]
+    requests = [to_tensors(make_request(cfg, num_users, num_candidates, rng), device) for _ in range(pool)]
 
     calls = {}
     for name, (features, interaction) in models.items():
@@ -90,35 +114,47 @@ def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: in
     times = {key: [] for key in calls}
     with torch.inference_mode():
         scores = {name: models[name][1](features_of[0]) for name in models}
-        error = float((scores["ikbo"] - scores["baseline"]).abs().max() / scores["baseline"].abs().max())
-        if error > 1e-4:
-            raise RuntimeError(f"{mix}: ikbo and baseline disagree (max relative error {error:.2e})")
+        tolerance = AGREEMENT[getattr(models["ikbo"][1], "dtype", torch.float32)]
+        for name in models:
+            error = float((scores[name] - scores["baseline"]).abs().max() / scores["baseline"].abs().max())
+            if not error <= tolerance:
+                raise RuntimeError(f"{mix}: {name} and baseline disagree (max relative error {error:.2e} > {tolerance})")
         for step in range(warmup + runs):
             k = step % pool
             # each provider runs its stages as a block; the block order alternates, so every provider
             # follows itself half the time and the other half the time (symmetric cache/allocator state)
             for name in models if step % 2 else reversed(models):
                 for stage in STAGES:
-                    elapsed = _time_ms(calls[name, stage], features_of[k] if stage == "interaction" else requests[k])
+                    elapsed = _time_ms(calls[name, stage], features_of[k] if stage == "interaction" else requests[k], device)
                     if step >= warmup:
                         times[name, stage].append(elapsed)
-    return {key: statistics.median(values) for key, values in times.items()}
+        medians = {key: statistics.median(values) for key, values in times.items()}
+        if kernels:
+            for name in models:
+                medians[name, "kernels"] = statistics.median(kernel_ms(calls[name, "interaction"], features_of[k], device) for k in range(pool))
+    return medians
 
 
 def table(results: dict, runs: int) -> str:
+    transformed = any(name == "transformed" for medians in results.values() for name, _ in medians)
+    extra = " transformed ms | transformed / IKBO |" if transformed else ""
     lines = [
-        f"| mix (U:B) | stage | baseline ms | IKBO ms | baseline / IKBO | IKBO candidates/s | baseline candidates/s |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"| mix (U:B) | stage | baseline ms | IKBO ms | baseline / IKBO | IKBO candidates/s | baseline candidates/s |{extra}",
+        "|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if transformed else ""),
     ]
     for mix, medians in results.items():
         num_users, num_candidates = mix_shape(mix)
-        for stage in STAGES:
+        for stage in STAGES + ("kernels",):
+            if ("ikbo", stage) not in medians:
+                continue
             base, ikbo = medians["baseline", stage], medians["ikbo", stage]
             rate = lambda ms: f"{num_candidates / ms * 1e3:,.0f}"  # noqa: E731
-            lines.append(
-                f"| {mix} ({num_users}:{num_candidates}) | {stage} | {base:.3f} | {ikbo:.3f} | "
-                f"**{base / ikbo:.2f}×** | {rate(ikbo)} | {rate(base)} |"
-            )
+            label = "interaction kernels (sum)" if stage == "kernels" else stage
+            line = f"| {mix} ({num_users}:{num_candidates}) | {label} | {base:.3f} | {ikbo:.3f} | **{base / ikbo:.2f}×** | {rate(ikbo)} | {rate(base)} |"
+            if transformed:
+                moved = medians["transformed", stage]
+                line += f" {moved:.3f} | {moved / ikbo:.2f}× |"
+            lines.append(line)
     return "\n".join(lines) + f"\n\nMedian of {runs} calls per cell; ratio > 1 means IKBO is faster."
 
 
@@ -131,23 +167,34 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--append", type=Path, default=None, help="append the section to this markdown file")
+    parser.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="model dims (weights/ranker_<profile>.safetensors unless demo)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--dtype", default="float32", choices=sorted(COMPUTE_DTYPES), help="compute dtype of the interaction")
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS) + ["transformed"])
+    parser.add_argument("--backend", default=None, help="kernel backend (default: torch on a CPU, auto on a GPU)")
+    parser.add_argument("--profile-kernels", action="store_true", help="also the kernel-time sum of one interaction call (GPU)")
     args = parser.parse_args(argv)
     for mix in args.mixes:
         mix_shape(mix)  # fail early on an unknown name
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    cfg, weights = load_weights(ensure_weights())  # the weights the server loads (demo weights if missing)
-    models = {name: build_ranker(name, cfg, weights, backend="torch") for name in PROVIDERS}
+    device, dtype = torch.device(args.device), COMPUTE_DTYPES[args.dtype]
+    backend = args.backend or ("torch" if device.type == "cpu" else "auto")
+    path = weights_path() if args.profile == "demo" else REPO_ROOT / "weights" / f"ranker_{args.profile}.safetensors"
+    cfg, weights = load_weights(ensure_weights(path, args.profile))  # the weights the server loads (created if missing)
+    providers = ["baseline", "ikbo"] + [p for p in args.providers if p not in PROVIDERS]
+    models = {name: build_ranker(name, cfg, weights, device, backend=backend, dtype=dtype) for name in providers}
     results = {}
     for mix in args.mixes:
-        results[mix] = bench_mix(cfg, models, mix, args.runs, args.pool, args.warmup, args.seed)
+        results[mix] = bench_mix(cfg, models, mix, args.runs, args.pool, args.warmup, args.seed, device, args.profile_kernels and device.type == "cuda")
         print(f"{mix}: whole baseline {results[mix]['baseline', 'whole']:.2f} ms, ikbo {results[mix]['ikbo', 'whole']:.2f} ms", file=sys.stderr)
 
     section = (
         "### Model forward, in process (`scripts/bench_model.py`)\n\n"
         f"{environment()}. Served weights, D={cfg.embedding_dim} L={cfg.history_length} N={cfg.compressed_tokens} "
-        f"S={cfg.query_tokens} H={cfg.heads} MLP {'-'.join(map(str, cfg.mlp_hidden))} T={cfg.tasks}, fp32, torch path, "
+        f"S={cfg.query_tokens} H={cfg.heads} MLP {'-'.join(map(str, cfg.mlp_hidden))} T={cfg.tasks} (profile {args.profile!r}), "
+        f"{args.dtype} interaction on {device}, kernels backend {backend!r}, "
         f"`torch.inference_mode`, {args.pool} fixed seeded requests per mix from `make_request`.\n\n"
         f"{table(results, args.runs)}\n"
     )

@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ikbo_backend.ranker import RankerConfig  # noqa: E402
+from ikbo_backend.ranker import PROFILES  # noqa: E402
 from ikbo_backend.online import make_online_batch, merge_scores, split_by_user  # noqa: E402
 from ikbo_backend.requests import make_request  # noqa: E402
 
@@ -59,12 +59,13 @@ def main():
     parser.add_argument("--candidates", type=int, default=1024, help="B")
     parser.add_argument("--seed", type=int, default=None, help="request seed (default: random)")
     parser.add_argument("--rows", type=int, default=5, help="score rows to print")
+    parser.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="model dims the server was started with (large: --config large)")
     args = parser.parse_args()
 
     module = client_module(args.protocol)
     online = args.model.endswith("_online")
     make = make_online_batch if online else make_request
-    request = make(RankerConfig(), args.users, args.candidates, np.random.default_rng(args.seed))
+    request = make(PROFILES[args.profile], args.users, args.candidates, np.random.default_rng(args.seed))
     client = module.InferenceServerClient(args.url, concurrency=args.users) if online and args.protocol == "http" else module.InferenceServerClient(args.url)
     try:
         start = time.perf_counter()

@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ikbo_backend.ranker import RankerConfig  # noqa: E402
+from ikbo_backend.ranker import PROFILES, RankerConfig  # noqa: E402
 from ikbo_backend.online import ONLINE_INPUT_NAMES, make_online_batch, split_by_user  # noqa: E402
 from ikbo_backend.requests import INPUT_NAMES, input_widths, make_request  # noqa: E402
 
@@ -149,9 +149,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--requests", type=int, default=REQUESTS_PER_FILE, help="requests per file")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="model dims (ikbo_backend.ranker.PROFILES)")
     args = parser.parse_args(argv)
     for name in args.mixes:
-        path = write_config(name, args.out, args.requests, args.seed)
+        path = write_config(name, args.out, args.requests, args.seed, cfg=PROFILES[args.profile])
         users, candidates = MIXES[name]
         print(f"{path}  U={users} B={candidates} requests={args.requests} {path.stat().st_size / 1e6:.2f} MB")
 

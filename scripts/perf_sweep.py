@@ -48,10 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
 from make_perf_configs import DEFAULT_DIR as CONFIG_DIR  # noqa: E402
+from ikbo_backend.ranker import PROFILES  # noqa: E402
 from make_perf_configs import MIXES, candidates_per_request, ensure_config, ensure_online_config, mix_shape  # noqa: E402
 
 RANKERS = ("baseline_ranker", "ikbo_ranker")  # baseline first: the reference of every ratio
 ONLINE_RANKERS = ("baseline_ranker_online", "ikbo_ranker_online")  # one user per request
+TRANSFORMED = "transformed_ranker"  # the baseline's code after the IKBO pass: compared with ikbo_ranker
 PAIRS = {"batch": RANKERS, "online": ONLINE_RANKERS}
 PROTOCOLS = ("http", "grpc")
 
@@ -271,6 +273,25 @@ def markdown_table(results: list[Result]) -> str:
     return "\n".join(lines) + (note if any("count" in r.mode for r in results if r.status == "ok") else "")
 
 
+def transformed_table(results: list[Result]) -> str:
+    """transformed_ranker (the baseline's code after the IKBO pass) next to the hand-written ikbo_ranker."""
+    by_key = {(r.mix, r.protocol, r.concurrency, r.ranker): r for r in results if r.status == "ok"}
+    lines = [
+        "| mix (U:B) | protocol | concurrency | IKBO candidates/s | transformed candidates/s | transformed / IKBO "
+        "| IKBO p50 / p99 ms | transformed p50 / p99 ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mix, protocol, concurrency in dict.fromkeys((r.mix, r.protocol, r.concurrency) for r in results):
+        ikbo, moved = by_key.get((mix, protocol, concurrency, "ikbo_ranker")), by_key.get((mix, protocol, concurrency, TRANSFORMED))
+        if ikbo and moved:
+            lines.append(
+                f"| {mix} | {protocol} | {concurrency} | {ikbo.candidates_per_s:,.0f} | {moved.candidates_per_s:,.0f} "
+                f"| **{moved.candidates_per_s / ikbo.candidates_per_s:.2f}×** | {ikbo.p50_ms:.1f} / {ikbo.p99_ms:.1f} "
+                f"| {moved.p50_ms:.1f} / {moved.p99_ms:.1f} |"
+            )
+    return "\n".join(lines)
+
+
 def plot(results: list[Result], out_dir: Path) -> list[Path]:
     """throughput.png and latency.png, one panel per mix (none when matplotlib is not installed)."""
     try:
@@ -287,12 +308,12 @@ def plot(results: list[Result], out_dir: Path) -> list[Path]:
     if not mixes:
         return []
     styles = {"baseline_ranker": "tab:gray", "ikbo_ranker": "tab:green"}
-    styles.update({"baseline_ranker_online": "tab:brown", "ikbo_ranker_online": "tab:blue"})
+    styles.update({"baseline_ranker_online": "tab:brown", "ikbo_ranker_online": "tab:blue", TRANSFORMED: "tab:olive"})
     paths = []
     for name, ylabel in (("throughput", "candidates/s"), ("latency", "latency (ms)")):
         fig, axes = plt.subplots(1, len(mixes), figsize=(5 * len(mixes), 4), squeeze=False)
         for ax, mix in zip(axes[0], mixes):
-            for ranker in RANKERS + ONLINE_RANKERS:
+            for ranker in RANKERS + ONLINE_RANKERS + (TRANSFORMED,):
                 for protocol, marker in zip(PROTOCOLS, ("o", "s")):
                     rs = sorted((r for r in good if (r.mix, r.ranker, r.protocol) == (mix, ranker, protocol)), key=lambda r: r.concurrency)
                     if not rs:
@@ -349,13 +370,14 @@ def parse_args(argv):
     parser.add_argument("--window-ms", type=int, help="override the profile's measurement window")
     parser.add_argument("--repeats", type=int, default=1, help="measure every point this many times")
     parser.add_argument("--aggregate", choices=("median", "best"), default="median", help="how repeats are combined")
-    parser.add_argument("--rankers", nargs="+", default=list(RANKERS + ONLINE_RANKERS), choices=list(RANKERS + ONLINE_RANKERS))
+    parser.add_argument("--rankers", nargs="+", default=list(RANKERS + ONLINE_RANKERS), choices=list(RANKERS + ONLINE_RANKERS) + [TRANSFORMED])
+    parser.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="model dims of the served config (ikbo_backend.ranker.PROFILES)")
     parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=list(PROTOCOLS))
     parser.add_argument("--url", help="HOST:PORT of a running server's HTTP endpoint (no server is started)")
     parser.add_argument("--grpc-url", help="HOST:PORT of its gRPC endpoint (default: the HTTP port + 1)")
     parser.add_argument("--model-repository", type=Path, help="for the started server (default: the project's)")
     parser.add_argument("--config-name", help="for the started server: --model-config-name (e.g. a GPU config)")
-    parser.add_argument("--configs", type=Path, default=CONFIG_DIR, help="directory of the --input-data files")
+    parser.add_argument("--configs", type=Path, help="directory of the --input-data files (default perf_configs/, perf_configs/<profile>/)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "perf")
     return parser.parse_args(argv)
 
@@ -378,8 +400,10 @@ def main(argv=None) -> None:
     profile = replace(profile, window_ms=args.window_ms or base.window_ms)
     runs_dir = args.out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    inputs = {mix: ensure_config(mix, args.configs) for mix in profile.mixes}
-    online_inputs = {mix: ensure_online_config(mix, args.configs) for mix in profile.mixes}
+    cfg = PROFILES[args.profile]
+    configs = args.configs or (CONFIG_DIR if args.profile == "demo" else CONFIG_DIR / args.profile)
+    inputs = {mix: ensure_config(mix, configs, cfg) for mix in profile.mixes}
+    online_inputs = {mix: ensure_online_config(mix, configs, cfg) for mix in profile.mixes}
     per_request = {mix: candidates_per_request(path) for mix, path in online_inputs.items()}
     perf_analyzer_command()  # fail before starting a server
 
@@ -449,7 +473,9 @@ def main(argv=None) -> None:
     if args.repeats > 1:
         write_csv(summary, args.out / f"sweep_{args.aggregate}.csv")
     plots = plot(summary, args.out)
-    print(f"\n### Server throughput (`scripts/perf_sweep.py`)\n\n{environment(version, profile, args.repeats, args.aggregate)}.\n\n{markdown_table(summary)}\n")
+    print(f"\n### Server throughput (`scripts/perf_sweep.py`)\n\n{environment(version, profile, args.repeats, args.aggregate)}; model profile {args.profile!r}.\n\n{markdown_table(summary)}\n")
+    if any(r.ranker == TRANSFORMED for r in summary):
+        print(f"{transformed_table(summary)}\n")
     print(f"wrote {args.out / 'sweep.csv'}" + "".join(f", {p}" for p in plots))
     if any(r.status != "ok" for r in results):
         sys.exit(1)

@@ -7,7 +7,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from ikbo_backend.ranker import RankerConfig
+from ikbo_backend.online import online_dims
+from ikbo_backend.ranker import PROFILES, RankerConfig
 from ikbo_backend.requests import INPUT_DTYPES, INPUT_NAMES, ShapeRanges
 from ikbo_backend.serving import MODEL_REPOSITORY, feature_dims, load_shape_ranges, request_dims, score_dims
 
@@ -115,3 +116,32 @@ def test_shape_ranges_file():
     assert isinstance(ranges, ShapeRanges)
     for low, high in (ranges.users, ranges.candidates):
         assert isinstance(low, int) and isinstance(high, int) and 1 <= low <= high
+
+
+LARGE = PROFILES["large"]
+LARGE_DIMS = {**request_dims(LARGE), **feature_dims(LARGE), **score_dims(LARGE)}
+MODELS = sorted(ENSEMBLES + ONLINE + tuple(PYTHON_MODELS))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_large_config_is_the_gpu_config_at_the_large_profile(model):
+    """configs/large.pbtxt: the GPU config (config.pbtxt for ensembles) with the dims of
+    PROFILES["large"], its weights file and profile, and bfloat16 compute in the interaction models."""
+    large = config(model, "large")
+    base = config(model, "config" if large.platform == "ensemble" else "gpu")
+    expected = {**online_dims(LARGE), **score_dims(LARGE)} if large.max_batch_size > 0 else LARGE_DIMS
+    assert {t.name: list(t.dims) for t in list(large.input) + list(large.output)} == {
+        t.name: expected[t.name] for t in list(large.input) + list(large.output)
+    }
+    parameters = {k: v.string_value for k, v in large.parameters.items()}
+    if large.platform != "ensemble":
+        assert parameters.pop("profile") == "large"
+        assert parameters.pop("weights") == "weights/ranker_large.safetensors"
+        if model != "ranker_features":
+            assert parameters.pop("compute_dtype") == "bfloat16"
+    assert parameters == {k: v.string_value for k, v in base.parameters.items()}
+    for c in (large, base):
+        for t in list(c.input) + list(c.output):
+            t.ClearField("dims")
+        c.ClearField("parameters")
+    assert large == base

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
+from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, profile_config, save_weights, weight_shapes
 from ikbo_backend.requests import make_request, to_tensors
 from ikbo_backend.transform import ReplicationDetector
 
@@ -102,3 +102,32 @@ def test_config_rejects_inconsistent_dims():
         RankerConfig(embedding_dim=30, heads=4)
     with pytest.raises(ValueError, match="query_tokens"):
         RankerConfig(compressed_tokens=4, query_tokens=5)
+
+
+@pytest.mark.parametrize("variant", ["ikbo", "baseline", "transformed"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_compute_matches_fp64(variant, dtype):
+    """The served GPU configs compute the interaction in bfloat16: float32 scores out, close to fp64."""
+    rng = np.random.default_rng()
+    request = make_request(CFG, int(rng.integers(1, 6)), int(rng.integers(8, 40)), rng)
+    reference = score("baseline", request, dtype=torch.float64)
+    features, interaction = build_ranker(variant, CFG, WEIGHTS, backend="torch", dtype=dtype)
+    with torch.inference_mode():
+        scores = interaction(features(**to_tensors(request)))
+    assert scores.dtype == torch.float32 and torch.isfinite(scores).all()
+    assert 0 < rel_err(scores, reference) <= 2e-2  # 16-bit rounding shows (> 0), within bf16's precision
+
+
+def test_compute_dtype_and_profile_errors():
+    with pytest.raises(ValueError, match="compute dtype"):
+        build_ranker("ikbo", CFG, WEIGHTS, dtype="int8")
+    with pytest.raises(ValueError, match="profile"):
+        profile_config("huge")
+
+
+def test_large_profile_is_the_gpu_scale_model():
+    large = profile_config("large")
+    assert large != profile_config("demo") == RankerConfig()
+    assert large.head_dim in (64, 128)  # the Triton attention kernels' head dims
+    assert large.user_tokens > large.cand_tokens and large.history_length >= 512
+    assert weight_shapes(large)["mlp.0.weight"] == (large.mlp_hidden[0], large.mlp_input)

@@ -26,7 +26,7 @@ class BaselineInteraction(nn.Module):
         return self.baseline(Features(user_tokens, cand_tokens, history_tokens, history_len, cand_to_user))
 
 
-def example_features(cfg: RankerConfig, device="cpu", seed: int = 0) -> Features:
+def example_features(cfg: RankerConfig, device="cpu", seed: int = 0, dtype=torch.float32) -> Features:
     """Random features with U and B unlike every model dim (row counts must tell them apart)."""
     dims = {v for f in fields(cfg) for v in (getattr(cfg, f.name) if isinstance(getattr(cfg, f.name), tuple) else (getattr(cfg, f.name),))}
     dims |= {cfg.user_tokens, cfg.cand_tokens, cfg.head_dim, cfg.mlp_input, 1}
@@ -35,9 +35,9 @@ def example_features(cfg: RankerConfig, device="cpu", seed: int = 0) -> Features
     gen = torch.Generator().manual_seed(seed)
     dim = cfg.embedding_dim
     return Features(
-        torch.randn(num_users, cfg.user_tokens, dim, generator=gen).to(device),
-        torch.randn(num_candidates, cfg.cand_tokens, dim, generator=gen).to(device),
-        torch.randn(num_users, cfg.history_length, dim, generator=gen).to(device),
+        torch.randn(num_users, cfg.user_tokens, dim, generator=gen).to(device, dtype),
+        torch.randn(num_candidates, cfg.cand_tokens, dim, generator=gen).to(device, dtype),
+        torch.randn(num_users, cfg.history_length, dim, generator=gen).to(device, dtype),
         torch.randint(0, cfg.history_length + 1, (num_users,), generator=gen, dtype=torch.int32).to(device),
         torch.randint(0, num_users, (num_candidates,), generator=gen, dtype=torch.int32).to(device),
     )
@@ -46,13 +46,13 @@ def example_features(cfg: RankerConfig, device="cpu", seed: int = 0) -> Features
 class TransformedInteraction:
     """Features → scores with the rewritten BaselineRanker graph; `report` says what the pass did."""
 
-    def __init__(self, cfg: RankerConfig, weights, device="cpu"):
+    def __init__(self, cfg: RankerConfig, weights, device="cpu", dtype=torch.float32):
         baseline = BaselineInteraction(BaselineRanker(cfg, weights, device))
-        self.module, self.report = to_ikbo(baseline, astuple(example_features(cfg, device)))
+        self.module, self.report = to_ikbo(baseline, astuple(example_features(cfg, device, dtype=dtype)))
 
     def __call__(self, f: Features) -> torch.Tensor:
         return self.module(f.user_tokens, f.cand_tokens, f.history_tokens, f.history_len, f.cand_to_user)
 
 
-def transformed_interaction(cfg: RankerConfig, weights, device="cpu") -> TransformedInteraction:
-    return TransformedInteraction(cfg, weights, device)
+def transformed_interaction(cfg: RankerConfig, weights, device="cpu", dtype=torch.float32) -> TransformedInteraction:
+    return TransformedInteraction(cfg, weights, device, dtype)
