@@ -1,5 +1,7 @@
 """Custom Prometheus metrics of the ranking models, through the python backend's metrics API
-(`pb_utils.MetricFamily`; shown on tritonserver's metrics port, /metrics). Labels: `model`.
+(`pb_utils.MetricFamily`; shown on tritonserver's metrics port, /metrics). Labels: `model`, and
+`device` of the model instance ("cpu", "cuda:1"), so that per-GPU rates can be read when a model has
+instances on several GPUs (instance groups, scripts/gpu_throughput.py).
 
 | metric                                 | kind      | per IKBO batch of U users, B candidates     |
 |----------------------------------------|-----------|---------------------------------------------|
@@ -39,12 +41,15 @@ def broadcast_bytes_avoided(num_users: int, num_candidates: int, row_bytes: int)
 
 
 class RankerMetrics:
-    """The metric families above, for one model (label `model`). `record(U, B)` once per batch."""
+    """The metric families above, for one model instance (labels `model`, `device`). `record(U, B)`
+    once per batch."""
 
-    def __init__(self, pb_utils, model_name: str, row_bytes: int, compilations=None):
-        """`compilations`: a shape_spec.CompileCounter installed before the model was built."""
+    def __init__(self, pb_utils, model_name: str, row_bytes: int, compilations=None, device=None):
+        """`compilations`: a shape_spec.CompileCounter installed before the model was built; `device`:
+        the instance's torch device (label `device`; none when None). Instances of one model on
+        different devices then count apart; with the same labels they share one counter."""
         family = pb_utils.MetricFamily
-        labels = {"model": model_name}
+        labels = {"model": model_name} | ({} if device is None else {"device": str(device)})
         self.row_bytes = row_bytes
         self._families = [  # keep the families alive as long as their metrics
             family(name="ikbo_candidates_scored_total", description="Candidates scored", kind=family.COUNTER),

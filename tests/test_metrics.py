@@ -74,6 +74,13 @@ def test_record_through_the_metric_families():
     assert metrics.ratio.family.kind == "histogram" and metrics.candidates.labels == {"model": "m"}
 
 
+def test_instances_on_different_devices_count_apart():
+    """Label `device`: two GPU instances of one model are two series (per-GPU rates, issue 8)."""
+    on = {d: RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", 10, device=torch.device(d)) for d in ("cuda:0", "cuda:1")}
+    assert [on[d].candidates.labels for d in on] == [{"model": "m", "device": "cuda:0"}, {"model": "m", "device": "cuda:1"}]
+    assert {m.labels["device"] for m in (on["cuda:1"].users, on["cuda:1"].ratio, on["cuda:1"].avoided)} == {"cuda:1"}
+
+
 def test_compile_counter_counts_by_phase_and_keeps_an_earlier_hook(monkeypatch):
     from triton import knobs
 
@@ -102,17 +109,25 @@ def server(tmp_path_factory):
         yield running
 
 
-def scrape(server) -> dict[tuple[str, str], float]:
-    """(sample name, model label) → value of every ikbo_* sample; histogram buckets as name + '{le}'."""
+def ikbo_samples(server) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every ikbo_* sample on the metrics port."""
     text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read().decode()
-    samples = {}
+    samples = []
     for line in text.splitlines():
         match = re.match(r'^(ikbo_\w+)\{([^}]*)\} (\S+)$', line)
         if match:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
-            extra = labels.get("le", labels.get("phase"))
-            name = match.group(1) + (f"{{{extra}}}" if extra is not None else "")
-            samples[(name, labels["model"])] = float(match.group(3))
+            samples.append((match.group(1), dict(re.findall(r'(\w+)="([^"]*)"', match.group(2))), float(match.group(3))))
+    return samples
+
+
+def scrape(server) -> dict[tuple[str, str], float]:
+    """(sample name, model label) → value of every ikbo_* sample, summed over instances (label
+    `device`: a GPU config puts one instance on every GPU); histogram buckets as name + '{le}'."""
+    samples = {}
+    for name, labels, value in ikbo_samples(server):
+        extra = labels.get("le", labels.get("phase"))
+        key = (name + (f"{{{extra}}}" if extra is not None else ""), labels["model"])
+        samples[key] = samples.get(key, 0.0) + value
     return samples
 
 
@@ -155,3 +170,9 @@ def test_metrics_after_known_requests(server):
         for key, value in expected(batches, model).items():
             assert key in got, f"{key} not on the metrics port"
             assert got[key] == pytest.approx(value, rel=1e-6), f"{key}: {got[key]} != {value} (seed {SEED})"
+
+
+def test_every_sample_names_its_instance_device(server):
+    """Label `device`: "cpu" on the CPU configuration, "cuda:<id>" on a GPU one."""
+    devices = {labels.get("device") for _, labels, _ in ikbo_samples(server)}
+    assert devices and all(re.fullmatch(r"cuda:\d+" if has_gpu() else "cpu", str(d)) for d in devices), devices

@@ -18,7 +18,7 @@ class TritonPythonModel:
         compilations = CompileCounter.install()  # Triton compilations: warm-up, then requests (must stay 0)
         self.model = InteractionModel.from_triton_args(args)  # config, weights, device, warm-up
         compilations.phase = "request"
-        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg), compilations)
+        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg), compilations, self.model.device)
 
     def execute(self, requests):
         responses = execute_requests(pb_utils, self.model, requests)

@@ -19,7 +19,8 @@ class TritonPythonModel:
         self.model = OnlineModel.from_triton_args(args)  # config, weights, device, warm-up
         compilations.phase = "request"
         ikbo = self.model.variant == "ikbo"
-        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg), compilations) if ikbo else None
+        row_bytes = replicated_row_bytes(self.model.cfg)
+        self.metrics = RankerMetrics(pb_utils, args["model_name"], row_bytes, compilations, self.model.device) if ikbo else None
 
     def execute(self, requests):
         return execute_online(pb_utils, self.model, requests, self.metrics)
