@@ -46,6 +46,7 @@ FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float16, torch.bfloat16)
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
+_TUNED: dict = {}  # (device, dtype, H, L, S, d, with self-attention) → lookup(U, B) → TileConfig or None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,6 +79,19 @@ def pick_config(rows_per_user: float, interpret: bool) -> TileConfig:
     if rows_per_user <= 64:
         return TileConfig(64, 64, 4, 2)
     return TileConfig(128, 64, 8, 2, maxnreg=128)
+
+
+def set_tuned_configs(device, dtype: torch.dtype, dims: tuple[int, int, int, int], lookup, self_attention: bool = True) -> None:
+    """Tuned configs for inputs on `device` (with its index, e.g. cuda:0) in `dtype` with dims
+    (H, L, S, d), for `ikbo_self_target_attention` (`self_attention`) or `ikbo_attention`: the Triton
+    path launches `lookup(U, B)`; where it returns None, or nothing is set, `pick_config`.
+    `lookup=None` removes them. ikbo_backend/shape_spec.py sets this from the configs tuned per
+    shape bucket at model load."""
+    key = (torch.device(device), dtype, *dims, self_attention)
+    if lookup is None:
+        _TUNED.pop(key, None)
+    else:
+        _TUNED[key] = lookup
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,6 +493,9 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if user_q is not None and user_out is None:
         user_out = torch.empty_like(user_q, memory_format=torch.contiguous_format)
+    if config is None and _TUNED:
+        lookup = _TUNED.get((q.device, q.dtype, heads, seq_len, num_queries, head_dim, user_q is not None))
+        config = lookup(num_users, num_candidates) if lookup is not None else None
     if config is None:
         rows_per_user = num_candidates * num_queries / num_users + (0 if user_q is None else seq_len)
         config = pick_config(rows_per_user, interpreting())

@@ -52,6 +52,7 @@ FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 VARIANTS = ("s1", "s2", "s3", "s4")
 _CONFIG_CHOICE: dict = {}  # (variant, dtype, D, device) → the first config of tile_configs that launched
+_TUNED: dict = {}  # (device, dtype, Ku, Kc, N, D) → lookup(U, B) → (variant, TileConfig) or None: set_tuned_configs
 S4_MIN_CANDIDATES_PER_USER = 32  # default variant, from the H200 sweep (docs/notes/lce.md): see default_variant
 SMALL_BATCH = 256  # at most this many candidates: s4 from B/U ≥ 4 (one launch, less host time)
 K_ALIGN = 8  # weight columns padded to a multiple of this at pack time (16 bytes in 16-bit types)
@@ -95,6 +96,19 @@ def tile_configs(variant: str, dtype: torch.dtype, dim: int):
     for num_stages in stages:
         yield TileConfig(128, block_d, block_k, num_warps, num_stages, epilogue_split=split)
     yield TileConfig(64, min(block_d, 128), block_k, 4, 2)
+
+
+def set_tuned_configs(device, dtype: torch.dtype, dims: tuple[int, int, int, int], lookup) -> None:
+    """Tuned configs for inputs on `device` (with its index, e.g. cuda:0) in `dtype` with dims
+    (Ku, Kc, N, D): the public op with no `variant` launches `lookup(U, B)` = (variant, TileConfig);
+    where it returns None, or nothing is set, `default_variant` and the first config of
+    `tile_configs` that launches. `lookup=None` removes them. ikbo_backend/shape_spec.py sets this
+    from the configs tuned per shape bucket at model load."""
+    key = (torch.device(device), dtype, *dims)
+    if lookup is None:
+        _TUNED.pop(key, None)
+    else:
+        _TUNED[key] = lookup
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -427,7 +441,11 @@ class PackedLinearCompress:
             if t is not None and (t.dtype != user_emb.dtype or t.device != user_emb.device):
                 raise ValueError(f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}")
         check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
-        variant = default_variant(num_users, num_candidates) if variant is None else variant
+        tuned = None  # (variant, TileConfig) from set_tuned_configs
+        if variant is None and _TUNED:
+            lookup = _TUNED.get((user_emb.device, user_emb.dtype, num_user_tokens, num_cand_tokens, self.cand_weight.shape[0], dim))
+            tuned = lookup(num_users, num_candidates) if lookup is not None else None
+        variant, config = tuned if tuned is not None else (default_variant(num_users, num_candidates) if variant is None else variant, None)
         if variant not in VARIANTS:
             raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
         chosen = resolve_backend(backend, user_emb.device, triton_available=True)
@@ -438,14 +456,14 @@ class PackedLinearCompress:
                 raise ValueError(f"user_emb: the Triton path takes float32/float16/bfloat16, got {user_emb.dtype}")
             if user_emb.device.type != "cuda" and not _interpreting():
                 raise ValueError(f"user_emb: the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {user_emb.device}")
-            return self._triton(user_emb, cand_emb, cand_to_user, variant)
+            return self._triton(user_emb, cand_emb, cand_to_user, variant, config)
         return _linear_compress_torch(user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias)
 
     def _triton(self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None):
         """The Triton path for checked inputs.
 
-        `config` fixes the tile config (benchmarks); `out` [B, N, D] and `user_part` [U, N, D] may be
-        given pre-filled (tests poison them with NaN to catch unwritten elements).
+        `config` fixes the tile config (benchmarks, tuned configs); `out` [B, N, D] and `user_part`
+        [U, N, D] may be given pre-filled (tests poison them with NaN to catch unwritten elements).
         """
         num_users, num_user_tokens, dim = user_emb.shape
         num_candidates = cand_emb.shape[0]

@@ -1,0 +1,389 @@
+"""Load-time tuning per shape bucket (ikbo_backend/tuning.py, `shape_spec.tune_buckets`).
+
+Three layers:
+- the disk cache and the choice, on the CPU with a fake timer (fresh random times and data): a
+  cached choice is reused without timing, a changed key tunes again, wrong or unlaunchable
+  candidates never win, concurrent writers leave one valid file with every entry, a corrupt file is
+  ignored with a warning and rewritten; on a CPU device tuning is a no-op;
+- the real tuner and the kernels' hook under TRITON_INTERPRET=1 (in a child process, like
+  tests/test_linear_compress.py): every bucket gets the fastest correct candidate by the fake timer,
+  a restart reads them, and the public ops launch the tuned configuration of each (U, B)'s bucket
+  (seen at the kernel launch) and still match the fp64 reference;
+- on a GPU only: tune in a fresh process, then "restart" in another one with the same caches: no
+  timing, no compilation (every kernel comes from Triton's disk cache), and the public ops on
+  fresh random inputs match the fp64 torch path (bf16, relative error ≤ 1e-2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from ikbo_backend import shape_spec
+from ikbo_backend.ranker import RankerConfig
+from ikbo_backend.requests import ShapeRanges
+from ikbo_backend.tuning import ROUNDS, Candidate, TuningCache, cached_entries, fastest, median_ms, rel_err
+from kernels import attention as attention_op
+from kernels import ikbo_linear_compress, ikbo_self_target_attention
+from kernels import linear_compress as lce_op
+
+SEED = secrets.randbits(32)
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+CFG = RankerConfig()
+BF16_TOL = 1e-2
+
+
+class FakeTimer:
+    """A timer that runs nothing: fresh random ms per call, and a count of calls."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.calls = 0
+
+    def __call__(self, fn) -> float:
+        self.calls += 1
+        return float(self.rng.uniform(0.01, 1.0))
+
+
+def _never_timed(fn):
+    raise AssertionError("timed although the choice was cached")
+
+
+def _matmul_candidates(seed: int, wrong: tuple[str, ...] = ()) -> list[Candidate]:
+    """Three ways to compute x @ w on fresh random data; the `wrong` ones add an error."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(33, 17, generator=gen), torch.randn(17, 9, generator=gen)
+    ref = x.double() @ w.double()
+    ways = {"mm": lambda: x @ w, "einsum": lambda: torch.einsum("ik,kj->ij", x, w), "bmm": lambda: torch.bmm(x[None], w[None])[0]}
+
+    def candidate(label, way):
+        def run():
+            return way() + (1e-2 * ref.norm().item() / 17 if label in wrong else 0.0)
+
+        return Candidate(label, {"way": label}, lambda: rel_err(run(), ref) <= 1e-5, run)
+
+    return [candidate(label, way) for label, way in ways.items()]
+
+
+def _jobs(seed: int, keys, timer, ran: list) -> dict:
+    def job(key):
+        ran.append(key)
+        return fastest(_matmul_candidates(seed), timer)
+
+    return {key: (lambda key=key: job(key)) for key in keys}
+
+
+# ------------------------------------------------------------------ the cache, on the CPU
+
+
+def test_cached_choice_is_reused_without_timing(tmp_path):
+    timer, ran = FakeTimer(SEED), []
+    keys = [f"v1|cpu|op|bucket {i}" for i in range(3)]
+    first = cached_entries(TuningCache(tmp_path / "t.json"), _jobs(SEED, keys, timer, ran))
+    assert timer.calls == 3 * 3 * ROUNDS and ran == keys, (timer.calls, ran)
+    for entry in first.values():
+        fastest_label = min(entry["ms"], key=entry["ms"].get)
+        assert entry["choice"] == {"way": fastest_label}, (entry, SEED)
+    restarted = cached_entries(TuningCache(tmp_path / "t.json"), _jobs(SEED + 1, keys, _never_timed, ran))
+    assert restarted == first and ran == keys
+
+
+def test_changed_key_tunes_again(tmp_path):
+    cache, timer, ran = TuningCache(tmp_path / "t.json"), FakeTimer(SEED), []
+    cached_entries(cache, _jobs(SEED, ["v1|H200|triton 3.6.0|lce|s3"], timer, ran))
+    changed = ["v1|H200|triton 3.6.0|lce|s3", "v1|H200|triton 3.7.0|lce|s3"]  # another Triton version
+    cached_entries(cache, _jobs(SEED, changed, timer, ran))
+    assert ran == ["v1|H200|triton 3.6.0|lce|s3", "v1|H200|triton 3.7.0|lce|s3"]
+    assert set(cache.read()) == set(changed)  # the other entry is kept
+
+
+def test_wrong_or_unlaunchable_candidates_never_win():
+    timer = FakeTimer(SEED)
+    candidates = _matmul_candidates(SEED, wrong=("mm",))
+
+    def too_big():
+        raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+
+    candidates.append(Candidate("huge", {"way": "huge"}, too_big, too_big))
+    entry = fastest(candidates, lambda fn: 0.001 if fn is candidates[0].run else timer(fn))  # the wrong one is "fastest"
+    assert entry["ms"]["mm"] == "dropped: wrong result" and entry["ms"]["huge"] == "dropped: OutOfResources"
+    assert entry["choice"]["way"] == min(("einsum", "bmm"), key=entry["ms"].get)
+    assert fastest(_matmul_candidates(SEED, wrong=("mm", "einsum", "bmm")), timer)["choice"] is None
+
+
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
+    path = tmp_path / "t.json"
+    rng = np.random.default_rng(SEED)
+    for garbage in (rng.bytes(64), b'{"entries": {"v1|cpu|op|bucket": {"choice"', b"[1, 2]"):
+        path.write_bytes(garbage)
+        timer, ran = FakeTimer(SEED), []
+        with pytest.warns(UserWarning, match="ignored"):
+            entries = cached_entries(TuningCache(path), _jobs(SEED, ["v1|cpu|op|bucket"], timer, ran))
+        assert ran == ["v1|cpu|op|bucket"] and timer.calls == 3 * ROUNDS
+        assert json.loads(path.read_text())["entries"] == entries  # rewritten, valid
+
+
+def test_unwritable_cache_still_tunes(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    timer, ran = FakeTimer(SEED), []
+    with pytest.warns(UserWarning) as warned:
+        entries = cached_entries(TuningCache(tmp_path / "file" / "t.json"), _jobs(SEED, ["k"], timer, ran))
+    assert any("not written" in str(w.message) for w in warned), [str(w.message) for w in warned]
+    assert ran == ["k"] and entries["k"]["choice"] is not None
+
+
+def _writer(path: str, index: int, seed: int) -> list:
+    """One model instance loading: its own bucket and a shared one; jobs take a while (a slow timer)."""
+
+    def slow_timer(fn):
+        time.sleep(0.02)
+        return FakeTimer(seed + index)(fn)
+
+    ran = []
+    cached_entries(TuningCache(path), _jobs(seed, [f"instance {index}", "shared"], slow_timer, ran))
+    return ran
+
+
+def test_concurrent_writers_leave_one_valid_file_with_every_entry(tmp_path):
+    path = str(tmp_path / "t.json")
+    with multiprocessing.get_context("spawn").Pool(6) as pool:
+        ran = pool.starmap(_writer, [(path, i, SEED) for i in range(6)])
+    entries = json.loads(Path(path).read_text())["entries"]
+    assert set(entries) == {f"instance {i}" for i in range(6)} | {"shared"}
+    assert sum(r.count("shared") for r in ran) == 1, ran  # tuned once, read by the others
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".t.json.")]  # no temp file left
+
+
+def test_on_a_cpu_tuning_is_a_no_op(tmp_path, monkeypatch):
+    monkeypatch.setenv("IKBO_TUNING_CACHE", str(tmp_path))
+    ranges = ShapeRanges((1, 4), (1, 50))
+    assert shape_spec.tune_buckets(CFG, ranges, "cpu") == {}
+    assert shape_spec.bucket_representatives(CFG, ranges, "cpu") == [(1, 1)]
+    assert list(tmp_path.iterdir()) == [] and not lce_op._TUNED and not attention_op._TUNED
+
+
+def test_candidates_keep_each_bucket_on_one_compiled_kernel():
+    """For every bucket of the served range (bf16, H200 SM count), each candidate keeps the key of
+    the bucket's shapes fixed: s4 candidates have the tiles per row the key assumes, attention
+    candidates the same number of self tiles and BLOCK_N | BLOCK_M."""
+    ranges = ShapeRanges((1, 256), (1, 8192))
+    large = RankerConfig(history_length=512, embedding_dim=256, heads=2, compressed_tokens=32, query_tokens=8)
+    for cfg in (CFG, large):
+        for bucket in shape_spec.shape_buckets(cfg, ranges, torch.bfloat16, 132)["lce"]:
+            candidates = shape_spec.lce_candidates(cfg, bucket.key, torch.bfloat16)
+            assert {v for v, _ in candidates} == ({"s4", "s3"} if bucket.key[0] == "s4" else {"s3"}), bucket
+            for variant, tile in candidates:
+                if variant == "s4":
+                    assert shape_spec._lce_tiles_per_row(cfg, tile) == shape_spec._s4_tiles_per_row(cfg, torch.bfloat16)
+        for bucket in shape_spec.shape_buckets(cfg, ranges, torch.bfloat16, 132)["attention"]:
+            tiles = shape_spec.attention_candidates(cfg, bucket.key)
+            assert tiles and all(t.block_m % t.block_n == 0 for t in tiles)
+            assert {triton.cdiv(cfg.history_length, t.block_m) for t in tiles} == {triton.cdiv(cfg.history_length, bucket.key[0])}
+
+
+# ------------------------------------------------------------------ tuner and hook under the interpreter
+
+
+@pytest.mark.skipif(INTERPRETING, reason="already interpreting: the interpreted tests run directly")
+def test_triton_interpreted():
+    """Run the `interpreted` tests below in a child process with TRITON_INTERPRET=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "interpreted_"]
+    done = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+
+
+interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """(kernel name, launch kwargs) of every interpreted kernel launch."""
+    seen = []
+    run = triton.runtime.interpreter.InterpretedFunction.run
+
+    def spy(self, *args, **kwargs):
+        seen.append((self.fn.__name__, kwargs))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton.runtime.interpreter.InterpretedFunction, "run", spy)
+    return seen
+
+
+@pytest.fixture
+def clean_registry():
+    yield
+    lce_op._TUNED.clear()
+    attention_op._TUNED.clear()
+
+
+def _lce_inputs(cfg, num_users, num_candidates, dtype, gen):
+    ku, kc, n, d = cfg.user_tokens, cfg.cand_tokens, cfg.compressed_tokens, cfg.embedding_dim
+    user_emb = torch.randn(num_users, ku, d, generator=gen).to(dtype)
+    cand_emb = torch.randn(num_candidates, kc, d, generator=gen).to(dtype)
+    cand_to_user = torch.randint(0, num_users, (num_candidates,), generator=gen, dtype=torch.int32)
+    weight = (torch.randn(n, ku + kc, generator=gen) / math.sqrt(ku + kc)).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    return user_emb, cand_emb, cand_to_user, weight, bias
+
+
+def _attention_inputs(cfg, num_users, num_candidates, dtype, gen):
+    shape = (num_users, cfg.heads, cfg.history_length, cfg.head_dim)
+    user_q, k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(3))
+    cand_q = torch.randn(num_candidates, cfg.heads, cfg.query_tokens, cfg.head_dim, generator=gen).to(dtype)
+    cand_to_user = torch.randint(0, num_users, (num_candidates,), generator=gen, dtype=torch.int32)
+    kv_len = torch.randint(0, cfg.history_length + 1, (num_users,), generator=gen, dtype=torch.int32)
+    return user_q, cand_q, k, v, cand_to_user, kv_len
+
+
+def _check_public_ops(cfg, shape, dtype, gen, tol, backend="auto"):
+    """Both public ops at (U, B) on fresh random inputs against the fp64 torch path."""
+    user_emb, cand_emb, cand_to_user, weight, bias = _lce_inputs(cfg, *shape, dtype, gen)
+    out = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend=backend)
+    as64 = [t.double() if t.is_floating_point() else t for t in (user_emb, cand_emb, cand_to_user, weight, bias)]
+    err = rel_err(out, ikbo_linear_compress(*as64, backend="torch"))
+    assert err <= tol, ("lce", shape, err, SEED)
+    inputs = _attention_inputs(cfg, *shape, dtype, gen)
+    user_out, cand_out = ikbo_self_target_attention(*inputs, backend=backend)
+    ref_user, ref_cand = ikbo_self_target_attention(*(t.double() if t.is_floating_point() else t for t in inputs), backend="torch")
+    err = max(rel_err(user_out, ref_user), rel_err(cand_out, ref_cand))
+    assert err <= tol, ("attention", shape, err, SEED)
+
+
+def _launched_config(launches, op: str):
+    """What the last call of `op` launched: lce (variant, tile fields), attention tile fields."""
+    if op == "lce":
+        name, kw = next(x for x in reversed(launches) if x[0] in ("_lce_tile_kernel", "_lce_persistent_kernel"))
+        variant = "s4" if name == "_lce_persistent_kernel" else "s3"
+        return variant, (kw["BLOCK_M"], kw["BLOCK_D"], kw["BLOCK_K"], kw["num_warps"], kw["num_stages"], kw["SPLIT"])
+    kw = next(kw for name, kw in reversed(launches) if name == "_attention_kernel")
+    return kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["NUM_STAGES"], kw["maxnreg"]
+
+
+def _expected_config(op: str, choice):
+    if op == "lce":
+        variant, t = choice
+        return variant, (t.block_m, t.block_d, t.block_k, t.num_warps, t.num_stages, t.epilogue_split)
+    return choice.block_m, choice.block_n, choice.num_warps, choice.num_stages, choice.maxnreg
+
+
+@interpreted
+def test_interpreted_hook_launches_the_tuned_config(launches, clean_registry):
+    """A registered lookup overrides the heuristics of both ops (here: configs they would not pick,
+    s3 where default_variant says s4), and outputs still match the fp64 torch path."""
+    gen = torch.Generator().manual_seed(SEED)
+    lce_tile = lce_op.TileConfig(16, 32, 16, num_warps=4, num_stages=1, epilogue_split=True)
+    attention_tile = attention_op.TileConfig(64, 32, 4, 3)
+    dims = shape_spec._dims(CFG, "lce"), shape_spec._dims(CFG, "attention")
+    lce_op.set_tuned_configs("cpu", torch.float16, dims[0], lambda u, b: ("s3", lce_tile) if b >= u else None)
+    attention_op.set_tuned_configs("cpu", torch.float16, dims[1], lambda u, b: attention_tile)
+    shape = (2, 40)
+    assert lce_op.default_variant(*shape) == "s4"
+    _check_public_ops(CFG, shape, torch.float16, gen, BF16_TOL, backend="triton")
+    assert _launched_config(launches, "lce") == _expected_config("lce", ("s3", lce_tile))
+    assert _launched_config(launches, "attention") == _expected_config("attention", attention_tile)
+    lce_op.set_tuned_configs("cpu", torch.float16, dims[0], None)  # removed: the heuristics again
+    attention_op.set_tuned_configs("cpu", torch.float16, dims[1], None)
+    _check_public_ops(CFG, shape, torch.float16, gen, BF16_TOL, backend="triton")
+    assert _launched_config(launches, "lce")[0] == "s4" and _launched_config(launches, "attention")[:2] == (16, 16)
+
+
+@interpreted
+def test_interpreted_tune_buckets(tmp_path, launches, clean_registry):
+    """The real tuner on the interpreter with a fake timer and an H200's SM count: every bucket of
+    both ops gets the fastest correct candidate, a restart reads them without timing, and the public
+    ops launch, for random (U, B) of the range, the choice of their bucket."""
+    ranges, dtype, cache_path = ShapeRanges((1, 3), (1, 40)), torch.float16, tmp_path / "t.json"
+    timer = FakeTimer(SEED)
+    tables = shape_spec.tune_buckets(CFG, ranges, "cpu", dtype, num_sms=132, cache=TuningCache(cache_path), timer=timer)
+    buckets = shape_spec.shape_buckets(CFG, ranges, dtype, 132)
+    assert {op: set(t) for op, t in tables.items()} == {op: {b.key for b in buckets[op]} for op in shape_spec.OPS}
+    labels = {"lce": lambda c: shape_spec._lce_label(*c), "attention": shape_spec._attention_label}
+    for op, table in tables.items():
+        for key, tuned in table.items():
+            times = {label: ms for label, ms in tuned.ms.items() if isinstance(ms, float)}
+            assert times and labels[op](tuned.choice) == min(times, key=times.get), (op, key, tuned)
+    timed = sum(isinstance(ms, float) for table in tables.values() for t in table.values() for ms in t.ms.values())
+    assert timer.calls == ROUNDS * timed
+
+    restarted = shape_spec.tune_buckets(CFG, ranges, "cpu", dtype, num_sms=132, cache=TuningCache(cache_path), timer=_never_timed)
+    assert restarted == tables
+    rng = np.random.default_rng(SEED)
+    gen = torch.Generator().manual_seed(SEED)
+    for _ in range(6):
+        shape = int(rng.integers(1, 4)), int(rng.integers(1, 41))
+        _check_public_ops(CFG, shape, dtype, gen, BF16_TOL, backend="triton")
+        for op in shape_spec.OPS:
+            key = shape_spec.KEYS[op](CFG, *shape, dtype, 132)
+            assert _launched_config(launches, op) == _expected_config(op, tables[op][key].choice), (op, shape, key)
+
+
+# ------------------------------------------------------------------ GPU only
+
+GPU_RANGES = ShapeRanges((1, 2), (1, 40))  # 4 LCE + 2 attention buckets in bf16 on an H200: 31 candidates
+
+
+def _tune_in_a_fresh_process(cache_dir: str, triton_dir: str, seed: int) -> dict:
+    """In a fresh process with these caches: tune the bf16 ops over GPU_RANGES with the real timer,
+    then run the public ops at every bucket's ends and at random (U, B) against the fp64 torch path.
+    Returns the timer calls, fresh compilations (not from Triton's disk cache) while tuning and
+    after, the largest error and the table."""
+    os.environ["TRITON_CACHE_DIR"] = triton_dir
+    from triton import knobs
+
+    compiled = []
+    knobs.compilation.listener = lambda **kw: None if kw["cache_hit"] else compiled.append(getattr(kw["src"], "name", "?"))
+    timed = []
+
+    def timer(fn):
+        timed.append(1)
+        return median_ms(fn)
+
+    cache = TuningCache(Path(cache_dir) / "tuned_configs.json")
+    tables = shape_spec.tune_buckets(CFG, GPU_RANGES, "cuda", torch.bfloat16, cache=cache, timer=timer)
+    at_tuning = len(compiled)
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    buckets = shape_spec.shape_buckets(CFG, GPU_RANGES, torch.bfloat16, shape_spec.device_sms("cuda"))
+    shapes = [s for op in shape_spec.OPS for b in buckets[op] for s in (b.representative, b.largest)]
+    shapes += [(int(u), int(b)) for u, b in zip(rng.integers(1, 3, 12), rng.integers(1, 41, 12))]
+    for shape in shapes:
+        _check_public_ops(CFG, shape, torch.bfloat16, gen, BF16_TOL)
+    torch.cuda.synchronize()
+    table = [
+        f"{op} {key} at (U, B) = {t.shape}: {shape_spec._lce_label(*t.choice) if op == 'lce' else shape_spec._attention_label(t.choice)}"
+        f" | " + ", ".join(f"{label} {ms:.4f}" if isinstance(ms, float) else f"{label} {ms}" for label, ms in t.ms.items())
+        for op, rows in tables.items()
+        for key, t in rows.items()
+    ]
+    choices = {f"{op} {key}": (t.choice, t.shape, t.ms) for op, rows in tables.items() for key, t in rows.items()}
+    return {"timed": len(timed), "compiled_tuning": at_tuning, "compiled_after": compiled[at_tuning:], "table": table, "choices": choices}
+
+
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs a CUDA GPU")
+def test_gpu_tune_then_restart_times_and_compiles_nothing(tmp_path):
+    args = (str(tmp_path / "tuning"), str(tmp_path / "triton"), SEED)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        first = pool.apply(_tune_in_a_fresh_process, args)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        second = pool.apply(_tune_in_a_fresh_process, args)
+    print("\n".join(["", f"tuned (bf16, {GPU_RANGES}, seed {SEED}), ms = median of do_bench:"] + first["table"]))
+    assert first["timed"] > 0 and first["compiled_tuning"] > 0, first
+    assert first["compiled_after"] == [], f"tuned configs compiled again inside their bucket: {first['compiled_after']}"
+    assert second["timed"] == 0, second
+    assert second["compiled_tuning"] == 0 and second["compiled_after"] == [], second
+    assert second["choices"] == first["choices"]  # read back, not timed again
