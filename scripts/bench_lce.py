@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """IKBO linear compression benchmark (GPU): providers side by side at the canonical shape, and the B/U sweep.
 
-    scripts/bench_lce.py [--no-sweep] [--no-compile] [--configs] [--smoke]   (or scripts/bench_kernels.py lce ...)
+    scripts/bench_lce.py [--no-sweep] [--ratios 1,16,70] [--no-compile] [--configs [s5]] [--no-s5] [--smoke]
+    (or scripts/bench_kernels.py lce ...)
 
 Canonical shape, bf16: B=1024 candidates, U=15 users with ragged counts, Ku=1024, Kc=500, D=256,
 N=512. Providers: S0 eager (baseline: user_emb replicated to B rows, concatenated along K, one
 matmul), torch.compile(S0), S1 eager (the op's torch path: two GEMMs + sparse gather-add),
 torch.compile(S1) (two GEMMs + `cand_part + user_part[m]`, which inductor fuses into one indirect-
-load kernel), and the Triton variants s1…s4. Metrics: median ms (`triton.testing.do_bench`),
+load kernel), the Triton variants s1…s4 and s5 (Gluon, W_c resident in shared memory,
+`kernels/linear_compress_gluon.py`; Hopper only). Metrics: median ms (`triton.testing.do_bench`),
 TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
 floor = max(FLOPs / bf16 matmul rate, minimum bytes / copy bandwidth), both ceilings measured in this
 run. Every provider's output is checked against an fp64 reference first (Triton outputs poisoned
@@ -36,6 +38,14 @@ import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig  # noqa: E402
+from kernels.linear_compress_gluon import (  # noqa: E402
+    USER_GEMM_CONFIG,
+    ResidentConfig,
+    _launch_resident,
+    lce_s5,
+    resident_config,
+    s5_supported,
+)
 
 CANONICAL = dict(num_users=15, num_candidates=1024, ku=1024, kc=500, dim=256, rows=512)
 SWEEP_RATIOS = (1, 4, 16, 70, 256, 1024)
@@ -53,6 +63,12 @@ EXTRA_CONFIGS = [
     ("s3", TileConfig(128, 128, 64, 4, 4, epilogue_split=True)),
     ("s4", TileConfig(128, 256, 64, 8, 2, epilogue_split=True)),
     ("s4", TileConfig(128, 128, 64, 8, 4, epilogue_split=True)),
+]
+S5_EXTRA_CONFIGS = [  # with --configs, beside s5's default (128×256×64, 3 stages, strided lanes, no L2 prefetch)
+    ResidentConfig(group_users=True),
+    ResidentConfig(l2_prefetch=True),
+    ResidentConfig(group_users=True, l2_prefetch=True),
+    ResidentConfig(stages=2),
 ]
 
 
@@ -126,10 +142,19 @@ def s1_gather(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias):
 
 def triton_provider(packed, args, variant, config=None):
     """Calls the Triton path; tests pass NaN-poisoned `out` / `user_part` buffers."""
+    if variant == "s5":
+        return lambda out=None, user_part=None: lce_s5(packed, *args, out=out, user_part=user_part, config=config)
     return lambda out=None, user_part=None: packed._triton(*args, variant, config=config, out=out, user_part=user_part)
 
 
-def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with_configs: bool):
+WITH_S5 = True  # --no-s5 leaves s5 out (e.g. after its tests timed out)
+
+
+def has_s5(p: Problem) -> bool:
+    return WITH_S5 and DEVICE == "cuda" and s5_supported(p.user_emb, p.cand_emb)
+
+
+def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with_configs: str | None):
     """name → (callable returning the output, callable writing into a poisoned output or None)."""
     args = (p.user_emb, p.cand_emb, p.cand_to_user)
     table = {"S0 eager (baseline)": lambda: s0_materialized(*args, p.weight, p.bias)}
@@ -142,25 +167,41 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
         table["torch.compile(S1)"] = lambda: s1_compiled(*args, packed.user_weight, packed.cand_weight, p.bias)
     for variant in VARIANTS:
         table[f"Triton {variant}"] = triton_provider(packed, args, variant)
-    if with_configs:
+    if has_s5(p):
+        table["Triton s5 (Gluon)"] = triton_provider(packed, args, "s5")
+    if with_configs == "all":
         for variant, cfg in EXTRA_CONFIGS:
             name = f"Triton {variant} {cfg.block_m}x{cfg.block_d}x{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
             table[name + (" ws" if cfg.warp_specialize else "")] = triton_provider(packed, args, variant, cfg)
+    if with_configs and has_s5(p):
+        for cfg in S5_EXTRA_CONFIGS:
+            name = f"Triton s5 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages}"
+            name += (" user-grouped" if cfg.group_users else "") + (" L2-prefetch" if cfg.l2_prefetch else "")
+            table[name] = triton_provider(packed, args, "s5", cfg)
     return table
 
 
 def calibration(p: Problem, packed: PackedLinearCompress, flop_rate, log):
-    """The candidate GEMM alone (B·N·D·Kc of the work), through cuBLAS and through s2's Triton kernel."""
+    """The candidate GEMM alone (B·N·D·Kc of the work) through cuBLAS, s2's Triton kernel and s5's Gluon
+    kernel (no Y_u, no bias); and s5's user GEMM alone (U·N·D·Ku)."""
     num_users, num_candidates, ku, kc, dim, rows = p.shape
     flops = 2.0 * num_candidates * rows * dim * kc
     out = torch.empty(num_candidates, rows, dim, dtype=p.user_emb.dtype, device=DEVICE)
     cfg = next(iter(packed_configs("s2", p)))
     entries = {
-        "cuBLAS: W_c @ cand_emb (torch.matmul)": lambda: torch.matmul(packed.cand_weight, p.cand_emb),
-        "Triton s2 kernel: W_c @ cand_emb": lambda: packed._launch_tile(packed.cand_weight_padded, p.cand_emb, out, None, False, True, cfg),
+        "cuBLAS: W_c @ cand_emb (torch.matmul)": (lambda: torch.matmul(packed.cand_weight, p.cand_emb), flops),
+        "Triton s2 kernel: W_c @ cand_emb": (lambda: packed._launch_tile(packed.cand_weight_padded, p.cand_emb, out, None, False, True, cfg), flops),
     }
-    lines = ["| candidate GEMM alone | ms | TFLOP/s | % of bf16 matmul rate |", "| --- | ---: | ---: | ---: |"]
-    for name, fn in entries.items():
+    if has_s5(p):
+        s5_cfg = resident_config(dim, kc, p.cand_emb.element_size())
+        entries["Gluon s5 kernel: W_c @ cand_emb (W_c resident)"] = (
+            lambda: _launch_resident(packed, p.cand_emb, out, None, p.cand_to_user, None, s5_cfg), flops)
+        user_part = torch.empty(num_users, rows, dim, dtype=out.dtype, device=DEVICE)
+        entries["s5's user GEMM alone: W_u @ user_emb (s3 tile kernel, 128x128 tiles)"] = (
+            lambda: packed._launch_tile(packed.user_weight_padded, p.user_emb, user_part, None, False, True, USER_GEMM_CONFIG),
+            2.0 * num_users * rows * dim * ku)
+    lines = ["| GEMM alone | ms | TFLOP/s | % of bf16 matmul rate |", "| --- | ---: | ---: | ---: |"]
+    for name, (fn, flops) in entries.items():
         ms = time_ms(fn)
         rate = flops / (ms * 1e-3)
         lines.append(f"| {name} | {ms:.4f} | {rate / 1e12:.0f} | {100 * rate / flop_rate:.0f}% |")
@@ -258,16 +299,16 @@ def graph_ms(fn) -> float:
     return do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
-def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=False):
+def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=False, ratios=SWEEP_RATIOS):
     graph_head = " S0 graph ms | s3 graph ms |" if with_graph else ""
     lines = [
-        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | best Triton × S0 | floor ms | best % of floor | rel err s3 / s4 |" + graph_head,
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: | ---: |" * with_graph,
+        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s5 ms | best Triton × S0 | floor ms | best % of floor | rel err s3 / s4 / s5 |" + graph_head,
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: | ---: |" * with_graph,
     ]
     raw = []
     shape = dict(base_shape)
     for num_candidates in candidate_counts:
-        for ratio in SWEEP_RATIOS:
+        for ratio in ratios:
             num_users = max(1, round(num_candidates / ratio))
             shape.update(num_users=num_users, num_candidates=num_candidates)
             p = make_problem(**shape, seed=num_candidates + ratio)
@@ -280,9 +321,13 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
                 ("S0", lambda: s0_materialized(*args, p.weight, p.bias)),
                 ("s3", lambda out=None, up=None: packed._triton(*args, "s3", out=out, user_part=up)),
                 ("s4", lambda out=None, up=None: packed._triton(*args, "s4", out=out, user_part=up)),
+                ("s5", lambda out=None, up=None: lce_s5(packed, *args, out=out, user_part=up)),
             ]:
+                if name == "s5" and not has_s5(p):
+                    times[name] = float("nan")
+                    continue
                 try:
-                    if name in ("s3", "s4"):
+                    if name in ("s3", "s4", "s5"):
                         errs[name] = check("Triton " + name, fn, p, ref, head)
                     times[name] = time_ms(fn)
                 except Exception as exc:
@@ -293,13 +338,13 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
                 s0_fn = lambda: s0_materialized(*args, p.weight, p.bias)  # noqa: E731
                 s3_fn = lambda: packed._triton(*args, "s3")  # noqa: E731
                 graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} |"
-            best = min(times["s3"], times["s4"])
+            best = min(t for t in (times["s3"], times["s4"], times["s5"]) if t == t)
             floor = floor_ms(p, flop_rate, copy_rate)
             raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()}, **{"err_" + k: v for k, v in errs.items()}))
             lines.append(
                 f"| {num_candidates} | {num_users} | {num_candidates / num_users:.0f} | {times['S0']:.4f} | "
-                f"{times['s3']:.4f} | {times['s4']:.4f} | {times['S0'] / best:.2f} | {floor:.4f} | {100 * floor / best:.0f}% | "
-                f"{errs.get('s3', float('nan')):.1e} / {errs.get('s4', float('nan')):.1e} |" + graph
+                f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s5']:.4f} | {times['S0'] / best:.2f} | {floor:.4f} | {100 * floor / best:.0f}% | "
+                f"{errs.get('s3', float('nan')):.1e} / {errs.get('s4', float('nan')):.1e} / {errs.get('s5', float('nan')):.1e} |" + graph
             )
             log(lines[-1])
             del p, packed, ref
@@ -323,20 +368,24 @@ def ws_probe():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true", help="canonical shape only")
+    parser.add_argument("--no-s5", action="store_true", help="leave out s5 (Gluon)")
+    parser.add_argument("--ratios", default=",".join(map(str, SWEEP_RATIOS)), help="sweep: B/U ratios (comma-separated)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile providers")
-    parser.add_argument("--configs", action="store_true", help="also time alternative tile configs of s3 / s4")
+    parser.add_argument("--configs", nargs="?", const="all", choices=("all", "s5"),
+                        help="also time alternative tile configs of s3 / s4 / s5 (all) or of s5 only")
     parser.add_argument("--graph", action="store_true", help="sweep: also time S0 and s3 as CUDA-graph replays")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter (checks the script)")
     parser.add_argument("--ws-probe", action="store_true", help="only run s3 with Hopper warp specialization once (wrap in `timeout`)")
     args = parser.parse_args(argv)
     if args.ws_probe:
         return ws_probe()
-    global DEVICE, DTYPE
+    global DEVICE, DTYPE, WITH_S5
+    WITH_S5 = not args.no_s5
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("bench_lce --smoke: set TRITON_INTERPRET=1 before Triton is imported (run this file directly)")
         DEVICE, DTYPE, shape, candidate_counts = "cpu", torch.float32, SMOKE_CANONICAL, SMOKE_SWEEP_CANDIDATES
-        args.no_compile, args.configs, args.graph = True, False, False
+        args.no_compile, args.configs, args.graph = True, None, False
     elif not torch.cuda.is_available():
         sys.exit("bench_lce: needs a CUDA device")
     else:
@@ -366,7 +415,8 @@ def main(argv=None):
         torch.cuda.empty_cache()
     raw = {"canonical": rows, "floor_ms": floor, "flop_rate": flop_rate, "copy_rate": copy_rate}
     if not args.no_sweep:
-        sweep_lines, raw["sweep"] = sweep(shape, candidate_counts, flop_rate, copy_rate, log, args.graph)
+        ratios = tuple(int(r) for r in args.ratios.split(","))
+        sweep_lines, raw["sweep"] = sweep(shape, candidate_counts, flop_rate, copy_rate, log, args.graph, ratios)
         report += ["", "sweep (Ku={ku}, Kc={kc}, D={dim}, N={rows}; U = round(B / ratio), at least 1):".format(**shape), "", *sweep_lines]
     text = "\n".join(report)
     print("\n" + text, flush=True)
