@@ -36,8 +36,8 @@ Kernel `_lce_resident_kernel`, one program per SM, 8 warps (two warpgroups, 64 r
     4. wgmma (async, one group in flight) into a [BLOCK_M, BLOCK_D] fp32 accumulator in registers.
     5. Epilogue in the MMA layout (no shared memory left for staging): + Y_u[m[b]] tile, + bias,
        cast, pointer store. The Y_u tile is loaded before the K loop (latency under the MMAs) and,
-       with `group_users` (off: measured slower), only when the user changes. Candidate and user indices are loaded one
-       iteration ahead, so no scalar load result is waited for on the MMA path.
+       with `group_users` (off: measured slower), only when the user changes. Candidate and user
+       indices are loaded one iteration ahead, so no scalar load result is waited for on the MMA path.
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more).
 
 Limits (`s5_supported`): CUDA capability 9.x, fp16/bf16, cand_emb TMA-able (D·2 bytes a multiple
@@ -323,16 +323,14 @@ def _descriptors(packed: PackedLinearCompress, cand_emb: torch.Tensor, cfg: Resi
     return w_desc, x_desc
 
 
-def _launch_resident(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: ResidentConfig,
-                     num_programs: int | None = None):
+def _launch_resident(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: ResidentConfig):
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias).
     With cfg.group_users, candidates are processed in user order (one argsort of the mapping)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
     w_desc, x_desc = _descriptors(packed, cand_emb, cfg)
     tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
-    sms = num_programs or _device_info(out.device)[1]
-    num_lanes = max(1, min(sms // tiles, num_candidates))  # programs per output tile
+    num_lanes = max(1, min(_device_info(out.device)[1] // tiles, num_candidates))  # programs per output tile
     cand_elems = num_cand_tokens * dim
     chunk_elems = triton.cdiv(cand_elems, tiles * 8) * 8  # 16-byte multiples in 16-bit types
     order = torch.argsort(cand_to_user) if cfg.group_users else cand_to_user  # [B] positions → candidates

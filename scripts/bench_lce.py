@@ -190,7 +190,8 @@ def calibration(p: Problem, packed: PackedLinearCompress, flop_rate, log):
     cfg = next(iter(packed_configs("s2", p)))
     entries = {
         "cuBLAS: W_c @ cand_emb (torch.matmul)": (lambda: torch.matmul(packed.cand_weight, p.cand_emb), flops),
-        "Triton s2 kernel: W_c @ cand_emb": (lambda: packed._launch_tile(packed.cand_weight_padded, p.cand_emb, out, None, False, True, cfg), flops),
+        "Triton s2 kernel: W_c @ cand_emb": (
+            lambda: packed._launch_tile(packed.cand_weight_padded, p.cand_emb, out, None, False, True, cfg), flops),
     }
     if has_s5(p):
         s5_cfg = resident_config(dim, kc, p.cand_emb.element_size())
@@ -302,7 +303,8 @@ def graph_ms(fn) -> float:
 def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=False, ratios=SWEEP_RATIOS):
     graph_head = " S0 graph ms | s3 graph ms |" if with_graph else ""
     lines = [
-        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s5 ms | best Triton × S0 | floor ms | best % of floor | rel err s3 / s4 / s5 |" + graph_head,
+        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s5 ms | best Triton × S0 | floor ms | best % of floor "
+        "| rel err s3 / s4 / s5 |" + graph_head,
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: | ---: |" * with_graph,
     ]
     raw = []

@@ -55,7 +55,8 @@ def _cuobjdump():
     "dim, kc, config, max_stack",
     [
         (256, 500, None, 0),  # canonical
-        (256, 500, ResidentConfig(group_users=True, l2_prefetch=True), 128),  # the Y_u tile kept across a user's candidates: ~80 B of spills
+        # the Y_u tile kept across a user's candidates: ~80 B of spills
+        (256, 500, ResidentConfig(group_users=True, l2_prefetch=True), 128),
         (200, 499, None, None),  # D not a multiple of the tile: the column mask spills (248 B)
     ],
 )
