@@ -136,6 +136,8 @@ class _ServedStage:
         check_model_config(model_config, *cls.io_dims(cfg))
         ranges = load_shape_ranges(Path(args["model_repository"]).parent)
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # Triton launches on the current device: make it this instance's GPU
         model = cls(cfg, weights, ranges, device, **{k: parameters[k] for k in cls.config_parameters if k in parameters})
         model.name = args["model_name"]  # for error messages
         model.warm_up()
@@ -170,6 +172,10 @@ class FeatureModel(_ServedStage):
 
     def example(self, request):
         return to_tensors(request)
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        """The range's ends and middle: this stage launches no Triton kernel (no buckets to tune)."""
+        return warmup_sizes(self.ranges)
 
     def __call__(self, inputs):
         validate_request(self.cfg, self.ranges, inputs)  # InvalidRequest names the input

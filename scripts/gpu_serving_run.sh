@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One measured serving run on a GPU machine (the issue-5 numbers of docs/perf.md), in this order:
+# in-process forward (bench_model), tritonserver with --model-config-name=$CONFIG, first-request
+# latency, perf_analyzer sweeps (IKBO, baseline, transformed; batch and online), per-model server
+# times and compilation counters, GPU memory sampled throughout. Everything lands in $OUT/run.tgz
+# plus $OUT/summary.md (the tables) and the two plots.
+#
+#   OUT=out/gpu scripts/gpu_serving_run.sh            # large profile, bf16, on the GPU
+#
+# Machines without network (the lab's H200): .triton_bundle/tb.tar.xz from
+# ../shared/tools/make-offline-triton-bundle.sh (tritonserver + stub + perf_analyzer),
+# .triton_bundle/site (tritonclient) and .triton_bundle/whl (its HTTP dependencies) are used when
+# present and python3 has no tritonclient; elsewhere tritonserver and perf_analyzer are found as usual.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}; CONFIG=${CONFIG-large}; PROFILE=${PROFILE:-large}; DTYPE=${DTYPE:-bfloat16}
+DEVICE=${DEVICE:-cuda}; WINDOW=${WINDOW:-2000}; STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+W=$(mktemp -d); mkdir -p "$OUT"; S="$OUT/summary.md"  # written as the run goes: a cut run keeps its tables
+log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
+
+if [ -f .triton_bundle/tb.tar.xz ] && ! python3 -c "import tritonclient" 2>/dev/null; then
+  mkdir -p /tmp/tb /tmp/site && tar xJf .triton_bundle/tb.tar.xz -C /tmp/tb
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site .triton_bundle/whl/*.whl 2>>"$W/steps.log"
+  export TRITONSERVER=/tmp/tb/pytriton/tritonserver/bin/tritonserver PERF_ANALYZER=/tmp/tb/bin/perf_analyzer
+  export PYTHONPATH="$PWD:$PWD/.triton_bundle/site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+{ echo "# GPU serving run $(date -u +%FT%TZ)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$S" 2>/dev/null
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 2 >"$W/gpu_memory.csv" 2>/dev/null &
+SMI=$!
+
+log "bench_model (in process, CUDA)"
+timeout "$STEP_TIMEOUT" python3 scripts/bench_model.py --device "$DEVICE" --profile "$PROFILE" --dtype "$DTYPE" \
+  --providers baseline ikbo transformed --mixes u15_b1024 u1_b1024 u64_b64 --runs 30 --pool 4 --profile-kernels \
+  >>"$S" 2>"$W/bench_model.err" || log "bench_model failed: $(tail -3 "$W/bench_model.err")"
+
+log "tritonserver --model-config-name=$CONFIG"
+python3 - "$W" "$CONFIG" <<'EOF' &
+import json, sys, time
+sys.path.insert(0, ".")
+from ikbo_backend.tritonserver import running_tritonserver
+work, config = sys.argv[1], sys.argv[2]
+start = time.perf_counter()
+with running_tritonserver(config_name=config or None, log_path=f"{work}/tritonserver.log", timeout=500) as s:
+    urls = dict(http=s.http_url, grpc=s.grpc_url, metrics=s.metrics_url, ready_s=time.perf_counter() - start)
+    open(f"{work}/urls.json", "w").write(json.dumps(urls))
+    while True:
+        time.sleep(1)
+EOF
+HOLDER=$!
+for _ in $(seq 500); do [ -f "$W/urls.json" ] && break; kill -0 $HOLDER 2>/dev/null || break; sleep 1; done
+if [ -f "$W/urls.json" ]; then
+  url() { python3 -c "import json; print(json.load(open('$W/urls.json'))['$1'])"; }
+  HTTP=$(url http); GRPC=$(url grpc); METRICS=$(url metrics)
+  echo -e "\nserver ready after $(url ready_s) s (model load and warm-up included)\n" >>"$S"
+  log "first requests"
+  timeout 120 python3 scripts/serving_probe.py first --url "$GRPC" --profile "$PROFILE" \
+    --model ikbo_ranker baseline_ranker transformed_ranker >>"$S" 2>>"$W/steps.log"
+  sweep() {  # name, perf_sweep arguments...
+    local name=$1; shift
+    log "perf_sweep $name"
+    timeout "$STEP_TIMEOUT" python3 scripts/perf_sweep.py --url "$HTTP" --grpc-url "$GRPC" --profile "$PROFILE" \
+      --window-ms "$WINDOW" --out "$W/$name" "$@" >>"$S" 2>>"$W/$name.err" || log "perf_sweep $name: exit $?"
+  }
+  sweep main --mixes u15_b1024 --protocols grpc --concurrency 1 2 4 8 \
+    --rankers baseline_ranker ikbo_ranker transformed_ranker baseline_ranker_online ikbo_ranker_online
+  sweep mixes --mixes u1_b1024 u64_b64 --protocols grpc --concurrency 1 4 --rankers baseline_ranker ikbo_ranker
+  sweep http --mixes u15_b1024 --protocols http --concurrency 1 4 --rankers baseline_ranker ikbo_ranker
+  echo -e "\n### Server-side times per model (Triton statistics, whole run)\n" >>"$S"
+  python3 scripts/serving_probe.py stats --url "$HTTP" --metrics-url "$METRICS" >>"$S" 2>>"$W/steps.log"
+else
+  log "server never became ready"; tail -40 "$W/tritonserver.log" >>"$S"
+fi
+kill $HOLDER $SMI 2>/dev/null; sleep 3; pkill -f tritonserver 2>/dev/null
+python3 - "$W/gpu_memory.csv" >>"$S" 2>/dev/null <<'EOF'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1]))][1:]
+used = [int(r[1].split()[0]) for r in rows if len(r) > 1 and r[1].strip().split()[0].isdigit()]
+if used:
+    half = used[len(used) // 2:]
+    print(f"\nGPU memory used (MiB, every 2 s): start {used[0]}, max {max(used)}, mid-run {half[0]}, end {used[-1]}, "
+          f"growth from mid-run {used[-1] - half[0]}")
+EOF
+for p in throughput latency; do [ -f "$W/main/$p.png" ] && cp "$W/main/$p.png" "$OUT/$p.png"; done
+tar czf "$OUT/run.tgz" -C "$W" . && log "wrote $OUT"
+cat "$S"

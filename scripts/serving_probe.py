@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Probe a running tritonserver of this repository: first-request latency, per-model server times,
+Triton compilations on the request path.
+
+    python scripts/serving_probe.py first --url localhost:8001 --model ikbo_ranker [--profile large]
+    python scripts/serving_probe.py stats --url localhost:8000 [--metrics-url localhost:8002]
+
+`first`: right after the server is ready, one request (U, B of --users/--candidates, gRPC) timed
+alone, then --repeats more of the same request: prints the first latency, the steady p50 and their
+ratio (issue 5: first ≤ 2× p50). Each request is drawn fresh (`make_request`, never zeros).
+`stats`: Triton's statistics API (/v2/models/<m>/stats, cumulative since start) as the mean per
+executed request of queue, compute input, compute infer and compute output, per model, and the
+`ikbo_triton_compilations_total` counters of the metrics endpoint (phase "request" must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ikbo_backend.ranker import PROFILES  # noqa: E402
+from ikbo_backend.requests import make_request  # noqa: E402
+
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def first_request(url: str, model: str, profile: str, users: int, candidates: int, repeats: int, seed: int) -> dict:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    cfg, rng = PROFILES[profile], np.random.default_rng(seed)
+    client = grpcclient.InferenceServerClient(url)
+
+    def once() -> float:
+        request = make_request(cfg, users, candidates, rng)
+        inputs = []
+        for name, array in request.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(np.ascontiguousarray(array))
+            inputs.append(tensor)
+        start = time.perf_counter()
+        scores = client.infer(model, inputs).as_numpy("scores")
+        elapsed = (time.perf_counter() - start) * 1e3
+        if scores.shape != (candidates, cfg.tasks) or not np.isfinite(scores).all():
+            raise RuntimeError(f"{model}: bad scores {scores.shape}")
+        return elapsed
+
+    try:
+        first = once()
+        steady = [once() for _ in range(repeats)]
+    finally:
+        client.close()
+    p50 = statistics.median(steady)
+    return {"model": model, "first_ms": first, "p50_ms": p50, "ratio": first / p50, "repeats": repeats}
+
+
+def model_stats(http_url: str) -> list[dict]:
+    """Per model and version: executed requests and mean ms per request of each server stage."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=10) as response:
+        document = json.load(response)
+    rows = []
+    for entry in document.get("model_stats", []):
+        inference = entry["inference_stats"]
+        count = int(inference["success"]["count"])
+        if not count:
+            continue
+        row = {"model": entry["name"], "requests": count, "executions": int(entry.get("execution_count", 0))}
+        for stage in STAGES:
+            row[f"{stage}_ms"] = int(inference[stage]["ns"]) / count / 1e6
+        rows.append(row)
+    return rows
+
+
+def compilations(metrics_url: str) -> dict[str, float]:
+    """ikbo_triton_compilations_total by (model, phase)."""
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("ikbo_triton_compilations_total{"):
+            labels, value = line.rsplit(" ", 1)
+            model = re.search(r'model="([^"]*)"', labels)
+            phase = re.search(r'phase="([^"]*)"', labels)
+            found[f"{model.group(1) if model else '?'}:{phase.group(1) if phase else '?'}"] = float(value)
+    return found
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    first = sub.add_parser("first", help="first-request latency vs steady p50 (gRPC)")
+    first.add_argument("--url", required=True, help="gRPC host:port")
+    first.add_argument("--model", nargs="+", default=["ikbo_ranker"])
+    first.add_argument("--profile", default="demo", choices=sorted(PROFILES))
+    first.add_argument("--users", type=int, default=15)
+    first.add_argument("--candidates", type=int, default=1024)
+    first.add_argument("--repeats", type=int, default=20)
+    first.add_argument("--seed", type=int, default=None)
+    stats = sub.add_parser("stats", help="per-model server times and compilation counters")
+    stats.add_argument("--url", required=True, help="HTTP host:port")
+    stats.add_argument("--metrics-url", help="metrics host:port (default: the HTTP port + 2)")
+    args = parser.parse_args(argv)
+
+    if args.command == "first":
+        print("| model | first request ms | steady p50 ms | first / p50 |\n|---|---:|---:|---:|")
+        for model in args.model:
+            r = first_request(args.url, model, args.profile, args.users, args.candidates, args.repeats, args.seed)
+            print(f"| {model} | {r['first_ms']:.1f} | {r['p50_ms']:.1f} | {r['ratio']:.2f} |", flush=True)
+        return
+    print("| model | requests | executions | queue ms | compute input ms | compute infer ms | compute output ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in model_stats(args.url):
+        print(
+            f"| {r['model']} | {r['requests']} | {r['executions']} | {r['queue_ms']:.3f} | {r['compute_input_ms']:.3f} "
+            f"| {r['compute_infer_ms']:.3f} | {r['compute_output_ms']:.3f} |"
+        )
+    host, port = args.url.rsplit(":", 1)
+    counts = compilations(args.metrics_url or f"{host}:{int(port) + 2}")
+    print("\nikbo_triton_compilations_total: " + (", ".join(f"{k} = {v:g}" for k, v in sorted(counts.items())) or "none exported"))
+
+
+if __name__ == "__main__":
+    main()
