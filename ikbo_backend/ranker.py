@@ -306,6 +306,11 @@ class CastInteraction:
     def __init__(self, interaction, dtype: torch.dtype):
         self.interaction, self.dtype = interaction, dtype
 
+    def __getattr__(self, name):  # the wrapped interaction's attributes (e.g. the transform report)
+        if name == "interaction":
+            raise AttributeError(name)
+        return getattr(self.interaction, name)
+
     def __call__(self, f: Features) -> torch.Tensor:
         cast = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in vars(f).items()}
         return self.interaction(Features(**cast)).float()

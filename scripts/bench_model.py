@@ -96,6 +96,17 @@ def kernel_ms(fn, arg, device: torch.device) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
+def host_profile(fn, arg, device: torch.device, title: str, rows: int = 30) -> None:
+    """Where the host time of one call goes (torch.profiler, CPU and CUDA), to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(arg)
+        _sync(device)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    print(f"\n## host profile: {title}\n{table}", file=sys.stderr)
+
+
 def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: int, device=torch.device("cpu"), kernels: bool = False) -> dict:
     """Median ms per (provider, stage) over `runs` calls, cycling through `pool` fixed requests;
     with `kernels`, also (provider, "kernels"): the kernel-time sum of one interaction call."""
@@ -132,6 +143,7 @@ def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: in
         if kernels:
             for name in models:
                 medians[name, "kernels"] = statistics.median(kernel_ms(calls[name, "interaction"], features_of[k], device) for k in range(pool))
+            host_profile(calls["ikbo", "interaction"], features_of[0], device, f"{mix} ikbo interaction")
     return medians
 
 
