@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import warnings
 from dataclasses import dataclass
@@ -374,6 +375,8 @@ class CompileCounter:
         def hook(**kwargs):
             counter.counts[counter.phase] += 1
             counter.kernels.append((counter.phase, kwargs["fn"].name))
+            if counter.phase == "request":  # a bucket the warm-up missed: say which kernel and specialization
+                logging.getLogger("ikbo").warning("Triton compilation on the request path: %s %s", kwargs["fn"].name, kwargs.get("repr", ""))
             return previous(**kwargs) if previous is not None else None
 
         knobs.runtime.jit_post_compile_hook = hook

@@ -137,7 +137,27 @@ def tritonserver_command(
     ]
     if config_name:
         cmd.append(f"--model-config-name={config_name}")
+    if config_name and config_name != "config":  # the GPU configurations
+        cmd += cuda_pool_args()
     return cmd + list(extra_args), env
+
+
+CUDA_POOL_ENV = "IKBO_CUDA_POOL_MB"
+DEFAULT_CUDA_POOL_MB = 4096
+
+
+def cuda_pool_args() -> list[str]:
+    """--cuda-memory-pool-byte-size per visible GPU ($IKBO_CUDA_POOL_MB, default 4096 MiB).
+
+    Tensors between ensemble steps on the GPU live in this pool. Triton's default (64 MiB) holds one
+    large-profile request (~43 MB of features at 15:1024): with two in flight it falls back to pinned
+    host memory, and python backend 2.51 then fails to load that input ("failed to load GPU buffers:
+    failed to copy data: invalid argument") and runs execute on garbage (seen on the H200).
+    """
+    from .instance_groups import visible_gpu_count
+
+    megabytes = int(os.environ.get(CUDA_POOL_ENV, DEFAULT_CUDA_POOL_MB))
+    return [f"--cuda-memory-pool-byte-size={gpu}:{megabytes << 20}" for gpu in range(visible_gpu_count())]
 
 
 # --- hardening (`make serve`) ---

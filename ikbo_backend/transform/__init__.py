@@ -40,16 +40,23 @@ def trace(model: torch.nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph, class_name=type(model).__name__)
 
 
-def to_ikbo(model: torch.nn.Module, example_inputs, mapping_name: str = MAPPING_ARGUMENT, rtol: float = 1e-3):
+RTOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2}  # default 1e-3 (fp32: tf32 on CUDA, fp64)
+
+
+def to_ikbo(model: torch.nn.Module, example_inputs, mapping_name: str = MAPPING_ARGUMENT, rtol: float | None = None):
     """(rewritten module, report). `example_inputs`: forward's positional arguments for one request,
     with U ≠ B (row counts tell user tensors from candidate tensors); values are not baked in.
 
     Never wrong: a model that does not trace, or whose rewrite fails or disagrees with it on the
     example (relative error above `rtol`), comes back unchanged, with the reason in the report.
     `rtol` catches a wrong rewrite (errors of order 1), not rounding: on CUDA the IKBO linear
-    compression runs fp32 in tf32 (relative error near 3e-4 on its own output).
+    compression runs fp32 in tf32 (relative error near 3e-4 on its own output). Default: 1e-3, or
+    2e-2 when the example's floating inputs are 16-bit (bf16 rounding alone reaches ~1e-3).
     """
     example_inputs = tuple(example_inputs)
+    if rtol is None:
+        dtypes = {t.dtype for t in example_inputs if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        rtol = max([RTOL.get(d, 1e-3) for d in dtypes], default=1e-3)
     names = list(inspect.signature(model.forward).parameters)
     if mapping_name not in names:
         raise ValueError(f"model: forward has no argument named {mapping_name!r} (arguments: {names})")
