@@ -5,19 +5,18 @@ request in the declared range can launch, so none compiles on the request path.
 
 What makes Triton 3.6 compile again (triton/runtime/jit.py, triton/backends/compiler.py): another
 constexpr (tile config, variant flags), another dtype, or another specialization of a plain
-argument: integers are specialized on divisibility by 16 (and on i32 vs i64, not reachable here),
-pointers on 16-byte alignment (every buffer here comes from the allocator). Per op, the key below
-holds everything of that which a request's (U, B) can change:
+argument: integers are specialized on divisibility by 16 and on being 1 (a value of 1 becomes a
+constexpr), pointers on 16-byte alignment. The kernels take every integer that a request's (U, B)
+sets unspecialized (`do_not_specialize`: U, B, program and tile counts) and keep their scratch
+buffers 16-byte aligned for any B (attention's plan buffer), so a request's (U, B) changes only:
 
 - lce (kernels/linear_compress.py; Triton on CUDA for fp32/fp16/bf16): the variant
-  `default_variant(U, B)`. s3 launches `_lce_tile_kernel` with integers fixed by the model dims
-  (N, D, K, strides): one key. s4 launches `_lce_persistent_kernel` with num_users,
-  num_candidates and num_programs = min(SMs, (U + B)·tiles per row): key (s4, U%16 = 0, B%16 = 0,
-  programs%16 = 0).
-- attention (kernels/attention.py; Triton only for fp16/bf16 and d ∈ {16, 32, 64, 128}: the
-  served fp32 model takes the torch path, one key "torch"): the tile config `pick_config(B·S/U + L)`,
-  then num_candidates, num_users and num_self_tiles = U·cdiv(L, BLOCK_M): key (BLOCK_M, U%16 = 0,
-  B%16 = 0, self tiles%16 = 0).
+  `default_variant(U, B)`, s3 (`_lce_tile_kernel`, integers fixed by the model dims) or s4
+  (`_lce_persistent_kernel`): key (variant,).
+- attention (kernels/attention.py; Triton only for fp16/bf16 and d ∈ {16, 32, 64, 128}: an fp32
+  model takes the torch path, one key "torch"): the tile config `pick_config(B·S/U + L)`: key (BLOCK_M,).
+(A first version keyed U%16, B%16 and the program count, and missed the value-1 and alignment
+specializations: the H200 online endpoint compiled 6 kernels on the request path, 2026-11-29.)
 On a CPU both ops run torch: one bucket each, and the warm-up is the range's ends and middle
 (`serving.warmup_sizes`). Tensor descriptors are specialized on their block shape only (constant
 per config). `tests/test_shape_spec.py` checks the enumeration against every (U, B) of a range, and
@@ -29,10 +28,9 @@ warm-up): per op and bucket, the candidate configurations are timed at the bucke
 (its heaviest load; at the smallest one every candidate is launch-bound) with fresh random inputs,
 each first checked against the fp64 torch path on poisoned outputs, and the fastest correct one is
 what the public ops launch for every (U, B) of the bucket (`set_tuned_configs` of kernels/
-linear_compress.py and kernels/attention.py; their heuristics where nothing is tuned). Candidates
-keep the bucket one compiled kernel: lce, the s3 bucket s3's `tile_configs`; an s4 bucket s4's
-configs with the tiles per row the key assumes, and s3's; attention, `pick_config`'s and
-ATTENTION_CONFIGS with BLOCK_N | BLOCK_M and as many self tiles per user as the key's BLOCK_M.
+linear_compress.py and kernels/attention.py; their heuristics where nothing is tuned). Candidates:
+lce, the s3 bucket s3's `tile_configs`, the s4 bucket s4's and s3's; attention, `pick_config`'s and
+ATTENTION_CONFIGS with BLOCK_N | BLOCK_M.
 Choices are cached on disk and Triton's binaries too (ikbo_backend/tuning.py), so a restart times
 and compiles nothing: it reads the choices and loads the chosen kernels.
 """
@@ -47,7 +45,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from kernels import attention as attention_op
 from kernels import ikbo_linear_compress, ikbo_self_target_attention
@@ -67,30 +64,18 @@ OPS = ("lce", "attention")
 EXHAUSTIVE_CANDIDATES = 1024  # every B up to here; above, B ≡ -1, 0, 1 (mod 16) (see `candidate_counts`)
 
 
-@functools.lru_cache(maxsize=None)
-def _s4_tiles_per_row(cfg: RankerConfig, dtype: torch.dtype) -> int:
-    tile = next(tile_configs("s4", dtype, cfg.embedding_dim))  # the first config (the one that launches on the H200)
-    return triton.cdiv(cfg.compressed_tokens, tile.block_m) * triton.cdiv(cfg.embedding_dim, tile.block_d)
-
-
 def lce_key(cfg: RankerConfig, num_users: int, num_candidates: int, dtype: torch.dtype, num_sms: int | None) -> tuple:
     """What a (U, B) changes in the LCE kernels' compilation key; num_sms None: not on a GPU."""
     if num_sms is None or dtype not in LCE_TRITON_TYPES:
         return ("torch",)
-    variant = default_variant(num_users, num_candidates)
-    if variant != "s4":
-        return (variant,)
-    programs = min(num_sms, (num_users * (cfg.user_tokens > 0) + num_candidates) * _s4_tiles_per_row(cfg, dtype))
-    return ("s4", num_users % 16 == 0, num_candidates % 16 == 0, programs % 16 == 0)
+    return (default_variant(num_users, num_candidates),)
 
 
 def attention_key(cfg: RankerConfig, num_users: int, num_candidates: int, dtype: torch.dtype, num_sms: int | None) -> tuple:
     """What a (U, B) changes in the attention kernels' compilation key (self + target attention)."""
     if num_sms is None or dtype not in ATTENTION_TRITON_TYPES or cfg.head_dim not in TRITON_HEAD_DIMS:
         return ("torch",)
-    tile = pick_config(num_candidates * cfg.query_tokens / num_users + cfg.history_length, interpret=False)
-    self_tiles = num_users * triton.cdiv(cfg.history_length, tile.block_m)
-    return (tile.block_m, num_users % 16 == 0, num_candidates % 16 == 0, self_tiles % 16 == 0)
+    return (pick_config(num_candidates * cfg.query_tokens / num_users + cfg.history_length, interpret=False).block_m,)
 
 
 KEYS = {"lce": lce_key, "attention": attention_key}
@@ -109,8 +94,9 @@ class ShapeBucket:
 
 def candidate_counts(ranges: ShapeRanges) -> list[int]:
     """The B values enumerated: all up to EXHAUSTIVE_CANDIDATES, then those ≡ -1, 0, 1 (mod 16).
-    Above that bound every rule of the keys changes only at multiples of 16 (32·U, 16-divisibility;
-    the others — B ≤ 256, programs < SMs — lie below it): tests/test_shape_spec.py checks."""
+    Above that bound the keys change at default_variant's B ≥ 32·U (a multiple of 16) and at
+    pick_config's thresholds on B·S/U, whose tile bands are far wider than 16 candidates (B ≤ 256
+    lies below): tests/test_shape_spec.py checks."""
     low, high = ranges.candidates
     counts = set(range(low, min(high, EXHAUSTIVE_CANDIDATES) + 1))
     for base in range(EXHAUSTIVE_CANDIDATES - EXHAUSTIVE_CANDIDATES % 16, high + 2, 16):
@@ -193,29 +179,18 @@ def _attention_label(tile) -> str:
     return f"{tile.block_m}x{tile.block_n} w{tile.num_warps} s{tile.num_stages}{regs}"
 
 
-def _lce_tiles_per_row(cfg: RankerConfig, tile) -> int:
-    return triton.cdiv(cfg.compressed_tokens, tile.block_m) * triton.cdiv(cfg.embedding_dim, tile.block_d)
-
-
 def lce_candidates(cfg: RankerConfig, key: tuple, dtype: torch.dtype) -> list[tuple[str, object]]:
-    """(variant, tile) to try for the LCE bucket `key`. The s3 bucket: s3 only (s4 specializes on U,
-    B and the program count, which vary inside it). An s4 bucket: s4 with the tiles per row that the
-    key's program count assumes, then s3 (one kernel for any U, B)."""
+    """(variant, tile) to try for the LCE bucket `key`: the s3 bucket s3's configs; the s4 bucket s4's
+    and s3's (either compiles one kernel per config for any U, B)."""
     variants = ("s4", "s3") if key[0] == "s4" else (key[0],)
-    return [
-        (variant, tile)
-        for variant in variants
-        for tile in dict.fromkeys(tile_configs(variant, dtype, cfg.embedding_dim))
-        if variant != "s4" or _lce_tiles_per_row(cfg, tile) == _s4_tiles_per_row(cfg, dtype)
-    ]
+    return [(variant, tile) for variant in variants for tile in dict.fromkeys(tile_configs(variant, dtype, cfg.embedding_dim))]
 
 
 def attention_candidates(cfg: RankerConfig, key: tuple) -> list:
-    """Tiles to try for the attention bucket `key` = (BLOCK_M, …): causal self tiles need
-    BLOCK_N | BLOCK_M, and U·cdiv(L, BLOCK_M) self tiles must stay what the key assumes."""
-    self_tiles = triton.cdiv(cfg.history_length, key[0])
+    """Tiles to try for an attention bucket: `pick_config`'s and ATTENTION_CONFIGS with BLOCK_N |
+    BLOCK_M (causal self tiles need it)."""
     tiles = [pick_config(rows, interpret=False) for rows in (64, 65)] + list(ATTENTION_CONFIGS)
-    return [t for t in dict.fromkeys(tiles) if t.block_m % t.block_n == 0 and triton.cdiv(cfg.history_length, t.block_m) == self_tiles]
+    return [t for t in dict.fromkeys(tiles) if t.block_m % t.block_n == 0]
 
 
 def _tune_lce(cfg: RankerConfig, key: tuple, shape, dtype, device, timer) -> dict:

@@ -99,7 +99,7 @@ def set_tuned_configs(device, dtype: torch.dtype, dims: tuple[int, int, int, int
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_candidates", "num_users"])  # any U, B: one compiled kernel
 def _plan_kernel(
     cand_to_user_ptr,  # [B] int32/int64, expected in [0, U)
     kv_len_ptr,  # [U] int32/int64, expected in [0, L] (unused without HAS_KV_LEN)
@@ -304,7 +304,7 @@ def _target_tile(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_users", "num_self_tiles"])  # any U, B: one kernel per tile config
 def _attention_kernel(
     q_ptr,  # [B, H, S, D] candidate queries
     stride_qb,
@@ -465,14 +465,23 @@ def _kv_views(k, v, block_n):
     return descs[0], descs[1], (s_u, s_h, s_l)
 
 
+def plan_buffers(num_candidates: int, max_tiles: int, device):
+    """(flag [1], order [B], tiles [max_tiles, 4]) int32 views of one allocation, each starting on a
+    16-byte boundary for any B: Triton specializes pointers on 16-byte alignment, so parts whose
+    offsets moved with B would compile the kernels again on the request path."""
+    order_at = 4
+    tiles_at = order_at + triton.cdiv(num_candidates, 4) * 4
+    buf = torch.empty(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device)
+    return buf[:1], buf[order_at : order_at + num_candidates], buf[tiles_at:].view(max_tiles, 4)
+
+
 def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int, kv_len=None, seq_len: int = 0):
     """Run `_plan_kernel` → (order [B] int32, tiles [max_tiles, 4] int32, max_tiles, flag [1] int32),
     with max_tiles = B·S // BLOCK_M + U, known without a device→host sync. flag is 1 when a
     mapping value lies outside [0, U) or a kv_len value outside [0, L]."""
     num_candidates = cand_to_user.shape[0]
     max_tiles = num_candidates * num_queries // block_m + num_users
-    buf = torch.empty(1 + num_candidates + 4 * max_tiles, dtype=torch.int32, device=cand_to_user.device)
-    flag, order, tiles = buf[:1], buf[1 : 1 + num_candidates], buf[1 + num_candidates :].view(max_tiles, 4)
+    flag, order, tiles = plan_buffers(num_candidates, max_tiles, cand_to_user.device)
     _plan_kernel[(num_users,)](
         cand_to_user, cand_to_user if kv_len is None else kv_len, order, tiles, flag,
         num_candidates, num_users, seq_len, num_queries,

@@ -278,7 +278,7 @@ def _wait_at_least(ptr, target, SPIN_ASM: tl.constexpr):
             pass
 
 
-@triton.jit(do_not_specialize=["epoch"])
+@triton.jit(do_not_specialize=["epoch", "U", "B", "NUM_PROGRAMS"])  # any U, B: one kernel per tile config
 def _lce_persistent_kernel(
     wu_desc, xu_ptr, xu_desc, stride_xu_g, stride_xu_k, stride_xu_d,  # user side: W_u (padded), user_emb
     wc_desc, xc_ptr, xc_desc, stride_xc_g, stride_xc_k, stride_xc_d,  # candidate side: W_c (padded), cand_emb

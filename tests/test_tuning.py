@@ -175,23 +175,42 @@ def test_on_a_cpu_tuning_is_a_no_op(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == [] and not lce_op._TUNED and not attention_op._TUNED
 
 
-def test_candidates_keep_each_bucket_on_one_compiled_kernel():
-    """For every bucket of the served range (bf16, H200 SM count), each candidate keeps the key of
-    the bucket's shapes fixed: s4 candidates have the tiles per row the key assumes, attention
-    candidates the same number of self tiles and BLOCK_N | BLOCK_M."""
+def test_candidates_per_bucket():
+    """s3 bucket: s3 configs; s4 bucket: s4 and s3 configs; attention: BLOCK_N | BLOCK_M (causal self tiles)."""
     ranges = ShapeRanges((1, 256), (1, 8192))
     large = RankerConfig(history_length=512, embedding_dim=256, heads=2, compressed_tokens=32, query_tokens=8)
     for cfg in (CFG, large):
         for bucket in shape_spec.shape_buckets(cfg, ranges, torch.bfloat16, 132)["lce"]:
             candidates = shape_spec.lce_candidates(cfg, bucket.key, torch.bfloat16)
             assert {v for v, _ in candidates} == ({"s4", "s3"} if bucket.key[0] == "s4" else {"s3"}), bucket
-            for variant, tile in candidates:
-                if variant == "s4":
-                    assert shape_spec._lce_tiles_per_row(cfg, tile) == shape_spec._s4_tiles_per_row(cfg, torch.bfloat16)
         for bucket in shape_spec.shape_buckets(cfg, ranges, torch.bfloat16, 132)["attention"]:
             tiles = shape_spec.attention_candidates(cfg, bucket.key)
             assert tiles and all(t.block_m % t.block_n == 0 for t in tiles)
-            assert {triton.cdiv(cfg.history_length, t.block_m) for t in tiles} == {triton.cdiv(cfg.history_length, bucket.key[0])}
+
+
+def test_request_shapes_do_not_specialize_the_kernels():
+    """What a request's (U, B) sets reaches the kernels unspecialized (Triton 3.6 turns an integer
+    equal to 1 into a constexpr and specializes on 16-divisibility), and the plan buffers start on
+    16-byte boundaries for every B: so one compiled kernel per tile config serves any (U, B)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from kernels import attention, linear_compress
+
+    unspecialized = {
+        attention._plan_kernel: {"num_candidates", "num_users"},
+        attention._attention_kernel: {"num_users", "num_self_tiles"},
+        linear_compress._lce_persistent_kernel: {"U", "B", "NUM_PROGRAMS"},
+    }
+    for kernel, names in unspecialized.items():
+        flags = {p.name: p.do_not_specialize for p in kernel.params}
+        assert all(flags[name] for name in names), (kernel.fn.__name__, flags)
+    for num_candidates in range(0, 40):
+        keys = set()
+        for part in attention.plan_buffers(num_candidates, 7, "cpu"):
+            assert part.data_ptr() % 16 == 0, num_candidates
+            keys.add(native_specialize_impl(BaseBackend, part, False, True, True))
+        assert keys == {("*i32", "D")}
 
 
 # ------------------------------------------------------------------ tuner and hook under the interpreter
