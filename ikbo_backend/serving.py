@@ -203,16 +203,21 @@ class InteractionModel(_ServedStage):
         return {name: getattr(features, name) for name in FEATURE_NAMES}
 
     def _check(self, inputs):
-        """The joins must be in range: a bad index must not reach a (device-side) gather."""
+        """The joins must be in range: a bad index must not reach a (device-side) gather. One device
+        sync for both index tensors; the slow path names the one out of range."""
         num_users, num_candidates = inputs["user_tokens"].shape[0], inputs["cand_tokens"].shape[0]
         for name, rows in (("history_tokens", num_users), ("history_len", num_users), ("cand_to_user", num_candidates)):
             if inputs[name].shape[0] != rows:
                 raise InvalidRequest(name, f"has {inputs[name].shape[0]} rows, expected {rows}")
-        for name, high in (("cand_to_user", num_users), ("history_len", self.cfg.history_length + 1)):
+        limits = (("cand_to_user", num_users), ("history_len", self.cfg.history_length + 1))
+        for name, _ in limits:
             if inputs[name].dtype != torch.int32:
                 raise InvalidRequest(name, f"expected dtype int32, got {inputs[name].dtype}".replace("torch.", ""))
-            if inputs[name].numel() and not bool(((inputs[name] >= 0) & (inputs[name] < high)).all()):
-                raise InvalidRequest(name, f"values outside [0, {high})")
+        outside = [((inputs[name] < 0) | (inputs[name] >= high)).any() for name, high in limits]
+        if bool(torch.stack(outside).any()):
+            for (name, high), bad in zip(limits, outside):
+                if bool(bad):
+                    raise InvalidRequest(name, f"values outside [0, {high})")
 
     def __call__(self, inputs):
         self._check(inputs)

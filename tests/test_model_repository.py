@@ -94,7 +94,10 @@ def test_gpu_config_differs_only_in_placement(model):
     cpu, gpu = config(model), config(model, "gpu")
     assert [g.kind for g in cpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
     assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
-    assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+    # raw request inputs stay in host memory (validated there, no device syncs); features arrive on the GPU
+    expected = "yes" if model == "ranker_features" else "no"
+    for name in ("gpu", "large"):
+        assert config(model, name).parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == expected, name
     for field in ("instance_group", "parameters"):
         cpu.ClearField(field)
         gpu.ClearField(field)

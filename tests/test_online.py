@@ -97,7 +97,7 @@ def test_online_configs(variant):
     assert cpu.dynamic_batching.max_queue_delay_microseconds > 0
     assert cpu.dynamic_batching.default_queue_policy.max_queue_size > 0
     assert cpu.parameters["variant"].string_value == variant
-    assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+    assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "yes"  # raw inputs: validated on the host
     assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
     for parsed in (cpu, gpu):
         parsed.ClearField("instance_group")
