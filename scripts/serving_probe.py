@@ -5,9 +5,10 @@ Triton compilations on the request path.
     python scripts/serving_probe.py first --url localhost:8001 --model ikbo_ranker [--profile large]
     python scripts/serving_probe.py stats --url localhost:8000 [--metrics-url localhost:8002]
 
-`first`: right after the server is ready, one request (U, B of --users/--candidates, gRPC) timed
-alone, then --repeats more of the same request: prints the first latency, the steady p50 and their
-ratio (issue 5: first ≤ 2× p50). Each request is drawn fresh (`make_request`, never zeros).
+`first`: right after the server is ready, one request (U, B of --users/--candidates, gRPC, on a
+connection opened by a readiness call first) timed alone, then --repeats more: prints the first
+latency, the steady p50 and their ratio (issue 5: first ≤ 2× p50). Each request is drawn fresh
+(`make_request`, never zeros).
 `stats`: Triton's statistics API (/v2/models/<m>/stats, cumulative since start) as the mean per
 executed request of queue, compute input, compute infer and compute output, per model, and the
 `ikbo_triton_compilations_total` counters of the metrics endpoint (phase "request" must be 0).
@@ -56,6 +57,7 @@ def first_request(url: str, model: str, profile: str, users: int, candidates: in
         return elapsed
 
     try:
+        client.is_model_ready(model)  # the connection is set up before the timed request
         first = once()
         steady = [once() for _ in range(repeats)]
     finally:

@@ -202,3 +202,20 @@ def test_server_and_models_ready(client):
     assert connection.is_server_ready()
     for model in ("ranker_features", "ikbo_interaction", "baseline_interaction", *RANKERS):
         assert connection.is_model_ready(model), model
+
+
+def test_serving_probe_reads_latency_statistics_and_compilations(server):
+    """scripts/serving_probe.py against the running server: first vs steady latency, per-model
+    statistics that grew by the requests it sent, and the request-path compilation counters."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import serving_probe
+
+    before = {r["model"]: r["requests"] for r in serving_probe.model_stats(server.http_url)}
+    result = serving_probe.first_request(server.grpc_url, "ikbo_ranker", "demo", 3, 40, repeats=3, seed=None)
+    assert result["first_ms"] > 0 and result["p50_ms"] > 0 and result["ratio"] == result["first_ms"] / result["p50_ms"]
+    after = {r["model"]: r for r in serving_probe.model_stats(server.http_url)}
+    for model in ("ikbo_ranker", "ranker_features", "ikbo_interaction"):
+        assert after[model]["requests"] >= before.get(model, 0) + 4, model
+        assert after[model]["compute_infer_ms"] > 0
+    counts = serving_probe.compilations(server.metrics_url)
+    assert counts.get("ikbo_interaction:request") == 0, counts
