@@ -63,11 +63,18 @@ class ShapeRanges:
 
     users: tuple[int, int]
     candidates: tuple[int, int]
+    typical: tuple[tuple[int, int], ...] = ()  # (U, B) of the common requests: warmed up at load too
+
+    def __post_init__(self):
+        object.__setattr__(self, "typical", tuple(tuple(int(n) for n in shape) for shape in self.typical))
+        for num_users, num_candidates in self.typical:
+            if not (self.users[0] <= num_users <= self.users[1] and self.candidates[0] <= num_candidates <= self.candidates[1]):
+                raise ValueError(f"typical shape {(num_users, num_candidates)} lies outside users {self.users}, candidates {self.candidates}")
 
     @classmethod
     def from_json(cls, path) -> "ShapeRanges":
         spec = json.loads(Path(path).read_text())
-        return cls(tuple(spec["users"]), tuple(spec["candidates"]))
+        return cls(tuple(spec["users"]), tuple(spec["candidates"]), tuple(map(tuple, spec.get("typical", ()))))
 
 
 class InvalidRequest(ValueError):

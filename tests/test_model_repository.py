@@ -119,6 +119,7 @@ def test_shape_ranges_file():
     assert isinstance(ranges, ShapeRanges)
     for low, high in (ranges.users, ranges.candidates):
         assert isinstance(low, int) and isinstance(high, int) and 1 <= low <= high
+    assert (15, 1024) in ranges.typical  # the canonical mix is warmed up at load
 
 
 LARGE = PROFILES["large"]

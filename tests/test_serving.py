@@ -59,6 +59,9 @@ def test_ensure_weights_creates_demo_weights_once_even_in_parallel(tmp_path):
 def test_warmup_sizes_cover_the_declared_range():
     assert warmup_sizes(ShapeRanges((1, 256), (1, 8192))) == [(1, 1), (16, 91), (256, 8192)]
     assert warmup_sizes(ShapeRanges((4, 4), (9, 9))) == [(4, 9)]
+    assert warmup_sizes(ShapeRanges((1, 256), (1, 8192), ((15, 1024), (1, 1)))) == [(1, 1), (16, 91), (256, 8192), (15, 1024)]
+    with pytest.raises(ValueError, match="typical shape"):
+        ShapeRanges((1, 8), (1, 40), ((9, 10),))
 
 
 def _config(inputs, outputs):

@@ -79,7 +79,7 @@ def test_warm_up_runs_every_bucket_representative(monkeypatch):
     model.warm_up()
     representatives = [b.representative for op in OPS for b in shape_buckets(CFG, SERVED, torch.float32, 132)[op]]
     assert set(seen) == {(1, 1), (3, 40)} | set(representatives) and len(seen) == len(set(seen))
-    assert warmup_sizes(SERVED)[-1] == (SERVED.users[1], SERVED.candidates[1])
+    assert (SERVED.users[1], SERVED.candidates[1]) in warmup_sizes(SERVED)
 
 
 # ------------------------------------------------------------------ GPU only
