@@ -13,6 +13,7 @@ Declared once:
   refuses a config.pbtxt whose dims disagree with it.
 - compute dtype: the interaction models' `compute_dtype` parameter ("float32" default, "bfloat16"
   in the large GPU configs: the Triton attention kernels take 16-bit inputs only).
+- threads: an optional `torch_threads` parameter sets torch's intra-op threads per instance.
 
 `triton_python_backend_utils` is imported only by the model.py files; they hand it to
 `execute_requests`, so this module imports without a server.
@@ -112,6 +113,17 @@ def check_model_config(model_config: dict, inputs: dict[str, list[int]], outputs
             )
 
 
+def set_torch_threads(value: str | None) -> None:
+    """The `torch_threads` parameter of a model config: torch's intra-op threads in that model's
+    process (unset: torch's default, one per core). Each python-backend instance is its own process,
+    so on a small CPU several instances × all cores oversubscribe (docs/perf.md, CPU serving)."""
+    if value is None or value == "":
+        return
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"parameter torch_threads: expected a positive integer, got {value!r}")
+    torch.set_num_threads(int(value))
+
+
 def instance_device(kind: str, device_id) -> torch.device:
     """torch device of a model instance (args["model_instance_kind"], args["model_instance_device_id"])."""
     return torch.device(f"cuda:{int(device_id)}") if kind == "GPU" else torch.device("cpu")
@@ -138,6 +150,7 @@ class _ServedStage:
         cfg, weights = load_weights(ensure_weights(weights_path(parameters.get("weights")), parameters.get("profile", "demo")))
         check_model_config(model_config, *cls.io_dims(cfg))
         ranges = load_shape_ranges(Path(args["model_repository"]).parent)
+        set_torch_threads(parameters.get("torch_threads"))
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
         if device.type == "cuda":
             torch.cuda.set_device(device)  # Triton launches on the current device: make it this instance's GPU

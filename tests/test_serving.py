@@ -145,3 +145,20 @@ def test_interaction_model_scores_and_checks_its_joins(small_weights, variant):
     torch.testing.assert_close(responses[0].outputs["scores"], interaction(features), rtol=0, atol=0)
     assert responses[1].error.code == "INVALID_ARG" and "'history_len'" in responses[1].error.message
     assert responses[2].error.code == "INVALID_ARG" and "'cand_to_user'" in responses[2].error.message
+
+
+def test_torch_threads_parameter():
+    from ikbo_backend.serving import set_torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_torch_threads(None)
+        set_torch_threads("")
+        assert torch.get_num_threads() == before
+        set_torch_threads("1")
+        assert torch.get_num_threads() == 1
+        for bad in ("0", "-2", "two", "1.5"):
+            with pytest.raises(ValueError, match="torch_threads"):
+                set_torch_threads(bad)
+    finally:
+        torch.set_num_threads(before)
