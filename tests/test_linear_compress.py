@@ -19,10 +19,7 @@ Three layers:
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +29,7 @@ from hypothesis import strategies as st
 from kernels import PackedLinearCompress, ikbo_linear_compress
 from kernels.linear_compress import VARIANTS, TileConfig
 from kernels.reference import linear_compress_reference
+from interpreted import run_interpreted
 
 FP32_TOL = 1e-5
 FP16_TOL = 2e-3
@@ -211,11 +209,7 @@ def test_triton_path_rejects_what_it_cannot_run():
 @pytest.mark.skipif(INTERPRETING, reason="already interpreting: the interpreted tests run directly")
 def test_triton_interpreted():
     """Run the `interpreted` tests below in a child process with TRITON_INTERPRET=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "interpreted_"]
-    done = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+    run_interpreted(__file__)
 
 
 INTERPRETED_CONFIGS = [None, TileConfig(16, 32, 16, num_warps=4, num_stages=1, epilogue_split=True)]

@@ -21,8 +21,6 @@ import math
 import multiprocessing
 import os
 import secrets
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -38,6 +36,7 @@ from ikbo_backend.tuning import ROUNDS, Candidate, TuningCache, cached_entries, 
 from kernels import attention as attention_op
 from kernels import ikbo_linear_compress, ikbo_self_target_attention
 from kernels import linear_compress as lce_op
+from interpreted import run_interpreted
 
 SEED = secrets.randbits(32)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -219,11 +218,7 @@ def test_request_shapes_do_not_specialize_the_kernels():
 @pytest.mark.skipif(INTERPRETING, reason="already interpreting: the interpreted tests run directly")
 def test_triton_interpreted():
     """Run the `interpreted` tests below in a child process with TRITON_INTERPRET=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "interpreted_"]
-    done = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+    run_interpreted(__file__)
 
 
 interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
