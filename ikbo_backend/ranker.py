@@ -173,6 +173,9 @@ def load_weights(path) -> tuple[RankerConfig, dict[str, torch.Tensor]]:
     return cfg, weights
 
 
+INTERACTION_WEIGHTS = ("lce", "history_qkv", "cand_query", "mlp")  # name prefixes; the rest is the feature stage's
+
+
 @dataclass
 class Features:
     """Output of the feature stage, at natural batch sizes."""
@@ -189,7 +192,7 @@ class FeatureStage:
 
     def __init__(self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu"):
         self.cfg = cfg
-        self.w = {k: v.to(device) for k, v in weights.items() if not k.startswith(("lce", "history_qkv", "cand_query", "mlp"))}
+        self.w = {k: v.to(device) for k, v in weights.items() if not k.startswith(INTERACTION_WEIGHTS)}
         self.user_slot_offset = torch.arange(cfg.user_sparse_features, device=device) * cfg.user_vocab_size
         self.cand_slot_offset = torch.arange(cfg.cand_sparse_features, device=device) * cfg.cand_vocab_size
 
@@ -215,7 +218,7 @@ class _Interaction:
 
     def __init__(self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu"):
         self.cfg = cfg
-        self.w = {k: v.to(device) for k, v in weights.items() if k.startswith(("lce", "history_qkv", "cand_query", "mlp"))}
+        self.w = {k: v.to(device) for k, v in weights.items() if k.startswith(INTERACTION_WEIGHTS)}
         self.num_mlp_layers = len(cfg.mlp_hidden) + 1
 
     def _heads(self, x, rows):
@@ -325,7 +328,7 @@ def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend
         dtype = COMPUTE_DTYPES[dtype] if isinstance(dtype, str) and dtype in COMPUTE_DTYPES else dtype
         if dtype not in COMPUTE_DTYPES.values():
             raise ValueError(f"compute dtype: expected one of {sorted(COMPUTE_DTYPES)}, got {dtype!r}")
-    cast = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in weights.items()}
+    cast = {k: v.to(dtype) if dtype is not None and k.startswith(INTERACTION_WEIGHTS) else v for k, v in weights.items()}
     if variant == "ikbo":
         interaction = IkboRanker(cfg, cast, device, backend)
     elif variant == "baseline":
