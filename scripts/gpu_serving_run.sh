@@ -29,10 +29,12 @@ fi
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 2 >"$W/gpu_memory.csv" 2>/dev/null &
 SMI=$!
 
-if [ -z "${SKIP_BENCH:-}" ]; then log "bench_model (in process, CUDA)"
-timeout "$STEP_TIMEOUT" python3 scripts/bench_model.py --device "$DEVICE" --profile "$PROFILE" --dtype "$DTYPE" \
-  --providers baseline ikbo transformed --mixes ${BENCH_MIXES:-u15_b1024 u1_b1024 u64_b64} --runs 30 --pool 4 --profile-kernels \
-  >>"$S" 2>"$W/bench_model.err" || log "bench_model failed: $(tail -3 "$W/bench_model.err")"; fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  log "bench_model (in process, CUDA)"
+  timeout "$STEP_TIMEOUT" python3 scripts/bench_model.py --device "$DEVICE" --profile "$PROFILE" --dtype "$DTYPE" \
+    --providers baseline ikbo transformed --mixes ${BENCH_MIXES:-u15_b1024 u1_b1024 u64_b64} --runs 30 --pool 4 \
+    --profile-kernels >>"$S" 2>"$W/bench_model.err" || log "bench_model failed: $(tail -3 "$W/bench_model.err")"
+fi
 
 log "tritonserver --model-config-name=$CONFIG"
 python3 - "$W" "$CONFIG" <<'EOF' &

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -362,6 +363,33 @@ def _host_port(url: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _measure(plan, results, inputs, online_inputs, per_request, profile, runs_dir, http_url, grpc_url, tqdm) -> None:
+    """Run perf_analyzer once per planned point, appending to `results` as each run ends."""
+    for mix, protocol, concurrency, repeat, ranker in (bar := tqdm(plan, desc="perf_analyzer", unit="run")):
+        online = ranker in ONLINE_RANKERS
+        in_flight = concurrency * mix_shape(mix)[0] if online else concurrency
+        bar.set_postfix_str(f"{ranker} {mix} {protocol} c={concurrency}" + (f" ({in_flight} in flight)" if online else ""))
+        name = f"{ranker}.{mix}.{protocol}.c{concurrency}.r{repeat}"
+        row, mode, status = run_perf_analyzer(
+            ranker,
+            grpc_url if protocol == "grpc" else http_url,
+            protocol,
+            online_inputs[mix] if online else inputs[mix],
+            in_flight,
+            profile,
+            runs_dir / f"{name}.csv",
+            runs_dir / f"{name}.log",
+        )
+        results.append(to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status, per_request[mix] if online else None))
+        results[-1].load1, results[-1].in_flight = os.getloadavg()[0], in_flight
+        if status != "ok":
+            tqdm.write(f"{name}: {status}, see {runs_dir / name}.log")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help=f"long sweep: {FULL}")
@@ -437,7 +465,8 @@ def main(argv=None) -> None:
         for repeat in range(args.repeats)
         for ranker in (args.rankers if repeat % 2 == 0 else args.rankers[::-1])
     ]
-    results = []
+    results, interrupted = [], False
+    signal.signal(signal.SIGTERM, _interrupt)
     with server as started:
         http_url = _host_port(started.http_url if started else args.url)
         if started:
@@ -448,25 +477,11 @@ def main(argv=None) -> None:
             host, port = http_url.rsplit(":", 1)
             grpc_url = f"{host}:{int(port) + 1}"
         version = server_version(http_url)
-        for mix, protocol, concurrency, repeat, ranker in (bar := tqdm(plan, desc="perf_analyzer", unit="run")):
-            online = ranker in ONLINE_RANKERS
-            in_flight = concurrency * mix_shape(mix)[0] if online else concurrency
-            bar.set_postfix_str(f"{ranker} {mix} {protocol} c={concurrency}" + (f" ({in_flight} in flight)" if online else ""))
-            name = f"{ranker}.{mix}.{protocol}.c{concurrency}.r{repeat}"
-            row, mode, status = run_perf_analyzer(
-                ranker,
-                grpc_url if protocol == "grpc" else http_url,
-                protocol,
-                online_inputs[mix] if online else inputs[mix],
-                in_flight,
-                profile,
-                runs_dir / f"{name}.csv",
-                runs_dir / f"{name}.log",
-            )
-            results.append(to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status, per_request[mix] if online else None))
-            results[-1].load1, results[-1].in_flight = os.getloadavg()[0], in_flight
-            if status != "ok":
-                tqdm.write(f"{name}: {status}, see {runs_dir / name}.log")
+        try:
+            _measure(plan, results, inputs, online_inputs, per_request, profile, runs_dir, http_url, grpc_url, tqdm)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (e.g. `timeout`): report the runs done so far
+            tqdm.write(f"interrupted after {len(results)} of {len(plan)} runs: reporting those")
+            interrupted = True
 
     summary = aggregate(results, args.aggregate)
     write_csv(results, args.out / "sweep.csv")
@@ -477,7 +492,7 @@ def main(argv=None) -> None:
     if any(r.ranker == TRANSFORMED for r in summary):
         print(f"{transformed_table(summary)}\n")
     print(f"wrote {args.out / 'sweep.csv'}" + "".join(f", {p}" for p in plots))
-    if any(r.status != "ok" for r in results):
+    if interrupted or any(r.status != "ok" for r in results):
         sys.exit(1)
 
 

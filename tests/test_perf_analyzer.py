@@ -60,3 +60,30 @@ def test_perf_analyzer_zero_errors(server, protocol, tmp_path):
     assert fail_after == fail_before, f"server counted {fail_after - fail_before} failed inferences\n{log[-3000:]}"
     assert success_after > success_before
     assert is_ready(server.http_url)
+
+
+def test_an_interrupted_sweep_reports_the_runs_it_finished(monkeypatch, tmp_path):
+    """SIGTERM / Ctrl-C mid-sweep (a step timeout): the finished runs still reach sweep.csv and the
+    table, and the exit status says the sweep is incomplete."""
+    import csv
+
+    import perf_sweep
+
+    calls = []
+
+    def fake_run(model, url, protocol, input_data, concurrency, profile, csv_path, log_path, *rest):
+        calls.append(model)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        row = {"Inferences/Second": "12.5", "p50 latency": "1000", "p90 latency": "2000", "p99 latency": "3000"}
+        return row, "windows", "ok"
+
+    monkeypatch.setattr(perf_sweep, "run_perf_analyzer", fake_run)
+    argv = ["--url", "localhost:1", "--mixes", "u1_b64", "--protocols", "grpc", "--concurrency", "1", "2",
+            "--rankers", "baseline_ranker", "ikbo_ranker", "--configs", str(tmp_path / "configs"), "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises((SystemExit, KeyboardInterrupt)) as exit_info:  # an escaping interrupt fails here, not the session
+        perf_sweep.main(argv)
+    assert exit_info.type is SystemExit and exit_info.value.code == 1 and len(calls) == 2
+    rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
+    assert [(r["ranker"], r["concurrency"]) for r in rows] == [("baseline_ranker", "1")]
+    assert float(rows[0]["candidates_per_s"]) == 12.5 * 64
