@@ -468,10 +468,13 @@ def _kv_views(k, v, block_n):
 def plan_buffers(num_candidates: int, max_tiles: int, device):
     """(flag [1], order [B], tiles [max_tiles, 4]) int32 views of one allocation, each starting on a
     16-byte boundary for any B: Triton specializes pointers on 16-byte alignment, so parts whose
-    offsets moved with B would compile the kernels again on the request path."""
+    offsets moved with B would compile the kernels again on the request path. Zero-filled: with a
+    mapping value outside [0, U) the plan kernel leaves some tile slots unwritten, and the attention
+    kernel runs before the host sees the flag; a zero slot is an empty tile of user 0 (no rows, no
+    stores), where uninitialized memory sent loads out of bounds (found by an interpreter memcheck)."""
     order_at = 4
     tiles_at = order_at + triton.cdiv(num_candidates, 4) * 4
-    buf = torch.empty(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device)
+    buf = torch.zeros(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device)
     return buf[:1], buf[order_at : order_at + num_candidates], buf[tiles_at:].view(max_tiles, 4)
 
 

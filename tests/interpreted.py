@@ -1,10 +1,23 @@
-"""Run a test file's `interpreted_*` tests in a child pytest with TRITON_INTERPRET=1: the variable
-must be set before Triton compiles anything, so those tests cannot run in the parent process."""
+"""Triton-interpreter helpers for the tests.
+
+`run_interpreted(test_file)`: run that file's `interpreted_*` tests in a child pytest with
+TRITON_INTERPRET=1 (the variable must be set before Triton compiles anything, so those tests cannot
+run in the parent process).
+
+`enable_memcheck()` (tests/conftest.py calls it whenever TRITON_INTERPRET=1): every unmasked address
+an interpreted kernel loads or stores must lie inside the storage of one of the kernel's tensor
+arguments, else the launch fails naming the kernel source lines. On the CPU an out-of-bounds access
+reads neighbouring heap memory (a wrong value or, rarely, a segfault); on a GPU it is garbage or an
+illegal-address error that kills the CUDA context. Patches triton 3.6's interpreter internals.
+"""
 
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
+
+import numpy as np
 
 
 def run_interpreted(test_file: str, timeout: float = 600) -> None:
@@ -13,3 +26,59 @@ def run_interpreted(test_file: str, timeout: float = 600) -> None:
     done = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+
+
+_RANGES: list[tuple[int, int]] = []  # [start, end) byte ranges of the running kernel's tensor arguments
+
+
+def _record(arg) -> None:
+    if isinstance(arg, (tuple, list)):
+        for item in arg:
+            _record(item)
+    elif hasattr(arg, "block_shape") and hasattr(arg, "base"):  # a TensorDescriptor
+        _record(arg.base)
+    elif hasattr(arg, "untyped_storage"):
+        storage = arg.untyped_storage()
+        _RANGES.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+
+
+def _check(ptrs, mask, itemsize: int, what: str) -> None:
+    addresses = np.asarray(ptrs)[np.asarray(mask, dtype=bool)].astype(np.uint64)
+    inside = np.zeros(addresses.shape, dtype=bool)
+    for start, end in _RANGES:
+        inside |= (addresses >= start) & (addresses + itemsize <= end)
+    if not inside.all():
+        where = [f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in traceback.extract_stack() if "/kernels/" in f.filename or "/tests/" in f.filename]
+        raise AssertionError(f"memcheck: {int((~inside).sum())} of {addresses.size} {what} addresses outside every tensor argument at {where}")
+
+
+def enable_memcheck() -> None:
+    import triton.runtime.interpreter as interpreter
+
+    if getattr(interpreter, "_ikbo_memcheck", False):
+        return
+    init_args, native = interpreter.GridExecutor._init_args_hst, interpreter._interpreter
+
+    def init_args_checked(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        _RANGES.clear()
+        _record(list(args_hst) + list(kwargs_hst.values()))
+        return args_hst, kwargs_hst
+
+    class Checked:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        @staticmethod
+        def load(ptrs, mask, other, dtype):
+            _check(ptrs, mask, np.dtype(dtype).itemsize, "load")
+            return native.load(ptrs, mask, other, dtype)
+
+        @staticmethod
+        def store(ptrs, value, mask):
+            _check(ptrs, mask, value.dtype.itemsize, "store")
+            return native.store(ptrs, value, mask)
+
+    interpreter.GridExecutor._init_args_hst = init_args_checked
+    interpreter._interpreter = Checked()
+    interpreter._ikbo_memcheck = True

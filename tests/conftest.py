@@ -1,0 +1,9 @@
+"""Under TRITON_INTERPRET=1 (the interpreter children of the kernel tests), interpreted kernels run
+with the out-of-bounds memcheck of tests/interpreted.py."""
+
+import os
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreted import enable_memcheck
+
+    enable_memcheck()
