@@ -856,8 +856,8 @@ def queue_full(server, bursts: int, burst: int = 48, candidates: int = 512, p99_
 
 @contextlib.contextmanager
 def online_repository(max_queue_size: int | None = None):
-    """A copy of the online endpoints; with `max_queue_size`, their queue holds that many requests
-    (the shipped 1024 cannot be filled by 2 CPU cores of clients)."""
+    """A copy of the online endpoints; with `max_queue_size`, a REJECT queue policy of that size is
+    added to their dynamic batcher (the shipped configs have none: docs/reliability.md)."""
     with tempfile.TemporaryDirectory(prefix="online-repo-") as tmp:
         root = Path(tmp)
         for package in ("ikbo_backend", "kernels"):
@@ -870,9 +870,10 @@ def online_repository(max_queue_size: int | None = None):
             shutil.copytree(MODEL_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
             if max_queue_size is not None:
                 config = repo / name / "config.pbtxt"
-                text, n = re.subn(r"max_queue_size: \d+", f"max_queue_size: {max_queue_size}", config.read_text())
+                policy = f"  default_queue_policy {{ max_queue_size: {max_queue_size} timeout_action: REJECT }}\n"
+                text, n = re.subn(r"dynamic_batching \{\n", lambda m: m.group(0) + policy, config.read_text())
                 if n != 1:
-                    raise ValueError(f"{config}: expected one max_queue_size, found {n}")
+                    raise ValueError(f"{config}: expected one dynamic_batching block, found {n}")
                 config.write_text(text)
         yield repo
 
