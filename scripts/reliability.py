@@ -855,10 +855,10 @@ def queue_full(server, bursts: int, burst: int = 48, candidates: int = 512, p99_
 
 
 @contextlib.contextmanager
-def online_repository(max_queue_size: int | None = None):
-    """A copy of the online endpoints; with `max_queue_size`, a REJECT queue policy of that size is
-    added to their dynamic batcher (the shipped configs have none: docs/reliability.md)."""
-    with tempfile.TemporaryDirectory(prefix="online-repo-") as tmp:
+def repository_copy(models, prefix: str):
+    """A temporary model repository holding a copy of `models` (and shape_ranges.json); the model.py
+    files find the packages through symlinks next to it."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         root = Path(tmp)
         for package in ("ikbo_backend", "kernels"):
             if (REPO_ROOT / package).is_dir():
@@ -866,15 +866,23 @@ def online_repository(max_queue_size: int | None = None):
         repo = root / "model_repository"
         repo.mkdir()
         shutil.copy2(MODEL_REPOSITORY / "shape_ranges.json", repo)
-        for name in ONLINE_MODELS:
+        for name in models:
             shutil.copytree(MODEL_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-            if max_queue_size is not None:
-                config = repo / name / "config.pbtxt"
-                policy = f"  default_queue_policy {{ max_queue_size: {max_queue_size} timeout_action: REJECT }}\n"
-                text, n = re.subn(r"dynamic_batching \{\n", lambda m: m.group(0) + policy, config.read_text())
-                if n != 1:
-                    raise ValueError(f"{config}: expected one dynamic_batching block, found {n}")
-                config.write_text(text)
+        yield repo
+
+
+@contextlib.contextmanager
+def online_repository(max_queue_size: int | None = None):
+    """A copy of the online endpoints; with `max_queue_size`, a REJECT queue policy of that size is
+    added to their dynamic batcher (the shipped configs have none: docs/reliability.md)."""
+    with repository_copy(ONLINE_MODELS, "online-repo-") as repo:
+        for name in ONLINE_MODELS if max_queue_size is not None else ():
+            config = repo / name / "config.pbtxt"
+            policy = f"  default_queue_policy {{ max_queue_size: {max_queue_size} timeout_action: REJECT }}\n"
+            text, n = re.subn(r"dynamic_batching \{\n", lambda m: m.group(0) + policy, config.read_text())
+            if n != 1:
+                raise ValueError(f"{config}: expected one dynamic_batching block, found {n}")
+            config.write_text(text)
         yield repo
 
 
@@ -883,19 +891,9 @@ def online_repository(max_queue_size: int | None = None):
 
 @contextlib.contextmanager
 def rankers_repository(broken_model: str | None = None):
-    """A copy of the models behind both rankers (no other model of model_repository/) in a temporary
-    directory; with `broken_model`, that model's config declares a dim the weights do not have.
-    The model.py files find the package through symlinks next to the copy."""
-    with tempfile.TemporaryDirectory(prefix="rankers-repo-") as tmp:
-        root = Path(tmp)
-        for package in ("ikbo_backend", "kernels"):
-            if (REPO_ROOT / package).is_dir():
-                (root / package).symlink_to(REPO_ROOT / package)
-        repo = root / "model_repository"
-        repo.mkdir()
-        shutil.copy2(MODEL_REPOSITORY / "shape_ranges.json", repo)
-        for name in (*SERVED_STAGES, *RANKERS):
-            shutil.copytree(MODEL_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    """A copy of the models behind both rankers (no other model of model_repository/); with
+    `broken_model`, that model's config declares a dim the weights do not have."""
+    with repository_copy((*SERVED_STAGES, *RANKERS), "rankers-repo-") as repo:
         if broken_model:
             config = repo / broken_model / "config.pbtxt"
             text = config.read_text()
