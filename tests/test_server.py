@@ -9,6 +9,7 @@ fresh random each run: the seed is in every failure message.
 
 import secrets
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -213,8 +214,13 @@ def test_serving_probe_reads_latency_statistics_and_compilations(server):
     before = {r["model"]: r["requests"] for r in serving_probe.model_stats(server.http_url)}
     result = serving_probe.first_request(server.grpc_url, "ikbo_ranker", "demo", 3, 40, repeats=3, seed=None)
     assert result["first_ms"] > 0 and result["p50_ms"] > 0 and result["ratio"] == result["first_ms"] / result["p50_ms"]
-    after = {r["model"]: r for r in serving_probe.model_stats(server.http_url)}
-    for model in ("ikbo_ranker", "ranker_features", "ikbo_interaction"):
+    models = ("ikbo_ranker", "ranker_features", "ikbo_interaction")
+    for _ in range(50):  # Triton updates its statistics just after the response goes out
+        after = {r["model"]: r for r in serving_probe.model_stats(server.http_url)}
+        if all(after[m]["requests"] >= before.get(m, 0) + 4 for m in models):
+            break
+        time.sleep(0.1)
+    for model in models:
         assert after[model]["requests"] >= before.get(model, 0) + 4, model
         assert after[model]["compute_infer_ms"] > 0
     counts = serving_probe.compilations(server.metrics_url)
