@@ -1,0 +1,373 @@
+"""IKBO linear compression, variant s6: the fused candidate GEMM as a warp-specialized persistent Gluon kernel.
+
+Math (as in `kernels/linear_compress.py`): out[b] = W_u @ user_emb[m[b]] + W_c @ cand_emb[b] + bias[:, None],
+user_emb [U, Ku, D], cand_emb [B, Kc, D], W_c [N, Kc], bias [N] → out [B, N, D].
+
+Why: at the canonical shape each [128, 256] output tile has only 8 K steps of 64 (Kc = 500), so the
+per-tile fixed costs — first loads' latency, the epilogue (Y_u tile + bias, 64 KB out) — weigh as
+much as the MMAs. s2 (one tile per program, no overlap across tiles) spends ~9.2 µs per tile per SM
+where its wgmmas need ~4.5 µs at the datasheet rate (docs/notes/lce.md). s6 keeps the tile shape
+(128 × 256, 85 FLOP per operand byte) and takes the fixed costs off the MMA path:
+
+Kernel `_lce_ws_kernel`, one persistent program per SM, tiles t = pid, pid + P, … in (b, n, d) order
+(the N tiles of one candidate are adjacent, so cand_emb[b] comes from HBM once per wave):
+    worker partition, 1 warp (the producer): for every tile, K_TILES TMA loads of a W_c tile
+        [BLOCK_M, BLOCK_K] and a cand_emb tile [1, BLOCK_K, BLOCK_D] (rank-3 descriptor: rows past
+        Kc of candidate b are zero-filled) into a STAGES-deep mbarrier ring (ready/empty barrier per
+        slot); in the middle of each tile's loads, one TMA load of the tile's Y_u[m[b]] block
+        [1, BLOCK_M, BLOCK_D] into the epilogue buffer. The producer never waits on the consumer's
+        epilogue except for that buffer, so the next tile's operands stream in while the consumer
+        finishes the current one.
+    default partition, num_warps warps (the consumer, two warpgroups of 64 rows at 8 warps):
+        async wgmma, one group in flight, releasing each slot as the next wgmma is issued; then the
+        epilogue: acc + Y_u tile (read from shared memory) + bias, cast, written back into the same
+        shared buffer and stored by TMA (`UTMASTG`), so the epilogue costs shared-memory time
+        (~0.5 µs per tile) and no LSU-queue time (s5's pointer epilogue, docs/notes/lce.md). The
+        store drains during the next tile's first K step; then the buffer is handed back to the
+        producer for the next Y_u block.
+Why cooperative and not pingpong (CUTLASS's two consumer warpgroups alternating tiles): on Hopper the
+accumulator lives in registers; one warpgroup holding a whole 128 × 256 fp32 tile needs 256
+registers per thread (more than the 255 limit), so pingpong would shrink each warpgroup's tile to
+64 × 256 or 128 × 128 (51 or 64 FLOP per operand byte instead of 85; the notes found time tracks that
+intensity) and need two epilogue buffers (64 KiB more shared memory: one ring stage fewer). Double-
+buffered accumulators (the Blackwell recipe) do not fit in registers either. The cooperative kernel
+overlaps loads with the epilogue, and the epilogue itself is made short instead of hidden.
+
+Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
+The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more,
+as s5 does). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
+(D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
+Sources: Triton's Gluon tutorials `python/tutorials/gluon/08-warp-specialization.py` (partitions,
+ready/empty rings, TMA-store epilogue), `07-persistence.py` and `05-wgmma.py` (async wgmma on Hopper);
+CUTLASS's "KernelTmaWarpSpecializedCooperative" schedule for the partition roles.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .linear_compress import PackedLinearCompress
+from .linear_compress_gluon import SMEM_LIMIT, USER_GEMM_CONFIG
+
+GLUON_TYPES = (torch.float16, torch.bfloat16)
+MAX_STAGES = 6
+
+
+@dataclass(frozen=True)
+class WSConfig:
+    """Tile shape, ring depth and partition sizes of the s6 kernel."""
+
+    block_m: int = 128  # W_c rows per tile (64 per consumer warpgroup at 8 warps)
+    block_d: int = 256  # output columns per tile
+    block_k: int = 64  # K step
+    stages: int = 3  # operand ring depth (0: the deepest that fits, see `ws_config`)
+    num_warps: int = 8  # consumer (default partition) warps
+    producer_regs: int = 40  # registers per thread of the 1-warp producer partition
+    maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
+    epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
+
+    def smem_bytes(self, elem: int) -> int:
+        ring = self.stages * (self.block_m + self.block_d) * self.block_k * elem
+        epilogue = self.block_m * self.block_d * elem
+        return ring + epilogue + 8 * (2 * self.stages + 2)
+
+
+@gluon.constexpr_function
+def _mma_layout(block_d, num_warps):
+    """wgmma accumulator layout: warps stacked along M (16 rows each), one instruction spans BLOCK_D."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_d, 16])
+
+
+@gluon.jit
+def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr):
+    """tile → (candidate b, row offset, column offset); the N tiles of one candidate are adjacent."""
+    b = tile // tiles_per_row
+    rest = tile % tiles_per_row
+    return b, (rest % num_m_tiles) * BLOCK_M, (rest // num_m_tiles) * BLOCK_D
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+              num_tiles, num_m_tiles, tiles_per_row,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer."""
+    BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    step = 0
+    i = 0
+    for tile in range(pid, num_tiles, num_programs):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+        if HAS_USER:
+            user = gl.load(m_ptr + b).to(gl.int32)
+        for kt in gl.static_range(K_TILES):
+            slot = step % STAGES
+            # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
+            tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
+            step += 1
+            if HAS_USER:
+                if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
+                    mbarrier.wait(epi_free, i & 1)
+                    mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
+        i += 1
+
+
+@gluon.jit
+def _consumer(w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
+              num_tiles, num_m_tiles, tiles_per_row, N,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
+              EPI_FREE_AT: gl.constexpr, num_warps: gl.constexpr):
+    """num_warps warps: wgmma over the ring, then acc + Y_u + bias → epilogue buffer → TMA store."""
+    BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
+    BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
+    dtype: gl.constexpr = w_bufs.dtype
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_D, num_warps)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    epi_tile = epi_buf.reshape([BLOCK_M, BLOCK_D])
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    acc = gl.zeros((BLOCK_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
+    step = 0
+    i = 0
+    for tile in range(pid, num_tiles, num_programs):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+        for kt in gl.static_range(K_TILES):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
+            acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if kt > 0:  # the previous step's wgmma has finished reading its slot
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+            if kt == EPI_FREE_AT:  # last tile's TMA store has read the epilogue buffer: the producer may refill it
+                tma.store_wait(0)
+                mbarrier.arrive(epi_free, count=1)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+        result = acc
+        if HAS_BIAS:
+            rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+            result = result + bias[:, None]
+        if HAS_USER:
+            mbarrier.wait(epi_ready, i & 1)
+            result = result + epi_tile.load(mma_layout).to(gl.float32)
+        epi_tile.store(result.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d], epi_buf)
+        i += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _lce_ws_kernel(
+    w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
+    x_desc,  # cand_emb [B, Kc, D], blocks [1, BLOCK_K, BLOCK_D]
+    y_desc,  # Y_u [U, N, D], blocks [1, BLOCK_M, BLOCK_D] (any descriptor of that block when not HAS_USER)
+    out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D]
+    m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
+    B, N, D,
+    K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized."""
+    BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
+    gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
+    dtype: gl.constexpr = w_desc.dtype
+    # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
+    # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
+    FREE_AT: gl.constexpr = min(EPI_FREE_AT, K_TILES - 1)
+    Y_AT: gl.constexpr = min(FREE_AT + STAGES, K_TILES - 1)
+
+    num_m_tiles = gl.cdiv(N, BLOCK_M)
+    tiles_per_row = num_m_tiles * gl.cdiv(D, BLOCK_D)
+    num_tiles = B * tiles_per_row
+
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    epi_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(epi_ready, count=1)
+    mbarrier.init(epi_free, count=1)
+
+    gl.warp_specialize([
+        (_consumer, (w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
+                     num_tiles, num_m_tiles, tiles_per_row, N,
+                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, num_warps)),
+        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+                     num_tiles, num_m_tiles, tiles_per_row,
+                     K_TILES, STAGES, HAS_USER, Y_AT)),
+    ], [1], [PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(device: torch.device):
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
+    """`base` with BLOCK_D fitted to D and, where base.stages is 0, the deepest ring (≤ MAX_STAGES)
+    that fits one SM's shared memory; a fixed base.stages is kept (the launch fails if it does not fit)."""
+    base = base or WSConfig(stages=0)
+    block_d = max(16, min(base.block_d, triton.next_power_of_2(dim)))
+    cfg = replace(base, block_d=block_d, stages=max(base.stages, 2))
+    if base.stages == 0:
+        while cfg.stages < MAX_STAGES and replace(cfg, stages=cfg.stages + 1).smem_bytes(elem) <= SMEM_LIMIT:
+            cfg = replace(cfg, stages=cfg.stages + 1)
+    return cfg
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    elem = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in t.stride()[:-1])
+
+
+def s6_supported(user_emb: torch.Tensor, cand_emb: torch.Tensor) -> bool:
+    """Whether s6 runs these (checked) inputs, else take s3/s4: a Hopper GPU, fp16/bf16, Kc ≥ 1,
+    cand_emb TMA-able (unit last stride, 16-byte aligned base and strides) and D·elem a multiple of
+    16 bytes (the output and Y_u rows, written/read by TMA)."""
+    if not cand_emb.is_cuda or cand_emb.dtype not in GLUON_TYPES or user_emb.dtype != cand_emb.dtype:
+        return False
+    if _device_info(cand_emb.device)[0][0] != 9:
+        return False
+    _, num_cand_tokens, dim = cand_emb.shape
+    return num_cand_tokens >= 1 and dim * cand_emb.element_size() % 16 == 0 and _tma_ok(cand_emb)
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WSConfig):
+    """W_c (packed, padded; cached on the packed module), cand_emb, Y_u and out descriptors."""
+    weight = packed.cand_weight_padded
+    key = ("s6-desc", weight.data_ptr(), cfg.block_m, cfg.block_k)
+    w_desc = packed._flags.get(key)
+    if w_desc is None:
+        w_desc = packed._flags[key] = _descriptor(weight, [cfg.block_m, cfg.block_k])
+    x_desc = _descriptor(cand_emb, [1, cfg.block_k, cfg.block_d])
+    out_desc = _descriptor(out, [1, cfg.block_m, cfg.block_d])
+    y_desc = out_desc if user_part is None else _descriptor(user_part, [1, cfg.block_m, cfg.block_d])
+    return w_desc, x_desc, y_desc, out_desc
+
+
+def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
+               num_programs: int | None = None):
+    """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
+    num_candidates, num_cand_tokens, dim = cand_emb.shape
+    rows = out.shape[1]
+    w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
+    num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
+    grid = min(num_programs or _device_info(out.device)[1], num_tiles)
+    _lce_ws_kernel[(grid,)](
+        w_desc, x_desc, y_desc, out_desc,
+        cand_to_user, out if bias is None else bias,
+        num_candidates, rows, dim,
+        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
+        HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+    )
+
+
+def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
+           config: WSConfig | None = None) -> torch.Tensor:
+    """out [B, N, D] = packed(user_emb, cand_emb, cand_to_user) through s6, for inputs that passed
+    PackedLinearCompress's checks and `s6_supported`. Two launches: the user GEMM (s3's tile kernel,
+    Y_u [U, N, D]) and `_lce_ws_kernel`. `config` overrides the tile config (benchmarks; stages 0
+    picks the deepest ring); `out` and `user_part` may be given pre-filled (tests poison them with NaN)."""
+    num_users, num_user_tokens, dim = user_emb.shape
+    num_candidates = cand_emb.shape[0]
+    rows = packed.cand_weight.shape[0]
+    cfg = ws_config(dim, cand_emb.element_size(), config)
+    if out is None:
+        out = torch.empty(num_candidates, rows, dim, dtype=cand_emb.dtype, device=cand_emb.device)
+    if out.numel() == 0:
+        return out
+    if num_user_tokens > 0:
+        if user_part is None:
+            user_part = torch.empty(num_users, rows, dim, dtype=out.dtype, device=out.device)  # Y_u
+        packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
+    else:
+        user_part = None
+    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg)
+    return out
+
+
+def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, rows: int = 512, dim: int = 256,
+               num_cand_tokens: int = 500, config: WSConfig | None = None, has_user: bool = True,
+               has_bias: bool = True, capability: int = 90):
+    """Compile `_lce_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
+    arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
+    `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
+    weight = torch.zeros(rows, triton.cdiv(num_cand_tokens, 8) * 8, dtype=dtype)
+    packed = PackedLinearCompress(weight, weight, None, weight, weight)
+    cand_emb = torch.zeros(2, num_cand_tokens, dim, dtype=dtype)
+    out = torch.zeros(2, rows, dim, dtype=dtype)
+    w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, out if has_user else None, cfg)
+    runtime_args = dict(
+        w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
+        m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
+        B=num_candidates, N=rows, D=dim,
+    )
+    constexprs = dict(
+        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps,
+    )
+    signature, attrs, constants = {}, {}, {}
+    for index, name in enumerate(_lce_ws_kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            constants[(index,)] = constexprs[name]
+            continue
+        kind, key = native_specialize_impl(BaseBackend, runtime_args[name], False, True, True)
+        signature[name] = kind
+        if isinstance(key, str):
+            attrs[(index,)] = BaseBackend.parse_attr(key)
+    source = GluonASTSource(_lce_ws_kernel, signature, constants, attrs)
+    options = {"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg}
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
