@@ -31,7 +31,8 @@ from torch.utils.dlpack import to_dlpack
 
 from .ranker import COMPUTE_DTYPES, RankerConfig, build_ranker
 from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest, input_widths, make_request, validate_request
-from .serving import _ServedStage, _to_torch, score_dims
+from .cuda_graphs import GraphedInteraction
+from .serving import _ServedStage, _to_torch, score_dims, use_cuda_graphs
 
 ONLINE_INPUT_NAMES = tuple(name for name in INPUT_NAMES if name != "cand_to_user")
 ONLINE_CAND_INPUTS = tuple(name for name in CAND_INPUTS if name != "cand_to_user")  # NRO, ragged
@@ -119,13 +120,15 @@ class OnlineModel(_ServedStage):
     on a batch in the batch contract (warm-up, tests); `execute_online` serves the online contract."""
 
     inputs, outputs = ONLINE_INPUT_NAMES, ("scores",)
-    config_parameters = ("variant", "compute_dtype")
+    config_parameters = ("variant", "compute_dtype", "cuda_graphs")
 
-    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32"):
+    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no"):
         super().__init__(cfg, ranges, device)
         self.variant = variant
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
         self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)
+        if use_cuda_graphs(cuda_graphs, self.device):
+            self.interaction = GraphedInteraction(self.interaction, ranges, self.device)
 
     @staticmethod
     def io_dims(cfg):

@@ -33,6 +33,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from .ranker import COMPUTE_DTYPES, Features, FeatureStage, RankerConfig, build_ranker, load_weights, make_demo_weights, profile_config, save_weights
 from .requests import INPUT_NAMES, InvalidRequest, ShapeRanges, input_widths, make_request, to_tensors, validate_request
+from .cuda_graphs import GraphedInteraction
 from .shape_spec import bucket_representatives
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -167,10 +168,15 @@ class _ServedStage:
 
     @torch.inference_mode()
     def warm_up(self, seed: int = 0) -> None:
-        """Run requests at `warmup_shapes`: no Triton compilation is left for the request path."""
+        """Run requests at `warmup_shapes`: no Triton compilation is left for the request path. Then,
+        if the stage replays its interaction from CUDA graphs, capture one per shape bucket."""
         rng = np.random.default_rng(seed)
         for num_users, num_candidates in self.warmup_shapes():
             self(self.example(make_request(self.cfg, num_users, num_candidates, rng)))
+        interaction = getattr(self, "interaction", None)
+        if isinstance(interaction, GraphedInteraction):
+            shape = self.ranges.typical[0] if self.ranges.typical else (self.ranges.users[0], self.ranges.candidates[0])
+            interaction.capture_all(self.features(**to_tensors(make_request(self.cfg, *shape, rng), self.device)))
 
 
 class FeatureModel(_ServedStage):
@@ -199,16 +205,26 @@ class FeatureModel(_ServedStage):
         return {name: getattr(features, name) for name in FEATURE_NAMES}
 
 
+def use_cuda_graphs(value: str | None, device: torch.device) -> bool:
+    """The `cuda_graphs` parameter ("yes" / "no", default "no"): replay the interaction from CUDA
+    graphs per shape bucket (ikbo_backend/cuda_graphs.py). Only on a GPU; ignored on a CPU."""
+    if value not in (None, "", "yes", "no"):
+        raise ValueError(f"parameter cuda_graphs: expected 'yes' or 'no', got {value!r}")
+    return value == "yes" and device.type == "cuda"
+
+
 class InteractionModel(_ServedStage):
     """ikbo_interaction / baseline_interaction: features → scores [B, T] (config parameter `variant`)."""
 
     inputs, outputs = FEATURE_NAMES, ("scores",)
-    config_parameters = ("variant", "compute_dtype")
+    config_parameters = ("variant", "compute_dtype", "cuda_graphs")
 
-    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32"):
+    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no"):
         super().__init__(cfg, ranges, device)
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
         self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)  # features: warm-up only
+        if use_cuda_graphs(cuda_graphs, self.device):
+            self.interaction = GraphedInteraction(self.interaction, ranges, self.device)
 
     @staticmethod
     def io_dims(cfg):

@@ -33,7 +33,11 @@ def check_same(name: str, actual, expected_name: str, expected) -> None:
 
 
 def _within(values: torch.Tensor, low: int, high: int) -> bool:
-    """low <= values <= high everywhere, with one reduction and one device sync."""
+    """low <= values <= high everywhere, with one reduction and one device sync. True without
+    looking while a CUDA graph is being captured (no sync is allowed there): the values are then
+    the caller's to check before each replay (ikbo_backend/cuda_graphs.py)."""
+    if values.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
     lowest, highest = torch.aminmax(values)
     return bool((lowest >= low) & (highest <= high))
 

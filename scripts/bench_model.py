@@ -18,6 +18,11 @@ request, ratio baseline/ikbo, candidates/s of the whole forward.
     python scripts/bench_model.py                              # default mixes
     python scripts/bench_model.py --mixes u15_b1024 --runs 200 --append docs/perf.md
     python scripts/bench_model.py --device cuda --profile large --dtype bfloat16 --profile-kernels
+    python scripts/bench_model.py --device cuda --profile large --dtype bfloat16 --cuda-graphs
+
+`--cuda-graphs` runs every provider's interaction as the served GPU configs do
+(ikbo_backend/cuda_graphs.py): the request copied into its shape bucket's static inputs, one graph
+replay, the scores copied out; each mix's bucket is captured before its timing.
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from make_perf_configs import mix_shape  # noqa: E402
 
+from ikbo_backend.cuda_graphs import GraphedInteraction  # noqa: E402
 from ikbo_backend.ranker import COMPUTE_DTYPES, PROFILES, build_ranker, load_weights  # noqa: E402
 from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
-from ikbo_backend.serving import REPO_ROOT, ensure_weights, weights_path  # noqa: E402
+from ikbo_backend.serving import REPO_ROOT, ensure_weights, load_shape_ranges, weights_path  # noqa: E402
 
 PROVIDERS = ("baseline", "ikbo")  # baseline first: the reference of every ratio
 AGREEMENT = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}  # max |ikbo − baseline| / max |baseline|
@@ -124,6 +130,9 @@ def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: in
 
     times = {key: [] for key in calls}
     with torch.inference_mode():
+        for name, (_, interaction) in models.items():
+            if isinstance(interaction, GraphedInteraction):  # capture this mix's bucket first
+                interaction.capture(*interaction.bucket(num_users, num_candidates), features_of[0])
         scores = {name: models[name][1](features_of[0]) for name in models}
         tolerance = AGREEMENT[getattr(models["ikbo"][1], "dtype", torch.float32)]
         for name in models:
@@ -185,6 +194,7 @@ def main(argv=None) -> None:
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS) + ["transformed"])
     parser.add_argument("--backend", default=None, help="kernel backend (default: torch on a CPU, auto on a GPU)")
     parser.add_argument("--profile-kernels", action="store_true", help="also the kernel-time sum of one interaction call (GPU)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="interactions replayed from CUDA graphs per shape bucket, as served")
     args = parser.parse_args(argv)
     for mix in args.mixes:
         mix_shape(mix)  # fail early on an unknown name
@@ -197,6 +207,9 @@ def main(argv=None) -> None:
     cfg, weights = load_weights(ensure_weights(path, args.profile))  # the weights the server loads (created if missing)
     providers = ["baseline", "ikbo"] + [p for p in args.providers if p not in PROVIDERS]
     models = {name: build_ranker(name, cfg, weights, device, backend=backend, dtype=dtype) for name in providers}
+    if args.cuda_graphs:
+        ranges = load_shape_ranges()
+        models = {name: (f, GraphedInteraction(i, ranges, device, replay_eagerly=device.type != "cuda")) for name, (f, i) in models.items()}
     results = {}
     for mix in args.mixes:
         results[mix] = bench_mix(cfg, models, mix, args.runs, args.pool, args.warmup, args.seed, device, args.profile_kernels and device.type == "cuda")
@@ -206,7 +219,7 @@ def main(argv=None) -> None:
         "### Model forward, in process (`scripts/bench_model.py`)\n\n"
         f"{environment()}. Served weights, D={cfg.embedding_dim} L={cfg.history_length} N={cfg.compressed_tokens} "
         f"S={cfg.query_tokens} H={cfg.heads} MLP {'-'.join(map(str, cfg.mlp_hidden))} T={cfg.tasks} (profile {args.profile!r}), "
-        f"{args.dtype} interaction on {device}, kernels backend {backend!r}, "
+        f"{args.dtype} interaction on {device}{' replayed from CUDA graphs' if args.cuda_graphs else ''}, kernels backend {backend!r}, "
         f"`torch.inference_mode`, {args.pool} fixed seeded requests per mix from `make_request`.\n\n"
         f"{table(results, args.runs)}\n"
     )

@@ -7,6 +7,10 @@
 #
 #   OUT=out/gpu scripts/gpu_serving_run.sh            # large profile, bf16, on the GPU
 #
+# Knobs (environment): GPU_TESTS (pytest arguments run first; "" skips), SKIP_BENCH, BENCH_MIXES,
+# MAIN_CONCURRENCY / ONLINE_CONCURRENCY (batch / online endpoints at 15:1024, gRPC), SKIP_EXTRA (no
+# transformed, other-mix and HTTP sweeps), STEP_TIMEOUT (s per step), WINDOW (perf_analyzer ms).
+#
 # Machines without network (the lab's H200): .triton_bundle/tb.tar.xz from
 # ../shared/tools/make-offline-triton-bundle.sh (tritonserver + stub + perf_analyzer),
 # .triton_bundle/site (tritonclient) and .triton_bundle/whl (its HTTP dependencies) are used when
@@ -29,11 +33,19 @@ fi
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 2 >"$W/gpu_memory.csv" 2>/dev/null &
 SMI=$!
 
+if [ -n "${GPU_TESTS-tests/test_cuda_graphs.py}" ]; then
+  log "GPU tests: ${GPU_TESTS-tests/test_cuda_graphs.py}"
+  { echo -e "\n### GPU tests\n"; echo '```'
+    timeout "$STEP_TIMEOUT" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS-tests/test_cuda_graphs.py} 2>&1 | tail -15
+    echo '```'; } >>"$S"
+fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  log "bench_model (in process, CUDA)"
-  timeout "$STEP_TIMEOUT" python3 scripts/bench_model.py --device "$DEVICE" --profile "$PROFILE" --dtype "$DTYPE" \
-    --providers baseline ikbo transformed --mixes ${BENCH_MIXES:-u15_b1024 u1_b1024 u64_b64} --runs 30 --pool 4 \
-    --profile-kernels >>"$S" 2>"$W/bench_model.err" || log "bench_model failed: $(tail -3 "$W/bench_model.err")"
+  for graphs in "" --cuda-graphs; do  # eager, then replayed from CUDA graphs (as the GPU configs serve)
+    log "bench_model (in process, CUDA) $graphs"
+    timeout "$STEP_TIMEOUT" python3 scripts/bench_model.py --device "$DEVICE" --profile "$PROFILE" --dtype "$DTYPE" \
+      --providers baseline ikbo transformed --mixes ${BENCH_MIXES:-u15_b1024 u1_b1024 u64_b64} --runs 30 --pool 4 \
+      --profile-kernels $graphs >>"$S" 2>"$W/bench_model$graphs.err" || log "bench_model failed: $(tail -3 "$W/bench_model$graphs.err")"
+  done
 fi
 
 log "tritonserver --model-config-name=$CONFIG"
@@ -64,10 +76,11 @@ if [ -f "$W/urls.json" ]; then
     timeout "$STEP_TIMEOUT" python3 scripts/perf_sweep.py --url "$HTTP" --grpc-url "$GRPC" --profile "$PROFILE" \
       --window-ms "$WINDOW" --out "$W/$name" "$@" >>"$S" 2>>"$W/$name.err" || log "perf_sweep $name: exit $?"
   }
-  sweep main --mixes u15_b1024 --protocols grpc --concurrency 1 2 4 8 \
-    --rankers baseline_ranker ikbo_ranker transformed_ranker baseline_ranker_online ikbo_ranker_online
-  sweep mixes --mixes u1_b1024 u64_b64 --protocols grpc --concurrency 1 4 --rankers baseline_ranker ikbo_ranker
-  sweep http --mixes u15_b1024 --protocols http --concurrency 1 4 --rankers baseline_ranker ikbo_ranker
+  sweep main --mixes u15_b1024 --protocols grpc --concurrency ${MAIN_CONCURRENCY:-1 2 4 8} --rankers baseline_ranker ikbo_ranker
+  sweep online --mixes u15_b1024 --protocols grpc --concurrency ${ONLINE_CONCURRENCY:-1 4 8} --rankers baseline_ranker_online ikbo_ranker_online
+  [ -z "${SKIP_EXTRA:-}" ] && sweep transformed --mixes u15_b1024 --protocols grpc --concurrency 4 --rankers ikbo_ranker transformed_ranker
+  [ -z "${SKIP_EXTRA:-}" ] && sweep mixes --mixes u1_b1024 u64_b64 --protocols grpc --concurrency 1 4 --rankers baseline_ranker ikbo_ranker
+  [ -z "${SKIP_EXTRA:-}" ] && sweep http --mixes u15_b1024 --protocols http --concurrency 1 4 --rankers baseline_ranker ikbo_ranker
   echo -e "\n### Server-side times per model (Triton statistics, whole run)\n" >>"$S"
   python3 scripts/serving_probe.py stats --url "$HTTP" --metrics-url "$METRICS" >>"$S" 2>>"$W/steps.log"
 else

@@ -1,0 +1,174 @@
+"""CUDA graphs for an interaction stage, one per (U, B) shape bucket.
+
+On a GPU the IKBO interaction is host-bound: at U=15, B=1024 (large profile, bf16, H200) a call took
+1.9 ms of wall time for 0.25 ms of kernels (docs/perf.md, "GPU serving, H200"): Python, ~30 launches
+and the ops' index checks, each a device→host wait. A CUDA graph replays the whole call's kernels
+with one launch. Graphs have fixed shapes, so requests are padded to a bucket:
+
+- buckets: U up to the next power of two, B up to the next 2^k or 3·2^(k-1) (≤ 33 % padding),
+  both capped at the declared maxima (`shape_buckets`);
+- padding: candidates past B map to user 0 (every bucket has U ≥ 1) and users past U get history
+  length 0; every per-candidate and per-user result is independent of the other rows, so the first
+  B rows of the padded call's scores are the request's scores. The padding rows hold whatever an
+  earlier request left (finite: inputs are validated) or zeros;
+- static inputs: one buffer per feature at the declared maxima; a bucket's graph reads a leading
+  slice of it. All graphs allocate from one memory pool and replay one at a time on the capturing
+  stream, so their intermediates share memory (the pool holds about the largest bucket's);
+- the index checks inside the ops are skipped while capturing (kernels/_common.py): the serving
+  stage checks `cand_to_user` and `history_len` before a replay.
+
+Capture happens at load (`capture_all`, after the eager warm-up has compiled and tuned the kernels),
+never on the request path; a shape outside every bucket runs eagerly. `GraphedInteraction` is used
+only on CUDA; on a CPU `replay_eagerly=True` runs the same padding without graphs (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+
+from .ranker import Features
+from .requests import ShapeRanges
+
+LOG = logging.getLogger(__name__)
+
+
+def _ladder(high: int, steps: tuple[int, ...]) -> list[int]:
+    """Sorted sizes m·2^k ≤ high for m in `steps`, plus `high` itself."""
+    sizes, scale = {high}, 1
+    while scale <= high:
+        sizes.update(m * scale for m in steps if m * scale <= high)
+        scale *= 2
+    return sorted(sizes)
+
+
+def shape_buckets(ranges: ShapeRanges) -> tuple[list[int], list[int]]:
+    """(user sizes, candidate sizes) a request is padded up to: U to powers of two, B to 2^k and
+    3·2^(k-1); both ladders end at the declared maxima."""
+    (_, u_hi), (_, b_hi) = ranges.users, ranges.candidates
+    return _ladder(u_hi, (1,)), _ladder(b_hi, (2, 3))
+
+
+def _round_up(value: int, sizes: list[int]) -> int | None:
+    return next((size for size in sizes if size >= value), None)
+
+
+class GraphedInteraction:
+    """`interaction(features) → scores [B, T]`, replayed from a CUDA graph of the request's bucket.
+
+    features: Features with user_tokens [U, Ku, D], cand_tokens [B, Kc, D], history_tokens [U, L, D],
+    history_len [U], cand_to_user [B] (int32, already checked in range by the caller)."""
+
+    def __init__(self, interaction, ranges: ShapeRanges, device, replay_eagerly: bool = False):
+        self.interaction, self.device = interaction, torch.device(device)
+        self.user_sizes, self.cand_sizes = shape_buckets(ranges)
+        self.replay_eagerly = replay_eagerly
+        self.static: dict[str, torch.Tensor] | None = None  # the inputs, at the declared maxima
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # bucket → (graph, scores)
+        self.pool = self.stream = None
+        self.replays = self.eager_calls = 0
+        self.capture_error: str | None = None
+
+    def __getattr__(self, name):  # the wrapped interaction's attributes (dtype, transform report)
+        if name == "interaction":
+            raise AttributeError(name)
+        return getattr(self.interaction, name)
+
+    def bucket(self, num_users: int, num_candidates: int) -> tuple[int, int] | None:
+        users, cands = _round_up(num_users, self.user_sizes), _round_up(num_candidates, self.cand_sizes)
+        return None if users is None or cands is None or num_users < 1 or num_candidates < 1 else (users, cands)
+
+    def _allocate(self, example: Features) -> None:
+        users, cands = self.user_sizes[-1], self.cand_sizes[-1]
+        rows = {"user_tokens": users, "history_tokens": users, "history_len": users, "cand_tokens": cands, "cand_to_user": cands}
+        self.static = {
+            name: torch.zeros((rows[name], *t.shape[1:]), dtype=t.dtype, device=self.device) for name, t in vars(example).items()
+        }
+
+    def _views(self, users: int, cands: int) -> Features:
+        """Bucket (users, cands)'s leading slices of the static inputs."""
+        sizes = {"user_tokens": users, "history_tokens": users, "history_len": users, "cand_tokens": cands, "cand_to_user": cands}
+        return Features(**{name: self.static[name][:size] for name, size in sizes.items()})
+
+    def _load(self, f: Features, users: int, cands: int) -> Features:
+        """Copy the request into the static inputs, pad, and return the bucket's views of them."""
+        s, num_users, num_candidates = self.static, f.user_tokens.shape[0], f.cand_tokens.shape[0]
+        for name in ("user_tokens", "history_tokens", "history_len"):
+            s[name][:num_users].copy_(getattr(f, name))
+        for name in ("cand_tokens", "cand_to_user"):
+            s[name][:num_candidates].copy_(getattr(f, name))
+        s["history_len"][num_users:users].zero_()  # padding users: empty history
+        s["cand_to_user"][num_candidates:cands].zero_()  # padding candidates: user 0
+        return self._views(users, cands)
+
+    def capture(self, users: int, cands: int, example: Features) -> None:
+        """Record the graph of bucket (users, cands); `example` (any valid request's features)
+        supplies dtypes and trailing dims and fills the static inputs on first use. The first
+        capture runs the bucket eagerly before, on the capture stream (library handles and their
+        workspaces are created there); the kernels were compiled and tuned by the warm-up."""
+        if self.static is None:
+            self._allocate(example)
+            self._load(example, example.user_tokens.shape[0], example.cand_tokens.shape[0])
+        views = self._views(users, cands)
+        if self.replay_eagerly:
+            self.graphs[users, cands] = (None, None)
+            return
+        # torch.cuda.graph() would run gc.collect() and empty_cache() per capture (~0.1 s each over
+        # hundreds of buckets): the lower-level calls instead, on a side stream as it does
+        first = self.stream is None
+        if first:
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            if first:
+                self.interaction(views)
+                self.stream.synchronize()
+                torch.cuda.empty_cache()  # the eager run's blocks: not held beside the graphs' pool
+            graph.capture_begin(pool=self.pool)
+            try:
+                scores = self.interaction(views)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.graphs[users, cands] = (graph, scores)
+
+    def capture_all(self, example: Features) -> int:
+        """Capture every bucket, largest first (the pool grows once; smaller buckets reuse its
+        blocks); returns the number captured. If a capture fails (an op that waits for the device,
+        say), the stage stays eager: all graphs are dropped and the error logged."""
+        if not self.replay_eagerly:
+            torch.cuda.empty_cache()  # the eager warm-up's cached blocks
+        start = time.perf_counter()
+        try:
+            for users in reversed(self.user_sizes):
+                for cands in reversed(self.cand_sizes):
+                    if (users, cands) not in self.graphs:
+                        self.capture(users, cands, example)
+        except Exception as e:  # noqa: BLE001 — serve eagerly rather than not at all
+            self.graphs.clear()
+            self.capture_error = f"{type(e).__name__}: {e}"
+            LOG.warning("CUDA graph capture failed, the interaction runs eagerly: %s", self.capture_error)
+            print(f"ikbo_backend.cuda_graphs: capture failed, running eagerly: {self.capture_error}", file=sys.stderr, flush=True)
+        else:
+            reserved = torch.cuda.memory_reserved(self.device) / 2**20 if not self.replay_eagerly else 0.0
+            print(f"ikbo_backend.cuda_graphs: {len(self.graphs)} graphs captured in {time.perf_counter() - start:.1f} s "
+                  f"({reserved:,.0f} MiB reserved by torch in this process)", file=sys.stderr, flush=True)
+        return len(self.graphs)
+
+    def __call__(self, f: Features) -> torch.Tensor:
+        num_users, num_candidates = f.user_tokens.shape[0], f.cand_tokens.shape[0]
+        bucket = self.bucket(num_users, num_candidates)
+        if bucket is None or bucket not in self.graphs:
+            self.eager_calls += 1
+            return self.interaction(f)
+        views = self._load(f, *bucket)
+        graph, scores = self.graphs[bucket]
+        self.replays += 1
+        if graph is None:  # replay_eagerly: the padded call without a graph
+            return self.interaction(views)[:num_candidates].clone()
+        graph.replay()
+        return scores[:num_candidates].clone()

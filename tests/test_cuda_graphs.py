@@ -1,0 +1,107 @@
+"""ikbo_backend.cuda_graphs: shape buckets, and that padding a request to its bucket leaves its scores
+unchanged. On a CPU the padded call runs without a graph (`replay_eagerly`), on CUDA from real graphs."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ikbo_backend.cuda_graphs import GraphedInteraction, shape_buckets
+from ikbo_backend.ranker import Features, RankerConfig, build_ranker, make_demo_weights, profile_config
+from ikbo_backend.requests import ShapeRanges, make_request, to_tensors
+from ikbo_backend.serving import InteractionModel, use_cuda_graphs
+
+SMALL = RankerConfig(user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,))
+RANGES = ShapeRanges(users=(1, 8), candidates=(1, 40))
+
+
+@given(users_hi=st.integers(1, 300), cands_hi=st.integers(1, 9000), data=st.data())
+@settings(max_examples=50, deadline=None)
+def test_every_shape_in_range_has_a_bucket_with_bounded_padding(users_hi, cands_hi, data):
+    ranges = ShapeRanges(users=(1, users_hi), candidates=(1, cands_hi))
+    user_sizes, cand_sizes = shape_buckets(ranges)
+    assert user_sizes[-1] == users_hi and cand_sizes[-1] == cands_hi
+    graphed = GraphedInteraction(None, ranges, "cpu", replay_eagerly=True)
+    num_users, num_candidates = data.draw(st.integers(1, users_hi)), data.draw(st.integers(1, cands_hi))
+    users, cands = graphed.bucket(num_users, num_candidates)
+    assert num_users <= users < 2 * num_users and users in user_sizes
+    assert num_candidates <= cands <= max(2, -(-3 * num_candidates // 2)) and cands in cand_sizes
+    assert graphed.bucket(users_hi + 1, 1) is None and graphed.bucket(1, cands_hi + 1) is None
+
+
+def _features(cfg, num_users, num_candidates, rng, features):
+    """A fresh random request's features, floats in fp64 (the interaction's weights are fp64)."""
+    f = features(**to_tensors(make_request(cfg, num_users, num_candidates, rng)))
+    return Features(**{k: v.double() if v.is_floating_point() else v for k, v in vars(f).items()})
+
+
+def _fp64_ranker(variant, seed):
+    """(feature stage with fp32 weights, interaction with fp64 weights)."""
+    weights = make_demo_weights(SMALL, seed=seed)
+    features, _ = build_ranker(variant, SMALL, weights)
+    return features, build_ranker(variant, SMALL, {k: v.double() for k, v in weights.items()})[1]
+
+
+@pytest.mark.parametrize("variant", ["ikbo", "baseline"])
+def test_padded_replay_gives_the_request_rows(variant):
+    """fp64 weights: a request's scores from its padded bucket equal the unpadded call's, also after
+    a larger request left other values in the padding rows."""
+    rng = np.random.default_rng()
+    features, interaction = _fp64_ranker(variant, int(rng.integers(1 << 30)))
+    graphed = GraphedInteraction(interaction, RANGES, "cpu", replay_eagerly=True)
+    graphed.capture_all(_features(SMALL, 3, 17, rng, features))
+    assert len(graphed.graphs) == len(graphed.user_sizes) * len(graphed.cand_sizes)
+    shapes = [(8, 40), (1, 1), (5, 3), (3, 25), (8, 7), (2, 40)]  # U > B too (users without candidates)
+    for num_users, num_candidates in shapes:
+        f = _features(SMALL, num_users, num_candidates, rng, features)
+        expected = interaction(f)
+        got = graphed(f)
+        assert got.shape == (num_candidates, SMALL.tasks)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert graphed.replays == len(shapes) and graphed.eager_calls == 0
+
+
+def test_shapes_outside_every_bucket_run_eagerly():
+    rng = np.random.default_rng()
+    features, interaction = _fp64_ranker("ikbo", 0)
+    graphed = GraphedInteraction(interaction, RANGES, "cpu", replay_eagerly=True)
+    graphed.capture_all(_features(SMALL, 2, 5, rng, features))
+    f = _features(SMALL, 9, 50, rng, features)  # above the declared maxima
+    torch.testing.assert_close(graphed(f), interaction(f), rtol=0, atol=0)
+    assert graphed.eager_calls == 1 and graphed.replays == 0
+
+
+def test_cuda_graphs_parameter():
+    assert use_cuda_graphs("yes", torch.device("cuda:0")) and not use_cuda_graphs("no", torch.device("cuda:0"))
+    assert not use_cuda_graphs(None, torch.device("cuda:0")) and not use_cuda_graphs("yes", torch.device("cpu"))
+    with pytest.raises(ValueError, match="cuda_graphs: expected 'yes' or 'no', got 'true'"):
+        use_cuda_graphs("true", torch.device("cpu"))
+    model = InteractionModel(SMALL, make_demo_weights(SMALL), RANGES, "cpu", cuda_graphs="yes")
+    assert not isinstance(model.interaction, GraphedInteraction)  # a CPU model ignores it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["ikbo", "baseline"])
+def test_graph_replays_match_eager_calls_on_cuda(variant):
+    """Large profile, bf16 interaction, the served model's stage: replayed scores against the eager
+    call's and against the fp64 CPU model, for fresh requests of several buckets."""
+    cfg, rng = profile_config("large"), np.random.default_rng()
+    weights = make_demo_weights(cfg, seed=int(rng.integers(1 << 30)))
+    ranges = ShapeRanges(users=(1, 16), candidates=(1, 1024))
+    model = InteractionModel(cfg, weights, ranges, "cuda", variant=variant, compute_dtype="bfloat16", cuda_graphs="yes")
+    model.warm_up()
+    assert isinstance(model.interaction, GraphedInteraction) and all(g is not None for g, _ in model.interaction.graphs.values())
+    features64, interaction64 = build_ranker(variant, cfg, {k: v.double() for k, v in weights.items()})
+    for num_users, num_candidates in [(15, 1024), (1, 1000), (16, 64), (3, 37), (16, 5)]:
+        request = make_request(cfg, num_users, num_candidates, rng)
+        inputs = model.example(request)
+        with torch.inference_mode():
+            replayed = model(inputs)["scores"]
+            eager = model.interaction.interaction(Features(**inputs))
+            reference = interaction64(features64(**to_tensors(request))).float()
+        assert torch.isfinite(replayed).all()
+        torch.testing.assert_close(replayed.cpu(), eager.cpu(), rtol=0, atol=1e-2)
+        error = float((replayed.cpu() - reference).norm() / reference.norm())
+        assert error <= 2e-2, f"{(num_users, num_candidates)}: rel err {error:.2e} vs fp64"
+    assert model.interaction.replays == 5 and model.interaction.eager_calls == 0
