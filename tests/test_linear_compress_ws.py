@@ -1,0 +1,161 @@
+"""LCE variant s6 (Gluon, warp-specialized persistent candidate GEMM) against an fp64 reference.
+
+CPU (CI): `ws_config` keeps shared memory within one SM, and the kernel compiles for sm_90a with the
+wheel's ptxas (a 1-warp producer and the consumer warpgroups with `setmaxnreg`, wgmma, TMA loads and
+a TMA store; no spills where the wheel's cuobjdump is there); skipped cleanly where this Triton cannot
+compile Gluon for CUDA. Gluon does not run under TRITON_INTERPRET, so that is all the CPU can check.
+GPU (skipped without a Hopper device): bf16 and fp16 outputs and Y_u poisoned with NaN, fresh random
+inputs, the canonical shape, odd Kc, U = 1, unsorted ragged mappings, users without candidates,
+D and N not multiples of the tile, one K tile, Ku = 0, no bias; each config the benchmark times; few
+programs with many tiles each (the ring's phases wrap many times).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.linear_compress import PackedLinearCompress
+from kernels.linear_compress_gluon import SMEM_LIMIT, USER_GEMM_CONFIG
+from kernels.linear_compress_ws import WSConfig, _launch_ws, compile_s6, lce_s6, s6_supported, ws_config
+
+BF16_TOL = 1e-2
+FP16_TOL = 2e-3
+HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def test_ws_config_fits_shared_memory():
+    cfg = ws_config(256, 2)
+    assert (cfg.block_m, cfg.block_d, cfg.block_k, cfg.stages) == (128, 256, 64, 3)
+    assert cfg.smem_bytes(2) <= SMEM_LIMIT
+    assert ws_config(256, 2, WSConfig(block_d=128, stages=0)).stages == 6  # MAX_STAGES
+    small = ws_config(64, 2)
+    assert small.block_d == 64 and small.smem_bytes(2) <= SMEM_LIMIT
+    assert ws_config(256, 2, WSConfig(block_k=32, stages=6)).smem_bytes(2) <= SMEM_LIMIT
+
+
+def _cuobjdump():
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(tool) if tool.exists() else shutil.which("cuobjdump")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},  # canonical: bf16, D = 256, Kc = 500, Y_u and bias
+        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
+    ],
+    ids=["canonical", "fp16-odd"],
+)
+def test_compiles_for_sm90a(kwargs):
+    """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
+    try:
+        kernel = compile_s6(**kwargs)
+    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
+        pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.shared <= SMEM_LIMIT
+    assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx
+    assert "cp.async.bulk.tensor.3d.global.shared::cta" in ptx  # the TMA store of the output tile
+    tool = _cuobjdump()
+    if tool is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp, "s6.cubin")
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA.64x" in sass and "UTMASTG" in sass
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert "LDL" not in sass and "STL" not in sass
+
+
+def _ragged_mapping(num_users: int, num_candidates: int, gen: torch.Generator, skip_users: int = 0):
+    """Unsorted mapping with unequal counts; the last `skip_users` users get no candidate."""
+    weights = torch.rand(num_users - skip_users, generator=gen) ** 2 + 0.05
+    return torch.multinomial(weights, num_candidates, replacement=True, generator=gen).int()
+
+
+def _problem(shape, dtype, seed):
+    num_users, num_candidates, ku, kc, dim, rows, with_bias, skip_users = shape
+    gen = torch.Generator().manual_seed(seed)
+    cand_to_user = _ragged_mapping(num_users, num_candidates, gen, skip_users).cuda()
+    user_emb = torch.randn(num_users, ku, dim, generator=gen).to("cuda", dtype)
+    cand_emb = torch.randn(num_candidates, kc, dim, generator=gen).to("cuda", dtype)
+    weight = (torch.randn(rows, ku + kc, generator=gen) / (ku + kc) ** 0.5).to("cuda", dtype)
+    bias = torch.randn(rows, generator=gen).to("cuda", dtype) if with_bias else None
+    tokens = torch.cat([user_emb.double()[cand_to_user.long()], cand_emb.double()], dim=1)  # test reference only
+    ref = torch.matmul(weight.double(), tokens) + (0 if bias is None else bias.double()[:, None])
+    return user_emb, cand_emb, cand_to_user, PackedLinearCompress.from_weight(weight, ku, bias), ref
+
+
+def _check(out, ref, dtype):
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(out).all()), "unwritten (NaN) outputs"
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err <= (BF16_TOL if dtype == torch.bfloat16 else FP16_TOL), err
+
+
+GPU_SHAPES = [
+    # (U, B, Ku, Kc, D, N, bias, users without candidates)
+    (15, 1024, 1024, 500, 256, 512, True, 0),  # canonical
+    (1, 300, 64, 499, 200, 384, False, 0),  # U = 1, odd Kc, D not a multiple of the tile
+    (40, 70, 96, 37, 64, 130, True, 25),  # one K tile, users without candidates, N not a multiple of 128
+    (8, 500, 0, 72, 128, 96, True, 0),  # Ku = 0
+    (3, 133, 16, 600, 256, 256, True, 0),  # Kc = 600: 10 K tiles
+]
+CONFIGS = [None, WSConfig(epi_free_at=1), WSConfig(block_k=32, stages=6, epi_free_at=4), WSConfig(block_d=128, stages=0)]
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
+def test_gpu_s6(shape, dtype):
+    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, hash((shape, str(dtype))) % 2**31)
+    assert s6_supported(user_emb, cand_emb)
+    num_users, num_candidates, ku, _, dim, rows = shape[:6]
+    for _ in range(2):  # twice: cached descriptors must serve the second call
+        out = torch.full((num_candidates, rows, dim), float("nan"), dtype=dtype, device="cuda")
+        user_part = torch.full((num_users, rows, dim), float("nan"), dtype=dtype, device="cuda") if ku else None
+        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
+        _check(out, ref, dtype)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", CONFIGS[1:], ids=["free-at-1", "bk32-st6", "bd128"])
+def test_gpu_s6_configs(config):
+    for shape in (GPU_SHAPES[0], GPU_SHAPES[2]):
+        user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 7)
+        out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
+        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, config=config)
+        _check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("num_programs", [1, 3])
+def test_gpu_s6_few_programs(num_programs):
+    """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times."""
+    shape = (5, 40, 32, 200, 256, 256, True, 1)
+    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 11 + num_programs)
+    user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
+    out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
+    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2), num_programs)
+    _check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+def test_gpu_s6_not_supported():
+    """What s6 leaves to s3/s4: fp32, Kc = 0, rows of D that TMA cannot address (D·2 bytes not a multiple of 16)."""
+    user = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16)
+    assert not s6_supported(user.float(), torch.randn(4, 16, 64, device="cuda"))
+    assert not s6_supported(user, torch.randn(4, 0, 64, device="cuda", dtype=torch.bfloat16))
+    assert not s6_supported(user, torch.randn(4, 16, 100, device="cuda", dtype=torch.bfloat16))
