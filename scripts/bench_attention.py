@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """IKBO attention benchmark (GPU): providers side by side at the canonical shape, self+target, sweep.
 
-    scripts/bench_attention.py [--sweep full|corners|none] [--no-flex] [--tune] [--smoke]   (or scripts/bench_kernels.py attention ...)
+    scripts/bench_attention.py [--sweep full|corners|none] [--no-flex] [--tune] [--variants] [--smoke]   (or scripts/bench_kernels.py attention ...)
 
 Canonical shape, bf16, non-causal target attention: B=1024 candidates, S=64 query tokens each,
 U=15 users with ragged counts, L=1024, H=4, d=128; FLOPs = 4·B·H·S·L·d. Providers:
@@ -86,6 +86,24 @@ SWEEP = [
     for ratio in (1, 16, 70, 256)
 ]
 SWEEP_CANDIDATES = 1024
+# Loop options and tiles timed side by side with --variants (canonical shape; docs/notes/attention.md,
+# "Loop options"): each against the default, twice in alternation, kernel only and fused self+target.
+DEFAULT_TILE = TileConfig(128, 64, 8, 2, maxnreg=128)
+VARIANTS = {
+    "default 128×64 ≤128 regs": DEFAULT_TILE,
+    "lazy rescale": replace(DEFAULT_TILE, lazy_rescale=True),
+    "exp2 emu 1/2": replace(DEFAULT_TILE, exp2_emu=2),
+    "exp2 emu 1/4": replace(DEFAULT_TILE, exp2_emu=4),
+    "persistent 2/SM": replace(DEFAULT_TILE, persistent=2),
+    "persistent 2/SM + emu 1/4": replace(DEFAULT_TILE, persistent=2, exp2_emu=4),
+    "no reg cap": replace(DEFAULT_TILE, maxnreg=None),
+    "no reg cap + lazy": replace(DEFAULT_TILE, maxnreg=None, lazy_rescale=True),
+    "3 stages": replace(DEFAULT_TILE, num_stages=3),
+    "128×32, 2 stages": replace(DEFAULT_TILE, block_n=32),
+    "128×32, 3 stages": replace(DEFAULT_TILE, block_n=32, num_stages=3),
+    "128×32 + lazy": replace(DEFAULT_TILE, block_n=32, lazy_rescale=True),
+    "128×128, no cap": replace(DEFAULT_TILE, block_n=128, maxnreg=None),
+}
 # Tile configurations timed beside the default with --tune (target attention, canonical shape).
 TUNE_CONFIGS = [
     TileConfig(128, 64, 8, 3),
@@ -252,6 +270,8 @@ def _warm(job):
         make_flex(p, shape)[0]()
     elif kind == "target":
         ours(p, config)
+    elif kind == "fused" and config is not None:
+        attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, 1.0, p["user_q"], config=config)
     elif kind == "fused":
         ikbo_self_target_attention(p["user_q"], p["q"], p["k"], p["v"], p["cand_to_user"], backend="triton")
     elif kind == "self":
@@ -377,6 +397,69 @@ def self_target_section(shape, peak):
     return lines
 
 
+def variants_section(shape, peak):
+    """Each of VARIANTS at the canonical shape: target kernel only (plan given) in two alternating
+    rounds, fused self+target (plan + one launch), registers / spills of the compiled kernel, and
+    rel err vs fp64 of poisoned outputs (target and fused)."""
+    p = make_problem(shape, seed=5, with_user_q=True)
+    scale = 1 / math.sqrt(shape.head_dim)
+    ref = fp64_target(p)
+    fused_ref = ikbo_self_target_attention(*(p[n].double() for n in ("user_q", "q", "k", "v")), p["cand_to_user"], backend="torch")
+    rows, runs = {}, {}
+    for name, config in VARIANTS.items():
+        if SMOKE:  # the same options on tiles the interpreter runs in seconds
+            config = replace(config, block_m=16, block_n=16, num_warps=4, num_stages=1)
+        plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m)
+        out, user_out = torch.full_like(p["q"], float("nan")), torch.full_like(p["user_q"], float("nan"))
+        cache = {} if SMOKE else attention._attention_kernel.device_caches[torch.cuda.current_device()][0]
+        known = set(cache)
+        attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=config, out=out, plan=plan)
+        compiled = [cache[key] for key in cache if key not in known]  # this variant's target kernel
+        regs = f"{compiled[0].n_regs}/{compiled[0].n_spills}" if compiled else ""
+        err = rel_err(out, ref)
+        out.fill_(float("nan"))
+        attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, p["user_q"], config=config, out=out, user_out=user_out)
+        fused_err = max(rel_err(out, fused_ref[1]), rel_err(user_out, fused_ref[0]))
+        rows[name] = [err, fused_err, regs]
+        runs[name] = (lambda c=config, pl=plan: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=c, plan=pl),
+                      lambda c=config: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, p["user_q"], config=c))
+    times = {name: [] for name in VARIANTS}
+    for _ in range(2):  # alternating rounds: the spread between them is the noise
+        for name, (target, _) in runs.items():
+            times[name].append(timed(target))
+    fused = {name: timed(run) for name, (_, run) in runs.items()}
+    base = min(times[next(iter(VARIANTS))])
+    lines = [f"\nLoop options and tiles, {shape}, bf16; target kernel with the plan given (two alternating rounds), fused = plan + one launch of self (causal) + target\n"]
+    lines.append("| variant | target ms (round 1 / 2) | TFLOP/s | vs default | fused ms | fused TFLOP/s | regs/spill B | err target | err fused |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in VARIANTS:
+        best = min(times[name])
+        err, fused_err, regs = rows[name]
+        lines.append(f"| {name} | {times[name][0]:.3f} / {times[name][1]:.3f} | {shape.target_flops / best / 1e9:.0f} | {base / best:.3f} | "
+                     f"{fused[name]:.3f} | {(shape.target_flops + shape.self_flops) / fused[name] / 1e9:.0f} | {regs} | {err:.1e} | {fused_err:.1e} |")
+    return lines
+
+
+def host_profile(shape, calls=300):
+    """cProfile of the public op's host side (per call, top functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    p = make_problem(shape, seed=6)
+    ours(p)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        ours(p)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
 # the sweep's extremes and its slowest points (2026-11-29 run), for a short run (--sweep corners)
 CORNERS = [(1, 256, 64, 256), (8, 256, 64, 1), (8, 256, 64, 16), (64, 256, 64, 256), (1, 4096, 128, 1), (64, 4096, 128, 70)]
 
@@ -419,6 +502,7 @@ def main(argv):
     parser.add_argument("--sweep", choices=("full", "corners", "none"), default="full")
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--tune", action="store_true", help="also time the TUNE_CONFIGS at the canonical shape")
+    parser.add_argument("--variants", action="store_true", help="time the loop options and tiles of VARIANTS side by side")
     parser.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
     args = parser.parse_args(argv)
     canonical = SMOKE_CANONICAL if SMOKE else CANONICAL
@@ -429,6 +513,7 @@ def main(argv):
         header.append(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}")
         jobs = [("target", canonical, None), ("fused", canonical, None), ("self", canonical, None)]
         jobs += [("target", canonical, c) for c in TUNE_CONFIGS] if args.tune else []
+        jobs += [(kind, canonical, c) for c in VARIANTS.values() for kind in ("target", "fused")] if args.variants else []
         jobs += [("flex", canonical, None)] if not args.no_flex else []
         jobs += [("target", s, None) for s in sweep_shapes(points)]
         header.append(f"compiled {len(jobs)} kernel variants in worker processes: {warm_up(jobs):.0f} s")
@@ -440,6 +525,12 @@ def main(argv):
     more = self_target_section(canonical, peak)
     print("\n".join(more), flush=True)
     lines += more
+    if args.variants:
+        more = variants_section(canonical, peak)
+        print("\n".join(more), flush=True)
+        lines += more
+    if os.environ.get("OUT") and not SMOKE:
+        Path(os.environ["OUT"], "attention_host_profile.txt").write_text(host_profile(canonical))
     if points:
         more = sweep_section(points)
         print("\n".join(more), flush=True)

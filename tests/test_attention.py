@@ -277,11 +277,12 @@ def _poisoned(like):
     return torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
-def _triton(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):
+def _triton(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None):
     """The Triton path with NaN-poisoned outputs: every element must be written. → (out, user_out)"""
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else scale
     user_out = None if user_q is None else _poisoned(user_q)
-    out, user_out, flag = attention._launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, out=_poisoned(q), user_out=user_out)
+    out, user_out, flag = attention._launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, config=config, out=_poisoned(q),
+                                            user_out=user_out)
     assert flag.item() == 0
     return out, user_out
 
@@ -356,6 +357,75 @@ def test_interp_public_ops_dispatch():
                 ikbo_self_target_attention(bad["user_q"], bad["q"], bad["k"], bad["v"], bad["cand_to_user"], bad["kv_len"], backend="triton")
 
 
+# loop options of TileConfig at tiles of 16 (exp2_emu 4 splits a 16-key block into 12 + 4 columns);
+# persistent: under the interpreter one "SM", so 1 or 2 programs loop over every work item
+LOOP_OPTIONS = [
+    dict(lazy_rescale=True),
+    dict(exp2_emu=2),
+    dict(exp2_emu=4),
+    dict(persistent=1),
+    dict(persistent=2, lazy_rescale=True, exp2_emu=4),
+]
+
+
+@interpreted
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=small_problems, options=st.sampled_from(LOOP_OPTIONS), causal=st.booleans())
+def test_interp_loop_options(p, options, causal):
+    """Every loop option computes the same function as the default (fp64 reference, fresh inputs,
+    poisoned outputs), self and target tiles in one grid."""
+    q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, torch.float16)
+    config = attention.TileConfig(16, 16, 4, 1, **options)
+    cand_out, user_out = _triton(q, k, v, cand_to_user, kv_len, p["scale"], user_q, causal, config=config)
+    assert_rows_close(user_out, self_attention_reference(user_q, k, v, kv_len, causal, p["scale"]), rtol=HALF_TOL)
+    assert_rows_close(cand_out, attention_reference(q, k, v, cand_to_user, kv_len, p["scale"]), rtol=HALF_TOL)
+
+
+@interpreted
+def test_interp_lazy_rescale_rising_scores():
+    """Scores that rise from one 16-key block to the next by 3, 10, 2, 9, 1, 12, 4 (base 2): the
+    lazy max moves at the rises past 8 and stays stale at the others, so P reaches up to 2^8 in
+    between; the result is the softmax all the same (fp64 reference, fresh random inputs)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    num_users, heads, seq_len, head_dim = 2, 2, 128, 16
+    q = torch.randn(5, heads, 3, head_dim, generator=gen) * 0.3
+    k, v = (torch.randn(num_users, heads, seq_len, head_dim, generator=gen) for _ in range(2))
+    k = k * 0.3
+    rises = torch.tensor([0.0, 3, 10, 2, 9, 1, 12, 4])  # per block of 16 keys, base 2
+    q[..., 0] = 4.0  # score of key n ≈ 4·k[n, 0]·scale·log2(e) + noise
+    k[..., 0] = torch.cumsum(rises, 0).repeat_interleave(16) / (4.0 * attention.LOG2E / math.sqrt(head_dim))
+    q, k, v = (t.half() for t in (q, k, v))
+    cand_to_user = torch.tensor([1, 0, 1, 1, 0])
+    kv_len = torch.tensor([seq_len, 77])
+    ref = attention_reference(q, k, v, cand_to_user, kv_len, None)
+    for options in (dict(lazy_rescale=True), dict(lazy_rescale=True, exp2_emu=4)):
+        out, _ = _triton(q, k, v, cand_to_user, kv_len, None, config=attention.TileConfig(16, 16, 4, 1, **options))
+        assert_rows_close(out, ref, rtol=HALF_TOL)
+
+
+@interpreted
+def test_interp_exp2_fma():
+    """The FMA-unit 2^x: relative error ≤ 1.5e-4 on fresh x over [-126, 10] (the degree-3 fit gives
+    1.2e-4), exact powers of two at integers, and 2^-126 for anything lower, -inf included."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(x_ptr, y_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(y_ptr + offs, attention._exp2_fma(tl.load(x_ptr + offs)))
+
+    x = torch.cat([torch.rand(4000) * 136 - 126, torch.arange(-126, 11).float(), torch.tensor([-127.5, -300.0, float("-inf")])])
+    x = torch.cat([x, torch.zeros(8192 - x.numel())])
+    y = torch.empty_like(x)
+    _probe[(1,)](x, y, N=x.numel())
+    ref = torch.exp2(x.double().clamp(min=-126))
+    rel = ((y.double() - ref) / ref).abs()
+    assert rel.max() <= 1.5e-4, rel.max()
+    ints = (x == x.round()) & (x >= -126)
+    assert torch.equal(y[ints].double(), ref[ints])
+
+
 INTERP_TESTS = [name for name in dir() if name.startswith("test_interp_")]
 
 
@@ -417,3 +487,71 @@ def test_cuda_self_target_attention(case, dtype):
     sample = torch.randperm(num_candidates, generator=gen)[:8].to(q.device)  # the loop reference on a few
     sub_ref = attention_reference(q[sample], k, v, cand_to_user[sample], kv_len)
     assert_rows_close(out[sample], sub_ref, rtol=HALF_TOL, atol=0.0)
+
+
+# every loop option at the canonical shape's tiles (128 × 64, 8 warps, ≤ 128 registers), self + target
+GPU_OPTIONS = [
+    dict(lazy_rescale=True),
+    dict(exp2_emu=2),
+    dict(exp2_emu=4),
+    dict(persistent=2),
+    dict(persistent=2, lazy_rescale=True, exp2_emu=4),
+    dict(maxnreg=None, lazy_rescale=True),
+]
+
+
+@cuda_only
+@pytest.mark.parametrize("options", GPU_OPTIONS, ids=str)
+@pytest.mark.parametrize("case", GPU_CASES[:3], ids=lambda c: "U{}-B{}-S{}-L{}-H{}-d{}-{}-{}".format(*c))
+def test_cuda_loop_options(case, options):
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim, ragged, layout = case
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    mapping = torch.randint(0, num_users, (num_candidates,), generator=gen)
+    lengths = torch.randint(0, seq_len + 1, (num_users,), generator=gen).tolist()
+    p = dict(num_users=num_users, mapping=mapping.tolist(), num_queries=num_queries, seq_len=seq_len, heads=heads,
+             head_dim=head_dim, kv_len=lengths if ragged else None, scale=None, index_dtype=torch.int32,
+             layout=layout, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # fmt: skip
+    q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, torch.bfloat16, "cuda")
+    cand_ref, user_ref = _fp64_on_device(q, k, v, cand_to_user, kv_len, user_q)
+    config = attention.TileConfig(**{**vars(attention.pick_config(1e9, False)), **options})
+    cand_out, user_out = _triton(q, k, v, cand_to_user, kv_len, None, user_q, config=config)
+    assert_rows_close(cand_out, cand_ref, rtol=HALF_TOL, atol=0.0)
+    assert_rows_close(user_out, user_ref, rtol=HALF_TOL, atol=0.0)
+
+
+@cuda_only
+def test_cuda_graph_capture():
+    """The public op under CUDA graph capture (no flag wait there): capture once, then replay on new
+    values copied into the captured inputs (mapping and kv_len too); each replay matches fp64."""
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim = 5, 300, 8, 200, 2, 64
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+
+    def fresh():
+        p = dict(num_users=num_users, mapping=torch.randint(0, num_users, (num_candidates,), generator=gen).tolist(),
+                 num_queries=num_queries, seq_len=seq_len, heads=heads, head_dim=head_dim,
+                 kv_len=torch.randint(0, seq_len + 1, (num_users,), generator=gen).tolist(), scale=None,
+                 index_dtype=torch.int64, layout="bhsd", seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # fmt: skip
+        return make_inputs(p, torch.bfloat16, "cuda")
+
+    static = fresh()
+    q, k, v, user_q, cand_to_user, kv_len = static
+    ikbo_self_target_attention(user_q, q, k, v, cand_to_user, kv_len)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        user_out, cand_out = ikbo_self_target_attention(user_q, q, k, v, cand_to_user, kv_len)
+        target_out = ikbo_attention(q, k, v, cand_to_user, kv_len)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        new = fresh()
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        for out in (user_out, cand_out, target_out):
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        cand_ref, user_ref = _fp64_on_device(q, k, v, cand_to_user, kv_len, user_q)
+        assert_rows_close(cand_out, cand_ref, rtol=HALF_TOL, atol=0.0)
+        assert_rows_close(target_out, cand_ref, rtol=HALF_TOL, atol=0.0)
+        assert_rows_close(user_out, user_ref, rtol=HALF_TOL, atol=0.0)
