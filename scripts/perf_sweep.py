@@ -131,8 +131,11 @@ def run_perf_analyzer(
     csv_path: Path,
     log_path: Path,
     timeout_s: float | None = None,
+    request_rate: float | None = None,
 ) -> tuple[dict[str, str] | None, str, str]:
-    """One perf_analyzer measurement at one concurrency. Returns (its CSV row or None, mode, status).
+    """One perf_analyzer measurement at one concurrency, or at a fixed offered load of
+    `request_rate` requests/s (`--request-rate-range`; `concurrency` then only sizes the fallback).
+    Returns (its CSV row or None, mode, status).
 
     mode: "windows" or "count N" (see Profile); status: "ok" or "error: <first error line>".
     perf_analyzer writes no CSV when its windows do not stabilise (exit code 2); the run is then
@@ -157,7 +160,7 @@ def run_perf_analyzer(
         "-u", url,
         "-i", protocol,
         "--input-data", str(input_data),
-        "--concurrency-range", f"{concurrency}:{concurrency}",
+        *(["--request-rate-range", f"{request_rate:g}:{request_rate:g}"] if request_rate else ["--concurrency-range", f"{concurrency}:{concurrency}"]),
         *how,
         "-f", str(csv_path),
         "-v",
@@ -174,14 +177,15 @@ def run_perf_analyzer(
 
     rows = []
     if csv_path.exists():
-        rows = [r for r in csv.DictReader(csv_path.open()) if (r.get("Concurrency") or "").strip().isdigit()]
+        column = "Request Rate" if request_rate else "Concurrency"
+        rows = [r for r in csv.DictReader(csv_path.open()) if (r.get(column) or "").strip().replace(".", "", 1).isdigit()]
     if returncode == 0 and rows:
         return rows[-1], mode, "ok"
     rates = [float(m) for m in re.findall(r"Pass \[\d+\] throughput: ([0-9.]+) infer/sec", output)]
     if "failed to obtain stable measurement" in output.lower() and not profile.request_count and rates:
         count = max(5 * concurrency, round(statistics.median(rates) * 3 * profile.window_ms / 1e3))
         fallback = replace(profile, request_count=count)
-        return run_perf_analyzer(model, url, protocol, input_data, concurrency, fallback, csv_path, log_path, timeout_s)
+        return run_perf_analyzer(model, url, protocol, input_data, concurrency, fallback, csv_path, log_path, timeout_s, request_rate)
     problem = next((line.strip() for line in output.splitlines() if "error" in line.lower()), None)
     return None, mode, f"error: {problem or f'exit code {returncode}, see {log_path}'}"
 

@@ -4,6 +4,7 @@ Triton compilations on the request path.
 
     python scripts/serving_probe.py first --url localhost:8001 --model ikbo_ranker [--profile large]
     python scripts/serving_probe.py stats --url localhost:8000 [--metrics-url localhost:8002]
+    python scripts/serving_probe.py equal-load --url localhost:8001 --rates 50 100 [--profile large]
 
 `first`: right after the server is ready, one request (U, B of --users/--candidates, gRPC, on a
 connection opened by a readiness call first) timed alone, then --repeats more: prints the first
@@ -12,6 +13,9 @@ latency, the steady p50 and their ratio (issue 5: first ≤ 2× p50). Each reque
 `stats`: Triton's statistics API (/v2/models/<m>/stats, cumulative since start) as the mean per
 executed request of queue, compute input, compute infer and compute output, per model, and the
 `ikbo_triton_compilations_total` counters of the metrics endpoint (phase "request" must be 0).
+`equal-load`: latency of the rankers at the same offered load (perf_analyzer `--request-rate-range`,
+gRPC, the mix's perf_configs file), rankers back to back per rate: achieved requests/s, p50, p99,
+and the p99 ratio IKBO / baseline (issue 5: ≤ 1/3 at the same offered load).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ikbo_backend.ranker import PROFILES  # noqa: E402
@@ -97,6 +102,26 @@ def compilations(metrics_url: str) -> dict[str, float]:
     return found
 
 
+def equal_load(url: str, profile: str, mix: str, rates: list[float], models: list[str], window_ms: int, out: Path) -> list[dict]:
+    """perf_analyzer at each offered load (requests/s) for each model, back to back."""
+    from make_perf_configs import DEFAULT_DIR, ensure_config
+    from perf_sweep import SHORT, Result, run_perf_analyzer, to_result
+
+    cfg = PROFILES[profile]
+    input_data = ensure_config(mix, DEFAULT_DIR if profile == "demo" else DEFAULT_DIR / profile, cfg)
+    settings = SHORT.__class__(SHORT.mixes, SHORT.concurrency, window_ms=window_ms, stability_pct=20, max_trials=5)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for rate in rates:
+        for model in models:
+            name = f"{model}.{mix}.rate{rate:g}"
+            row, mode, status = run_perf_analyzer(model, url, "grpc", input_data, 8, settings, out / f"{name}.csv", out / f"{name}.log", request_rate=rate)
+            result: Result = to_result(model, mix, "grpc", 0, 0, row, mode, status)
+            rows.append({"rate": rate, "model": model, "achieved": result.infer_per_s, "p50": result.p50_ms, "p99": result.p99_ms, "status": status})
+            print(f"{name}: {result.infer_per_s:.1f} req/s p50 {result.p50_ms:.1f} p99 {result.p99_ms:.1f} ms ({status})", file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,8 +136,25 @@ def main(argv=None) -> None:
     stats = sub.add_parser("stats", help="per-model server times and compilation counters")
     stats.add_argument("--url", required=True, help="HTTP host:port")
     stats.add_argument("--metrics-url", help="metrics host:port (default: the HTTP port + 2)")
+    load = sub.add_parser("equal-load", help="p50/p99 of the rankers at the same offered load (gRPC)")
+    load.add_argument("--url", required=True, help="gRPC host:port")
+    load.add_argument("--profile", default="demo", choices=sorted(PROFILES))
+    load.add_argument("--mix", default="u15_b1024")
+    load.add_argument("--rates", nargs="+", type=float, required=True, help="offered requests/s")
+    load.add_argument("--models", nargs="+", default=["baseline_ranker", "ikbo_ranker"], help="the first is the reference of the ratio")
+    load.add_argument("--window-ms", type=int, default=3000)
+    load.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "out" / "equal_load")
     args = parser.parse_args(argv)
 
+    if args.command == "equal-load":
+        rows = equal_load(args.url, args.profile, args.mix, args.rates, args.models, args.window_ms, args.out)
+        reference, ours = args.models[0], args.models[-1]
+        print(f"| offered req/s | model | achieved req/s | p50 ms | p99 ms | p99 / {reference} p99 |\n|---:|---|---:|---:|---:|---:|")
+        for r in rows:
+            base = next(b for b in rows if b["rate"] == r["rate"] and b["model"] == reference)
+            print(f"| {r['rate']:g} | {r['model']} | {r['achieved']:.1f} | {r['p50']:.1f} | {r['p99']:.1f} | {r['p99'] / base['p99']:.2f} |"
+                  + ("" if r["status"] == "ok" else f" {r['status']}"))
+        return
     if args.command == "first":
         print("| model | first request ms | steady p50 ms | first / p50 |\n|---|---:|---:|---:|")
         for model in args.model:

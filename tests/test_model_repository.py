@@ -98,7 +98,7 @@ def test_gpu_config_differs_only_in_placement(model):
     expected = "yes" if model == "ranker_features" else "no"
     for name in ("gpu", "large"):
         assert config(model, name).parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == expected, name
-    for field in ("instance_group", "parameters"):
+    for field in ("instance_group", "parameters", "model_warmup"):  # warm-up through Triton: GPU configs
         cpu.ClearField(field)
         gpu.ClearField(field)
     assert cpu == gpu
@@ -150,4 +150,25 @@ def test_large_config_is_the_gpu_config_at_the_large_profile(model):
             t.ClearField("dims")
         c.ClearField("parameters")
         c.ClearField("instance_group")
+        c.ClearField("model_warmup")
     assert large == base
+
+
+@pytest.mark.parametrize("model", sorted(PYTHON_MODELS) + list(ONLINE))
+@pytest.mark.parametrize("name", ["gpu", "large"])
+def test_gpu_configs_warm_up_through_triton_at_the_typical_shape(model, name):
+    """model_warmup: one request per instance at the first typical shape of shape_ranges.json (one
+    user for the online endpoints), every input of the config with its dtype and a valid zero
+    payload, dims matching the declared ones (-1: the rows)."""
+    parsed = config(model, name)
+    (warmup,) = parsed.model_warmup
+    assert warmup.batch_size == 1 and warmup.count >= 1
+    declared = {t.name: t for t in parsed.input}
+    assert set(warmup.inputs) == set(declared)
+    num_users, num_candidates = load_shape_ranges().typical[0]
+    for input_name, data in warmup.inputs.items():
+        assert data.zero_data and data.data_type == declared[input_name].data_type
+        rows = 1 if parsed.max_batch_size > 0 else (num_users if input_name.startswith(("user", "history")) else num_candidates)
+        assert len(data.dims) == len(declared[input_name].dims)
+        for got, want in zip(data.dims, declared[input_name].dims):
+            assert got == want or (want == -1 and (parsed.max_batch_size > 0 or got == rows)), (input_name, list(data.dims))

@@ -87,3 +87,21 @@ def test_an_interrupted_sweep_reports_the_runs_it_finished(monkeypatch, tmp_path
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
     assert [(r["ranker"], r["concurrency"]) for r in rows] == [("baseline_ranker", "1")]
     assert float(rows[0]["candidates_per_s"]) == 12.5 * 64
+
+
+@pytest.mark.timeout(120)
+def test_request_rate_mode_offers_the_asked_load(server, tmp_path):
+    """`--request-rate-range` (serving_probe equal-load): perf_analyzer sends at the given rate, so
+    the achieved rate matches it when the server keeps up; every request succeeds."""
+    success_before, fail_before = inference_counts(server.http_url)
+    row, _, status = run_perf_analyzer(
+        MODEL, server.grpc_url, "grpc", ensure_config("u1_b64"), concurrency=1, profile=QUICK,
+        csv_path=tmp_path / "run.csv", log_path=tmp_path / "run.log", timeout_s=60, request_rate=8,
+    )  # fmt: skip
+    log = (tmp_path / "run.log").read_text()
+    assert status == "ok", f"{status}\n{log[-3000:]}"
+    assert "--request-rate-range 8:8" in log and "--concurrency-range" not in log
+    assert 6 <= float(row["Inferences/Second"]) <= 10, log[-3000:]
+    assert float(row["p99 latency"]) >= float(row["p50 latency"]) > 0
+    success_after, fail_after = inference_counts(server.http_url)
+    assert fail_after == fail_before and success_after >= success_before + QUICK.request_count
