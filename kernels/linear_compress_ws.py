@@ -79,6 +79,7 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
+    defer_epilogue: bool = False  # tile i's epilogue under tile i + 1's first wgmma (BLOCK_M·BLOCK_D ≤ 64·32·num_warps)
 
     def smem_bytes(self, elem: int) -> int:
         ring = self.stages * (self.block_m + self.block_d) * self.block_k * elem
@@ -134,55 +135,91 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
 
 
 @gluon.jit
+def _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i,
+              HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """out[b] tile = acc (+ bias) (+ the Y_u block that the producer put in epi_buf) through epi_buf and a TMA store."""
+    BLOCK_M: gl.constexpr = epi_buf.type.shape[1]
+    BLOCK_D: gl.constexpr = epi_buf.type.shape[2]
+    epi_tile = epi_buf.reshape([BLOCK_M, BLOCK_D])
+    result = acc
+    if HAS_BIAS:
+        result = result + bias[:, None]
+    if HAS_USER:
+        mbarrier.wait(epi_ready, i & 1)
+        result = result + epi_tile.load(acc.type.layout).to(gl.float32)
+    epi_tile.store(result.to(epi_buf.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d], epi_buf)
+
+
+@gluon.jit
 def _consumer(w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, num_warps: gl.constexpr):
-    """num_warps warps: wgmma over the ring, then acc + Y_u + bias → epilogue buffer → TMA store."""
+              EPI_FREE_AT: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr):
+    """num_warps warps: wgmma over the ring, then acc + Y_u + bias → epilogue buffer → TMA store.
+
+    DEFER: tile i's epilogue runs in tile i + 1, right after that tile's first wgmma is issued, so the
+    tensor cores work while the warps do the epilogue (two accumulators live: small tiles only).
+    """
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
     BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
-    dtype: gl.constexpr = w_bufs.dtype
     mma_layout: gl.constexpr = _mma_layout(BLOCK_D, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    epi_tile = epi_buf.reshape([BLOCK_M, BLOCK_D])
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
     acc = gl.zeros((BLOCK_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
+    bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
+    if DEFER:  # the previous tile: its accumulator, bias and coordinates
+        acc_prev = acc
+        bias_prev = bias
+        b_prev = 0
+        m_prev = 0
+        d_prev = 0
     step = 0
     i = 0
     for tile in range(pid, num_tiles, num_programs):
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+        if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
+            rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
         for kt in gl.static_range(K_TILES):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
             acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
+            if DEFER:
+                if kt == 0:
+                    if i > 0:
+                        _epilogue(acc_prev, bias_prev, epi_buf, epi_ready, out_desc, b_prev, m_prev, d_prev, i - 1,
+                                  HAS_USER, HAS_BIAS)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if kt > 0:  # the previous step's wgmma has finished reading its slot
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-            if kt == EPI_FREE_AT:  # last tile's TMA store has read the epilogue buffer: the producer may refill it
+            if kt == EPI_FREE_AT:  # the last TMA store has read the epilogue buffer: the producer may refill it
                 tma.store_wait(0)
                 mbarrier.arrive(epi_free, count=1)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-        result = acc
-        if HAS_BIAS:
-            rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-            result = result + bias[:, None]
-        if HAS_USER:
-            mbarrier.wait(epi_ready, i & 1)
-            result = result + epi_tile.load(mma_layout).to(gl.float32)
-        epi_tile.store(result.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d], epi_buf)
+        if DEFER:
+            acc_prev = acc
+            bias_prev = bias
+            b_prev = b
+            m_prev = off_m
+            d_prev = off_d
+        else:
+            _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
         i += 1
+    if DEFER:
+        if i > 0:
+            _epilogue(acc_prev, bias_prev, epi_buf, epi_ready, out_desc, b_prev, m_prev, d_prev, i - 1,
+                      HAS_USER, HAS_BIAS)
     tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["B"])  # one binary for any batch size (no compilation on a request's B)
 def _lce_ws_kernel(
     w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
     x_desc,  # cand_emb [B, Kc, D], blocks [1, BLOCK_K, BLOCK_D]
@@ -191,12 +228,13 @@ def _lce_ws_kernel(
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, DEFER: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
+    gl.static_assert(not DEFER or BLOCK_M * BLOCK_D <= 64 * 32 * num_warps, "DEFER: two accumulators must fit in registers")
     dtype: gl.constexpr = w_desc.dtype
     # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
     # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
@@ -223,7 +261,7 @@ def _lce_ws_kernel(
     gl.warp_specialize([
         (_consumer, (w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_tiles, num_m_tiles, tiles_per_row, N,
-                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, num_warps)),
+                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, DEFER, num_warps)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
                      num_tiles, num_m_tiles, tiles_per_row,
                      K_TILES, STAGES, HAS_USER, Y_AT)),
@@ -239,6 +277,7 @@ def _device_info(device: torch.device):
     return (props.major, props.minor), props.multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
 def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
     """`base` with BLOCK_D fitted to D and, where base.stages is 0, the deepest ring (≤ MAX_STAGES)
     that fits one SM's shared memory; a fixed base.stages is kept (the launch fails if it does not fit)."""
@@ -272,9 +311,13 @@ def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
+
+
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
 
 
 def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WSConfig):
@@ -304,7 +347,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
+        EPI_FREE_AT=cfg.epi_free_at, DEFER=cfg.defer_epilogue, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -356,7 +399,8 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     )
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, DEFER=cfg.defer_epilogue, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=cfg.num_warps,
     )
     signature, attrs, constants = {}, {}, {}
     for index, name in enumerate(_lce_ws_kernel.arg_names):
@@ -364,7 +408,8 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
             signature[name] = "constexpr"
             constants[(index,)] = constexprs[name]
             continue
-        kind, key = native_specialize_impl(BaseBackend, runtime_args[name], False, True, True)
+        specialize = not _lce_ws_kernel.params[index].do_not_specialize
+        kind, key = native_specialize_impl(BaseBackend, runtime_args[name], False, specialize, True)
         signature[name] = kind
         if isinstance(key, str):
             attrs[(index,)] = BaseBackend.parse_attr(key)

@@ -77,7 +77,9 @@ S6_EXTRA_CONFIGS = [  # with --configs, beside s6's default (128×256×64, 3 sta
     WSConfig(epi_free_at=1),
     WSConfig(block_k=32, stages=6, epi_free_at=4),
     WSConfig(block_d=128, stages=0),  # 128×128 tiles, 64 accumulator registers, 6 stages
-    WSConfig(producer_regs=24),
+    WSConfig(block_d=128, stages=0, defer_epilogue=True),  # tile i's epilogue under tile i + 1's first wgmma
+    WSConfig(block_d=128, stages=0, defer_epilogue=True, epi_free_at=1),
+    WSConfig(block_d=128, block_k=32, stages=0, defer_epilogue=True, epi_free_at=3),
 ]
 
 
@@ -196,7 +198,7 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
         for cfg in S6_EXTRA_CONFIGS:
             cfg = ws_config(p.shape[4], p.cand_emb.element_size(), cfg)
             name = f"Triton s6 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages} free@{cfg.epi_free_at}"
-            table[name + f" producer {cfg.producer_regs} regs"] = triton_provider(packed, args, "s6", cfg)
+            table[name + (" deferred epilogue" if cfg.defer_epilogue else "")] = triton_provider(packed, args, "s6", cfg)
     if with_configs in ("all", "s5") and has_s5(p):
         for cfg in S5_EXTRA_CONFIGS:
             name = f"Triton s5 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages}"
@@ -306,6 +308,22 @@ def floor_ms(p: Problem, flop_rate, copy_rate) -> float:
 # ----------------------------------------------------------------------------- runs
 
 
+def host_us(fn, calls: int = 50) -> float:
+    """Host time per call (µs): `calls` calls enqueued back to back without a sync (the GPU queue
+    does not fill at these sizes), so the wall time over them is the host's launch path."""
+    fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    _sync()
+    return elapsed / calls * 1e6
+
+
+GRAPH_PROVIDERS = ("Triton s3", "Triton s6")  # graph-safe (s4 takes s3 inside a capture)
+
+
 def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
     p = make_problem(**shape, seed=1)
     packed = PackedLinearCompress.from_weight(p.weight, shape["ku"], p.bias)
@@ -317,17 +335,22 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
         try:
             err = check(name, fn, p, ref)
             ms = time_ms(fn)
+            host = host_us(fn) if name.startswith("Triton") and DEVICE == "cuda" else float("nan")
+            graph = graph_ms(fn) if name.startswith(GRAPH_PROVIDERS) and DEVICE == "cuda" else float("nan")
         except Exception as exc:  # one provider's failure must not end the run
             log(f"  {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
             continue
         baseline_ms = baseline_ms or ms
-        rows.append((name, ms, p.flops() / (ms * 1e-3) / 1e12, 100 * floor / ms, baseline_ms / ms, err))
-        log(f"  {name}: {ms:.4f} ms, rel err {err:.2e}")
+        rows.append((name, ms, p.flops() / (ms * 1e-3) / 1e12, 100 * floor / ms, baseline_ms / ms, err, host, graph))
+        log(f"  {name}: {ms:.4f} ms, rel err {err:.2e}, host {host:.0f} us/call, graph {graph:.4f} ms")
     lines = calibration(p, packed, flop_rate, log) + [""] + [
-        "| provider | ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| provider | ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | host µs/call | CUDA-graph ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    lines += [f"| {n} | {ms:.4f} | {tf:.0f} | {pf:.0f}% | {sp:.2f} | {e:.1e} |" for n, ms, tf, pf, sp, e in rows]
+    lines += [
+        f"| {n} | {ms:.4f} | {tf:.0f} | {pf:.0f}% | {sp:.2f} | {e:.1e} | {h:.0f} | {g:.4f} |"
+        for n, ms, tf, pf, sp, e, h, g in rows
+    ]
     return lines, rows, floor, p
 
 
@@ -337,11 +360,11 @@ def graph_ms(fn) -> float:
 
 
 def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=False, ratios=SWEEP_RATIOS):
-    graph_head = " S0 graph ms | s3 graph ms |" if with_graph else ""
+    graph_head = " S0 graph ms | s3 graph ms | s6 graph ms |" if with_graph else ""
     lines = [
         "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s5 ms | Gluon s6 ms | best Triton × S0 | floor ms "
         "| best % of floor | rel err s3 / s4 / s5 / s6 |" + graph_head,
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: | ---: |" * with_graph,
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: | ---: | ---: |" * with_graph,
     ]
     raw = []
     shape = dict(base_shape)
@@ -372,11 +395,12 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
                 except Exception as exc:
                     log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                     times[name] = float("nan")
-            graph = " | |" if with_graph else ""
+            graph = " | | |" if with_graph else ""
             if with_graph and num_candidates <= 1024:  # host overhead matters only for small problems  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
                 s0_fn = lambda: s0_materialized(*args, p.weight, p.bias)  # noqa: E731
                 s3_fn = lambda: packed._triton(*args, "s3")  # noqa: E731
-                graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} |"
+                s6_graph = graph_ms(lambda: lce_s6(packed, *args)) if has_s6(p) else float("nan")
+                graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} | {s6_graph:.4f} |"
             best = min(t for t in (times["s3"], times["s4"], times["s5"], times["s6"]) if t == t)
             floor = floor_ms(p, flop_rate, copy_rate)
             raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()}, **{"err_" + k: v for k, v in errs.items()}))

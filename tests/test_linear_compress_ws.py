@@ -112,7 +112,13 @@ GPU_SHAPES = [
     (8, 500, 0, 72, 128, 96, True, 0),  # Ku = 0
     (3, 133, 16, 600, 256, 256, True, 0),  # Kc = 600: 10 K tiles
 ]
-CONFIGS = [None, WSConfig(epi_free_at=1), WSConfig(block_k=32, stages=6, epi_free_at=4), WSConfig(block_d=128, stages=0)]
+CONFIGS = [
+    None,
+    WSConfig(epi_free_at=1),
+    WSConfig(block_k=32, stages=6, epi_free_at=4),
+    WSConfig(block_d=128, stages=0),
+    WSConfig(block_d=128, stages=0, defer_epilogue=True),
+]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -130,7 +136,7 @@ def test_gpu_s6(shape, dtype):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", CONFIGS[1:], ids=["free-at-1", "bk32-st6", "bd128"])
+@pytest.mark.parametrize("config", CONFIGS[1:], ids=["free-at-1", "bk32-st6", "bd128", "bd128-defer"])
 def test_gpu_s6_configs(config):
     for shape in (GPU_SHAPES[0], GPU_SHAPES[2]):
         user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 7)
@@ -141,14 +147,16 @@ def test_gpu_s6_configs(config):
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("num_programs", [1, 3])
-def test_gpu_s6_few_programs(num_programs):
+@pytest.mark.parametrize("defer", [False, True], ids=["bd256", "bd128-defer"])
+def test_gpu_s6_few_programs(num_programs, defer):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times."""
     shape = (5, 40, 32, 200, 256, 256, True, 1)
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 11 + num_programs)
     user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
     packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
     out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2), num_programs)
+    config = ws_config(256, 2, WSConfig(block_d=128, stages=0, defer_epilogue=True) if defer else None)
+    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, config, num_programs)
     _check(out, ref, torch.bfloat16)
 
 
@@ -159,3 +167,53 @@ def test_gpu_s6_not_supported():
     assert not s6_supported(user.float(), torch.randn(4, 16, 64, device="cuda"))
     assert not s6_supported(user, torch.randn(4, 0, 64, device="cuda", dtype=torch.bfloat16))
     assert not s6_supported(user, torch.randn(4, 16, 100, device="cuda", dtype=torch.bfloat16))
+
+
+def test_public_variant_s6_on_cpu():
+    """variant "s6" is accepted by the public op (torch path on the CPU); a TileConfig is refused for it."""
+    from kernels.linear_compress import TileConfig, ikbo_linear_compress
+
+    gen = torch.Generator().manual_seed(5)
+    user_emb, cand_emb = torch.randn(2, 8, 16, generator=gen), torch.randn(5, 6, 16, generator=gen)
+    cand_to_user = torch.tensor([1, 0, 1, 1, 0], dtype=torch.int32)
+    weight, bias = torch.randn(12, 14, generator=gen), torch.randn(12, generator=gen)
+    ref = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend="torch")
+    out = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend="torch", variant="s6")
+    torch.testing.assert_close(out, ref)
+    packed = PackedLinearCompress.from_weight(weight, 8, bias)
+    with pytest.raises(ValueError, match=r"^config:"):
+        packed._triton(user_emb, cand_emb, cand_to_user, "s6", config=TileConfig(16, 16, 16))
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+def test_gpu_public_variant_s6_and_fallback():
+    """The public op with variant "s6": s6 where supported, s3 otherwise (fp32, D·2 bytes not a multiple of 16)."""
+    for dtype, dim in ((torch.bfloat16, 256), (torch.float32, 64), (torch.bfloat16, 100)):
+        shape = (6, 90, 40, 33, dim, 128, True, 1)
+        user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, 21)
+        out = packed(user_emb, cand_emb, cand_to_user, backend="triton", variant="s6")
+        tol = 1e-3 if dtype == torch.float32 else BF16_TOL
+        assert ((out.double() - ref).norm() / ref.norm()).item() <= tol, (dtype, dim)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+def test_gpu_s6_cuda_graph():
+    """s6 captured in a CUDA graph (no per-call state): replays with new inputs copied in place are right."""
+    shape = (15, 256, 128, 500, 256, 512, True, 0)
+    user_emb, cand_emb, cand_to_user, packed, _ = _problem(shape, torch.bfloat16, 31)
+    packed._triton(user_emb, cand_emb, cand_to_user, "s6")  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = packed._triton(user_emb, cand_emb, cand_to_user, "s6")
+    for seed in (41, 42):
+        new_user, new_cand, new_map, _, _ = _problem(shape, torch.bfloat16, seed)
+        user_emb.copy_(new_user)
+        cand_emb.copy_(new_cand)
+        cand_to_user.copy_(new_map)
+        out.fill_(float("nan"))
+        graph.replay()
+        tokens = torch.cat([user_emb.double()[cand_to_user.long()], cand_emb.double()], dim=1)
+        weight = torch.cat([packed.user_weight, packed.cand_weight], dim=1).double()
+        ref = torch.matmul(weight, tokens) + packed.bias.double()[:, None]
+        _check(out, ref, torch.bfloat16)
