@@ -25,6 +25,11 @@ Triton path, four stages of the IKBO co-design, each selectable (`variant=`):
         the tile is stored). Loops are software-pipelined across tiles (`flatten=True`). Inside a
         CUDA-graph capture the op takes s3 (s4's per-call epoch would be frozen into the graph).
 With no `variant`, `default_variant(U, B)` picks s4 or s3, whichever measured faster (H200).
+    s6  (explicit `variant="s6"` only) the candidate GEMM + fused epilogue as a warp-specialized
+        persistent Gluon kernel, `kernels/linear_compress_ws.py` (Hopper, fp16/bf16); s3 where it
+        does not run. Faster than s4 at B = 1024 on the H200, slower at B = 64 (host time); the
+        served model's shape buckets and tuning (ikbo_backend/shape_spec.py) know s3/s4 only, so
+        `default_variant` does not pick it (docs/notes/lce.md).
 Triton 3.6's Hopper warp specialization (`tl.range(..., warp_specialize=True)`) compiles for s2/s3
 but hung on the H200; it is off by default (TileConfig.warp_specialize, docs/notes/lce.md).
 Y_u is kept in the output dtype. Activations whose rows are not 16-byte aligned (odd D) fall back
@@ -51,6 +56,7 @@ from ._common import add_user_rows, check_mapping, check_same, check_tensor, res
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 VARIANTS = ("s1", "s2", "s3", "s4")
+WS_VARIANT = "s6"  # Gluon, warp-specialized (kernels/linear_compress_ws.py): where s6_supported, else s3
 _CONFIG_CHOICE: dict = {}  # (variant, dtype, D, device) → the first config of tile_configs that launched
 _TUNED: dict = {}  # (device, dtype, Ku, Kc, N, D) → lookup(U, B) → (variant, TileConfig) or None: set_tuned_configs
 S4_MIN_CANDIDATES_PER_USER = 32  # default variant, from the H200 sweep (docs/notes/lce.md): see default_variant
@@ -429,7 +435,7 @@ class PackedLinearCompress:
         )
 
     def __call__(self, user_emb, cand_emb, cand_to_user, backend: str = "auto", variant: str | None = None):
-        """out [B, N, D]; `variant` picks the Triton stage (s1…s4; default: `default_variant`)."""
+        """out [B, N, D]; `variant` picks the Triton stage (s1…s4, s6; default: `default_variant`)."""
         check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
         check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
         num_users, num_user_tokens, dim = user_emb.shape
@@ -446,8 +452,8 @@ class PackedLinearCompress:
             lookup = _TUNED.get((user_emb.device, user_emb.dtype, num_user_tokens, num_cand_tokens, self.cand_weight.shape[0], dim))
             tuned = lookup(num_users, num_candidates) if lookup is not None else None
         variant, config = tuned if tuned is not None else (default_variant(num_users, num_candidates) if variant is None else variant, None)
-        if variant not in VARIANTS:
-            raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+        if variant not in VARIANTS + (WS_VARIANT,):
+            raise ValueError(f"variant: expected one of {VARIANTS + (WS_VARIANT,)}, got {variant!r}")
         chosen = resolve_backend(backend, user_emb.device, triton_available=True)
         if chosen == "triton" and backend == "auto" and user_emb.dtype not in TRITON_TYPES:
             chosen = "torch"  # fp64 on CUDA
@@ -472,6 +478,14 @@ class PackedLinearCompress:
             out = torch.empty(num_candidates, rows, dim, dtype=user_emb.dtype, device=user_emb.device)  # [B, N, D]
         if out.numel() == 0:
             return out
+        if variant == WS_VARIANT:
+            if config is not None:
+                raise ValueError("config: a TileConfig applies to s1…s4, not s6 (kernels/linear_compress_ws.py has WSConfig)")
+            from .linear_compress_ws import lce_s6, s6_supported  # Gluon (Hopper); imported on first use
+
+            if not _interpreting() and s6_supported(user_emb, cand_emb):
+                return lce_s6(self, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
+            variant = "s3"  # where s6 does not run: not Hopper, fp32, rows TMA cannot address, Kc = 0, the interpreter
         if config is not None and config.warp_specialize and variant in ("s1", "s4"):
             raise ValueError(f"config: warp specialization applies to s2 and s3, not {variant}")
         if user_part is None:
