@@ -8,8 +8,9 @@
 #   OUT=out/gpu scripts/gpu_serving_run.sh            # large profile, bf16, on the GPU
 #
 # Knobs (environment): GPU_TESTS (pytest arguments run first; "" skips), SKIP_BENCH, BENCH_MIXES,
-# MAIN_CONCURRENCY / ONLINE_CONCURRENCY (batch / online endpoints at 15:1024, gRPC; "" skips online),
-# EQUAL_RATES (offered requests/s for the same-load p99 comparison; "" skips), SKIP_EXTRA (no
+# MAIN_MIXES / MAIN_RANKERS / MAIN_CONCURRENCY (the main gRPC sweep: 15:1024, both batch ensembles,
+# 1 2 4 8), ONLINE_CONCURRENCY (online endpoints at 15:1024; "" skips), EQUAL_RATES / EQUAL_MODELS
+# (offered requests/s and models of the same-load comparison, the first the reference; "" skips), SKIP_EXTRA (no
 # transformed, other-mix and HTTP sweeps), STEP_TIMEOUT (s per step), WINDOW (perf_analyzer ms).
 #
 # Machines without network (the lab's H200): .triton_bundle/tb.tar.xz from
@@ -77,12 +78,12 @@ if [ -f "$W/urls.json" ]; then
     timeout "$STEP_TIMEOUT" python3 scripts/perf_sweep.py --url "$HTTP" --grpc-url "$GRPC" --profile "$PROFILE" \
       --window-ms "$WINDOW" --out "$W/$name" "$@" >>"$S" 2>>"$W/$name.err" || log "perf_sweep $name: exit $?"
   }
-  sweep main --mixes u15_b1024 --protocols grpc --concurrency ${MAIN_CONCURRENCY:-1 2 4 8} --rankers baseline_ranker ikbo_ranker
+  sweep main --mixes ${MAIN_MIXES:-u15_b1024} --protocols grpc --concurrency ${MAIN_CONCURRENCY:-1 2 4 8} --rankers ${MAIN_RANKERS:-baseline_ranker ikbo_ranker}
   if [ -n "${EQUAL_RATES-50 100}" ]; then
     log "equal offered load: ${EQUAL_RATES-50 100} req/s"
     echo -e "\n### Same offered load, U = 15, B = 1024, gRPC (\`serving_probe.py equal-load\`)\n" >>"$S"
     timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py equal-load --url "$GRPC" --profile "$PROFILE" \
-      --rates ${EQUAL_RATES-50 100} --out "$W/equal_load" >>"$S" 2>>"$W/steps.log" || log "equal-load: exit $?"
+      --rates ${EQUAL_RATES-50 100} --models ${EQUAL_MODELS:-baseline_ranker ikbo_ranker} --out "$W/equal_load" >>"$S" 2>>"$W/steps.log" || log "equal-load: exit $?"
   fi
   [ -n "${ONLINE_CONCURRENCY-1 4 8}" ] && sweep online --mixes u15_b1024 --protocols grpc --concurrency ${ONLINE_CONCURRENCY-1 4 8} --rankers baseline_ranker_online ikbo_ranker_online
   [ -z "${SKIP_EXTRA:-}" ] && sweep transformed --mixes u15_b1024 --protocols grpc --concurrency 4 --rankers ikbo_ranker transformed_ranker
