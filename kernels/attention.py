@@ -698,7 +698,7 @@ class _FlagReadback:
         self.host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
         self.host.copy_(flag, non_blocking=True)
         self.ready = torch.cuda.Event()
-        self.ready.record()
+        self.ready.record(torch.cuda.current_stream(flag.device))
 
     def raised(self) -> bool:
         self.ready.synchronize()

@@ -520,6 +520,20 @@ def test_cuda_loop_options(case, options):
 
 
 @cuda_only
+@pytest.mark.parametrize("name, change", [(n, c) for n, c in BAD_INPUTS if n in ("cand_to_user", "kv_len")], ids=lambda x: str(x)[:40])
+def test_cuda_bad_index_values_raise(name, change):
+    """On CUDA the op waits for the plan's flag only (its pinned copy, not the attention kernel),
+    then raises the ValueError naming the argument; the next valid call is unaffected."""
+    args = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in {**_good(), **change}.items()}
+    args["q"], args["k"], args["v"] = (torch.randn(*args[n].shape[:3], 64, device="cuda", dtype=torch.bfloat16) for n in ("q", "k", "v"))
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        ikbo_attention(args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"])
+    good = {n: t.cuda() for n, t in _good().items()}
+    out = ikbo_attention(args["q"], args["k"], args["v"], good["cand_to_user"], good["kv_len"])
+    assert_rows_close(out, _fp64_on_device(args["q"], args["k"], args["v"], good["cand_to_user"], good["kv_len"])[0], rtol=HALF_TOL, atol=0.0)
+
+
+@cuda_only
 def test_cuda_graph_capture():
     """The public op under CUDA graph capture (no flag wait there): capture once, then replay on new
     values copied into the captured inputs (mapping and kv_len too); each replay matches fp64."""
