@@ -27,9 +27,10 @@ Triton path, four stages of the IKBO co-design, each selectable (`variant=`):
 With no `variant`, `default_variant(U, B)` picks s4 or s3, whichever measured faster (H200).
     s6  (explicit `variant="s6"` only) the candidate GEMM + fused epilogue as a warp-specialized
         persistent Gluon kernel, `kernels/linear_compress_ws.py` (Hopper, fp16/bf16); s3 where it
-        does not run. Faster than s4 at B = 1024 on the H200, slower at B = 64 (host time); the
-        served model's shape buckets and tuning (ikbo_backend/shape_spec.py) know s3/s4 only, so
-        `default_variant` does not pick it (docs/notes/lce.md).
+        does not run. On the H200 the fastest variant at every measured B ≥ 256 (canonical 0.283
+        vs s4 0.359 ms), slower eager at B = 64 (host time); the served model's shape buckets and
+        tuning (ikbo_backend/shape_spec.py) know s3/s4 only, so `default_variant` does not pick it
+        (docs/notes/lce.md).
 Triton 3.6's Hopper warp specialization (`tl.range(..., warp_specialize=True)`) compiles for s2/s3
 but hung on the H200; it is off by default (TileConfig.warp_specialize, docs/notes/lce.md).
 Y_u is kept in the output dtype. Activations whose rows are not 16-byte aligned (odd D) fall back

@@ -3,6 +3,13 @@
 Math (as in `kernels/linear_compress.py`): out[b] = W_u @ user_emb[m[b]] + W_c @ cand_emb[b] + bias[:, None],
 user_emb [U, Ku, D], cand_emb [B, Kc, D], W_c [N, Kc], bias [N] → out [B, N, D].
 
+Status (H200, 2026-11-29, docs/notes/lce.md): correct (fp64 tests, NaN-poisoned outputs, CUDA-graph
+capture); 0.283 ms at the canonical shape against s4's 0.359 ms (−21 %), the fastest variant at
+every measured B ≥ 256 and, in CUDA-graph device time, at B = 64; eager at B = 64 slower than s3/s4
+(host time of two launches). The 0.25 ms target is still missed. Reached through
+`PackedLinearCompress(..., variant="s6")`; `default_variant` does not pick it (the served model's
+shape buckets and tuning know s3/s4 only).
+
 Why: at the canonical shape each [128, 256] output tile has only 8 K steps of 64 (Kc = 500), so the
 per-tile fixed costs — first loads' latency, the epilogue (Y_u tile + bias, 64 KB out) — weigh as
 much as the MMAs. s2 (one tile per program, no overlap across tiles) spends ~9.2 µs per tile per SM
@@ -79,7 +86,9 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
-    defer_epilogue: bool = False  # tile i's epilogue under tile i + 1's first wgmma (BLOCK_M·BLOCK_D ≤ 64·32·num_warps)
+    # Tile i's epilogue under tile i + 1's first wgmma (BLOCK_M·BLOCK_D ≤ 64·32·num_warps). Off: on the
+    # H200 it was slower (0.303 vs 0.294 ms at 128 × 128; only one wgmma group runs under the epilogue).
+    defer_epilogue: bool = False
 
     def smem_bytes(self, elem: int) -> int:
         ring = self.stages * (self.block_m + self.block_d) * self.block_k * elem
