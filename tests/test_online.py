@@ -99,9 +99,11 @@ def test_online_configs(variant):
     assert cpu.parameters["variant"].string_value == variant
     assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "yes"  # raw inputs: validated on the host
     assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+    assert gpu.parameters["cuda_graphs"].string_value == "yes"
     for parsed in (cpu, gpu):
         parsed.ClearField("instance_group")
         parsed.ClearField("parameters")
+        parsed.ClearField("model_warmup")  # GPU configs warm up through Triton (tests/test_model_repository.py)
     assert cpu == gpu
 
 
