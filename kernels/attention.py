@@ -11,8 +11,9 @@ keys < kv_len, query rows ≥ kv_len are zeros) and the candidates attend as abo
 Torch path: groups candidates by user once per batch and runs one attention per user whose query
 block holds all S tokens of all that user's candidates, so each user's K/V is read once.
 
-Triton path (CUDA, bf16/fp16, d ∈ {16, 32, 64, 128}): two launches per call, one wait at the end
-(for the range flag, so that bad indices still raise the ValueError naming them).
+Triton path (CUDA, bf16/fp16, d ∈ {16, 32, 64, 128}): two launches per call and one wait, for the
+plan's range flag (copied to pinned memory between the launches, so the op returns while the
+attention kernel runs), so that bad indices still raise the ValueError naming them.
   1. `_plan_kernel`, one program per user, segments `cand_to_user` by user: the candidates in
      user order (`order`, stable) and a table of query tiles. A user's candidates are laid out as
      count·S "virtual" query rows (candidate-major, S tokens each) cut into BLOCK_M-row tiles, so

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """IKBO attention benchmark (GPU): providers side by side at the canonical shape, self+target, sweep.
 
-    scripts/bench_attention.py [--sweep full|corners|none] [--no-flex] [--tune] [--variants] [--smoke]   (or scripts/bench_kernels.py attention ...)
+    scripts/bench_attention.py [--sweep full|corners|none] [--no-flex] [--tune] [--variants] [--smoke] [--host-cpu]   (or scripts/bench_kernels.py attention ...)
 
 Canonical shape, bf16, non-causal target attention: B=1024 candidates, S=64 query tokens each,
 U=15 users with ragged counts, L=1024, H=4, d=128; FLOPs = 4·B·H·S·L·d. Providers:
@@ -50,7 +50,7 @@ from kernels import attention  # noqa: E402
 from kernels.attention import TileConfig, ikbo_attention, ikbo_self_target_attention  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv
-DEVICE = "cpu" if SMOKE else "cuda"
+DEVICE = "cpu" if SMOKE or "--host-cpu" in sys.argv else "cuda"
 DTYPE = torch.float16 if SMOKE else torch.bfloat16  # Triton 3.6's interpreter gets bf16 dots wrong
 BF16_TOL = 1e-2
 
@@ -460,6 +460,62 @@ def host_profile(shape, calls=300):
     return text.getvalue()
 
 
+def host_cpu(calls=3000):
+    """Host µs per call on a machine without a GPU, interpreter off: Triton's real JIT dispatch
+    (binder, specialization, cache lookup; kernels compiled for sm_90 here) under a stand-in driver
+    whose launcher does nothing, on CPU tensors. Leaves out the C launcher (TMA descriptor encoding,
+    cuLaunchKernelEx), CUDA allocations and the flag wait, which only a GPU run measures."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class Utils:
+        def load_binary(self, name, kernel, shared, device):
+            return 1, 1, 128, 0, 1024  # module, function, registers, spills, max threads
+
+        def get_device_properties(self, device):
+            return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+    class StandIn:
+        utils = Utils()
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def launcher_cls(self, src, metadata):
+            return lambda *args: None
+
+    driver.set_active(StandIn())
+    attention._sm_count = lambda device: 132
+    attention._choose_backend = lambda backend, k: "triton"  # CPU tensors stand in for CUDA ones
+    lines = ["| shape | plan_tiles | _launch, plan given | _launch | public op (flag read on the CPU) |", "|---|---:|---:|---:|---:|"]
+    for shape in (Shape(15, 64, 1, 256, 4, 64), CANONICAL):
+        p = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in make_problem(shape, seed=7).items()}
+        config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users, False)
+        plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m)
+        args = (p["q"], p["k"], p["v"], p["cand_to_user"], None, 1 / math.sqrt(shape.head_dim))
+        fns = [lambda: attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m),
+               lambda: attention._launch(*args, plan=plan), lambda: attention._launch(*args),
+               lambda: ikbo_attention(p["q"], p["k"], p["v"], p["cand_to_user"])]  # fmt: skip
+        row = []
+        for fn in fns:
+            fn()  # compiles
+            best = math.inf
+            for _ in range(3):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best = min(best, (time.perf_counter() - start) / calls * 1e6)
+            row.append(f"{best:.1f}")
+        lines.append(f"| U={shape.num_users} B={shape.num_candidates} S={shape.num_queries} L={shape.seq_len} d={shape.head_dim} | " + " | ".join(row) + " |")
+    return lines
+
+
 # the sweep's extremes and its slowest points (2026-11-29 run), for a short run (--sweep corners)
 CORNERS = [(1, 256, 64, 256), (8, 256, 64, 1), (8, 256, 64, 16), (64, 256, 64, 256), (1, 4096, 128, 1), (64, 4096, 128, 70)]
 
@@ -504,7 +560,11 @@ def main(argv):
     parser.add_argument("--tune", action="store_true", help="also time the TUNE_CONFIGS at the canonical shape")
     parser.add_argument("--variants", action="store_true", help="time the loop options and tiles of VARIANTS side by side")
     parser.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
+    parser.add_argument("--host-cpu", action="store_true", help="host µs per call without a GPU (stand-in driver), then exit")
     args = parser.parse_args(argv)
+    if args.host_cpu:
+        print("\n".join(host_cpu()))
+        return
     canonical = SMOKE_CANONICAL if SMOKE else CANONICAL
     points = {"full": SWEEP, "corners": CORNERS, "none": []}[args.sweep]
     header = [f"# IKBO attention benchmark, {datetime.date.today()}"]
