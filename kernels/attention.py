@@ -60,7 +60,7 @@ _TUNED: dict = {}  # (device, dtype, H, L, S, d, with self-attention) → lookup
 class TileConfig:
     """BLOCK_M query rows × BLOCK_N keys per step; warps, software-pipeline depth of the K/V loop,
     register cap per thread (128 lets two 8-warp programs share an SM), Triton's warp specialization.
-    Loop options (docs/notes/attention.md, 2026-11-29 "Loop options"):
+    Loop options (docs/notes/attention.md, "2026-11-29, evening: loop options"):
     lazy_rescale   rescale acc / l only when some row's running max grew by more than
                    RESCALE_THRESHOLD (base 2) since the last rescale (FlashAttention-4); exact, the
                    final normalization uses the same stale max.
@@ -371,15 +371,15 @@ def _target_tile(
     kv_len = tl.where(entry_user >= 0, _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN), 0)
     slot = rows // num_queries
     token = rows - slot * num_queries
-    cand = tl.load(order_ptr + first_slot + slot, mask=row_ok, other=0)  # padding rows read candidate 0
+    cand = tl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(tl.int64)  # padding rows read candidate 0
     offs_d = tl.arange(0, HEAD_DIM)
-    q_rows = cand.to(tl.int64) * stride_qb + head * stride_qh + token * stride_qs
+    q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
     q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]))
     row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
     kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
     out = _softmax_pass(q, k_desc, v_desc, kv_offset, stride_kl, (kv_len // BLOCK_N) * BLOCK_N, kv_len, kv_len,
                         row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, LAZY_RESCALE, EXP2_EMU)
-    o_rows = cand.to(tl.int64) * stride_ob + head * stride_oh + token * stride_os
+    o_rows = cand * stride_ob + head * stride_oh + token * stride_os
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
