@@ -29,8 +29,9 @@ warm-up): per op and bucket, the candidate configurations are timed at the bucke
 each first checked against the fp64 torch path on poisoned outputs, and the fastest correct one is
 what the public ops launch for every (U, B) of the bucket (`set_tuned_configs` of kernels/
 linear_compress.py and kernels/attention.py; their heuristics where nothing is tuned). Candidates:
-lce, the s3 bucket s3's `tile_configs`, the s4 bucket s4's and s3's; attention, `pick_config`'s and
-ATTENTION_CONFIGS with BLOCK_N | BLOCK_M.
+lce, the s3 bucket s3's `tile_configs`, the s4 bucket s4's and s3's, plus s6 (Gluon,
+warp-specialized, one kernel for any U, B) on a Hopper GPU in 16-bit; attention, `pick_config`'s
+and ATTENTION_CONFIGS with BLOCK_N | BLOCK_M.
 Choices are cached on disk and Triton's binaries too (ikbo_backend/tuning.py), so a restart times
 and compiles nothing: it reads the choices and loads the chosen kernels.
 """
@@ -170,6 +171,8 @@ class Tuned:
 
 
 def _lce_label(variant, tile) -> str:
+    if tile is None:  # s6: its WSConfig default (kernels/linear_compress_ws.py)
+        return f"{variant} warp-specialized (Gluon)"
     split = " split" if tile.epilogue_split else ""
     return f"{variant} {tile.block_m}x{tile.block_d}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}{split}"
 
@@ -179,11 +182,19 @@ def _attention_label(tile) -> str:
     return f"{tile.block_m}x{tile.block_n} w{tile.num_warps} s{tile.num_stages}{regs}"
 
 
-def lce_candidates(cfg: RankerConfig, key: tuple, dtype: torch.dtype) -> list[tuple[str, object]]:
+def lce_candidates(cfg: RankerConfig, key: tuple, dtype: torch.dtype, hopper: bool = False) -> list[tuple[str, object]]:
     """(variant, tile) to try for the LCE bucket `key`: the s3 bucket s3's configs; the s4 bucket s4's
-    and s3's (either compiles one kernel per config for any U, B)."""
+    and s3's (either compiles one kernel per config for any U, B); on a Hopper GPU in 16-bit also s6
+    (tile None: its own config; one kernel for any U, B; graph-safe)."""
     variants = ("s4", "s3") if key[0] == "s4" else (key[0],)
-    return [(variant, tile) for variant in variants for tile in dict.fromkeys(tile_configs(variant, dtype, cfg.embedding_dim))]
+    candidates = [(variant, tile) for variant in variants for tile in dict.fromkeys(tile_configs(variant, dtype, cfg.embedding_dim))]
+    if hopper and dtype in (torch.float16, torch.bfloat16):
+        candidates.append((lce_op.WS_VARIANT, None))
+    return candidates
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def attention_candidates(cfg: RankerConfig, key: tuple) -> list:
@@ -213,10 +224,10 @@ def _tune_lce(cfg: RankerConfig, key: tuple, shape, dtype, device, timer) -> dic
             out.fill_(float("nan"))
             return rel_err(run(), ref) <= TOLERANCE[dtype]
 
-        choice = {"variant": variant, "tile": dataclasses.asdict(tile)}
+        choice = {"variant": variant, "tile": None if tile is None else dataclasses.asdict(tile)}
         return Candidate(_lce_label(variant, tile), choice, check, run)
 
-    return fastest([candidate(v, t) for v, t in lce_candidates(cfg, key, dtype)], timer)
+    return fastest([candidate(v, t) for v, t in lce_candidates(cfg, key, dtype, _is_hopper(torch.device(device)))], timer)
 
 
 def _tune_attention(cfg: RankerConfig, key: tuple, shape, dtype, device, timer) -> dict:
@@ -265,7 +276,8 @@ def _decode(op: str, choice):
         return None
     try:
         if op == "lce":
-            return choice["variant"], lce_op.TileConfig(**choice["tile"])
+            tile = choice["tile"]
+            return choice["variant"], None if tile is None else lce_op.TileConfig(**tile)
         return attention_op.TileConfig(**choice["tile"])
     except (KeyError, TypeError) as e:
         warnings.warn(f"tuned {op} config {choice} unreadable ({e!r}); the kernel's heuristics are used", stacklevel=2)

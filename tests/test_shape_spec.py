@@ -3,6 +3,7 @@ each representative lies in its bucket, the served models warm up at every repre
 a GPU only — no Triton kernel compiles during requests after the warm-up (counted with Triton's
 jit_post_compile_hook in a fresh process, so no earlier test has filled the kernel caches)."""
 
+import dataclasses
 import multiprocessing
 import secrets
 
@@ -117,3 +118,21 @@ def test_no_triton_compilation_on_the_request_path(variant_class):
         at_warm_up, during_requests = pool.apply(_compilations, (variant_class, SEED))
     assert at_warm_up > 0, "the hook saw no compilation during the warm-up: it does not count"
     assert during_requests == [], f"compiled on the request path: {during_requests} (seed {SEED})"
+
+
+def test_s6_is_an_lce_candidate_on_hopper_in_16_bit_and_its_choice_round_trips():
+    """s6 (Gluon) is tried only on a Hopper GPU for fp16/bf16; its cached choice (tile None) decodes
+    to what `set_tuned_configs` hands the op: ("s6", None), launched with s6's own config."""
+    from ikbo_backend.shape_spec import _decode, _lce_label, lce_candidates
+    from ikbo_backend.ranker import RankerConfig
+
+    cfg = RankerConfig()
+    for key in (("s3",), ("s4",)):
+        for dtype in (torch.float16, torch.bfloat16):
+            assert lce_candidates(cfg, key, dtype, hopper=True)[-1] == ("s6", None)
+            assert ("s6", None) not in lce_candidates(cfg, key, dtype, hopper=False)
+        assert ("s6", None) not in lce_candidates(cfg, key, torch.float32, hopper=True)
+    assert _decode("lce", {"variant": "s6", "tile": None}) == ("s6", None)
+    assert _lce_label("s6", None) == "s6 warp-specialized (Gluon)"
+    variant, tile = _decode("lce", {"variant": "s3", "tile": dataclasses.asdict(lce_candidates(cfg, ("s3",), torch.float16)[0][1])})
+    assert variant == "s3" and tile == lce_candidates(cfg, ("s3",), torch.float16)[0][1]
