@@ -22,8 +22,10 @@ test: setup
 perf-configs: setup
 	$(PY) scripts/make_perf_configs.py
 
+# on a GPU machine: the measured GPU serving run of docs/perf.md (large profile); else the CPU sweep
 perf: setup
-	$(PY) scripts/perf_sweep.py $(PERF_ARGS)
+	@if nvidia-smi -L >/dev/null 2>&1; then PATH="$(CURDIR)/$(VENV)/bin:$$PATH" OUT="$${OUT:-out/gpu}" scripts/gpu_serving_run.sh; \
+	else $(PY) scripts/perf_sweep.py $(PERF_ARGS); fi
 
 bench: setup
 	$(PY) scripts/bench_model.py
