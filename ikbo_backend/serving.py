@@ -114,6 +114,21 @@ def check_model_config(model_config: dict, inputs: dict[str, list[int]], outputs
             )
 
 
+TRITON_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_BF16": torch.bfloat16, "TYPE_FP16": torch.float16, "TYPE_INT32": torch.int32, "TYPE_INT64": torch.int64}
+FLOAT_FEATURES = ("user_tokens", "cand_tokens", "history_tokens")  # the float tensors between the stages
+
+
+def feature_dtype(model_config: dict, kind: str) -> torch.dtype:
+    """dtype of the float features a model config declares (kind "input" or "output"): float32 in the
+    CPU and demo GPU configs; bfloat16 in the large ones, so that the 16-bit interaction's cast
+    happens in the features stage and half the bytes cross between the ensemble steps."""
+    declared = {t["name"]: t["data_type"] for t in model_config.get(kind, [])}
+    kinds = {declared.get(name) for name in FLOAT_FEATURES}
+    if len(kinds) != 1 or next(iter(kinds)) not in ("TYPE_FP32", "TYPE_BF16", "TYPE_FP16"):
+        raise ValueError(f"{model_config.get('name')}: the {kind}s {list(FLOAT_FEATURES)} must share one float type, got {sorted(map(str, kinds))}")
+    return TRITON_DTYPES[kinds.pop()]
+
+
 def set_torch_threads(value: str | None) -> None:
     """The `torch_threads` parameter of a model config: torch's intra-op threads in that model's
     process (unset: torch's default, one per core). Each python-backend instance is its own process,
@@ -155,10 +170,16 @@ class _ServedStage:
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
         if device.type == "cuda":
             torch.cuda.set_device(device)  # Triton launches on the current device: make it this instance's GPU
-        model = cls(cfg, weights, ranges, device, **{k: parameters[k] for k in cls.config_parameters if k in parameters})
+        options = {k: parameters[k] for k in cls.config_parameters if k in parameters} | cls.options_from_config(model_config)
+        model = cls(cfg, weights, ranges, device, **options)
         model.name = args["model_name"]  # for error messages
         model.warm_up()
         return model
+
+    @staticmethod
+    def options_from_config(model_config: dict) -> dict:
+        """Constructor arguments read from the config's I/O declarations (none by default)."""
+        return {}
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
         """(U, B): the declared range's ends and middle, then one shape per Triton shape bucket of
@@ -174,9 +195,11 @@ class _ServedStage:
         for num_users, num_candidates in self.warmup_shapes():
             self(self.example(make_request(self.cfg, num_users, num_candidates, rng)))
         interaction = getattr(self, "interaction", None)
-        if isinstance(interaction, GraphedInteraction):
+        if isinstance(interaction, GraphedInteraction):  # static inputs in the dtype the stage receives
             shape = self.ranges.typical[0] if self.ranges.typical else (self.ranges.users[0], self.ranges.candidates[0])
-            interaction.capture_all(self.features(**to_tensors(make_request(self.cfg, *shape, rng), self.device)))
+            features = self.features(**to_tensors(make_request(self.cfg, *shape, rng), self.device))
+            dtype = getattr(self, "feature_dtype", torch.float32)
+            interaction.capture_all(Features(**{k: _as_feature(v, dtype) for k, v in vars(features).items()}))
 
 
 class FeatureModel(_ServedStage):
@@ -184,13 +207,18 @@ class FeatureModel(_ServedStage):
 
     inputs, outputs = INPUT_NAMES, FEATURE_NAMES
 
-    def __init__(self, cfg, weights, ranges, device="cpu"):
+    def __init__(self, cfg, weights, ranges, device="cpu", feature_dtype: torch.dtype = torch.float32):
         super().__init__(cfg, ranges, device)
         self.stage = FeatureStage(cfg, weights, self.device)
+        self.feature_dtype = feature_dtype  # of the float outputs
 
     @staticmethod
     def io_dims(cfg):
         return request_dims(cfg), feature_dims(cfg)
+
+    @staticmethod
+    def options_from_config(model_config: dict) -> dict:
+        return {"feature_dtype": feature_dtype(model_config, "output")}
 
     def example(self, request):
         return to_tensors(request)
@@ -202,7 +230,7 @@ class FeatureModel(_ServedStage):
     def __call__(self, inputs):
         validate_request(self.cfg, self.ranges, inputs)  # InvalidRequest names the input
         features = self.stage(**{name: t.to(self.device) for name, t in inputs.items()})
-        return {name: getattr(features, name) for name in FEATURE_NAMES}
+        return {name: _as_feature(getattr(features, name), self.feature_dtype) for name in FEATURE_NAMES}
 
 
 def use_cuda_graphs(value: str | None, device: torch.device) -> bool:
@@ -213,15 +241,23 @@ def use_cuda_graphs(value: str | None, device: torch.device) -> bool:
     return value == "yes" and device.type == "cuda"
 
 
+def _as_feature(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
 class InteractionModel(_ServedStage):
     """ikbo_interaction / baseline_interaction: features → scores [B, T] (config parameter `variant`)."""
 
     inputs, outputs = FEATURE_NAMES, ("scores",)
     config_parameters = ("variant", "compute_dtype", "cuda_graphs")
 
-    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no"):
+    def __init__(
+        self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no",
+        feature_dtype: torch.dtype = torch.float32,
+    ):  # fmt: skip
         super().__init__(cfg, ranges, device)
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
+        self.feature_dtype = feature_dtype  # of the float inputs
         self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)  # features: warm-up only
         if use_cuda_graphs(cuda_graphs, self.device):
             self.interaction = GraphedInteraction(self.interaction, ranges, self.device)
@@ -230,9 +266,13 @@ class InteractionModel(_ServedStage):
     def io_dims(cfg):
         return feature_dims(cfg), score_dims(cfg)
 
+    @staticmethod
+    def options_from_config(model_config: dict) -> dict:
+        return {"feature_dtype": feature_dtype(model_config, "input")}
+
     def example(self, request):
         features = self.features(**to_tensors(request, self.device))
-        return {name: getattr(features, name) for name in FEATURE_NAMES}
+        return {name: _as_feature(getattr(features, name), self.feature_dtype) for name in FEATURE_NAMES}
 
     def _check(self, inputs):
         """The joins must be in range: a bad index must not reach a (device-side) gather. One device

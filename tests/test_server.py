@@ -225,3 +225,42 @@ def test_serving_probe_reads_latency_statistics_and_compilations(server):
         assert after[model]["compute_infer_ms"] > 0
     counts = serving_probe.compilations(server.metrics_url)
     assert counts.get("ikbo_interaction:request") == 0, counts
+
+
+def test_bfloat16_features_cross_the_ensemble(tmp_path, monkeypatch):
+    """The large GPU configs pass the float features between ranker_features and the interactions as
+    TYPE_BF16 (DLPack through python backend 2.51). The same on a CPU copy of the ikbo_ranker chain:
+    scores equal the in-process bf16 chain's and stay within bf16 rounding of fp64."""
+    import re
+
+    from reliability import repository_copy
+
+    from ikbo_backend.ranker import Features
+    from ikbo_backend.serving import FeatureModel, InteractionModel
+
+    weights_path = tmp_path / "ranker.safetensors"
+    weights = make_demo_weights(CFG, seed=SEED)
+    save_weights(weights_path, CFG, weights)
+    with repository_copy(["ranker_features", "ikbo_interaction", "ikbo_ranker"], "bf16-features-") as repo:
+        for name, parameters in (("ranker_features", ""), ("ikbo_interaction", 'parameters { key: "compute_dtype" value: { string_value: "bfloat16" } }\n')):
+            config = repo / name / "config.pbtxt"
+            text = re.sub(r'(name: "(?:user|cand|history)_tokens" +data_type: )TYPE_FP32', r"\1TYPE_BF16", config.read_text())
+            config.write_text(text + parameters)
+        rng = np.random.default_rng(SEED)
+        features = FeatureModel(CFG, weights, RANGES, feature_dtype=torch.bfloat16)
+        interaction = InteractionModel(CFG, weights, RANGES, compute_dtype="bfloat16", feature_dtype=torch.bfloat16)
+        exact = build_ranker("ikbo", CFG, {k: v.double() for k, v in weights.items()})[1]
+        monkeypatch.setenv("IKBO_WEIGHTS", str(weights_path))  # read by every model at load
+        with running_tritonserver(model_repository=repo, log_path=tmp_path / "tritonserver.log") as server:
+            for num_users, num_candidates in ((4, 50), (1, 7)):
+                request = make_request(CFG, num_users, num_candidates, rng)
+                module = client_module("grpc")
+                client = module.InferenceServerClient(server.grpc_url)
+                got = infer_scores(client, module, "ikbo_ranker", request)
+                client.close()
+                with torch.inference_mode():
+                    chain = interaction(features(to_tensors(request)))["scores"].numpy()
+                    f32 = FeatureModel(CFG, weights, RANGES)(to_tensors(request))
+                    expected = exact(Features(**{k: v.double() if v.is_floating_point() else v for k, v in f32.items()})).numpy()
+                np.testing.assert_allclose(got, chain, rtol=1e-5, atol=1e-6, err_msg=f"seed {SEED}")
+                assert np.linalg.norm(got - expected) / np.linalg.norm(expected) <= 2e-2, f"seed {SEED}"

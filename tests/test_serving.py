@@ -162,3 +162,47 @@ def test_torch_threads_parameter():
                 set_torch_threads(bad)
     finally:
         torch.set_num_threads(before)
+
+
+def _io_config(kind_dtypes: dict[str, str], kind: str) -> dict:
+    return {"name": "m", kind: [{"name": name, "data_type": dtype, "dims": [-1]} for name, dtype in kind_dtypes.items()]}
+
+
+def test_feature_dtype_comes_from_the_config():
+    floats = ("user_tokens", "cand_tokens", "history_tokens")
+    for declared, expected in (("TYPE_FP32", torch.float32), ("TYPE_BF16", torch.bfloat16), ("TYPE_FP16", torch.float16)):
+        config = _io_config({**dict.fromkeys(floats, declared), "history_len": "TYPE_INT32", "cand_to_user": "TYPE_INT32"}, "output")
+        assert serving.feature_dtype(config, "output") == expected
+    mixed = _io_config({"user_tokens": "TYPE_BF16", "cand_tokens": "TYPE_FP32", "history_tokens": "TYPE_BF16"}, "input")
+    with pytest.raises(ValueError, match="must share one float type"):
+        serving.feature_dtype(mixed, "input")
+    with pytest.raises(ValueError, match="must share one float type"):
+        serving.feature_dtype(_io_config(dict.fromkeys(floats, "TYPE_INT32"), "input"), "input")
+
+
+def test_bfloat16_features_between_the_stages(small_weights):
+    """ranker_features declaring TYPE_BF16 outputs casts its float features (ints unchanged); an
+    interaction declaring TYPE_BF16 inputs (bf16 compute) scores them like the float32 stage chain
+    (the same cast happens one stage earlier), within bf16 rounding of the fp64 scores."""
+    cfg, weights = SMALL, small_weights
+    rng = np.random.default_rng()
+    request = to_tensors(make_request(cfg, 3, 29, rng))
+    features = FeatureModel(cfg, weights, RANGES, feature_dtype=torch.bfloat16)(request)
+    assert {k: v.dtype for k, v in features.items()} == {
+        "user_tokens": torch.bfloat16, "cand_tokens": torch.bfloat16, "history_tokens": torch.bfloat16,
+        "history_len": torch.int32, "cand_to_user": torch.int32,
+    }  # fmt: skip
+    reference = FeatureModel(cfg, weights, RANGES)(request)
+    for name in ("user_tokens", "cand_tokens", "history_tokens"):
+        assert torch.equal(features[name], reference[name].to(torch.bfloat16))
+    interaction = InteractionModel(cfg, weights, RANGES, compute_dtype="bfloat16", feature_dtype=torch.bfloat16)
+    scores = interaction(features)["scores"]
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, InteractionModel(cfg, weights, RANGES, compute_dtype="bfloat16")(reference)["scores"], rtol=0, atol=0)
+    exact = build_ranker("ikbo", cfg, {k: v.double() for k, v in weights.items()})[1]
+    f64 = {k: v.double() if v.is_floating_point() else v for k, v in reference.items()}
+    from ikbo_backend.ranker import Features
+
+    expected = exact(Features(**f64))
+    assert float((scores.double() - expected).norm() / expected.norm()) <= 2e-2
+    assert interaction.example(make_request(cfg, 2, 5, rng))["cand_tokens"].dtype == torch.bfloat16
