@@ -29,7 +29,7 @@ Kernel `_lce_ws_kernel`, one persistent program per SM, tiles t = pid, pid + P, 
         async wgmma, one group in flight, releasing each slot as the next wgmma is issued; then the
         epilogue: acc + Y_u tile (read from shared memory) + bias, cast, written back into the same
         shared buffer and stored by TMA (`UTMASTG`), so the epilogue costs shared-memory time
-        (~0.5 µs per tile) and no LSU-queue time (s5's pointer epilogue, docs/notes/lce.md). The
+        (~0.5 µs per tile) and no LSU-queue time (the pointer epilogue of s5, a removed variant: docs/notes/lce.md). The
         store drains during the next tile's first K step; then the buffer is handed back to the
         producer for the next Y_u block.
 Why cooperative and not pingpong (CUTLASS's two consumer warpgroups alternating tiles): on Hopper the
@@ -42,7 +42,7 @@ overlaps loads with the epilogue, and the epilogue itself is made short instead 
 
 Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more,
-as s5 does). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
+as the removed s5 did). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
 (D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
 Sources: Triton's Gluon tutorials `python/tutorials/gluon/08-warp-specialization.py` (partitions,
 ready/empty rings, TMA-store epilogue), `07-persistence.py` and `05-wgmma.py` (async wgmma on Hopper);
@@ -67,10 +67,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .linear_compress import PackedLinearCompress
-from .linear_compress_gluon import SMEM_LIMIT, USER_GEMM_CONFIG
+from .linear_compress import PackedLinearCompress, TileConfig
 
+SMEM_LIMIT = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
 GLUON_TYPES = (torch.float16, torch.bfloat16)
+# User GEMM (Y_u, launched before s6): s3's tile kernel at [128, 128] tiles, so that U · N/128 · D/128
+# programs (120 at the canonical shape) spread over the SMs; the user GEMM is 4 of the 138 GFLOP.
+USER_GEMM_CONFIG = TileConfig(128, 128, 64, num_warps=4, num_stages=4)
 MAX_STAGES = 6
 
 

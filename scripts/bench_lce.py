@@ -2,16 +2,17 @@
 """IKBO linear compression benchmark (GPU): providers side by side at the canonical shape, and the B/U sweep.
 
     scripts/bench_lce.py [--no-sweep] [--ratios 1,16,70] [--candidates 64,1024] [--no-compile]
-                         [--configs [s5|s6]] [--no-s5] [--no-s6] [--only S0,Triton s4,...] [--smoke]
+                         [--configs [s6]] [--no-s6] [--only S0,Triton s4,...] [--smoke]
     (or scripts/bench_kernels.py lce ...)
 
 Canonical shape, bf16: B=1024 candidates, U=15 users with ragged counts, Ku=1024, Kc=500, D=256,
 N=512. Providers: S0 eager (baseline: user_emb replicated to B rows, concatenated along K, one
 matmul), torch.compile(S0), S1 eager (the op's torch path: two GEMMs + sparse gather-add),
 torch.compile(S1) (two GEMMs + `cand_part + user_part[m]`, which inductor fuses into one indirect-
-load kernel), the Triton variants s1…s4 and s5 (Gluon, W_c resident in shared memory,
-`kernels/linear_compress_gluon.py`; Hopper only) and s6 (Gluon, warp-specialized persistent:
-TMA producer warp + wgmma consumer warpgroups, `kernels/linear_compress_ws.py`; Hopper only). Metrics: median ms (`triton.testing.do_bench`),
+load kernel), the Triton variants s1…s4 and s6 (Gluon, warp-specialized persistent: TMA
+producer warp + wgmma consumer warpgroups, `kernels/linear_compress_ws.py`; Hopper only). (s5, the
+candidate GEMM with W_c resident in shared memory, was slower everywhere and was removed on
+2026-11-29: docs/notes/lce.md.) Metrics: median ms (`triton.testing.do_bench`),
 TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
 floor = max(FLOPs / bf16 matmul rate, minimum bytes / copy bandwidth), both ceilings measured in this
 run. Every provider's output is checked against an fp64 reference first (Triton outputs poisoned
@@ -40,15 +41,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig  # noqa: E402
-from kernels.linear_compress_gluon import (  # noqa: E402
-    USER_GEMM_CONFIG,
-    ResidentConfig,
-    _launch_resident,
-    lce_s5,
-    resident_config,
-    s5_supported,
-)
-from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, s6_supported, ws_config  # noqa: E402
+from kernels.linear_compress_ws import USER_GEMM_CONFIG, WSConfig, _launch_ws, lce_s6, s6_supported, ws_config  # noqa: E402
 
 CANONICAL = dict(num_users=15, num_candidates=1024, ku=1024, kc=500, dim=256, rows=512)
 SWEEP_RATIOS = (1, 4, 16, 70, 256, 1024)
@@ -66,12 +59,6 @@ EXTRA_CONFIGS = [
     ("s3", TileConfig(128, 128, 64, 4, 4, epilogue_split=True)),
     ("s4", TileConfig(128, 256, 64, 8, 2, epilogue_split=True)),
     ("s4", TileConfig(128, 128, 64, 8, 4, epilogue_split=True)),
-]
-S5_EXTRA_CONFIGS = [  # with --configs, beside s5's default (128×256×64, 3 stages, strided lanes, no L2 prefetch)
-    ResidentConfig(group_users=True),
-    ResidentConfig(l2_prefetch=True),
-    ResidentConfig(group_users=True, l2_prefetch=True),
-    ResidentConfig(stages=2),
 ]
 S6_EXTRA_CONFIGS = [  # with --configs, beside s6's default (128×256×64, 3 stages, store waited at K step 2)
     WSConfig(epi_free_at=1),
@@ -153,20 +140,13 @@ def s1_gather(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias):
 
 def triton_provider(packed, args, variant, config=None):
     """Calls the Triton path; tests pass NaN-poisoned `out` / `user_part` buffers."""
-    if variant == "s5":
-        return lambda out=None, user_part=None: lce_s5(packed, *args, out=out, user_part=user_part, config=config)
     if variant == "s6":
         return lambda out=None, user_part=None: lce_s6(packed, *args, out=out, user_part=user_part, config=config)
     return lambda out=None, user_part=None: packed._triton(*args, variant, config=config, out=out, user_part=user_part)
 
 
-WITH_S5 = True  # --no-s5 leaves s5 out (e.g. after its tests timed out)
 WITH_S6 = True  # --no-s6 leaves s6 out
 ONLY: tuple[str, ...] = ()  # --only: canonical providers whose names start with one of these
-
-
-def has_s5(p: Problem) -> bool:
-    return WITH_S5 and DEVICE == "cuda" and s5_supported(p.user_emb, p.cand_emb)
 
 
 def has_s6(p: Problem) -> bool:
@@ -186,8 +166,6 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
         table["torch.compile(S1)"] = lambda: s1_compiled(*args, packed.user_weight, packed.cand_weight, p.bias)
     for variant in VARIANTS:
         table[f"Triton {variant}"] = triton_provider(packed, args, variant)
-    if has_s5(p):
-        table["Triton s5 (Gluon)"] = triton_provider(packed, args, "s5")
     if has_s6(p):
         table["Triton s6 (Gluon, warp-specialized)"] = triton_provider(packed, args, "s6")
     if with_configs == "all":
@@ -199,20 +177,15 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
             cfg = ws_config(p.shape[4], p.cand_emb.element_size(), cfg)
             name = f"Triton s6 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages} free@{cfg.epi_free_at}"
             table[name + (" deferred epilogue" if cfg.defer_epilogue else "")] = triton_provider(packed, args, "s6", cfg)
-    if with_configs in ("all", "s5") and has_s5(p):
-        for cfg in S5_EXTRA_CONFIGS:
-            name = f"Triton s5 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages}"
-            name += (" user-grouped" if cfg.group_users else "") + (" L2-prefetch" if cfg.l2_prefetch else "")
-            table[name] = triton_provider(packed, args, "s5", cfg)
     if ONLY:
         table = {name: fn for name, fn in table.items() if name.startswith(ONLY)}
     return table
 
 
 def calibration(p: Problem, packed: PackedLinearCompress, flop_rate, log):
-    """The candidate GEMM alone (B·N·D·Kc of the work) through cuBLAS, s2's Triton kernel and the s5 / s6
-    Gluon kernels (no Y_u, no bias); s5's and s6's user GEMM alone (U·N·D·Ku); s6's kernel with its
-    fused epilogue (Y_u computed beforehand)."""
+    """The candidate GEMM alone (B·N·D·Kc of the work) through cuBLAS, s2's Triton kernel and the s6
+    Gluon kernel (no Y_u, no bias); s6's user GEMM alone (U·N·D·Ku); s6's kernel with its fused
+    epilogue (Y_u computed beforehand)."""
     num_users, num_candidates, ku, kc, dim, rows = p.shape
     flops = 2.0 * num_candidates * rows * dim * kc
     out = torch.empty(num_candidates, rows, dim, dtype=p.user_emb.dtype, device=DEVICE)
@@ -222,15 +195,11 @@ def calibration(p: Problem, packed: PackedLinearCompress, flop_rate, log):
         "Triton s2 kernel: W_c @ cand_emb": (
             lambda: packed._launch_tile(packed.cand_weight_padded, p.cand_emb, out, None, False, True, cfg), flops),
     }
-    if has_s5(p):
-        s5_cfg = resident_config(dim, kc, p.cand_emb.element_size())
-        entries["Gluon s5 kernel: W_c @ cand_emb (W_c resident)"] = (
-            lambda: _launch_resident(packed, p.cand_emb, out, None, p.cand_to_user, None, s5_cfg), flops)
+    if has_s6(p):
         user_part = torch.empty(num_users, rows, dim, dtype=out.dtype, device=DEVICE)
-        entries["s5's user GEMM alone: W_u @ user_emb (s3 tile kernel, 128x128 tiles)"] = (
+        entries["s6's user GEMM alone: W_u @ user_emb (s3 tile kernel, 128x128 tiles)"] = (
             lambda: packed._launch_tile(packed.user_weight_padded, p.user_emb, user_part, None, False, True, USER_GEMM_CONFIG),
             2.0 * num_users * rows * dim * ku)
-    if has_s6(p):
         s6_cfg = ws_config(dim, p.cand_emb.element_size())
         entries["Gluon s6 kernel: W_c @ cand_emb (warp-specialized, no Y_u, no bias)"] = (
             lambda: _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, s6_cfg), flops)
@@ -362,9 +331,9 @@ def graph_ms(fn) -> float:
 def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=False, ratios=SWEEP_RATIOS):
     graph_head = " S0 graph ms | s3 graph ms | s6 graph ms |" if with_graph else ""
     lines = [
-        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s5 ms | Gluon s6 ms | best Triton × S0 | floor ms "
-        "| best % of floor | rel err s3 / s4 / s5 / s6 |" + graph_head,
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: | ---: | ---: |" * with_graph,
+        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s6 ms | best Triton × S0 | floor ms "
+        "| best % of floor | rel err s3 / s4 / s6 |" + graph_head,
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: | ---: | ---: |" * with_graph,
     ]
     raw = []
     shape = dict(base_shape)
@@ -382,14 +351,13 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
                 ("S0", lambda: s0_materialized(*args, p.weight, p.bias)),
                 ("s3", lambda out=None, up=None: packed._triton(*args, "s3", out=out, user_part=up)),
                 ("s4", lambda out=None, up=None: packed._triton(*args, "s4", out=out, user_part=up)),
-                ("s5", lambda out=None, up=None: lce_s5(packed, *args, out=out, user_part=up)),
                 ("s6", lambda out=None, up=None: lce_s6(packed, *args, out=out, user_part=up)),
             ]:
-                if (name == "s5" and not has_s5(p)) or (name == "s6" and not has_s6(p)):
+                if name == "s6" and not has_s6(p):
                     times[name] = float("nan")
                     continue
                 try:
-                    if name in ("s3", "s4", "s5", "s6"):
+                    if name in ("s3", "s4", "s6"):
                         errs[name] = check("Triton " + name, fn, p, ref, head)
                     times[name] = time_ms(fn)
                 except Exception as exc:
@@ -401,13 +369,13 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
                 s3_fn = lambda: packed._triton(*args, "s3")  # noqa: E731
                 s6_graph = graph_ms(lambda: lce_s6(packed, *args)) if has_s6(p) else float("nan")
                 graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} | {s6_graph:.4f} |"
-            best = min(t for t in (times["s3"], times["s4"], times["s5"], times["s6"]) if t == t)
+            best = min(t for t in (times["s3"], times["s4"], times["s6"]) if t == t)
             floor = floor_ms(p, flop_rate, copy_rate)
             raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()}, **{"err_" + k: v for k, v in errs.items()}))
             lines.append(
                 f"| {num_candidates} | {num_users} | {num_candidates / num_users:.0f} | {times['S0']:.4f} | "
-                f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s5']:.4f} | {times['s6']:.4f} | {times['S0'] / best:.2f} | "
-                f"{floor:.4f} | {100 * floor / best:.0f}% | " + " / ".join(f"{errs.get(k, float('nan')):.1e}" for k in ("s3", "s4", "s5", "s6"))
+                f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s6']:.4f} | {times['S0'] / best:.2f} | "
+                f"{floor:.4f} | {100 * floor / best:.0f}% | " + " / ".join(f"{errs.get(k, float('nan')):.1e}" for k in ("s3", "s4", "s6"))
                 + " |" + graph
             )
             log(lines[-1])
@@ -432,22 +400,20 @@ def ws_probe():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true", help="canonical shape only")
-    parser.add_argument("--no-s5", action="store_true", help="leave out s5 (Gluon)")
     parser.add_argument("--no-s6", action="store_true", help="leave out s6 (Gluon, warp-specialized)")
     parser.add_argument("--only", default="", help="canonical: only providers whose names start with one of these (comma-separated)")
     parser.add_argument("--candidates", default="", help="sweep: candidate counts B (comma-separated; default 64,1024,16384)")
     parser.add_argument("--ratios", default=",".join(map(str, SWEEP_RATIOS)), help="sweep: B/U ratios (comma-separated)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile providers")
-    parser.add_argument("--configs", nargs="?", const="all", choices=("all", "s5", "s6"),
-                        help="also time alternative tile configs of s3 / s4 / s5 / s6 (all) or of s5 or s6 only")
+    parser.add_argument("--configs", nargs="?", const="all", choices=("all", "s6"),
+                        help="also time alternative tile configs of s3 / s4 / s6 (all) or of s6 only")
     parser.add_argument("--graph", action="store_true", help="sweep: also time S0 and s3 as CUDA-graph replays")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter (checks the script)")
     parser.add_argument("--ws-probe", action="store_true", help="only run s3 with Hopper warp specialization once (wrap in `timeout`)")
     args = parser.parse_args(argv)
     if args.ws_probe:
         return ws_probe()
-    global DEVICE, DTYPE, WITH_S5, WITH_S6, ONLY
-    WITH_S5 = not args.no_s5
+    global DEVICE, DTYPE, WITH_S6, ONLY
     WITH_S6 = not args.no_s6
     ONLY = tuple(name for name in args.only.split(",") if name)
     if args.smoke:

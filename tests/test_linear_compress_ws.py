@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from kernels.linear_compress import PackedLinearCompress
-from kernels.linear_compress_gluon import SMEM_LIMIT, USER_GEMM_CONFIG
-from kernels.linear_compress_ws import WSConfig, _launch_ws, compile_s6, lce_s6, s6_supported, ws_config
+from kernels.linear_compress_ws import SMEM_LIMIT, USER_GEMM_CONFIG, WSConfig, _launch_ws, compile_s6, lce_s6, s6_supported, ws_config
 
 BF16_TOL = 1e-2
 FP16_TOL = 2e-3
