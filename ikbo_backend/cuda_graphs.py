@@ -5,8 +5,8 @@ On a GPU the IKBO interaction is host-bound: at U=15, B=1024 (large profile, bf1
 and the ops' index checks, each a device→host wait. A CUDA graph replays the whole call's kernels
 with one launch. Graphs have fixed shapes, so requests are padded to a bucket:
 
-- buckets: U up to the next power of two, B up to the next 2^k or 3·2^(k-1) (≤ 33 % padding),
-  both capped at the declared maxima (`shape_buckets`);
+- buckets: U up to the next power of two, B up to the next 2^k or 3·2^(k-1) (from 2 on: at most
+  a third of the rows are padding), both capped at the declared maxima (`shape_buckets`);
 - padding: candidates past B map to user 0 (every bucket has U ≥ 1) and users past U get history
   length 0; every per-candidate and per-user result is independent of the other rows, so the first
   B rows of the padded call's scores are the request's scores. The padding rows hold whatever an
@@ -81,17 +81,20 @@ class GraphedInteraction:
         users, cands = _round_up(num_users, self.user_sizes), _round_up(num_candidates, self.cand_sizes)
         return None if users is None or cands is None or num_users < 1 or num_candidates < 1 else (users, cands)
 
+    @staticmethod
+    def _rows(users: int, cands: int) -> dict[str, int]:
+        """Rows of each feature at U = users, B = cands."""
+        return {"user_tokens": users, "history_tokens": users, "history_len": users, "cand_tokens": cands, "cand_to_user": cands}
+
     def _allocate(self, example: Features) -> None:
-        users, cands = self.user_sizes[-1], self.cand_sizes[-1]
-        rows = {"user_tokens": users, "history_tokens": users, "history_len": users, "cand_tokens": cands, "cand_to_user": cands}
+        rows = self._rows(self.user_sizes[-1], self.cand_sizes[-1])
         self.static = {
             name: torch.zeros((rows[name], *t.shape[1:]), dtype=t.dtype, device=self.device) for name, t in vars(example).items()
         }
 
     def _views(self, users: int, cands: int) -> Features:
         """Bucket (users, cands)'s leading slices of the static inputs."""
-        sizes = {"user_tokens": users, "history_tokens": users, "history_len": users, "cand_tokens": cands, "cand_to_user": cands}
-        return Features(**{name: self.static[name][:size] for name, size in sizes.items()})
+        return Features(**{name: self.static[name][:size] for name, size in self._rows(users, cands).items()})
 
     def _load(self, f: Features, users: int, cands: int) -> Features:
         """Copy the request into the static inputs, pad, and return the bucket's views of them."""
