@@ -1,25 +1,27 @@
-"""CUDA graphs for an interaction stage, one per (U, B) shape bucket.
+"""CUDA graphs for a served stage, one per (U, B) shape bucket.
 
-On a GPU the IKBO interaction is host-bound: at U=15, B=1024 (large profile, bf16, H200) a call took
-1.9 ms of wall time for 0.25 ms of kernels (docs/perf.md, "GPU serving, H200"): Python, ~30 launches
-and the ops' index checks, each a device→host wait. A CUDA graph replays the whole call's kernels
-with one launch. Graphs have fixed shapes, so requests are padded to a bucket:
+On a GPU the IKBO ranker is host-bound: at U=15, B=1024 (large profile, bf16, H200) the interaction
+took 1.9 ms of wall time for 0.25 ms of kernels (docs/perf.md, "GPU serving, H200"): Python, ~30
+launches and the ops' index checks, each a device→host wait. A CUDA graph replays the whole call's
+kernels with one launch. Graphs have fixed shapes, so requests are padded to a bucket:
 
 - buckets: U up to the next power of two, B up to the next 2^k or 3·2^(k-1) (from 2 on: at most
   a third of the rows are padding), both capped at the declared maxima (`shape_buckets`);
 - padding: candidates past B map to user 0 (every bucket has U ≥ 1) and users past U get history
   length 0; every per-candidate and per-user result is independent of the other rows, so the first
   B rows of the padded call's scores are the request's scores. The padding rows hold whatever an
-  earlier request left (finite: inputs are validated) or zeros;
-- static inputs: one buffer per feature at the declared maxima; a bucket's graph reads a leading
+  earlier request left (valid: inputs are validated) or zeros (valid ids too);
+- static inputs: one buffer per input at the declared maxima; a bucket's graph reads a leading
   slice of it. All graphs allocate from one memory pool and replay one at a time on the capturing
   stream, so their intermediates share memory (the pool holds about the largest bucket's);
 - the index checks inside the ops are skipped while capturing (kernels/_common.py): the serving
-  stage checks `cand_to_user` and `history_len` before a replay.
+  stage checks `cand_to_user` and the history lengths before a replay.
 
-Capture happens at load (`capture_all`, after the eager warm-up has compiled and tuned the kernels),
-never on the request path; a shape outside every bucket runs eagerly. `GraphedInteraction` is used
-only on CUDA; on a CPU `replay_eagerly=True` runs the same padding without graphs (tests).
+Two stages are graphed: `GraphedInteraction` (features → scores, the interaction models of the
+ensembles) and `GraphedRanker` (raw request → scores: lookups and interaction in one graph, the
+one-model rankers). Capture happens at load (`capture_all`, after the eager warm-up has compiled and
+tuned the kernels), never on the request path; a shape outside every bucket runs eagerly. Used only
+on CUDA; on a CPU `replay_eagerly=True` runs the same padding without graphs (tests).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 import torch
 
 from .ranker import Features
-from .requests import ShapeRanges
+from .requests import CAND_INPUTS, USER_INPUTS, ShapeRanges
 
 LOG = logging.getLogger(__name__)
 
@@ -56,14 +58,18 @@ def _round_up(value: int, sizes: list[int]) -> int | None:
     return next((size for size in sizes if size >= value), None)
 
 
-class GraphedInteraction:
-    """`interaction(features) → scores [B, T]`, replayed from a CUDA graph of the request's bucket.
+class _GraphedStage:
+    """`stage(inputs) → scores [B, T]`, replayed from a CUDA graph of the request's bucket. Subclasses
+    name the inputs with one row per user (`USER_ROWS`) and per candidate (`CAND_ROWS`), the ones
+    zeroed in padding rows (`ZERO_PADDED`: lengths and the mapping) and how to call the stage on
+    a dict of them (`_call`)."""
 
-    features: Features with user_tokens [U, Ku, D], cand_tokens [B, Kc, D], history_tokens [U, L, D],
-    history_len [U], cand_to_user [B] (int32, already checked in range by the caller)."""
+    USER_ROWS: tuple[str, ...]
+    CAND_ROWS: tuple[str, ...]
+    ZERO_PADDED: tuple[str, ...]
 
-    def __init__(self, interaction, ranges: ShapeRanges, device, replay_eagerly: bool = False):
-        self.interaction, self.device = interaction, torch.device(device)
+    def __init__(self, ranges: ShapeRanges, device, replay_eagerly: bool = False):
+        self.device = torch.device(device)
         self.user_sizes, self.cand_sizes = shape_buckets(ranges)
         self.replay_eagerly = replay_eagerly
         self.static: dict[str, torch.Tensor] | None = None  # the inputs, at the declared maxima
@@ -72,49 +78,47 @@ class GraphedInteraction:
         self.replays = self.eager_calls = 0
         self.capture_error: str | None = None
 
-    def __getattr__(self, name):  # the wrapped interaction's attributes (dtype, transform report)
-        if name == "interaction":
-            raise AttributeError(name)
-        return getattr(self.interaction, name)
+    def _call(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int]:
+        return inputs[self.USER_ROWS[0]].shape[0], inputs[self.CAND_ROWS[0]].shape[0]
 
     def bucket(self, num_users: int, num_candidates: int) -> tuple[int, int] | None:
         users, cands = _round_up(num_users, self.user_sizes), _round_up(num_candidates, self.cand_sizes)
         return None if users is None or cands is None or num_users < 1 or num_candidates < 1 else (users, cands)
 
-    @staticmethod
-    def _rows(users: int, cands: int) -> dict[str, int]:
-        """Rows of each feature at U = users, B = cands."""
-        return {"user_tokens": users, "history_tokens": users, "history_len": users, "cand_tokens": cands, "cand_to_user": cands}
+    def _rows(self, users: int, cands: int) -> dict[str, int]:
+        """Rows of each input at U = users, B = cands."""
+        return {name: users for name in self.USER_ROWS} | {name: cands for name in self.CAND_ROWS}
 
-    def _allocate(self, example: Features) -> None:
+    def _allocate(self, example: dict[str, torch.Tensor]) -> None:
         rows = self._rows(self.user_sizes[-1], self.cand_sizes[-1])
-        self.static = {
-            name: torch.zeros((rows[name], *t.shape[1:]), dtype=t.dtype, device=self.device) for name, t in vars(example).items()
-        }
+        self.static = {name: torch.zeros((rows[name], *t.shape[1:]), dtype=t.dtype, device=self.device) for name, t in example.items()}
 
-    def _views(self, users: int, cands: int) -> Features:
+    def _views(self, users: int, cands: int) -> dict[str, torch.Tensor]:
         """Bucket (users, cands)'s leading slices of the static inputs."""
-        return Features(**{name: self.static[name][:size] for name, size in self._rows(users, cands).items()})
+        return {name: self.static[name][:size] for name, size in self._rows(users, cands).items()}
 
-    def _load(self, f: Features, users: int, cands: int) -> Features:
-        """Copy the request into the static inputs, pad, and return the bucket's views of them."""
-        s, num_users, num_candidates = self.static, f.user_tokens.shape[0], f.cand_tokens.shape[0]
-        for name in ("user_tokens", "history_tokens", "history_len"):
-            s[name][:num_users].copy_(getattr(f, name))
-        for name in ("cand_tokens", "cand_to_user"):
-            s[name][:num_candidates].copy_(getattr(f, name))
-        s["history_len"][num_users:users].zero_()  # padding users: empty history
-        s["cand_to_user"][num_candidates:cands].zero_()  # padding candidates: user 0
+    def _load(self, inputs: dict[str, torch.Tensor], users: int, cands: int) -> dict[str, torch.Tensor]:
+        """Copy the request into the static inputs (from host or device memory), pad, and return the
+        bucket's views of them. Padding users get history length 0, padding candidates user 0."""
+        rows = self._rows(*self._shape(inputs))
+        for name, t in inputs.items():
+            self.static[name][: rows[name]].copy_(t, non_blocking=True)
+        bucket_rows = self._rows(users, cands)
+        for name in self.ZERO_PADDED:
+            self.static[name][rows[name] : bucket_rows[name]].zero_()
         return self._views(users, cands)
 
-    def capture(self, users: int, cands: int, example: Features) -> None:
+    def capture(self, users: int, cands: int, example: dict[str, torch.Tensor]) -> None:
         """Record the graph of bucket (users, cands); `example` (any valid request's features)
         supplies dtypes and trailing dims and fills the static inputs on first use. The first
         capture runs the bucket eagerly before, on the capture stream (library handles and their
         workspaces are created there); the kernels were compiled and tuned by the warm-up."""
         if self.static is None:
             self._allocate(example)
-            self._load(example, example.user_tokens.shape[0], example.cand_tokens.shape[0])
+            self._load(example, *self._shape(example))
         views = self._views(users, cands)
         if self.replay_eagerly:
             self.graphs[users, cands] = (None, None)
@@ -128,18 +132,18 @@ class GraphedInteraction:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             if first:
-                self.interaction(views)
+                self._call(views)
                 self.stream.synchronize()
                 torch.cuda.empty_cache()  # the eager run's blocks: not held beside the graphs' pool
             graph.capture_begin(pool=self.pool)
             try:
-                scores = self.interaction(views)
+                scores = self._call(views)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.graphs[users, cands] = (graph, scores)
 
-    def capture_all(self, example: Features) -> int:
+    def capture_all(self, example: dict[str, torch.Tensor]) -> int:
         """Capture every bucket, largest first (the pool grows once; smaller buckets reuse its
         blocks); returns the number captured. If a capture fails (an op that waits for the device,
         say), the stage stays eager: all graphs are dropped and the error logged."""
@@ -154,7 +158,7 @@ class GraphedInteraction:
         except Exception as e:  # noqa: BLE001 — serve eagerly rather than not at all
             self.graphs.clear()
             self.capture_error = f"{type(e).__name__}: {e}"
-            LOG.warning("CUDA graph capture failed, the interaction runs eagerly: %s", self.capture_error)
+            LOG.warning("CUDA graph capture failed, the stage runs eagerly: %s", self.capture_error)
             print(f"ikbo_backend.cuda_graphs: capture failed, running eagerly: {self.capture_error}", file=sys.stderr, flush=True)
         else:
             reserved = torch.cuda.memory_reserved(self.device) / 2**20 if not self.replay_eagerly else 0.0
@@ -162,16 +166,64 @@ class GraphedInteraction:
                   f"({reserved:,.0f} MiB reserved by torch in this process)", file=sys.stderr, flush=True)
         return len(self.graphs)
 
-    def __call__(self, f: Features) -> torch.Tensor:
-        num_users, num_candidates = f.user_tokens.shape[0], f.cand_tokens.shape[0]
+    def replay(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """scores [B, T] of a request (inputs by name, host or device memory; on the device after)."""
+        num_users, num_candidates = self._shape(inputs)
         bucket = self.bucket(num_users, num_candidates)
         if bucket is None or bucket not in self.graphs:
             self.eager_calls += 1
-            return self.interaction(f)
-        views = self._load(f, *bucket)
+            return self._call({name: t.to(self.device) for name, t in inputs.items()})
+        views = self._load(inputs, *bucket)
         graph, scores = self.graphs[bucket]
         self.replays += 1
         if graph is None:  # replay_eagerly: the padded call without a graph
-            return self.interaction(views)[:num_candidates].clone()
+            return self._call(views)[:num_candidates].clone()
         graph.replay()
         return scores[:num_candidates].clone()
+
+
+class GraphedInteraction(_GraphedStage):
+    """`interaction(features) → scores [B, T]` from graphs. features: Features with user_tokens
+    [U, Ku, D], cand_tokens [B, Kc, D], history_tokens [U, L, D], history_len [U], cand_to_user [B]
+    (int32, already checked in range by the caller)."""
+
+    USER_ROWS = ("user_tokens", "history_tokens", "history_len")
+    CAND_ROWS = ("cand_tokens", "cand_to_user")
+    ZERO_PADDED = ("history_len", "cand_to_user")
+
+    def __init__(self, interaction, ranges: ShapeRanges, device, replay_eagerly: bool = False):
+        super().__init__(ranges, device, replay_eagerly)
+        self.interaction = interaction
+
+    def __getattr__(self, name):  # the wrapped interaction's attributes (dtype, transform report)
+        if name == "interaction":
+            raise AttributeError(name)
+        return getattr(self.interaction, name)
+
+    def _call(self, inputs):
+        return self.interaction(Features(**inputs))
+
+    def capture_all(self, example: Features) -> int:
+        return super().capture_all(vars(example))
+
+    def __call__(self, f: Features) -> torch.Tensor:
+        return self.replay(vars(f))
+
+
+class GraphedRanker(_GraphedStage):
+    """`interaction(features(**request)) → scores [B, T]` from graphs: the embedding lookups and
+    projections and the interaction in one graph, fed with the raw request (the 7 inputs of
+    ikbo_backend.requests, validated by the caller) straight from host memory."""
+
+    USER_ROWS = USER_INPUTS
+    CAND_ROWS = CAND_INPUTS
+    ZERO_PADDED = ("user_history_len", "cand_to_user")
+
+    def __init__(self, features, interaction, ranges: ShapeRanges, device, replay_eagerly: bool = False):
+        super().__init__(ranges, device, replay_eagerly)
+        self.features, self.interaction = features, interaction
+
+    def _call(self, inputs):
+        return self.interaction(self.features(**inputs))
+
+    __call__ = _GraphedStage.replay

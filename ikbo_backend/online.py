@@ -18,9 +18,10 @@ needs a dim after the request dimension) and reaches the model as [1] (reshape).
 requests (ragged batching on the NRO inputs: the python backend receives them as separate requests
 in one `execute`); `execute_online` validates each alone (`validate_request` at U = 1), concatenates
 the valid ones — request i becomes user i, its candidates get `cand_to_user` = i — runs the feature
-stage and the interaction in-process as one IKBO batch, and splits the scores back. A bad request
-gets its own INVALID_ARG response and never enters the batch. A single python model per variant
-(not an ensemble): one batching point, no copy between steps.
+stage and the interaction in-process as one IKBO batch (serving.RankerModel: one CUDA graph per
+shape bucket on a GPU), and splits the scores back (host memory). A bad request gets its own
+INVALID_ARG response and never enters the batch. A single python model per variant (not an
+ensemble): one batching point, no copy between steps.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ import numpy as np
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from .ranker import COMPUTE_DTYPES, RankerConfig, build_ranker
+from .ranker import RankerConfig
 from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest, input_widths, make_request, validate_request
-from .cuda_graphs import GraphedInteraction
-from .serving import _ServedStage, _to_torch, score_dims, use_cuda_graphs
+from .serving import RankerModel, _to_torch, score_dims
 
 ONLINE_INPUT_NAMES = tuple(name for name in INPUT_NAMES if name != "cand_to_user")
 ONLINE_CAND_INPUTS = tuple(name for name in CAND_INPUTS if name != "cand_to_user")  # NRO, ragged
@@ -115,31 +115,23 @@ def groups_within(counts: list[int], max_users: int, max_candidates: int) -> lis
     return groups
 
 
-class OnlineModel(_ServedStage):
-    """ikbo_ranker_online / baseline_ranker_online: feature stage + interaction in one process. Called
-    on a batch in the batch contract (warm-up, tests); `execute_online` serves the online contract."""
+class OnlineModel(RankerModel):
+    """ikbo_ranker_online / baseline_ranker_online: the one-model ranker (serving.RankerModel) behind
+    the online contract. Called on a batch in the batch contract (warm-up, tests: scores [B, T] in
+    host memory, no validation); `execute_online` validates each request and serves the online contract."""
 
-    inputs, outputs = ONLINE_INPUT_NAMES, ("scores",)
-    config_parameters = ("variant", "compute_dtype", "cuda_graphs")
-
-    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no"):
-        super().__init__(cfg, ranges, device)
-        self.variant = variant
-        self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
-        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)
-        if use_cuda_graphs(cuda_graphs, self.device):
-            self.interaction = GraphedInteraction(self.interaction, ranges, self.device)
+    inputs = ONLINE_INPUT_NAMES
 
     @staticmethod
     def io_dims(cfg):
         return online_dims(cfg), score_dims(cfg)
 
     def example(self, request):
-        return {name: torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for name, a in request.items()}
+        return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in request.items()}
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """scores [B, T] of a batch (the batch contract, `cand_to_user` included)."""
-        return self.interaction(self.features(**{name: t.to(self.device) for name, t in batch.items()}))
+        return self.scores(batch)
 
 
 def execute_online(pb_utils, model: OnlineModel, requests, metrics=None) -> list:

@@ -33,7 +33,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from .ranker import COMPUTE_DTYPES, Features, FeatureStage, RankerConfig, build_ranker, load_weights, make_demo_weights, profile_config, save_weights
 from .requests import INPUT_NAMES, InvalidRequest, ShapeRanges, input_widths, make_request, to_tensors, validate_request
-from .cuda_graphs import GraphedInteraction
+from .cuda_graphs import GraphedInteraction, GraphedRanker
 from .shape_spec import bucket_representatives
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -190,16 +190,15 @@ class _ServedStage:
     @torch.inference_mode()
     def warm_up(self, seed: int = 0) -> None:
         """Run requests at `warmup_shapes`: no Triton compilation is left for the request path. Then,
-        if the stage replays its interaction from CUDA graphs, capture one per shape bucket."""
+        if the stage replays from CUDA graphs, capture one per shape bucket (`capture_graphs`)."""
         rng = np.random.default_rng(seed)
         for num_users, num_candidates in self.warmup_shapes():
             self(self.example(make_request(self.cfg, num_users, num_candidates, rng)))
-        interaction = getattr(self, "interaction", None)
-        if isinstance(interaction, GraphedInteraction):  # static inputs in the dtype the stage receives
-            shape = self.ranges.typical[0] if self.ranges.typical else (self.ranges.users[0], self.ranges.candidates[0])
-            features = self.features(**to_tensors(make_request(self.cfg, *shape, rng), self.device))
-            dtype = getattr(self, "feature_dtype", torch.float32)
-            interaction.capture_all(Features(**{k: _as_feature(v, dtype) for k, v in vars(features).items()}))
+        shape = self.ranges.typical[0] if self.ranges.typical else (self.ranges.users[0], self.ranges.candidates[0])
+        self.capture_graphs(make_request(self.cfg, *shape, rng))
+
+    def capture_graphs(self, request: dict[str, np.ndarray]) -> None:
+        """Capture this stage's CUDA graphs, with `request` (a valid raw request) as the example; none by default."""
 
 
 class FeatureModel(_ServedStage):
@@ -274,6 +273,11 @@ class InteractionModel(_ServedStage):
         features = self.features(**to_tensors(request, self.device))
         return {name: _as_feature(getattr(features, name), self.feature_dtype) for name in FEATURE_NAMES}
 
+    def capture_graphs(self, request):
+        if isinstance(self.interaction, GraphedInteraction):  # static inputs in the dtype the stage receives
+            features = self.features(**to_tensors(request, self.device))
+            self.interaction.capture_all(Features(**{k: _as_feature(v, self.feature_dtype) for k, v in vars(features).items()}))
+
     def _check(self, inputs):
         """The joins must be in range: a bad index must not reach a (device-side) gather. One device
         sync for both index tensors; the slow path names the one out of range."""
@@ -295,6 +299,48 @@ class InteractionModel(_ServedStage):
         self._check(inputs)
         features = Features(**{name: inputs[name].to(self.device) for name in FEATURE_NAMES})
         return {"scores": self.interaction(features)}
+
+
+class RankerModel(_ServedStage):
+    """ikbo_ranker / baseline_ranker / transformed_ranker as one python model (the large GPU configs;
+    the CPU configs serve them as ensembles of ranker_features and an interaction model): validate
+    the raw request in host memory, run lookups and interaction in this process — replayed from one
+    CUDA graph per shape bucket with `cuda_graphs` — and answer with the scores in host memory. No
+    tensor crosses between python models, and the response holds no GPU tensor (in python backend
+    2.51 each response with GPU outputs costs a second IPC round trip to the stub and a stream sync)."""
+
+    inputs, outputs = INPUT_NAMES, ("scores",)
+    config_parameters = ("variant", "compute_dtype", "cuda_graphs")
+
+    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no"):
+        super().__init__(cfg, ranges, device)
+        self.variant = variant
+        self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
+        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)
+        self.graphed = GraphedRanker(self.features, self.interaction, ranges, self.device) if use_cuda_graphs(cuda_graphs, self.device) else None
+
+    @staticmethod
+    def io_dims(cfg):
+        return request_dims(cfg), score_dims(cfg)
+
+    def example(self, request):
+        return to_tensors(request)  # host memory, as served
+
+    def scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """scores [B, T] in host memory of a batch in the batch contract (7 inputs, already validated)."""
+        if self.graphed is not None:
+            scores = self.graphed(batch)
+        else:
+            scores = self.interaction(self.features(**{name: t.to(self.device) for name, t in batch.items()}))
+        return scores.cpu()
+
+    def capture_graphs(self, request):
+        if self.graphed is not None:
+            self.graphed.capture_all(to_tensors(request))
+
+    def __call__(self, inputs):
+        validate_request(self.cfg, self.ranges, inputs)  # InvalidRequest names the input
+        return {"scores": self.scores(inputs)}
 
 
 def _to_torch(name: str, tensor) -> torch.Tensor:

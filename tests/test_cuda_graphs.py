@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ikbo_backend.cuda_graphs import GraphedInteraction, shape_buckets
+from ikbo_backend.cuda_graphs import GraphedInteraction, GraphedRanker, shape_buckets
 from ikbo_backend.ranker import Features, RankerConfig, build_ranker, make_demo_weights, profile_config
 from ikbo_backend.requests import ShapeRanges, make_request, to_tensors
-from ikbo_backend.serving import InteractionModel, use_cuda_graphs
+from ikbo_backend.serving import InteractionModel, RankerModel, use_cuda_graphs
 
 SMALL = RankerConfig(user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,))
 RANGES = ShapeRanges(users=(1, 8), candidates=(1, 40))
@@ -72,6 +72,42 @@ def test_shapes_outside_every_bucket_run_eagerly():
     assert graphed.eager_calls == 1 and graphed.replays == 0
 
 
+@pytest.mark.parametrize("variant", ["ikbo", "baseline"])
+def test_padded_replay_of_the_whole_ranker_gives_the_request_rows(variant):
+    """GraphedRanker (lookups + interaction from the raw request): a request's scores from its padded
+    bucket equal the unpadded call's (fp32: a matmul at another row count may change the last bits),
+    also after a larger request left its ids and lengths in the padding rows."""
+    rng = np.random.default_rng()
+    features, interaction = build_ranker(variant, SMALL, make_demo_weights(SMALL, seed=int(rng.integers(1 << 30))))
+    graphed = GraphedRanker(features, interaction, RANGES, "cpu", replay_eagerly=True)
+    graphed.capture_all(to_tensors(make_request(SMALL, 3, 17, rng)))
+    assert len(graphed.graphs) == len(graphed.user_sizes) * len(graphed.cand_sizes)
+    shapes = [(8, 40), (1, 1), (5, 3), (3, 25), (8, 7), (2, 40)]  # U > B too (users without candidates)
+    for num_users, num_candidates in shapes:
+        request = to_tensors(make_request(SMALL, num_users, num_candidates, rng))
+        expected = interaction(features(**request))
+        got = graphed(request)
+        assert got.shape == (num_candidates, SMALL.tasks)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert graphed.replays == len(shapes) and graphed.eager_calls == 0
+
+
+def test_one_model_ranker_validates_and_answers_in_host_memory():
+    """RankerModel (the large GPU configs' rankers) on a CPU: the scores of the ensemble's two stages,
+    and a bad request refused naming its input."""
+    rng = np.random.default_rng()
+    weights = make_demo_weights(SMALL, seed=int(rng.integers(1 << 30)))
+    model = RankerModel(SMALL, weights, RANGES, "cpu", variant="ikbo")
+    request = to_tensors(make_request(SMALL, 4, 30, rng))
+    features, interaction = build_ranker("ikbo", SMALL, weights)
+    scores = model(request)["scores"]
+    assert scores.device.type == "cpu"
+    torch.testing.assert_close(scores, interaction(features(**request)), rtol=1e-5, atol=1e-6)
+    request["cand_to_user"][0] = 4  # only users 0..3 exist
+    with pytest.raises(ValueError, match="cand_to_user"):
+        model(request)
+
+
 def test_cuda_graphs_parameter():
     assert use_cuda_graphs("yes", torch.device("cuda:0")) and not use_cuda_graphs("no", torch.device("cuda:0"))
     assert not use_cuda_graphs(None, torch.device("cuda:0")) and not use_cuda_graphs("yes", torch.device("cpu"))
@@ -108,3 +144,32 @@ def test_graph_replays_match_eager_calls_on_cuda(variant):
         error = float((replayed.cpu() - reference).norm() / reference.norm())
         assert error <= 2e-2, f"{(num_users, num_candidates)}: rel err {error:.2e} vs fp64"
     assert (model.interaction.replays - replays, model.interaction.eager_calls - eager_calls) == (5, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["ikbo", "baseline"])
+def test_whole_ranker_graph_replays_match_eager_calls_on_cuda(variant):
+    """Large profile, bf16 interaction, the one-model ranker of the large GPU configs: scores (host
+    memory) replayed from lookups + interaction graphs against the eager call's and the fp64 CPU model."""
+    cfg, rng = profile_config("large"), np.random.default_rng()
+    weights = make_demo_weights(cfg, seed=int(rng.integers(1 << 30)))
+    ranges = ShapeRanges(users=(1, 16), candidates=(1, 1024))
+    model = RankerModel(cfg, weights, ranges, "cuda", variant=variant, compute_dtype="bfloat16", cuda_graphs="yes")
+    model.warm_up()
+    assert isinstance(model.graphed, GraphedRanker) and all(g is not None for g, _ in model.graphed.graphs.values())
+    features, _ = build_ranker("ikbo", cfg, weights)  # fp32 feature stage on the CPU
+    interaction64 = build_ranker("ikbo", cfg, {k: v.double() for k, v in weights.items()})[1]
+    replays, eager_calls = model.graphed.replays, model.graphed.eager_calls
+    for num_users, num_candidates in [(15, 1024), (1, 1000), (16, 64), (3, 37), (16, 5)]:
+        request = make_request(cfg, num_users, num_candidates, rng)
+        inputs = model.example(request)
+        with torch.inference_mode():
+            replayed = model(inputs)["scores"]
+            eager = model.interaction(model.features(**{k: v.cuda() for k, v in inputs.items()})).cpu()
+            f = features(**to_tensors(request))
+            reference = interaction64(Features(**{k: v.double() if v.is_floating_point() else v for k, v in vars(f).items()})).float()
+        assert replayed.device.type == "cpu" and torch.isfinite(replayed).all()
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-2)
+        error = float((replayed - reference).norm() / reference.norm())
+        assert error <= 2e-2, f"{(num_users, num_candidates)}: rel err {error:.2e} vs fp64"
+    assert (model.graphed.replays - replays, model.graphed.eager_calls - eager_calls) == (5, 0)

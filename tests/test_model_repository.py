@@ -79,6 +79,24 @@ def test_ensemble_steps_connect(model):
     assert {t.name for t in parsed.output} <= available
 
 
+@pytest.mark.parametrize("name", ["gpu", "large"])
+@pytest.mark.parametrize("model", ENSEMBLES)
+def test_gpu_rankers_are_one_python_model_with_the_ensemble_contract(model, name):
+    """On the GPU a ranker is one python model (serving.RankerModel): the ensemble's inputs and output,
+    raw inputs in host memory, its variant, lookups + interaction replayed from CUDA graphs."""
+    ensemble, parsed = config(model), config(model, name)
+    assert parsed.backend == "python" and not parsed.platform and parsed.max_batch_size == 0
+    assert [t.name for t in parsed.input] == [t.name for t in ensemble.input]
+    assert [t.data_type for t in list(parsed.input) + list(parsed.output)] == [t.data_type for t in list(ensemble.input) + list(ensemble.output)]
+    if name == "gpu":
+        assert io(parsed.input) == io(ensemble.input) and io(parsed.output) == io(ensemble.output)
+    assert [g.kind for g in parsed.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+    parameters = {k: v.string_value for k, v in parsed.parameters.items()}
+    assert parameters["FORCE_CPU_ONLY_INPUT_TENSORS"] == "yes" and parameters["cuda_graphs"] == "yes"
+    assert parameters["variant"] == model.removesuffix("_ranker")
+    assert (MODEL_REPOSITORY / model / "1" / "model.py").is_file()
+
+
 @pytest.mark.parametrize("model", sorted(PYTHON_MODELS))
 def test_python_model_dims_match_ranker_config(model):
     inputs, outputs = PYTHON_MODELS[model]
@@ -161,7 +179,7 @@ def test_large_config_is_the_gpu_config_at_the_large_profile(model):
     assert large == base
 
 
-@pytest.mark.parametrize("model", sorted(PYTHON_MODELS) + list(ONLINE))
+@pytest.mark.parametrize("model", sorted(PYTHON_MODELS) + list(ONLINE) + list(ENSEMBLES))
 @pytest.mark.parametrize("name", ["gpu", "large"])
 def test_gpu_configs_warm_up_through_triton_at_the_typical_shape(model, name):
     """model_warmup: one request per instance at the first typical shape of shape_ranges.json (one
