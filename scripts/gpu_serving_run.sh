@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One measured serving run on a GPU machine (the issue-5 numbers of docs/perf.md), in this order:
-# in-process forward (bench_model), tritonserver with --model-config-name=$CONFIG, first-request
+# in-process forward (bench_model), the served rankers' own call in process (serving_probe.py
+# in-process: issue 5's reference for the server's compute time), tritonserver with
+# --model-config-name=$CONFIG, first-request
 # latency, perf_analyzer sweeps (IKBO, baseline, transformed; batch and online), per-model server
 # times and compilation counters, GPU memory sampled throughout. Everything lands in $OUT/run.tgz
 # plus $OUT/summary.md (the tables) and the two plots.
@@ -11,7 +13,8 @@
 # MAIN_MIXES / MAIN_RANKERS / MAIN_CONCURRENCY (the main gRPC sweep: 15:1024, both batch ensembles,
 # 1 2 4 8), ONLINE_CONCURRENCY (online endpoints at 15:1024; "" skips), EQUAL_RATES / EQUAL_MODELS
 # (offered requests/s and models of the same-load comparison, the first the reference; "" skips), SKIP_EXTRA (no
-# transformed, other-mix and HTTP sweeps), STEP_TIMEOUT (s per step), WINDOW (perf_analyzer ms).
+# transformed, other-mix and HTTP sweeps), SKIP_IN_PROCESS, STEP_TIMEOUT (s per step), WINDOW
+# (perf_analyzer ms).
 #
 # Machines without network (the lab's H200): .triton_bundle/tb.tar.xz from
 # ../shared/tools/make-offline-triton-bundle.sh (tritonserver + stub + perf_analyzer),
@@ -48,6 +51,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       --providers baseline ikbo transformed --mixes ${BENCH_MIXES:-u15_b1024 u1_b1024 u64_b64} --runs 30 --pool 4 \
       --profile-kernels $graphs >>"$S" 2>"$W/bench_model$graphs.err" || log "bench_model failed: $(tail -3 "$W/bench_model$graphs.err")"
   done
+fi
+
+if [ -z "${SKIP_IN_PROCESS:-}" ]; then
+  log "served rankers in process (configs/$CONFIG.pbtxt)"
+  { echo -e "\n### The served rankers' own call in process, U = 15, B = 1024 (\`serving_probe.py in-process\`)\n"
+    timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model baseline_ranker ikbo_ranker 2>>"$W/in_process.err" \
+      || log "in-process: exit $? $(tail -3 "$W/in_process.err")"; } >>"$S"
 fi
 
 log "tritonserver --model-config-name=$CONFIG"

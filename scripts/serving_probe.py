@@ -5,6 +5,7 @@ Triton compilations on the request path.
     python scripts/serving_probe.py first --url localhost:8001 --model ikbo_ranker [--profile large]
     python scripts/serving_probe.py stats --url localhost:8000 [--metrics-url localhost:8002]
     python scripts/serving_probe.py equal-load --url localhost:8001 --rates 50 100 [--profile large]
+    python scripts/serving_probe.py in-process --config large --model ikbo_ranker baseline_ranker
 
 `first`: right after the server is ready, one request (U, B of --users/--candidates, gRPC, on a
 connection opened by a readiness call first) timed alone, then --repeats more: prints the first
@@ -16,6 +17,11 @@ executed request of queue, compute input, compute infer and compute output, per 
 `equal-load`: latency of the rankers at the same offered load (perf_analyzer `--request-rate-range`,
 gRPC, the mix's perf_configs file), rankers back to back per rate: achieved requests/s, p50, p99,
 and the p99 ratio IKBO / baseline (issue 5: ≤ 1/3 at the same offered load).
+`in-process`: the served model's own call, no server: the python model built from its config file
+(`configs/<config>.pbtxt`) the way the python backend builds it (`from_triton_args`: weights, warm-up,
+CUDA graphs), then --repeats calls on fresh requests, host memory in and out, as `execute` makes
+them: p50 and mean wall ms (the call ends with the scores in host memory, so it waits for the
+device). Issue 5 compares the server's compute time of the model with this (≤ 1.5×).
 """
 
 from __future__ import annotations
@@ -102,6 +108,42 @@ def compilations(metrics_url: str) -> dict[str, float]:
     return found
 
 
+def in_process(model: str, config: str, users: int, candidates: int, repeats: int, seed: int | None) -> dict:
+    """Wall ms of `model`'s python-model call in this process (see the module docstring)."""
+    import torch
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from ikbo_backend.requests import to_tensors
+    from ikbo_backend.serving import MODEL_REPOSITORY, RankerModel
+
+    path = MODEL_REPOSITORY / model / ("config.pbtxt" if config == "config" else f"configs/{config}.pbtxt")
+    parsed = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    if parsed.backend != "python":
+        raise SystemExit(f"{path}: not a python model (an ensemble has no in-process call of its own)")
+    gpu = any(g.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU for g in parsed.instance_group)
+    args = {
+        "model_config": json.dumps(json_format.MessageToDict(parsed, preserving_proto_field_name=True)),
+        "model_name": model, "model_repository": str(MODEL_REPOSITORY / model),
+        "model_instance_kind": "GPU" if gpu and torch.cuda.is_available() else "CPU", "model_instance_device_id": "0",
+    }  # fmt: skip
+    start = time.perf_counter()
+    served = RankerModel.from_triton_args(args)
+    load_s = time.perf_counter() - start
+    rng = np.random.default_rng(seed)
+    pool = [to_tensors(make_request(served.cfg, users, candidates, rng)) for _ in range(8)]
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 5):
+            begin = time.perf_counter()
+            scores = served(pool[i % len(pool)])["scores"]
+            if i >= 5:  # the first calls settle allocator and caches
+                times.append((time.perf_counter() - begin) * 1e3)
+    if scores.shape != (candidates, served.cfg.tasks) or not torch.isfinite(scores).all():
+        raise RuntimeError(f"{model}: bad scores {tuple(scores.shape)}")
+    return {"model": model, "p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "load_s": load_s, "repeats": repeats}
+
+
 def equal_load(url: str, profile: str, mix: str, rates: list[float], models: list[str], window_ms: int, out: Path) -> list[dict]:
     """perf_analyzer at each offered load (requests/s) for each model, back to back."""
     from make_perf_configs import DEFAULT_DIR, ensure_config
@@ -144,7 +186,21 @@ def main(argv=None) -> None:
     load.add_argument("--models", nargs="+", default=["baseline_ranker", "ikbo_ranker"], help="the first is the reference of the ratio")
     load.add_argument("--window-ms", type=int, default=3000)
     load.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "out" / "equal_load")
+    local = sub.add_parser("in-process", help="wall ms of the served python model's own call, no server")
+    local.add_argument("--config", default="large", help="configs/<name>.pbtxt ('config': config.pbtxt)")
+    local.add_argument("--model", nargs="+", default=["baseline_ranker", "ikbo_ranker"])
+    local.add_argument("--users", type=int, default=15)
+    local.add_argument("--candidates", type=int, default=1024)
+    local.add_argument("--repeats", type=int, default=200)
+    local.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
+
+    if args.command == "in-process":
+        print(f"| model (configs/{args.config}.pbtxt, in process) | U | B | p50 ms | mean ms | load + warm-up s |\n|---|---:|---:|---:|---:|---:|")
+        for model in args.model:
+            r = in_process(model, args.config, args.users, args.candidates, args.repeats, args.seed)
+            print(f"| {model} | {args.users} | {args.candidates} | {r['p50_ms']:.3f} | {r['mean_ms']:.3f} | {r['load_s']:.1f} |", flush=True)
+        return
 
     if args.command == "equal-load":
         rows = equal_load(args.url, args.profile, args.mix, args.rates, args.models, args.window_ms, args.out)
