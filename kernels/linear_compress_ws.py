@@ -114,10 +114,15 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer."""
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
+              NUM_EPI: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into an epilogue buffer.
+
+    The program's i-th tile takes epilogue buffer i % NUM_EPI (epi_bufs [NUM_EPI, 1, BLOCK_M, BLOCK_D],
+    its barriers epi_ready / epi_free [NUM_EPI, 1]): one buffer for s6's cooperative consumer, two for
+    s7's pingpong consumers (`kernels/linear_compress_pingpong.py`), which take tiles in turn."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
@@ -129,6 +134,7 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_USER:
             user = gl.load(m_ptr + b).to(gl.int32)
+        epi = i % NUM_EPI
         for kt in gl.static_range(K_TILES):
             slot = step % STAGES
             # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
@@ -140,9 +146,9 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             step += 1
             if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
-                    mbarrier.wait(epi_free, i & 1)
-                    mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
+                    mbarrier.wait(epi_free.index(epi), (i // NUM_EPI) & 1)
+                    mbarrier.expect(epi_ready.index(epi), y_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready.index(epi), epi_bufs.index(epi))
         i += 1
 
 
@@ -231,6 +237,17 @@ def _consumer(w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_de
     tma.store_wait(0)
 
 
+@gluon.jit
+def _init_barriers(ready, empty, epi_ready, epi_free, STAGES: gl.constexpr, NUM_EPI: gl.constexpr):
+    """Count-1 mbarriers: ready/empty per ring slot, epi_ready/epi_free per epilogue buffer."""
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for e in gl.static_range(NUM_EPI):
+        mbarrier.init(epi_ready.index(e), count=1)
+        mbarrier.init(epi_free.index(e), count=1)
+
+
 @gluon.jit(do_not_specialize=["B"])  # one binary for any batch size (no compilation on a request's B)
 def _lce_ws_kernel(
     w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
@@ -259,24 +276,20 @@ def _lce_ws_kernel(
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    epi_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    epi_bufs = gl.allocate_shared_memory(dtype, [1] + out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(epi_ready, count=1)
-    mbarrier.init(epi_free, count=1)
+    epi_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    epi_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    _init_barriers(ready, empty, epi_ready, epi_free, STAGES, 1)
 
     gl.warp_specialize([
-        (_consumer, (w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N,
+        (_consumer, (w_bufs, x_bufs, epi_bufs.index(0), ready, empty, epi_ready.index(0), epi_free.index(0),
+                     out_desc, bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
                      K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, DEFER, num_warps)),
-        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
                      num_tiles, num_m_tiles, tiles_per_row,
-                     K_TILES, STAGES, HAS_USER, Y_AT)),
+                     K_TILES, STAGES, HAS_USER, Y_AT, 1)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -370,10 +383,17 @@ def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=N
     PackedLinearCompress's checks and `s6_supported`. Two launches: the user GEMM (s3's tile kernel,
     Y_u [U, N, D]) and `_lce_ws_kernel`. `config` overrides the tile config (benchmarks; stages 0
     picks the deepest ring); `out` and `user_part` may be given pre-filled (tests poison them with NaN)."""
+    cfg = ws_config(user_emb.shape[2], cand_emb.element_size(), config)
+    return run_fused(packed, user_emb, cand_emb, cand_to_user, out, user_part, cfg, _launch_ws)
+
+
+def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out, user_part, cfg, launch) -> torch.Tensor:
+    """The two launches of s6 and s7: the user GEMM Y_u = W_u @ user_emb (s3's tile kernel, skipped
+    at Ku = 0), then `launch(packed, cand_emb, out, Y_u or None, cand_to_user, bias, cfg)`, the
+    candidate GEMM with Y_u[m[b]] + bias fused into its epilogue."""
     num_users, num_user_tokens, dim = user_emb.shape
     num_candidates = cand_emb.shape[0]
     rows = packed.cand_weight.shape[0]
-    cfg = ws_config(dim, cand_emb.element_size(), config)
     if out is None:
         out = torch.empty(num_candidates, rows, dim, dtype=cand_emb.dtype, device=cand_emb.device)
     if out.numel() == 0:
@@ -384,7 +404,7 @@ def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=N
         packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
     else:
         user_part = None
-    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg)
+    launch(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg)
     return out
 
 
@@ -394,11 +414,24 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     """Compile `_lce_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
     arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
     `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
+    cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
+    constexprs = dict(
+        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, DEFER=cfg.defer_epilogue, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=cfg.num_warps,
+    )
+    return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
+
+
+def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidates: int, rows: int, dim: int,
+                num_cand_tokens: int, has_user: bool, capability: int):
+    """Compile a Gluon kernel with s6's runtime arguments (w_desc, x_desc, y_desc, out_desc, m_ptr,
+    bias_ptr, B, N, D) for a CUDA target without a GPU: CPU tensors stand in for the arguments, the
+    JIT's own specialization rules give the signature. `constexprs` holds the rest (with num_warps)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     weight = torch.zeros(rows, triton.cdiv(num_cand_tokens, 8) * 8, dtype=dtype)
     packed = PackedLinearCompress(weight, weight, None, weight, weight)
     cand_emb = torch.zeros(2, num_cand_tokens, dim, dtype=dtype)
@@ -409,22 +442,17 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
         B=num_candidates, N=rows, D=dim,
     )
-    constexprs = dict(
-        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, DEFER=cfg.defer_epilogue, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps,
-    )
     signature, attrs, constants = {}, {}, {}
-    for index, name in enumerate(_lce_ws_kernel.arg_names):
+    for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
             constants[(index,)] = constexprs[name]
             continue
-        specialize = not _lce_ws_kernel.params[index].do_not_specialize
+        specialize = not kernel.params[index].do_not_specialize
         kind, key = native_specialize_impl(BaseBackend, runtime_args[name], False, specialize, True)
         signature[name] = kind
         if isinstance(key, str):
             attrs[(index,)] = BaseBackend.parse_attr(key)
-    source = GluonASTSource(_lce_ws_kernel, signature, constants, attrs)
-    options = {"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg}
+    source = GluonASTSource(kernel, signature, constants, attrs)
+    options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
