@@ -73,6 +73,7 @@ class _GraphedStage:
         self.user_sizes, self.cand_sizes = shape_buckets(ranges)
         self.replay_eagerly = replay_eagerly
         self.static: dict[str, torch.Tensor] | None = None  # the inputs, at the declared maxima
+        self.staging: dict[str, torch.Tensor] = {}  # pinned host mirrors of `static` (host → device copies)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # bucket → (graph, scores)
         self.pool = self.stream = None
         self.replays = self.eager_calls = 0
@@ -95,16 +96,22 @@ class _GraphedStage:
     def _allocate(self, example: dict[str, torch.Tensor]) -> None:
         rows = self._rows(self.user_sizes[-1], self.cand_sizes[-1])
         self.static = {name: torch.zeros((rows[name], *t.shape[1:]), dtype=t.dtype, device=self.device) for name, t in example.items()}
+        if self.device.type == "cuda":
+            self.staging = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self.static.items()}
 
     def _views(self, users: int, cands: int) -> dict[str, torch.Tensor]:
         """Bucket (users, cands)'s leading slices of the static inputs."""
         return {name: self.static[name][:size] for name, size in self._rows(users, cands).items()}
 
     def _load(self, inputs: dict[str, torch.Tensor], users: int, cands: int) -> dict[str, torch.Tensor]:
-        """Copy the request into the static inputs (from host or device memory), pad, and return the
-        bucket's views of them. Padding users get history length 0, padding candidates user 0."""
+        """Copy the request into the static inputs, pad, and return the bucket's views of them.
+        Padding users get history length 0, padding candidates user 0. From host memory the rows go
+        through pinned staging buffers (asynchronous copies, no pageable-memory staging by the
+        driver); the staging is reused only after the caller waited for the previous replay's scores."""
         rows = self._rows(*self._shape(inputs))
         for name, t in inputs.items():
+            if self.staging and t.device.type == "cpu":
+                t = self.staging[name][: rows[name]].copy_(t)
             self.static[name][: rows[name]].copy_(t, non_blocking=True)
         bucket_rows = self._rows(users, cands)
         for name in self.ZERO_PADDED:
@@ -166,20 +173,23 @@ class _GraphedStage:
                   f"({reserved:,.0f} MiB reserved by torch in this process)", file=sys.stderr, flush=True)
         return len(self.graphs)
 
-    def replay(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """scores [B, T] of a request (inputs by name, host or device memory; on the device after)."""
+    def replay(self, inputs: dict[str, torch.Tensor], to_host: bool = False) -> torch.Tensor:
+        """scores [B, T] of a request (inputs by name, host or device memory), on the device, or in
+        host memory with `to_host` (then the call waits for the device)."""
         num_users, num_candidates = self._shape(inputs)
         bucket = self.bucket(num_users, num_candidates)
         if bucket is None or bucket not in self.graphs:
             self.eager_calls += 1
-            return self._call({name: t.to(self.device) for name, t in inputs.items()})
+            scores = self._call({name: t.to(self.device) for name, t in inputs.items()})
+            return scores.cpu() if to_host else scores
         views = self._load(inputs, *bucket)
         graph, scores = self.graphs[bucket]
         self.replays += 1
         if graph is None:  # replay_eagerly: the padded call without a graph
-            return self._call(views)[:num_candidates].clone()
-        graph.replay()
-        return scores[:num_candidates].clone()
+            scores = self._call(views)
+        else:
+            graph.replay()
+        return scores[:num_candidates].cpu() if to_host else scores[:num_candidates].clone()
 
 
 class GraphedInteraction(_GraphedStage):
@@ -226,4 +236,6 @@ class GraphedRanker(_GraphedStage):
     def _call(self, inputs):
         return self.interaction(self.features(**inputs))
 
-    __call__ = _GraphedStage.replay
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """scores [B, T] in host memory."""
+        return self.replay(inputs, to_host=True)

@@ -11,6 +11,9 @@ instances on several GPUs (instance groups, scripts/gpu_throughput.py).
 | ikbo_broadcast_bytes_avoided_total     | counter   | += (B − U) · replicated_row_bytes(cfg)      |
 | ikbo_triton_compilations_total         | counter   | Triton compilations in the model's process, |
 |                                        |           | label phase: "warmup" (load), "request" (0) |
+| ikbo_execute_seconds_total             | counter   | wall time inside the model's `execute` (per |
+|                                        |           | call; with Triton's execution count: the    |
+|                                        |           | python backend's IPC is compute infer − it) |
 
 Batches are counted where they run: `ikbo_interaction` (the batch ensemble's interaction step) and
 `ikbo_ranker_online` (a coalesced batch of online requests); warm-up is not counted. The bytes
@@ -60,12 +63,14 @@ class RankerMetrics:
                 description="Bytes of user rows a broadcasting (baseline) model would have replicated: (B - U) * bytes per user row",
                 kind=family.COUNTER,
             ),
+            family(name="ikbo_execute_seconds_total", description="Wall time inside the python model's execute", kind=family.COUNTER),
         ]
-        candidates, users, ratio, avoided = self._families
+        candidates, users, ratio, avoided, execute = self._families
         self.candidates = candidates.Metric(labels=labels)
         self.users = users.Metric(labels=labels)
         self.ratio = ratio.Metric(labels=labels, buckets=[float(b) for b in CANDIDATES_PER_USER_BUCKETS])
         self.avoided = avoided.Metric(labels=labels)
+        self.execute_seconds = execute.Metric(labels=labels)
         self.compilations, self._compiled = compilations, {"warmup": 0, "request": 0}
         if compilations is not None:
             compiled = family(name="ikbo_triton_compilations_total", description="Triton kernel compilations", kind=family.COUNTER)
@@ -90,6 +95,10 @@ class RankerMetrics:
                 users = pb_utils.get_input_tensor_by_name(request, users_input).shape()[0]
                 candidates = pb_utils.get_input_tensor_by_name(request, candidates_input).shape()[0]
                 self.record(users, candidates)
+
+    def record_execute(self, seconds: float) -> None:
+        """Add one `execute` call's wall time."""
+        self.execute_seconds.increment(float(seconds))
 
     def record(self, num_users: int, num_candidates: int) -> None:
         self.candidates.increment(float(num_candidates))

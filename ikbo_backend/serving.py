@@ -329,10 +329,8 @@ class RankerModel(_ServedStage):
     def scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """scores [B, T] in host memory of a batch in the batch contract (7 inputs, already validated)."""
         if self.graphed is not None:
-            scores = self.graphed(batch)
-        else:
-            scores = self.interaction(self.features(**{name: t.to(self.device) for name, t in batch.items()}))
-        return scores.cpu()
+            return self.graphed(batch)
+        return self.interaction(self.features(**{name: t.to(self.device) for name, t in batch.items()})).cpu()
 
     def capture_graphs(self, request):
         if self.graphed is not None:

@@ -12,8 +12,10 @@ connection opened by a readiness call first) timed alone, then --repeats more: p
 latency, the steady p50 and their ratio (issue 5: first ≤ 2× p50). Each request is drawn fresh
 (`make_request`, never zeros).
 `stats`: Triton's statistics API (/v2/models/<m>/stats, cumulative since start) as the mean per
-executed request of queue, compute input, compute infer and compute output, per model, and the
-`ikbo_triton_compilations_total` counters of the metrics endpoint (phase "request" must be 0).
+executed request of queue, compute input, compute infer and compute output, per model, the mean
+wall time inside `execute` per execution (`ikbo_execute_seconds_total`, IKBO models: compute infer
+minus it is the python backend's IPC), and the `ikbo_triton_compilations_total` counters of the
+metrics endpoint (phase "request" must be 0).
 `equal-load`: latency of the rankers at the same offered load (perf_analyzer `--request-rate-range`,
 gRPC, the mix's perf_configs file), rankers back to back per rate: achieved requests/s, p50, p99,
 and the p99 ratio IKBO / baseline (issue 5: ≤ 1/3 at the same offered load).
@@ -92,6 +94,19 @@ def model_stats(http_url: str) -> list[dict]:
             row[f"{stage}_ms"] = int(inference[stage]["ns"]) / count / 1e6
         rows.append(row)
     return rows
+
+
+def execute_seconds(metrics_url: str) -> dict[str, float]:
+    """ikbo_execute_seconds_total by model (summed over devices): wall time inside execute."""
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ikbo_execute_seconds_total{"):
+            labels, value = line.rsplit(" ", 1)
+            model = re.search(r'model="([^"]*)"', labels)
+            found[model.group(1) if model else "?"] = found.get(model.group(1) if model else "?", 0.0) + float(value)
+    return found
 
 
 def compilations(metrics_url: str) -> dict[str, float]:
@@ -217,15 +232,19 @@ def main(argv=None) -> None:
             r = first_request(args.url, model, args.profile, args.users, args.candidates, args.repeats, args.seed)
             print(f"| {model} | {r['first_ms']:.1f} | {r['p50_ms']:.1f} | {r['ratio']:.2f} |", flush=True)
         return
-    print("| model | requests | executions | queue ms | compute input ms | compute infer ms | compute output ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    host, port = args.url.rsplit(":", 1)
+    metrics_url = args.metrics_url or f"{host}:{int(port) + 2}"
+    inside = execute_seconds(metrics_url)
+    print("| model | requests | executions | queue ms | compute input ms | compute infer ms | compute output ms | inside execute ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in model_stats(args.url):
+        execute = f"{inside[r['model']] * 1e3 / r['executions']:.3f}" if r["model"] in inside and r["executions"] else "–"
         print(
             f"| {r['model']} | {r['requests']} | {r['executions']} | {r['queue_ms']:.3f} | {r['compute_input_ms']:.3f} "
-            f"| {r['compute_infer_ms']:.3f} | {r['compute_output_ms']:.3f} |"
+            f"| {r['compute_infer_ms']:.3f} | {r['compute_output_ms']:.3f} | {execute} |"
         )
-    host, port = args.url.rsplit(":", 1)
-    counts = compilations(args.metrics_url or f"{host}:{int(port) + 2}")
+    print("\n(compute times: mean per request; inside execute: mean per execution, from ikbo_execute_seconds_total)")
+    counts = compilations(metrics_url)
     print("\nikbo_triton_compilations_total: " + (", ".join(f"{k} = {v:g}" for k, v in sorted(counts.items())) or "none exported"))
 
 

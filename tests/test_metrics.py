@@ -72,6 +72,9 @@ def test_record_through_the_metric_families():
     assert metrics.avoided.values == [960, 0]
     assert {m.family.kind for m in (metrics.candidates, metrics.users, metrics.avoided)} == {"counter"}
     assert metrics.ratio.family.kind == "histogram" and metrics.candidates.labels == {"model": "m"}
+    metrics.record_execute(0.25)
+    metrics.record_execute(0.5)
+    assert metrics.execute_seconds.values == [0.25, 0.5] and metrics.execute_seconds.family.kind == "counter"
 
 
 def test_instances_on_different_devices_count_apart():

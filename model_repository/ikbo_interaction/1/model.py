@@ -2,6 +2,7 @@
 with the custom IKBO metrics (ikbo_backend.metrics) of each answered batch."""
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: the stub ignores PYTHONPATH
@@ -21,6 +22,8 @@ class TritonPythonModel:
         self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg), compilations, self.model.device)
 
     def execute(self, requests):
+        start = time.perf_counter()
         responses = execute_requests(pb_utils, self.model, requests)
         self.metrics.record_responses(pb_utils, requests, responses)
+        self.metrics.record_execute(time.perf_counter() - start)
         return responses

@@ -3,6 +3,7 @@ scores (ikbo_backend.serving.RankerModel, variant from config). The CPU layout (
 ensemble of ranker_features and ikbo_interaction and does not load this file."""
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: the stub ignores PYTHONPATH
@@ -26,7 +27,9 @@ class TritonPythonModel:
         self.metrics = RankerMetrics(pb_utils, args["model_name"], row_bytes, compilations, self.model.device) if ikbo else None
 
     def execute(self, requests):
+        start = time.perf_counter()
         responses = execute_requests(pb_utils, self.model, requests)
         if self.metrics is not None:
             self.metrics.record_responses(pb_utils, requests, responses, users_input="user_dense", candidates_input="cand_dense")
+            self.metrics.record_execute(time.perf_counter() - start)
         return responses

@@ -2,6 +2,7 @@
 into one batch per execute (ikbo_backend.online; variant from config). IKBO: custom metrics."""
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: the stub ignores PYTHONPATH
@@ -23,4 +24,8 @@ class TritonPythonModel:
         self.metrics = RankerMetrics(pb_utils, args["model_name"], row_bytes, compilations, self.model.device) if ikbo else None
 
     def execute(self, requests):
-        return execute_online(pb_utils, self.model, requests, self.metrics)
+        start = time.perf_counter()
+        responses = execute_online(pb_utils, self.model, requests, self.metrics)
+        if self.metrics is not None:
+            self.metrics.record_execute(time.perf_counter() - start)
+        return responses
