@@ -15,8 +15,9 @@ instances on several GPUs (instance groups, scripts/gpu_throughput.py).
 |                                        |           | call; with Triton's execution count: the    |
 |                                        |           | python backend's IPC is compute infer − it) |
 
-Batches are counted where they run: `ikbo_interaction` (the batch ensemble's interaction step) and
-`ikbo_ranker_online` (a coalesced batch of online requests); warm-up is not counted. The bytes
+Batches are counted where they run: `ikbo_interaction` (the CPU batch ensemble's interaction step),
+`ikbo_ranker` (one model in the GPU configs) and `ikbo_ranker_online` (a coalesced batch of online
+requests); the in-process warm-up is not counted, Triton's `model_warmup` requests are. The bytes
 avoided are those the baseline interaction materializes by replicating user rows to candidate rows
 (`BaselineRanker`: user_tokens [Ku, D], history_tokens [L, D], history_len per row), less the U
 rows it would hold anyway. `pb_utils` is passed in, so this module imports without a server.
