@@ -3,6 +3,12 @@
 Math (as in `kernels/linear_compress.py`): out[b] = W_u @ user_emb[m[b]] + W_c @ cand_emb[b] + bias[:, None],
 user_emb [U, Ku, D], cand_emb [B, Kc, D], W_c [N, Kc], bias [N] → out [B, N, D].
 
+Status (H200, 2026-11-29, docs/notes/lce.md): correct (fp64 tests, NaN-poisoned outputs, CUDA-graph
+capture, bit-identical repeats) and no faster than s6: canonical 0.275 / 0.288 ms eager (s6 0.281 /
+0.289), 0.290 / 0.293 ms in CUDA graphs (s6 0.290 / 0.290); the kernel alone 0.2466 ms against
+s6's 0.2479 although s7 hides its epilogue; 4–11 % slower than s6 at B = 16384. Not dispatched
+(`PackedLinearCompress` does not take "s7"); reached through `lce_s7` and `scripts/bench_lce.py`.
+
 Why: s6 (`kernels/linear_compress_ws.py`) is cooperative: its two consumer warpgroups share one
 [128, 256] tile, so between a tile's last wgmma and the next tile's first one the tensor cores wait
 for the whole epilogue (Y_u block + bias added, 64 KB through shared memory, TMA store). With

@@ -34,11 +34,13 @@ Kernel `_lce_ws_kernel`, one persistent program per SM, tiles t = pid, pid + P, 
         producer for the next Y_u block.
 Why cooperative and not pingpong (CUTLASS's two consumer warpgroups alternating tiles): on Hopper the
 accumulator lives in registers; one warpgroup holding a whole 128 × 256 fp32 tile needs 256
-registers per thread (more than the 255 limit), so pingpong would shrink each warpgroup's tile to
-64 × 256 or 128 × 128 (51 or 64 FLOP per operand byte instead of 85; the notes found time tracks that
-intensity) and need two epilogue buffers (64 KiB more shared memory: one ring stage fewer). Double-
-buffered accumulators (the Blackwell recipe) do not fit in registers either. The cooperative kernel
-overlaps loads with the epilogue, and the epilogue itself is made short instead of hidden.
+registers per thread (more than the 255 limit), so pingpong shrinks each warpgroup's tile to
+64 × 256 or 128 × 128 (51 or 64 FLOP per operand byte instead of 85) and needs two epilogue buffers.
+Double-buffered accumulators (the Blackwell recipe) do not fit in registers either. The cooperative
+kernel overlaps loads with the epilogue, and the epilogue itself is made short instead of hidden.
+Measured since: s7 (`kernels/linear_compress_pingpong.py`, pingpong at 128 × 128 per warpgroup, this
+file's producer and epilogue) hides the epilogue and runs no faster than s6 (kernel alone 0.2466 vs
+0.2479 ms), so the epilogue is not what limits s6 (docs/notes/lce.md).
 
 Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more,
