@@ -194,11 +194,15 @@ class _ServedStage:
         rng = np.random.default_rng(seed)
         for num_users, num_candidates in self.warmup_shapes():
             self(self.example(make_request(self.cfg, num_users, num_candidates, rng)))
-        shape = self.ranges.typical[0] if self.ranges.typical else (self.ranges.users[0], self.ranges.candidates[0])
-        self.capture_graphs(make_request(self.cfg, *shape, rng))
+        self.capture_graphs(rng)
 
-    def capture_graphs(self, request: dict[str, np.ndarray]) -> None:
-        """Capture this stage's CUDA graphs, with `request` (a valid raw request) as the example; none by default."""
+    def graph_example(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """A valid raw request at the first typical shape: the example of a graph capture."""
+        shape = self.ranges.typical[0] if self.ranges.typical else (self.ranges.users[0], self.ranges.candidates[0])
+        return make_request(self.cfg, *shape, rng)
+
+    def capture_graphs(self, rng: np.random.Generator) -> None:
+        """Capture this stage's CUDA graphs (example: `graph_example`); none by default."""
 
 
 class FeatureModel(_ServedStage):
@@ -273,9 +277,9 @@ class InteractionModel(_ServedStage):
         features = self.features(**to_tensors(request, self.device))
         return {name: _as_feature(getattr(features, name), self.feature_dtype) for name in FEATURE_NAMES}
 
-    def capture_graphs(self, request):
+    def capture_graphs(self, rng):
         if isinstance(self.interaction, GraphedInteraction):  # static inputs in the dtype the stage receives
-            features = self.features(**to_tensors(request, self.device))
+            features = self.features(**to_tensors(self.graph_example(rng), self.device))
             self.interaction.capture_all(Features(**{k: _as_feature(v, self.feature_dtype) for k, v in vars(features).items()}))
 
     def _check(self, inputs):
@@ -332,9 +336,9 @@ class RankerModel(_ServedStage):
             return self.graphed(batch)
         return self.interaction(self.features(**{name: t.to(self.device) for name, t in batch.items()})).cpu()
 
-    def capture_graphs(self, request):
+    def capture_graphs(self, rng):
         if self.graphed is not None:
-            self.graphed.capture_all(to_tensors(request))
+            self.graphed.capture_all(to_tensors(self.graph_example(rng)))
 
     def __call__(self, inputs):
         validate_request(self.cfg, self.ranges, inputs)  # InvalidRequest names the input
