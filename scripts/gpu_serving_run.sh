@@ -16,10 +16,7 @@
 # transformed, other-mix and HTTP sweeps), SKIP_IN_PROCESS, STEP_TIMEOUT (s per step), WINDOW
 # (perf_analyzer ms).
 #
-# Machines without network (the lab's H200): .triton_bundle/tb.tar.xz from
-# ../shared/tools/make-offline-triton-bundle.sh (tritonserver + stub + perf_analyzer),
-# .triton_bundle/site (tritonclient) and .triton_bundle/whl (its HTTP dependencies) are used when
-# present and python3 has no tritonclient; elsewhere tritonserver and perf_analyzer are found as usual.
+# Machines without network (the lab's H200): scripts/triton_bundle_env.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}; CONFIG=${CONFIG-large}; PROFILE=${PROFILE:-large}; DTYPE=${DTYPE:-bfloat16}
@@ -27,12 +24,7 @@ DEVICE=${DEVICE:-cuda}; WINDOW=${WINDOW:-2000}; STEP_TIMEOUT=${STEP_TIMEOUT:-300
 W=$(mktemp -d); mkdir -p "$OUT"; S="$OUT/summary.md"  # written as the run goes: a cut run keeps its tables
 log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
 
-if [ -f .triton_bundle/tb.tar.xz ] && ! python3 -c "import tritonclient" 2>/dev/null; then
-  mkdir -p /tmp/tb /tmp/site && tar xJf .triton_bundle/tb.tar.xz -C /tmp/tb
-  python3 -m pip install -q --no-deps --no-index --target /tmp/site .triton_bundle/whl/*.whl 2>>"$W/steps.log"
-  export TRITONSERVER=/tmp/tb/pytriton/tritonserver/bin/tritonserver PERF_ANALYZER=/tmp/tb/bin/perf_analyzer
-  export PYTHONPATH="$PWD:$PWD/.triton_bundle/site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. scripts/triton_bundle_env.sh  # offline tritonserver + perf_analyzer where the machine has no network
 { echo "# GPU serving run $(date -u +%FT%TZ)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$S" 2>/dev/null
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 2 >"$W/gpu_memory.csv" 2>/dev/null &
