@@ -21,6 +21,10 @@ the valid ones — request i becomes user i, its candidates get `cand_to_user` =
 stage and the interaction in-process as one IKBO batch, and splits the scores back. A bad request
 gets its own INVALID_ARG response and never enters the batch. A single python model per variant
 (not an ensemble): one batching point, no copy between steps.
+
+With the config parameter `batch_invariant: "yes"` (the CPU configs; default "no") the batch runs
+in the batch-invariant CPU mode (ikbo_backend/batch_invariant.py): every request's scores are
+bit-identical to its scores sent alone, whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -117,16 +121,23 @@ def groups_within(counts: list[int], max_users: int, max_candidates: int) -> lis
 
 class OnlineModel(_ServedStage):
     """ikbo_ranker_online / baseline_ranker_online: feature stage + interaction in one process. Called
-    on a batch in the batch contract (warm-up, tests); `execute_online` serves the online contract."""
+    on a batch in the batch contract (warm-up, tests); `execute_online` serves the online contract.
+    `batch_invariant` "yes": the batch-invariant CPU mode (module doc)."""
 
     inputs, outputs = ONLINE_INPUT_NAMES, ("scores",)
-    config_parameters = ("variant", "compute_dtype", "cuda_graphs")
+    config_parameters = ("variant", "compute_dtype", "cuda_graphs", "batch_invariant")
 
-    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no"):
+    def __init__(
+        self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no",
+        batch_invariant: str = "no",
+    ):  # fmt: skip
         super().__init__(cfg, ranges, device)
+        if batch_invariant not in ("yes", "no"):
+            raise ValueError(f"parameter batch_invariant: expected 'yes' or 'no', got {batch_invariant!r}")
         self.variant = variant
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
-        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)
+        invariant = batch_invariant == "yes"
+        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype, batch_invariant=invariant)
         if use_cuda_graphs(cuda_graphs, self.device):
             self.interaction = GraphedInteraction(self.interaction, ranges, self.device)
 
