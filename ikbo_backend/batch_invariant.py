@@ -14,7 +14,7 @@ Measured on this project's ops (torch 2.13 CPU, MKL, AVX512), two sources, and t
   `VECTOR_ELEMENTS` and calls the op on slices of at most `GRAIN` elements (one thread each, no tail).
 Measured invariant as they are (no change needed): embeddings, cat, add/mul/div, masked_fill, relu,
 sum/mean over a dim, scaled_dot_product_attention over [rows, H, L, d], the LCE matmuls (they fold
-to GEMMs of M = rows · D ≥ 8) and the sparse Type I combine (`kernels.add_user_rows`).
+to GEMMs of M = rows · D ≥ D, above the small-M paths) and the sparse Type I combine (`kernels.add_user_rows`).
 """
 
 from __future__ import annotations
