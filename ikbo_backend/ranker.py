@@ -19,11 +19,14 @@ Interaction stage:
 
 `IkboRanker` does user-side work at U rows and joins through the mapping (IKBO ops, Type I split
 of the first MLP layer); `BaselineRanker` replicates the user tensors to B rows first, the way
-ranking models are usually served, then runs standard ops.
+ranking models are usually served, then runs standard ops. Both, and the feature stage, take
+`batch_invariant`: every linear in 64-row GEMM calls and the sigmoid without scalar tails, so a
+candidate's scores are bit-identical in any batch (ikbo_backend/batch_invariant.py; CPU).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -225,7 +228,7 @@ class _Interaction:
     def __init__(self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu", batch_invariant: bool = False):
         self.cfg = cfg
         self.linear = rowwise_linear if batch_invariant else F.linear
-        self.sigmoid = (lambda x: vectorized_elementwise(torch.sigmoid, x)) if batch_invariant else torch.sigmoid
+        self.sigmoid = functools.partial(vectorized_elementwise, torch.sigmoid) if batch_invariant else torch.sigmoid
         self.w = {k: v.to(device) for k, v in weights.items() if k.startswith(INTERACTION_WEIGHTS)}
         self.num_mlp_layers = len(cfg.mlp_hidden) + 1
 
