@@ -22,6 +22,10 @@ stage and the interaction in-process as one IKBO batch (serving.RankerModel: one
 shape bucket on a GPU), and splits the scores back (host memory). A bad request gets its own
 INVALID_ARG response and never enters the batch. A single python model per variant (not an
 ensemble): one batching point, no copy between steps.
+
+With the config parameter `batch_invariant: "yes"` (the CPU configs; default "no") the batch runs
+in the batch-invariant CPU mode (ikbo_backend/batch_invariant.py): every request's scores are
+bit-identical to its scores sent alone, whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -118,9 +122,19 @@ def groups_within(counts: list[int], max_users: int, max_candidates: int) -> lis
 class OnlineModel(RankerModel):
     """ikbo_ranker_online / baseline_ranker_online: the one-model ranker (serving.RankerModel) behind
     the online contract. Called on a batch in the batch contract (warm-up, tests: scores [B, T] in
-    host memory, no validation); `execute_online` validates each request and serves the online contract."""
+    host memory, no validation); `execute_online` validates each request and serves the online
+    contract. `batch_invariant` "yes": the batch-invariant CPU mode (module doc)."""
 
     inputs = ONLINE_INPUT_NAMES
+    config_parameters = RankerModel.config_parameters + ("batch_invariant",)
+
+    def __init__(
+        self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no",
+        batch_invariant: str = "no",
+    ):  # fmt: skip
+        if batch_invariant not in ("yes", "no"):
+            raise ValueError(f"parameter batch_invariant: expected 'yes' or 'no', got {batch_invariant!r}")
+        super().__init__(cfg, weights, ranges, device, variant, compute_dtype, cuda_graphs, batch_invariant=batch_invariant == "yes")
 
     @staticmethod
     def io_dims(cfg):

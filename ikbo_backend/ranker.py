@@ -19,11 +19,14 @@ Interaction stage:
 
 `IkboRanker` does user-side work at U rows and joins through the mapping (IKBO ops, Type I split
 of the first MLP layer); `BaselineRanker` replicates the user tensors to B rows first, the way
-ranking models are usually served, then runs standard ops.
+ranking models are usually served, then runs standard ops. Both, and the feature stage, take
+`batch_invariant`: every linear in 64-row GEMM calls and the sigmoid without scalar tails, so a
+candidate's scores are bit-identical in any batch (ikbo_backend/batch_invariant.py; CPU).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +36,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kernels import PackedLinearCompress, add_user_rows, ikbo_self_target_attention
+
+from .batch_invariant import rowwise_linear, vectorized_elementwise
 
 
 @dataclass(frozen=True)
@@ -188,10 +193,12 @@ class Features:
 
 
 class FeatureStage:
-    """Embedding lookups and dense projections; users at U rows, candidates at B rows."""
+    """Embedding lookups and dense projections; users at U rows, candidates at B rows. With
+    `batch_invariant`, the projections run in fixed-size row chunks (ikbo_backend/batch_invariant.py)."""
 
-    def __init__(self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu"):
+    def __init__(self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu", batch_invariant: bool = False):
         self.cfg = cfg
+        self.linear = rowwise_linear if batch_invariant else F.linear
         self.w = {k: v.to(device) for k, v in weights.items() if not k.startswith(INTERACTION_WEIGHTS)}
         self.user_slot_offset = torch.arange(cfg.user_sparse_features, device=device) * cfg.user_vocab_size
         self.cand_slot_offset = torch.arange(cfg.cand_sparse_features, device=device) * cfg.cand_vocab_size
@@ -200,9 +207,9 @@ class FeatureStage:
         cfg, w = self.cfg, self.w
         dim = cfg.embedding_dim
         user_sparse = F.embedding(user_sparse_ids + self.user_slot_offset, w["user_table"])  # [U, Su, D]
-        user_dense_tok = F.linear(user_dense, w["user_dense.weight"], w["user_dense.bias"]).view(-1, cfg.user_dense_tokens, dim)
+        user_dense_tok = self.linear(user_dense, w["user_dense.weight"], w["user_dense.bias"]).view(-1, cfg.user_dense_tokens, dim)
         cand_sparse = F.embedding(cand_sparse_ids + self.cand_slot_offset, w["cand_table"])  # [B, Sc, D]
-        cand_dense_tok = F.linear(cand_dense, w["cand_dense.weight"], w["cand_dense.bias"]).view(-1, cfg.cand_dense_tokens, dim)
+        cand_dense_tok = self.linear(cand_dense, w["cand_dense.weight"], w["cand_dense.bias"]).view(-1, cfg.cand_dense_tokens, dim)
         history = F.embedding(user_history_ids, w["item_table"]) + w["history_position"]  # [U, L, D]
         return Features(
             torch.cat([user_sparse, user_dense_tok], dim=1),
@@ -214,10 +221,14 @@ class FeatureStage:
 
 
 class _Interaction:
-    """Weights shared by both interaction variants, moved to the device once."""
+    """Weights shared by both interaction variants, moved to the device once. With `batch_invariant`,
+    every row-wise linear runs in fixed-size row chunks and the final sigmoid in the vectorized body
+    only, so a candidate's scores do not depend on the rest of its batch (ikbo_backend/batch_invariant.py)."""
 
-    def __init__(self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu"):
+    def __init__(self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu", batch_invariant: bool = False):
         self.cfg = cfg
+        self.linear = rowwise_linear if batch_invariant else F.linear
+        self.sigmoid = functools.partial(vectorized_elementwise, torch.sigmoid) if batch_invariant else torch.sigmoid
         self.w = {k: v.to(device) for k, v in weights.items() if k.startswith(INTERACTION_WEIGHTS)}
         self.num_mlp_layers = len(cfg.mlp_hidden) + 1
 
@@ -227,11 +238,11 @@ class _Interaction:
 
     def _history_qkv(self, history_tokens):
         rows = history_tokens.shape[0]
-        q, k, v = F.linear(history_tokens, self.w["history_qkv.weight"], self.w["history_qkv.bias"]).chunk(3, dim=-1)
+        q, k, v = self.linear(history_tokens, self.w["history_qkv.weight"], self.w["history_qkv.bias"]).chunk(3, dim=-1)
         return self._heads(q, rows), self._heads(k, rows), self._heads(v, rows)
 
     def _cand_queries(self, compressed):
-        q = F.linear(compressed[:, : self.cfg.query_tokens], self.w["cand_query.weight"], self.w["cand_query.bias"])
+        q = self.linear(compressed[:, : self.cfg.query_tokens], self.w["cand_query.weight"], self.w["cand_query.bias"])
         return self._heads(q, compressed.shape[0])
 
     def _sequence_summary(self, seq_out, lengths):
@@ -244,15 +255,15 @@ class _Interaction:
 
     def _mlp_tail(self, hidden):
         for i in range(1, self.num_mlp_layers):
-            hidden = F.linear(F.relu(hidden), self.w[f"mlp.{i}.weight"], self.w[f"mlp.{i}.bias"])
-        return torch.sigmoid(hidden)
+            hidden = self.linear(F.relu(hidden), self.w[f"mlp.{i}.weight"], self.w[f"mlp.{i}.bias"])
+        return self.sigmoid(hidden)
 
 
 class IkboRanker(_Interaction):
     """Interaction stage with IKBO ops: user-side work at U rows, joined only through the mapping."""
 
-    def __init__(self, cfg, weights, device="cpu", backend: str = "auto"):
-        super().__init__(cfg, weights, device)
+    def __init__(self, cfg, weights, device="cpu", backend: str = "auto", batch_invariant: bool = False):
+        super().__init__(cfg, weights, device, batch_invariant)
         self.backend = backend
         self.lce = PackedLinearCompress.from_weight(self.w["lce.weight"], cfg.user_tokens, self.w["lce.bias"])
         first = self.w["mlp.0.weight"]
@@ -266,8 +277,8 @@ class IkboRanker(_Interaction):
             user_q, self._cand_queries(compressed), k, v, f.cand_to_user, f.history_len, causal=True, backend=self.backend
         )
         user_repr = self._sequence_summary(user_seq, f.history_len)  # [U, D]
-        cand_hidden = F.linear(self._cand_repr(compressed, cand_seq), self.mlp0_cand, self.w["mlp.0.bias"])  # [B, h1]
-        hidden = add_user_rows(cand_hidden, F.linear(user_repr, self.mlp0_user), f.cand_to_user)  # Type I
+        cand_hidden = self.linear(self._cand_repr(compressed, cand_seq), self.mlp0_cand, self.w["mlp.0.bias"])  # [B, h1]
+        hidden = add_user_rows(cand_hidden, self.linear(user_repr, self.mlp0_user), f.cand_to_user)  # Type I
         return self._mlp_tail(hidden)
 
 
@@ -295,7 +306,7 @@ class BaselineRanker(_Interaction):
         cand_seq = cand_seq.masked_fill((history_len == 0)[:, None, None, None], 0.0)
 
         user_repr = self._sequence_summary(user_seq, history_len)  # [B, D]
-        hidden = F.linear(torch.cat([user_repr, self._cand_repr(compressed, cand_seq)], dim=1), self.w["mlp.0.weight"], self.w["mlp.0.bias"])
+        hidden = self.linear(torch.cat([user_repr, self._cand_repr(compressed, cand_seq)], dim=1), self.w["mlp.0.weight"], self.w["mlp.0.bias"])
         return self._mlp_tail(hidden)
 
 
@@ -319,20 +330,26 @@ class CastInteraction:
         return self.interaction(Features(**cast)).float()
 
 
-def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend: str = "auto", dtype=None):
+def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend: str = "auto", dtype=None, batch_invariant: bool = False):
     """(FeatureStage, interaction) for variant "ikbo", "baseline" or "transformed" (BaselineRanker
     after the IKBO transformation, ikbo_backend.transform). With `dtype` (a torch dtype or a
     COMPUTE_DTYPES name) the interaction's weights are cast to it once and a 16-bit interaction
-    returns float32 scores; None keeps the weights' dtype (tests pass float64 weights)."""
+    returns float32 scores; None keeps the weights' dtype (tests pass float64 weights).
+    `batch_invariant` (ikbo and baseline, torch ops): each candidate's scores are bit-identical in
+    any batch (ikbo_backend/batch_invariant.py)."""
     if dtype is not None:
         dtype = COMPUTE_DTYPES[dtype] if isinstance(dtype, str) and dtype in COMPUTE_DTYPES else dtype
         if dtype not in COMPUTE_DTYPES.values():
             raise ValueError(f"compute dtype: expected one of {sorted(COMPUTE_DTYPES)}, got {dtype!r}")
+    if batch_invariant and variant == "transformed":
+        raise ValueError("batch_invariant: supported for variants 'ikbo' and 'baseline', got 'transformed'")
+    if batch_invariant and torch.device(device).type != "cpu":
+        raise ValueError(f"batch_invariant: a CPU mode (torch's CPU kernels), got device {device}")
     cast = {k: v.to(dtype) if dtype is not None and k.startswith(INTERACTION_WEIGHTS) else v for k, v in weights.items()}
     if variant == "ikbo":
-        interaction = IkboRanker(cfg, cast, device, backend)
+        interaction = IkboRanker(cfg, cast, device, backend, batch_invariant)
     elif variant == "baseline":
-        interaction = BaselineRanker(cfg, cast, device)
+        interaction = BaselineRanker(cfg, cast, device, batch_invariant)
     elif variant == "transformed":
         from .transform.serving import TransformedInteraction  # the pass imports this module
 
@@ -341,4 +358,4 @@ def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend
         raise ValueError(f"variant: expected 'ikbo', 'baseline' or 'transformed', got {variant!r}")
     if dtype in (torch.float16, torch.bfloat16):
         interaction = CastInteraction(interaction, dtype)
-    return FeatureStage(cfg, weights, device), interaction
+    return FeatureStage(cfg, weights, device, batch_invariant), interaction

@@ -316,11 +316,14 @@ class RankerModel(_ServedStage):
     inputs, outputs = INPUT_NAMES, ("scores",)
     config_parameters = ("variant", "compute_dtype", "cuda_graphs")
 
-    def __init__(self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no"):
+    def __init__(
+        self, cfg, weights, ranges, device="cpu", variant: str = "ikbo", compute_dtype: str = "float32", cuda_graphs: str = "no",
+        batch_invariant: bool = False,
+    ):  # fmt: skip
         super().__init__(cfg, ranges, device)
         self.variant = variant
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
-        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)
+        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype, batch_invariant=batch_invariant)
         self.graphed = GraphedRanker(self.features, self.interaction, ranges, self.device) if use_cuda_graphs(cuda_graphs, self.device) else None
 
     @staticmethod

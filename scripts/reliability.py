@@ -778,21 +778,37 @@ def _statistics(server, model) -> tuple[int, int]:
     return int(stats["inference_count"]), int(stats["execution_count"])
 
 
+def _batch_invariant(server, model) -> bool:
+    """Whether the served config of `model` sets the batch-invariant mode (parameter batch_invariant)."""
+    import tritonclient.http as module
+
+    connection = module.InferenceServerClient(server.http_url)
+    try:
+        parameters = connection.get_model_config(model).get("parameters", {})
+    finally:
+        connection.close()
+    return parameters.get("batch_invariant", {}).get("string_value") == "yes"
+
+
 def batch_isolation(server, rounds: int, seed: int, users: int = 24) -> dict:
     """Good and bad one-user requests interleaved and sent concurrently (HTTP and gRPC alternating) to
-    both online endpoints, `rounds` times in shuffled orders: every good answer bit-identical to the
-    same request's answer sent alone (figure; the criterion is rel err <= 1e-5: a batch runs the
-    matmuls at another M, which changes the last bits); every bad one a 400 naming its input."""
+    both online endpoints, `rounds` times in shuffled orders. Criterion for a good answer: bit-identical
+    to the same request's answer sent alone where the served config has `batch_invariant: "yes"`,
+    else rel err <= 1e-5 to it (a batch runs the matmuls at another M, which changes the last bits);
+    the count of bit-identical answers and the max rel err are reported either way. Every bad request:
+    a 400 naming its input."""
     from ikbo_backend.online import make_online_batch, split_by_user
 
     rng = np.random.default_rng(seed)
     url_of = lambda protocol: server.http_url if protocol == "http" else server.grpc_url  # noqa: E731
-    failures, sent, coalesced, goods, identical, max_rel = [], 0, {}, 0, 0, 0.0
+    failures, sent, per_model = [], 0, {}
     for model in ONLINE_MODELS:
+        invariant = _batch_invariant(server, model)
         good = split_by_user(make_online_batch(CFG, users, users * 40, rng))
         solo = [_send_all(url_of, model, [one], lambda i: "http", workers=1)[0][0] for one in good]
         bad = [(kind, *_bad_online(kind, good[i % len(good)])) for i, kind in enumerate(BAD_ONLINE_KINDS * 2)]
         before = _statistics(server, model)
+        goods, identical, max_rel = 0, 0, 0.0
         for r in range(rounds):
             items = [("good", i, one) for i, one in enumerate(good)] + [("bad", kind, (name, one)) for kind, name, one in bad]
             order = rng.permutation(len(items))
@@ -810,15 +826,31 @@ def batch_isolation(server, rounds: int, seed: int, users: int = 24) -> dict:
                     got, want = np.frombuffer(scores, np.float32), np.frombuffer(solo[key], np.float32)
                     rel = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
                     max_rel = max(max_rel, rel)
-                    if rel > 1e-5:
+                    if invariant and scores != solo[key]:
+                        failures.append(f"{model} round {r}: good request {key} not bit-identical to its solo answer (rel err {rel:.2e})")
+                    elif rel > 1e-5:
                         failures.append(f"{model} round {r}: good request {key}: rel err {rel:.2e} to its solo answer")
                 if what == "bad" and (status not in CLIENT_ERRORS[protocol] or f"'{payload[0]}'" not in message):
                     failures.append(f"{model} round {r}: bad '{key}' answered {status}: {message[:200]}")
         inferences, executions = (a - b for a, b in zip(_statistics(server, model), before))
-        coalesced[model] = {"requests": inferences, "executions": executions}
+        per_model[model] = {
+            "batch_invariant": invariant,
+            "requests": inferences,
+            "executions": executions,
+            "good": goods,
+            "bit_identical_to_solo": int(identical),
+            "max_rel_err_to_solo": float(f"{max_rel:.2e}"),
+        }
         if executions >= inferences:
             failures.append(f"{model}: {executions} executions for {inferences} requests: nothing was batched")
-    return {"requests": sent, "good": goods, "bit_identical_to_solo": int(identical), "max_rel_err_to_solo": float(f"{max_rel:.2e}"), "batching": coalesced, "failures": failures}
+    return {
+        "requests": sent,
+        "good": sum(m["good"] for m in per_model.values()),
+        "bit_identical_to_solo": sum(m["bit_identical_to_solo"] for m in per_model.values()),
+        "max_rel_err_to_solo": max(m["max_rel_err_to_solo"] for m in per_model.values()),
+        "per_model": per_model,
+        "failures": failures,
+    }
 
 
 def queue_full(server, bursts: int, burst: int = 48, candidates: int = 512, p99_bound_s: float = 30.0) -> dict:

@@ -2,9 +2,12 @@
 
 Without a server: the batch ↔ online conversions, the mapping built from request boundaries, the cut
 at the declared ranges, and `execute_online` through the stand-in pb_utils of test_serving (a bad
-request fails alone, the others are bit-identical to the same batch without it).
+request fails alone, the others are bit-identical to the same batch without it; with the
+batch-invariant mode, every request of one batch bit-identical to itself sent alone, for
+hypothesis-drawn batch compositions, and close to the fp64 reference).
 With a real tritonserver (CPU configuration, or configs/gpu.pbtxt on a GPU machine): concurrent
-requests over HTTP and gRPC are answered like the in-process model on each request alone, the
+requests over HTTP and gRPC are answered like the in-process model on each request alone (on a
+CPU, with the configs' batch-invariant mode: bit-identical), the
 backend really received several requests per execute, bad requests interleaved with good ones
 fail alone, and perf_analyzer drives the endpoint with the sweep's online input. Inputs and weights
 are fresh random each run: the seed is in every failure message.
@@ -20,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 from google.protobuf import json_format, text_format
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
@@ -97,6 +102,8 @@ def test_online_configs(variant):
     assert cpu.dynamic_batching.max_queue_delay_microseconds > 0
     assert not cpu.dynamic_batching.HasField("default_queue_policy")  # 2.51 stalls requests with one: docs/reliability.md
     assert cpu.parameters["variant"].string_value == variant
+    assert cpu.parameters["batch_invariant"].string_value == "yes"  # CPU only: the GPU configs keep the default "no"
+    assert "batch_invariant" not in gpu.parameters
     assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "yes"  # raw inputs: validated on the host
     assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
     assert gpu.parameters["cuda_graphs"].string_value == "yes"
@@ -186,6 +193,69 @@ def test_bad_request_fails_alone_and_the_batch_is_unchanged(small_weights, varia
         torch.testing.assert_close(got.outputs["scores"][0], solo, rtol=1e-5, atol=1e-7)
 
 
+@pytest.fixture(scope="module")
+def invariant_models():
+    """(weights, variant → OnlineModel in the batch-invariant mode), demo dims, fresh weights."""
+    weights = make_demo_weights(CFG, seed=SEED % 1000)
+    ranges = ShapeRanges((1, 64), (1, 8192))
+    return weights, {variant: OnlineModel(CFG, weights, ranges, variant=variant, batch_invariant="yes") for variant in VARIANTS}
+
+
+def online_requests(counts: list[int], seed: int) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+    """(batch request, its one-user online requests): user i has counts[i] candidates; fresh random inputs."""
+    request = make_request(CFG, len(counts), sum(counts), np.random.default_rng(seed))
+    request["cand_to_user"] = np.repeat(np.arange(len(counts)), counts).astype(np.int32)
+    return request, split_by_user(request)
+
+
+def fp64_scores(weights, request) -> np.ndarray:
+    """The fp64 reference of tests/test_ranker.py: the baseline variant, float64 weights and inputs."""
+    features, interaction = build_ranker("baseline", CFG, {k: v.double() for k, v in weights.items()})
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in to_tensors(request).items()}
+    with torch.inference_mode():
+        return interaction(features(**inputs)).numpy()
+
+
+def answers(model, online, recorder=None) -> list[torch.Tensor]:
+    """scores [1, n, T] of each online request, all sent in one execute."""
+    responses = execute_online(FAKE_PB_UTILS, model, [as_served(one) for one in online], recorder)
+    assert all(r.error is None for r in responses), [r.error.message for r in responses if r.error]
+    return [r.outputs["scores"] for r in responses]
+
+
+@settings(max_examples=20, deadline=None)
+@given(variant=st.sampled_from(VARIANTS), counts=st.lists(st.integers(1, 200), min_size=1, max_size=16), seed=st.integers(0, 2**32 - 1))
+def test_batch_invariant_mode_answers_each_request_as_if_alone(invariant_models, variant, counts, seed):
+    """Requests coalesced into ONE batch: each answer bit-identical (torch.equal) to the same request
+    sent alone, and the scores within 1e-5 of the fp64 reference."""
+    weights, models = invariant_models
+    request, online = online_requests(counts, seed)
+    recorder = _Recorder()
+    batched = answers(models[variant], online, recorder)
+    assert recorder.batches == [(len(counts), sum(counts))]  # one batch, not one execution per request
+    for index, (one, got) in enumerate(zip(online, batched)):
+        solo = answers(models[variant], [one])[0]
+        difference = float((got - solo).abs().max())
+        assert torch.equal(got, solo), f"{variant}: request {index} of {counts}: max |batched - solo| {difference:.2e} (seed {seed})"
+    scores = merge_scores(request, [a.numpy() for a in batched])
+    assert rel_err(scores, fp64_scores(weights, request)) <= 1e-5, f"{variant} (seed {seed})"
+
+
+def test_without_the_mode_a_batch_changes_the_last_bits(invariant_models):
+    """The check above has teeth: in the default mode, torch's CPU kernels give some requests of a
+    batch other last bits than alone (docs/reliability.md, batch isolation)."""
+    weights, _ = invariant_models
+    model = OnlineModel(CFG, weights, ShapeRanges((1, 64), (1, 8192)), variant="ikbo")
+    _, online = online_requests(rng(10).integers(1, 100, size=24).tolist(), SEED)
+    differing = sum(not torch.equal(got, answers(model, [one])[0]) for one, got in zip(online, answers(model, online)))
+    assert differing > 0, f"all 24 batched answers bit-identical to their solo answers without the mode (seed {SEED})"
+
+
+def test_batch_invariant_parameter_is_checked(small_weights):
+    with pytest.raises(ValueError, match="batch_invariant"):
+        OnlineModel(SMALL, small_weights, ShapeRanges((1, 8), (1, 40)), batch_invariant="true")
+
+
 def test_batches_are_cut_at_the_candidate_range(small_weights):
     model = OnlineModel(SMALL, small_weights, ShapeRanges((1, 3), (1, 40)))
     request = make_request(SMALL, 7, 100, rng(4))
@@ -261,8 +331,9 @@ def server(weights_file, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(weights_file):
+    """variant → (features, interaction) as the served config runs it (the CPU configs: batch-invariant)."""
     cfg, weights = load_weights(weights_file)
-    return {variant: build_ranker(variant, cfg, weights, DEVICE) for variant in VARIANTS}
+    return {variant: build_ranker(variant, cfg, weights, DEVICE, batch_invariant=not GPU) for variant in VARIANTS}
 
 
 def solo_scores(reference, model, one) -> np.ndarray:
@@ -313,6 +384,8 @@ def test_concurrent_requests_are_coalesced_and_answered_alone_correctly(server, 
         want = solo_scores(reference, model, one)
         assert scores.shape == (1, *want.shape), f"request {index}: {scores.shape} (seed {SEED})"
         assert rel_err(scores[0], want) <= 1e-5, f"{model} request {index}: rel err {rel_err(scores[0], want):.2e} (seed {SEED})"
+        if not GPU:  # batch-invariant mode: bit-identical to the request scored alone
+            assert np.array_equal(scores[0], want), f"{model} request {index}: rel err {rel_err(scores[0], want):.2e} (seed {SEED})"
     assert inferences == len(online)
     assert executions < inferences, f"{model}: {executions} executes for {inferences} requests: nothing was coalesced"
 
@@ -341,6 +414,7 @@ def test_bad_requests_interleaved_with_good_ones_fail_alone(server, reference, p
             assert not isinstance(answer, Exception), f"good request {index} failed: {answer} (seed {SEED})"
             solo = solo_scores(reference, model, requests[index])
             assert rel_err(answer[0], solo) <= 1e-5, f"request {index}: rel err {rel_err(answer[0], solo):.2e} (seed {SEED})"
+            assert GPU or np.array_equal(answer[0], solo), f"request {index}: rel err {rel_err(answer[0], solo):.2e} (seed {SEED})"
         else:
             kind, name = want
             assert isinstance(answer, InferenceServerException), f"{kind}: answered (seed {SEED})"

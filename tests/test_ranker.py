@@ -64,21 +64,23 @@ def test_mapping_matters():
     assert rel_err(score("ikbo", moved), score("baseline", moved, dtype=torch.float64)) <= 1e-5
 
 
-def run_detected(variant):
-    num_users, num_candidates = 5, 37
+def run_detected(variant, batch_invariant=False):
+    num_users, num_candidates = 5, 37  # neither a multiple of the batch-invariant mode's 64-row chunks
     request = make_request(CFG, num_users, num_candidates, np.random.default_rng())
-    features, interaction = build_ranker(variant, CFG, WEIGHTS, backend="torch")
+    features, interaction = build_ranker(variant, CFG, WEIGHTS, backend="torch", batch_invariant=batch_invariant)
     with torch.inference_mode(), ReplicationDetector(num_users, num_candidates) as detector:
         interaction(features(**to_tensors(request)))
     return detector.replications
 
 
-def test_ikbo_never_replicates_user_tensors():
-    assert run_detected("ikbo") == []
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_ikbo_never_replicates_user_tensors(batch_invariant):
+    assert run_detected("ikbo", batch_invariant) == []
 
 
-def test_detector_catches_the_baseline():
-    assert any("index_select" in op for op in run_detected("baseline"))
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_detector_catches_the_baseline(batch_invariant):
+    assert any("index_select" in op for op in run_detected("baseline", batch_invariant))
 
 
 def test_weights_roundtrip_carries_config(tmp_path):
@@ -123,6 +125,10 @@ def test_16bit_compute_matches_fp64(variant, dtype):
 def test_compute_dtype_and_profile_errors():
     with pytest.raises(ValueError, match="compute dtype"):
         build_ranker("ikbo", CFG, WEIGHTS, dtype="int8")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        build_ranker("transformed", CFG, WEIGHTS, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        build_ranker("ikbo", CFG, WEIGHTS, device="meta", batch_invariant=True)
     with pytest.raises(ValueError, match="profile"):
         profile_config("huge")
 
