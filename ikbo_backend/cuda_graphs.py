@@ -108,14 +108,19 @@ class _GraphedStage:
         Padding users get history length 0, padding candidates user 0. From host memory the rows go
         through pinned staging buffers (asynchronous copies, no pageable-memory staging by the
         driver); the staging is reused only after the caller waited for the previous replay's scores."""
-        rows = self._rows(*self._shape(inputs))
+        rows, bucket_rows = self._rows(*self._shape(inputs)), self._rows(users, cands)
         for name, t in inputs.items():
-            if self.staging and t.device.type == "cpu":
-                t = self.staging[name][: rows[name]].copy_(t)
-            self.static[name][: rows[name]].copy_(t, non_blocking=True)
-        bucket_rows = self._rows(users, cands)
-        for name in self.ZERO_PADDED:
-            self.static[name][rows[name] : bucket_rows[name]].zero_()
+            n, padded = rows[name], name in self.ZERO_PADDED
+            if self.staging and t.device.type == "cpu" and t.dtype != torch.bfloat16:  # numpy: no torch op per copy
+                host = self.staging[name].numpy()
+                host[:n] = t.numpy()
+                if padded:
+                    host[n : bucket_rows[name]] = 0
+                n = bucket_rows[name] if padded else n  # the zeroed rows travel in the same copy
+                t = self.staging[name][:n]
+            self.static[name][:n].copy_(t, non_blocking=True)
+            if padded and n < bucket_rows[name]:
+                self.static[name][n : bucket_rows[name]].zero_()
         return self._views(users, cands)
 
     def capture(self, users: int, cands: int, example: dict[str, torch.Tensor]) -> None:
