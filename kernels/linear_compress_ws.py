@@ -38,9 +38,9 @@ registers per thread (more than the 255 limit), so pingpong shrinks each warpgro
 64 × 256 or 128 × 128 (51 or 64 FLOP per operand byte instead of 85) and needs two epilogue buffers.
 Double-buffered accumulators (the Blackwell recipe) do not fit in registers either. The cooperative
 kernel overlaps loads with the epilogue, and the epilogue itself is made short instead of hidden.
-Measured since: s7 (`kernels/linear_compress_pingpong.py`, pingpong at 128 × 128 per warpgroup, this
-file's producer and epilogue) hides the epilogue and runs no faster than s6 (kernel alone 0.2466 vs
-0.2479 ms), so the epilogue is not what limits s6 (docs/notes/lce.md).
+Measured since: pingpong at 128 × 128 per warpgroup (this file's producer and epilogue) was built as s7,
+hid the epilogue, ran no faster than s6 (kernel alone 0.2466 vs 0.2479 ms; so the epilogue is not what
+limits s6) and was removed; its code is in git (docs/notes/lce.md).
 
 Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more,
@@ -116,15 +116,10 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
+def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              NUM_EPI: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into an epilogue buffer.
-
-    The program's i-th tile takes epilogue buffer i % NUM_EPI (epi_bufs [NUM_EPI, 1, BLOCK_M, BLOCK_D],
-    its barriers epi_ready / epi_free [NUM_EPI, 1]): one buffer for s6's cooperative consumer, two for
-    s7's pingpong consumers (`kernels/linear_compress_pingpong.py`), which take tiles in turn."""
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
@@ -136,7 +131,6 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, em
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_USER:
             user = gl.load(m_ptr + b).to(gl.int32)
-        epi = i % NUM_EPI
         for kt in gl.static_range(K_TILES):
             slot = step % STAGES
             # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
@@ -148,9 +142,9 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, em
             step += 1
             if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
-                    mbarrier.wait(epi_free.index(epi), (i // NUM_EPI) & 1)
-                    mbarrier.expect(epi_ready.index(epi), y_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready.index(epi), epi_bufs.index(epi))
+                    mbarrier.wait(epi_free, i & 1)
+                    mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
         i += 1
 
 
@@ -239,17 +233,6 @@ def _consumer(w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_de
     tma.store_wait(0)
 
 
-@gluon.jit
-def _init_barriers(ready, empty, epi_ready, epi_free, STAGES: gl.constexpr, NUM_EPI: gl.constexpr):
-    """Count-1 mbarriers: ready/empty per ring slot, epi_ready/epi_free per epilogue buffer."""
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    for e in gl.static_range(NUM_EPI):
-        mbarrier.init(epi_ready.index(e), count=1)
-        mbarrier.init(epi_free.index(e), count=1)
-
-
 @gluon.jit(do_not_specialize=["B"])  # one binary for any batch size (no compilation on a request's B)
 def _lce_ws_kernel(
     w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
@@ -278,20 +261,24 @@ def _lce_ws_kernel(
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    epi_bufs = gl.allocate_shared_memory(dtype, [1] + out_desc.block_type.shape, out_desc.layout)
+    epi_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    epi_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    epi_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    _init_barriers(ready, empty, epi_ready, epi_free, STAGES, 1)
+    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(epi_ready, count=1)
+    mbarrier.init(epi_free, count=1)
 
     gl.warp_specialize([
-        (_consumer, (w_bufs, x_bufs, epi_bufs.index(0), ready, empty, epi_ready.index(0), epi_free.index(0),
-                     out_desc, bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
+        (_consumer, (w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
+                     num_tiles, num_m_tiles, tiles_per_row, N,
                      K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, DEFER, num_warps)),
-        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
+        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
                      num_tiles, num_m_tiles, tiles_per_row,
-                     K_TILES, STAGES, HAS_USER, Y_AT, 1)),
+                     K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -390,7 +377,7 @@ def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=N
 
 
 def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out, user_part, cfg, launch) -> torch.Tensor:
-    """The two launches of s6 and s7: the user GEMM Y_u = W_u @ user_emb (s3's tile kernel, skipped
+    """The two launches of s6: the user GEMM Y_u = W_u @ user_emb (s3's tile kernel, skipped
     at Ku = 0), then `launch(packed, cand_emb, out, Y_u or None, cand_to_user, bias, cfg)`, the
     candidate GEMM with Y_u[m[b]] + bias fused into its epilogue."""
     num_users, num_user_tokens, dim = user_emb.shape

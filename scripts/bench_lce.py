@@ -2,18 +2,18 @@
 """IKBO linear compression benchmark (GPU): providers side by side at the canonical shape, and the B/U sweep.
 
     scripts/bench_lce.py [--no-sweep] [--ratios 1,16,70] [--candidates 64,1024] [--no-compile]
-                         [--configs [s6|s7]] [--no-s6] [--no-s7] [--only S0,Triton s4,...] [--smoke]
+                         [--configs [s6]] [--no-s6] [--only S0,Triton s4,...] [--smoke]
     (or scripts/bench_kernels.py lce ...)
 
 Canonical shape, bf16: B=1024 candidates, U=15 users with ragged counts, Ku=1024, Kc=500, D=256,
 N=512. Providers: S0 eager (baseline: user_emb replicated to B rows, concatenated along K, one
 matmul), torch.compile(S0), S1 eager (the op's torch path: two GEMMs + sparse gather-add),
 torch.compile(S1) (two GEMMs + `cand_part + user_part[m]`, which inductor fuses into one indirect-
-load kernel), the Triton variants s1…s4, s6 (Gluon, warp-specialized persistent: TMA
-producer warp + wgmma consumer warpgroups, `kernels/linear_compress_ws.py`; Hopper only) and s7
-(s6 with two pingpong consumer warpgroups, each with its own tile, `kernels/linear_compress_pingpong.py`). (s5, the
-candidate GEMM with W_c resident in shared memory, was slower everywhere and was removed on
-2026-11-29: docs/notes/lce.md.) Metrics: median ms (`triton.testing.do_bench`),
+load kernel), the Triton variants s1…s4 and s6 (Gluon, warp-specialized persistent: TMA
+producer warp + wgmma consumer warpgroups, `kernels/linear_compress_ws.py`; Hopper only). (s5, the
+candidate GEMM with W_c resident in shared memory, was slower everywhere, and s7, s6 with two
+pingpong consumer warpgroups, was no faster than s6; both were removed on 2026-11-29:
+docs/notes/lce.md.) Metrics: median ms (`triton.testing.do_bench`),
 TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
 floor = max(FLOPs / bf16 matmul rate, minimum bytes / copy bandwidth), both ceilings measured in this
 run. Every provider's output is checked against an fp64 reference first (Triton outputs poisoned
@@ -42,7 +42,6 @@ import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig  # noqa: E402
-from kernels.linear_compress_pingpong import PingPongConfig, _launch_pingpong, lce_s7, s7_config  # noqa: E402
 from kernels.linear_compress_ws import USER_GEMM_CONFIG, WSConfig, _launch_ws, lce_s6, s6_supported, ws_config  # noqa: E402
 
 CANONICAL = dict(num_users=15, num_candidates=1024, ku=1024, kc=500, dim=256, rows=512)
@@ -69,14 +68,6 @@ S6_EXTRA_CONFIGS = [  # with --configs, beside s6's default (128×256×64, 3 sta
     WSConfig(block_d=128, stages=0, defer_epilogue=True),  # tile i's epilogue under tile i + 1's first wgmma
     WSConfig(block_d=128, stages=0, defer_epilogue=True, epi_free_at=1),
     WSConfig(block_d=128, block_k=32, stages=0, defer_epilogue=True, epi_free_at=3),
-]
-S7_EXTRA_CONFIGS = [  # with --configs, beside s7's default (128×128×64 per consumer, 5 stages, store waited at K step 1)
-    PingPongConfig(stages=4),
-    PingPongConfig(epi_free_at=0),
-    PingPongConfig(epi_free_at=2),
-    PingPongConfig(block_m=64, block_d=256),  # 64×256 per consumer: n256 wgmma, 51 FLOP per operand byte, 4 stages
-    PingPongConfig(block_k=32),  # 6 stages of 16 KiB
-    PingPongConfig(producer_regs=24, consumer_regs=240),
 ]
 
 
@@ -152,23 +143,15 @@ def triton_provider(packed, args, variant, config=None):
     """Calls the Triton path; tests pass NaN-poisoned `out` / `user_part` buffers."""
     if variant == "s6":
         return lambda out=None, user_part=None: lce_s6(packed, *args, out=out, user_part=user_part, config=config)
-    if variant == "s7":
-        return lambda out=None, user_part=None: lce_s7(packed, *args, out=out, user_part=user_part, config=config)
     return lambda out=None, user_part=None: packed._triton(*args, variant, config=config, out=out, user_part=user_part)
 
 
 WITH_S6 = True  # --no-s6 leaves s6 out
-WITH_S7 = True  # --no-s7 leaves s7 out
 ONLY: tuple[str, ...] = ()  # --only: canonical providers whose names start with one of these
 
 
 def has_s6(p: Problem) -> bool:
     return WITH_S6 and DEVICE == "cuda" and s6_supported(p.user_emb, p.cand_emb)
-
-
-def has_s7(p: Problem) -> bool:
-    """s7 runs where s6 runs (`s6_supported`)."""
-    return WITH_S7 and DEVICE == "cuda" and s6_supported(p.user_emb, p.cand_emb)
 
 
 def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with_configs: str | None):
@@ -186,8 +169,6 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
         table[f"Triton {variant}"] = triton_provider(packed, args, variant)
     if has_s6(p):
         table["Triton s6 (Gluon, warp-specialized)"] = triton_provider(packed, args, "s6")
-    if has_s7(p):
-        table["Triton s7 (Gluon, pingpong)"] = triton_provider(packed, args, "s7")
     if with_configs == "all":
         for variant, cfg in EXTRA_CONFIGS:
             name = f"Triton {variant} {cfg.block_m}x{cfg.block_d}x{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
@@ -197,12 +178,6 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
             cfg = ws_config(p.shape[4], p.cand_emb.element_size(), cfg)
             name = f"Triton s6 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages} free@{cfg.epi_free_at}"
             table[name + (" deferred epilogue" if cfg.defer_epilogue else "")] = triton_provider(packed, args, "s6", cfg)
-    if with_configs in ("all", "s7") and has_s7(p):
-        for cfg in S7_EXTRA_CONFIGS:
-            cfg = s7_config(p.shape[4], p.cand_emb.element_size(), cfg)
-            name = (f"Triton s7 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages} free@{cfg.epi_free_at} "
-                    f"regs {cfg.consumer_regs}/{cfg.producer_regs}")
-            table[name] = triton_provider(packed, args, "s7", cfg)
     if ONLY:
         table = {name: fn for name, fn in table.items() if name.startswith(ONLY)}
     return table
@@ -210,8 +185,8 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
 
 def calibration(p: Problem, packed: PackedLinearCompress, flop_rate, log):
     """The candidate GEMM alone (B·N·D·Kc of the work) through cuBLAS, s2's Triton kernel and the s6
-    and s7 Gluon kernels (no Y_u, no bias); s6's user GEMM alone (U·N·D·Ku); s6's and s7's kernels
-    with their fused epilogue (Y_u computed beforehand)."""
+    Gluon kernel (no Y_u, no bias); s6's user GEMM alone (U·N·D·Ku); s6's kernel with its fused
+    epilogue (Y_u computed beforehand)."""
     num_users, num_candidates, ku, kc, dim, rows = p.shape
     flops = 2.0 * num_candidates * rows * dim * kc
     out = torch.empty(num_candidates, rows, dim, dtype=p.user_emb.dtype, device=DEVICE)
@@ -234,15 +209,6 @@ def calibration(p: Problem, packed: PackedLinearCompress, flop_rate, log):
             packed._launch_tile(packed.user_weight_padded, p.user_emb, user_part6, None, False, True, USER_GEMM_CONFIG)
             entries["Gluon s6 kernel with the fused epilogue (+ Y_u[m[b]] + bias; Y_u given)"] = (
                 lambda: _launch_ws(packed, p.cand_emb, out, user_part6, p.cand_to_user, packed.bias, s6_cfg), flops)
-    if has_s7(p):
-        s7_cfg = s7_config(dim, p.cand_emb.element_size())
-        entries["Gluon s7 kernel: W_c @ cand_emb (pingpong, no Y_u, no bias)"] = (
-            lambda: _launch_pingpong(packed, p.cand_emb, out, None, p.cand_to_user, None, s7_cfg), flops)
-        if ku:
-            user_part7 = torch.empty(num_users, rows, dim, dtype=out.dtype, device=DEVICE)
-            packed._launch_tile(packed.user_weight_padded, p.user_emb, user_part7, None, False, True, USER_GEMM_CONFIG)
-            entries["Gluon s7 kernel with the fused epilogue (+ Y_u[m[b]] + bias; Y_u given)"] = (
-                lambda: _launch_pingpong(packed, p.cand_emb, out, user_part7, p.cand_to_user, packed.bias, s7_cfg), flops)
     lines = ["| GEMM alone | ms | TFLOP/s | % of bf16 matmul rate |", "| --- | ---: | ---: | ---: |"]
     for name, (fn, flops) in entries.items():
         ms = time_ms(fn)
@@ -325,7 +291,7 @@ def host_us(fn, calls: int = 50) -> float:
     return elapsed / calls * 1e6
 
 
-GRAPH_PROVIDERS = ("Triton s3", "Triton s6", "Triton s7")  # graph-safe (s4 takes s3 inside a capture)
+GRAPH_PROVIDERS = ("Triton s3", "Triton s6")  # graph-safe (s4 takes s3 inside a capture)
 
 
 def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
@@ -364,11 +330,11 @@ def graph_ms(fn) -> float:
 
 
 def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=False, ratios=SWEEP_RATIOS):
-    graph_head = " S0 graph ms | s3 graph ms | s6 graph ms | s7 graph ms |" if with_graph else ""
+    graph_head = " S0 graph ms | s3 graph ms | s6 graph ms |" if with_graph else ""
     lines = [
-        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s6 ms | Gluon s7 ms | best Triton × S0 | floor ms "
-        "| best % of floor | rel err s3 / s4 / s6 / s7 |" + graph_head,
-        "|" + " ---: |" * 11 + " --- |" + " ---: |" * 4 * with_graph,
+        "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s6 ms | best Triton × S0 | floor ms "
+        "| best % of floor | rel err s3 / s4 / s6 |" + graph_head,
+        "|" + " ---: |" * 10 + " --- |" + " ---: |" * 3 * with_graph,
     ]
     raw = []
     shape = dict(base_shape)
@@ -387,33 +353,31 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
                 ("s3", lambda out=None, up=None: packed._triton(*args, "s3", out=out, user_part=up)),
                 ("s4", lambda out=None, up=None: packed._triton(*args, "s4", out=out, user_part=up)),
                 ("s6", lambda out=None, up=None: lce_s6(packed, *args, out=out, user_part=up)),
-                ("s7", lambda out=None, up=None: lce_s7(packed, *args, out=out, user_part=up)),
             ]:
-                if (name == "s6" and not has_s6(p)) or (name == "s7" and not has_s7(p)):
+                if name == "s6" and not has_s6(p):
                     times[name] = float("nan")
                     continue
                 try:
-                    if name in ("s3", "s4", "s6", "s7"):
+                    if name in ("s3", "s4", "s6"):
                         errs[name] = check("Triton " + name, fn, p, ref, head)
                     times[name] = time_ms(fn)
                 except Exception as exc:
                     log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                     times[name] = float("nan")
-            graph = " | | | |" if with_graph else ""
+            graph = " | | |" if with_graph else ""
             if with_graph and num_candidates <= 1024:  # host overhead matters only for small problems  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
                 s0_fn = lambda: s0_materialized(*args, p.weight, p.bias)  # noqa: E731
                 s3_fn = lambda: packed._triton(*args, "s3")  # noqa: E731
                 s6_graph = graph_ms(lambda: lce_s6(packed, *args)) if has_s6(p) else float("nan")
-                s7_graph = graph_ms(lambda: lce_s7(packed, *args)) if has_s7(p) else float("nan")
-                graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} | {s6_graph:.4f} | {s7_graph:.4f} |"
-            best = min(t for t in (times["s3"], times["s4"], times["s6"], times["s7"]) if t == t)
+                graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} | {s6_graph:.4f} |"
+            best = min(t for t in (times["s3"], times["s4"], times["s6"]) if t == t)
             floor = floor_ms(p, flop_rate, copy_rate)
             raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()}, **{"err_" + k: v for k, v in errs.items()}))
             lines.append(
                 f"| {num_candidates} | {num_users} | {num_candidates / num_users:.0f} | {times['S0']:.4f} | "
-                f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s6']:.4f} | {times['s7']:.4f} | {times['S0'] / best:.2f} | "
+                f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s6']:.4f} | {times['S0'] / best:.2f} | "
                 f"{floor:.4f} | {100 * floor / best:.0f}% | "
-                + " / ".join(f"{errs.get(k, float('nan')):.1e}" for k in ("s3", "s4", "s6", "s7"))
+                + " / ".join(f"{errs.get(k, float('nan')):.1e}" for k in ("s3", "s4", "s6"))
                 + " |" + graph
             )
             log(lines[-1])
@@ -439,22 +403,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true", help="canonical shape only")
     parser.add_argument("--no-s6", action="store_true", help="leave out s6 (Gluon, warp-specialized)")
-    parser.add_argument("--no-s7", action="store_true", help="leave out s7 (Gluon, pingpong consumers)")
     parser.add_argument("--only", default="", help="canonical: only providers whose names start with one of these (comma-separated)")
     parser.add_argument("--candidates", default="", help="sweep: candidate counts B (comma-separated; default 64,1024,16384)")
     parser.add_argument("--ratios", default=",".join(map(str, SWEEP_RATIOS)), help="sweep: B/U ratios (comma-separated)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile providers")
-    parser.add_argument("--configs", nargs="?", const="all", choices=("all", "s6", "s7"),
-                        help="also time alternative tile configs of s3 / s4 / s6 / s7 (all) or of s6 or s7 only")
-    parser.add_argument("--graph", action="store_true", help="sweep: also time S0, s3, s6 and s7 as CUDA-graph replays")
+    parser.add_argument("--configs", nargs="?", const="all", choices=("all", "s6"),
+                        help="also time alternative tile configs of s3 / s4 / s6 (all) or of s6 only")
+    parser.add_argument("--graph", action="store_true", help="sweep: also time S0, s3 and s6 as CUDA-graph replays")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter (checks the script)")
     parser.add_argument("--ws-probe", action="store_true", help="only run s3 with Hopper warp specialization once (wrap in `timeout`)")
     args = parser.parse_args(argv)
     if args.ws_probe:
         return ws_probe()
-    global DEVICE, DTYPE, WITH_S6, WITH_S7, ONLY
+    global DEVICE, DTYPE, WITH_S6, ONLY
     WITH_S6 = not args.no_s6
-    WITH_S7 = not args.no_s7
     ONLY = tuple(name for name in args.only.split(",") if name)
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
