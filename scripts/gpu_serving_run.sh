@@ -48,7 +48,7 @@ fi
 if [ -z "${SKIP_IN_PROCESS:-}" ]; then
   log "served rankers in process (configs/$CONFIG.pbtxt)"
   { echo -e "\n### The served rankers' own call in process, U = 15, B = 1024 (\`serving_probe.py in-process\`)\n"
-    timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model baseline_ranker ikbo_ranker 2>>"$W/in_process.err" \
+    timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model baseline_ranker ikbo_ranker --gap-ms 0 3 2>>"$W/in_process.err" \
       || log "in-process: exit $? $(tail -3 "$W/in_process.err")"; } >>"$S"
 fi
 

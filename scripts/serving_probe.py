@@ -123,8 +123,10 @@ def compilations(metrics_url: str) -> dict[str, float]:
     return found
 
 
-def in_process(model: str, config: str, users: int, candidates: int, repeats: int, seed: int | None) -> dict:
-    """Wall ms of `model`'s python-model call in this process (see the module docstring)."""
+def in_process(model: str, config: str, users: int, candidates: int, repeats: int, seed: int | None, gap_ms: float = 0.0) -> dict:
+    """Wall ms of `model`'s python-model call in this process (see the module docstring), with
+    `gap_ms` of sleep between calls (a server's cadence: on the H200 host the call's host work ran
+    2-3x slower with 3-10 ms gaps than back to back, docs/perf.md)."""
     import torch
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
@@ -154,6 +156,8 @@ def in_process(model: str, config: str, users: int, candidates: int, repeats: in
             scores = served(pool[i % len(pool)])["scores"]
             if i >= 5:  # the first calls settle allocator and caches
                 times.append((time.perf_counter() - begin) * 1e3)
+            if gap_ms:
+                time.sleep(gap_ms / 1e3)
     if scores.shape != (candidates, served.cfg.tasks) or not torch.isfinite(scores).all():
         raise RuntimeError(f"{model}: bad scores {tuple(scores.shape)}")
     return {"model": model, "p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "load_s": load_s, "repeats": repeats}
@@ -208,13 +212,15 @@ def main(argv=None) -> None:
     local.add_argument("--candidates", type=int, default=1024)
     local.add_argument("--repeats", type=int, default=200)
     local.add_argument("--seed", type=int, default=None)
+    local.add_argument("--gap-ms", type=float, nargs="+", default=[0.0], help="sleep between calls (one row per value)")
     args = parser.parse_args(argv)
 
     if args.command == "in-process":
-        print(f"| model (configs/{args.config}.pbtxt, in process) | U | B | p50 ms | mean ms | load + warm-up s |\n|---|---:|---:|---:|---:|---:|")
+        print(f"| model (configs/{args.config}.pbtxt, in process) | U | B | gap ms | p50 ms | mean ms | load + warm-up s |\n|---|---:|---:|---:|---:|---:|---:|")
         for model in args.model:
-            r = in_process(model, args.config, args.users, args.candidates, args.repeats, args.seed)
-            print(f"| {model} | {args.users} | {args.candidates} | {r['p50_ms']:.3f} | {r['mean_ms']:.3f} | {r['load_s']:.1f} |", flush=True)
+            for gap in args.gap_ms:
+                r = in_process(model, args.config, args.users, args.candidates, args.repeats, args.seed, gap)
+                print(f"| {model} | {args.users} | {args.candidates} | {gap:g} | {r['p50_ms']:.3f} | {r['mean_ms']:.3f} | {r['load_s']:.1f} |", flush=True)
         return
 
     if args.command == "equal-load":
