@@ -306,3 +306,15 @@ def test_one_model_rankers_of_the_gpu_configs(tmp_path, monkeypatch):
             metrics = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read().decode()
             scored = re.search(r'ikbo_candidates_scored_total\{[^}]*model="ikbo_ranker"[^}]*\} (\S+)', metrics)
             assert scored and float(scored.group(1)) == 2 * (40 + 1 + 32), metrics[:2000]
+
+
+def test_serving_probe_in_process_builds_the_served_model_from_its_config():
+    """serving_probe.py in-process: the GPU config's ranker (a python model) built as the python backend
+    builds it (here on the CPU), timed on fresh requests, with and without gaps; an ensemble is refused."""
+    import serving_probe
+
+    for gap_ms in (0.0, 1.0):
+        r = serving_probe.in_process("ikbo_ranker", "gpu", 3, 40, repeats=3, seed=None, gap_ms=gap_ms)
+        assert r["model"] == "ikbo_ranker" and r["repeats"] == 3 and 0 < r["p50_ms"] and 0 < r["mean_ms"]
+    with pytest.raises(SystemExit, match="not a python model"):
+        serving_probe.in_process("ikbo_ranker", "config", 3, 40, repeats=1, seed=None)
