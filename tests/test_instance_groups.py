@@ -39,9 +39,13 @@ def without_placement(config):
     return config
 
 
-def test_the_repository_has_gpu_configs_and_ensembles_have_none():
-    assert {"ikbo_interaction", "ikbo_ranker_online", "ranker_features"} <= set(GPU_MODELS)
-    assert not set(ENSEMBLES) & set(GPU_MODELS)
+def test_every_model_has_a_gpu_config_and_the_rankers_are_python_models_there():
+    """The GPU configs serve each ranker as one python model (the CPU ones as ensembles), so its
+    instances spread over the GPUs like every other model's."""
+    assert {"ikbo_interaction", "ikbo_ranker_online", "ranker_features", *ENSEMBLES} <= set(GPU_MODELS)
+    for model in ENSEMBLES:
+        assert read_config(MODEL_REPOSITORY / model / "configs" / "gpu.pbtxt").backend == "python", model
+        assert read_config(MODEL_REPOSITORY / model / "config.pbtxt").platform == "ensemble", model
 
 
 @pytest.mark.parametrize("gpus", [[0], [0, 1], [0, 1, 2, 3]], ids=lambda g: f"{len(g)}gpu")
@@ -57,7 +61,11 @@ def test_generated_configs_differ_from_gpu_pbtxt_only_in_the_gpu_list(repository
         assert generated == spread(base, gpus)
 
 
-def test_ensembles_are_left_to_config_pbtxt(repository):
+def test_models_without_the_base_file_are_left_to_config_pbtxt(repository):
+    """A model with no configs/gpu.pbtxt (here the rankers' GPU files removed: their ensembles) gets no
+    generated file, and tritonserver falls back to its config.pbtxt."""
+    for model in ENSEMBLES:
+        (repository / model / "configs" / "gpu.pbtxt").unlink()
     before = {p: p.read_bytes() for model in ENSEMBLES for p in (repository / model).rglob("*.pbtxt")}
     name = write_gpu_configs([0, 1], model_repository=repository)
     assert not any((repository / model / "configs" / f"{name}.pbtxt").exists() for model in ENSEMBLES)
