@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -346,6 +347,37 @@ class RankerModel(_ServedStage):
     def __call__(self, inputs):
         validate_request(self.cfg, self.ranges, inputs)  # InvalidRequest names the input
         return {"scores": self.scores(inputs)}
+
+
+def ranker_python_model(pb_utils):
+    """The python backend's `TritonPythonModel` class of the one-model rankers (their model.py files
+    are this and the sys.path line): `RankerModel` from the config; for the ikbo variant the custom
+    metrics (ikbo_backend.metrics) of each answered request, wall time inside execute included; for
+    the transformed variant the rewrite pass's report in the server log."""
+    from .metrics import RankerMetrics, replicated_row_bytes
+    from .shape_spec import CompileCounter
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            compilations = CompileCounter.install()  # Triton compilations: warm-up, then requests (must stay 0)
+            self.model = RankerModel.from_triton_args(args)  # config, weights, device, warm-up, graphs
+            compilations.phase = "request"
+            if self.model.variant == "transformed":
+                pb_utils.Logger.log_info(str(self.model.interaction.report))
+            self.metrics = None
+            if self.model.variant == "ikbo":
+                row_bytes = replicated_row_bytes(self.model.cfg)
+                self.metrics = RankerMetrics(pb_utils, args["model_name"], row_bytes, compilations, self.model.device)
+
+        def execute(self, requests):
+            start = time.perf_counter()
+            responses = execute_requests(pb_utils, self.model, requests)
+            if self.metrics is not None:
+                self.metrics.record_responses(pb_utils, requests, responses, users_input="user_dense", candidates_input="cand_dense")
+                self.metrics.record_execute(time.perf_counter() - start)
+            return responses
+
+    return TritonPythonModel
 
 
 def _to_torch(name: str, tensor) -> torch.Tensor:
