@@ -27,7 +27,8 @@ log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
 . scripts/triton_bundle_env.sh  # offline tritonserver + perf_analyzer where the machine has no network
 { echo "# GPU serving run $(date -u +%FT%TZ)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$S" 2>/dev/null
-nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 2 >"$W/gpu_memory.csv" 2>/dev/null &
+# the GPUs the run uses (nvidia-smi ignores CUDA_VISIBLE_DEVICES, so it is passed on; all GPUs when unset)
+nvidia-smi ${CUDA_VISIBLE_DEVICES:+--id=$CUDA_VISIBLE_DEVICES} --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 2 >"$W/gpu_memory.csv" 2>/dev/null &
 SMI=$!
 
 if [ -n "${GPU_TESTS-tests/test_cuda_graphs.py}" ]; then
@@ -100,7 +101,11 @@ kill $HOLDER $SMI 2>/dev/null; sleep 3; pkill -f tritonserver 2>/dev/null
 python3 - "$W/gpu_memory.csv" >>"$S" 2>/dev/null <<'EOF'
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1]))][1:]
-used = [int(r[1].split()[0]) for r in rows if len(r) > 1 and r[1].strip().split()[0].isdigit()]
+by_time = {}  # several GPUs: one row each per sample, summed
+for r in rows:
+    if len(r) > 1 and r[1].strip().split()[0].isdigit():
+        by_time[r[0]] = by_time.get(r[0], 0) + int(r[1].split()[0])
+used = list(by_time.values())
 if used:
     half = used[len(used) // 2:]
     print(f"\nGPU memory used (MiB, every 2 s): start {used[0]}, max {max(used)}, mid-run {half[0]}, end {used[-1]}, "
