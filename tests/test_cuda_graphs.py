@@ -117,6 +117,19 @@ def test_cuda_graphs_parameter():
     assert not isinstance(model.interaction, GraphedInteraction)  # a CPU model ignores it
 
 
+def _fp64_scores(cfg, weights):
+    """request → float32 scores of the CPU model: fp32 feature stage, fp64 interaction (the IKBO
+    interaction: the same function as the baseline's, cheaper)."""
+    features, _ = build_ranker("ikbo", cfg, weights)
+    interaction64 = build_ranker("ikbo", cfg, {k: v.double() for k, v in weights.items()})[1]
+
+    def scores(request):
+        f = features(**to_tensors(request))
+        return interaction64(Features(**{k: v.double() if v.is_floating_point() else v for k, v in vars(f).items()})).float()
+
+    return scores
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", ["ikbo", "baseline"])
 def test_graph_replays_match_eager_calls_on_cuda(variant):
@@ -128,8 +141,7 @@ def test_graph_replays_match_eager_calls_on_cuda(variant):
     model = InteractionModel(cfg, weights, ranges, "cuda", variant=variant, compute_dtype="bfloat16", cuda_graphs="yes")
     model.warm_up()
     assert isinstance(model.interaction, GraphedInteraction) and all(g is not None for g, _ in model.interaction.graphs.values())
-    features, _ = build_ranker("ikbo", cfg, weights)  # fp32 feature stage on the CPU
-    interaction64 = build_ranker("ikbo", cfg, {k: v.double() for k, v in weights.items()})[1]  # same function as the baseline, cheaper
+    reference_of = _fp64_scores(cfg, weights)
     replays, eager_calls = model.interaction.replays, model.interaction.eager_calls  # the warm-up ran eagerly
     for num_users, num_candidates in [(15, 1024), (1, 1000), (16, 64), (3, 37), (16, 5)]:
         request = make_request(cfg, num_users, num_candidates, rng)
@@ -137,8 +149,7 @@ def test_graph_replays_match_eager_calls_on_cuda(variant):
         with torch.inference_mode():
             replayed = model(inputs)["scores"]
             eager = model.interaction.interaction(Features(**inputs))
-            f = features(**to_tensors(request))
-            reference = interaction64(Features(**{k: v.double() if v.is_floating_point() else v for k, v in vars(f).items()})).float()
+            reference = reference_of(request)
         assert torch.isfinite(replayed).all()
         torch.testing.assert_close(replayed.cpu(), eager.cpu(), rtol=0, atol=1e-2)
         error = float((replayed.cpu() - reference).norm() / reference.norm())
@@ -157,8 +168,7 @@ def test_whole_ranker_graph_replays_match_eager_calls_on_cuda(variant):
     model = RankerModel(cfg, weights, ranges, "cuda", variant=variant, compute_dtype="bfloat16", cuda_graphs="yes")
     model.warm_up()
     assert isinstance(model.graphed, GraphedRanker) and all(g is not None for g, _ in model.graphed.graphs.values())
-    features, _ = build_ranker("ikbo", cfg, weights)  # fp32 feature stage on the CPU
-    interaction64 = build_ranker("ikbo", cfg, {k: v.double() for k, v in weights.items()})[1]
+    reference_of = _fp64_scores(cfg, weights)
     replays, eager_calls = model.graphed.replays, model.graphed.eager_calls
     for num_users, num_candidates in [(15, 1024), (1, 1000), (16, 64), (3, 37), (16, 5)]:
         request = make_request(cfg, num_users, num_candidates, rng)
@@ -166,8 +176,7 @@ def test_whole_ranker_graph_replays_match_eager_calls_on_cuda(variant):
         with torch.inference_mode():
             replayed = model(inputs)["scores"]
             eager = model.interaction(model.features(**{k: v.cuda() for k, v in inputs.items()})).cpu()
-            f = features(**to_tensors(request))
-            reference = interaction64(Features(**{k: v.double() if v.is_floating_point() else v for k, v in vars(f).items()})).float()
+            reference = reference_of(request)
         assert replayed.device.type == "cpu" and torch.isfinite(replayed).all()
         torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-2)
         error = float((replayed - reference).norm() / reference.norm())
