@@ -179,7 +179,19 @@ def test_large_config_is_the_gpu_config_at_the_large_profile(model):
     assert large == base
 
 
-@pytest.mark.parametrize("model", sorted(PYTHON_MODELS) + list(ONLINE) + list(ENSEMBLES))
+@pytest.mark.parametrize("model", sorted(PYTHON_MODELS))
+@pytest.mark.parametrize("name", ["gpu", "large"])
+def test_gpu_stage_models_are_lean_direct_endpoints(model, name):
+    """On the GPU the rankers are one python model each and never call the ensembles' stage models:
+    those load for direct calls only, one instance, eager, no warm-up (GPU memory stays with the rankers)."""
+    parsed = config(model, name)
+    assert [(g.kind, g.count) for g in parsed.instance_group] == [(model_config_pb2.ModelInstanceGroup.KIND_GPU, 1)]
+    assert not parsed.model_warmup
+    if model != "ranker_features":
+        assert parsed.parameters["cuda_graphs"].string_value == "no"
+
+
+@pytest.mark.parametrize("model", list(ONLINE) + list(ENSEMBLES))
 @pytest.mark.parametrize("name", ["gpu", "large"])
 def test_gpu_configs_warm_up_through_triton_at_the_typical_shape(model, name):
     """model_warmup: one request per instance at the first typical shape of shape_ranges.json (one
