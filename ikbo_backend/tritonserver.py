@@ -244,6 +244,22 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
+CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")
+
+
+@contextlib.contextmanager
+def cpu_wake_latency(microseconds: int, device: Path = CPU_DMA_LATENCY):
+    """Linux PM QoS, for as long as the context is held (system-wide, every process): CPUs avoid idle
+    states that take longer than `microseconds` to leave (0: no halt; a VM guest with the haltpoll
+    idle driver keeps polling). Costs idle power; for latency-bound serving (docs/perf.md). Needs
+    write access to `device` (root); OSError naming it otherwise."""
+    if microseconds < 0:
+        raise ValueError(f"cpu wake latency must be >= 0 µs, got {microseconds}")
+    with open(device, "wb", buffering=0) as f:  # the request lasts while the file is open
+        f.write(microseconds.to_bytes(4, sys.byteorder, signed=True))
+        yield
+
+
 def is_ready(http_url: str) -> bool:
     """GET /v2/health/ready answers 200."""
     try:

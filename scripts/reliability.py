@@ -11,6 +11,7 @@ forms here, one subcommand a row, each printing a JSON line of figures:
     .venv/bin/python scripts/reliability.py shutdown
     .venv/bin/python scripts/reliability.py broken
     .venv/bin/python scripts/reliability.py soak --seconds 600
+    .venv/bin/python scripts/reliability.py soak --attach localhost:8000 --server-pid PID --profile large
     .venv/bin/python scripts/reliability.py all --out out/reliability.json
 
 Servers run on free ports of 127.0.0.1; every loop is bounded by a count or a deadline.
@@ -33,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -42,7 +44,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from client import client_module, infer_inputs  # noqa: E402
 
-from ikbo_backend.ranker import RankerConfig  # noqa: E402
+from ikbo_backend.ranker import PROFILES, RankerConfig  # noqa: E402
 from ikbo_backend.requests import CAND_INPUTS, INPUT_DTYPES, INPUT_NAMES, USER_INPUTS, make_request  # noqa: E402
 from ikbo_backend.serving import MODEL_REPOSITORY, TEST_FAULT_PARAMETER, TEST_FAULTS_ENV, load_shape_ranges  # noqa: E402
 from ikbo_backend.tritonserver import (  # noqa: E402
@@ -360,10 +362,11 @@ class Load:
     sizes: tuple = ((4, 64), (15, 256), (32, 1024))
     rate: float | None = None
     max_seconds: float = 3600
+    cfg: RankerConfig = CFG  # the served model's dims (PROFILES["large"] for the large GPU configs)
     log: list = field(default_factory=list)
 
     def __post_init__(self):
-        self.requests = [make_request(CFG, u, b, np.random.default_rng([u, b])) for u, b in self.sizes]
+        self.requests = [make_request(self.cfg, u, b, np.random.default_rng([u, b])) for u, b in self.sizes]
         self.stop_event = threading.Event()
         self.workers = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.threads)]
 
@@ -388,7 +391,7 @@ class Load:
                 try:
                     result = connection.infer(self.model, infer_inputs(module, request), outputs=[module.InferRequestedOutput("scores")])
                     scores = result.as_numpy("scores")
-                    error = None if scores.shape == (len(request["cand_dense"]), CFG.tasks) and np.isfinite(scores).all() else "bad scores"
+                    error = None if scores.shape == (len(request["cand_dense"]), self.cfg.tasks) and np.isfinite(scores).all() else "bad scores"
                 except InferenceServerException as e:
                     error = f"{e.status()}: {e.message()}"
                 except Exception as e:  # noqa: BLE001 — connection refused/reset while a server restarts
@@ -418,9 +421,9 @@ class Load:
         return [entry for entry in self.log if entry[2] and entry[0] >= since]
 
 
-def measure_peak(url: str, seconds: float = 10, threads: int = 4) -> float:
+def measure_peak(url: str, seconds: float = 10, threads: int = 4, cfg: RankerConfig = CFG) -> float:
     """Requests/s of a closed loop with `threads` clients (the 'measured peak')."""
-    with Load(url, threads=threads, max_seconds=seconds + 5) as load:
+    with Load(url, threads=threads, max_seconds=seconds + 5, cfg=cfg) as load:
         time.sleep(2)  # ramp up
         start, first = time.monotonic(), len(load.log)
         time.sleep(seconds)
@@ -429,19 +432,38 @@ def measure_peak(url: str, seconds: float = 10, threads: int = 4) -> float:
     return done / elapsed
 
 
-def soak(server, seconds: float, fraction: float = 0.7, peak_seconds: float = 10) -> dict:
-    """Load at `fraction` of the measured peak for `seconds`; server RSS (tritonserver + stubs) sampled
-    each second; growth = max in the second half - value at mid-run."""
-    peak = measure_peak(server.http_url, peak_seconds)
+def gpu_memory_used_mib() -> int | None:
+    """Device memory in use on the GPUs of CUDA_VISIBLE_DEVICES (all when unset), summed, from
+    nvidia-smi (this process opens no CUDA context); None without nvidia-smi or a GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    argv = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", *([f"--id={visible}"] if visible else [])]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [int(v) for v in out.split() if v.strip().isdigit()]
+    return sum(values) if values else None
+
+
+def soak(server, seconds: float, fraction: float = 0.7, peak_seconds: float = 10, cfg: RankerConfig = CFG) -> dict:
+    """Load at `fraction` of the measured peak for `seconds`; server RSS (tritonserver + stubs) and,
+    where there is a GPU, its memory in use sampled each second; growth = max in the second half -
+    value at mid-run (RSS: < 100 MB; GPU memory: flat, ≤ 64 MiB)."""
+    peak = measure_peak(server.http_url, peak_seconds, cfg=cfg)
     rate = fraction * peak
     samples = []
-    with Load(server.http_url, threads=4, rate=rate, max_seconds=seconds + 30) as load:
+    with Load(server.http_url, threads=4, rate=rate, max_seconds=seconds + 30, cfg=cfg) as load:
         start = time.monotonic()
         while time.monotonic() - start < seconds:
-            samples.append((time.monotonic() - start, tree_rss_bytes(server.process.pid)))
+            samples.append((time.monotonic() - start, tree_rss_bytes(server.process.pid), gpu_memory_used_mib()))
             time.sleep(1.0)
-    mid = next(rss for t, rss in samples if t >= seconds / 2)
-    growth = max(rss for t, rss in samples if t >= seconds / 2) - mid
+    second_half = [s for s in samples if s[0] >= seconds / 2]
+    mid = second_half[0][1]
+    growth = max(s[1] for s in second_half) - mid
+    gpu = {}
+    if all(s[2] is not None for s in samples):
+        gpu_growth = max(s[2] for s in second_half) - second_half[0][2]
+        gpu = {"gpu_mib_start": samples[0][2], "gpu_mib_mid": second_half[0][2], "gpu_mib_end": samples[-1][2], "gpu_growth_from_mid_mib": gpu_growth}
     errors = load.errors()
     return {
         "seconds": seconds,
@@ -455,7 +477,10 @@ def soak(server, seconds: float, fraction: float = 0.7, peak_seconds: float = 10
         "rss_mid_mb": round(mid / 2**20, 1),
         "rss_end_mb": round(samples[-1][1] / 2**20, 1),
         "rss_growth_from_mid_mb": round(growth / 2**20, 1),
-        "failures": ([f"{len(errors)} unexpected errors"] if errors else []) + ([f"RSS grew {growth / 2**20:.0f} MB from mid-run"] if growth >= 100 * 2**20 else []),
+        **gpu,
+        "failures": ([f"{len(errors)} unexpected errors"] if errors else [])
+        + ([f"RSS grew {growth / 2**20:.0f} MB from mid-run"] if growth >= 100 * 2**20 else [])
+        + ([f"GPU memory grew {gpu['gpu_growth_from_mid_mib']} MiB from mid-run"] if gpu and gpu["gpu_growth_from_mid_mib"] > 64 else []),
     }
 
 
@@ -974,12 +999,22 @@ def main():
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--seconds", type=float, default=600, help="soak duration")
     parser.add_argument("--fraction", type=float, default=0.7, help="soak load as a fraction of the measured peak")
+    parser.add_argument("--attach", metavar="HTTP_URL", help="soak: a server already running (its rankers), e.g. the GPU run's")
+    parser.add_argument("--server-pid", type=int, help="with --attach: tritonserver's pid (RSS of it and its stubs)")
+    parser.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="with --attach: the served model's dims")
     parser.add_argument("--exit-timeout", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None, help="append the JSON results here")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     rows = ("storm", "fault", "harden", "kill", "shutdown", "broken", "soak", "online") if args.row == "all" else (args.row,)
     results = {}
+    if args.attach:
+        if rows != ("soak",) or args.server_pid is None:
+            parser.error("--attach runs the soak row only, and needs --server-pid")
+        server = SimpleNamespace(http_url=args.attach, process=SimpleNamespace(pid=args.server_pid))
+        results["soak"] = dict(soak(server, args.seconds, args.fraction, cfg=PROFILES[args.profile]), profile=args.profile)
+        print(json.dumps({"soak": results["soak"]}), flush=True)
+        rows = ()
     if {"storm", "fault", "soak"} & set(rows):
         with rankers_repository() as repo, fault_server(repo) as server:
             if "storm" in rows:

@@ -18,7 +18,8 @@ minus it is the python backend's IPC), and the `ikbo_triton_compilations_total` 
 metrics endpoint (phase "request" must be 0).
 `equal-load`: latency of the rankers at the same offered load (perf_analyzer `--request-rate-range`,
 gRPC, the mix's perf_configs file), rankers back to back per rate: achieved requests/s, p50, p99,
-and the p99 ratio IKBO / baseline (issue 5: ≤ 1/3 at the same offered load).
+and the p99 ratio IKBO / baseline (issue 5: ≤ 1/3 at the same offered load); with --http-url also
+each model's server compute time (input + infer + output) and wall time inside execute during its step.
 `in-process`: the served model's own call, no server: the python model built from its config file
 (`configs/<config>.pbtxt`) the way the python backend builds it (`from_triton_args`: weights, warm-up,
 CUDA graphs), then --repeats calls on fresh requests, host memory in and out, as `execute` makes
@@ -163,8 +164,39 @@ def in_process(model: str, config: str, users: int, candidates: int, repeats: in
     return {"model": model, "p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "load_s": load_s, "repeats": repeats}
 
 
-def equal_load(url: str, profile: str, mix: str, rates: list[float], models: list[str], window_ms: int, out: Path) -> list[dict]:
-    """perf_analyzer at each offered load (requests/s) for each model, back to back."""
+def server_snapshot(http_url: str, metrics_url: str) -> dict[str, dict]:
+    """Cumulative Triton statistics (ns, counts) and ikbo_execute_seconds_total per model."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=10) as response:
+        document = json.load(response)
+    inside = execute_seconds(metrics_url)
+    snapshot = {}
+    for entry in document.get("model_stats", []):
+        inference = entry["inference_stats"]
+        snapshot[entry["name"]] = {
+            "requests": int(inference["success"]["count"]), "executions": int(entry.get("execution_count", 0)),
+            **{stage: int(inference[stage]["ns"]) for stage in STAGES}, "execute_s": inside.get(entry["name"]),
+        }  # fmt: skip
+    return snapshot
+
+
+def server_times(before: dict, after: dict, model: str) -> dict:
+    """Mean ms per request of each server stage of `model` between two snapshots, and the mean wall
+    ms inside execute per execution; compute = compute input + infer + output."""
+    a, b = after.get(model), before.get(model, {})
+    requests = a["requests"] - b.get("requests", 0) if a else 0
+    if not requests:
+        return {}
+    times = {f"{stage}_ms": (a[stage] - b.get(stage, 0)) / requests / 1e6 for stage in STAGES}
+    times["compute_ms"] = times["compute_input_ms"] + times["compute_infer_ms"] + times["compute_output_ms"]
+    executions = a["executions"] - b.get("executions", 0)
+    exported = a["execute_s"] is not None and executions  # ikbo_execute_seconds_total: python models of this repo
+    times["execute_ms"] = (a["execute_s"] - (b.get("execute_s") or 0.0)) * 1e3 / executions if exported else float("nan")
+    return times
+
+
+def equal_load(url: str, profile: str, mix: str, rates: list[float], models: list[str], window_ms: int, out: Path, http_url: str | None = None, metrics_url: str | None = None) -> list[dict]:
+    """perf_analyzer at each offered load (requests/s) for each model, back to back; with `http_url`
+    also the server's stage times of that model during each step (`metrics_url`: default the HTTP port + 2)."""
     from make_perf_configs import DEFAULT_DIR, ensure_config
     from perf_sweep import SHORT, Result, run_perf_analyzer, to_result
 
@@ -172,13 +204,18 @@ def equal_load(url: str, profile: str, mix: str, rates: list[float], models: lis
     input_data = ensure_config(mix, DEFAULT_DIR if profile == "demo" else DEFAULT_DIR / profile, cfg)
     settings = SHORT.__class__(SHORT.mixes, SHORT.concurrency, window_ms=window_ms, stability_pct=20, max_trials=5)
     out.mkdir(parents=True, exist_ok=True)
+    if http_url and not metrics_url:
+        host, port = http_url.rsplit(":", 1)
+        metrics_url = f"{host}:{int(port) + 2}"
     rows = []
     for rate in rates:
         for model in models:
             name = f"{model}.{mix}.rate{rate:g}"
+            before = server_snapshot(http_url, metrics_url) if http_url else {}
             row, mode, status = run_perf_analyzer(model, url, "grpc", input_data, 8, settings, out / f"{name}.csv", out / f"{name}.log", request_rate=rate)
+            server = server_times(before, server_snapshot(http_url, metrics_url), model) if http_url else {}
             result: Result = to_result(model, mix, "grpc", 0, 0, row, mode, status)
-            rows.append({"rate": rate, "model": model, "achieved": result.infer_per_s, "p50": result.p50_ms, "p99": result.p99_ms, "status": status})
+            rows.append({"rate": rate, "model": model, "achieved": result.infer_per_s, "p50": result.p50_ms, "p99": result.p99_ms, "status": status, "server": server})
             print(f"{name}: {result.infer_per_s:.1f} req/s p50 {result.p50_ms:.1f} p99 {result.p99_ms:.1f} ms ({status})", file=sys.stderr, flush=True)
     return rows
 
@@ -204,6 +241,8 @@ def main(argv=None) -> None:
     load.add_argument("--rates", nargs="+", type=float, required=True, help="offered requests/s")
     load.add_argument("--models", nargs="+", default=["baseline_ranker", "ikbo_ranker"], help="the first is the reference of the ratio")
     load.add_argument("--window-ms", type=int, default=3000)
+    load.add_argument("--http-url", help="HTTP host:port: also the server's compute time per model and step")
+    load.add_argument("--metrics-url", help="metrics host:port (default: the HTTP port + 2)")
     load.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "out" / "equal_load")
     local = sub.add_parser("in-process", help="wall ms of the served python model's own call, no server")
     local.add_argument("--config", default="large", help="configs/<name>.pbtxt ('config': config.pbtxt)")
@@ -224,12 +263,15 @@ def main(argv=None) -> None:
         return
 
     if args.command == "equal-load":
-        rows = equal_load(args.url, args.profile, args.mix, args.rates, args.models, args.window_ms, args.out)
-        reference, ours = args.models[0], args.models[-1]
-        print(f"| offered req/s | model | achieved req/s | p50 ms | p99 ms | p99 / {reference} p99 |\n|---:|---|---:|---:|---:|---:|")
+        rows = equal_load(args.url, args.profile, args.mix, args.rates, args.models, args.window_ms, args.out, args.http_url, args.metrics_url)
+        reference = args.models[0]
+        print(f"| offered req/s | model | achieved req/s | p50 ms | p99 ms | p99 / {reference} p99 | server compute ms | inside execute ms |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             base = next(b for b in rows if b["rate"] == r["rate"] and b["model"] == reference)
-            print(f"| {r['rate']:g} | {r['model']} | {r['achieved']:.1f} | {r['p50']:.1f} | {r['p99']:.1f} | {r['p99'] / base['p99']:.2f} |"
+            server = r["server"]
+            compute = f"{server['compute_ms']:.3f} | " + ("–" if server["execute_ms"] != server["execute_ms"] else f"{server['execute_ms']:.3f}") if server else "– | –"
+            print(f"| {r['rate']:g} | {r['model']} | {r['achieved']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['p99'] / base['p99']:.2f} | {compute} |"
                   + ("" if r["status"] == "ok" else f" {r['status']}"))
         return
     if args.command == "first":

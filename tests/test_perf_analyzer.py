@@ -105,3 +105,32 @@ def test_request_rate_mode_offers_the_asked_load(server, tmp_path):
     assert float(row["p99 latency"]) >= float(row["p50 latency"]) > 0
     success_after, fail_after = inference_counts(server.http_url)
     assert fail_after == fail_before and success_after >= success_before + QUICK.request_count
+
+
+@pytest.mark.timeout(120)
+def test_server_times_between_snapshots_count_only_that_step(server):
+    """serving_probe.server_times (equal-load --http-url): the stage times of the requests sent
+    between two snapshots, per request, and the wall time inside execute per execution."""
+    import numpy as np
+    import serving_probe
+    from client import client_module, infer_inputs
+
+    from ikbo_backend.ranker import RankerConfig
+    from ikbo_backend.requests import make_request
+
+    metrics_url = server.metrics_url
+    before = serving_probe.server_snapshot(server.http_url, metrics_url)
+    module = client_module("http")
+    client = module.InferenceServerClient(server.http_url)
+    rng = np.random.default_rng()
+    for _ in range(3):
+        client.infer(MODEL, infer_inputs(module, make_request(RankerConfig(), 3, 40, rng)))
+    client.close()
+    after = serving_probe.server_snapshot(server.http_url, metrics_url)
+    assert after["ikbo_interaction"]["requests"] - before.get("ikbo_interaction", {}).get("requests", 0) == 3
+    times = serving_probe.server_times(before, after, "ikbo_interaction")
+    assert times["compute_ms"] == pytest.approx(times["compute_input_ms"] + times["compute_infer_ms"] + times["compute_output_ms"])
+    assert 0 < times["execute_ms"] < times["compute_ms"] * 3  # one request per execution here
+    assert serving_probe.server_times(after, after, "ikbo_interaction") == {}
+    ensemble = serving_probe.server_times(before, after, MODEL)  # no execute of its own
+    assert ensemble["compute_ms"] > 0 and ensemble["execute_ms"] != ensemble["execute_ms"]

@@ -42,6 +42,32 @@ def test_soak_at_70_percent_of_peak(server):
     assert result["requests"] > 0 and not result["failures"], result
 
 
+def test_soak_reports_gpu_memory_growth(server, monkeypatch):
+    """Where there is a GPU the soak samples its memory (nvidia-smi) and fails when it grows by more
+    than 64 MiB after mid-run; here a stand-in sampler grows 10 MiB per sample."""
+    samples = iter(range(1000, 10**6, 10))
+    monkeypatch.setattr(reliability, "gpu_memory_used_mib", lambda: next(samples))
+    result = reliability.soak(server, seconds=12, fraction=0.5, peak_seconds=2)
+    assert result["requests"] > 0 and result["gpu_mib_start"] == 1000
+    assert result["gpu_growth_from_mid_mib"] == result["gpu_mib_end"] - result["gpu_mib_mid"] >= 50
+    assert [f for f in result["failures"] if f.startswith("GPU memory grew")] == (
+        [f"GPU memory grew {result['gpu_growth_from_mid_mib']} MiB from mid-run"] if result["gpu_growth_from_mid_mib"] > 64 else []
+    )
+
+
+def test_soak_attaches_to_a_running_server(server):
+    """`reliability.py soak --attach` (the GPU run's soak): the same row against a server it did not start."""
+    import json
+    import subprocess
+
+    argv = [sys.executable, str(Path(reliability.__file__)), "soak", "--attach", server.http_url, "--server-pid", str(server.process.pid), "--seconds", "4"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(line)["soak"]
+    assert result["requests"] > 0 and result["errors"] == 0 and result["rss_start_mb"] > 100 and result["profile"] == "demo"
+
+
 def test_a_broken_model_stops_the_server_with_a_message_naming_it():
     result = reliability.broken("ikbo_interaction")
     assert result["refused"] and not result["failures"], result
