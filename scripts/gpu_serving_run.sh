@@ -14,7 +14,9 @@
 # 1 2 4 8), ONLINE_CONCURRENCY (online endpoints at 15:1024; "" skips), EQUAL_RATES / EQUAL_MODELS
 # (offered requests/s and models of the same-load comparison, the first the reference; "" skips), SKIP_EXTRA (no
 # transformed, other-mix and HTTP sweeps), SKIP_IN_PROCESS, STEP_TIMEOUT (s per step), WINDOW
-# (perf_analyzer ms).
+# (perf_analyzer ms), WAKE_AB (non-empty: the in-process call and the same-load comparison again while
+# a PM QoS request holds CPU wake latency at 0 µs, as `scripts/serve --cpu-wake-latency-us 0` does),
+# SOAK_SECONDS (issue 6's soak against this server at 70 % of its peak: RSS and GPU memory; "" skips).
 #
 # Machines without network (the lab's H200): scripts/triton_bundle_env.sh.
 set -uo pipefail
@@ -26,7 +28,15 @@ log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
 
 . scripts/triton_bundle_env.sh  # offline tritonserver + perf_analyzer where the machine has no network
 { echo "# GPU serving run $(date -u +%FT%TZ)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$S" 2>/dev/null
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  echo "CPUs $(nproc), cpuidle $(cat /sys/devices/system/cpu/cpuidle/current_driver 2>/dev/null || echo none)," \
+    "haltpoll $(cat /sys/module/haltpoll/parameters/guest_halt_poll_ns 2>/dev/null || echo -) ns," \
+    "/dev/cpu_dma_latency $( [ -w /dev/cpu_dma_latency ] && echo writable || echo absent)"; } >"$S" 2>/dev/null
+hold_wake_latency() {  # a PM QoS request (0 µs) held by a background process until `kill $WAKE`
+  python3 -c 'import sys, time; sys.path.insert(0, "."); from ikbo_backend.tritonserver import cpu_wake_latency
+with cpu_wake_latency(0): print("wake latency held", flush=True); time.sleep(3600)' >>"$W/steps.log" 2>&1 &
+  WAKE=$!; sleep 1; kill -0 $WAKE 2>/dev/null
+}
 # the GPUs the run uses (nvidia-smi ignores CUDA_VISIBLE_DEVICES, so it is passed on; all GPUs when unset)
 nvidia-smi ${CUDA_VISIBLE_DEVICES:+--id=$CUDA_VISIBLE_DEVICES} --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 2 >"$W/gpu_memory.csv" 2>/dev/null &
 SMI=$!
@@ -51,6 +61,12 @@ if [ -z "${SKIP_IN_PROCESS:-}" ]; then
   { echo -e "\n### The served rankers' own call in process, U = 15, B = 1024 (\`serving_probe.py in-process\`)\n"
     timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model baseline_ranker ikbo_ranker --gap-ms 0 3 2>>"$W/in_process.err" \
       || log "in-process: exit $? $(tail -3 "$W/in_process.err")"; } >>"$S"
+  if [ -n "${WAKE_AB-1}" ] && hold_wake_latency; then
+    log "served ikbo_ranker in process, CPU wake latency held at 0"
+    { echo -e "\nThe same while a PM QoS request holds CPU wake latency at 0 µs:\n"
+      timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model ikbo_ranker --gap-ms 0 3 2>>"$W/in_process.err"; } >>"$S"
+    kill $WAKE
+  fi
 fi
 
 log "tritonserver --model-config-name=$CONFIG"
@@ -61,7 +77,7 @@ from ikbo_backend.tritonserver import running_tritonserver
 work, config = sys.argv[1], sys.argv[2]
 start = time.perf_counter()
 with running_tritonserver(config_name=config or None, log_path=f"{work}/tritonserver.log", timeout=500) as s:
-    urls = dict(http=s.http_url, grpc=s.grpc_url, metrics=s.metrics_url, ready_s=time.perf_counter() - start)
+    urls = dict(http=s.http_url, grpc=s.grpc_url, metrics=s.metrics_url, pid=s.process.pid, ready_s=time.perf_counter() - start)
     open(f"{work}/urls.json", "w").write(json.dumps(urls))
     while True:
         time.sleep(1)
@@ -82,11 +98,20 @@ if [ -f "$W/urls.json" ]; then
       --window-ms "$WINDOW" --out "$W/$name" "$@" >>"$S" 2>>"$W/$name.err" || log "perf_sweep $name: exit $?"
   }
   sweep main --mixes ${MAIN_MIXES:-u15_b1024} --protocols grpc --concurrency ${MAIN_CONCURRENCY:-1 2 4 8} --rankers ${MAIN_RANKERS:-baseline_ranker ikbo_ranker}
+  equal_load() {  # name
+    timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py equal-load --url "$GRPC" --http-url "$HTTP" --metrics-url "$METRICS" --profile "$PROFILE" \
+      --rates ${EQUAL_RATES-50 100} --models ${EQUAL_MODELS:-baseline_ranker ikbo_ranker} --out "$W/$1" >>"$S" 2>>"$W/steps.log" || log "equal-load: exit $?"
+  }
   if [ -n "${EQUAL_RATES-50 100}" ]; then
     log "equal offered load: ${EQUAL_RATES-50 100} req/s"
     echo -e "\n### Same offered load, U = 15, B = 1024, gRPC (\`serving_probe.py equal-load\`)\n" >>"$S"
-    timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py equal-load --url "$GRPC" --profile "$PROFILE" \
-      --rates ${EQUAL_RATES-50 100} --models ${EQUAL_MODELS:-baseline_ranker ikbo_ranker} --out "$W/equal_load" >>"$S" 2>>"$W/steps.log" || log "equal-load: exit $?"
+    equal_load equal_load
+    if [ -n "${WAKE_AB-1}" ] && hold_wake_latency; then
+      log "equal offered load, CPU wake latency held at 0"
+      echo -e "\nThe same while a PM QoS request holds CPU wake latency at 0 µs:\n" >>"$S"
+      equal_load equal_load_wake0
+      kill $WAKE
+    fi
   fi
   [ -n "${ONLINE_CONCURRENCY-1 4 8}" ] && sweep online --mixes u15_b1024 --protocols grpc --concurrency ${ONLINE_CONCURRENCY-1 4 8} --rankers baseline_ranker_online ikbo_ranker_online
   [ -z "${SKIP_EXTRA:-}" ] && sweep transformed --mixes u15_b1024 --protocols grpc --concurrency 4 --rankers ikbo_ranker transformed_ranker
@@ -94,6 +119,12 @@ if [ -f "$W/urls.json" ]; then
   [ -z "${SKIP_EXTRA:-}" ] && sweep http --mixes u15_b1024 --protocols http --concurrency 1 4 --rankers baseline_ranker ikbo_ranker
   echo -e "\n### Server-side times per model (Triton statistics, whole run)\n" >>"$S"
   python3 scripts/serving_probe.py stats --url "$HTTP" --metrics-url "$METRICS" >>"$S" 2>>"$W/steps.log"
+  if [ -n "${SOAK_SECONDS-120}" ]; then
+    log "soak ${SOAK_SECONDS-120} s (issue 6)"
+    echo -e "\n### Soak at 70 % of the measured peak, ikbo_ranker, HTTP (\`reliability.py soak --attach\`)\n" >>"$S"
+    timeout "$STEP_TIMEOUT" python3 scripts/reliability.py soak --attach "$HTTP" --server-pid "$(url pid)" --profile "$PROFILE" \
+      --seconds "${SOAK_SECONDS-120}" --out "$W/soak.json" >>"$S" 2>>"$W/steps.log" || log "soak: exit $?"
+  fi
 else
   log "server never became ready"; tail -40 "$W/tritonserver.log" >>"$S"
 fi
