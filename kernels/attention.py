@@ -566,11 +566,12 @@ def _sm_count(device) -> int:
     return _SM_COUNT[device]
 
 
-def _kv_views(k, v, block_n):
-    """TMA descriptors over 2-D views of k and v: key n of (u, h) is row (u·s_u + h·s_h) // s_l + n,
-    columns from (u·s_u + h·s_h) % s_l, for strides s_u, s_h, s_l of [U, H, L, ·]. That covers
-    contiguous [U, H, L, d] and [U, L, H, d] storage (also inside a wider fused-QKV row) without a
-    copy; other layouts are copied once at U rows (never replicated). Returns (k_desc, v_desc, strides)."""
+def kv_2d_views(k, v):
+    """k and v as 2-D row views for TMA: key n of (u, h) is row (u·s_u + h·s_h) // s_l + n, columns
+    from (u·s_u + h·s_h) % s_l, for strides s_u, s_h, s_l of [U, H, L, ·]. That covers contiguous
+    [U, H, L, d] and [U, L, H, d] storage (also inside a wider fused-QKV row) without a copy; other
+    layouts are copied once at U rows (never replicated). Returns (k, v, rows, (s_u, s_h, s_l)): the
+    views are [rows, s_l] with strides [s_l, 1] over k's and v's storage."""
     num_users, heads, seq_len, head_dim = k.shape
 
     def viewable(t):
@@ -585,8 +586,14 @@ def _kv_views(k, v, block_n):
     rows = ((num_users - 1) * s_u + (heads - 1) * s_h) // s_l + seq_len
     if rows >= 2**31:
         raise ValueError(f"k: {rows} rows of K/V exceed the int32 TMA coordinate range")
-    descs = [TensorDescriptor(t, [rows, s_l], [s_l, 1], [block_n, head_dim]) for t in (k, v)]
-    return descs[0], descs[1], (s_u, s_h, s_l)
+    return k, v, rows, (s_u, s_h, s_l)
+
+
+def _kv_views(k, v, block_n):
+    """TMA descriptors over the 2-D views of `kv_2d_views`, blocks [block_n, d] → (k_desc, v_desc, strides)."""
+    k, v, rows, strides = kv_2d_views(k, v)
+    descs = [TensorDescriptor(t, [rows, strides[2]], [strides[2], 1], [block_n, k.shape[3]]) for t in (k, v)]
+    return descs[0], descs[1], strides
 
 
 def plan_buffers(num_candidates: int, max_tiles: int, device):

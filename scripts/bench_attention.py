@@ -2,6 +2,7 @@
 """IKBO attention benchmark (GPU): providers side by side at the canonical shape, self+target, sweep.
 
     scripts/bench_attention.py [--sweep full|corners|none] [--no-flex] [--tune] [--variants] [--smoke] [--host-cpu]   (or scripts/bench_kernels.py attention ...)
+    scripts/bench_attention.py --ws      the Gluon FA3-style kernel (kernels/attention_ws.py) side by side
 
 Canonical shape, bf16, non-causal target attention: B=1024 candidates, S=64 query tokens each,
 U=15 users with ragged counts, L=1024, H=4, d=128; FLOPs = 4·B·H·S·L·d. Providers:
@@ -18,6 +19,11 @@ Sweep: S ∈ {1, 8, 64}, L ∈ {256, 1024, 4096}, d ∈ {64, 128}, B/U ∈ {1, 1
 (U = B / ratio), baseline vs ours.
 Metrics: median ms (`triton.testing.do_bench`, which clears L2 before each run), TFLOP/s, % of
 the floor max(FLOPs / matmul rate, bytes / copy bandwidth), both ceilings measured in this run.
+--ws: the bf16 matmul ceiling, the baseline and the Triton kernel in this process, then each
+WS_VARIANTS entry in its own child process (a timeout, so that a hang costs one variant): fp64
+checks of NaN-poisoned outputs on WS_CHECKS (ragged counts, kv_len < L and 0, L not a multiple of
+the tile, users without candidates, S > 64, d = 64, fp16), then plan + kernel and kernel alone at
+WS_SHAPES; a table last, details in $OUT/attention_ws.json.
 Outputs are checked before timing: ours (poisoned with NaN) against fp64 at the canonical shape,
 every provider and sweep point against each other. Prints markdown; with $OUT set, writes
 $OUT/attention_bench.md. Kernels are compiled first in parallel worker processes (shared disk
@@ -553,6 +559,159 @@ def sweep_section(points):
     return lines
 
 
+# ---------------------------------------------------------------------------------------------
+# --ws: the Gluon kernel of kernels/attention_ws.py against the Triton kernel
+# ---------------------------------------------------------------------------------------------
+
+WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
+    "ws 128, pingpong": {},
+    "ws 128, no pingpong": dict(pingpong=False),
+    "ws 64, 4 stages, pingpong": dict(block_n=64, stages=4),
+    "ws 64, 4 stages, 2 P buffers, pingpong": dict(block_n=64, stages=4, p_buffers=2),
+}
+# (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
+WS_CHECKS = [
+    (15, 1024, 64, 1024, 4, 128, None, 0, torch.bfloat16),  # canonical
+    (15, 1024, 64, 1000, 4, 128, "ragged", 0, torch.bfloat16),  # kv_len < L, 0, < one block; L not a tile multiple
+    (7, 300, 8, 777, 2, 128, "ragged", 2, torch.float16),  # S = 8 (16 candidates per warpgroup), empty users
+    (5, 37, 100, 300, 3, 64, None, 1, torch.bfloat16),  # S > 64: warpgroups split candidates; d = 64
+    (1, 3, 1, 129, 1, 128, "ragged", 0, torch.bfloat16),  # tiny: 1 tile, mostly empty slots
+    (40, 64, 64, 256, 2, 64, "ragged", 20, torch.float16),  # many users, half without candidates
+]
+WS_SHAPES = [  # timed, bf16, no kv_len
+    CANONICAL,
+    Shape(4, 1024, 64, 4096, 4, 128),  # long histories, B/U = 256
+    Shape(15, 1024, 8, 1024, 4, 128),  # short candidate sequences
+    Shape(15, 1024, 64, 1024, 4, 64),  # d = 64
+    Shape(64, 1024, 64, 512, 2, 128),  # B/U = 16, L = 512
+]
+
+
+def _ws_problem(check, seed):
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim, kv_mode, empty, dtype = check
+    gen = torch.Generator().manual_seed(seed)
+    mapping = torch.randint(0, num_users - empty, (num_candidates,), generator=gen)
+    kv_len = None
+    if kv_mode == "ragged":
+        kv_len = torch.randint(0, seq_len + 1, (num_users,), generator=gen)
+        kv_len[0] = 0
+        if num_users > 2:
+            kv_len[1], kv_len[2] = 5, seq_len
+        kv_len = kv_len.to(DEVICE)
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen).to(DEVICE, dtype)
+
+    q = rand(num_candidates, heads, num_queries, head_dim)
+    k, v = rand(num_users, heads, seq_len, head_dim), rand(num_users, heads, seq_len, head_dim)
+    return q, k, v, mapping.to(DEVICE), kv_len
+
+
+def ws_child(name):
+    """Child process: check and time one WS_VARIANTS entry; one JSON line per result on stdout."""
+    import json
+
+    from kernels import attention_ws
+
+    cfg = attention_ws.WSAttentionConfig(**WS_VARIANTS[name])
+    for i, check in enumerate(WS_CHECKS):
+        q, k, v, mapping, kv_len = _ws_problem(check, seed=100 + i)
+        ref = ikbo_attention(q.double(), k.double(), v.double(), mapping, kv_len, backend="torch")
+        out = torch.full_like(q, float("nan"))
+        attention_ws.launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), cfg, out=out)
+        torch.cuda.synchronize()
+        print(json.dumps(dict(kind="check", variant=name, check=i, err=rel_err(out, ref))), flush=True)
+    for shape in WS_SHAPES:
+        p = make_problem(shape, seed=7)
+        scale = 1 / math.sqrt(shape.head_dim)
+        ref = fp64_target(p)
+        out = torch.full_like(p["q"], float("nan"))
+        attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out)
+        err = rel_err(out, ref)
+        plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, attention_ws.TILE_M)
+        times = []
+        for _ in range(2):
+            times.append(timed(lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out, plan=plan)))
+        full = timed(lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out))
+        print(json.dumps(dict(kind="time", variant=name, shape=list(shape.__dict__.values()), kernel_ms=times, plan_kernel_ms=full, err=err)), flush=True)
+        del p, out, ref
+
+
+def _driver_version() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "?"
+
+
+def ws_section(timeout_s=100):
+    """The --ws run (see module doc); returns the table lines."""
+    import json
+    import subprocess
+
+    peak, bandwidth = ceilings()
+    props = torch.cuda.get_device_properties(0)
+    lines = [f"# Gluon FA3-style kernel vs the Triton kernel, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"device {props.name} ({props.multi_processor_count} SMs), driver {_driver_version()}, "
+             f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}",
+             f"ceilings measured here: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s\n"]
+    results = {"peak": peak, "bandwidth": bandwidth, "triton": {}, "ws": []}
+    for shape in WS_SHAPES:  # the Triton kernel (default config) and, at the canonical shape, the baseline
+        p = make_problem(shape, seed=7)
+        scale = 1 / math.sqrt(shape.head_dim)
+        err = rel_err(poisoned_ours(p)[0], fp64_target(p))
+        config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users, False)
+        plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m)
+        kernel = [timed(lambda: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, plan=plan)) for _ in range(2)]
+        full = timed(lambda: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale))
+        base = timed(lambda: baseline(p)) if shape == CANONICAL else float("nan")
+        results["triton"][str(shape)] = dict(kernel_ms=kernel, plan_kernel_ms=full, err=err, baseline_ms=base)
+        del p
+    torch.cuda.empty_cache()
+    log = []
+    for name in WS_VARIANTS:
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--ws-child", name], capture_output=True, text=True, timeout=timeout_s)
+            stdout, status = proc.stdout, f"exit {proc.returncode}"
+            log.append(f"== {name}: {status}\n{proc.stdout}\n{proc.stderr[-3000:]}")
+        except subprocess.TimeoutExpired as exc:
+            stdout, status = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), f"timeout {timeout_s} s"
+            log.append(f"== {name}: {status}\n{stdout}")
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                results["ws"].append(json.loads(line))
+        results["ws"].append(dict(kind="status", variant=name, status=status, seconds=time.perf_counter() - start))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "attention_ws.json").write_text(json.dumps(results, indent=1))
+        Path(os.environ["OUT"], "attention_ws_log.txt").write_text("\n".join(log))
+
+    lines.append("| shape (U, B, S, L, H, d) | provider | kernel ms (round 1 / 2) | plan + kernel ms | TFLOP/s (plan + kernel) | % of matmul | err vs fp64 |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|")
+    for shape in WS_SHAPES:
+        key = tuple(shape.__dict__.values())
+        flops = shape.target_flops
+        tri = results["triton"][str(shape)]
+        rows = [("Triton kernel (default)", tri)]
+        rows += [(r["variant"], r) for r in results["ws"] if r["kind"] == "time" and tuple(r["shape"]) == key]
+        if shape == CANONICAL:
+            lines.append(f"| {key} | baseline (index_select + SDPA) | | {tri['baseline_ms']:.3f} | {flops / tri['baseline_ms'] / 1e9:.0f} | "
+                         f"{100 * flops / tri['baseline_ms'] / 1e-3 / peak:.0f} | |")
+        for name, r in rows:
+            ms = r["plan_kernel_ms"]
+            lines.append(f"| {key} | {name} | {r['kernel_ms'][0]:.3f} / {r['kernel_ms'][1]:.3f} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
+                         f"{100 * flops / (ms * 1e-3) / peak:.0f} | {r['err']:.1e} |")
+    lines.append("\nChecks (rel err vs fp64, NaN-poisoned outputs; WS_CHECKS order) and status per variant:")
+    for name in WS_VARIANTS:
+        errs = [f"{r['err']:.1e}" for r in results["ws"] if r["kind"] == "check" and r["variant"] == name]
+        status = [r for r in results["ws"] if r["kind"] == "status" and r["variant"] == name][0]
+        lines.append(f"- {name}: {status['status']} ({status['seconds']:.0f} s); checks {', '.join(errs) or 'none'}")
+    return lines
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", choices=("full", "corners", "none"), default="full")
@@ -561,7 +720,15 @@ def main(argv):
     parser.add_argument("--variants", action="store_true", help="time the loop options and tiles of VARIANTS side by side")
     parser.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
     parser.add_argument("--host-cpu", action="store_true", help="host µs per call without a GPU (stand-in driver), then exit")
+    parser.add_argument("--ws", action="store_true", help="the Gluon kernel's variants against the Triton kernel, then exit")
+    parser.add_argument("--ws-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ws_child:
+        ws_child(args.ws_child)
+        return
+    if args.ws:
+        print("\n".join(ws_section()), flush=True)
+        return
     if args.host_cpu:
         print("\n".join(host_cpu()))
         return

@@ -1,0 +1,463 @@
+"""IKBO target attention as a warp-specialized FlashAttention-3-style Gluon kernel for Hopper.
+
+Math (as `kernels.attention.ikbo_attention`): out[b] = softmax(scale · q[b] · k[u]ᵀ, keys j < kv_len[u]) · v[u],
+u = cand_to_user[b]; q [B, H, S, d], k/v [U, H, L, d] → out [B, H, S, d]. K/V never replicated.
+
+Why a second kernel: the Triton kernel of attention.py is FlashAttention-2: within a warpgroup the
+softmax (MUFU exp2, row reductions) and the wgmmas run one after the other, and Triton 3.6 neither
+warp-specializes it nor keeps a prefetched q·kᵀ in flight (docs/notes/attention.md). Here the
+schedule is written out (FlashAttention-3, Shah et al. 2024, https://arxiv.org/abs/2407.08608):
+
+Kernel `_attention_ws_kernel`, persistent (one program per SM), work items (tile, head) in the order
+of attention.py's grid (tiles of one user adjacent, heads slow). Tiles come from attention.py's
+`_plan_kernel` at BLOCK_M = 128 packed "virtual rows" of one user (candidate-major, S tokens each).
+    producer partition, 1 warp: for each work item, TMA loads of the user's K and V blocks
+        [BLOCK_N, d] into a STAGES-deep ring, K and V with their own ready/empty mbarriers, so a K
+        slot is refilled as soon as both consumers' q·kᵀ has read it.
+    two consumer warpgroups (the default partition and a 4-warp worker, the same code): warpgroup w
+        owns rows [64·w, 64·w + 64) of the tile: gathers its q rows by pointer into its own shared
+        buffer, then per key block j issues q·k_jᵀ (async wgmma) and P_{j-1}·V_{j-1} (async wgmma,
+        P from registers), runs the online softmax of block j (base 2, fp32) while P_{j-1}·V_{j-1}
+        runs, then rescales the accumulator (intra-warpgroup overlap). With PINGPONG the two
+        warpgroups take turns issuing their wgmmas (an mbarrier per warpgroup), so one's softmax runs
+        under the other's products (inter-warpgroup overlap). The next item's q rows are loaded
+        under the last P·V; the output rows are scattered back by pointer (16-byte stores).
+kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
+A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
+
+Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}, target attention only (the
+fused self + target path stays on attention.py's kernel). Measurements: docs/notes/attention.md.
+Patterns from kernels/linear_compress_ws.py (s6) and Triton's Gluon tutorials 05-wgmma,
+08-warp-specialization.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import attention as _attn
+
+WS_TYPES = (torch.float16, torch.bfloat16)
+WS_HEAD_DIMS = (64, 128)
+SMEM_LIMIT = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
+WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M)
+TILE_M = 2 * WG_ROWS  # rows per plan tile: two consumer warpgroups
+
+
+@dataclass(frozen=True)
+class WSAttentionConfig:
+    """Key block, ring depth, warpgroup turn-taking and register split of `_attention_ws_kernel`."""
+
+    block_n: int = 128  # keys per step
+    stages: int = 2  # K/V ring depth
+    pingpong: bool = True  # the two consumer warpgroups take turns issuing their wgmmas
+    p_buffers: int = 1  # 2: P alternates between two register sets (blocks two per loop trip; fits at BLOCK_N = 64)
+    consumer_regs: int = 232  # registers per thread of each consumer warpgroup (setmaxnreg)
+    producer_regs: int = 24  # registers per thread of the producer warp
+    maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
+    programs_per_sm: int = 1
+
+    def smem_bytes(self, head_dim: int, elem: int) -> int:
+        ring = self.stages * 2 * self.block_n * head_dim * elem
+        q_bufs = 2 * WG_ROWS * head_dim * elem
+        return ring + q_bufs + 8 * (4 * self.stages + 2)
+
+
+DEFAULT_CONFIG = WSAttentionConfig()
+
+
+@gluon.constexpr_function
+def _mma_layout(n):
+    """wgmma accumulator layout of one warpgroup: 64 rows (4 warps × 16), instruction N = n."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _io_layout(head_dim):
+    """[64, d] rows for pointer loads/stores: 8 contiguous elements (16 bytes) per thread."""
+    cols = head_dim // 8
+    return gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _item_coords(item, num_tiles):
+    """Work item → (tile, head): tiles fast, heads slow (attention.py's grid order)."""
+    return item % num_tiles, item // num_tiles
+
+
+@gluon.jit
+def _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN: gl.constexpr):
+    """(user ≥ 0, valid keys) of a tile; 0 keys for an unused slot (user -1). kv_len clamped to [0, L]."""
+    entry_user = gl.load(tile_ptr + tile * 4)
+    user = gl.maximum(entry_user, 0)
+    kv_len = seq_len
+    if HAS_KV_LEN:
+        kv_len = gl.minimum(gl.maximum(gl.load(kv_len_ptr + user).to(gl.int32), 0), seq_len)
+    kv_len = gl.where(entry_user >= 0, kv_len, 0)
+    return user, kv_len
+
+
+@gluon.jit
+def _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG: gl.constexpr, layout: gl.constexpr):
+    """Warpgroup WG's 64 virtual rows of a tile → (candidate int64, token, row valid), in `layout`."""
+    entry = tile_ptr + tile * 4
+    first_slot = gl.load(entry + 1)
+    rows = gl.load(entry + 2) + WG * 64 + gl.arange(0, 64, layout=layout)
+    row_ok = rows < gl.load(entry + 3)
+    slot = rows // num_queries
+    token = rows - slot * num_queries
+    cand = gl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(gl.int64)  # padding rows: candidate 0
+    return cand, token, row_ok
+
+
+@gluon.jit
+def _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, item, num_tiles, num_queries,
+            WG: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Warpgroup WG's q rows of work item `item` → [64, d] registers (16-byte loads)."""
+    io: gl.constexpr = _io_layout(HEAD_DIM)
+    tile, head = _item_coords(item, num_tiles)
+    cand, token, _ = _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG, gl.SliceLayout(1, io))
+    rows = cand * stride_qb + head * stride_qh + token * stride_qs
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
+    return gl.load(q_ptr + (rows[:, None] + cols[None, :]))
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+              num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr):
+    """1 warp: every work item's K and V blocks into the ring (slots start free)."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    it = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        tile, head = _item_coords(item, num_tiles)
+        user, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
+        kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
+        kv_row = (kv_offset // stride_kl).to(gl.int32)
+        kv_col = (kv_offset % stride_kl).to(gl.int32)
+        for j in range(0, gl.cdiv(kv_len, BLOCK_N)):
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_bufs.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _take_turn(turns, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Wait until it is this warpgroup's turn to issue wgmmas (warpgroup 0 goes first)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(WG), (turn & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _pass_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+           turns, STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
+    softmax of block j while the second runs, then rescale. Returns (acc, m_i, l_i, P_j)."""
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    slot = it % STAGES
+    prev = (it - 1) % STAGES
+    _take_turn(turns, turn, WG, PINGPONG)
+    mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+    acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+    _pass_turn(turns, WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+    mbarrier.arrive(k_empty.index(slot), count=1)
+    if (j + 1) * BLOCK_N > kv_len:  # the last, partial block
+        key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where((j * BLOCK_N + key_cols < kv_len)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    # p passes through the wait so that its conversion to the wgmma operand stays after it
+    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(k_bufs.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    return acc, m_new, l_i, p_op
+
+
+@gluon.jit
+def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
+              k_bufs, v_bufs, q_smem, k_ready, v_ready, k_empty, v_empty, turns,
+              tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_BUFFERS: gl.constexpr,
+              WG: gl.constexpr):
+    """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile (see module doc).
+
+    Blocks 1, 2, … run two per loop trip with P alternating between two register sets (p_a, p_b):
+    with one loop-carried P, the next block's P had to take the registers that the in-flight
+    P·V wgmma still reads, and ptxas waited for that wgmma before the softmax (no overlap)."""
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+    dtype: gl.constexpr = k_bufs.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io: gl.constexpr = _io_layout(HEAD_DIM)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    pid = gl.program_id(0)
+    step = gl.num_programs(0)
+    it = 0  # K/V blocks consumed (ring position)
+    turn = 0  # wgmma turns taken (PINGPONG)
+    q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, pid, num_tiles, num_queries, WG, HEAD_DIM)
+    for item in range(pid, num_items, step):
+        tile, head = _item_coords(item, num_tiles)
+        _, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
+        num_blocks = gl.cdiv(kv_len, BLOCK_N)
+        q_smem.store(q)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's q rows are in shared memory before the wgmma reads them
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+        l_i = gl.full([64], 1.0, gl.float32, s_rows)
+        next_item = gl.minimum(item + step, num_items - 1)
+        if num_blocks > 0:
+            # block 0: q·k_0ᵀ alone
+            slot = it % STAGES
+            _take_turn(turns, turn, WG, PINGPONG)
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                                  use_acc=False, is_async=True)
+            _pass_turn(turns, WG, PINGPONG)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            if kv_len < BLOCK_N:
+                key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                s = gl.where((key_cols < kv_len)[None, :], s, float("-inf"))
+            m_i = gl.max(s, 1) * qk_scale
+            p = gl.exp2(s * qk_scale - m_i[:, None])
+            l_i = gl.sum(p, 1)
+            p_a = gl.convert_layout(p.to(dtype), p_layout)
+            if P_BUFFERS == 2:
+                for j in range(1, num_blocks - 1, 2):
+                    acc, m_i, l_i, p_b = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
+                                                v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, PINGPONG, WG)
+                    acc, m_i, l_i, p_a = _block(j + 1, it + j + 1, turn + j + 1, kv_len, qk_scale, acc, m_i, l_i, p_b,
+                                                q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES,
+                                                PINGPONG, WG)
+                if num_blocks % 2 == 0:  # an odd number of blocks after block 0: the last one alone
+                    j = num_blocks - 1
+                    acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
+                                                v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, PINGPONG, WG)
+            else:
+                for j in range(1, num_blocks):
+                    acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
+                                                v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, PINGPONG, WG)
+            # the last block's P·V; the next item's q rows load under it
+            it += num_blocks - 1
+            turn += num_blocks
+            slot = it % STAGES
+            _take_turn(turns, turn, WG, PINGPONG)
+            mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
+            acc_tok = warpgroup_mma(p_a, v_bufs.index(slot), acc, is_async=True)
+            _pass_turn(turns, WG, PINGPONG)
+            q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, next_item, num_tiles, num_queries,
+                        WG, HEAD_DIM)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            it += 1
+            turn += 1
+        else:
+            q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, next_item, num_tiles, num_queries,
+                        WG, HEAD_DIM)
+        # out rows = acc / l (zeros without keys), scattered back to [B, H, S, d]
+        out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+        out = gl.convert_layout(out.to(dtype), io)
+        cand, token, row_ok = _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG, gl.SliceLayout(1, io))
+        rows = cand * stride_ob + head * stride_oh + token * stride_os
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
+        gl.store(out_ptr + (rows[:, None] + cols[None, :]), out, mask=row_ok[:, None])
+        gl.thread_barrier()  # every warp is done with q_smem's wgmmas before the next item overwrites it
+
+
+@gluon.jit(do_not_specialize=["num_items", "num_tiles"])  # any U, B: one compiled kernel
+def _attention_ws_kernel(
+    q_ptr, stride_qb, stride_qh, stride_qs,  # q [B, H, S, d]
+    out_ptr, stride_ob, stride_oh, stride_os,  # out [B, H, S, d]
+    k_desc, v_desc,  # 2-D [rows, stride_kl] views of k / v (attention.kv_2d_views), blocks [BLOCK_N, d]
+    stride_ku, stride_kh, stride_kl,
+    kv_len_ptr,  # [U] int32/int64 (unused without HAS_KV_LEN)
+    order_ptr, tile_ptr,  # from attention._plan_kernel at BLOCK_M = 128
+    num_items,  # tile slots × H
+    num_tiles,  # tile slots
+    seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
+    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_BUFFERS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """Persistent: program p runs work items p, p + programs, … (see module doc)."""
+    gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
+    dtype: gl.constexpr = k_desc.dtype
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem0 = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], k_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], k_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(s), count=2)
+    for w in gl.static_range(2):
+        mbarrier.init(turns.index(w), count=1)
+
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    gl.warp_specialize([
+        (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
+                     k_bufs, v_bufs, q_smem0, k_ready, v_ready, k_empty, v_empty, turns,
+                     tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
+                     HAS_KV_LEN, STAGES, PINGPONG, P_BUFFERS, WG0)),
+        (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
+                     k_bufs, v_bufs, q_smem1, k_ready, v_ready, k_empty, v_empty, turns,
+                     tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
+                     HAS_KV_LEN, STAGES, PINGPONG, P_BUFFERS, WG1)),
+        (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+                     num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len, HAS_KV_LEN, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(device: torch.device):
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def ws_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `_attention_ws_kernel` runs these (checked) inputs: a Hopper GPU, fp16/bf16, d ∈ {64, 128}."""
+    if not k.is_cuda or k.dtype not in WS_TYPES or k.shape[3] not in WS_HEAD_DIMS:
+        return False
+    return _device_info(k.device)[0][0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _kv_descriptors(k, v, block_n):
+    """Gluon TMA descriptors over attention.kv_2d_views → (k_desc, v_desc, strides)."""
+    k, v, rows, strides = _attn.kv_2d_views(k, v)
+    block = [block_n, k.shape[3]]
+    layout = _smem_layout(tuple(block), k.dtype)
+    descs = [TensorDescriptor(t, [rows, strides[2]], [strides[2], 1], block, layout) for t in (k, v)]
+    return descs[0], descs[1], strides
+
+
+def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | None = None, out=None, plan=None,
+              on_plan=None, num_programs: int | None = None):
+    """Target attention through `_attention_ws_kernel` for inputs that passed ikbo_attention's checks
+    and `ws_supported`. q [B, H, S, d], k/v [U, H, L, d] (U ≥ 1); `plan` from
+    `attention.plan_tiles(..., block_m=TILE_M)` when one batch's grouping serves several calls;
+    `on_plan(flag)` between the two launches; `num_programs` overrides the persistent grid (tests).
+    Nothing here waits for the device.
+    Returns (out, flag): flag [1] int32 is 1 when an index value was out of range."""
+    cfg = config or DEFAULT_CONFIG
+    num_candidates, heads, num_queries, head_dim = q.shape
+    num_users, _, seq_len, _ = k.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if plan is None:
+        plan = _attn.plan_tiles(cand_to_user, num_users, num_queries, TILE_M, kv_len, seq_len)
+    order, tiles, max_tiles, flag = plan
+    if on_plan is not None:
+        on_plan(flag)
+    if heads * seq_len * num_candidates * num_queries == 0:
+        return out.zero_(), flag
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n)
+    num_items = max_tiles * heads
+    grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
+    _attention_ws_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        k_desc, v_desc, stride_ku, stride_kh, stride_kl,
+        order if kv_len is None else kv_len, order, tiles,
+        num_items, max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
+        HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, PINGPONG=cfg.pingpong, P_BUFFERS=cfg.p_buffers,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )  # fmt: skip
+    return out, flag
+
+
+def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True,
+               config: WSAttentionConfig | None = None, capability: int = 90):
+    """Compile `_attention_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
+    arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
+    `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = config or DEFAULT_CONFIG
+    kernel = _attention_ws_kernel
+    num_users, heads, seq_len, num_queries = 15, 4, 1024, 64
+    q = torch.zeros(4, heads, num_queries, head_dim, dtype=dtype)
+    k = torch.zeros(num_users, heads, seq_len, head_dim, dtype=dtype)
+    k_desc, v_desc, (s_u, s_h, s_l) = _kv_descriptors(k, k, cfg.block_n)
+    ints = torch.zeros(64, dtype=torch.int32)
+    runtime_args = dict(
+        q_ptr=q, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
+        out_ptr=q, stride_ob=q.stride(0), stride_oh=q.stride(1), stride_os=q.stride(2),
+        k_desc=k_desc, v_desc=v_desc, stride_ku=s_u, stride_kh=s_h, stride_kl=s_l,
+        kv_len_ptr=ints, order_ptr=ints, tile_ptr=ints, num_items=2108, num_tiles=527,
+        seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
+    )
+    constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, PINGPONG=cfg.pingpong, P_BUFFERS=cfg.p_buffers,
+                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    signature, attrs, constants = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            constants[(index,)] = constexprs[name]
+            continue
+        specialize = not kernel.params[index].do_not_specialize
+        kind, key = native_specialize_impl(BaseBackend, runtime_args[name], False, specialize, True)
+        signature[name] = kind
+        if isinstance(key, str):
+            attrs[(index,)] = BaseBackend.parse_attr(key)
+    source = GluonASTSource(kernel, signature, constants, attrs)
+    options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)

@@ -1,0 +1,139 @@
+"""The Gluon FA3-style target-attention kernel (kernels/attention_ws.py) against an fp64 reference.
+
+CPU (CI): the kernel compiles for sm_90a with the wheel's ptxas (three partitions with register
+reallocation: two consumer warpgroups issuing wgmma with P from registers, one TMA producer warp;
+no spills where the wheel's cuobjdump is there), for each config the benchmark times; skipped
+cleanly where this Triton cannot compile Gluon for CUDA. Gluon does not run under TRITON_INTERPRET,
+so that is all the CPU can check. GPU (skipped without a Hopper device): bf16 and fp16 outputs
+poisoned with NaN, fresh random inputs, ragged counts, kv_len < L and 0, L not a multiple of the
+key block, users without candidates, S > 64 and S = 1, d = 64, through `launch_ws` for every
+config and through the public op's dispatch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import attention
+from kernels.attention_ws import DEFAULT_CONFIG, SMEM_LIMIT, WSAttentionConfig, compile_ws, launch_ws, ws_supported
+
+HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+CONFIGS = [
+    DEFAULT_CONFIG,
+    WSAttentionConfig(pingpong=False),
+    WSAttentionConfig(block_n=64, stages=4),
+    WSAttentionConfig(block_n=64, stages=4, p_buffers=2),
+]
+CONFIG_IDS = ["128-pingpong", "128", "64-pingpong", "64-2p-pingpong"]
+
+
+def _cuobjdump():
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(tool) if tool.exists() else shutil.which("cuobjdump")
+
+
+def test_configs_fit_shared_memory():
+    for cfg in CONFIGS:
+        assert cfg.smem_bytes(128, 2) <= SMEM_LIMIT
+        assert 128 * (2 * cfg.consumer_regs + cfg.producer_regs) <= 65536  # 3 warpgroups' registers after setmaxnreg
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("kwargs", [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False)], ids=["bf16-d128", "fp16-d64"])
+def test_compiles_for_sm90a(config, kwargs):
+    """sm_90a without a GPU: producer + two consumer warpgroups with setmaxnreg, wgmma with P from
+    registers, TMA loads of K/V, named barriers per partition, no spills."""
+    try:
+        kernel = compile_ws(config=config, **kwargs)
+    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
+        pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.shared <= SMEM_LIMIT
+    assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # the TMA loads of K and V
+    assert re.search(r"bar\.sync\s+0,\s*128", ptx)  # the default consumer's own barrier, not the CTA's
+    tool = _cuobjdump()
+    if tool is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp, "ws.cubin")
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA.64x" in sass and "UTMALDG" in sass
+    assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass)  # P·V with P from registers
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert "LDL" not in sass and "STL" not in sass
+
+
+def test_not_supported_on_cpu():
+    q = torch.zeros(2, 1, 4, 128, dtype=torch.bfloat16)
+    assert not ws_supported(q, torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+# (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates)
+GPU_CASES = [
+    (15, 1024, 64, 1024, 4, 128, None, 0),  # canonical
+    (15, 1024, 64, 1000, 4, 128, "ragged", 0),  # kv_len < L, 0 and < one block; L not a tile multiple
+    (7, 300, 8, 777, 2, 128, "ragged", 2),  # S = 8, users without candidates
+    (5, 37, 100, 300, 3, 64, None, 1),  # S > 64: warpgroups split candidates; d = 64
+    (1, 3, 1, 129, 1, 128, "ragged", 0),  # one tile, mostly empty slots
+    (40, 64, 64, 256, 2, 64, "ragged", 20),  # many users, half without candidates
+]
+
+
+def _problem(case, dtype, seed):
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim, kv_mode, empty = case
+    gen = torch.Generator().manual_seed(seed)
+    mapping = torch.randint(0, num_users - empty, (num_candidates,), generator=gen)
+    kv_len = None
+    if kv_mode == "ragged":
+        kv_len = torch.randint(0, seq_len + 1, (num_users,), generator=gen)
+        kv_len[0] = 0
+        if num_users > 2:
+            kv_len[1], kv_len[2] = 5, seq_len
+        kv_len = kv_len.cuda()
+    q = torch.randn(num_candidates, heads, num_queries, head_dim, generator=gen).to("cuda", dtype)
+    k = torch.randn(num_users, heads, seq_len, head_dim, generator=gen).to("cuda", dtype)
+    v = torch.randn(num_users, heads, seq_len, head_dim, generator=gen).to("cuda", dtype)
+    ref = attention.ikbo_attention(q.double(), k.double(), v.double(), mapping.cuda(), kv_len, backend="torch")
+    return q, k, v, mapping.cuda(), kv_len, ref
+
+
+def _check(out, ref):
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(out).all()), "unwritten (NaN) outputs"
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err <= 1e-2, err
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_cuda_launch_ws_matches_fp64(case, dtype, config):
+    q, k, v, mapping, kv_len, ref = _problem(case, dtype, seed=hash((case, str(dtype))) % 1000)
+    out = torch.full_like(q, float("nan"))
+    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out)
+    _check(out, ref)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+def test_cuda_few_programs_many_items():
+    """Two programs loop over every work item: the ring's and the turns' phases wrap many times."""
+    q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[1], torch.bfloat16, seed=3)
+    out = torch.full_like(q, float("nan"))
+    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), DEFAULT_CONFIG, out=out, num_programs=2)
+    _check(out, ref)
