@@ -65,7 +65,7 @@ class WSAttentionConfig:
     block_n: int = 128  # keys per step
     stages: int = 2  # K/V ring depth
     pingpong: bool = True  # the two consumer warpgroups take turns issuing their wgmmas
-    p_buffers: int = 1  # 2: P alternates between two register sets (blocks two per loop trip; fits at BLOCK_N = 64)
+    fence: bool = True  # keep the wait for P_{j-1}·V_{j-1} after block j's softmax (intra-warpgroup overlap)
     consumer_regs: int = 232  # registers per thread of each consumer warpgroup (setmaxnreg)
     producer_regs: int = 24  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
@@ -176,7 +176,7 @@ def _pass_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-           turns, STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+           turns, fence_bar, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr, WG: gl.constexpr):
     """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
     softmax of block j while the second runs, then rescale. Returns (acc, m_i, l_i, P_j)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -201,7 +201,11 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
-    # p passes through the wait so that its conversion to the wgmma operand stays after it
+    # A wait on a barrier whose phase is always complete: a branch (the wait's spin loop) that ptxas
+    # does not schedule across, so the wait for P_{j-1}·V_{j-1} stays after the softmax. Without
+    # it ptxas moved that wait above the softmax (P_j's registers are P_{j-1}'s, which the wgmma reads).
+    if FENCE:
+        mbarrier.wait(fence_bar, 1)
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -211,15 +215,11 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
 
 @gluon.jit
 def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-              k_bufs, v_bufs, q_smem, k_ready, v_ready, k_empty, v_empty, turns,
+              k_bufs, v_bufs, q_smem, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
               tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_BUFFERS: gl.constexpr,
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr,
               WG: gl.constexpr):
-    """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile (see module doc).
-
-    Blocks 1, 2, … run two per loop trip with P alternating between two register sets (p_a, p_b):
-    with one loop-carried P, the next block's P had to take the registers that the in-flight
-    P·V wgmma still reads, and ptxas waited for that wgmma before the softmax (no overlap)."""
+    """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile (see module doc)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     dtype: gl.constexpr = k_bufs.dtype
@@ -262,21 +262,9 @@ def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride
             p = gl.exp2(s * qk_scale - m_i[:, None])
             l_i = gl.sum(p, 1)
             p_a = gl.convert_layout(p.to(dtype), p_layout)
-            if P_BUFFERS == 2:
-                for j in range(1, num_blocks - 1, 2):
-                    acc, m_i, l_i, p_b = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
-                                                v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, PINGPONG, WG)
-                    acc, m_i, l_i, p_a = _block(j + 1, it + j + 1, turn + j + 1, kv_len, qk_scale, acc, m_i, l_i, p_b,
-                                                q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES,
-                                                PINGPONG, WG)
-                if num_blocks % 2 == 0:  # an odd number of blocks after block 0: the last one alone
-                    j = num_blocks - 1
-                    acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
-                                                v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, PINGPONG, WG)
-            else:
-                for j in range(1, num_blocks):
-                    acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
-                                                v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, PINGPONG, WG)
+            for j in range(1, num_blocks):
+                acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
+                                            v_bufs, k_ready, v_ready, k_empty, v_empty, turns, fence_bar, STAGES, PINGPONG, FENCE, WG)
             # the last block's P·V; the next item's q rows load under it
             it += num_blocks - 1
             turn += num_blocks
@@ -315,7 +303,7 @@ def _attention_ws_kernel(
     num_items,  # tile slots × H
     num_tiles,  # tile slots
     seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
-    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_BUFFERS: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Persistent: program p runs work items p, p + programs, … (see module doc)."""
@@ -332,6 +320,7 @@ def _attention_ws_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    fence_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # never arrived on
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -339,18 +328,19 @@ def _attention_ws_kernel(
         mbarrier.init(v_empty.index(s), count=2)
     for w in gl.static_range(2):
         mbarrier.init(turns.index(w), count=1)
+    mbarrier.init(fence_bar, count=1)
 
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-                     k_bufs, v_bufs, q_smem0, k_ready, v_ready, k_empty, v_empty, turns,
+                     k_bufs, v_bufs, q_smem0, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, PINGPONG, P_BUFFERS, WG0)),
+                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, WG0)),
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-                     k_bufs, v_bufs, q_smem1, k_ready, v_ready, k_empty, v_empty, turns,
+                     k_bufs, v_bufs, q_smem1, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, PINGPONG, P_BUFFERS, WG1)),
+                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, WG1)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len, HAS_KV_LEN, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -415,7 +405,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         k_desc, v_desc, stride_ku, stride_kh, stride_kl,
         order if kv_len is None else kv_len, order, tiles,
         num_items, max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
-        HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, PINGPONG=cfg.pingpong, P_BUFFERS=cfg.p_buffers,
+        HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, PINGPONG=cfg.pingpong, FENCE=cfg.fence,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
@@ -445,7 +435,7 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         kv_len_ptr=ints, order_ptr=ints, tile_ptr=ints, num_items=2108, num_tiles=527,
         seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
     )
-    constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, PINGPONG=cfg.pingpong, P_BUFFERS=cfg.p_buffers,
+    constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, PINGPONG=cfg.pingpong, FENCE=cfg.fence,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     signature, attrs, constants = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):

@@ -566,8 +566,8 @@ def sweep_section(points):
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws 128, pingpong": {},
     "ws 128, no pingpong": dict(pingpong=False),
+    "ws 128, pingpong, no intra-warpgroup fence": dict(fence=False),
     "ws 64, 4 stages, pingpong": dict(block_n=64, stages=4),
-    "ws 64, 4 stages, 2 P buffers, pingpong": dict(block_n=64, stages=4, p_buffers=2),
 }
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [
@@ -607,21 +607,22 @@ def _ws_problem(check, seed):
     return q, k, v, mapping.to(DEVICE), kv_len
 
 
-def ws_child(name):
-    """Child process: check and time one WS_VARIANTS entry; one JSON line per result on stdout."""
+def ws_child(name, phase):
+    """Child process: check ("check") or time ("time") one WS_VARIANTS entry; one JSON line per
+    result on stdout."""
     import json
 
     from kernels import attention_ws
 
     cfg = attention_ws.WSAttentionConfig(**WS_VARIANTS[name])
-    for i, check in enumerate(WS_CHECKS):
+    for i, check in enumerate(WS_CHECKS if phase == "check" else []):
         q, k, v, mapping, kv_len = _ws_problem(check, seed=100 + i)
         ref = ikbo_attention(q.double(), k.double(), v.double(), mapping, kv_len, backend="torch")
         out = torch.full_like(q, float("nan"))
         attention_ws.launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), cfg, out=out)
         torch.cuda.synchronize()
         print(json.dumps(dict(kind="check", variant=name, check=i, err=rel_err(out, ref))), flush=True)
-    for shape in WS_SHAPES:
+    for shape in WS_SHAPES if phase == "time" else []:
         p = make_problem(shape, seed=7)
         scale = 1 / math.sqrt(shape.head_dim)
         ref = fp64_target(p)
@@ -647,7 +648,7 @@ def _driver_version() -> str:
         return "?"
 
 
-def ws_section(timeout_s=100):
+def ws_section(check_timeout_s=150, time_timeout_s=60):
     """The --ws run (see module doc); returns the table lines."""
     import json
     import subprocess
@@ -672,24 +673,48 @@ def ws_section(timeout_s=100):
         del p
     torch.cuda.empty_cache()
     log = []
-    for name in WS_VARIANTS:
-        start = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--ws-child", name], capture_output=True, text=True, timeout=timeout_s)
-            stdout, status = proc.stdout, f"exit {proc.returncode}"
-            log.append(f"== {name}: {status}\n{proc.stdout}\n{proc.stderr[-3000:]}")
-        except subprocess.TimeoutExpired as exc:
-            stdout, status = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), f"timeout {timeout_s} s"
-            log.append(f"== {name}: {status}\n{stdout}")
+
+    def collect(name, phase, stdout, stderr, status, seconds):
+        log.append(f"== {name} ({phase}): {status}\n{stdout}\n{stderr[-3000:]}")
         for line in stdout.splitlines():
             if line.startswith("{"):
                 results["ws"].append(json.loads(line))
-        results["ws"].append(dict(kind="status", variant=name, status=status, seconds=time.perf_counter() - start))
+        results["ws"].append(dict(kind="status", variant=name, phase=phase, status=status, seconds=seconds))
+
+    # checks (and the compilations) of all variants at once, then the timings one at a time
+    start = time.perf_counter()
+    procs = {name: subprocess.Popen([sys.executable, __file__, "--ws-child", name, "--ws-phase", "check"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in WS_VARIANTS}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=max(1.0, check_timeout_s - (time.perf_counter() - start)))
+            status = f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            status = f"timeout {check_timeout_s} s"
+        collect(name, "check", stdout, stderr, status, time.perf_counter() - start)
+    for name in WS_VARIANTS:
+        if any(r["kind"] == "status" and r["variant"] == name and r["status"] != "exit 0" for r in results["ws"]):
+            continue  # a variant that failed or hung in its checks is not timed
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--ws-child", name, "--ws-phase", "time"], capture_output=True,
+                                  text=True, timeout=time_timeout_s)
+            collect(name, "time", proc.stdout, proc.stderr, f"exit {proc.returncode}", time.perf_counter() - start)
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            collect(name, "time", out, "", f"timeout {time_timeout_s} s", time.perf_counter() - start)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "attention_ws.json").write_text(json.dumps(results, indent=1))
         Path(os.environ["OUT"], "attention_ws_log.txt").write_text("\n".join(log))
+    return lines + ws_table(results)
 
-    lines.append("| shape (U, B, S, L, H, d) | provider | kernel ms (round 1 / 2) | plan + kernel ms | TFLOP/s (plan + kernel) | % of matmul | err vs fp64 |")
+
+def ws_table(results):
+    """The --ws table from its results (see ws_section)."""
+    peak = results["peak"]
+    lines = ["| shape (U, B, S, L, H, d) | provider | kernel ms (round 1 / 2) | plan + kernel ms | TFLOP/s (plan + kernel) | % of matmul | err vs fp64 |"]
     lines.append("|---|---|---:|---:|---:|---:|---:|")
     for shape in WS_SHAPES:
         key = tuple(shape.__dict__.values())
@@ -707,8 +732,10 @@ def ws_section(timeout_s=100):
     lines.append("\nChecks (rel err vs fp64, NaN-poisoned outputs; WS_CHECKS order) and status per variant:")
     for name in WS_VARIANTS:
         errs = [f"{r['err']:.1e}" for r in results["ws"] if r["kind"] == "check" and r["variant"] == name]
-        status = [r for r in results["ws"] if r["kind"] == "status" and r["variant"] == name][0]
-        lines.append(f"- {name}: {status['status']} ({status['seconds']:.0f} s); checks {', '.join(errs) or 'none'}")
+        status = "; ".join(f"{r['phase']} {r['status']} ({r['seconds']:.0f} s)" for r in results["ws"]
+                           if r["kind"] == "status" and r["variant"] == name)
+        bad = sum(1 for r in results["ws"] if r["kind"] == "check" and r["variant"] == name and not r["err"] <= BF16_TOL)
+        lines.append(f"- {name}: {status}; checks {', '.join(errs) or 'none'}{f'; {bad} FAILED' if bad else ''}")
     return lines
 
 
@@ -722,9 +749,10 @@ def main(argv):
     parser.add_argument("--host-cpu", action="store_true", help="host µs per call without a GPU (stand-in driver), then exit")
     parser.add_argument("--ws", action="store_true", help="the Gluon kernel's variants against the Triton kernel, then exit")
     parser.add_argument("--ws-child", help=argparse.SUPPRESS)
+    parser.add_argument("--ws-phase", choices=("check", "time"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ws_child:
-        ws_child(args.ws_child)
+        ws_child(args.ws_child, args.ws_phase)
         return
     if args.ws:
         print("\n".join(ws_section()), flush=True)
