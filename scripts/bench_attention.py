@@ -648,7 +648,7 @@ def _driver_version() -> str:
         return "?"
 
 
-def ws_section(check_timeout_s=150, time_timeout_s=60):
+def ws_section(check_timeout_s=110, time_timeout_s=60):
     """The --ws run (see module doc); returns the table lines."""
     import json
     import subprocess
