@@ -91,14 +91,43 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
-    # Tile i's epilogue under tile i + 1's first wgmma (BLOCK_M·BLOCK_D ≤ 64·32·num_warps). Off: on the
-    # H200 it was slower (0.303 vs 0.294 ms at 128 × 128; only one wgmma group runs under the epilogue).
+    # wgmma groups left in flight at each K step (`warpgroup_mma_wait(mma_depth)`); a ring slot is
+    # released mma_depth steps after its wgmma was issued, so mma_depth < stages.
+    mma_depth: int = 1
+    # Tile i's output (acc + bias + Y_u, already cast) is written to shared memory and stored by TMA in
+    # tile i + 1, right after that tile's second wgmma group is issued: the stmatrix / fence / store
+    # issue run under the tensor cores. The cast tile is held in registers meanwhile (64 per thread
+    # at 128 × 256, 8 warps), beside the new accumulator.
     defer_epilogue: bool = False
+    # With defer_epilogue: the Y_u block is added there too (read from shared memory under tile i + 1's
+    # first two wgmma groups), to acc + bias already cast: out = cast(cast(acc + bias) + Y_u), one rounding
+    # more than cast(acc + bias + Y_u).
+    defer_user: bool = False
+    # The consumer as two partitions of num_warps / 2 warps, one per 64-row half of the tile, each with
+    # its own epilogue half: each partition syncs only its own warps before an mbarrier wait or arrive
+    # (`bar.sync id, 128` instead of one barrier over all consumer warps), and the two halves drift
+    # apart instead of running in lockstep. Ring slots and the epilogue buffer are released by both.
+    split_consumers: bool = False
+
+    @property
+    def partition_warps(self) -> int:
+        """Warps of each consumer partition (the kernel's num_warps)."""
+        return self.num_warps // 2 if self.split_consumers else self.num_warps
+
+    @property
+    def consumer_regs(self) -> int:
+        """Registers per thread of the second consumer partition (split only): what the first keeps after
+        `setmaxnreg`, so that both consumer warpgroups and the producer's padded warpgroup share the file."""
+        return (self.maxnreg * 3 - self.producer_regs) // 2 // 8 * 8
 
     def smem_bytes(self, elem: int) -> int:
         ring = self.stages * (self.block_m + self.block_d) * self.block_k * elem
         epilogue = self.block_m * self.block_d * elem
         return ring + epilogue + 8 * (2 * self.stages + 2)
+
+
+# What `lce_s6` runs without a config (stages 0: the deepest ring that fits; 3 at 128 × 256 × 64, bf16).
+DEFAULT_CONFIG = WSConfig(stages=0)
 
 
 @gluon.constexpr_function
@@ -116,11 +145,14 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer."""
+    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue
+    buffer (one load per consumer partition's rows)."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
+    PARTS: gl.constexpr = epi_bufs.type.shape[0]
+    PART_M: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     pid = gl.program_id(0)
@@ -143,51 +175,71 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
                     mbarrier.wait(epi_free, i & 1)
-                    mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
+                    mbarrier.expect(epi_ready, PARTS * y_desc.block_type.nbytes)
+                    for h in gl.static_range(PARTS):
+                        tma.async_copy_global_to_shared(y_desc, [user, off_m + h * PART_M, off_d], epi_ready, epi_bufs.index(h))
         i += 1
 
 
 @gluon.jit
-def _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i,
-              HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """out[b] tile = acc (+ bias) (+ the Y_u block that the producer put in epi_buf) through epi_buf and a TMA store."""
+def _epilogue_values(acc, bias, epi_buf, epi_ready, i, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """acc (+ bias) (+ the Y_u block that the producer put in epi_buf, where HAS_USER), cast to the output dtype."""
     BLOCK_M: gl.constexpr = epi_buf.type.shape[1]
     BLOCK_D: gl.constexpr = epi_buf.type.shape[2]
-    epi_tile = epi_buf.reshape([BLOCK_M, BLOCK_D])
     result = acc
     if HAS_BIAS:
         result = result + bias[:, None]
     if HAS_USER:
         mbarrier.wait(epi_ready, i & 1)
-        result = result + epi_tile.load(acc.type.layout).to(gl.float32)
-    epi_tile.store(result.to(epi_buf.dtype))
+        result = result + epi_buf.reshape([BLOCK_M, BLOCK_D]).load(acc.type.layout).to(gl.float32)
+    return result.to(epi_buf.dtype)
+
+
+@gluon.jit
+def _epilogue_store(values, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, ADD_USER: gl.constexpr):
+    """out[b] tile = values (+ the Y_u block in epi_buf, where ADD_USER), through epi_buf and a TMA
+    store (waited for by the consumer at EPI_FREE_AT)."""
+    BLOCK_M: gl.constexpr = epi_buf.type.shape[1]
+    BLOCK_D: gl.constexpr = epi_buf.type.shape[2]
+    epi_tile = epi_buf.reshape([BLOCK_M, BLOCK_D])
+    if ADD_USER:
+        mbarrier.wait(epi_ready, i & 1)
+        values = (values.to(gl.float32) + epi_tile.load(values.type.layout).to(gl.float32)).to(epi_buf.dtype)
+    epi_tile.store(values)
     fence_async_shared()
     tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d], epi_buf)
 
 
 @gluon.jit
-def _consumer(w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
+def _consumer(epi_buf, ROW0: gl.constexpr, num_warps: gl.constexpr,
+              w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr, MMA_DEPTH: gl.constexpr, DEFER: gl.constexpr, DEFER_USER: gl.constexpr):
     """num_warps warps: wgmma over the ring, then acc + Y_u + bias → epilogue buffer → TMA store.
 
-    DEFER: tile i's epilogue runs in tile i + 1, right after that tile's first wgmma is issued, so the
-    tensor cores work while the warps do the epilogue (two accumulators live: small tiles only).
+    MMA_DEPTH: wgmma groups left in flight after each K step; the slot of step s is released at
+    step s + MMA_DEPTH (and the last ones after the tile's final wait).
+    DEFER: tile i's cast output is stored in tile i + 1, right after that tile's second wgmma group is
+    issued (first, with one K step), so the shared-memory writes and the store issue run under the
+    tensor cores; DEFER_USER:
+    the Y_u block is added there too (to the cast acc + bias).
+    ROW0: the first of the tile's rows that this partition computes, stages and stores (epi_buf's rows;
+    all BLOCK_M unless the consumer is split).
     """
+    ADD_USER: gl.constexpr = HAS_USER and DEFER_USER
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
     BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
+    PART_M: gl.constexpr = epi_buf.type.shape[1]
     mma_layout: gl.constexpr = _mma_layout(BLOCK_D, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
-    acc = gl.zeros((BLOCK_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
-    bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
-    if DEFER:  # the previous tile: its accumulator, bias and coordinates
-        acc_prev = acc
-        bias_prev = bias
+    acc = gl.zeros((PART_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
+    bias = gl.zeros((PART_M,), dtype=gl.float32, layout=row_layout)
+    if DEFER:  # the previous tile: its cast output and coordinates
+        out_prev = acc.to(epi_buf.dtype)
         b_prev = 0
         m_prev = 0
         d_prev = 0
@@ -195,41 +247,44 @@ def _consumer(w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_de
     i = 0
     for tile in range(pid, num_tiles, num_programs):
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+        off_m += ROW0
         if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
-            rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+            rows = off_m + gl.arange(0, PART_M, layout=row_layout)
             bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
         for kt in gl.static_range(K_TILES):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
-            acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
+            w_tile = w_bufs.index(slot)
+            if PART_M < BLOCK_M:
+                w_tile = w_tile.slice(ROW0, PART_M, dim=0)
+            acc = warpgroup_mma(w_tile, x_tile, acc, use_acc=kt > 0, is_async=True)
             if DEFER:
-                if kt == 0:
+                if kt == min(1, K_TILES - 1):  # under two wgmma groups where the tile has two K steps
                     if i > 0:
-                        _epilogue(acc_prev, bias_prev, epi_buf, epi_ready, out_desc, b_prev, m_prev, d_prev, i - 1,
-                                  HAS_USER, HAS_BIAS)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if kt > 0:  # the previous step's wgmma has finished reading its slot
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+                        _epilogue_store(out_prev, epi_buf, epi_ready, out_desc, b_prev, m_prev, d_prev, i - 1, ADD_USER)
+            acc = warpgroup_mma_wait(num_outstanding=MMA_DEPTH, deps=(acc,))
+            if kt >= MMA_DEPTH:  # the wgmma of step - MMA_DEPTH has finished reading its slot
+                mbarrier.arrive(empty.index((step + STAGES - MMA_DEPTH) % STAGES), count=1)
             if kt == EPI_FREE_AT:  # the last TMA store has read the epilogue buffer: the producer may refill it
                 tma.store_wait(0)
                 mbarrier.arrive(epi_free, count=1)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+        for j in gl.static_range(min(MMA_DEPTH, K_TILES)):  # the tile's last slots, oldest first
+            mbarrier.arrive(empty.index((step + STAGES - min(MMA_DEPTH, K_TILES) + j) % STAGES), count=1)
+        values = _epilogue_values(acc, bias, epi_buf, epi_ready, i, HAS_USER and not ADD_USER, HAS_BIAS)
         if DEFER:
-            acc_prev = acc
-            bias_prev = bias
+            out_prev = values
             b_prev = b
             m_prev = off_m
             d_prev = off_d
         else:
-            _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
+            _epilogue_store(values, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, False)
         i += 1
     if DEFER:
         if i > 0:
-            _epilogue(acc_prev, bias_prev, epi_buf, epi_ready, out_desc, b_prev, m_prev, d_prev, i - 1,
-                      HAS_USER, HAS_BIAS)
+            _epilogue_store(out_prev, epi_buf, epi_ready, out_desc, b_prev, m_prev, d_prev, i - 1, ADD_USER)
     tma.store_wait(0)
 
 
@@ -242,17 +297,22 @@ def _lce_ws_kernel(
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, DEFER: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, MMA_DEPTH: gl.constexpr, DEFER: gl.constexpr, DEFER_USER: gl.constexpr,
+    SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized."""
+    """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized.
+    SPLIT: two consumer partitions of num_warps warps, one per half of the tile's rows (y_desc and
+    out_desc blocks of BLOCK_M / 2 rows); else one of num_warps warps."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
-    gl.static_assert(not DEFER or BLOCK_M * BLOCK_D <= 64 * 32 * num_warps, "DEFER: two accumulators must fit in registers")
+    gl.static_assert(MMA_DEPTH >= 1 and MMA_DEPTH < STAGES, "a slot is released MMA_DEPTH steps after its wgmma")
+    gl.static_assert(DEFER or not DEFER_USER, "DEFER_USER needs DEFER")
     dtype: gl.constexpr = w_desc.dtype
     # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
     # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
-    FREE_AT: gl.constexpr = min(EPI_FREE_AT, K_TILES - 1)
+    # DEFER: the last tile's store is issued at K step 1 (0 with one K step), so it is waited for no earlier.
+    FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 1 if DEFER else 0), K_TILES - 1)
     Y_AT: gl.constexpr = min(FREE_AT + STAGES, K_TILES - 1)
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
@@ -261,25 +321,39 @@ def _lce_ws_kernel(
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    epi_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    PARTS: gl.constexpr = 2 if SPLIT else 1
+    PART_M: gl.constexpr = out_desc.block_type.shape[1]
+    gl.static_assert(PARTS * PART_M == BLOCK_M, "out_desc/y_desc blocks: BLOCK_M / PARTS rows")
+    epi_bufs = gl.allocate_shared_memory(dtype, [PARTS] + out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=PARTS)  # one arrive per consumer partition
     mbarrier.init(epi_ready, count=1)
-    mbarrier.init(epi_free, count=1)
+    mbarrier.init(epi_free, count=PARTS)
 
-    gl.warp_specialize([
-        (_consumer, (w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N,
-                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, DEFER, num_warps)),
-        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row,
-                     K_TILES, STAGES, HAS_USER, Y_AT)),
-    ], [1], [PRODUCER_REGS])
+    if SPLIT:
+        gl.warp_specialize([
+            (_consumer, (epi_bufs.index(0), 0, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
+                         bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
+                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER)),
+            (_consumer, (epi_bufs.index(1), PART_M, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
+                         bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
+                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER)),
+            (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
+                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
+        ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (epi_bufs.index(0), 0, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
+                         bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
+                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER)),
+            (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
+                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
+        ], [1], [PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -295,7 +369,7 @@ def _device_info(device: torch.device):
 def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
     """`base` with BLOCK_D fitted to D and, where base.stages is 0, the deepest ring (≤ MAX_STAGES)
     that fits one SM's shared memory; a fixed base.stages is kept (the launch fails if it does not fit)."""
-    base = base or WSConfig(stages=0)
+    base = base or DEFAULT_CONFIG
     block_d = max(16, min(base.block_d, triton.next_power_of_2(dim)))
     cfg = replace(base, block_d=block_d, stages=max(base.stages, 2))
     if base.stages == 0:
@@ -342,8 +416,9 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     if w_desc is None:
         w_desc = packed._flags[key] = _descriptor(weight, [cfg.block_m, cfg.block_k])
     x_desc = _descriptor(cand_emb, [1, cfg.block_k, cfg.block_d])
-    out_desc = _descriptor(out, [1, cfg.block_m, cfg.block_d])
-    y_desc = out_desc if user_part is None else _descriptor(user_part, [1, cfg.block_m, cfg.block_d])
+    part_m = cfg.block_m // 2 if cfg.split_consumers else cfg.block_m  # rows one consumer partition stores
+    out_desc = _descriptor(out, [1, part_m, cfg.block_d])
+    y_desc = out_desc if user_part is None else _descriptor(user_part, [1, part_m, cfg.block_d])
     return w_desc, x_desc, y_desc, out_desc
 
 
@@ -361,8 +436,9 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, DEFER=cfg.defer_epilogue, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        EPI_FREE_AT=cfg.epi_free_at, MMA_DEPTH=cfg.mma_depth, DEFER=cfg.defer_epilogue, DEFER_USER=cfg.defer_user,
+        SPLIT=cfg.split_consumers, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=cfg.partition_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -406,8 +482,9 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, DEFER=cfg.defer_epilogue, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, MMA_DEPTH=cfg.mma_depth, DEFER=cfg.defer_epilogue,
+        DEFER_USER=cfg.defer_user, SPLIT=cfg.split_consumers, PRODUCER_REGS=cfg.producer_regs,
+        CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.partition_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 

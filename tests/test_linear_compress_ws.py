@@ -12,6 +12,7 @@ programs with many tiles each (the ring's phases wrap many times).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -21,12 +22,33 @@ from pathlib import Path
 import pytest
 import torch
 
+import kernels.linear_compress_ws as ws
 from kernels.linear_compress import PackedLinearCompress
 from kernels.linear_compress_ws import SMEM_LIMIT, USER_GEMM_CONFIG, WSConfig, _launch_ws, compile_s6, lce_s6, s6_supported, ws_config
 
 BF16_TOL = 1e-2
 FP16_TOL = 2e-3
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+# LCE_S6_DEFAULT="block_k=32,stages=6,epi_free_at=4": the GPU tests run with that WSConfig as s6's
+# default, so a candidate default is checked on every test shape before it is made the default.
+DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
+
+
+def _parse_config(text: str) -> WSConfig:
+    fields = {}
+    for item in filter(None, text.split(",")):
+        name, value = item.split("=")
+        fields[name] = value == "True" if value in ("True", "False") else int(value)
+    return WSConfig(**fields)
+
+
+@pytest.fixture(autouse=True)
+def _s6_default(monkeypatch):
+    if DEFAULT_OVERRIDE:
+        monkeypatch.setattr(ws, "DEFAULT_CONFIG", _parse_config(DEFAULT_OVERRIDE))
+    ws_config.cache_clear()
+    yield
+    ws_config.cache_clear()
 
 
 def test_ws_config_fits_shared_memory():
@@ -51,8 +73,9 @@ def _cuobjdump():
     [
         {},  # canonical: bf16, D = 256, Kc = 500, Y_u and bias
         dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
+        dict(config=WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True)),
     ],
-    ids=["canonical", "fp16-odd"],
+    ids=["canonical", "fp16-odd", "split-defer-user"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -117,7 +140,15 @@ CONFIGS = [
     WSConfig(block_k=32, stages=6, epi_free_at=4),
     WSConfig(block_d=128, stages=0),
     WSConfig(block_d=128, stages=0, defer_epilogue=True),
+    WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2),
+    WSConfig(stages=3, defer_epilogue=True),
+    WSConfig(stages=3, defer_epilogue=True, defer_user=True),
+    WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2, defer_epilogue=True, defer_user=True),
+    WSConfig(stages=3, split_consumers=True),
+    WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True),
 ]
+CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128", "bd128-defer", "bk32-depth2", "defer", "defer-user", "bk32-depth2-defer-user",
+              "split", "split-defer-user"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -135,7 +166,7 @@ def test_gpu_s6(shape, dtype):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", CONFIGS[1:], ids=["free-at-1", "bk32-st6", "bd128", "bd128-defer"])
+@pytest.mark.parametrize("config", CONFIGS[1:], ids=CONFIG_IDS)
 def test_gpu_s6_configs(config):
     for shape in (GPU_SHAPES[0], GPU_SHAPES[2]):
         user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 7)
@@ -146,15 +177,21 @@ def test_gpu_s6_configs(config):
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("num_programs", [1, 3])
-@pytest.mark.parametrize("defer", [False, True], ids=["bd256", "bd128-defer"])
-def test_gpu_s6_few_programs(num_programs, defer):
+@pytest.mark.parametrize(
+    "base",
+    [None, WSConfig(block_d=128, stages=0, defer_epilogue=True),
+     WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2, defer_epilogue=True, defer_user=True),
+     WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True)],
+    ids=["default", "bd128-defer", "bk32-depth2-defer-user", "split-defer-user"],
+)
+def test_gpu_s6_few_programs(num_programs, base):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times."""
     shape = (5, 40, 32, 200, 256, 256, True, 1)
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 11 + num_programs)
     user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
     packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
     out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-    config = ws_config(256, 2, WSConfig(block_d=128, stages=0, defer_epilogue=True) if defer else None)
+    config = ws_config(256, 2, base)
     _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, config, num_programs)
     _check(out, ref, torch.bfloat16)
 

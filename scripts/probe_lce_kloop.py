@@ -1,0 +1,362 @@
+#!/usr/bin/env python3
+"""Where s6's time goes (issue 3, docs/notes/lce.md): its K loop against the matmul ceiling, and fix variants side by side.
+
+    scripts/probe_lce_kloop.py            # on a Hopper GPU: ceilings, variants, K scaling, long K; table last
+    scripts/probe_lce_kloop.py --ncu      # one canonical s6 launch (default config), for `ncu -k regex:_lce_ws_kernel`
+    scripts/probe_lce_kloop.py --warm N   # worker: compiles variant/shape job N on a tiny problem (disk cache)
+    scripts/probe_lce_kloop.py --all      # the device call: the probe, then ncu on --ncu, then the GPU tests
+                                          # of tests/test_linear_compress_ws.py with the winner as s6's default
+
+Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D=256, N=512, bf16).
+1. Ceilings measured in this run: bf16 matmul 8192³ (random), device copy (read + write).
+2. Variants (WSConfig), each checked against fp64 on fresh random inputs with NaN-poisoned out and
+   Y_u (bf16 rel err ≤ 1e-2), then timed on one shared input set: `do_bench` median, CUDA-graph
+   replay median, the kernel alone (no Y_u, no bias) and the kernel with its fused epilogue (Y_u
+   given). The default is timed first and last (the spread of one config within the run).
+3. K scaling: the kernel alone at Kc = 500, 1024, 2048, 8192 (8 … 128 K steps of 64 per 128 × 256
+   tile): time per tile = a + b · steps on the busiest SM gives the per-tile cost a and the per-step
+   cost b, against the ceiling's time for one step; at Kc = 8192 also the whole op (checked on the
+   first 64 candidates) and cuBLAS on the same candidate GEMM.
+Every Gluon kernel is compiled first by parallel worker processes (--warm) into Triton's disk cache:
+the K loop is unrolled, and one compile at Kc = 8192 takes ~45 s.
+A watchdog ends the run (exit 3, table so far) if one step takes over STEP_LIMIT_S.
+With $OUT set, writes probe_lce_kloop.{md,json} there and, for the tests, the winning config to
+$OUT/s6_winner.txt (empty when no variant beats the default by ≥ 2 % eager and in CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+from kernels.linear_compress import PackedLinearCompress  # noqa: E402
+from kernels.linear_compress_ws import USER_GEMM_CONFIG, WSConfig, _launch_ws, lce_s6, ws_config  # noqa: E402
+from scripts.bench_lce import CANONICAL, make_problem, measure_ceilings, reference, rel_err  # noqa: E402
+
+STEP_LIMIT_S = 90
+BF16_TOL = 1e-2
+VARIANTS = {  # name → WSConfig (None: s6's default)
+    "default": None,
+    "bk32": WSConfig(block_k=32, stages=6, epi_free_at=4),
+    "bk32-depth2": WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2),
+    "defer": WSConfig(stages=3, defer_epilogue=True),
+    "defer-user": WSConfig(stages=3, defer_epilogue=True, defer_user=True),
+    "bk32-defer-user": WSConfig(block_k=32, stages=6, epi_free_at=4, defer_epilogue=True, defer_user=True),
+    "bk32-depth2-defer-user": WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2, defer_epilogue=True, defer_user=True),
+    "split": WSConfig(stages=3, split_consumers=True),
+    "split-defer-user": WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True),
+}
+K_SCALING = (500, 1024, 2048, 8192)
+LONG_K = 8192
+LONG_K_VARIANTS = ("default",)
+DIM, ROWS = CANONICAL["dim"], CANONICAL["rows"]
+
+
+def warm_jobs():
+    """(variant, Kc, with_user) for every kernel the run launches; the slowest (long K) first."""
+    jobs = [(name, LONG_K, user) for name in LONG_K_VARIANTS for user in (True, False)]
+    jobs += [(name, 500, user) for name in VARIANTS for user in (True, False)]
+    jobs += [("default", kc, False) for kc in K_SCALING if kc not in (500, LONG_K)]
+    return jobs
+
+
+def warm(index: int):
+    """Compile one job's kernels by running it once on a tiny problem with the same specialization."""
+    name, kc, with_user = warm_jobs()[index]
+    p = make_problem(num_users=1, num_candidates=2, ku=CANONICAL["ku"] if with_user else 0, kc=kc, dim=DIM, rows=ROWS, seed=0)
+    packed = PackedLinearCompress.from_weight(p.weight, p.user_emb.shape[1], p.bias if with_user else None)
+    out = torch.empty(2, ROWS, DIM, dtype=p.cand_emb.dtype, device="cuda")
+    if with_user:
+        lce_s6(packed, p.user_emb, p.cand_emb, p.cand_to_user, out=out, config=VARIANTS[name])
+    else:
+        _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, ws_config(DIM, 2, VARIANTS[name]))
+    torch.cuda.synchronize()
+
+
+class Watchdog:
+    """Ends the process (exit 3) after printing the table so far, if one step runs past the limit."""
+
+    def __init__(self, report):
+        self.report, self.deadline, self.label = report, None, ""
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def step(self, label, limit=STEP_LIMIT_S):
+        self.label, self.deadline = label, time.monotonic() + limit
+
+    def _run(self):
+        while True:
+            time.sleep(1)
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                print(f"WATCHDOG: '{self.label}' ran past its limit; ending the run", flush=True)
+                self.report()
+                os._exit(3)
+
+
+def versions() -> str:
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as exc:  # noqa: BLE001
+        driver = f"? ({type(exc).__name__})"
+    return (f"device {torch.cuda.get_device_name()}, driver {driver}, torch {torch.__version__}, "
+            f"triton {triton.__version__}, python {sys.version.split()[0]}, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+
+
+def med(fn, rep=200) -> float:
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def graph_med(fn) -> float:
+    return do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def flops(num_users, num_candidates, ku, kc, dim, rows) -> float:
+    return 2.0 * rows * dim * (num_users * ku + num_candidates * kc)
+
+
+def check(name, seed, kc=None, candidates=slice(None)) -> float:
+    """rel err of one variant against fp64 on fresh inputs, out and Y_u poisoned with NaN."""
+    shape = dict(CANONICAL, kc=kc or CANONICAL["kc"])
+    p = make_problem(**shape, seed=seed)
+    packed = PackedLinearCompress.from_weight(p.weight, shape["ku"], p.bias)
+    out = torch.full((shape["num_candidates"], ROWS, DIM), float("nan"), dtype=p.cand_emb.dtype, device="cuda")
+    user_part = torch.full((shape["num_users"], ROWS, DIM), float("nan"), dtype=p.cand_emb.dtype, device="cuda")
+    lce_s6(packed, p.user_emb, p.cand_emb, p.cand_to_user, out=out, user_part=user_part, config=VARIANTS[name])
+    torch.cuda.synchronize()
+    if not bool(torch.isfinite(out).all()):
+        return float("nan")
+    return rel_err(out[candidates], reference(p, candidates))
+
+
+def main():
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    t_start = time.monotonic()
+    workers = [subprocess.Popen([sys.executable, __file__, "--warm", str(i)]) for i in range(len(warm_jobs()))]
+    header = versions()
+    rows, notes, raw = [], [], {"header": header}
+
+    def table():
+        lines = [header, *notes, "",
+                 "| variant | ms | CUDA-graph ms | TFLOP/s | % of ceiling | rel err | kernel alone ms | kernel + fused epilogue ms |",
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['name']} | {r['ms']:.4f} | {r['graph_ms']:.4f} | {r['tflops']:.0f} | {r['pct']:.0f}% | "
+                  f"{r['err']:.1e} | {r['alone_ms']:.4f} | {r['fused_ms']:.4f} |" for r in rows]
+        lines += raw.get("k_lines", [])
+        return "\n".join(lines)
+
+    def save():  # after every measurement: a run cut by its time limit keeps what it measured
+        if out_dir:
+            (out_dir / "probe_lce_kloop.md").write_text(table() + "\n")
+            (out_dir / "probe_lce_kloop.json").write_text(json.dumps(dict(raw, rows=rows), indent=1, default=str))
+
+    def report():
+        save()
+        print("\n" + table(), flush=True)
+
+    dog = Watchdog(report)
+    dog.step("ceilings")
+    flop_rate, copy_rate = measure_ceilings()
+    raw.update(flop_rate=flop_rate, copy_rate=copy_rate)
+    notes.append(f"ceilings: bf16 matmul 8192³ {flop_rate / 1e12:.0f} TFLOP/s, copy {copy_rate / 1e12:.2f} TB/s")
+    print(notes[-1], flush=True)
+
+    p = make_problem(**CANONICAL, seed=1)  # the timing inputs, shared by every variant
+    packed = PackedLinearCompress.from_weight(p.weight, CANONICAL["ku"], p.bias)
+    work = flops(*p.shape)
+    num_users, num_candidates = CANONICAL["num_users"], CANONICAL["num_candidates"]
+    y_u = torch.empty(num_users, ROWS, DIM, dtype=p.cand_emb.dtype, device="cuda")
+    packed._launch_tile(packed.user_weight_padded, p.user_emb, y_u, None, False, True, USER_GEMM_CONFIG)
+    out = torch.empty(num_candidates, ROWS, DIM, dtype=p.cand_emb.dtype, device="cuda")
+    args = (p.user_emb, p.cand_emb, p.cand_to_user)
+    order = list(VARIANTS) + ["default"]
+    for n, name in enumerate(order):
+        dog.step(f"variant {name}")
+        cfg = ws_config(DIM, 2, VARIANTS[name])
+        label = name if n < len(order) - 1 else "default (again, last)"
+        try:
+            err = check(name, seed=100 + n)
+            full = lambda: lce_s6(packed, *args, out=out, config=VARIANTS[name])  # noqa: E731
+            ms = med(full)
+            graph = graph_med(lambda: lce_s6(packed, *args, config=VARIANTS[name]))
+            alone = med(lambda: _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, cfg))
+            fused = med(lambda: _launch_ws(packed, p.cand_emb, out, y_u, p.cand_to_user, packed.bias, cfg))
+        except Exception as exc:  # noqa: BLE001  one variant's failure must not end the run
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        rows.append(dict(name=label, config=asdict(cfg), ms=ms, graph_ms=graph, tflops=work / ms / 1e9,
+                         pct=100 * work / flop_rate / (ms * 1e-3), err=err, alone_ms=alone, fused_ms=fused))
+        print(rows[-1], f"t={time.monotonic() - t_start:.0f}s", flush=True)
+        save()
+    del p, packed, y_u, out
+    torch.cuda.empty_cache()
+
+    # K scaling: the kernel alone (no Y_u, no bias) at 8 … 128 K steps per tile; the busiest SM runs
+    # ceil(4096 / 132) = 32 tiles of 128 × 256.
+    tiles_busiest = triton.cdiv(num_candidates * (ROWS // 128) * (DIM // 256), torch.cuda.get_device_properties(0).multi_processor_count)
+    k_rows = []
+    for kc in K_SCALING:
+        dog.step(f"K scaling Kc={kc}", limit=120 if kc == LONG_K else STEP_LIMIT_S)
+        q = make_problem(**dict(CANONICAL, kc=kc), seed=kc)
+        qp = PackedLinearCompress.from_weight(q.weight, CANONICAL["ku"], q.bias)
+        qo = torch.empty(num_candidates, ROWS, DIM, dtype=q.cand_emb.dtype, device="cuda")
+        cfg = ws_config(DIM, 2)
+        steps = triton.cdiv(kc, cfg.block_k)
+        cand_flops = 2.0 * ROWS * DIM * kc * num_candidates
+        alone = med(lambda: _launch_ws(qp, q.cand_emb, qo, None, q.cand_to_user, None, cfg), rep=100)
+        row = dict(kc=kc, steps=steps, alone_ms=alone, alone_tflops=cand_flops / alone / 1e9,
+                   us_per_tile=alone * 1e3 / tiles_busiest)
+        if kc == LONG_K:
+            cublas = med(lambda: torch.matmul(qp.cand_weight, q.cand_emb), rep=100)
+            row.update(cublas_ms=cublas, cublas_tflops=cand_flops / cublas / 1e9)
+            for name in LONG_K_VARIANTS:
+                full_ms = med(lambda: lce_s6(qp, q.user_emb, q.cand_emb, q.cand_to_user, out=qo, config=VARIANTS[name]), rep=100)
+                row[f"{name}_full_ms"] = full_ms
+                row[f"{name}_full_tflops"] = flops(*q.shape) / full_ms / 1e9
+            del q, qp, qo
+            torch.cuda.empty_cache()
+            row["err_first64"] = check("default", seed=7, kc=LONG_K, candidates=slice(0, 64))
+        k_rows.append(row)
+        raw["k_scaling"] = k_rows
+        print(row, f"t={time.monotonic() - t_start:.0f}s", flush=True)
+        save()
+    raw["k_scaling"] = k_rows
+    step_ceiling_us = 2.0 * 128 * 256 * 64 / (flop_rate / torch.cuda.get_device_properties(0).multi_processor_count) * 1e6
+    xs = [r["steps"] for r in k_rows]
+    ys = [r["us_per_tile"] for r in k_rows]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    intercept = mean_y - slope * mean_x
+    raw.update(step_ceiling_us=step_ceiling_us, per_step_us=slope, per_tile_us=intercept)
+    k_lines = ["", f"K scaling, kernel alone (no Y_u, no bias), default config; {tiles_busiest} tiles of 128 × 256 on the busiest SM; "
+               f"one 64-deep step at the ceiling = {step_ceiling_us:.3f} µs per SM",
+               "| Kc | K steps | ms | TFLOP/s | % of ceiling | µs per tile |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    k_lines += [f"| {r['kc']} | {r['steps']} | {r['alone_ms']:.4f} | {r['alone_tflops']:.0f} | "
+                f"{100 * r['alone_tflops'] * 1e12 / flop_rate:.0f}% | {r['us_per_tile']:.2f} |" for r in k_rows]
+    k_lines.append(f"fit: µs per tile = {intercept:.2f} + {slope:.3f} · steps (per step {100 * step_ceiling_us / slope:.0f}% of the ceiling's rate)")
+    long_row = k_rows[-1]
+    if "cublas_ms" in long_row:
+        k_lines.append(f"Kc = {LONG_K}: cuBLAS W_c @ cand_emb {long_row['cublas_ms']:.4f} ms ({long_row['cublas_tflops']:.0f} TFLOP/s); "
+                       + ", ".join(f"{n} whole op {long_row[f'{n}_full_ms']:.4f} ms ({long_row[f'{n}_full_tflops']:.0f} TFLOP/s)" for n in LONG_K_VARIANTS)
+                       + f"; rel err (first 64 candidates) {long_row['err_first64']:.1e}")
+    raw["k_lines"] = k_lines
+    dog.step("report")
+
+    # The winner, for the tests: fastest correct variant, ≥ 2 % under the default's better time, eager and graph.
+    defaults = [r for r in rows if r["name"].startswith("default")]
+    winner = ""
+    if defaults:
+        base_ms = min(r["ms"] for r in defaults)
+        base_graph = min(r["graph_ms"] for r in defaults)
+        good = [r for r in rows if not r["name"].startswith("default") and r["err"] <= BF16_TOL
+                and r["ms"] <= 0.98 * base_ms and r["graph_ms"] <= 0.98 * base_graph]
+        if good:
+            best = min(good, key=lambda r: r["ms"])
+            fields = {k: v for k, v in best["config"].items() if v != getattr(WSConfig(), k) and k != "block_d"}
+            winner = ",".join(f"{k}={v}" for k, v in fields.items())
+            notes.append(f"winner: {best['name']} ({winner})")
+    raw["winner"] = winner
+    if out_dir:
+        (out_dir / "s6_winner.txt").write_text(winner)
+    for w in workers:  # compiles that the run did not need are not waited for
+        try:
+            w.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            w.kill()
+    raw["warm_exit_codes"] = [w.returncode for w in workers]
+    notes.append(f"warm workers' exit codes: {raw['warm_exit_codes']}; run {time.monotonic() - t_start:.0f} s")
+    report()
+
+
+def ncu_target():
+    """Three canonical s6 launches (default config) on fresh inputs; profile the third."""
+    p = make_problem(**CANONICAL, seed=5)
+    packed = PackedLinearCompress.from_weight(p.weight, CANONICAL["ku"], p.bias)
+    for _ in range(3):
+        lce_s6(packed, p.user_emb, p.cand_emb, p.cand_to_user)
+    torch.cuda.synchronize()
+
+
+NCU_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
+                "WarpStateStats", "SchedulerStats", "SourceCounters")
+ALL_BUDGET_S = 170  # the whole --all run; each stage gets what is left, up to its own limit
+
+
+def run_all():
+    """One device call: probe (≤ 85 s), ncu on one canonical launch (≤ 45 s), GPU tests (what is left, ≤ 70 s)."""
+    import shutil
+
+    import importlib.util
+
+    out_dir = Path(os.environ.get("OUT") or "/tmp/probe_lce_out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["OUT"] = str(out_dir)
+    start = time.monotonic()
+    log = []
+
+    def stage(label, cmd, limit, env=None, stdout=None):
+        left = ALL_BUDGET_S - (time.monotonic() - start)
+        timeout = min(limit, left - 5)
+        if timeout < 10:
+            log.append(f"{label}: skipped ({left:.0f} s left)")
+            return None
+        t = time.monotonic()
+        try:
+            done = subprocess.run(cmd, env=env, timeout=timeout, stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
+            rc = done.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        log.append(f"{label}: rc {rc}, {time.monotonic() - t:.0f} s (limit {timeout:.0f} s)")
+        print(log[-1], flush=True)
+        return rc
+
+    stage("probe", [sys.executable, __file__], 85)
+    ncu = shutil.which("ncu") or next(iter(sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))), None)
+    if ncu:
+        rep = out_dir / "s6_canonical"
+        sections = [arg for name in NCU_SECTIONS for arg in ("--section", name)]
+        with open(out_dir / "ncu_log.txt", "w") as f:
+            rc = stage("ncu", [str(ncu), "--clock-control", "none", "-k", "regex:_lce_ws_kernel", "-s", "2", "-c", "1",
+                               *sections, "-f", "-o", str(rep), sys.executable, __file__, "--ncu"], 45, stdout=f)
+        if rc == 0:
+            for page, suffix in (("details", "txt"), ("raw", "csv"), ("source", "csv")):
+                extra = ["--csv"] if suffix == "csv" else []
+                extra += ["--print-source", "sass"] if page == "source" else []
+                with open(out_dir / f"ncu_{page}.{suffix}", "w") as f:
+                    stage(f"ncu --page {page}", [str(ncu), "-i", f"{rep}.ncu-rep", "--page", page, *extra], 20, stdout=f)
+    else:
+        log.append("ncu: not found")
+    winner_file = out_dir / "s6_winner.txt"
+    winner = winner_file.read_text().strip() if winner_file.exists() else ""
+    env = dict(os.environ, LCE_S6_DEFAULT=winner)
+    with open(out_dir / "pytest_gpu.txt", "w") as f:
+        stage(f"GPU tests (LCE_S6_DEFAULT='{winner}')",
+              [sys.executable, "-m", "pytest", "-q", *(["-n", "8"] if importlib.util.find_spec("xdist") else []),
+               "-k", "gpu", "tests/test_linear_compress_ws.py"], 70, env=env, stdout=f)
+    tail = (out_dir / "pytest_gpu.txt").read_text().strip().splitlines()[-3:] if (out_dir / "pytest_gpu.txt").exists() else []
+    table = (out_dir / "probe_lce_kloop.md").read_text() if (out_dir / "probe_lce_kloop.md").exists() else "(no probe table)"
+    print("\n" + "\n".join(log + tail) + "\n\n" + table, flush=True)
+
+
+if __name__ == "__main__":
+    if "--all" in sys.argv:
+        run_all()
+    elif "--warm" in sys.argv:
+        warm(int(sys.argv[sys.argv.index("--warm") + 1]))
+    elif "--ncu" in sys.argv:
+        ncu_target()
+    else:
+        main()
