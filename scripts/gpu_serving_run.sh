@@ -14,8 +14,11 @@
 # 1 2 4 8), ONLINE_CONCURRENCY (online endpoints at 15:1024; "" skips), EQUAL_RATES / EQUAL_MODELS
 # (offered requests/s and models of the same-load comparison, the first the reference; "" skips), SKIP_EXTRA (no
 # transformed, other-mix and HTTP sweeps), SKIP_IN_PROCESS, STEP_TIMEOUT (s per step), WINDOW
-# (perf_analyzer ms), WAKE_AB (non-empty: the in-process call and the same-load comparison again while
-# a PM QoS request holds CPU wake latency at 0 µs, as `scripts/serve --cpu-wake-latency-us 0` does),
+# (perf_analyzer ms), IN_PROCESS_MODELS, GAPS (ms of sleep between the in-process calls and before
+# `serving_probe.py idle`'s fixed work), WAKE_AB (the in-process call
+# and the same-load comparison again with idle CPUs kept awake: "qos", a PM QoS request holding CPU
+# wake latency at 0 µs, as `scripts/serve --cpu-wake-latency-us 0` does; "spin", a SCHED_IDLE busy
+# loop on every CPU; "" skips),
 # SOAK_SECONDS (issue 6's soak against this server at 70 % of its peak: RSS and GPU memory; "" skips).
 #
 # Machines without network (the lab's H200): scripts/triton_bundle_env.sh.
@@ -32,11 +35,26 @@ log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
   echo "CPUs $(nproc), cpuidle $(cat /sys/devices/system/cpu/cpuidle/current_driver 2>/dev/null || echo none)," \
     "haltpoll $(cat /sys/module/haltpoll/parameters/guest_halt_poll_ns 2>/dev/null || echo -) ns," \
     "/dev/cpu_dma_latency $( [ -w /dev/cpu_dma_latency ] && echo writable || echo absent)"; } >"$S" 2>/dev/null
-hold_wake_latency() {  # a PM QoS request (0 µs) held by a background process until `kill $WAKE`
-  python3 -c 'import sys, time; sys.path.insert(0, "."); from ikbo_backend.tritonserver import cpu_wake_latency
+WAKE_AB=${WAKE_AB-}
+hold_wake_latency() {  # CPUs kept out of idle ($WAKE_AB) by background processes until `kill $WAKE`
+  WAKE=""
+  if [ "$WAKE_AB" = qos ]; then  # a PM QoS request (0 µs); acts through a cpuidle driver only
+    python3 -c 'import sys, time; sys.path.insert(0, "."); from ikbo_backend.tritonserver import cpu_wake_latency
 with cpu_wake_latency(0): print("wake latency held", flush=True); time.sleep(3600)' >>"$W/steps.log" 2>&1 &
-  WAKE=$!; sleep 1; kill -0 $WAKE 2>/dev/null
+    WAKE=$!
+  elif [ "$WAKE_AB" = spin ]; then  # a busy loop per CPU at SCHED_IDLE: any runnable task preempts it
+    for cpu in $(seq 0 $(( $(nproc) - 1 ))); do
+      python3 -c "import os; os.sched_setaffinity(0, {$cpu}); os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+while True: pass" >>"$W/steps.log" 2>&1 &
+      WAKE="$WAKE $!"
+    done
+  fi
+  [ -n "$WAKE" ] && sleep 1 && kill -0 $WAKE 2>/dev/null
 }
+case "$WAKE_AB" in
+  qos) WAKE_LABEL="a PM QoS request holding CPU wake latency at 0 µs" ;;
+  *) WAKE_LABEL="a SCHED_IDLE busy loop on every CPU" ;;
+esac
 # the GPUs the run uses (nvidia-smi ignores CUDA_VISIBLE_DEVICES, so it is passed on; all GPUs when unset)
 nvidia-smi ${CUDA_VISIBLE_DEVICES:+--id=$CUDA_VISIBLE_DEVICES} --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 2 >"$W/gpu_memory.csv" 2>/dev/null &
 SMI=$!
@@ -57,14 +75,19 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 
 if [ -z "${SKIP_IN_PROCESS:-}" ]; then
+  in_process() {  # models...: each in its own process (its load's GPU memory alone)
+    for model in "$@"; do
+      timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model "$model" --gap-ms ${GAPS:-0 3} 2>>"$W/in_process.err" \
+        || log "in-process $model: exit $? $(tail -3 "$W/in_process.err")"
+    done
+    timeout 60 python3 scripts/serving_probe.py idle --gap-ms ${GAPS:-0 3} --profile "$PROFILE" 2>>"$W/in_process.err"
+  }
   log "served rankers in process (configs/$CONFIG.pbtxt)"
-  { echo -e "\n### The served rankers' own call in process, U = 15, B = 1024 (\`serving_probe.py in-process\`)\n"
-    timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model baseline_ranker ikbo_ranker --gap-ms 0 3 2>>"$W/in_process.err" \
-      || log "in-process: exit $? $(tail -3 "$W/in_process.err")"; } >>"$S"
-  if [ -n "${WAKE_AB-1}" ] && hold_wake_latency; then
-    log "served ikbo_ranker in process, CPU wake latency held at 0"
-    { echo -e "\nThe same while a PM QoS request holds CPU wake latency at 0 µs:\n"
-      timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model ikbo_ranker --gap-ms 0 3 2>>"$W/in_process.err"; } >>"$S"
+  { echo -e "\n### The served rankers' own call in process, U = 15, B = 1024 (\`serving_probe.py in-process\`, then \`idle\`)\n"
+    in_process ${IN_PROCESS_MODELS:-baseline_ranker ikbo_ranker}; } >>"$S"
+  if [ -n "$WAKE_AB" ] && hold_wake_latency; then
+    log "served ikbo_ranker in process, with $WAKE_LABEL"
+    { echo -e "\nThe same with $WAKE_LABEL:\n"; in_process ikbo_ranker; } >>"$S"
     kill $WAKE
   fi
 fi
@@ -106,9 +129,9 @@ if [ -f "$W/urls.json" ]; then
     log "equal offered load: ${EQUAL_RATES-50 100} req/s"
     echo -e "\n### Same offered load, U = 15, B = 1024, gRPC (\`serving_probe.py equal-load\`)\n" >>"$S"
     equal_load equal_load
-    if [ -n "${WAKE_AB-1}" ] && hold_wake_latency; then
-      log "equal offered load, CPU wake latency held at 0"
-      echo -e "\nThe same while a PM QoS request holds CPU wake latency at 0 µs:\n" >>"$S"
+    if [ -n "$WAKE_AB" ] && hold_wake_latency; then
+      log "equal offered load, with $WAKE_LABEL"
+      echo -e "\nThe same with $WAKE_LABEL:\n" >>"$S"
       equal_load equal_load_wake0
       kill $WAKE
     fi

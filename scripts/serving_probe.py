@@ -124,15 +124,12 @@ def compilations(metrics_url: str) -> dict[str, float]:
     return found
 
 
-def in_process(model: str, config: str, users: int, candidates: int, repeats: int, seed: int | None, gap_ms: float = 0.0) -> dict:
-    """Wall ms of `model`'s python-model call in this process (see the module docstring), with
-    `gap_ms` of sleep between calls (a server's cadence: on the H200 host the call's host work ran
-    2-3x slower with 3-10 ms gaps than back to back, docs/perf.md)."""
+def load_served(model: str, config: str):
+    """The python model `model` built from configs/<config>.pbtxt as the python backend builds it."""
     import torch
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
-    from ikbo_backend.requests import to_tensors
     from ikbo_backend.serving import MODEL_REPOSITORY, RankerModel
 
     path = MODEL_REPOSITORY / model / ("config.pbtxt" if config == "config" else f"configs/{config}.pbtxt")
@@ -145,9 +142,23 @@ def in_process(model: str, config: str, users: int, candidates: int, repeats: in
         "model_name": model, "model_repository": str(MODEL_REPOSITORY / model),
         "model_instance_kind": "GPU" if gpu and torch.cuda.is_available() else "CPU", "model_instance_device_id": "0",
     }  # fmt: skip
+    return RankerModel.from_triton_args(args)
+
+
+def in_process(model: str, config: str, users: int, candidates: int, repeats: int, seed: int | None, gap_ms: float = 0.0) -> dict:
+    """Wall ms of `model`'s python-model call in this process (see the module docstring), with
+    `gap_ms` of sleep between calls (a server's cadence: on the H200 host the call's host work ran
+    2-3x slower with 3-10 ms gaps than back to back, docs/perf.md)."""
+    import torch
+
+    from ikbo_backend.requests import to_tensors
+
+    cuda = torch.cuda.is_available()
+    reserved = torch.cuda.memory_reserved() if cuda else 0
     start = time.perf_counter()
-    served = RankerModel.from_triton_args(args)
+    served = load_served(model, config)
     load_s = time.perf_counter() - start
+    load_mib = (torch.cuda.memory_reserved() - reserved) / 2**20 if cuda else float("nan")
     rng = np.random.default_rng(seed)
     pool = [to_tensors(make_request(served.cfg, users, candidates, rng)) for _ in range(8)]
     times = []
@@ -161,7 +172,7 @@ def in_process(model: str, config: str, users: int, candidates: int, repeats: in
                 time.sleep(gap_ms / 1e3)
     if scores.shape != (candidates, served.cfg.tasks) or not torch.isfinite(scores).all():
         raise RuntimeError(f"{model}: bad scores {tuple(scores.shape)}")
-    return {"model": model, "p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "load_s": load_s, "repeats": repeats}
+    return {"model": model, "p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "load_s": load_s, "load_mib": load_mib, "repeats": repeats}
 
 
 def server_snapshot(http_url: str, metrics_url: str) -> dict[str, dict]:
@@ -192,6 +203,43 @@ def server_times(before: dict, after: dict, model: str) -> dict:
     exported = a["execute_s"] is not None and executions  # ikbo_execute_seconds_total: python models of this repo
     times["execute_ms"] = (a["execute_s"] - (b.get("execute_s") or 0.0)) * 1e3 / executions if exported else float("nan")
     return times
+
+
+def idle_cost(gaps_ms: list[float], repeats: int, profile: str, seed: int | None) -> list[dict]:
+    """Fixed work right after `gap` ms of sleep, median ms per gap: host (validate_request of a fresh
+    15:1024 request of `profile`: numpy, one thread) and, where there is CUDA, device (16 bf16
+    2048³ matmuls on random operands, timed by CUDA events, enqueued right after the sleep)."""
+    import torch
+
+    from ikbo_backend.requests import to_tensors, validate_request
+    from ikbo_backend.serving import load_shape_ranges
+
+    cfg, ranges, rng = PROFILES[profile], load_shape_ranges(), np.random.default_rng(seed)
+    requests = [to_tensors(make_request(cfg, 15, 1024, rng)) for _ in range(4)]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        a, b = (torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rows = []
+    for gap in gaps_ms:
+        host, device = [], []
+        for i in range(repeats + 3):
+            time.sleep(gap / 1e3)
+            start = time.perf_counter()
+            validate_request(cfg, ranges, requests[i % len(requests)])
+            host_ms = (time.perf_counter() - start) * 1e3
+            if cuda:
+                time.sleep(gap / 1e3)
+                begin.record()
+                for _ in range(16):
+                    torch.mm(a, b)
+                end.record()
+                end.synchronize()
+            if i >= 3:
+                host.append(host_ms)
+                device.append(begin.elapsed_time(end) if cuda else float("nan"))
+        rows.append({"gap_ms": gap, "host_ms": statistics.median(host), "device_ms": statistics.median(device)})
+    return rows
 
 
 def equal_load(url: str, profile: str, mix: str, rates: list[float], models: list[str], window_ms: int, out: Path, http_url: str | None = None, metrics_url: str | None = None) -> list[dict]:
@@ -252,14 +300,26 @@ def main(argv=None) -> None:
     local.add_argument("--repeats", type=int, default=200)
     local.add_argument("--seed", type=int, default=None)
     local.add_argument("--gap-ms", type=float, nargs="+", default=[0.0], help="sleep between calls (one row per value)")
+    idle = sub.add_parser("idle", help="fixed host and device work after idle gaps")
+    idle.add_argument("--gap-ms", type=float, nargs="+", default=[0.0, 1.0, 3.0, 10.0, 20.0])
+    idle.add_argument("--profile", default="large", choices=sorted(PROFILES))
+    idle.add_argument("--repeats", type=int, default=50)
+    idle.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
 
+    if args.command == "idle":
+        print("| gap ms | host: validate 15:1024, ms | device: 16 bf16 2048³ matmuls, ms |\n|---:|---:|---:|")
+        for r in idle_cost(args.gap_ms, args.repeats, args.profile, args.seed):
+            print(f"| {r['gap_ms']:g} | {r['host_ms']:.3f} | {r['device_ms']:.3f} |", flush=True)
+        return
+
     if args.command == "in-process":
-        print(f"| model (configs/{args.config}.pbtxt, in process) | U | B | gap ms | p50 ms | mean ms | load + warm-up s |\n|---|---:|---:|---:|---:|---:|---:|")
+        print(f"| model (configs/{args.config}.pbtxt, in process) | U | B | gap ms | p50 ms | mean ms | load + warm-up s | GPU MiB reserved by the load |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for model in args.model:
             for gap in args.gap_ms:
                 r = in_process(model, args.config, args.users, args.candidates, args.repeats, args.seed, gap)
-                print(f"| {model} | {args.users} | {args.candidates} | {gap:g} | {r['p50_ms']:.3f} | {r['mean_ms']:.3f} | {r['load_s']:.1f} |", flush=True)
+                print(f"| {model} | {args.users} | {args.candidates} | {gap:g} | {r['p50_ms']:.3f} | {r['mean_ms']:.3f} | {r['load_s']:.1f} | {r['load_mib']:,.0f} |", flush=True)
         return
 
     if args.command == "equal-load":

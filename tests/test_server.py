@@ -318,3 +318,14 @@ def test_serving_probe_in_process_builds_the_served_model_from_its_config():
         assert r["model"] == "ikbo_ranker" and r["repeats"] == 3 and 0 < r["p50_ms"] and 0 < r["mean_ms"]
     with pytest.raises(SystemExit, match="not a python model"):
         serving_probe.in_process("ikbo_ranker", "config", 3, 40, repeats=1, seed=None)
+
+
+def test_serving_probe_idle_times_fixed_work_after_each_gap():
+    """serving_probe.py idle: host work (request validation) timed after each gap; device work only
+    where there is CUDA (NaN here without it)."""
+    import serving_probe
+
+    rows = serving_probe.idle_cost([0.0, 2.0], repeats=3, profile="demo", seed=None)
+    assert [r["gap_ms"] for r in rows] == [0.0, 2.0]
+    assert all(0 < r["host_ms"] < 1e3 for r in rows)
+    assert all((r["device_ms"] > 0) if torch.cuda.is_available() else r["device_ms"] != r["device_ms"] for r in rows)
