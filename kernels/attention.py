@@ -26,6 +26,9 @@ attention kernel runs), so that bad indices still raise the ValueError naming th
      candidate tiles in the same grid, over the same K/V.
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; FlashAttention-2
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
+Hopper: target attention (`ikbo_attention`, no tuned config or plan given) goes to the
+warp-specialized Gluon kernel of kernels/attention_ws.py where `attention_ws.prefer_ws` says it was
+measured faster (bf16/fp16, d ∈ {64, 128}, S ≥ 8, L ≥ 512); the rest, and self + target, here.
 Measurements, what was tried and what worked: docs/notes/attention.md.
 """
 
@@ -641,6 +644,12 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
     if config is None and _TUNED:
         lookup = _TUNED.get((q.device, q.dtype, heads, seq_len, num_queries, head_dim, user_q is not None))
         config = lookup(num_users, num_candidates) if lookup is not None else None
+    if config is None and plan is None and user_q is None and not interpreting():
+        from .attention_ws import launch_ws, prefer_ws  # here: attention_ws imports this module
+
+        if prefer_ws(q, k):  # Hopper, bf16/fp16, d ∈ {64, 128}, the shapes where it was measured faster
+            out, flag = launch_ws(q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan)
+            return out, None, flag
     if config is None:
         rows_per_user = num_candidates * num_queries / num_users + (0 if user_q is None else seq_len)
         config = pick_config(rows_per_user, interpreting())

@@ -362,6 +362,13 @@ def ws_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _device_info(k.device)[0][0] == 9
 
 
+def prefer_ws(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Where `kernels.attention`'s Triton path takes this kernel: `ws_supported` and the shapes where
+    it was measured faster than the Triton kernel on the H200 (docs/notes/attention.md, 2026-11-29
+    17:44 UTC: S ∈ {8, 64}, L ∈ {512, 1024, 4096}, d ∈ {64, 128}; 1.15–2.2× with the plan)."""
+    return ws_supported(q, k) and q.shape[2] >= 8 and k.shape[2] >= 512
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)

@@ -143,3 +143,27 @@ def test_cuda_few_programs_many_items():
     out = torch.full_like(q, float("nan"))
     launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), DEFAULT_CONFIG, out=out, num_programs=2)
     _check(out, ref)
+
+
+def test_public_op_dispatch_rule():
+    """The public op takes this kernel only on CUDA Hopper inputs of the measured shapes."""
+    from kernels.attention_ws import prefer_ws
+
+    q = torch.zeros(2, 1, 64, 128, dtype=torch.bfloat16)
+    assert not prefer_ws(q, torch.zeros(1, 1, 1024, 128, dtype=torch.bfloat16))  # CPU tensors
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[2]])
+def test_cuda_public_op_dispatches_here(case, monkeypatch):
+    """ikbo_attention (backend triton) at a preferred shape runs launch_ws, and is right."""
+    from kernels import attention_ws
+
+    calls = []
+    original = attention_ws.launch_ws
+    monkeypatch.setattr(attention_ws, "launch_ws", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    q, k, v, mapping, kv_len, ref = _problem(case, torch.bfloat16, seed=11)
+    assert attention_ws.prefer_ws(q, k)
+    out = attention.ikbo_attention(q, k, v, mapping, kv_len, backend="triton")
+    assert calls == [1]
+    _check(out, ref)
