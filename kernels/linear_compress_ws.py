@@ -6,9 +6,13 @@ user_emb [U, Ku, D], cand_emb [B, Kc, D], W_c [N, Kc], bias [N] → out [B, N, D
 Status (H200, 2026-11-29, docs/notes/lce.md): correct (fp64 tests, NaN-poisoned outputs, CUDA-graph
 capture); 0.283 ms at the canonical shape against s4's 0.359 ms (−21 %), the fastest variant at
 every measured B ≥ 256 and, in CUDA-graph device time, at B = 64; eager at B = 64 slower than s3/s4
-(host time of two launches). The 0.25 ms target is still missed. Reached through
-`PackedLinearCompress(..., variant="s6")`; `default_variant` does not pick it (the served model's
-shape buckets and tuning know s3/s4 only).
+(host time of two launches). The 0.25 ms target is still missed: the K loop's steady state runs at
+96 % of the matmul ceiling's step rate, but every tile pays ~2 µs of fixed cost, and ncu shows the
+consumer waiting mostly for ring data (cand_emb from HBM, 3 slots = 2 steps of latency cover), not
+for wgmma or barriers; the `WSConfig` knobs mma_depth, defer_epilogue / defer_user and
+split_consumers were measured and are not faster (docs/notes/lce.md, 17:40 UTC). Reached through
+`PackedLinearCompress(..., variant="s6")`; the served model tries it as a tuning candidate of every
+LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
 
 Why: at the canonical shape each [128, 256] output tile has only 8 K steps of 64 (Kc = 500), so the
 per-tile fixed costs — first loads' latency, the epilogue (Y_u tile + bias, 64 KB out) — weigh as
