@@ -34,12 +34,13 @@ Patterns from kernels/linear_compress_ws.py (s6) and Triton's Gluon tutorials 05
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -66,15 +67,17 @@ class WSAttentionConfig:
     stages: int = 2  # K/V ring depth
     pingpong: bool = True  # the two consumer warpgroups take turns issuing their wgmmas
     fence: bool = True  # keep the wait for P_{j-1}·V_{j-1} after block j's softmax (intra-warpgroup overlap)
+    gather: bool = False  # the producer gathers q rows (cp.async, 2 slots) and output-row offsets
     consumer_regs: int = 232  # registers per thread of each consumer warpgroup (setmaxnreg)
     producer_regs: int = 24  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
+        """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
         ring = self.stages * 2 * self.block_n * head_dim * elem
-        q_bufs = 2 * WG_ROWS * head_dim * elem
-        return ring + q_bufs + 8 * (4 * self.stages + 2)
+        q_bufs = (4 if self.gather else 2) * WG_ROWS * head_dim * elem
+        return ring + q_bufs + 2 * 2 * 128 * 8 + 8 * (4 * self.stages + 11)
 
 
 DEFAULT_CONFIG = WSAttentionConfig()
@@ -137,19 +140,74 @@ def _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, item, n
 
 
 @gluon.jit
+def _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, tile, head,
+              num_queries, q_bufs, row_bufs, q_empty, phase, QS: gl.constexpr):
+    """Producer (GATHER): the tile's 128 q-row and output-row offsets into row_bufs[256·QS + (0 | 128) …]
+    (an output row past the tile's end: -8), then cp.async of each warpgroup's 64 q rows into q_bufs[2·w + QS], 8 rows
+    at a time (16-byte copies; the slot waits until both warpgroups released it)."""
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+    rows_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [1, 1], [1, 0])
+    entry = tile_ptr + tile * 4
+    first_slot = gl.load(entry + 1)
+    rows = gl.load(entry + 2) + gl.arange(0, 128, layout=rows_layout)
+    row_ok = rows < gl.load(entry + 3)
+    slot = rows // num_queries
+    token = rows - slot * num_queries
+    cand = gl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(gl.int64)  # padding rows: candidate 0
+    q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
+    o_rows = gl.where(row_ok, cand * stride_ob + head * stride_oh + token * stride_os, -8)
+    mbarrier.wait(q_empty.index(QS), phase)
+    mbarrier.wait(q_empty.index(2 + QS), phase)
+    row_bufs.slice(256 * QS, 128).store(q_rows)
+    row_bufs.slice(256 * QS + 128, 128).store(o_rows)
+    gl.thread_barrier()  # the warp's q-row offsets are in shared memory before its lanes read them back
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, chunk))
+    for w in gl.static_range(2):
+        for c in gl.static_range(8):
+            offs = row_bufs.slice(256 * QS + 64 * w + 8 * c, 8).load(gl.SliceLayout(1, chunk))
+            offs = gl.multiple_of(offs, 8)  # q's strides are multiples of 8 elements (launch_ws)
+            async_copy.async_copy_global_to_shared(q_bufs.index(2 * w + QS).slice(8 * c, 8),
+                                                   q_ptr + (offs[:, None] + cols[None, :]))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _publish_q(q_ready, qs):
+    """Producer (GATHER): wait for this item's q copies, make them visible to wgmma, signal both warpgroups."""
+    async_copy.wait_group(0)
+    fence_async_shared()
+    mbarrier.arrive(q_ready.index(qs), count=1)
+    mbarrier.arrive(q_ready.index(2 + qs), count=1)
+
+
+@gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
               num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr):
-    """1 warp: every work item's K and V blocks into the ring (slots start free)."""
+              q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
+              q_bufs, row_bufs, q_ready, q_empty,
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
+    """1 warp: every work item's K and V blocks into the ring (slots start free); with GATHER also
+    its q rows (issued before the item's first K/V block, published after it)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     it = 0
+    i = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile, head = _item_coords(item, num_tiles)
         user, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
         kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
         kv_row = (kv_offset // stride_kl).to(gl.int32)
         kv_col = (kv_offset % stride_kl).to(gl.int32)
-        for j in range(0, gl.cdiv(kv_len, BLOCK_N)):
+        num_blocks = gl.cdiv(kv_len, BLOCK_N)
+        qs = i % 2
+        if GATHER:  # slot qs, unrolled: shared-memory slices take constant offsets
+            if qs == 0:
+                _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
+                          tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 0)
+            else:
+                _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
+                          tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 1)
+        for j in range(0, num_blocks):
             slot = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(slot), phase)
@@ -158,7 +216,14 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
+            if GATHER:
+                if j == 0:
+                    _publish_q(q_ready, qs)
             it += 1
+        if GATHER:
+            if num_blocks == 0:
+                _publish_q(q_ready, qs)
+        i += 1
 
 
 @gluon.jit
@@ -215,10 +280,10 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
 
 @gluon.jit
 def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-              k_bufs, v_bufs, q_smem, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
+              k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
               tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
               HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr,
-              WG: gl.constexpr):
+              GATHER: gl.constexpr, WG: gl.constexpr):
     """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile (see module doc)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
@@ -234,14 +299,22 @@ def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride
     step = gl.num_programs(0)
     it = 0  # K/V blocks consumed (ring position)
     turn = 0  # wgmma turns taken (PINGPONG)
-    q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, pid, num_tiles, num_queries, WG, HEAD_DIM)
+    i = 0  # work items done (q slot with GATHER)
+    if not GATHER:
+        q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, pid, num_tiles, num_queries, WG, HEAD_DIM)
     for item in range(pid, num_items, step):
         tile, head = _item_coords(item, num_tiles)
         _, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
         num_blocks = gl.cdiv(kv_len, BLOCK_N)
-        q_smem.store(q)
-        fence_async_shared()
-        gl.thread_barrier()  # every warp's q rows are in shared memory before the wgmma reads them
+        qs = i % 2
+        if GATHER:  # the producer's copies of this item's q rows
+            q_smem = q_bufs.index(2 * WG + qs)
+            mbarrier.wait(q_ready.index(2 * WG + qs), (i // 2) & 1)
+        else:
+            q_smem = q_bufs.index(WG)
+            q_smem.store(q)
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's q rows are in shared memory before the wgmma reads them
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
         l_i = gl.full([64], 1.0, gl.float32, s_rows)
         next_item = gl.minimum(item + step, num_items - 1)
@@ -273,23 +346,36 @@ def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride
             mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
             acc_tok = warpgroup_mma(p_a, v_bufs.index(slot), acc, is_async=True)
             _pass_turn(turns, WG, PINGPONG)
-            q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, next_item, num_tiles, num_queries,
-                        WG, HEAD_DIM)
+            if not GATHER:
+                q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, next_item, num_tiles,
+                            num_queries, WG, HEAD_DIM)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
             mbarrier.arrive(v_empty.index(slot), count=1)
             it += 1
             turn += 1
         else:
-            q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, next_item, num_tiles, num_queries,
-                        WG, HEAD_DIM)
+            if not GATHER:
+                q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, next_item, num_tiles,
+                            num_queries, WG, HEAD_DIM)
         # out rows = acc / l (zeros without keys), scattered back to [B, H, S, d]
         out = acc / gl.convert_layout(l_i, o_rows)[:, None]
         out = gl.convert_layout(out.to(dtype), io)
-        cand, token, row_ok = _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG, gl.SliceLayout(1, io))
-        rows = cand * stride_ob + head * stride_oh + token * stride_os
+        if GATHER:  # output-row offsets from the producer, -8 past the tile's end
+            if qs == 0:  # (the alignment hint on each load: on the branches' result it is lost)
+                rows = gl.multiple_of(row_bufs.slice(128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
+            else:
+                rows = gl.multiple_of(row_bufs.slice(256 + 128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
+            row_ok = rows >= 0
+        else:
+            cand, token, row_ok = _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG, gl.SliceLayout(1, io))
+            rows = cand * stride_ob + head * stride_oh + token * stride_os
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
         gl.store(out_ptr + (rows[:, None] + cols[None, :]), out, mask=row_ok[:, None])
-        gl.thread_barrier()  # every warp is done with q_smem's wgmmas before the next item overwrites it
+        if GATHER:
+            mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows and output-row offsets read
+        else:
+            gl.thread_barrier()  # every warp is done with q_smem's wgmmas before the next item overwrites it
+        i += 1
 
 
 @gluon.jit(do_not_specialize=["num_items", "num_tiles"])  # any U, B: one compiled kernel
@@ -303,7 +389,7 @@ def _attention_ws_kernel(
     num_items,  # tile slots × H
     num_tiles,  # tile slots
     seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
-    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr, GATHER: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Persistent: program p runs work items p, p + programs, … (see module doc)."""
@@ -313,8 +399,12 @@ def _attention_ws_kernel(
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem0 = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], k_desc.layout)
-    q_smem1 = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], k_desc.layout)
+    # q rows of warpgroup w in slot 2·w + s (s: the item's parity) with GATHER, else in slot w; row offsets
+    # of slot s from the producer (GATHER): q rows at row_bufs[256·s …], output rows at [256·s + 128 …]
+    q_bufs = gl.allocate_shared_memory(dtype, [4 if GATHER else 2, 64, HEAD_DIM], k_desc.layout)
+    row_bufs = gl.allocate_shared_memory(gl.int64, [512], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -329,20 +419,25 @@ def _attention_ws_kernel(
     for w in gl.static_range(2):
         mbarrier.init(turns.index(w), count=1)
     mbarrier.init(fence_bar, count=1)
+    for s in gl.static_range(4):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=1)
 
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-                     k_bufs, v_bufs, q_smem0, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
-                     tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, WG0)),
+                     k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
+                     fence_bar, tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
+                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, GATHER, WG0)),
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-                     k_bufs, v_bufs, q_smem1, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
-                     tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, WG1)),
+                     k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
+                     fence_bar, tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
+                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, GATHER, WG1)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
-                     num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len, HAS_KV_LEN, STAGES)),
+                     num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
+                     q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
+                     q_bufs, row_bufs, q_ready, q_empty, HAS_KV_LEN, STAGES, GATHER)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -403,6 +498,8 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
     if heads * seq_len * num_candidates * num_queries == 0:
         return out.zero_(), flag
     q = q if q.stride(-1) == 1 else q.contiguous()
+    if cfg.gather and not all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, out)):
+        cfg = replace(cfg, gather=False)  # the copies and stores of gathered rows assume 16-byte aligned rows
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n)
     num_items = max_tiles * heads
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
@@ -412,7 +509,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         k_desc, v_desc, stride_ku, stride_kh, stride_kl,
         order if kv_len is None else kv_len, order, tiles,
         num_items, max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
-        HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, PINGPONG=cfg.pingpong, FENCE=cfg.fence,
+        HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, PINGPONG=cfg.pingpong, FENCE=cfg.fence, GATHER=cfg.gather,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
@@ -442,7 +539,7 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         kv_len_ptr=ints, order_ptr=ints, tile_ptr=ints, num_items=2108, num_tiles=527,
         seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
     )
-    constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, PINGPONG=cfg.pingpong, FENCE=cfg.fence,
+    constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, PINGPONG=cfg.pingpong, FENCE=cfg.fence, GATHER=cfg.gather,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     signature, attrs, constants = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):

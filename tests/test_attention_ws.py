@@ -31,8 +31,10 @@ CONFIGS = [
     WSAttentionConfig(pingpong=False),
     WSAttentionConfig(fence=False),
     WSAttentionConfig(block_n=64, stages=4),
+    WSAttentionConfig(gather=True, producer_regs=56, consumer_regs=224),
+    WSAttentionConfig(gather=True, pingpong=False, producer_regs=56, consumer_regs=224),
 ]
-CONFIG_IDS = ["128-pingpong", "128", "128-pingpong-nofence", "64-pingpong"]
+CONFIG_IDS = ["128-pingpong", "128", "128-pingpong-nofence", "64-pingpong", "128-pingpong-gather", "128-gather"]
 
 
 def _cuobjdump():
