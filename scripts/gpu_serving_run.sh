@@ -18,7 +18,7 @@
 # `serving_probe.py idle`'s fixed work), WAKE_AB (the in-process call
 # and the same-load comparison again with idle CPUs kept awake: "qos", a PM QoS request holding CPU
 # wake latency at 0 µs, as `scripts/serve --cpu-wake-latency-us 0` does; "spin", a SCHED_IDLE busy
-# loop on every CPU; "" skips),
+# loop on every CPU, as `scripts/serve --busy-idle` does; "" skips),
 # SOAK_SECONDS (issue 6's soak against this server at 70 % of its peak: RSS and GPU memory; "" skips).
 #
 # Machines without network (the lab's H200): scripts/triton_bundle_env.sh.
@@ -42,12 +42,10 @@ hold_wake_latency() {  # CPUs kept out of idle ($WAKE_AB) by background processe
     python3 -c 'import sys, time; sys.path.insert(0, "."); from ikbo_backend.tritonserver import cpu_wake_latency
 with cpu_wake_latency(0): print("wake latency held", flush=True); time.sleep(3600)' >>"$W/steps.log" 2>&1 &
     WAKE=$!
-  elif [ "$WAKE_AB" = spin ]; then  # a busy loop per CPU at SCHED_IDLE: any runnable task preempts it
-    for cpu in $(seq 0 $(( $(nproc) - 1 ))); do
-      python3 -c "import os; os.sched_setaffinity(0, {$cpu}); os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-while True: pass" >>"$W/steps.log" 2>&1 &
-      WAKE="$WAKE $!"
-    done
+  elif [ "$WAKE_AB" = spin ]; then  # a busy loop per CPU at SCHED_IDLE (`scripts/serve --busy-idle`); they end with this process
+    python3 -c 'import sys, time; sys.path.insert(0, "."); from ikbo_backend.tritonserver import busy_idle_cpus
+with busy_idle_cpus(): print("busy idle loops", flush=True); time.sleep(3600)' >>"$W/steps.log" 2>&1 &
+    WAKE=$!
   fi
   [ -n "$WAKE" ] && sleep 1 && kill -0 $WAKE 2>/dev/null
 }
