@@ -28,7 +28,7 @@ Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; Flash
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
 Hopper: target attention (`ikbo_attention`, no tuned config or plan given) goes to the
 warp-specialized Gluon kernel of kernels/attention_ws.py where `attention_ws.prefer_ws` says it was
-measured faster (bf16/fp16, d ∈ {64, 128}, S ≥ 8, L ≥ 512); the rest, and self + target, here.
+measured faster (bf16/fp16, d ∈ {64, 128}, S ≥ 64, L ≥ 512); the rest, and self + target, here.
 Measurements, what was tried and what worked: docs/notes/attention.md.
 """
 

@@ -14,19 +14,24 @@ of attention.py's grid (tiles of one user adjacent, heads slow). Tiles come from
     producer partition, 1 warp: for each work item, TMA loads of the user's K and V blocks
         [BLOCK_N, d] into a STAGES-deep ring, K and V with their own ready/empty mbarriers, so a K
         slot is refilled as soon as both consumers' q·kᵀ has read it.
+        With GATHER (default) it also gathers each item's q rows by cp.async into a 2-slot buffer per
+        warpgroup and writes the output-row offsets to shared memory, before the item's first K/V.
     two consumer warpgroups (the default partition and a 4-warp worker, the same code): warpgroup w
-        owns rows [64·w, 64·w + 64) of the tile: gathers its q rows by pointer into its own shared
-        buffer, then per key block j issues q·k_jᵀ (async wgmma) and P_{j-1}·V_{j-1} (async wgmma,
-        P from registers), runs the online softmax of block j (base 2, fp32) while P_{j-1}·V_{j-1}
-        runs, then rescales the accumulator (intra-warpgroup overlap). With PINGPONG the two
-        warpgroups take turns issuing their wgmmas (an mbarrier per warpgroup), so one's softmax runs
-        under the other's products (inter-warpgroup overlap). The next item's q rows are loaded
-        under the last P·V; the output rows are scattered back by pointer (16-byte stores).
+        owns rows [64·w, 64·w + 64) of the tile (without GATHER it gathers its q rows by pointer
+        itself, the next item's under the last P·V), then per key block j issues q·k_jᵀ (async
+        wgmma) and P_{j-1}·V_{j-1} (async wgmma, P from registers), runs the online softmax of
+        block j (base 2, fp32), waits for P_{j-1}·V_{j-1} and rescales. With PINGPONG the two
+        warpgroups take turns issuing their wgmmas (an mbarrier per warpgroup), so one's softmax
+        runs under the other's products. With FENCE the wait for P_{j-1}·V_{j-1} is kept after the
+        softmax (intra-warpgroup overlap; ptxas otherwise hoists it, see `_block`). The output rows
+        are scattered back by pointer (16-byte stores).
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
 
 Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}, target attention only (the
-fused self + target path stays on attention.py's kernel). Measurements: docs/notes/attention.md.
+fused self + target path stays on attention.py's kernel); the public op takes it where `prefer_ws`.
+H200 (2026-11-29): canonical shape 0.255 ms plan + kernel (539 TFLOP/s, 67 % of the matmul rate)
+against 0.333 for the Triton kernel; L = 4096: 609 TFLOP/s. Measurements: docs/notes/attention.md.
 Patterns from kernels/linear_compress_ws.py (s6) and Triton's Gluon tutorials 05-wgmma,
 08-warp-specialization.
 """
@@ -66,10 +71,12 @@ class WSAttentionConfig:
     block_n: int = 128  # keys per step
     stages: int = 2  # K/V ring depth
     pingpong: bool = True  # the two consumer warpgroups take turns issuing their wgmmas
-    fence: bool = True  # keep the wait for P_{j-1}·V_{j-1} after block j's softmax (intra-warpgroup overlap)
-    gather: bool = False  # the producer gathers q rows (cp.async, 2 slots) and output-row offsets
-    consumer_regs: int = 232  # registers per thread of each consumer warpgroup (setmaxnreg)
-    producer_regs: int = 24  # registers per thread of the producer warp
+    # Keep the wait for P_{j-1}·V_{j-1} after block j's softmax (intra-warpgroup overlap). Off by
+    # default: on the H200 it was no faster (d = 128) or 7 % slower (d = 64) than without.
+    fence: bool = False
+    gather: bool = True  # the producer gathers q rows (cp.async, 2 slots) and output-row offsets
+    consumer_regs: int = 224  # registers per thread of the worker consumer warpgroup (setmaxnreg; the default one gets the rest)
+    producer_regs: int = 56  # registers per thread of the producer warp (24 are enough without gather)
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
 
@@ -459,9 +466,11 @@ def ws_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def prefer_ws(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Where `kernels.attention`'s Triton path takes this kernel: `ws_supported` and the shapes where
-    it was measured faster than the Triton kernel on the H200 (docs/notes/attention.md, 2026-11-29
-    17:44 UTC: S ∈ {8, 64}, L ∈ {512, 1024, 4096}, d ∈ {64, 128}; 1.15–2.2× with the plan)."""
-    return ws_supported(q, k) and q.shape[2] >= 8 and k.shape[2] >= 512
+    it was faster than the Triton kernel, plan included, in both H200 runs (docs/notes/attention.md,
+    2026-11-29 17:44 and 17:52 UTC): S = 64, L ∈ {512, 1024, 4096}, d ∈ {64, 128}, 1.19–1.29×. At
+    S = 8 (L = 1024) the kernel alone was 1.6× faster, but plan + kernel is host-bound there and
+    came out 1.9× faster in one run and 1.8× slower in the other: not taken."""
+    return ws_supported(q, k) and q.shape[2] >= 64 and k.shape[2] >= 512
 
 
 @functools.lru_cache(maxsize=None)

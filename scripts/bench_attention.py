@@ -564,10 +564,10 @@ def sweep_section(points):
 # ---------------------------------------------------------------------------------------------
 
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
-    "ws 128, pingpong": {},
-    "ws 128, pingpong, gather": dict(gather=True, producer_regs=56, consumer_regs=224),
-    "ws 128, no pingpong, gather": dict(gather=True, pingpong=False, producer_regs=56, consumer_regs=224),
-    "ws 128, pingpong, gather, no fence": dict(gather=True, fence=False, producer_regs=56, consumer_regs=224),
+    "ws default (128 keys, pingpong, gather, no fence)": {},
+    "ws 128, pingpong, gather, fence": dict(fence=True),
+    "ws 128, no pingpong, gather": dict(pingpong=False),
+    "ws 128, pingpong, no gather, fence (call 1's)": dict(gather=False, fence=True, consumer_regs=232, producer_regs=24),
 }
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [
