@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -296,6 +297,17 @@ def is_ready(http_url: str) -> bool:
         return False
 
 
+def metrics_started(metrics_url: str) -> bool:
+    """GET /metrics answers 200. Tritonserver 2.51 starts its metrics service last, after the gRPC and
+    HTTP endpoints, which it starts once every model has loaded: the readiness of one server among
+    several that share their HTTP and gRPC ports (reuse-port), where /v2/health/ready may reach any."""
+    try:
+        with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def wait_until_ready(process: subprocess.Popen, http_url: str, timeout: float, log_tail=lambda: "") -> None:
     """Poll readiness; TritonServerError if the process exits first or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout
@@ -337,6 +349,41 @@ def stop(process: subprocess.Popen, grace: float = 45.0) -> None:
             process.wait()
     with contextlib.suppress(OSError):  # no such group (not a session leader, or nothing left)
         os.killpg(process.pid, signal.SIGKILL)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to the process group of `process` (started with start_new_session: tritonserver and its
+    python backend stubs) at once, then reap it. Its in-flight requests fail."""
+    with contextlib.suppress(OSError):  # nothing left
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+# Several tritonservers on the same HTTP and gRPC ports (`scripts/serve --replicas N`): each binds
+# them with SO_REUSEPORT and the kernel spreads new connections over the live ones. There is no such
+# option for the metrics port: each needs its own.
+REUSE_PORT_ARGS = ("--reuse-http-port=true", "--reuse-grpc-port=true")
+
+
+def missing_options(binary, env: dict[str, str], options) -> list[str]:
+    """Those of `options` (e.g. "--reuse-http-port") that `binary --help` does not list."""
+    try:
+        listing = subprocess.run([str(binary), "--help"], env=env, capture_output=True, text=True, timeout=60)
+        text = listing.stdout + listing.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        text = str(e)
+    return [option for option in options if not re.search(rf"{re.escape(option)}(?![\w-])", text)]
+
+
+def port_taken(port: int) -> bool:
+    """Something listens on TCP `port` (any address): binding it, as tritonserver does, fails."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT do not count
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
 
 
 @contextlib.contextmanager
