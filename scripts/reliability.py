@@ -8,6 +8,7 @@ forms here, one subcommand a row, each printing a JSON line of figures:
     .venv/bin/python scripts/reliability.py storm --requests 1000     # per protocol, both rankers
     .venv/bin/python scripts/reliability.py fault
     .venv/bin/python scripts/reliability.py kill --kills 20
+    .venv/bin/python scripts/reliability.py kill --kills 20 --replicas 2   # serve --replicas 2
     .venv/bin/python scripts/reliability.py shutdown
     .venv/bin/python scripts/reliability.py broken
     .venv/bin/python scripts/reliability.py soak --seconds 600
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,6 +56,8 @@ from ikbo_backend.tritonserver import (  # noqa: E402
     TritonServerError,
     free_port,
     is_ready,
+    metrics_started,
+    port_taken,
     running_tritonserver,
     shm_segments,
     stub_states,
@@ -354,7 +358,9 @@ def fault(server) -> dict:
 @dataclass
 class Load:
     """Threads sending valid requests to `model` over HTTP until stopped: closed loop, or paced to
-    `rate` requests/s in total. `log` holds (start, end, error or None) per request, monotonic time."""
+    `rate` requests/s in total. `log` holds (start, end, error or None) per request, monotonic time.
+    `new_connection`: each request on a connection of its own (the kernel spreads connections, not
+    requests, over tritonservers sharing a port; a keep-alive client stays on one of them)."""
 
     url: str
     model: str = "ikbo_ranker"
@@ -363,6 +369,7 @@ class Load:
     rate: float | None = None
     max_seconds: float = 3600
     cfg: RankerConfig = CFG  # the served model's dims (PROFILES["large"] for the large GPU configs)
+    new_connection: bool = False
     log: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -387,7 +394,7 @@ class Load:
                     next_at = max(next_at + self.threads / self.rate, time.monotonic() - 1.0)
                 request = self.requests[n % len(self.requests)]
                 n += 1
-                start = time.monotonic()
+                start, broken = time.monotonic(), False
                 try:
                     result = connection.infer(self.model, infer_inputs(module, request), outputs=[module.InferRequestedOutput("scores")])
                     scores = result.as_numpy("scores")
@@ -395,12 +402,13 @@ class Load:
                 except InferenceServerException as e:
                     error = f"{e.status()}: {e.message()}"
                 except Exception as e:  # noqa: BLE001 — connection refused/reset while a server restarts
-                    error = f"{type(e).__name__}: {e}"
+                    error, broken = f"{type(e).__name__}: {e}", True
+                self.log.append((start, time.monotonic(), error))
+                if broken or self.new_connection:
                     connection.close()
-                    if self.stop_event.wait(0.2):
+                    if broken and self.stop_event.wait(0.2):
                         break
                     connection = module.InferenceServerClient(self.url, connection_timeout=120, network_timeout=120)
-                self.log.append((start, time.monotonic(), error))
         finally:
             connection.close()
 
@@ -489,62 +497,103 @@ def soak(server, seconds: float, fraction: float = 0.7, peak_seconds: float = 10
 
 @dataclass
 class Served:
-    """scripts/serve running in the background (CPU configuration) on free ports."""
+    """scripts/serve running in the background (CPU configuration) on free ports; with `replicas` > 1,
+    that many tritonservers on the same HTTP and gRPC ports, replica i's metrics at metrics_urls[i]."""
 
     process: subprocess.Popen
     http_url: str
     grpc_url: str
     admin_key: str
     log_path: Path
+    metrics_urls: tuple = ()
+    replicas: int = 1
 
-    def triton_pid(self) -> int | None:
+    def triton_pids(self) -> list[int]:
+        """serve's tritonserver children (not a SCHED_IDLE busy loop), in start order."""
         try:
             children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
         except OSError:
-            return None
-        return int(children[0]) if children else None
+            return []
+        pids = []
+        for child in children:
+            try:
+                if Path(f"/proc/{child}/comm").read_text().strip() == "tritonserver":
+                    pids.append(int(child))
+            except OSError:
+                continue
+        return pids
+
+    def triton_pid(self) -> int | None:
+        pids = self.triton_pids()
+        return pids[0] if pids else None
+
+    def all_up(self) -> bool:
+        """serve runs `replicas` tritonservers and each one's metrics port answers (it has started its
+        endpoints, after loading every model)."""
+        return len(self.triton_pids()) == self.replicas and all(metrics_started(url) for url in self.metrics_urls)
 
     def log_tail(self, lines=40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def wait_ready(served: Served, timeout: float = 180) -> float:
-    """Seconds until /v2/health/ready answers 200 and a valid request succeeds (TritonServerError after `timeout`)."""
+def probe(url: str, model: str = "ikbo_ranker", timeout: float = 60) -> str | None:
+    """One small valid request on a connection of its own: None when it succeeds, else the error."""
     import tritonclient.http as module
     from tritonclient.utils import InferenceServerException
 
-    start = time.monotonic()
     request = make_request(CFG, 2, 16, np.random.default_rng(0))
+    connection = module.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout)
+    try:
+        connection.infer(model, infer_inputs(module, request))
+        return None
+    except InferenceServerException as e:
+        return f"{e.status()}: {e.message()}"
+    except Exception as e:  # noqa: BLE001 — refused, reset
+        return f"{type(e).__name__}: {e}"
+    finally:
+        connection.close()
+
+
+def wait_ready(served: Served, timeout: float = 180) -> float:
+    """Seconds until every replica is up (Served.all_up), /v2/health/ready answers 200 and a valid
+    request succeeds (TritonServerError after `timeout`)."""
+    start = time.monotonic()
     while time.monotonic() - start < timeout:
         if served.process.poll() is not None:
             raise TritonServerError(f"serve exited with {served.process.returncode}\n{served.log_tail()}")
-        if is_ready(served.http_url):
-            connection = module.InferenceServerClient(served.http_url)
-            try:
-                connection.infer("ikbo_ranker", infer_inputs(module, request))
-                return time.monotonic() - start
-            except (InferenceServerException, OSError):
-                pass
-            finally:
-                connection.close()
+        if served.all_up() and is_ready(served.http_url) and probe(served.http_url) is None:
+            return time.monotonic() - start
         time.sleep(0.25)
     raise TritonServerError(f"serve not ready after {timeout} s\n{served.log_tail()}")
 
 
+def free_port_block(count: int) -> int:
+    """A port p with p .. p + count - 1 all free (serve --replicas puts replica i's metrics on p + i)."""
+    for _ in range(100):
+        first = free_port()
+        if first + count <= 65536 and not any(port_taken(first + i) for i in range(1, count)):
+            return first
+    raise OSError(f"no {count} consecutive free ports found")
+
+
 @contextlib.contextmanager
-def serving(exit_timeout: int = 30, model_repository=None, env_extra=None, log_dir=None):
-    """scripts/serve --cpu on free ports with a known admin key; stopped (SIGTERM, then kill) on exit."""
-    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+def serving(exit_timeout: int = 30, model_repository=None, env_extra=None, log_dir=None, replicas: int = 1):
+    """scripts/serve --cpu on free ports with a known admin key (`--replicas` when > 1); stopped
+    (SIGTERM, then kill) on exit."""
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port_block(replicas)
     admin_key = f"test-{os.getpid()}-{time.monotonic_ns()}"
     env = dict(os.environ, **{ADMIN_KEY_ENV: admin_key}, **(env_extra or {}))
     log_path = Path(tempfile.mkdtemp(prefix="serve-", dir=log_dir)) / "serve.log"
     argv = [sys.executable, str(REPO_ROOT / "scripts" / "serve"), "--cpu", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
             f"--metrics-port={metrics_port}", f"--exit-timeout={exit_timeout}"]  # fmt: skip
+    if replicas != 1:
+        argv.append(f"--replicas={replicas}")
     if model_repository:
         argv.append(f"--model-repository={model_repository}")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    served = Served(process, f"localhost:{http_port}", f"localhost:{grpc_port}", admin_key, log_path)
+    metrics_urls = tuple(f"localhost:{metrics_port + i}" for i in range(replicas))
+    served = Served(process, f"localhost:{http_port}", f"localhost:{grpc_port}", admin_key, log_path, metrics_urls, replicas)
     try:
         wait_ready(served)
         yield served
@@ -608,71 +657,171 @@ def hardening(served: Served) -> dict:
     return {"answers": seen, "failures": failures}
 
 
-def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: float = 2.0) -> dict:
+def _alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def _metrics_url(pid: int) -> str | None:
+    """localhost:<--metrics-port> of tritonserver `pid`, from its command line."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    port = next((a.split("=", 1)[1] for a in argv if a.startswith("--metrics-port=")), None)
+    return f"localhost:{port}" if port else None
+
+
+def replica_successes(metrics_url: str, models=RANKERS) -> int | None:
+    """Requests to `models` one tritonserver answered successfully since it started
+    (nv_inference_request_success on its own metrics port); None when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    pattern = re.compile(r'^nv_inference_request_success\{model="([^"]+)",version="[^"]*"\} (\S+)$', re.M)
+    return int(sum(float(value) for model, value in pattern.findall(text) if model in models))
+
+
+CLEAR_ERRORS = ("not healthy", "Connection", "connect", "Stub", "unavailable", "refused", "reset", "closed", "Broken pipe")
+
+
+def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: float = 2.0, down_bound: float = 2.0) -> dict:
     """kill -9 a python backend stub `kills` times under load (2 clients on ikbo_ranker, one on
-    baseline_ranker); each time: which requests failed (in flight at the kill, or sent while serve
-    restarts tritonserver), with what error, and seconds until a request sent after the kill succeeds.
-    /dev/shm: segments of every tritonserver incarnation must be gone once it is replaced."""
+    baseline_ranker; with several replicas each request on a new connection, so that every replica
+    gets some). Per kill, the failed requests are split into: in flight at the kill; sent after it while
+    its tritonserver was still up (until serve stopped it: "down_s" after the kill; with replicas serve
+    SIGKILLs it within its 0.2 s poll, these reached the dying replica); sent after that (with one
+    tritonserver: during its restart; with replicas: must be 0). Recovery: seconds until a request sent
+    after the server went down succeeds for both rankers (within `recover_timeout`); with replicas also
+    a continuity probe (one request per ranker on a new connection, sent as soon as the dying replica
+    is gone, must succeed) and the seconds until serve runs every replica again ("replaced_s").
+    /dev/shm: segments of every killed tritonserver must be gone; no stub left without its server."""
     rng = np.random.default_rng(0)
-    rounds, failures, seen_segments = [], [], set()
+    several = served.replicas > 1
+    rounds, failures, seen_segments, times = [], [], set(), []
     shm_before = {p.name for p in Path("/dev/shm").iterdir()}
-    with Load(served.http_url, threads=2, sizes=((15, 256), (32, 1024))) as ikbo, Load(served.http_url, model="baseline_ranker", threads=1, sizes=((8, 128),)) as baseline:
+    ikbo = Load(served.http_url, threads=2, sizes=((15, 256), (32, 1024)), new_connection=several)
+    baseline = Load(served.http_url, model="baseline_ranker", threads=1, sizes=((8, 128),), new_connection=several)
+    with ikbo, baseline:
         loads = (ikbo, baseline)
         for k in range(kills):
             wait_ready(served)
             time.sleep(settle)
-            pid = served.triton_pid()
-            stubs = {p: name for p, (name, state) in stub_states(pid).items() if state not in "ZX" and name.startswith(SERVED_STAGES)} if pid else {}
+            servers = served.triton_pids()
+            stubs = {
+                stub: (name, server)
+                for server in servers
+                for stub, (name, state) in stub_states(server).items()
+                if state not in "ZX" and name.startswith(SERVED_STAGES)
+            }
             if not stubs:
-                failures.append(f"kill {k}: no live stub of {SERVED_STAGES} under tritonserver {pid}")
+                failures.append(f"kill {k}: no live stub of {SERVED_STAGES} under tritonservers {servers}")
                 break
-            seen_segments |= shm_segments(pid)
+            for server in servers:
+                seen_segments |= shm_segments(server)
             victim = sorted(stubs)[int(rng.integers(len(stubs)))]
+            name, server = stubs[victim]
+            metrics_url = _metrics_url(server)
+            answered = replica_successes(metrics_url) if several and metrics_url else None
             t_kill = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-            t_replaced = recovered = None
-            while time.monotonic() - t_kill < recover_timeout + 60:  # serve replaces tritonserver, clients succeed again
-                if t_replaced is None and served.triton_pid() not in (pid, None):
-                    t_replaced = time.monotonic()
-                if t_replaced is not None and all(any(e[0] >= t_replaced and e[2] is None for e in load.log) for load in loads):
-                    recovered = max(min(e[1] for e in load.log if e[0] >= t_replaced and e[2] is None) for load in loads) - t_kill
+            t_down = None
+            while time.monotonic() - t_kill < recover_timeout + 60:  # serve stops (replicas: SIGKILLs) its tritonserver
+                if not _alive(server):
+                    t_down = time.monotonic()
+                    break
+                time.sleep(0.01)
+            continuity = {model: probe(served.http_url, model) for model in RANKERS} if several and t_down else {}
+            probed = time.monotonic() - t_kill
+            after = t_down if t_down is not None else t_kill
+            recovered = replaced = None
+            while time.monotonic() - t_kill < recover_timeout + 60:  # clients succeed again; serve runs every replica again
+                if recovered is None and all(any(e[0] >= after and e[2] is None for e in load.log) for load in loads):
+                    recovered = max(min(e[1] for e in load.log if e[0] >= after and e[2] is None) for load in loads) - t_kill
+                if replaced is None and server not in served.triton_pids() and served.all_up():
+                    replaced = time.monotonic() - t_kill
+                if recovered is not None and replaced is not None:
                     break
                 time.sleep(0.1)
-            until = t_kill + (recovered if recovered is not None else recover_timeout + 60)
-            failed = [e for load in loads for e in load.log if e[2] and e[1] >= t_kill and e[0] <= until]
-            in_flight = [e for e in failed if e[0] < t_kill]
+            times.append((t_kill, after))
             rounds.append({
-                "stub": stubs[victim],
-                "recovery_s": None if recovered is None else round(recovered, 1),
-                "failed_in_flight": len(in_flight),
-                "failed_after_kill": len(failed) - len(in_flight),
-                "errors": sorted({e[2].split(" (")[0][:160] for e in failed})[:4],
+                "stub": name,
+                "replica": served.metrics_urls.index(metrics_url) if metrics_url in served.metrics_urls else None,
+                "replica_answered_before": answered,
+                "down_s": None if t_down is None else round(t_down - t_kill, 3),
+                "recovery_s": None if recovered is None else round(recovered, 2),
+                "replaced_s": None if replaced is None else round(replaced, 1),
+                **({"continuity_probe": {m: e or "ok" for m, e in continuity.items()}, "probe_s": round(probed, 2)} if several else {}),
             })  # fmt: skip
+            if t_down is None:
+                failures.append(f"kill {k} ({name}): its tritonserver {server} still up after {recover_timeout + 60} s")
+            elif several and t_down - t_kill > down_bound:
+                failures.append(f"kill {k} ({name}): its replica went down {t_down - t_kill:.2f} s after the kill (bound {down_bound} s)")
             if recovered is None or recovered > recover_timeout:
-                failures.append(f"kill {k} ({stubs[victim]}): service not back within {recover_timeout} s")
-            unclear = [e[2] for e in failed if not any(w in e[2] for w in ("not healthy", "Connection", "connect", "Stub", "unavailable", "refused", "reset"))]
-            if unclear:
-                failures.append(f"kill {k}: unclear errors {unclear[:3]}")
+                failures.append(f"kill {k} ({name}): service not back within {recover_timeout} s")
+            if replaced is None:
+                failures.append(f"kill {k} ({name}): serve did not run {served.replicas} ready tritonserver(s) again")
+            bad_probes = {m: e for m, e in continuity.items() if e}
+            if bad_probes:
+                failures.append(f"kill {k} ({name}): a request sent right after the replica went down failed: {bad_probes}")
         wait_ready(served)
+        t_end = time.monotonic()
+    # Every failed request belongs to one kill: in flight at it, or sent between it and the next one.
+    log = [e for load in loads for e in load.log if e[2]]
+    bounds = [t for t, _ in times[1:]] + [t_end]
+    for round_, (t_kill, t_down), t_next in zip(rounds, times, bounds):
+        in_flight = [e for e in log if e[0] < t_kill <= e[1]]
+        sent = [e for e in log if t_kill <= e[0] < t_next]
+        window = [e for e in sent if e[0] <= t_down]
+        round_.update({
+            "failed_in_flight": len(in_flight),
+            "failed_sent_before_down": len(window),
+            "failed_sent_after_down": len(sent) - len(window),
+            "errors": sorted({e[2].split(" (")[0][:160] for e in in_flight + sent})[:4],
+        })  # fmt: skip
+        unclear = [e[2] for e in in_flight + sent if not any(w in e[2] for w in CLEAR_ERRORS)]
+        if unclear:
+            failures.append(f"kill at {t_kill:.1f}: unclear errors {unclear[:3]}")
+        if several and len(sent) > len(window):
+            late = len(sent) - len(window)
+            failures.append(f"{round_['stub']}: {late} request(s) sent after its replica went down failed: {round_['errors']}")
+    before_first = [e for e in log if times and e[1] < times[0][0]]
+    if before_first:
+        failures.append(f"{len(before_first)} request(s) failed before the first kill: {[e[2][:160] for e in before_first[:3]]}")
     repo = next((a.split("=", 1)[1] for a in served.process.args if str(a).startswith("--model-repository=")), str(MODEL_REPOSITORY))
     orphans = orphan_stubs(repo)
     if orphans:
         failures.append(f"python backend stubs left without their tritonserver: {orphans}")
-    final_pid = served.triton_pid()
-    current = shm_segments(final_pid) if final_pid else set()
+    current = set().union(*(shm_segments(pid) for pid in served.triton_pids()))
     leaked = sorted(s for s in seen_segments - current if Path(s).exists())
     new_files = {p.name for p in Path("/dev/shm").iterdir()} - shm_before
     if leaked:
         failures.append(f"/dev/shm segments of replaced servers left: {leaked}")
+    recoveries = [r["recovery_s"] for r in rounds if r["recovery_s"] is not None]
+    replacements = [r["replaced_s"] for r in rounds if r["replaced_s"] is not None]
+    downs = [r["down_s"] for r in rounds if r["down_s"] is not None]
     return {
+        "replicas": served.replicas,
         "kills": len(rounds),
         "rounds": rounds,
         "recovery_s_max": max((r["recovery_s"] or float("inf")) for r in rounds) if rounds else None,
-        "recovery_s_mean": round(float(np.mean([r["recovery_s"] for r in rounds if r["recovery_s"]])), 1) if rounds else None,
+        "recovery_s_mean": round(float(np.mean(recoveries)), 2) if recoveries else None,
+        "replaced_s_min_max": [min(replacements), max(replacements)] if replacements else None,
+        "down_s_max": max(downs) if downs else None,
         "failed_in_flight": sum(r["failed_in_flight"] for r in rounds),
-        "failed_after_kill": sum(r["failed_after_kill"] for r in rounds),
+        "failed_sent_before_down": sum(r["failed_sent_before_down"] for r in rounds),
+        "failed_sent_after_down": sum(r["failed_sent_after_down"] for r in rounds),
+        "failed_after_kill": sum(r["failed_sent_before_down"] + r["failed_sent_after_down"] for r in rounds),
+        "continuity_probes_ok": sum(v == "ok" for r in rounds for v in r.get("continuity_probe", {}).values()) if several else None,
         "requests": len(ikbo.log) + len(baseline.log),
         "shm_segments_server_now": len(current),
+        "shm_segments_seen": len(seen_segments),
         "shm_leaked": leaked,
         "orphan_stubs": len(orphans),
         "shm_new_files_total": len(new_files),
@@ -702,8 +851,8 @@ def graceful_shutdown(served: Served, exit_timeout: int) -> dict:
     succeed within the exit timeout, serve must exit 0, and tritonserver's /dev/shm segments be gone."""
     with Load(served.http_url, threads=2, sizes=((64, 2048), (32, 1024))) as load:
         time.sleep(3)
-        pid = served.triton_pid()
-        segments = shm_segments(pid)  # closed loop: both clients have a request in flight nearly always
+        # closed loop: both clients have a request in flight nearly always
+        segments = set().union(*(shm_segments(pid) for pid in served.triton_pids()))  # of every replica
         t_signal = time.monotonic()
         served.process.send_signal(signal.SIGTERM)
         load.stop_event.set()  # no new requests; the ones in flight finish
@@ -997,6 +1146,7 @@ def main():
     parser.add_argument("--requests", type=int, default=1000, help="storm: malformed requests per protocol")
     parser.add_argument("--seed", type=int, default=None, help="storm: hypothesis seed (default: random)")
     parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--replicas", type=int, default=1, help="harden, kill, shutdown: scripts/serve --replicas N")
     parser.add_argument("--seconds", type=float, default=600, help="soak duration")
     parser.add_argument("--fraction", type=float, default=0.7, help="soak load as a fraction of the measured peak")
     parser.add_argument("--attach", metavar="HTTP_URL", help="soak: a server already running (its rankers), e.g. the GPU run's")
@@ -1027,7 +1177,7 @@ def main():
                 results["soak"] = soak(server, args.seconds, args.fraction)
                 print(json.dumps({"soak": results["soak"]}), flush=True)
     if {"harden", "kill", "shutdown"} & set(rows):
-        with rankers_repository() as repo, serving(args.exit_timeout, repo) as served:
+        with rankers_repository() as repo, serving(args.exit_timeout, repo, replicas=args.replicas) as served:
             if "harden" in rows:
                 results["harden"] = hardening(served)
                 print(json.dumps({"harden": results["harden"]}), flush=True)
