@@ -112,6 +112,14 @@ class WSConfig:
     # (`bar.sync id, 128` instead of one barrier over all consumer warps), and the two halves drift
     # apart instead of running in lockstep. Ring slots and the epilogue buffer are released by both.
     split_consumers: bool = False
+    # Which tiles a persistent program runs. "row": tiles t = pid, pid + P, … in (b, n, d) order, so
+    # every tile a program runs is a new candidate (P = 132 is a multiple of N / BLOCK_M = 4), its
+    # cand_emb[b] slices fetched from HBM (the other programs of the wave read them at the same
+    # time). "candidate": program p runs candidates p, p + P, …, all N / BLOCK_M · D / BLOCK_D tiles of
+    # one candidate back to back (rows first), so cand_emb[b] comes from HBM for the first of them
+    # and from L2 for the rest; taken only where it does not lengthen the busiest program
+    # (`candidate_major`), else "row".
+    tile_order: str = "row"
 
     @property
     def partition_warps(self) -> int:
@@ -141,9 +149,30 @@ def _mma_layout(block_d, num_warps):
 
 
 @gluon.jit
-def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr):
-    """tile → (candidate b, row offset, column offset); the N tiles of one candidate are adjacent."""
-    b = tile // tiles_per_row
+def _tile_range(num_tiles, tiles_per_row, CAND_MAJOR: gl.constexpr):
+    """(start, stop, step) of this program's tile loop: global tile ids (row order) or, CAND_MAJOR,
+    the program's own tile count (its candidates pid, pid + P, … times tiles_per_row)."""
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    if CAND_MAJOR:
+        start = 0
+        stop = gl.cdiv(num_tiles // tiles_per_row - pid, num_programs) * tiles_per_row
+        step = 1
+    else:
+        start = pid
+        stop = num_tiles
+        step = num_programs
+    return start, stop, step
+
+
+@gluon.jit
+def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, CAND_MAJOR: gl.constexpr):
+    """tile (a value of `_tile_range`'s loop) → (candidate b, row offset, column offset); the N tiles of
+    one candidate are adjacent (row order) or run back to back by one program (CAND_MAJOR)."""
+    if CAND_MAJOR:
+        b = gl.program_id(0) + (tile // tiles_per_row) * gl.num_programs(0)
+    else:
+        b = tile // tiles_per_row
     rest = tile % tiles_per_row
     return b, (rest % num_m_tiles) * BLOCK_M, (rest // num_m_tiles) * BLOCK_D
 
@@ -151,7 +180,8 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 @gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
+              CAND_MAJOR: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue
     buffer (one load per consumer partition's rows)."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
@@ -159,12 +189,11 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, em
     PART_M: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
-    pid = gl.program_id(0)
-    num_programs = gl.num_programs(0)
+    start, stop, stride = _tile_range(num_tiles, tiles_per_row, CAND_MAJOR)
     step = 0
     i = 0
-    for tile in range(pid, num_tiles, num_programs):
-        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+    for tile in range(start, stop, stride):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D, CAND_MAJOR)
         if HAS_USER:
             user = gl.load(m_ptr + b).to(gl.int32)
         for kt in gl.static_range(K_TILES):
@@ -219,7 +248,8 @@ def _consumer(epi_buf, ROW0: gl.constexpr, num_warps: gl.constexpr,
               w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, MMA_DEPTH: gl.constexpr, DEFER: gl.constexpr, DEFER_USER: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr, MMA_DEPTH: gl.constexpr, DEFER: gl.constexpr, DEFER_USER: gl.constexpr,
+              CAND_MAJOR: gl.constexpr):
     """num_warps warps: wgmma over the ring, then acc + Y_u + bias → epilogue buffer → TMA store.
 
     MMA_DEPTH: wgmma groups left in flight after each K step; the slot of step s is released at
@@ -238,8 +268,7 @@ def _consumer(epi_buf, ROW0: gl.constexpr, num_warps: gl.constexpr,
     PART_M: gl.constexpr = epi_buf.type.shape[1]
     mma_layout: gl.constexpr = _mma_layout(BLOCK_D, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    pid = gl.program_id(0)
-    num_programs = gl.num_programs(0)
+    start, stop, stride = _tile_range(num_tiles, tiles_per_row, CAND_MAJOR)
     acc = gl.zeros((PART_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
     bias = gl.zeros((PART_M,), dtype=gl.float32, layout=row_layout)
     if DEFER:  # the previous tile: its cast output and coordinates
@@ -249,8 +278,8 @@ def _consumer(epi_buf, ROW0: gl.constexpr, num_warps: gl.constexpr,
         d_prev = 0
     step = 0
     i = 0
-    for tile in range(pid, num_tiles, num_programs):
-        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+    for tile in range(start, stop, stride):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D, CAND_MAJOR)
         off_m += ROW0
         if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
             rows = off_m + gl.arange(0, PART_M, layout=row_layout)
@@ -302,11 +331,13 @@ def _lce_ws_kernel(
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
     EPI_FREE_AT: gl.constexpr, MMA_DEPTH: gl.constexpr, DEFER: gl.constexpr, DEFER_USER: gl.constexpr,
-    SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT: gl.constexpr, CAND_MAJOR: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized.
     SPLIT: two consumer partitions of num_warps warps, one per half of the tile's rows (y_desc and
-    out_desc blocks of BLOCK_M / 2 rows); else one of num_warps warps."""
+    out_desc blocks of BLOCK_M / 2 rows); else one of num_warps warps.
+    CAND_MAJOR: program p runs all tiles of candidates p, p + P, … back to back (`WSConfig.tile_order`)."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -343,20 +374,20 @@ def _lce_ws_kernel(
         gl.warp_specialize([
             (_consumer, (epi_bufs.index(0), 0, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
                          bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
-                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER)),
+                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER, CAND_MAJOR)),
             (_consumer, (epi_bufs.index(1), PART_M, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
                          bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
-                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER)),
+                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER, CAND_MAJOR)),
             (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
-                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
+                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, CAND_MAJOR)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (epi_bufs.index(0), 0, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
                          bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
-                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER)),
+                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER, CAND_MAJOR)),
             (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
-                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
+                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, CAND_MAJOR)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -426,14 +457,27 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     return w_desc, x_desc, y_desc, out_desc
 
 
+def candidate_major(cfg: WSConfig, num_candidates: int, tiles_per_row: int, num_programs: int) -> bool:
+    """Whether `cfg` runs in candidate order on num_programs programs: tile_order "candidate", and the
+    busiest program gets no more tiles than in row order (the whole candidates, cdiv(B, P) · tiles_per_row,
+    against cdiv(B · tiles_per_row, P); equal at the canonical shape: 8 · 4 = 32 = cdiv(4096, 132))."""
+    if cfg.tile_order not in ("row", "candidate"):
+        raise ValueError(f"tile_order: expected 'row' or 'candidate', got {cfg.tile_order!r}")
+    busiest = triton.cdiv(num_candidates, num_programs) * tiles_per_row
+    return cfg.tile_order == "candidate" and busiest <= triton.cdiv(num_candidates * tiles_per_row, num_programs)
+
+
 def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
                num_programs: int | None = None):
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
     w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
-    num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
-    grid = min(num_programs or _device_info(out.device)[1], num_tiles)
+    tiles_per_row = triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
+    num_tiles = num_candidates * tiles_per_row
+    programs = num_programs or _device_info(out.device)[1]
+    cand_major = candidate_major(cfg, num_candidates, tiles_per_row, programs)
+    grid = min(programs, num_candidates if cand_major else num_tiles)
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
@@ -441,7 +485,8 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, MMA_DEPTH=cfg.mma_depth, DEFER=cfg.defer_epilogue, DEFER_USER=cfg.defer_user,
-        SPLIT=cfg.split_consumers, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+        SPLIT=cfg.split_consumers, CAND_MAJOR=cand_major,
+        PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.partition_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -487,7 +532,8 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, MMA_DEPTH=cfg.mma_depth, DEFER=cfg.defer_epilogue,
-        DEFER_USER=cfg.defer_user, SPLIT=cfg.split_consumers, PRODUCER_REGS=cfg.producer_regs,
+        DEFER_USER=cfg.defer_user, SPLIT=cfg.split_consumers, CAND_MAJOR=cfg.tile_order == "candidate",
+        PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.partition_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)

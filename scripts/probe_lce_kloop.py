@@ -6,13 +6,18 @@
     scripts/probe_lce_kloop.py --warm N   # worker: compiles variant/shape job N on a tiny problem (disk cache)
     scripts/probe_lce_kloop.py --all      # the device call: the probe, then ncu on --ncu, then the GPU tests
                                           # of tests/test_linear_compress_ws.py with the winner as s6's default
+    scripts/probe_lce_kloop.py --call     # a short device call (≤ CALL_BUDGET_S): CALL_VARIANTS without K scaling
+                                          # or ncu, then the GPU tests (all with a winner as the default, else
+                                          # those of the new knobs)
+    scripts/probe_lce_kloop.py --variants a,b --no-k-scaling   # the probe on those VARIANTS only
 
 Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D=256, N=512, bf16).
 1. Ceilings measured in this run: bf16 matmul 8192³ (random), device copy (read + write).
 2. Variants (WSConfig), each checked against fp64 on fresh random inputs with NaN-poisoned out and
    Y_u (bf16 rel err ≤ 1e-2), then timed on one shared input set: `do_bench` median, CUDA-graph
    replay median, the kernel alone (no Y_u, no bias) and the kernel with its fused epilogue (Y_u
-   given). The default is timed first and last (the spread of one config within the run).
+   given). The default is timed first and again near the end (the spread of one config within the run,
+   the run's noise); with --call the candidate-order variant too.
 3. K scaling: the kernel alone at Kc = 500, 1024, 2048, 8192 (8 … 128 K steps of 64 per 128 × 256
    tile): time per tile = a + b · steps on the busiest SM gives the per-tile cost a and the per-step
    cost b, against the ceiling's time for one step; at Kc = 8192 also the whole op (checked on the
@@ -21,7 +26,9 @@ Every Gluon kernel is compiled first by parallel worker processes (--warm) into 
 the K loop is unrolled, and one compile at Kc = 8192 takes ~45 s.
 A watchdog ends the run (exit 3, table so far) if one step takes over STEP_LIMIT_S.
 With $OUT set, writes probe_lce_kloop.{md,json} there and, for the tests, the winning config to
-$OUT/s6_winner.txt (empty when no variant beats the default by ≥ 2 % eager and in CUDA graphs).
+$OUT/s6_winner.txt (empty when no variant beats the default by more than the run's noise, eager and in
+CUDA graphs: the larger of 1 % and the relative spread between the two timings of the default, or of
+the variant where it was timed twice).
 """
 
 from __future__ import annotations
@@ -62,27 +69,55 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "bk32-depth2-defer-user": WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2, defer_epilogue=True, defer_user=True),
     "split": WSConfig(stages=3, split_consumers=True),
     "split-defer-user": WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True),
+    # 2026-11-29, 18:xx UTC call: candidate-major tile order (one program runs all tiles of a candidate).
+    "candidate": WSConfig(tile_order="candidate"),
+    "candidate-bk32": WSConfig(block_k=32, stages=6, epi_free_at=4, tile_order="candidate"),
+    "candidate-defer-user": WSConfig(stages=3, defer_epilogue=True, defer_user=True, tile_order="candidate"),
 }
+# --call: timed in this order (default and candidate twice: the run's noise)
+CALL_ORDER = ("default", "candidate", "candidate-bk32", "candidate-defer-user", "default", "candidate")
+CALL_BUDGET_S = 112  # the whole --call run: the probe, then the GPU tests with what is left
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
 LONG_K_VARIANTS = ("default",)
 DIM, ROWS = CANONICAL["dim"], CANONICAL["rows"]
 
 
-def warm_jobs():
+def run_options(argv=None):
+    """(variant names in timing order, whether to run the K scaling) from the command line."""
+    argv = sys.argv if argv is None else argv
+    if "--variants" in argv:
+        order = argv[argv.index("--variants") + 1].split(",")
+    else:
+        order = list(VARIANTS) + ["default"]
+    unknown = [name for name in order if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    return order, "--no-k-scaling" not in argv
+
+
+def warm_jobs(argv=None):
     """(variant, Kc, with_user) for every kernel the run launches; the slowest (long K) first."""
-    jobs = [(name, LONG_K, user) for name in LONG_K_VARIANTS for user in (True, False)]
-    jobs += [(name, 500, user) for name in VARIANTS for user in (True, False)]
-    jobs += [("default", kc, False) for kc in K_SCALING if kc not in (500, LONG_K)]
+    order, k_scaling = run_options(argv)
+    jobs = [(name, LONG_K, user) for name in LONG_K_VARIANTS for user in (True, False)] if k_scaling else []
+    jobs += [(name, 500, user) for name in dict.fromkeys(order) for user in (True, False)]
+    if k_scaling:
+        jobs += [("default", kc, False) for kc in K_SCALING if kc not in (500, LONG_K)]
     return jobs
 
 
 def warm(index: int):
-    """Compile one job's kernels by running it once on a tiny problem with the same specialization."""
+    """Compile one job's kernels by running it once on a tiny problem with the same specialization.
+    A tiny problem (B = 2) runs candidate-order configs in row order (`candidate_major`), so those
+    are warmed at B = 132 · 2 (the order is a compile-time constant)."""
     name, kc, with_user = warm_jobs()[index]
-    p = make_problem(num_users=1, num_candidates=2, ku=CANONICAL["ku"] if with_user else 0, kc=kc, dim=DIM, rows=ROWS, seed=0)
+    num_candidates = 2
+    if VARIANTS[name] is not None and VARIANTS[name].tile_order == "candidate":
+        num_candidates = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    p = make_problem(num_users=1, num_candidates=num_candidates, ku=CANONICAL["ku"] if with_user else 0, kc=kc, dim=DIM,
+                     rows=ROWS, seed=0)
     packed = PackedLinearCompress.from_weight(p.weight, p.user_emb.shape[1], p.bias if with_user else None)
-    out = torch.empty(2, ROWS, DIM, dtype=p.cand_emb.dtype, device="cuda")
+    out = torch.empty(num_candidates, ROWS, DIM, dtype=p.cand_emb.dtype, device="cuda")
     if with_user:
         lce_s6(packed, p.user_emb, p.cand_emb, p.cand_to_user, out=out, config=VARIANTS[name])
     else:
@@ -146,10 +181,18 @@ def check(name, seed, kc=None, candidates=slice(None)) -> float:
     return rel_err(out[candidates], reference(p, candidates))
 
 
+def option_args(argv=None) -> list[str]:
+    """The run options of this command line, for the warm workers (they must list the same jobs)."""
+    argv = sys.argv if argv is None else argv
+    args = ["--variants", argv[argv.index("--variants") + 1]] if "--variants" in argv else []
+    return args + (["--no-k-scaling"] if "--no-k-scaling" in argv else [])
+
+
 def main():
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     t_start = time.monotonic()
-    workers = [subprocess.Popen([sys.executable, __file__, "--warm", str(i)]) for i in range(len(warm_jobs()))]
+    order, k_scaling = run_options()
+    workers = [subprocess.Popen([sys.executable, __file__, "--warm", str(i), *option_args()]) for i in range(len(warm_jobs()))]
     header = versions()
     rows, notes, raw = [], [], {"header": header}
 
@@ -186,11 +229,15 @@ def main():
     packed._launch_tile(packed.user_weight_padded, p.user_emb, y_u, None, False, True, USER_GEMM_CONFIG)
     out = torch.empty(num_candidates, ROWS, DIM, dtype=p.cand_emb.dtype, device="cuda")
     args = (p.user_emb, p.cand_emb, p.cand_to_user)
-    order = list(VARIANTS) + ["default"]
+    if not k_scaling:  # nothing compiles beside the timings (the long-K compile is not in this run)
+        dog.step("warm workers' compiles")
+        for w in workers:
+            w.wait()
+        notes.append(f"warm compiles done at {time.monotonic() - t_start:.0f} s")
     for n, name in enumerate(order):
         dog.step(f"variant {name}")
         cfg = ws_config(DIM, 2, VARIANTS[name])
-        label = name if n < len(order) - 1 else "default (again, last)"
+        label = name if name not in order[:n] else f"{name} (again)"
         try:
             err = check(name, seed=100 + n)
             full = lambda: lce_s6(packed, *args, out=out, config=VARIANTS[name])  # noqa: E731
@@ -201,13 +248,65 @@ def main():
         except Exception as exc:  # noqa: BLE001  one variant's failure must not end the run
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
-        rows.append(dict(name=label, config=asdict(cfg), ms=ms, graph_ms=graph, tflops=work / ms / 1e9,
+        rows.append(dict(name=label, variant=name, config=asdict(cfg), ms=ms, graph_ms=graph, tflops=work / ms / 1e9,
                          pct=100 * work / flop_rate / (ms * 1e-3), err=err, alone_ms=alone, fused_ms=fused))
         print(rows[-1], f"t={time.monotonic() - t_start:.0f}s", flush=True)
         save()
     del p, packed, y_u, out
     torch.cuda.empty_cache()
+    if k_scaling:
+        k_scaling_probe(dog, raw, workers, flop_rate, num_candidates, t_start, save)
+    dog.step("report")
+    raw["winner"] = winner = pick_winner(rows, notes)
+    if out_dir:
+        (out_dir / "s6_winner.txt").write_text(winner)
+    for w in workers:  # compiles that the run did not need are not waited for
+        try:
+            w.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            w.kill()
+    raw["warm_exit_codes"] = [w.returncode for w in workers]
+    notes.append(f"warm workers' exit codes: {raw['warm_exit_codes']}; run {time.monotonic() - t_start:.0f} s")
+    report()
 
+
+def pick_winner(rows, notes) -> str:
+    """The fastest correct variant that beats s6's default by more than the run's noise, eager and in
+    CUDA graphs (each name's best timing against the default's best); its WSConfig fields that differ
+    from WSConfig() as "name=value,…", or "" where none does. Noise: the larger of 1 % and the relative
+    spread between two timings of one name (the default's, and the variant's where it ran twice)."""
+    def best(name, key):
+        return min(r[key] for r in rows if r["variant"] == name)
+
+    def spread(name, key):
+        values = [r[key] for r in rows if r["variant"] == name]
+        return (max(values) - min(values)) / min(values) if len(values) > 1 else 0.0
+
+    if not any(r["variant"] == "default" for r in rows):
+        return ""
+    good = []
+    for name in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "default"):
+        if not all(r["err"] <= BF16_TOL for r in rows if r["variant"] == name):  # NaN fails too
+            continue
+        noise = {key: max(0.01, spread("default", key), spread(name, key)) for key in ("ms", "graph_ms")}
+        gains = {key: 1 - best(name, key) / best("default", key) for key in ("ms", "graph_ms")}
+        notes.append(f"{name}: eager {100 * gains['ms']:+.1f} % (noise {100 * noise['ms']:.1f} %), "
+                     f"graph {100 * gains['graph_ms']:+.1f} % (noise {100 * noise['graph_ms']:.1f} %) against the default")
+        if all(gains[key] > noise[key] for key in gains):
+            good.append(name)
+    if not good:
+        notes.append("winner: none (s6's default stays)")
+        return ""
+    name = min(good, key=lambda n: best(n, "ms"))
+    cfg = next(r["config"] for r in rows if r["variant"] == name)
+    fields = {k: v for k, v in cfg.items() if v != getattr(WSConfig(), k) and k != "block_d"}
+    winner = ",".join(f"{k}={v}" for k, v in fields.items())
+    notes.append(f"winner: {name} ({winner})")
+    return winner
+
+
+def k_scaling_probe(dog, raw, workers, flop_rate, num_candidates, t_start, save):
+    """K scaling, the kernel alone (no Y_u, no bias), default config, Kc = K_SCALING; fit a + b · steps."""
     # K scaling: the kernel alone (no Y_u, no bias) at 8 … 128 K steps per tile; the busiest SM runs
     # ceil(4096 / 132) = 32 tiles of 128 × 256.
     tiles_busiest = triton.cdiv(num_candidates * (ROWS // 128) * (DIM // 256), torch.cuda.get_device_properties(0).multi_processor_count)
@@ -260,32 +359,7 @@ def main():
                        + ", ".join(f"{n} whole op {long_row[f'{n}_full_ms']:.4f} ms ({long_row[f'{n}_full_tflops']:.0f} TFLOP/s)" for n in LONG_K_VARIANTS)
                        + f"; rel err (first 64 candidates) {long_row['err_first64']:.1e}")
     raw["k_lines"] = k_lines
-    dog.step("report")
-
-    # The winner, for the tests: fastest correct variant, ≥ 2 % under the default's better time, eager and graph.
-    defaults = [r for r in rows if r["name"].startswith("default")]
-    winner = ""
-    if defaults:
-        base_ms = min(r["ms"] for r in defaults)
-        base_graph = min(r["graph_ms"] for r in defaults)
-        good = [r for r in rows if not r["name"].startswith("default") and r["err"] <= BF16_TOL
-                and r["ms"] <= 0.98 * base_ms and r["graph_ms"] <= 0.98 * base_graph]
-        if good:
-            best = min(good, key=lambda r: r["ms"])
-            fields = {k: v for k, v in best["config"].items() if v != getattr(WSConfig(), k) and k != "block_d"}
-            winner = ",".join(f"{k}={v}" for k, v in fields.items())
-            notes.append(f"winner: {best['name']} ({winner})")
-    raw["winner"] = winner
-    if out_dir:
-        (out_dir / "s6_winner.txt").write_text(winner)
-    for w in workers:  # compiles that the run did not need are not waited for
-        try:
-            w.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            w.kill()
-    raw["warm_exit_codes"] = [w.returncode for w in workers]
-    notes.append(f"warm workers' exit codes: {raw['warm_exit_codes']}; run {time.monotonic() - t_start:.0f} s")
-    report()
+    save()
 
 
 def ncu_target():
@@ -302,12 +376,9 @@ NCU_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalys
 ALL_BUDGET_S = 190  # the whole --all run; each stage gets what is left, up to its own limit
 
 
-def run_all():
-    """One device call: probe (≤ 110 s), ncu on one canonical launch (≤ 45 s), GPU tests (what is left, ≤ 70 s)."""
-    import shutil
-
-    import importlib.util
-
+def _stages(budget_s: float):
+    """(out_dir, log, stage): stage(label, cmd, limit, env=None, stdout=None) runs one subprocess with
+    the smaller of its limit and what is left of budget_s, and logs its exit code and time."""
     out_dir = Path(os.environ.get("OUT") or "/tmp/probe_lce_out")
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ["OUT"] = str(out_dir)
@@ -315,7 +386,7 @@ def run_all():
     log = []
 
     def stage(label, cmd, limit, env=None, stdout=None):
-        left = ALL_BUDGET_S - (time.monotonic() - start)
+        left = budget_s - (time.monotonic() - start)
         timeout = min(limit, left - 5)
         if timeout < 10:
             log.append(f"{label}: skipped ({left:.0f} s left)")
@@ -330,6 +401,43 @@ def run_all():
         print(log[-1], flush=True)
         return rc
 
+    return out_dir, log, stage
+
+
+def _pytest_args(selection: str) -> list[str]:
+    import importlib.util
+
+    # one worker per CPU core (16 on the H200 machine): the tests' time is mostly Gluon/Triton compiles
+    xdist = ["-n", str(min(16, os.cpu_count() or 8))] if importlib.util.find_spec("xdist") else []
+    return [sys.executable, "-m", "pytest", "-q", *xdist, "-k", selection, "tests/test_linear_compress_ws.py"]
+
+
+def _summary(out_dir, log):
+    tail = (out_dir / "pytest_gpu.txt").read_text().strip().splitlines()[-3:] if (out_dir / "pytest_gpu.txt").exists() else []
+    table = (out_dir / "probe_lce_kloop.md").read_text() if (out_dir / "probe_lce_kloop.md").exists() else "(no probe table)"
+    print("\n" + "\n".join(log + tail) + "\n\n" + table, flush=True)
+
+
+def run_call():
+    """A short device call (CALL_BUDGET_S): the probe on CALL_ORDER without K scaling (≤ 75 s), then the
+    GPU tests of tests/test_linear_compress_ws.py with what is left: all of them with the winner as s6's
+    default (LCE_S6_DEFAULT), else those of the candidate order."""
+    out_dir, log, stage = _stages(CALL_BUDGET_S)
+    stage("probe", [sys.executable, __file__, "--variants", ",".join(CALL_ORDER), "--no-k-scaling"], 75)
+    winner_file = out_dir / "s6_winner.txt"
+    winner = winner_file.read_text().strip() if winner_file.exists() else ""
+    env = dict(os.environ, LCE_S6_DEFAULT=winner)
+    selection = "gpu" if winner else "gpu and candidate"
+    with open(out_dir / "pytest_gpu.txt", "w") as f:
+        stage(f"GPU tests -k '{selection}' (LCE_S6_DEFAULT='{winner}')", _pytest_args(selection), 60, env=env, stdout=f)
+    _summary(out_dir, log)
+
+
+def run_all():
+    """One device call: probe (≤ 110 s), ncu on one canonical launch (≤ 45 s), GPU tests (what is left, ≤ 70 s)."""
+    import shutil
+
+    out_dir, log, stage = _stages(ALL_BUDGET_S)
     stage("probe", [sys.executable, __file__], 110)
     ncu = shutil.which("ncu") or next(iter(sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))), None)
     if ncu:
@@ -350,17 +458,15 @@ def run_all():
     winner = winner_file.read_text().strip() if winner_file.exists() else ""
     env = dict(os.environ, LCE_S6_DEFAULT=winner)
     with open(out_dir / "pytest_gpu.txt", "w") as f:
-        stage(f"GPU tests (LCE_S6_DEFAULT='{winner}')",
-              [sys.executable, "-m", "pytest", "-q", *(["-n", "8"] if importlib.util.find_spec("xdist") else []),
-               "-k", "gpu", "tests/test_linear_compress_ws.py"], 70, env=env, stdout=f)
-    tail = (out_dir / "pytest_gpu.txt").read_text().strip().splitlines()[-3:] if (out_dir / "pytest_gpu.txt").exists() else []
-    table = (out_dir / "probe_lce_kloop.md").read_text() if (out_dir / "probe_lce_kloop.md").exists() else "(no probe table)"
-    print("\n" + "\n".join(log + tail) + "\n\n" + table, flush=True)
+        stage(f"GPU tests (LCE_S6_DEFAULT='{winner}')", _pytest_args("gpu"), 70, env=env, stdout=f)
+    _summary(out_dir, log)
 
 
 if __name__ == "__main__":
     if "--all" in sys.argv:
         run_all()
+    elif "--call" in sys.argv:
+        run_call()
     elif "--warm" in sys.argv:
         warm(int(sys.argv[sys.argv.index("--warm") + 1]))
     elif "--ncu" in sys.argv:

@@ -7,7 +7,7 @@ compile Gluon for CUDA. Gluon does not run under TRITON_INTERPRET, so that is al
 GPU (skipped without a Hopper device): bf16 and fp16 outputs and Y_u poisoned with NaN, fresh random
 inputs, the canonical shape, odd Kc, U = 1, unsorted ragged mappings, users without candidates,
 D and N not multiples of the tile, one K tile, Ku = 0, no bias; each config the benchmark times; few
-programs with many tiles each (the ring's phases wrap many times).
+programs with many tiles each (the ring's phases wrap many times), in row and in candidate order.
 """
 
 from __future__ import annotations
@@ -24,12 +24,22 @@ import torch
 
 import kernels.linear_compress_ws as ws
 from kernels.linear_compress import PackedLinearCompress
-from kernels.linear_compress_ws import SMEM_LIMIT, USER_GEMM_CONFIG, WSConfig, _launch_ws, compile_s6, lce_s6, s6_supported, ws_config
+from kernels.linear_compress_ws import (
+    SMEM_LIMIT,
+    USER_GEMM_CONFIG,
+    WSConfig,
+    _launch_ws,
+    candidate_major,
+    compile_s6,
+    lce_s6,
+    s6_supported,
+    ws_config,
+)
 
 BF16_TOL = 1e-2
 FP16_TOL = 2e-3
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-# LCE_S6_DEFAULT="block_k=32,stages=6,epi_free_at=4": the GPU tests run with that WSConfig as s6's
+# LCE_S6_DEFAULT="block_k=32,stages=6,epi_free_at=4" (or "tile_order=candidate"): the GPU tests run with that WSConfig as s6's
 # default, so a candidate default is checked on every test shape before it is made the default.
 DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
 
@@ -38,7 +48,10 @@ def _parse_config(text: str) -> WSConfig:
     fields = {}
     for item in filter(None, text.split(",")):
         name, value = item.split("=")
-        fields[name] = value == "True" if value in ("True", "False") else int(value)
+        if value in ("True", "False"):
+            fields[name] = value == "True"
+        else:
+            fields[name] = int(value) if value.lstrip("-").isdigit() else value
     return WSConfig(**fields)
 
 
@@ -61,6 +74,19 @@ def test_ws_config_fits_shared_memory():
     assert ws_config(256, 2, WSConfig(block_k=32, stages=6)).smem_bytes(2) <= SMEM_LIMIT
 
 
+def test_candidate_major_only_where_balanced():
+    """Candidate order where the busiest program gets no more tiles than in row order, else row order."""
+    cand = WSConfig(tile_order="candidate")
+    assert candidate_major(cand, 1024, 4, 132)  # canonical: 8 candidates · 4 = 32 = cdiv(4096, 132)
+    assert not candidate_major(WSConfig(), 1024, 4, 132)
+    assert not candidate_major(cand, 64, 4, 132)  # 4 tiles on one program against 2
+    assert not candidate_major(cand, 40, 2, 3) and candidate_major(cand, 39, 2, 3)
+    assert candidate_major(cand, 5, 7, 1)
+    assert _parse_config("tile_order=candidate,stages=3") == WSConfig(tile_order="candidate", stages=3)
+    with pytest.raises(ValueError, match="^tile_order"):
+        candidate_major(WSConfig(tile_order="column"), 8, 1, 1)
+
+
 def _cuobjdump():
     import triton
 
@@ -74,8 +100,11 @@ def _cuobjdump():
         {},  # canonical: bf16, D = 256, Kc = 500, Y_u and bias
         dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
         dict(config=WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True)),
+        dict(config=WSConfig(tile_order="candidate")),
+        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False,
+             config=WSConfig(tile_order="candidate")),
     ],
-    ids=["canonical", "fp16-odd", "split-defer-user"],
+    ids=["canonical", "fp16-odd", "split-defer-user", "candidate", "candidate-fp16-odd"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -146,9 +175,12 @@ CONFIGS = [
     WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2, defer_epilogue=True, defer_user=True),
     WSConfig(stages=3, split_consumers=True),
     WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True),
+    WSConfig(tile_order="candidate"),
+    WSConfig(block_k=32, stages=6, epi_free_at=4, tile_order="candidate"),
+    WSConfig(stages=3, defer_epilogue=True, defer_user=True, tile_order="candidate"),
 ]
 CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128", "bd128-defer", "bk32-depth2", "defer", "defer-user", "bk32-depth2-defer-user",
-              "split", "split-defer-user"]
+              "split", "split-defer-user", "candidate", "candidate-bk32", "candidate-defer-user"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -181,17 +213,20 @@ def test_gpu_s6_configs(config):
     "base",
     [None, WSConfig(block_d=128, stages=0, defer_epilogue=True),
      WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2, defer_epilogue=True, defer_user=True),
-     WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True)],
-    ids=["default", "bd128-defer", "bk32-depth2-defer-user", "split-defer-user"],
+     WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True),
+     WSConfig(tile_order="candidate"), WSConfig(stages=3, defer_epilogue=True, defer_user=True, tile_order="candidate")],
+    ids=["default", "bd128-defer", "bk32-depth2-defer-user", "split-defer-user", "candidate", "candidate-defer-user"],
 )
 def test_gpu_s6_few_programs(num_programs, base):
-    """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times."""
-    shape = (5, 40, 32, 200, 256, 256, True, 1)
+    """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times.
+    39 candidates of 2 tiles: candidate order is balanced on 1 and on 3 programs (26 tiles each)."""
+    shape = (5, 39, 32, 200, 256, 256, True, 1)
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 11 + num_programs)
     user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
     packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
     out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
     config = ws_config(256, 2, base)
+    assert candidate_major(config, 39, 2, num_programs) == (config.tile_order == "candidate")
     _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, config, num_programs)
     _check(out, ref, torch.bfloat16)
 
