@@ -688,27 +688,54 @@ def replica_successes(metrics_url: str, models=RANKERS) -> int | None:
     return int(sum(float(value) for model, value in pattern.findall(text) if model in models))
 
 
+@contextlib.contextmanager
+def http_resends():
+    """Yields a list that collects the monotonic times at which the HTTP client library resent a
+    request because the server closed the connection without answering: geventhttpclient (under
+    tritonclient.http) sends it again on a new connection, for any method, up to pool size + 1 times,
+    and the caller sees only the second answer. A request in flight on a tritonserver that dies is
+    resent so (with replicas the new connection reaches another one)."""
+    import geventhttpclient.client as client
+
+    times, original = [], client.HTTPSocketPoolResponse
+
+    def counted(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except client.HTTPConnectionClosed:
+            times.append(time.monotonic())
+            raise
+
+    client.HTTPSocketPoolResponse = counted
+    try:
+        yield times
+    finally:
+        client.HTTPSocketPoolResponse = original
+
+
 CLEAR_ERRORS = ("not healthy", "Connection", "connect", "Stub", "unavailable", "refused", "reset", "closed", "Broken pipe")
 
 
 def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: float = 2.0, down_bound: float = 2.0) -> dict:
     """kill -9 a python backend stub `kills` times under load (2 clients on ikbo_ranker, one on
     baseline_ranker; with several replicas each request on a new connection, so that every replica
-    gets some). Per kill, the failed requests are split into: in flight at the kill; sent after it while
-    its tritonserver was still up (until serve stopped it: "down_s" after the kill; with replicas serve
-    SIGKILLs it within its 0.2 s poll, these reached the dying replica); sent after that (with one
-    tritonserver: during its restart; with replicas: must be 0). Recovery: seconds until a request sent
-    after the server went down succeeds for both rankers (within `recover_timeout`); with replicas also
-    a continuity probe (one request per ranker on a new connection, sent as soon as the dying replica
-    is gone, must succeed) and the seconds until serve runs every replica again ("replaced_s").
-    /dev/shm: segments of every killed tritonserver must be gone; no stub left without its server."""
+    gets some). Per kill: requests in flight at it; requests the HTTP client resent after a server
+    closed their connection unanswered (`http_resends`); failed requests, split into those in flight at
+    the kill, those sent after it while its tritonserver was still up (until serve stopped it, "down_s"
+    after the kill; with replicas serve SIGKILLs it within its 0.2 s poll: these reached the dying
+    replica), and those sent after that (one tritonserver: during its restart; replicas: must be 0).
+    Recovery: seconds until a request sent after the server went down succeeds for both rankers (within
+    `recover_timeout`); with replicas also a continuity probe (one request per ranker on a new
+    connection, sent as soon as the dying replica is gone, must succeed) and the seconds until serve
+    runs every replica again ("replaced_s"). /dev/shm: segments of every killed tritonserver must be
+    gone; no stub left without its server."""
     rng = np.random.default_rng(0)
     several = served.replicas > 1
     rounds, failures, seen_segments, times = [], [], set(), []
     shm_before = {p.name for p in Path("/dev/shm").iterdir()}
     ikbo = Load(served.http_url, threads=2, sizes=((15, 256), (32, 1024)), new_connection=several)
     baseline = Load(served.http_url, model="baseline_ranker", threads=1, sizes=((8, 128),), new_connection=several)
-    with ikbo, baseline:
+    with http_resends() as resends, ikbo, baseline:
         loads = (ikbo, baseline)
         for k in range(kills):
             wait_ready(served)
@@ -780,6 +807,8 @@ def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: 
         sent = [e for e in log if t_kill <= e[0] < t_next]
         window = [e for e in sent if e[0] <= t_down]
         round_.update({
+            "in_flight": sum(e[0] < t_kill <= e[1] for load in loads for e in load.log),
+            "resent_by_client": sum(t_kill <= t < t_next for t in resends),
             "failed_in_flight": len(in_flight),
             "failed_sent_before_down": len(window),
             "failed_sent_after_down": len(sent) - len(window),
@@ -814,6 +843,8 @@ def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: 
         "recovery_s_mean": round(float(np.mean(recoveries)), 2) if recoveries else None,
         "replaced_s_min_max": [min(replacements), max(replacements)] if replacements else None,
         "down_s_max": max(downs) if downs else None,
+        "in_flight": sum(r["in_flight"] for r in rounds),
+        "resent_by_client": sum(r["resent_by_client"] for r in rounds),
         "failed_in_flight": sum(r["failed_in_flight"] for r in rounds),
         "failed_sent_before_down": sum(r["failed_sent_before_down"] for r in rounds),
         "failed_sent_after_down": sum(r["failed_sent_after_down"] for r in rounds),

@@ -1,19 +1,25 @@
 """Reliability rows of issue 6 that need `make serve` itself (scripts/serve as a subprocess, over a
 copy of the rankers' models): hardening (restricted APIs behind the admin header, no model control),
 stub kill -9 under load (serve restarts tritonserver), and SIGTERM under load (last: it stops the
-server). Long forms: scripts/reliability.py harden|kill|shutdown.
+server); then the same kill and SIGTERM rows with `serve --replicas 2` (a replica with a dead stub is
+killed and replaced while the other serves: only requests in flight at the kill may fail).
+Long forms: scripts/reliability.py harden|kill|shutdown [--replicas N].
 """
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import reliability  # noqa: E402
 
 EXIT_TIMEOUT = 20
+SERVE = [sys.executable, str(REPO_ROOT / "scripts" / "serve"), "--cpu"]
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -35,4 +41,38 @@ def test_stub_kill_under_load_recovers_within_30_s_without_shm_leaks(served):
 
 def test_sigterm_under_load_finishes_in_flight_requests_and_exits_0(served):
     result = reliability.graceful_shutdown(served, EXIT_TIMEOUT)
+    assert not result["failures"], result
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_serve_refuses_fewer_than_one_replica(value):
+    run = subprocess.run([*SERVE, "--replicas", value], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--replicas: expected an integer >= 1" in run.stderr, run.stderr
+
+
+def test_serve_refuses_replicas_with_a_tritonserver_without_reuse_port(tmp_path):
+    fake = tmp_path / "bin" / "tritonserver"  # lists the options of an older server: no --reuse-*-port
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'Usage: tritonserver [options]\n  --http-port <integer>\n  --grpc-port <integer>'\nexit 1\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "TRITONSERVER": str(fake)}
+    run = subprocess.run([*SERVE, "--replicas", "2"], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2 and "--reuse-http-port or --reuse-grpc-port" in run.stderr, run.stderr
+
+
+@pytest.fixture(scope="module")
+def served_replicas():
+    with reliability.rankers_repository() as repo, reliability.serving(EXIT_TIMEOUT, repo, replicas=2) as running:
+        yield running
+
+
+def test_stub_kills_with_two_replicas_fail_only_in_flight_requests(served_replicas):
+    result = reliability.kill_stubs(served_replicas, kills=2, recover_timeout=30)
+    assert result["kills"] == 2 and not result["failures"], result
+    assert result["failed_sent_after_down"] == 0 and result["continuity_probes_ok"] == 4, result
+    assert result["down_s_max"] <= 2.0 and not result["shm_leaked"] and result["orphan_stubs"] == 0, result
+
+
+def test_sigterm_stops_every_replica_gracefully(served_replicas):
+    result = reliability.graceful_shutdown(served_replicas, EXIT_TIMEOUT)
     assert not result["failures"], result
