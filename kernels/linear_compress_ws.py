@@ -10,7 +10,9 @@ every measured B ≥ 256 and, in CUDA-graph device time, at B = 64; eager at B =
 96 % of the matmul ceiling's step rate, but every tile pays ~2 µs of fixed cost, and ncu shows the
 consumer waiting mostly for ring data (cand_emb from HBM, 3 slots = 2 steps of latency cover), not
 for wgmma or barriers; the `WSConfig` knobs mma_depth, defer_epilogue / defer_user and
-split_consumers were measured and are not faster (docs/notes/lce.md, 17:40 UTC). Reached through
+split_consumers were measured and are not faster (docs/notes/lce.md, 17:40 UTC); tile_order
+"candidate" (one program runs all tiles of a candidate, so its cand_emb comes from L2 after the first)
+is built and compiled, not yet measured (docs/notes/lce.md, 18:10 UTC). Reached through
 `PackedLinearCompress(..., variant="s6")`; the served model tries it as a tuning candidate of every
 LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
 
