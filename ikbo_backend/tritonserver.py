@@ -261,14 +261,15 @@ def cpu_wake_latency(microseconds: int, device: Path = CPU_DMA_LATENCY):
         yield
 
 
-_BUSY_LOOP = """import os, signal, sys
+_BUSY_LOOP = """import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel ends us with our parent
+if os.getppid() != int(sys.argv[2]):  # the parent died before that
+    sys.exit()
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends us
 os.sched_setaffinity(0, {int(sys.argv[1])})
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-parent = os.getppid()
-while os.getppid() == parent:  # ends with its parent, also a killed one
-    for _ in range(100_000):
-        pass
+while True:
+    pass
 """
 
 
@@ -277,9 +278,11 @@ def busy_idle_cpus(cpus=None):
     """A busy loop per CPU (default: every CPU this process may use) at SCHED_IDLE, which runs only
     when nothing else wants that CPU: idle CPUs never halt, so a request arriving after an idle gap
     finds them awake. For VM hosts without a cpuidle driver, where a PM QoS request
-    (`cpu_wake_latency`) changes nothing. Costs every idle CPU cycle. Yields the loops' processes."""
+    (`cpu_wake_latency`) changes nothing. Costs every idle CPU cycle. Yields the loops' processes;
+    they end with the context, and (Linux parent-death signal) when the thread that started them ends."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
-    loops = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(cpu)], stdin=subprocess.DEVNULL) for cpu in cpus]
+    parent = str(os.getpid())
+    loops = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(cpu), parent], stdin=subprocess.DEVNULL) for cpu in cpus]
     try:
         yield loops
     finally:

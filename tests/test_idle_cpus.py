@@ -23,7 +23,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pids, seconds=10.0) -> list[int]:
+def wait_gone(pids, seconds=30.0) -> list[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
