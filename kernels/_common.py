@@ -123,3 +123,28 @@ def group_by_user(cand_to_user: torch.Tensor, num_users: int):
     sorted_users = mapping[order]
     slot = torch.arange(mapping.shape[0], device=mapping.device) - starts[sorted_users]
     return order, counts, slot
+
+
+def compile_gluon_without_gpu(kernel, runtime_args: dict, constexprs: dict, options: dict, capability: int = 90):
+    """Compile the Gluon `kernel` for CUDA sm_<capability> on a machine without a GPU: CPU tensors and
+    host descriptors in `runtime_args` stand in for the arguments and the JIT's own specialization
+    rules give the signature; `constexprs` by name. Returns the CompiledKernel (`.asm["ptx"]`,
+    `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump)."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature, attrs, constants = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            constants[(index,)] = constexprs[name]
+            continue
+        specialize = not kernel.params[index].do_not_specialize
+        kind, key = native_specialize_impl(BaseBackend, runtime_args[name], False, specialize, True)
+        signature[name] = kind
+        if isinstance(key, str):
+            attrs[(index,)] = BaseBackend.parse_attr(key)
+    source = GluonASTSource(kernel, signature, constants, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)

@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import attention as _attn
+from ._common import compile_gluon_without_gpu
 
 WS_TYPES = (torch.float16, torch.bfloat16)
 WS_HEAD_DIMS = (64, 128)
@@ -530,10 +531,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     """Compile `_attention_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
     arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
     `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     cfg = config or DEFAULT_CONFIG
     kernel = _attention_ws_kernel
     num_users, heads, seq_len, num_queries = 15, 4, 1024, 64
@@ -550,17 +547,5 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     )
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, PINGPONG=cfg.pingpong, FENCE=cfg.fence, GATHER=cfg.gather,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
-    signature, attrs, constants = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            constants[(index,)] = constexprs[name]
-            continue
-        specialize = not kernel.params[index].do_not_specialize
-        kind, key = native_specialize_impl(BaseBackend, runtime_args[name], False, specialize, True)
-        signature[name] = kind
-        if isinstance(key, str):
-            attrs[(index,)] = BaseBackend.parse_attr(key)
-    source = GluonASTSource(kernel, signature, constants, attrs)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

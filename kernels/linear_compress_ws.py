@@ -75,6 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._common import compile_gluon_without_gpu
 from .linear_compress import PackedLinearCompress, TileConfig
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -546,10 +547,6 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     """Compile a Gluon kernel with s6's runtime arguments (w_desc, x_desc, y_desc, out_desc, m_ptr,
     bias_ptr, B, N, D) for a CUDA target without a GPU: CPU tensors stand in for the arguments, the
     JIT's own specialization rules give the signature. `constexprs` holds the rest (with num_warps)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     weight = torch.zeros(rows, triton.cdiv(num_cand_tokens, 8) * 8, dtype=dtype)
     packed = PackedLinearCompress(weight, weight, None, weight, weight)
     cand_emb = torch.zeros(2, num_cand_tokens, dim, dtype=dtype)
@@ -560,17 +557,5 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
         B=num_candidates, N=rows, D=dim,
     )
-    signature, attrs, constants = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            constants[(index,)] = constexprs[name]
-            continue
-        specialize = not kernel.params[index].do_not_specialize
-        kind, key = native_specialize_impl(BaseBackend, runtime_args[name], False, specialize, True)
-        signature[name] = kind
-        if isinstance(key, str):
-            attrs[(index,)] = BaseBackend.parse_attr(key)
-    source = GluonASTSource(kernel, signature, constants, attrs)
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
