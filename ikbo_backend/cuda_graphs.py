@@ -9,13 +9,13 @@ kernels with one launch. Graphs have fixed shapes, so requests are padded to a b
   a third of the rows are padding), both capped at the declared maxima (`shape_buckets`);
 - padding: candidates past B map to user 0 (every bucket has U ≥ 1) and users past U get history
   length 0; every per-candidate and per-user result is independent of the other rows, so the first
-  B rows of the padded call's scores are the request's scores. The padding rows hold whatever an
-  earlier request left (valid: inputs are validated) or zeros (valid ids too);
-- static inputs: one buffer per input at the declared maxima; a bucket's graph reads a leading
-  slice of it. All graphs allocate from one memory pool and replay one at a time on the capturing
-  stream, so their intermediates share memory (the pool holds about the largest bucket's);
-- the index checks inside the ops are skipped while capturing (kernels/_common.py): the serving
-  stage checks `cand_to_user` and the history lengths before a replay.
+  B rows of the padded call's scores are the request's scores;
+- static inputs: a bucket's graph reads views of buffers sized for the declared maxima. All graphs
+  allocate from one memory pool and replay one at a time on the capturing stream, so their
+  intermediates share memory (the pool holds about the largest bucket's);
+- the index checks inside the ops are skipped while capturing (kernels/_common.py): the interaction
+  stage's caller checks `cand_to_user` and the history lengths before a replay; the whole-ranker
+  graph checks and clamps every value itself and raises a flag (`GraphedRanker`).
 
 Two stages are graphed: `GraphedInteraction` (features → scores, the interaction models of the
 ensembles) and `GraphedRanker` (raw request → scores: lookups and interaction in one graph, the
@@ -27,13 +27,14 @@ on CUDA; on a CPU `replay_eagerly=True` runs the same padding without graphs (te
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 
 import torch
 
-from .ranker import Features
-from .requests import CAND_INPUTS, USER_INPUTS, ShapeRanges
+from .ranker import Features, RankerConfig
+from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, ShapeRanges, check_request_values, flag_and_clamp
 
 LOG = logging.getLogger(__name__)
 
@@ -60,20 +61,18 @@ def _round_up(value: int, sizes: list[int]) -> int | None:
 
 class _GraphedStage:
     """`stage(inputs) → scores [B, T]`, replayed from a CUDA graph of the request's bucket. Subclasses
-    name the inputs with one row per user (`USER_ROWS`) and per candidate (`CAND_ROWS`), the ones
-    zeroed in padding rows (`ZERO_PADDED`: lengths and the mapping) and how to call the stage on
-    a dict of them (`_call`)."""
+    name the inputs with one row per user (`USER_ROWS`) and per candidate (`CAND_ROWS`), hold the
+    static inputs (`_allocate`, `_views`, `_load`) and say how to call the stage on them (`_call`)."""
 
     USER_ROWS: tuple[str, ...]
     CAND_ROWS: tuple[str, ...]
-    ZERO_PADDED: tuple[str, ...]
 
     def __init__(self, ranges: ShapeRanges, device, replay_eagerly: bool = False):
         self.device = torch.device(device)
         self.user_sizes, self.cand_sizes = shape_buckets(ranges)
         self.replay_eagerly = replay_eagerly
-        self.static: dict[str, torch.Tensor] | None = None  # the inputs, at the declared maxima
-        self.staging: dict[str, torch.Tensor] = {}  # pinned host mirrors of `static` (host → device copies)
+        self.static = None  # the inputs' device memory, sized for the declared maxima
+        self.staging = None  # its host mirror (pinned on CUDA) for host → device copies
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # bucket → (graph, scores)
         self.pool = self.stream = None
         self.replays = self.eager_calls = 0
@@ -94,43 +93,24 @@ class _GraphedStage:
         return {name: users for name in self.USER_ROWS} | {name: cands for name in self.CAND_ROWS}
 
     def _allocate(self, example: dict[str, torch.Tensor]) -> None:
-        rows = self._rows(self.user_sizes[-1], self.cand_sizes[-1])
-        self.static = {name: torch.zeros((rows[name], *t.shape[1:]), dtype=t.dtype, device=self.device) for name, t in example.items()}
-        if self.device.type == "cuda":
-            self.staging = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self.static.items()}
+        """Create the static inputs (and host staging) from an example's dtypes and trailing dims."""
+        raise NotImplementedError
 
     def _views(self, users: int, cands: int) -> dict[str, torch.Tensor]:
-        """Bucket (users, cands)'s leading slices of the static inputs."""
-        return {name: self.static[name][:size] for name, size in self._rows(users, cands).items()}
+        """Bucket (users, cands)'s static inputs, the graph's arguments."""
+        raise NotImplementedError
 
     def _load(self, inputs: dict[str, torch.Tensor], users: int, cands: int) -> dict[str, torch.Tensor]:
-        """Copy the request into the static inputs, pad, and return the bucket's views of them.
-        Padding users get history length 0, padding candidates user 0. From host memory the rows go
-        through pinned staging buffers (asynchronous copies, no pageable-memory staging by the
-        driver); the staging is reused only after the caller waited for the previous replay's scores."""
-        rows, bucket_rows = self._rows(*self._shape(inputs)), self._rows(users, cands)
-        for name, t in inputs.items():
-            n, padded = rows[name], name in self.ZERO_PADDED
-            if self.staging and t.device.type == "cpu" and t.dtype != torch.bfloat16:  # numpy: no torch op per copy
-                host = self.staging[name].numpy()
-                host[:n] = t.numpy()
-                if padded:
-                    host[n : bucket_rows[name]] = 0
-                n = bucket_rows[name] if padded else n  # the zeroed rows travel in the same copy
-                t = self.staging[name][:n]
-            self.static[name][:n].copy_(t, non_blocking=True)
-            if padded and n < bucket_rows[name]:
-                self.static[name][n : bucket_rows[name]].zero_()
-        return self._views(users, cands)
+        """Copy a request into bucket (users, cands)'s static inputs, padded; return `_views`."""
+        raise NotImplementedError
 
     def capture(self, users: int, cands: int, example: dict[str, torch.Tensor]) -> None:
-        """Record the graph of bucket (users, cands); `example` (any valid request's features)
-        supplies dtypes and trailing dims and fills the static inputs on first use. The first
+        """Record the graph of bucket (users, cands); `example` (any valid request's features, at
+        most the bucket's rows) supplies dtypes and trailing dims and the first run's values. The first
         capture runs the bucket eagerly before, on the capture stream (library handles and their
         workspaces are created there); the kernels were compiled and tuned by the warm-up."""
         if self.static is None:
             self._allocate(example)
-            self._load(example, *self._shape(example))
         views = self._views(users, cands)
         if self.replay_eagerly:
             self.graphs[users, cands] = (None, None)
@@ -143,8 +123,8 @@ class _GraphedStage:
         graph = torch.cuda.CUDAGraph()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            if first:
-                self._call(views)
+            if first:  # on the example (capture_all captures the largest bucket first: it fits)
+                self._call(self._load(example, users, cands))
                 self.stream.synchronize()
                 torch.cuda.empty_cache()  # the eager run's blocks: not held beside the graphs' pool
             graph.capture_begin(pool=self.pool)
@@ -178,29 +158,27 @@ class _GraphedStage:
                   f"({reserved:,.0f} MiB reserved by torch in this process)", file=sys.stderr, flush=True)
         return len(self.graphs)
 
-    def replay(self, inputs: dict[str, torch.Tensor], to_host: bool = False) -> torch.Tensor:
-        """scores [B, T] of a request (inputs by name, host or device memory), on the device, or in
-        host memory with `to_host` (then the call waits for the device)."""
-        num_users, num_candidates = self._shape(inputs)
-        bucket = self.bucket(num_users, num_candidates)
+    def _replay(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The output of the request's bucket after loading the request and replaying its graph (the
+        padded call without a graph with `replay_eagerly`); None if no bucket was captured for it."""
+        bucket = self.bucket(*self._shape(inputs))
         if bucket is None or bucket not in self.graphs:
-            self.eager_calls += 1
-            scores = self._call({name: t.to(self.device) for name, t in inputs.items()})
-            return scores.cpu() if to_host else scores
+            return None
         views = self._load(inputs, *bucket)
-        graph, scores = self.graphs[bucket]
+        graph, output = self.graphs[bucket]
         self.replays += 1
-        if graph is None:  # replay_eagerly: the padded call without a graph
-            scores = self._call(views)
-        else:
-            graph.replay()
-        return scores[:num_candidates].cpu() if to_host else scores[:num_candidates].clone()
+        if graph is None:
+            return self._call(views)
+        graph.replay()
+        return output
 
 
 class GraphedInteraction(_GraphedStage):
     """`interaction(features) → scores [B, T]` from graphs. features: Features with user_tokens
     [U, Ku, D], cand_tokens [B, Kc, D], history_tokens [U, L, D], history_len [U], cand_to_user [B]
-    (int32, already checked in range by the caller)."""
+    (int32, already checked in range by the caller). Static inputs: one buffer per input at the
+    declared maxima, a bucket reads leading slices; padding rows keep what an earlier request left
+    (valid: inputs are checked) except lengths and the mapping (`ZERO_PADDED`), zeroed."""
 
     USER_ROWS = ("user_tokens", "history_tokens", "history_len")
     CAND_ROWS = ("cand_tokens", "cand_to_user")
@@ -215,6 +193,36 @@ class GraphedInteraction(_GraphedStage):
             raise AttributeError(name)
         return getattr(self.interaction, name)
 
+    def _allocate(self, example: dict[str, torch.Tensor]) -> None:
+        rows = self._rows(self.user_sizes[-1], self.cand_sizes[-1])
+        self.static = {name: torch.zeros((rows[name], *t.shape[1:]), dtype=t.dtype, device=self.device) for name, t in example.items()}
+        if self.device.type == "cuda":
+            self.staging = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self.static.items()}
+
+    def _views(self, users: int, cands: int) -> dict[str, torch.Tensor]:
+        """Bucket (users, cands)'s leading slices of the static inputs."""
+        return {name: self.static[name][:size] for name, size in self._rows(users, cands).items()}
+
+    def _load(self, inputs: dict[str, torch.Tensor], users: int, cands: int) -> dict[str, torch.Tensor]:
+        """Copy the request into the static inputs, pad, and return the bucket's views of them.
+        Padding users get history length 0, padding candidates user 0. From host memory the rows go
+        through pinned staging buffers (asynchronous copies, no pageable-memory staging by the
+        driver); the staging is reused only after the caller waited for the previous replay's scores."""
+        rows, bucket_rows = self._rows(*self._shape(inputs)), self._rows(users, cands)
+        for name, t in inputs.items():
+            n, padded = rows[name], name in self.ZERO_PADDED
+            if self.staging and t.device.type == "cpu" and t.dtype != torch.bfloat16:  # numpy: no torch op per copy
+                host = self.staging[name].numpy()
+                host[:n] = t.numpy()
+                if padded:
+                    host[n : bucket_rows[name]] = 0
+                n = bucket_rows[name] if padded else n  # the zeroed rows travel in the same copy
+                t = self.staging[name][:n]
+            self.static[name][:n].copy_(t, non_blocking=True)
+            if padded and n < bucket_rows[name]:
+                self.static[name][n : bucket_rows[name]].zero_()
+        return self._views(users, cands)
+
     def _call(self, inputs):
         return self.interaction(Features(**inputs))
 
@@ -222,25 +230,107 @@ class GraphedInteraction(_GraphedStage):
         return super().capture_all(vars(example))
 
     def __call__(self, f: Features) -> torch.Tensor:
-        return self.replay(vars(f))
+        """scores [B, T] on the device."""
+        scores = self._replay(vars(f))
+        if scores is None:
+            self.eager_calls += 1
+            return self._call({name: t.to(self.device) for name, t in vars(f).items()})
+        return scores[: self._shape(vars(f))[1]].clone()
 
 
 class GraphedRanker(_GraphedStage):
     """`interaction(features(**request)) → scores [B, T]` from graphs: the embedding lookups and
     projections and the interaction in one graph, fed with the raw request (the 7 inputs of
-    ikbo_backend.requests, validated by the caller) straight from host memory."""
+    ikbo_backend.requests, shapes checked by the caller) straight from host memory.
+
+    Per request, one copy each way. The request is packed into one pinned host buffer in its
+    bucket's layout (a header with U, then each input's rows, every padding row zeroed: zeros are a
+    valid request) and crosses in one host → device copy; the graph's inputs are typed views of the
+    device buffer at that bucket's offsets. The graph checks the values itself (`flag_and_clamp`:
+    indices clamped before any gather, one flag for any failed check) and writes [flag, scores...]
+    to one output, which returns in one device → host copy. The host reads no value of a valid
+    request; a flagged one is checked on the host (`check_request_values`), which names the input."""
 
     USER_ROWS = USER_INPUTS
     CAND_ROWS = CAND_INPUTS
-    ZERO_PADDED = ("user_history_len", "cand_to_user")
+    ALIGN = 256  # bytes: every input view starts on a 256-byte boundary
 
-    def __init__(self, features, interaction, ranges: ShapeRanges, device, replay_eagerly: bool = False):
+    def __init__(self, features, interaction, cfg: RankerConfig, ranges: ShapeRanges, device, replay_eagerly: bool = False):
         super().__init__(ranges, device, replay_eagerly)
-        self.features, self.interaction = features, interaction
+        self.features, self.interaction, self.cfg = features, interaction, cfg
+        self.row_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # name → (trailing dims, dtype)
+        self.host_output: torch.Tensor | None = None
+
+    def _layout(self, users: int, cands: int) -> tuple[dict[str, tuple[int, int]], int]:
+        """({name: (byte offset, rows)}, total bytes) of bucket (users, cands); the header (U, int32)
+        is at offset 0."""
+        offsets, end = {}, self.ALIGN
+        for name, rows in self._rows(users, cands).items():
+            trailing, dtype = self.row_specs[name]
+            offsets[name] = (end, rows)
+            end += -(-rows * math.prod(trailing) * dtype.itemsize // self.ALIGN) * self.ALIGN
+        return offsets, end
+
+    def _typed(self, buffer: torch.Tensor, users: int, cands: int) -> dict[str, torch.Tensor]:
+        offsets, _ = self._layout(users, cands)
+        views = {"num_users": buffer[:4].view(torch.int32)[0]}
+        for name, (offset, rows) in offsets.items():
+            trailing, dtype = self.row_specs[name]
+            size = rows * math.prod(trailing) * dtype.itemsize
+            views[name] = buffer[offset : offset + size].view(dtype).view(rows, *trailing)
+        return views
+
+    def _allocate(self, example):
+        self.row_specs = {name: (tuple(t.shape[1:]), t.dtype) for name, t in example.items()}
+        _, total = self._layout(self.user_sizes[-1], self.cand_sizes[-1])
+        self.static = torch.zeros(total, dtype=torch.uint8, device=self.device)
+        pinned = self.device.type == "cuda"
+        self.staging = torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)
+        num_tasks = self.cfg.tasks
+        self.host_output = torch.empty(1 + self.cand_sizes[-1] * num_tasks, dtype=torch.float32, pin_memory=pinned)
+
+    def _views(self, users, cands):
+        return self._typed(self.static, users, cands)
+
+    def _load(self, inputs, users, cands):
+        """Pack the request into the staging buffer in bucket (users, cands)'s layout, zero its
+        padding rows, copy the bucket's bytes to the device (asynchronously: the staging is reused
+        only after the caller waited for the previous replay's output)."""
+        staged, (num_users, _) = self._typed(self.staging, users, cands), self._shape(inputs)
+        staged["num_users"].fill_(num_users)
+        for name, t in inputs.items():
+            n, host = t.shape[0], staged[name]
+            if t.dtype == torch.bfloat16:  # numpy has no bfloat16
+                host[:n].copy_(t)
+            else:
+                host.numpy()[:n] = t.numpy(force=True)
+            host.numpy()[n:] = 0
+        total = self._layout(users, cands)[1]
+        self.static[:total].copy_(self.staging[:total], non_blocking=True)
+        return self._views(users, cands)
 
     def _call(self, inputs):
-        return self.interaction(self.features(**inputs))
+        """[bad, scores [B, T] flattened] (float32) of the bucket's views."""
+        request = {name: inputs[name] for name in INPUT_NAMES}
+        request, bad = flag_and_clamp(self.cfg, request, inputs["num_users"])
+        scores = self.interaction(self.features(**request))
+        return torch.cat([bad.view(1).to(torch.float32), scores.to(torch.float32).flatten()])
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """scores [B, T] in host memory."""
-        return self.replay(inputs, to_host=True)
+        """scores [B, T] in host memory; InvalidRequest (naming the input) for a value the checks
+        refuse. Shapes must have passed `check_request_shapes`."""
+        output = self._replay(inputs)
+        if output is None:  # no graph for this shape: the host checks, then the eager call
+            self.eager_calls += 1
+            check_request_values(self.cfg, inputs)
+            return self.interaction(self.features(**{name: t.to(self.device) for name, t in inputs.items()})).cpu()
+        num_candidates = self._shape(inputs)[1]
+        size = 1 + num_candidates * self.cfg.tasks
+        host = self.host_output[:size]
+        host.copy_(output[:size], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if host[0] != 0:
+            check_request_values(self.cfg, inputs)  # raises InvalidRequest naming the input
+            raise RuntimeError("the device's value checks flagged a request that the host's checks pass")
+        return host[1:].view(num_candidates, self.cfg.tasks).clone()

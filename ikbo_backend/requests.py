@@ -106,6 +106,13 @@ def _check_range(name, values, low, high, what):
 
 def validate_request(cfg: RankerConfig, ranges: ShapeRanges, inputs: dict[str, torch.Tensor]) -> None:
     """Raise InvalidRequest naming the input and the problem; return None for a valid request."""
+    check_request_shapes(cfg, ranges, inputs)
+    check_request_values(cfg, inputs)
+
+
+def check_request_shapes(cfg: RankerConfig, ranges: ShapeRanges, inputs: dict[str, torch.Tensor]) -> None:
+    """The metadata half of `validate_request`: names, dtypes, ranks, widths, row counts, and U and B
+    inside the served ranges. Reads no values."""
     for name in INPUT_NAMES:
         if name not in inputs:
             raise InvalidRequest(name, "missing")
@@ -139,6 +146,22 @@ def validate_request(cfg: RankerConfig, ranges: ShapeRanges, inputs: dict[str, t
     if not low <= num_candidates <= high:
         raise InvalidRequest("cand_dense", f"B = {num_candidates} is outside the served range [{low}, {high}]")
 
+
+def index_bounds(cfg: RankerConfig, num_users) -> dict[str, tuple[int, object]]:
+    """Inclusive [low, high] of each index input; `num_users` an int or a 0-d tensor."""
+    return {
+        "cand_to_user": (0, num_users - 1),
+        "user_history_len": (0, cfg.history_length),
+        "user_sparse_ids": (0, cfg.user_vocab_size - 1),
+        "cand_sparse_ids": (0, cfg.cand_vocab_size - 1),
+        "user_history_ids": (0, cfg.item_vocab_size - 1),
+    }
+
+
+def check_request_values(cfg: RankerConfig, inputs: dict[str, torch.Tensor]) -> None:
+    """The value half of `validate_request` (shapes already checked): dense values finite and at most
+    DENSE_ABS_MAX in magnitude, every index inside its table, the mapping and the lengths in range.
+    Numpy reductions first; torch ops only to name the first offender."""
     for name in ("user_dense", "cand_dense"):
         array = _host_array(inputs[name])
         low, high = array.min(), array.max()  # NaN propagates into both
@@ -152,11 +175,33 @@ def validate_request(cfg: RankerConfig, ranges: ShapeRanges, inputs: dict[str, t
         if bool(too_large.any()):
             index = [int(i) for i in too_large.nonzero()[0]]
             raise InvalidRequest(name, f"magnitude {float(inputs[name][tuple(index)]):.3g} at index {index} is above {DENSE_ABS_MAX:g}")
-    _check_range("cand_to_user", inputs["cand_to_user"], 0, num_users, f"[0, U={num_users})")
-    _check_range("user_history_len", inputs["user_history_len"], 0, cfg.history_length + 1, f"[0, L={cfg.history_length}]")
-    _check_range("user_sparse_ids", inputs["user_sparse_ids"], 0, cfg.user_vocab_size, f"the table [0, {cfg.user_vocab_size})")
-    _check_range("cand_sparse_ids", inputs["cand_sparse_ids"], 0, cfg.cand_vocab_size, f"the table [0, {cfg.cand_vocab_size})")
-    _check_range("user_history_ids", inputs["user_history_ids"], 0, cfg.item_vocab_size, f"the table [0, {cfg.item_vocab_size})")
+    num_users = inputs["user_dense"].shape[0]
+    tables = {
+        "cand_to_user": f"[0, U={num_users})",
+        "user_history_len": f"[0, L={cfg.history_length}]",
+        "user_sparse_ids": f"the table [0, {cfg.user_vocab_size})",
+        "cand_sparse_ids": f"the table [0, {cfg.cand_vocab_size})",
+        "user_history_ids": f"the table [0, {cfg.item_vocab_size})",
+    }
+    for name, (low, high) in index_bounds(cfg, num_users).items():
+        _check_range(name, inputs[name], low, high + 1, tables[name])
+
+
+def flag_and_clamp(cfg: RankerConfig, inputs: dict[str, torch.Tensor], num_users: torch.Tensor):
+    """The device twin of `check_request_values`, in torch ops that a CUDA graph can hold (no host
+    sync): returns (inputs with every index clamped into its range, `bad`: a 0-d bool tensor, True
+    iff a value check fails). Clamping keeps a bad index from reaching a gather; the scores of a
+    flagged request are discarded and `check_request_values` names the offender on the host.
+    `num_users`: the request's U as a 0-d int32 tensor on the inputs' device. NaN fails `<=`, so
+    `abs(x) <= DENSE_ABS_MAX` checks finiteness and magnitude at once."""
+    clamped, failures = dict(inputs), []
+    for name in ("user_dense", "cand_dense"):
+        failures.append((inputs[name].abs() <= DENSE_ABS_MAX).logical_not().any())
+    for name, (low, high) in index_bounds(cfg, num_users).items():
+        x = inputs[name]
+        clamped[name] = x.clamp(min=low).minimum(high) if isinstance(high, torch.Tensor) else x.clamp(low, high)
+        failures.append((clamped[name] != x).any())
+    return clamped, torch.stack(failures).any()
 
 
 def ragged_counts(num_users: int, num_candidates: int, rng: np.random.Generator) -> np.ndarray:

@@ -33,7 +33,10 @@ import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from .ranker import COMPUTE_DTYPES, Features, FeatureStage, RankerConfig, build_ranker, load_weights, make_demo_weights, profile_config, save_weights
-from .requests import INPUT_NAMES, InvalidRequest, ShapeRanges, input_widths, make_request, to_tensors, validate_request
+from .requests import (
+    INPUT_NAMES, InvalidRequest, ShapeRanges, check_request_shapes, check_request_values, input_widths, make_request, to_tensors,
+    validate_request,
+)
 from .cuda_graphs import GraphedInteraction, GraphedRanker
 from .shape_spec import bucket_representatives
 
@@ -308,9 +311,10 @@ class InteractionModel(_ServedStage):
 
 class RankerModel(_ServedStage):
     """ikbo_ranker / baseline_ranker / transformed_ranker as one python model (the large GPU configs;
-    the CPU configs serve them as ensembles of ranker_features and an interaction model): validate
-    the raw request in host memory, run lookups and interaction in this process — replayed from one
-    CUDA graph per shape bucket with `cuda_graphs` — and answer with the scores in host memory. No
+    the CPU configs serve them as ensembles of ranker_features and an interaction model): check the
+    raw request's shapes, run lookups and interaction in this process — replayed from one CUDA graph
+    per shape bucket with `cuda_graphs`, which checks the values on the device (GraphedRanker), else
+    eagerly after the host's value checks — and answer with the scores in host memory. No
     tensor crosses between python models, and the response holds no GPU tensor (in python backend
     2.51 each response with GPU outputs costs a second IPC round trip to the stub and a stream sync)."""
 
@@ -325,7 +329,8 @@ class RankerModel(_ServedStage):
         self.variant = variant
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
         self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype, batch_invariant=batch_invariant)
-        self.graphed = GraphedRanker(self.features, self.interaction, ranges, self.device) if use_cuda_graphs(cuda_graphs, self.device) else None
+        graphed = use_cuda_graphs(cuda_graphs, self.device)
+        self.graphed = GraphedRanker(self.features, self.interaction, cfg, ranges, self.device) if graphed else None
 
     @staticmethod
     def io_dims(cfg):
@@ -335,9 +340,11 @@ class RankerModel(_ServedStage):
         return to_tensors(request)  # host memory, as served
 
     def scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """scores [B, T] in host memory of a batch in the batch contract (7 inputs, already validated)."""
+        """scores [B, T] in host memory of a batch in the batch contract (7 inputs, shapes checked;
+        values checked here: on the device by the graphs, else on the host)."""
         if self.graphed is not None:
-            return self.graphed(batch)
+            return self.graphed(batch)  # InvalidRequest for a bad value
+        check_request_values(self.cfg, batch)
         return self.interaction(self.features(**{name: t.to(self.device) for name, t in batch.items()})).cpu()
 
     def capture_graphs(self, rng):
@@ -345,7 +352,7 @@ class RankerModel(_ServedStage):
             self.graphed.capture_all(to_tensors(self.graph_example(rng)))
 
     def __call__(self, inputs):
-        validate_request(self.cfg, self.ranges, inputs)  # InvalidRequest names the input
+        check_request_shapes(self.cfg, self.ranges, inputs)  # InvalidRequest names the input
         return {"scores": self.scores(inputs)}
 
 

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from ikbo_backend.cuda_graphs import GraphedInteraction, GraphedRanker, shape_buckets
 from ikbo_backend.ranker import Features, RankerConfig, build_ranker, make_demo_weights, profile_config
-from ikbo_backend.requests import ShapeRanges, make_request, to_tensors
+from ikbo_backend.requests import (
+    INPUT_NAMES, InvalidRequest, ShapeRanges, check_request_values, flag_and_clamp, index_bounds, make_request, to_tensors,
+)
 from ikbo_backend.serving import InteractionModel, RankerModel, use_cuda_graphs
 
 SMALL = RankerConfig(user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,))
@@ -74,12 +76,12 @@ def test_shapes_outside_every_bucket_run_eagerly():
 
 @pytest.mark.parametrize("variant", ["ikbo", "baseline"])
 def test_padded_replay_of_the_whole_ranker_gives_the_request_rows(variant):
-    """GraphedRanker (lookups + interaction from the raw request): a request's scores from its padded
-    bucket equal the unpadded call's (fp32: a matmul at another row count may change the last bits),
-    also after a larger request left its ids and lengths in the padding rows."""
+    """GraphedRanker (lookups + interaction from the raw request, packed into one buffer per bucket
+    layout): a request's scores from its padded bucket equal the unpadded call's (fp32: a matmul at
+    another row count may change the last bits), also after a larger request of another layout."""
     rng = np.random.default_rng()
     features, interaction = build_ranker(variant, SMALL, make_demo_weights(SMALL, seed=int(rng.integers(1 << 30))))
-    graphed = GraphedRanker(features, interaction, RANGES, "cpu", replay_eagerly=True)
+    graphed = GraphedRanker(features, interaction, SMALL, RANGES, "cpu", replay_eagerly=True)
     graphed.capture_all(to_tensors(make_request(SMALL, 3, 17, rng)))
     assert len(graphed.graphs) == len(graphed.user_sizes) * len(graphed.cand_sizes)
     shapes = [(8, 40), (1, 1), (5, 3), (3, 25), (8, 7), (2, 40)]  # U > B too (users without candidates)
@@ -89,7 +91,69 @@ def test_padded_replay_of_the_whole_ranker_gives_the_request_rows(variant):
         got = graphed(request)
         assert got.shape == (num_candidates, SMALL.tasks)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        views = graphed._views(*graphed.bucket(num_users, num_candidates))
+        assert int(views["num_users"]) == num_users
+        for name, t in request.items():  # the request's rows, then zeros; views at 256-byte offsets
+            assert torch.equal(views[name][: t.shape[0]], t) and not views[name][t.shape[0] :].any()
+            assert (views[name].data_ptr() - graphed.static.data_ptr()) % GraphedRanker.ALIGN == 0
     assert graphed.replays == len(shapes) and graphed.eager_calls == 0
+
+
+def _bad_value(cfg, request, name, kind, rng):
+    """Put one bad value of `kind` at a random position of input `name` (a host numpy request)."""
+    array = request[name]
+    index = tuple(int(rng.integers(n)) for n in array.shape)
+    num_users = request["user_dense"].shape[0]
+    high = {"cand_to_user": num_users, "user_history_len": cfg.history_length + 1, "user_sparse_ids": cfg.user_vocab_size,
+            "cand_sparse_ids": cfg.cand_vocab_size, "user_history_ids": cfg.item_vocab_size}  # fmt: skip
+    if name in high:
+        array[index] = {"low": -1, "high": high[name], "huge": np.iinfo(array.dtype).max}[kind]
+    else:
+        array[index] = {"low": np.nan, "high": np.inf, "huge": -3e30}[kind]
+    return index
+
+
+@given(name=st.sampled_from(INPUT_NAMES), kind=st.sampled_from(["low", "high", "huge"]), data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_device_value_checks_flag_exactly_what_the_host_checks_refuse(name, kind, data):
+    """flag_and_clamp (the graph's checks) against check_request_values (the host's), on fresh
+    requests with one bad value of each kind in each input, and on valid ones: the flag is raised
+    iff the host refuses, and every clamped index lies in its table."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    num_users, num_candidates = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 40))
+    request = make_request(SMALL, num_users, num_candidates, rng)
+    bad = data.draw(st.booleans())
+    if bad:
+        _bad_value(SMALL, request, name, kind, rng)
+    inputs = to_tensors(request)
+    clamped, flag = flag_and_clamp(SMALL, inputs, torch.tensor(num_users, dtype=torch.int32))
+    try:
+        check_request_values(SMALL, inputs)
+        refused = False
+    except InvalidRequest as e:
+        refused = True
+        assert e.input_name == name
+    assert bool(flag) == refused == bad
+    for index_name, (low, high) in index_bounds(SMALL, num_users).items():
+        assert int(clamped[index_name].min()) >= low and int(clamped[index_name].max()) <= high
+
+
+@pytest.mark.parametrize("name", INPUT_NAMES)
+def test_whole_ranker_graph_refuses_a_bad_value_then_answers_the_next_request(name):
+    """A request with a bad value in `name` gets InvalidRequest naming it (from the host check after
+    the graph's flag), the bad value is never gathered, and the next valid request of the same bucket
+    gets its correct scores."""
+    rng = np.random.default_rng()
+    features, interaction = build_ranker("ikbo", SMALL, make_demo_weights(SMALL, seed=int(rng.integers(1 << 30))))
+    graphed = GraphedRanker(features, interaction, SMALL, RANGES, "cpu", replay_eagerly=True)
+    graphed.capture_all(to_tensors(make_request(SMALL, 3, 17, rng)))
+    request = make_request(SMALL, 5, 30, rng)
+    _bad_value(SMALL, request, name, str(rng.choice(["low", "high", "huge"])), rng)
+    with pytest.raises(InvalidRequest, match=f"input '{name}'"):
+        graphed(to_tensors(request))
+    good = to_tensors(make_request(SMALL, 5, 30, rng))
+    torch.testing.assert_close(graphed(good), interaction(features(**good)), rtol=1e-5, atol=1e-6)
+    assert graphed.replays == 2
 
 
 def test_one_model_ranker_validates_and_answers_in_host_memory():
@@ -182,3 +246,11 @@ def test_whole_ranker_graph_replays_match_eager_calls_on_cuda(variant):
         error = float((replayed - reference).norm() / reference.norm())
         assert error <= 2e-2, f"{(num_users, num_candidates)}: rel err {error:.2e} vs fp64"
     assert (model.graphed.replays - replays, model.graphed.eager_calls - eager_calls) == (5, 0)
+    for name in INPUT_NAMES:  # the graph's own value checks: refused by name, nothing gathered out of range
+        request = make_request(cfg, 15, 1024, rng)
+        _bad_value(cfg, request, name, str(rng.choice(["low", "high", "huge"])), rng)
+        with pytest.raises(InvalidRequest, match=f"input '{name}'"):
+            model(model.example(request))
+    request = make_request(cfg, 15, 1024, rng)  # the device still answers
+    error = float((model(model.example(request))["scores"] - reference_of(request)).norm() / reference_of(request).norm())
+    assert error <= 2e-2, f"after the refusals: rel err {error:.2e} vs fp64"
