@@ -19,7 +19,9 @@
 # and the same-load comparison again with idle CPUs kept awake: "qos", a PM QoS request holding CPU
 # wake latency at 0 µs, as `scripts/serve --cpu-wake-latency-us 0` does; "spin", a SCHED_IDLE busy
 # loop on every CPU, as `scripts/serve --busy-idle` does; "" skips),
-# SOAK_SECONDS (issue 6's soak against this server at 70 % of its peak: RSS and GPU memory; "" skips).
+# SOAK_SECONDS (issue 6's soak against this server at 70 % of its peak: RSS and GPU memory; "" skips),
+# AB_TREE (a copy of another commit, e.g. `git archive <commit> | tar -x -C out/ab_tree`: ikbo_ranker's
+# call in process from that tree and from this one, alternating twice, at $GAPS; "" skips).
 #
 # Machines without network (the lab's H200): scripts/triton_bundle_env.sh.
 set -uo pipefail
@@ -88,6 +90,18 @@ if [ -z "${SKIP_IN_PROCESS:-}" ]; then
     { echo -e "\nThe same with $WAKE_LABEL:\n"; in_process ikbo_ranker; } >>"$S"
     kill $WAKE
   fi
+fi
+
+if [ -n "${AB_TREE:-}" ]; then
+  log "ikbo_ranker in process: $AB_TREE against this tree"
+  echo -e "\n### ikbo_ranker's call in process: $AB_TREE ($(cat "$AB_TREE/.commit" 2>/dev/null)) against this tree, alternating\n" >>"$S"
+  for round in 1 2; do
+    for tree in "$AB_TREE" .; do
+      echo -e "\n$tree, round $round:\n" >>"$S"
+      (cd "$tree" && timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model ikbo_ranker \
+        --gap-ms ${GAPS:-0 3}) >>"$S" 2>>"$W/in_process.err" || log "in-process ($tree): exit $? $(tail -3 "$W/in_process.err")"
+    done
+  done
 fi
 
 log "tritonserver --model-config-name=$CONFIG"
