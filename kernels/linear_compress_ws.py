@@ -11,8 +11,9 @@ every measured B ≥ 256 and, in CUDA-graph device time, at B = 64; eager at B =
 consumer waiting mostly for ring data (cand_emb from HBM, 3 slots = 2 steps of latency cover), not
 for wgmma or barriers; the `WSConfig` knobs mma_depth, defer_epilogue / defer_user and
 split_consumers were measured and are not faster (docs/notes/lce.md, 17:40 UTC); tile_order
-"candidate" (one program runs all tiles of a candidate, so its cand_emb comes from L2 after the first)
-is built and compiled, not yet measured (docs/notes/lce.md, 18:10 UTC). Reached through
+"candidate" (one program runs all tiles of a candidate) measured 12–17 % slower (18:15 UTC); epi_chunk
+(the output in 64-column chunks, Y_u read by the consumer, so a 4th ring stage fits: more bytes in
+flight) is built (docs/notes/lce.md, 20:00 UTC). Reached through
 `PackedLinearCompress(..., variant="s6")`; the served model tries it as a tuning candidate of every
 LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
 
@@ -48,7 +49,8 @@ Measured since: pingpong at 128 × 128 per warpgroup (this file's producer and e
 hid the epilogue, ran no faster than s6 (kernel alone 0.2466 vs 0.2479 ms; so the epilogue is not what
 limits s6) and was removed; its code is in git (docs/notes/lce.md).
 
-Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
+Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB; with
+epi_chunk = 64, 4 stages × 48 KiB + 2 × 16 KiB chunk buffers = 224 KiB.
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more,
 as the removed s5 did). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
 (D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
@@ -123,6 +125,18 @@ class WSConfig:
     # and from L2 for the rest; taken only where it does not lengthen the busiest program
     # (`candidate_major`), else "row".
     tile_order: str = "row"
+    # 0: the whole tile's epilogue goes through one [BLOCK_M, BLOCK_D] buffer (64 KiB at 128 × 256), the
+    # Y_u block brought in by the producer's TMA. c > 0: the output goes out in c-column chunks through
+    # two [BLOCK_M, c] buffers (32 KiB at c = 64), which frees shared memory for a 4th ring stage at
+    # 128 × 256 × 64; the Y_u block is then loaded by the consumer itself (16-byte loads in a blocked
+    # layout, issued before the K loop, 64 registers a thread at 128 × 256) and goes through the chunk
+    # buffer into the accumulator layout. Not with defer_epilogue or split_consumers.
+    epi_chunk: int = 0
+
+    @property
+    def chunk(self) -> int:
+        """Columns of one epilogue buffer: BLOCK_D, or epi_chunk where it is smaller."""
+        return min(self.epi_chunk, self.block_d) if self.epi_chunk else self.block_d
 
     @property
     def partition_warps(self) -> int:
@@ -137,7 +151,7 @@ class WSConfig:
 
     def smem_bytes(self, elem: int) -> int:
         ring = self.stages * (self.block_m + self.block_d) * self.block_k * elem
-        epilogue = self.block_m * self.block_d * elem
+        epilogue = (2 if self.epi_chunk else 1) * self.block_m * self.chunk * elem
         return ring + epilogue + 8 * (2 * self.stages + 2)
 
 
@@ -247,12 +261,73 @@ def _epilogue_store(values, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, AD
 
 
 @gluon.jit
-def _consumer(epi_buf, ROW0: gl.constexpr, num_warps: gl.constexpr,
-              w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-              num_tiles, num_m_tiles, tiles_per_row, N,
+def _column_chunks(x, NUM: gl.constexpr):
+    """x [M, NUM · C] → NUM tensors [M, C] (columns j·C … j·C + C − 1), NUM ∈ {1, 2, 4}. The chunk index
+    lies in each thread's registers (wgmma layout; `_load_user_block`'s layout), so no data moves."""
+    M: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1] // NUM
+    gl.static_assert(NUM == 1 or NUM == 2 or NUM == 4, "1, 2 or 4 column chunks")
+    if NUM == 1:
+        chunks = (x,)
+    elif NUM == 2:
+        lo, hi = gl.split(x.reshape([M, 2, C]).permute(0, 2, 1))
+        chunks = (lo, hi)
+    else:
+        even, odd = gl.split(x.reshape([M, 2, 2, C]).permute(0, 3, 1, 2))  # chunks 0, 2 / 1, 3
+        c0, c2 = gl.split(even)
+        c1, c3 = gl.split(odd)
+        chunks = (c0, c1, c2, c3)
+    return chunks
+
+
+@gluon.jit
+def _load_user_block(y_ptr, user, off_m, off_d, N, D,
+                     PART_M: gl.constexpr, BLOCK_D: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
+    """Y_u[user, off_m : off_m + PART_M, off_d : off_d + BLOCK_D] (zero past N and D), Y_u [U, N, D]
+    contiguous, by 16-byte loads: a warp reads 32 · 8 / CHUNK rows of CHUNK columns per load, and the
+    BLOCK_D / CHUNK column chunks repeat in each thread's registers."""
+    VEC: gl.constexpr = 8  # 16 bytes of fp16 / bf16
+    COLS: gl.constexpr = CHUNK // VEC  # threads along a chunk's columns
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // COLS, COLS], [num_warps, 1], [1, 0])
+    rows = off_m + gl.arange(0, PART_M, layout=gl.SliceLayout(1, layout))
+    cols = off_d + gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, layout))
+    base = y_ptr + user.to(gl.int64) * N * D
+    mask = (rows < N)[:, None] & (cols < D)[None, :]
+    return gl.load(base + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
+
+
+@gluon.jit
+def _epilogue_chunks(result, user_block, epi_bufs, out_desc, b, off_m, off_d, HAS_USER: gl.constexpr):
+    """out[b] tile = cast(result + user_block) in column chunks: chunk j goes through buffer j % 2 (the
+    user chunk stored in the blocked layout, read back in the accumulator's, the sum written over it,
+    TMA-stored), once the store that last read that buffer (two stores back) is done."""
+    BLOCK_M: gl.constexpr = epi_bufs.type.shape[2]
+    CHUNK: gl.constexpr = epi_bufs.type.shape[3]
+    NUM: gl.constexpr = result.shape[1] // CHUNK
+    chunks = _column_chunks(result, NUM)
+    if HAS_USER:
+        users = _column_chunks(user_block, NUM)
+    for j in gl.static_range(NUM):
+        buf = epi_bufs.index(j % 2)
+        tile = buf.reshape([BLOCK_M, CHUNK])
+        tma.store_wait(1 if NUM > 1 else 0)  # the issuing thread's wait …
+        gl.thread_barrier()  # … before any thread writes the buffer
+        values = chunks[j]
+        if HAS_USER:
+            tile.store(users[j])
+            values = values + tile.load(values.type.layout).to(gl.float32)
+        tile.store(values.to(epi_bufs.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d + j * CHUNK], buf)
+
+
+@gluon.jit
+def _consumer(epi_bufs, ROW0: gl.constexpr, num_warps: gl.constexpr,
+              w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc, bias_ptr, m_ptr, y_ptr,
+              num_tiles, num_m_tiles, tiles_per_row, N, D,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
               EPI_FREE_AT: gl.constexpr, MMA_DEPTH: gl.constexpr, DEFER: gl.constexpr, DEFER_USER: gl.constexpr,
-              CAND_MAJOR: gl.constexpr):
+              CAND_MAJOR: gl.constexpr, CHUNKED: gl.constexpr):
     """num_warps warps: wgmma over the ring, then acc + Y_u + bias → epilogue buffer → TMA store.
 
     MMA_DEPTH: wgmma groups left in flight after each K step; the slot of step s is released at
@@ -263,12 +338,15 @@ def _consumer(epi_buf, ROW0: gl.constexpr, num_warps: gl.constexpr,
     the Y_u block is added there too (to the cast acc + bias).
     ROW0: the first of the tile's rows that this partition computes, stages and stores (epi_buf's rows;
     all BLOCK_M unless the consumer is split).
+    CHUNKED: epi_bufs are two [BLOCK_M, CHUNK] column-chunk buffers (`WSConfig.epi_chunk`); Y_u[m[b]] is
+    loaded by these warps before the K loop (`_load_user_block`) and added in `_epilogue_chunks`.
     """
     ADD_USER: gl.constexpr = HAS_USER and DEFER_USER
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
     BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
-    PART_M: gl.constexpr = epi_buf.type.shape[1]
+    PART_M: gl.constexpr = epi_bufs.type.shape[2]
+    epi_buf = epi_bufs.index(0 if CHUNKED else ROW0 // PART_M)
     mma_layout: gl.constexpr = _mma_layout(BLOCK_D, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     start, stop, stride = _tile_range(num_tiles, tiles_per_row, CAND_MAJOR)
@@ -287,6 +365,12 @@ def _consumer(epi_buf, ROW0: gl.constexpr, num_warps: gl.constexpr,
         if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
             rows = off_m + gl.arange(0, PART_M, layout=row_layout)
             bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+        if CHUNKED and HAS_USER:  # issued here, used in the epilogue: the loads' latency hides under the MMAs
+            user = gl.load(m_ptr + b)
+            user_block = _load_user_block(y_ptr, user, off_m, off_d, N, D, PART_M, BLOCK_D,
+                                          epi_bufs.type.shape[3], num_warps)
+        else:
+            user_block = bias  # not used
         for kt in gl.static_range(K_TILES):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
@@ -302,20 +386,27 @@ def _consumer(epi_buf, ROW0: gl.constexpr, num_warps: gl.constexpr,
             acc = warpgroup_mma_wait(num_outstanding=MMA_DEPTH, deps=(acc,))
             if kt >= MMA_DEPTH:  # the wgmma of step - MMA_DEPTH has finished reading its slot
                 mbarrier.arrive(empty.index((step + STAGES - MMA_DEPTH) % STAGES), count=1)
-            if kt == EPI_FREE_AT:  # the last TMA store has read the epilogue buffer: the producer may refill it
+            if kt == EPI_FREE_AT and not CHUNKED:  # the last TMA store has read the epilogue buffer: the producer may refill it
                 tma.store_wait(0)
                 mbarrier.arrive(epi_free, count=1)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         for j in gl.static_range(min(MMA_DEPTH, K_TILES)):  # the tile's last slots, oldest first
             mbarrier.arrive(empty.index((step + STAGES - min(MMA_DEPTH, K_TILES) + j) % STAGES), count=1)
-        values = _epilogue_values(acc, bias, epi_buf, epi_ready, i, HAS_USER and not ADD_USER, HAS_BIAS)
+        if CHUNKED:
+            result = acc
+            if HAS_BIAS:
+                result = result + bias[:, None]
+            _epilogue_chunks(result, user_block, epi_bufs, out_desc, b, off_m, off_d, HAS_USER)
+            values = acc  # not used
+        else:
+            values = _epilogue_values(acc, bias, epi_buf, epi_ready, i, HAS_USER and not ADD_USER, HAS_BIAS)
         if DEFER:
             out_prev = values
             b_prev = b
             m_prev = off_m
             d_prev = off_d
-        else:
+        elif not CHUNKED:
             _epilogue_store(values, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, False)
         i += 1
     if DEFER:
@@ -332,20 +423,25 @@ def _lce_ws_kernel(
     out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D]
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
+    y_ptr,  # Y_u [U, N, D] contiguous (CHUNKED: read by the consumer; any pointer when not HAS_USER)
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
     EPI_FREE_AT: gl.constexpr, MMA_DEPTH: gl.constexpr, DEFER: gl.constexpr, DEFER_USER: gl.constexpr,
-    SPLIT: gl.constexpr, CAND_MAJOR: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, CAND_MAJOR: gl.constexpr, CHUNKED: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized.
     SPLIT: two consumer partitions of num_warps warps, one per half of the tile's rows (y_desc and
     out_desc blocks of BLOCK_M / 2 rows); else one of num_warps warps.
-    CAND_MAJOR: program p runs all tiles of candidates p, p + P, … back to back (`WSConfig.tile_order`)."""
+    CAND_MAJOR: program p runs all tiles of candidates p, p + P, … back to back (`WSConfig.tile_order`).
+    CHUNKED: the output in column chunks of out_desc's block [1, BLOCK_M, CHUNK] through two buffers, Y_u
+    read by the consumer (`WSConfig.epi_chunk`)."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
     gl.static_assert(MMA_DEPTH >= 1 and MMA_DEPTH < STAGES, "a slot is released MMA_DEPTH steps after its wgmma")
     gl.static_assert(DEFER or not DEFER_USER, "DEFER_USER needs DEFER")
+    gl.static_assert(not (CHUNKED and (DEFER or SPLIT)), "CHUNKED: not with DEFER or SPLIT")
     dtype: gl.constexpr = w_desc.dtype
     # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
     # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
@@ -359,9 +455,9 @@ def _lce_ws_kernel(
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    PARTS: gl.constexpr = 2 if SPLIT else 1
+    PARTS: gl.constexpr = 2 if SPLIT or CHUNKED else 1  # epilogue buffers: row halves or column chunks
     PART_M: gl.constexpr = out_desc.block_type.shape[1]
-    gl.static_assert(PARTS * PART_M == BLOCK_M, "out_desc/y_desc blocks: BLOCK_M / PARTS rows")
+    gl.static_assert(CHUNKED or PARTS * PART_M == BLOCK_M, "out_desc/y_desc blocks: BLOCK_M / PARTS rows")
     epi_bufs = gl.allocate_shared_memory(dtype, [PARTS] + out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -375,22 +471,24 @@ def _lce_ws_kernel(
 
     if SPLIT:
         gl.warp_specialize([
-            (_consumer, (epi_bufs.index(0), 0, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
-                         bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
-                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER, CAND_MAJOR)),
-            (_consumer, (epi_bufs.index(1), PART_M, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
-                         bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
-                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER, CAND_MAJOR)),
+            (_consumer, (epi_bufs, 0, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
+                         bias_ptr, m_ptr, y_ptr, num_tiles, num_m_tiles, tiles_per_row, N, D,
+                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER, CAND_MAJOR, CHUNKED)),
+            (_consumer, (epi_bufs, PART_M, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
+                         bias_ptr, m_ptr, y_ptr, num_tiles, num_m_tiles, tiles_per_row, N, D,
+                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER, CAND_MAJOR, CHUNKED)),
             (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
-                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, CAND_MAJOR)),
+                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER and not CHUNKED, Y_AT,
+                         CAND_MAJOR)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (epi_bufs.index(0), 0, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
-                         bias_ptr, num_tiles, num_m_tiles, tiles_per_row, N,
-                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER, CAND_MAJOR)),
+            (_consumer, (epi_bufs, 0, num_warps, w_bufs, x_bufs, ready, empty, epi_ready, epi_free, out_desc,
+                         bias_ptr, m_ptr, y_ptr, num_tiles, num_m_tiles, tiles_per_row, N, D,
+                         K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, MMA_DEPTH, DEFER, DEFER_USER, CAND_MAJOR, CHUNKED)),
             (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_free,
-                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, CAND_MAJOR)),
+                         num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER and not CHUNKED, Y_AT,
+                         CAND_MAJOR)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -410,6 +508,10 @@ def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
     base = base or DEFAULT_CONFIG
     block_d = max(16, min(base.block_d, triton.next_power_of_2(dim)))
     cfg = replace(base, block_d=block_d, stages=max(base.stages, 2))
+    if cfg.epi_chunk and (cfg.defer_epilogue or cfg.split_consumers or cfg.chunk < 16 or cfg.block_d // cfg.chunk > 4
+                          or cfg.block_d % cfg.chunk):
+        raise ValueError(f"epi_chunk: a power of two ≥ 16 giving 1, 2 or 4 chunks of BLOCK_D = {block_d}, "
+                         f"without defer_epilogue or split_consumers; got {base}")
     if base.stages == 0:
         while cfg.stages < MAX_STAGES and replace(cfg, stages=cfg.stages + 1).smem_bytes(elem) <= SMEM_LIMIT:
             cfg = replace(cfg, stages=cfg.stages + 1)
@@ -455,8 +557,8 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
         w_desc = packed._flags[key] = _descriptor(weight, [cfg.block_m, cfg.block_k])
     x_desc = _descriptor(cand_emb, [1, cfg.block_k, cfg.block_d])
     part_m = cfg.block_m // 2 if cfg.split_consumers else cfg.block_m  # rows one consumer partition stores
-    out_desc = _descriptor(out, [1, part_m, cfg.block_d])
-    y_desc = out_desc if user_part is None else _descriptor(user_part, [1, part_m, cfg.block_d])
+    out_desc = _descriptor(out, [1, part_m, cfg.chunk])
+    y_desc = out_desc if user_part is None or cfg.epi_chunk else _descriptor(user_part, [1, part_m, cfg.block_d])
     return w_desc, x_desc, y_desc, out_desc
 
 
@@ -484,11 +586,11 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
-        num_candidates, rows, dim,
+        num_candidates, rows, dim, out if user_part is None else user_part,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, MMA_DEPTH=cfg.mma_depth, DEFER=cfg.defer_epilogue, DEFER_USER=cfg.defer_user,
-        SPLIT=cfg.split_consumers, CAND_MAJOR=cand_major,
+        SPLIT=cfg.split_consumers, CAND_MAJOR=cand_major, CHUNKED=cfg.epi_chunk > 0,
         PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
         num_warps=cfg.partition_warps, maxnreg=cfg.maxnreg,
     )
@@ -536,7 +638,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, MMA_DEPTH=cfg.mma_depth, DEFER=cfg.defer_epilogue,
         DEFER_USER=cfg.defer_user, SPLIT=cfg.split_consumers, CAND_MAJOR=cfg.tile_order == "candidate",
-        PRODUCER_REGS=cfg.producer_regs,
+        CHUNKED=cfg.epi_chunk > 0, PRODUCER_REGS=cfg.producer_regs,
         CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.partition_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
@@ -555,7 +657,7 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     runtime_args = dict(
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
-        B=num_candidates, N=rows, D=dim,
+        B=num_candidates, N=rows, D=dim, y_ptr=out,
     )
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

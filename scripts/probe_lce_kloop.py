@@ -6,9 +6,9 @@
     scripts/probe_lce_kloop.py --warm N   # worker: compiles variant/shape job N on a tiny problem (disk cache)
     scripts/probe_lce_kloop.py --all      # the device call: the probe, then ncu on --ncu, then the GPU tests
                                           # of tests/test_linear_compress_ws.py with the winner as s6's default
-    scripts/probe_lce_kloop.py --call     # a short device call (≤ CALL_BUDGET_S): CALL_VARIANTS without K scaling
+    scripts/probe_lce_kloop.py --call     # a short device call (≤ CALL_BUDGET_S): CALL_ORDER without K scaling
                                           # or ncu, then the GPU tests (all with a winner as the default, else
-                                          # those of the new knobs)
+                                          # those of the new knob, CALL_TESTS)
     scripts/probe_lce_kloop.py --variants a,b --no-k-scaling   # the probe on those VARIANTS only
 
 Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D=256, N=512, bf16).
@@ -17,7 +17,7 @@ Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D
    Y_u (bf16 rel err ≤ 1e-2), then timed on one shared input set: `do_bench` median, CUDA-graph
    replay median, the kernel alone (no Y_u, no bias) and the kernel with its fused epilogue (Y_u
    given). The default is timed first and again near the end (the spread of one config within the run,
-   the run's noise); with --call the candidate-order variant too.
+   the run's noise); with --call the new variant (CALL_ORDER) too.
 3. K scaling: the kernel alone at Kc = 500, 1024, 2048, 8192 (8 … 128 K steps of 64 per 128 × 256
    tile): time per tile = a + b · steps on the busiest SM gives the per-tile cost a and the per-step
    cost b, against the ceiling's time for one step; at Kc = 8192 also the whole op (checked on the
@@ -73,10 +73,17 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "candidate": WSConfig(tile_order="candidate"),
     "candidate-bk32": WSConfig(block_k=32, stages=6, epi_free_at=4, tile_order="candidate"),
     "candidate-defer-user": WSConfig(stages=3, defer_epilogue=True, defer_user=True, tile_order="candidate"),
+    # 2026-11-29, 20:xx UTC call: the output in 64-column chunks through 2 × 16 KiB, Y_u read by the
+    # consumer, the freed shared memory a 4th ring stage (st3: the chunked epilogue alone, 3 stages;
+    # bk32: 8 stages of 24 KiB, the same bytes in flight as 4 × 48 KiB).
+    "chunk64": WSConfig(stages=0, epi_chunk=64),
+    "chunk64-st3": WSConfig(stages=3, epi_chunk=64),
+    "chunk64-bk32": WSConfig(block_k=32, stages=8, epi_chunk=64),
 }
-# --call: timed in this order (default and candidate twice: the run's noise)
-CALL_ORDER = ("default", "candidate", "candidate-bk32", "candidate-defer-user", "default", "candidate")
-CALL_BUDGET_S = 112  # the whole --call run: the probe, then the GPU tests with what is left
+# --call: timed in this order (default and the new variant twice: the run's noise)
+CALL_ORDER = ("default", "chunk64", "chunk64-st3", "chunk64-bk32", "default", "chunk64")
+CALL_TESTS = "gpu and chunk64"  # the GPU tests of the new knob, run when no variant wins
+CALL_BUDGET_S = 165  # the whole --call run: the probe (≤ 80 s), then the GPU tests with what is left (≤ 80 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
 LONG_K_VARIANTS = ("default",)
@@ -419,17 +426,17 @@ def _summary(out_dir, log):
 
 
 def run_call():
-    """A short device call (CALL_BUDGET_S): the probe on CALL_ORDER without K scaling (≤ 75 s), then the
+    """A short device call (CALL_BUDGET_S): the probe on CALL_ORDER without K scaling (≤ 80 s), then the
     GPU tests of tests/test_linear_compress_ws.py with what is left: all of them with the winner as s6's
-    default (LCE_S6_DEFAULT), else those of the candidate order."""
+    default (LCE_S6_DEFAULT), else CALL_TESTS."""
     out_dir, log, stage = _stages(CALL_BUDGET_S)
-    stage("probe", [sys.executable, __file__, "--variants", ",".join(CALL_ORDER), "--no-k-scaling"], 75)
+    stage("probe", [sys.executable, __file__, "--variants", ",".join(CALL_ORDER), "--no-k-scaling"], 80)
     winner_file = out_dir / "s6_winner.txt"
     winner = winner_file.read_text().strip() if winner_file.exists() else ""
     env = dict(os.environ, LCE_S6_DEFAULT=winner)
-    selection = "gpu" if winner else "gpu and candidate"
+    selection = "gpu" if winner else CALL_TESTS
     with open(out_dir / "pytest_gpu.txt", "w") as f:
-        stage(f"GPU tests -k '{selection}' (LCE_S6_DEFAULT='{winner}')", _pytest_args(selection), 60, env=env, stdout=f)
+        stage(f"GPU tests -k '{selection}' (LCE_S6_DEFAULT='{winner}')", _pytest_args(selection), 80, env=env, stdout=f)
     _summary(out_dir, log)
 
 
