@@ -25,6 +25,10 @@ of attention.py's grid (tiles of one user adjacent, heads slow). Tiles come from
         runs under the other's products. With FENCE the wait for P_{j-1}·V_{j-1} is kept after the
         softmax (intra-warpgroup overlap; ptxas otherwise hoists it, see `_block`). The output rows
         are scattered back by pointer (16-byte stores).
+    Per-item options (GATHER only): with OVERLAP a consumer's trip for item i+1 issues q·k_0ᵀ of item
+        i+1 together with item i's last P·V, runs block 0's softmax under it, then item i's epilogue
+        (no wgmma in flight across a loop back-edge); with PRODUCER_STORE the consumers leave their
+        normalized rows in their q slot and the producer stores them before it refills the slot.
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
 
@@ -76,10 +80,21 @@ class WSAttentionConfig:
     # default: on the H200 it was no faster (d = 128) or 7 % slower (d = 64) than without.
     fence: bool = False
     gather: bool = True  # the producer gathers q rows (cp.async, 2 slots) and output-row offsets
+    # Item boundary in one step: the next item's q·k_0ᵀ is issued with this item's last P·V and block
+    # 0's softmax runs under it; the epilogue follows (one reciprocal per row); the next item's key
+    # count is loaded one item ahead. Needs gather.
+    overlap: bool = False
+    # The consumers leave their normalized output rows in their q slot (free after the item's last
+    # q·kᵀ) and the producer warp stores them (before it gathers the slot's next q rows). Needs gather.
+    producer_store: bool = False
     consumer_regs: int = 224  # registers per thread of the worker consumer warpgroup (setmaxnreg; the default one gets the rest)
     producer_regs: int = 56  # registers per thread of the producer warp (24 are enough without gather)
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
+
+    def __post_init__(self):
+        if (self.overlap or self.producer_store) and not self.gather:
+            raise ValueError(f"overlap and producer_store need gather=True, got {self}")
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -113,7 +128,12 @@ def _item_coords(item, num_tiles):
 @gluon.jit
 def _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN: gl.constexpr):
     """(user ≥ 0, valid keys) of a tile; 0 keys for an unused slot (user -1). kv_len clamped to [0, L]."""
-    entry_user = gl.load(tile_ptr + tile * 4)
+    return _entry_keys(gl.load(tile_ptr + tile * 4), kv_len_ptr, seq_len, HAS_KV_LEN)
+
+
+@gluon.jit
+def _entry_keys(entry_user, kv_len_ptr, seq_len, HAS_KV_LEN: gl.constexpr):
+    """`_user_keys` from a loaded tile entry's user field."""
     user = gl.maximum(entry_user, 0)
     kv_len = seq_len
     if HAS_KV_LEN:
@@ -148,11 +168,29 @@ def _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, item, n
 
 
 @gluon.jit
-def _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, tile, head,
-              num_queries, q_bufs, row_bufs, q_empty, phase, QS: gl.constexpr):
+def _store_slot(out_ptr, q_bufs, row_bufs, QS: gl.constexpr):
+    """Producer (PRODUCER_STORE): the output rows the consumers left in q_bufs[2·w + QS] to their offsets in
+    row_bufs[256·QS + 128 …] (rows with offset -8 skipped), 8 rows at a time, 16-byte loads and stores."""
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [1, 1], [1, 0])
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, chunk))
+    for w in gl.static_range(2):
+        for c in gl.static_range(8):
+            offs = row_bufs.slice(256 * QS + 128 + 64 * w + 8 * c, 8).load(gl.SliceLayout(1, chunk))
+            offs = gl.multiple_of(offs, 8)  # out's strides are multiples of 8 elements (launch_ws)
+            rows = q_bufs.index(2 * w + QS).slice(8 * c, 8).load(chunk)
+            gl.store(out_ptr + (offs[:, None] + cols[None, :]), rows, mask=(offs >= 0)[:, None])
+    gl.thread_barrier()  # every lane has read the slot and its offsets before they are overwritten
+
+
+@gluon.jit
+def _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, tile,
+              head, num_queries, q_bufs, row_bufs, q_empty, phase, store_prev, QS: gl.constexpr,
+              PRODUCER_STORE: gl.constexpr):
     """Producer (GATHER): the tile's 128 q-row and output-row offsets into row_bufs[256·QS + (0 | 128) …]
     (an output row past the tile's end: -8), then cp.async of each warpgroup's 64 q rows into q_bufs[2·w + QS], 8 rows
-    at a time (16-byte copies; the slot waits until both warpgroups released it)."""
+    at a time (16-byte copies; the slot waits until both warpgroups released it). With PRODUCER_STORE and
+    `store_prev`, the slot's previous item's output rows are stored first."""
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
     rows_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [1, 1], [1, 0])
@@ -167,6 +205,9 @@ def _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stri
     o_rows = gl.where(row_ok, cand * stride_ob + head * stride_oh + token * stride_os, -8)
     mbarrier.wait(q_empty.index(QS), phase)
     mbarrier.wait(q_empty.index(2 + QS), phase)
+    if PRODUCER_STORE:
+        if store_prev:
+            _store_slot(out_ptr, q_bufs, row_bufs, QS)
     row_bufs.slice(256 * QS, 128).store(q_rows)
     row_bufs.slice(256 * QS + 128, 128).store(o_rows)
     gl.thread_barrier()  # the warp's q-row offsets are in shared memory before its lanes read them back
@@ -192,11 +233,12 @@ def _publish_q(q_ready, qs):
 @gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
               num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-              q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
+              q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
               q_bufs, row_bufs, q_ready, q_empty,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, PRODUCER_STORE: gl.constexpr):
     """1 warp: every work item's K and V blocks into the ring (slots start free); with GATHER also
-    its q rows (issued before the item's first K/V block, published after it)."""
+    its q rows (issued before the item's first K/V block, published after it); with PRODUCER_STORE
+    the output rows of item i - 2 before item i's q rows, and of the last two items at the end."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     it = 0
     i = 0
@@ -210,11 +252,13 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
         qs = i % 2
         if GATHER:  # slot qs, unrolled: shared-memory slices take constant offsets
             if qs == 0:
-                _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
-                          tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 0)
+                _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, tile_ptr,
+                          order_ptr, tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, i >= 2, 0,
+                          PRODUCER_STORE)
             else:
-                _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
-                          tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 1)
+                _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, tile_ptr,
+                          order_ptr, tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, i >= 2, 1,
+                          PRODUCER_STORE)
         for j in range(0, num_blocks):
             slot = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1
@@ -232,6 +276,17 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
             if num_blocks == 0:
                 _publish_q(q_ready, qs)
         i += 1
+    if PRODUCER_STORE:  # the last two items' output rows, once the consumers have left them
+        for t in range(gl.maximum(i - 2, 0), i):
+            phase = (((t + 2) // 2) & 1) ^ 1
+            if t % 2 == 0:
+                mbarrier.wait(q_empty.index(0), phase)
+                mbarrier.wait(q_empty.index(2), phase)
+                _store_slot(out_ptr, q_bufs, row_bufs, 0)
+            else:
+                mbarrier.wait(q_empty.index(1), phase)
+                mbarrier.wait(q_empty.index(3), phase)
+                _store_slot(out_ptr, q_bufs, row_bufs, 1)
 
 
 @gluon.jit
@@ -287,19 +342,177 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
 
 
 @gluon.jit
-def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-              k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
-              tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr,
-              GATHER: gl.constexpr, WG: gl.constexpr):
-    """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile (see module doc)."""
+def _block0(it, turn, kv_len, qk_scale, acc, p_op, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
+            fence_bar, entry_ptr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, WITH_PV: gl.constexpr):
+    """OVERLAP: key block 0 of an item at ring position `it`: issue q·k_0ᵀ and, WITH_PV, the previous
+    item's last P·V (acc += p_op · V at position it - 1), run block 0's softmax under the second.
+    The load of *entry_ptr (the next item's tile entry) goes out while q·k_0ᵀ runs.
+    Returns (acc: the previous item's final accumulator WITH_PV, else unchanged; m, l, P_0, entry)."""
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    slot = it % STAGES
+    prev = (it - 1) % STAGES
+    _take_turn(turns, turn, WG, PINGPONG)
+    mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    if WITH_PV:
+        mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+        _pass_turn(turns, WG, PINGPONG)
+        entry = gl.load(entry_ptr)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+    else:
+        _pass_turn(turns, WG, PINGPONG)
+        entry = gl.load(entry_ptr)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    mbarrier.arrive(k_empty.index(slot), count=1)
+    if kv_len < BLOCK_N:
+        key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where((key_cols < kv_len)[None, :], s, float("-inf"))
+    m_i = gl.max(s, 1) * qk_scale
+    p = gl.exp2(s * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    if WITH_PV:
+        mbarrier.wait(fence_bar, 1)  # as FENCE in _block, here always: block 0's softmax runs under the P·V
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+    p_op = gl.convert_layout(p.to(k_bufs.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    return acc, m_i, l_i, p_op, entry
+
+
+@gluon.jit
+def _last_pv(it, turn, acc, p_op, v_bufs, v_ready, v_empty, turns, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+             WG: gl.constexpr):
+    """OVERLAP: an item's last P·V (V at ring position it - 1) alone, waited: the final accumulator."""
+    prev = (it - 1) % STAGES
+    _take_turn(turns, turn, WG, PINGPONG)
+    mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+    acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+    _pass_turn(turns, WG, PINGPONG)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    return acc
+
+
+@gluon.jit
+def _finish(acc, l_i, qs, out_ptr, q_bufs, row_bufs, q_empty, WG: gl.constexpr, PRODUCER_STORE: gl.constexpr):
+    """OVERLAP: an item's output rows acc · (1 / l) (zeros for acc = 0, l = 1), from q slot `qs`: scattered
+    to the output-row offsets in row_bufs, or (PRODUCER_STORE) left in the slot for the producer; then
+    the slot is released."""
+    o_layout: gl.constexpr = acc.type.layout
+    inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+    out = (acc * inv_l[:, None]).to(q_bufs.dtype)
+    if PRODUCER_STORE:
+        q_bufs.index(2 * WG + qs).store(out)
+    else:
+        _store_rows(out, out_ptr, row_bufs, 0, 0, 0, 0, 0, 0, 0, 0, qs, True, WG)
+    mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)
+
+
+@gluon.jit
+def _consumer_overlap(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                      turns, fence_bar, tile_ptr, kv_len_ptr, num_items, num_tiles, seq_len, qk_scale,
+                      HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr,
+                      PRODUCER_STORE: gl.constexpr, WG: gl.constexpr):
+    """One warpgroup with OVERLAP (and GATHER): per item, block 0 together with the previous item's
+    last P·V (`_block0`), then the previous item's epilogue, then blocks 1 … n-1 (`_block`). No
+    wgmma is in flight across a loop back-edge (ptxas serialized every wgmma when one was)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     dtype: gl.constexpr = k_bufs.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io: gl.constexpr = _io_layout(HEAD_DIM)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    pid = gl.program_id(0)
+    step = gl.num_programs(0)
+    it = 0  # K/V blocks consumed (ring position of the next block 0)
+    turn = 0  # wgmma turns taken (PINGPONG)
+    i = 0  # work items done (q slot: i % 2)
+    pending = 0  # 1 when the previous item's last P·V and epilogue are still to do
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.zeros([64], gl.float32, s_rows)
+    l_i = gl.full([64], 1.0, gl.float32, s_rows)
+    p_a = gl.convert_layout(gl.zeros([64, BLOCK_N], dtype, s_layout), p_layout)
+    entry_next = gl.load(tile_ptr + (pid % num_tiles) * 4)  # the next item's tile entry (user), a trip ahead
+    for item in range(pid, num_items, step):
+        _, kv_len = _entry_keys(entry_next, kv_len_ptr, seq_len, HAS_KV_LEN)
+        next_tile, _ = _item_coords(gl.minimum(item + step, num_items - 1), num_tiles)
+        num_blocks = gl.cdiv(kv_len, BLOCK_N)
+        qs = i % 2
+        q_smem = q_bufs.index(2 * WG + qs)
+        mbarrier.wait(q_ready.index(2 * WG + qs), (i // 2) & 1)
+        if num_blocks > 0:
+            if pending != 0:
+                acc, m_i, l_new, p_new, entry_next = _block0(it, turn, kv_len, qk_scale, acc, p_a, q_smem, k_bufs, v_bufs,
+                                                             k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
+                                                             tile_ptr + next_tile * 4, STAGES, PINGPONG, WG, True)
+                _finish(acc, l_i, 1 - qs, out_ptr, q_bufs, row_bufs, q_empty, WG, PRODUCER_STORE)
+            else:
+                acc, m_i, l_new, p_new, entry_next = _block0(it, turn, kv_len, qk_scale, acc, p_a, q_smem, k_bufs, v_bufs,
+                                                             k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
+                                                             tile_ptr + next_tile * 4, STAGES, PINGPONG, WG, False)
+            acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+            l_i = l_new
+            p_a = p_new
+            for j in range(1, num_blocks):
+                acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
+                                            v_bufs, k_ready, v_ready, k_empty, v_empty, turns, fence_bar, STAGES, PINGPONG,
+                                            FENCE, WG)
+            it += num_blocks
+            turn += num_blocks
+            pending = 1
+        else:  # no keys: the previous item ends alone, this one's rows are zeros
+            entry_next = gl.load(tile_ptr + next_tile * 4)
+            if pending != 0:
+                acc = _last_pv(it, turn, acc, p_a, v_bufs, v_ready, v_empty, turns, STAGES, PINGPONG, WG)
+                turn += 1
+                _finish(acc, l_i, 1 - qs, out_ptr, q_bufs, row_bufs, q_empty, WG, PRODUCER_STORE)
+            _finish(gl.zeros([64, HEAD_DIM], gl.float32, o_layout), gl.full([64], 1.0, gl.float32, s_rows), qs, out_ptr,
+                    q_bufs, row_bufs, q_empty, WG, PRODUCER_STORE)
+            pending = 0
+        i += 1
+    if pending != 0:
+        acc = _last_pv(it, turn, acc, p_a, v_bufs, v_ready, v_empty, turns, STAGES, PINGPONG, WG)
+        _finish(acc, l_i, (i - 1) % 2, out_ptr, q_bufs, row_bufs, q_empty, WG, PRODUCER_STORE)
+
+
+@gluon.jit
+def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
+              k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
+              tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr,
+              GATHER: gl.constexpr, OVERLAP: gl.constexpr, PRODUCER_STORE: gl.constexpr, WG: gl.constexpr):
+    """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile (see module doc)."""
+    if OVERLAP:
+        _consumer_overlap(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                          turns, fence_bar, tile_ptr, kv_len_ptr, num_items, num_tiles, seq_len, qk_scale, HAS_KV_LEN,
+                          STAGES, PINGPONG, FENCE, PRODUCER_STORE, WG)
+    else:
+        _consumer_per_item(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_bufs, v_bufs,
+                           q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, fence_bar,
+                           tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
+                           HAS_KV_LEN, STAGES, PINGPONG, FENCE, GATHER, PRODUCER_STORE, WG)
+
+
+@gluon.jit
+def _consumer_per_item(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
+                       k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
+                       fence_bar, tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
+                       HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr,
+                       GATHER: gl.constexpr, PRODUCER_STORE: gl.constexpr, WG: gl.constexpr):
+    """One warpgroup without OVERLAP: each item from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and
+    its epilogue."""
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+    dtype: gl.constexpr = k_bufs.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -367,23 +580,37 @@ def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride
                             num_queries, WG, HEAD_DIM)
         # out rows = acc / l (zeros without keys), scattered back to [B, H, S, d]
         out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-        out = gl.convert_layout(out.to(dtype), io)
-        if GATHER:  # output-row offsets from the producer, -8 past the tile's end
-            if qs == 0:  # (the alignment hint on each load: on the branches' result it is lost)
-                rows = gl.multiple_of(row_bufs.slice(128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
-            else:
-                rows = gl.multiple_of(row_bufs.slice(256 + 128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
-            row_ok = rows >= 0
+        if PRODUCER_STORE:  # left in the q slot (its last q·kᵀ is done) for the producer
+            q_smem.store(out.to(dtype))
         else:
-            cand, token, row_ok = _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG, gl.SliceLayout(1, io))
-            rows = cand * stride_ob + head * stride_oh + token * stride_os
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
-        gl.store(out_ptr + (rows[:, None] + cols[None, :]), out, mask=row_ok[:, None])
+            _store_rows(out.to(dtype), out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_queries, stride_ob,
+                        stride_oh, stride_os, qs, GATHER, WG)
         if GATHER:
             mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows and output-row offsets read
         else:
             gl.thread_barrier()  # every warp is done with q_smem's wgmmas before the next item overwrites it
         i += 1
+
+
+@gluon.jit
+def _store_rows(out, out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_queries, stride_ob, stride_oh, stride_os, qs,
+                GATHER: gl.constexpr, WG: gl.constexpr):
+    """Scatter warpgroup WG's output rows `out` [64, d] back to [B, H, S, d] (16-byte stores); with GATHER
+    the output-row offsets come from the producer (row_bufs, slot qs; -8 past the tile's end)."""
+    HEAD_DIM: gl.constexpr = out.type.shape[1]
+    io: gl.constexpr = _io_layout(HEAD_DIM)
+    out = gl.convert_layout(out, io)
+    if GATHER:
+        if qs == 0:  # (the alignment hint on each load: on the branches' result it is lost)
+            rows = gl.multiple_of(row_bufs.slice(128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
+        else:
+            rows = gl.multiple_of(row_bufs.slice(256 + 128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
+        row_ok = rows >= 0
+    else:
+        cand, token, row_ok = _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG, gl.SliceLayout(1, io))
+        rows = cand * stride_ob + head * stride_oh + token * stride_os
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
+    gl.store(out_ptr + (rows[:, None] + cols[None, :]), out, mask=row_ok[:, None])
 
 
 @gluon.jit(do_not_specialize=["num_items", "num_tiles"])  # any U, B: one compiled kernel
@@ -398,7 +625,7 @@ def _attention_ws_kernel(
     num_tiles,  # tile slots
     seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FENCE: gl.constexpr, GATHER: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    OVERLAP: gl.constexpr, PRODUCER_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Persistent: program p runs work items p, p + programs, … (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -437,15 +664,15 @@ def _attention_ws_kernel(
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      fence_bar, tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, GATHER, WG0)),
+                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, GATHER, OVERLAP, PRODUCER_STORE, WG0)),
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      fence_bar, tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, GATHER, WG1)),
+                     HAS_KV_LEN, STAGES, PINGPONG, FENCE, GATHER, OVERLAP, PRODUCER_STORE, WG1)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-                     q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
-                     q_bufs, row_bufs, q_ready, q_empty, HAS_KV_LEN, STAGES, GATHER)),
+                     q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, order_ptr,
+                     num_queries, q_bufs, row_bufs, q_ready, q_empty, HAS_KV_LEN, STAGES, GATHER, PRODUCER_STORE)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -509,7 +736,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         return out.zero_(), flag
     q = q if q.stride(-1) == 1 else q.contiguous()
     if cfg.gather and not all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, out)):
-        cfg = replace(cfg, gather=False)  # the copies and stores of gathered rows assume 16-byte aligned rows
+        cfg = replace(cfg, gather=False, overlap=False, producer_store=False)  # 16-byte copies and stores of rows
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n)
     num_items = max_tiles * heads
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
@@ -520,6 +747,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         order if kv_len is None else kv_len, order, tiles,
         num_items, max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, PINGPONG=cfg.pingpong, FENCE=cfg.fence, GATHER=cfg.gather,
+        OVERLAP=cfg.overlap, PRODUCER_STORE=cfg.producer_store,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
@@ -546,6 +774,7 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
     )
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, PINGPONG=cfg.pingpong, FENCE=cfg.fence, GATHER=cfg.gather,
+                      OVERLAP=cfg.overlap, PRODUCER_STORE=cfg.producer_store,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -3,6 +3,7 @@
 
     scripts/bench_attention.py [--sweep full|corners|none] [--no-flex] [--tune] [--variants] [--smoke] [--host-cpu]   (or scripts/bench_kernels.py attention ...)
     scripts/bench_attention.py --ws      the Gluon FA3-style kernel (kernels/attention_ws.py) side by side
+    scripts/bench_attention.py --ws-ab   its WS_AB variants against its default, in alternation, one process
 
 Canonical shape, bf16, non-causal target attention: B=1024 candidates, S=64 query tokens each,
 U=15 users with ragged counts, L=1024, H=4, d=128; FLOPs = 4·B·H·S·L·d. Providers:
@@ -24,6 +25,10 @@ WS_VARIANTS entry in its own child process (a timeout, so that a hang costs one 
 checks of NaN-poisoned outputs on WS_CHECKS (ragged counts, kv_len < L and 0, L not a multiple of
 the tile, users without candidates, S > 64, d = 64, fp16), then plan + kernel and kernel alone at
 WS_SHAPES; a table last, details in $OUT/attention_ws.json.
+--ws-ab: the same fp64 checks for the WS_AB variants (parallel child processes), then one child times
+them at AB_SHAPES in AB_ROUNDS alternating rounds (default, v1, v2, …, default, v1, …), kernel alone
+(plan given) and plan + kernel; err vs fp64 at the canonical shape, vs the default elsewhere. Table
+last, details in $OUT/attention_ws_ab.json.
 Outputs are checked before timing: ours (poisoned with NaN) against fp64 at the canonical shape,
 every provider and sweep point against each other. Prints markdown; with $OUT set, writes
 $OUT/attention_bench.md. Kernels are compiled first in parallel worker processes (shared disk
@@ -568,7 +573,13 @@ WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws 128, pingpong, gather, fence": dict(fence=True),
     "ws 128, no pingpong, gather": dict(pingpong=False),
     "ws 128, pingpong, no gather, fence (call 1's)": dict(gather=False, fence=True, consumer_regs=232, producer_regs=24),
+    "ws overlap": dict(overlap=True),
+    "ws overlap + producer store": dict(overlap=True, producer_store=True, producer_regs=64),
+    "ws producer store": dict(producer_store=True, producer_regs=64),
 }
+WS_AB = ["ws default (128 keys, pingpong, gather, no fence)", "ws overlap", "ws overlap + producer store",
+         "ws producer store"]  # --ws-ab: the first is the reference
+AB_ROUNDS = 2
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [
     (15, 1024, 64, 1024, 4, 128, None, 0, torch.bfloat16),  # canonical
@@ -585,6 +596,7 @@ WS_SHAPES = [  # timed, bf16, no kv_len
     Shape(15, 1024, 64, 1024, 4, 64),  # d = 64
     Shape(64, 1024, 64, 512, 2, 128),  # B/U = 16, L = 512
 ]
+AB_SHAPES = [CANONICAL, Shape(4, 1024, 64, 4096, 4, 128), Shape(15, 1024, 64, 1024, 4, 64), Shape(64, 1024, 64, 512, 2, 128)]
 
 
 def _ws_problem(check, seed):
@@ -636,6 +648,104 @@ def ws_child(name, phase):
         full = timed(lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out))
         print(json.dumps(dict(kind="time", variant=name, shape=list(shape.__dict__.values()), kernel_ms=times, plan_kernel_ms=full, err=err)), flush=True)
         del p, out, ref
+
+
+def ws_ab_child(names):
+    """Child process (--ws-ab): time the WS_AB variants `names` in alternation at AB_SHAPES; one JSON
+    line per shape and one per (shape, round, variant)."""
+    import json
+
+    from kernels import attention_ws
+
+    cfgs = {name: attention_ws.WSAttentionConfig(**WS_VARIANTS[name]) for name in names}
+    for shape in AB_SHAPES:
+        p = make_problem(shape, seed=7)
+        scale = 1 / math.sqrt(shape.head_dim)
+        ref = fp64_target(p) if shape == CANONICAL else None
+        outs, errs = {}, {}
+        for name, cfg in cfgs.items():  # poisoned outputs, checked (and compiled) before any timing
+            outs[name] = torch.full_like(p["q"], float("nan"))
+            attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=outs[name])
+        for name in cfgs:
+            errs[name] = rel_err(outs[name], ref if ref is not None else outs[names[0]])
+        print(json.dumps(dict(kind="ab_check", shape=list(shape.__dict__.values()), vs="fp64" if ref is not None else names[0],
+                              err=errs)), flush=True)
+        del ref
+        plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, attention_ws.TILE_M)
+        out = outs[names[0]]
+        for r in range(AB_ROUNDS):
+            for name, cfg in cfgs.items():
+                kernel = timed(lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out, plan=plan))
+                full = timed(lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out))
+                print(json.dumps(dict(kind="ab_time", shape=list(shape.__dict__.values()), round=r, variant=name,
+                                      kernel_ms=kernel, plan_kernel_ms=full)), flush=True)
+        del p, outs, out
+
+
+def ws_ab_section(check_timeout_s=100, time_timeout_s=150):
+    """The --ws-ab run (see module doc); returns the table lines."""
+    import json
+    import subprocess
+
+    peak, _ = ceilings()
+    props = torch.cuda.get_device_properties(0)
+    lines = [f"# Gluon FA3-style kernel: WS_AB variants against the default, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"device {props.name} ({props.multi_processor_count} SMs), driver {_driver_version()}, "
+             f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}",
+             f"bf16 matmul measured here: {peak / 1e12:.0f} TFLOP/s\n"]
+    results, log = [], []
+    start = time.perf_counter()
+    procs = {name: subprocess.Popen([sys.executable, __file__, "--ws-child", name, "--ws-phase", "check"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in WS_AB}
+    passed = []
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=max(1.0, check_timeout_s - (time.perf_counter() - start)))
+            status = f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            status = f"timeout {check_timeout_s} s"
+        log.append(f"== {name} (check): {status}\n{stdout}\n{stderr[-3000:]}")
+        checks = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        results += checks
+        errs = [c["err"] for c in checks]
+        ok = status == "exit 0" and len(errs) == len(WS_CHECKS) and all(e <= BF16_TOL for e in errs)
+        lines.append(f"- checks {name}: {status}; rel err vs fp64 {', '.join(f'{e:.1e}' for e in errs)}{'' if ok else '; FAILED'}")
+        if ok:
+            passed.append(name)
+    lines.append(f"(checks: {time.perf_counter() - start:.0f} s)\n")
+    if passed and passed[0] == WS_AB[0]:
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--ws-child", "|".join(passed), "--ws-phase", "ab"],
+                                  capture_output=True, text=True, timeout=time_timeout_s)
+            stdout, status = proc.stdout, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+        except subprocess.TimeoutExpired as exc:
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            status = f"timeout {time_timeout_s} s"
+        log.append(f"== timing: {status}\n{stdout}")
+        results += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        lines.append(f"timing child: {status.splitlines()[0] if status else ''} ({time.perf_counter() - start:.0f} s)\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "attention_ws_ab.json").write_text(json.dumps(dict(peak=peak, results=results), indent=1))
+        Path(os.environ["OUT"], "attention_ws_ab_log.txt").write_text("\n".join(log))
+    return lines + ws_ab_table(results)
+
+
+def ws_ab_table(results):
+    """The --ws-ab table from the timing child's JSON lines."""
+    lines = ["| shape (U, B, S, L, H, d) | variant | round | kernel ms | plan + kernel ms | TFLOP/s (plan + kernel) | err |"]
+    lines.append("|---|---|---:|---:|---:|---:|---:|")
+    for shape in AB_SHAPES:
+        key = list(shape.__dict__.values())
+        check = next((r for r in results if r["kind"] == "ab_check" and r["shape"] == key), {"err": {}, "vs": ""})
+        for r in results:
+            if r["kind"] == "ab_time" and r["shape"] == key:
+                err = check["err"].get(r["variant"], float("nan"))
+                lines.append(f"| {tuple(key)} | {r['variant']} | {r['round'] + 1} | {r['kernel_ms']:.4f} | {r['plan_kernel_ms']:.4f} | "
+                             f"{shape.target_flops / r['plan_kernel_ms'] / 1e9:.0f} | {err:.1e} vs {check['vs'][:10]} |")
+    return lines
 
 
 def _driver_version() -> str:
@@ -758,14 +868,21 @@ def main(argv):
     parser.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
     parser.add_argument("--host-cpu", action="store_true", help="host µs per call without a GPU (stand-in driver), then exit")
     parser.add_argument("--ws", action="store_true", help="the Gluon kernel's variants against the Triton kernel, then exit")
+    parser.add_argument("--ws-ab", action="store_true", help="the Gluon kernel's WS_AB variants in alternation, then exit")
     parser.add_argument("--ws-child", help=argparse.SUPPRESS)
-    parser.add_argument("--ws-phase", choices=("check", "time"), help=argparse.SUPPRESS)
+    parser.add_argument("--ws-phase", choices=("check", "time", "ab"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ws_child and args.ws_phase == "ab":
+        ws_ab_child(args.ws_child.split("|"))
+        return
     if args.ws_child:
         ws_child(args.ws_child, args.ws_phase)
         return
     if args.ws:
         print("\n".join(ws_section()), flush=True)
+        return
+    if args.ws_ab:
+        print("\n".join(ws_ab_section()), flush=True)
         return
     if args.host_cpu:
         print("\n".join(host_cpu()))

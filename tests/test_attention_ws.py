@@ -7,11 +7,12 @@ cleanly where this Triton cannot compile Gluon for CUDA. Gluon does not run unde
 so that is all the CPU can check. GPU (skipped without a Hopper device): bf16 and fp16 outputs
 poisoned with NaN, fresh random inputs, ragged counts, kv_len < L and 0, L not a multiple of the
 key block, users without candidates, S > 64 and S = 1, d = 64, through `launch_ws` for every
-config and through the public op's dispatch.
+config and through the public op's dispatch (the fp64 reference computed once per case and dtype).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shutil
@@ -33,8 +34,12 @@ CONFIGS = [
     WSAttentionConfig(pingpong=False),
     NO_GATHER,
     WSAttentionConfig(block_n=64, stages=4, gather=False, consumer_regs=232, producer_regs=24),
+    WSAttentionConfig(overlap=True),
+    WSAttentionConfig(overlap=True, producer_store=True, producer_regs=64),
+    WSAttentionConfig(producer_store=True, producer_regs=64),
 ]
-CONFIG_IDS = ["default", "fence", "no-pingpong", "no-gather-fence", "64-no-gather-fence"]
+CONFIG_IDS = ["default", "fence", "no-pingpong", "no-gather-fence", "64-no-gather-fence", "overlap", "overlap-pstore",
+              "pstore"]
 
 
 def _cuobjdump():
@@ -48,6 +53,12 @@ def test_configs_fit_shared_memory():
     for cfg in CONFIGS:
         assert cfg.smem_bytes(128, 2) <= SMEM_LIMIT
         assert 128 * (2 * cfg.consumer_regs + cfg.producer_regs) <= 65536  # 3 warpgroups' registers after setmaxnreg
+
+
+@pytest.mark.parametrize("kwargs", [dict(overlap=True), dict(producer_store=True)])
+def test_overlap_and_producer_store_need_gather(kwargs):
+    with pytest.raises(ValueError, match="gather"):
+        WSAttentionConfig(gather=False, **kwargs)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
@@ -77,11 +88,12 @@ def test_compiles_for_sm90a(config, kwargs):
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert "LDL" not in sass and "STL" not in sass
     # Intra-warpgroup overlap: between the wait for q·k_jᵀ (at most one wgmma group left in flight)
-    # and the wait for P_{j-1}·V_{j-1}, the softmax's exponentials of a whole block.
+    # and the wait for P_{j-1}·V_{j-1}, the softmax's exponentials of a whole block (with FENCE in
+    # every block; with OVERLAP at least in block 0, under the previous item's last P·V).
     under_pv = [len(re.findall(r"MUFU\.EX2", part.split("WARPGROUP.DEPBAR.LE gsb0, 0x0")[0]))
                 for part in sass.split("WARPGROUP.DEPBAR.LE gsb0, 0x1")[1:]]
     per_block = 64 * config.block_n // 128  # exponentials per thread and key block
-    assert (max(under_pv, default=0) >= per_block) == config.fence, under_pv
+    assert (max(under_pv, default=0) >= per_block) == (config.fence or config.overlap), under_pv
 
 
 def test_not_supported_on_cpu():
@@ -102,7 +114,9 @@ GPU_CASES = [
 ]
 
 
+@functools.lru_cache(maxsize=None)
 def _problem(case, dtype, seed):
+    """Inputs and the fp64 reference of one case, drawn once (every config runs the same problem)."""
     num_users, num_candidates, num_queries, seq_len, heads, head_dim, kv_mode, empty = case
     gen = torch.Generator().manual_seed(seed)
     mapping = torch.randint(0, num_users - empty, (num_candidates,), generator=gen)
@@ -142,7 +156,7 @@ def test_cuda_launch_ws_matches_fp64(case, dtype, config):
 def test_cuda_few_programs_many_items():
     """Two programs loop over every work item: the ring's and the turns' phases wrap many times."""
     q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[1], torch.bfloat16, seed=3)
-    for config in (DEFAULT_CONFIG, NO_GATHER):
+    for config in (DEFAULT_CONFIG, NO_GATHER, CONFIGS[5], CONFIGS[6]):
         out = torch.full_like(q, float("nan"))
         launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, num_programs=2)
         _check(out, ref)
