@@ -579,7 +579,7 @@ WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
 }
 WS_AB = ["ws default (128 keys, pingpong, gather, no fence)", "ws overlap", "ws overlap + producer store",
          "ws producer store"]  # --ws-ab: the first is the reference
-AB_ROUNDS = 2
+AB_ROUNDS = 3
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [
     (15, 1024, 64, 1024, 4, 128, None, 0, torch.bfloat16),  # canonical
