@@ -34,7 +34,7 @@ import time
 import torch
 
 from .ranker import Features, RankerConfig
-from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, ShapeRanges, check_request_values, flag_and_clamp
+from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, ShapeRanges, check_request_values, check_values_on_device
 
 LOG = logging.getLogger(__name__)
 
@@ -244,9 +244,9 @@ class GraphedRanker(_GraphedStage):
     ikbo_backend.requests, shapes checked by the caller) straight from host memory.
 
     Per request, one copy each way. The request is packed into one pinned host buffer in its
-    bucket's layout (a header with U, then each input's rows, every padding row zeroed: zeros are a
+    bucket's layout (a header with U - 1, then each input's rows, every padding row zeroed: zeros are a
     valid request) and crosses in one host → device copy; the graph's inputs are typed views of the
-    device buffer at that bucket's offsets. The graph checks the values itself (`flag_and_clamp`:
+    device buffer at that bucket's offsets. The graph checks the values itself (`check_values_on_device`:
     indices clamped before any gather, one flag for any failed check) and writes [flag, scores...]
     to one output, which returns in one device → host copy. The host reads no value of a valid
     request; a flagged one is checked on the host (`check_request_values`), which names the input."""
@@ -260,10 +260,11 @@ class GraphedRanker(_GraphedStage):
         self.features, self.interaction, self.cfg = features, interaction, cfg
         self.row_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # name → (trailing dims, dtype)
         self.host_output: torch.Tensor | None = None
+        self._io: dict[tuple[int, int], tuple] = {}  # bucket → `_bucket_io`
 
     def _layout(self, users: int, cands: int) -> tuple[dict[str, tuple[int, int]], int]:
-        """({name: (byte offset, rows)}, total bytes) of bucket (users, cands); the header (U, int32)
-        is at offset 0."""
+        """({name: (byte offset, rows)}, total bytes) of bucket (users, cands); the header (U - 1,
+        int32) is at offset 0."""
         offsets, end = {}, self.ALIGN
         for name, rows in self._rows(users, cands).items():
             trailing, dtype = self.row_specs[name]
@@ -273,7 +274,7 @@ class GraphedRanker(_GraphedStage):
 
     def _typed(self, buffer: torch.Tensor, users: int, cands: int) -> dict[str, torch.Tensor]:
         offsets, _ = self._layout(users, cands)
-        views = {"num_users": buffer[:4].view(torch.int32)[0]}
+        views = {"last_user": buffer[:4].view(torch.int32)[0]}
         for name, (offset, rows) in offsets.items():
             trailing, dtype = self.row_specs[name]
             size = rows * math.prod(trailing) * dtype.itemsize
@@ -289,33 +290,42 @@ class GraphedRanker(_GraphedStage):
         num_tasks = self.cfg.tasks
         self.host_output = torch.empty(1 + self.cand_sizes[-1] * num_tasks, dtype=torch.float32, pin_memory=pinned)
 
+    def _bucket_io(self, users: int, cands: int):
+        """(numpy views of the staging, torch views of the device buffer, the bucket's bytes of
+        both) of bucket (users, cands): built once per bucket, at capture."""
+        io = self._io.get((users, cands))
+        if io is None:
+            staged = {name: t.numpy() for name, t in self._typed(self.staging, users, cands).items()}
+            total = self._layout(users, cands)[1]
+            io = self._io[users, cands] = (staged, self._typed(self.static, users, cands), self.static[:total], self.staging[:total])
+        return io
+
     def _views(self, users, cands):
-        return self._typed(self.static, users, cands)
+        return self._bucket_io(users, cands)[1]
 
     def _load(self, inputs, users, cands):
         """Pack the request into the staging buffer in bucket (users, cands)'s layout, zero its
         padding rows, copy the bucket's bytes to the device (asynchronously: the staging is reused
-        only after the caller waited for the previous replay's output)."""
-        staged, (num_users, _) = self._typed(self.staging, users, cands), self._shape(inputs)
-        staged["num_users"].fill_(num_users)
+        only after the caller waited for the previous replay's output). numpy on the host: no torch
+        op per input."""
+        staged, views, device_bytes, host_bytes = self._bucket_io(users, cands)
+        staged["last_user"][...] = self._shape(inputs)[0] - 1
         for name, t in inputs.items():
             n, host = t.shape[0], staged[name]
-            if t.dtype == torch.bfloat16:  # numpy has no bfloat16
-                host[:n].copy_(t)
-            else:
-                host.numpy()[:n] = t.numpy(force=True)
-            host.numpy()[n:] = 0
-        total = self._layout(users, cands)[1]
-        self.static[:total].copy_(self.staging[:total], non_blocking=True)
-        return self._views(users, cands)
+            host[:n] = t.numpy(force=True)
+            host[n:] = 0
+        device_bytes.copy_(host_bytes, non_blocking=True)
+        return views
 
     def _call(self, inputs):
-        """[bad, scores [B, T] flattened] (float32) of the bucket's views."""
-        request = {name: inputs[name] for name in INPUT_NAMES}
-        request, bad = flag_and_clamp(self.cfg, request, inputs["num_users"])
+        """[flag, scores [B, T] flattened] (float32) of the bucket's views; the views' indices are
+        clamped in place first."""
+        request, flag = {name: inputs[name] for name in INPUT_NAMES}, torch.zeros(1, dtype=torch.float32, device=self.device)
+        check_values_on_device(self.cfg, request, inputs["last_user"], flag)
         scores = self.interaction(self.features(**request))
-        return torch.cat([bad.view(1).to(torch.float32), scores.to(torch.float32).flatten()])
+        return torch.cat([flag, scores.to(torch.float32).flatten()])
 
+    @torch.inference_mode()
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """scores [B, T] in host memory; InvalidRequest (naming the input) for a value the checks
         refuse. Shapes must have passed `check_request_shapes`."""
@@ -326,11 +336,11 @@ class GraphedRanker(_GraphedStage):
             return self.interaction(self.features(**{name: t.to(self.device) for name, t in inputs.items()})).cpu()
         num_candidates = self._shape(inputs)[1]
         size = 1 + num_candidates * self.cfg.tasks
-        host = self.host_output[:size]
-        host.copy_(output[:size], non_blocking=True)
+        self.host_output[:size].copy_(output[:size], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        host = self.host_output.numpy()
         if host[0] != 0:
             check_request_values(self.cfg, inputs)  # raises InvalidRequest naming the input
             raise RuntimeError("the device's value checks flagged a request that the host's checks pass")
-        return host[1:].view(num_candidates, self.cfg.tasks).clone()
+        return torch.from_numpy(host[1:size].reshape(num_candidates, self.cfg.tasks).copy())

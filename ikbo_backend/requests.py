@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels.request_checks import clamp_flagged_, flag_unbounded
+
 from .ranker import RankerConfig
 
 USER_INPUTS = ("user_dense", "user_sparse_ids", "user_history_ids", "user_history_len")
@@ -147,10 +149,10 @@ def check_request_shapes(cfg: RankerConfig, ranges: ShapeRanges, inputs: dict[st
         raise InvalidRequest("cand_dense", f"B = {num_candidates} is outside the served range [{low}, {high}]")
 
 
-def index_bounds(cfg: RankerConfig, num_users) -> dict[str, tuple[int, object]]:
-    """Inclusive [low, high] of each index input; `num_users` an int or a 0-d tensor."""
+def index_bounds(cfg: RankerConfig, last_user) -> dict[str, tuple[int, object]]:
+    """Inclusive [low, high] of each index input; `last_user` = U - 1, an int or a 0-d tensor."""
     return {
-        "cand_to_user": (0, num_users - 1),
+        "cand_to_user": (0, last_user),
         "user_history_len": (0, cfg.history_length),
         "user_sparse_ids": (0, cfg.user_vocab_size - 1),
         "cand_sparse_ids": (0, cfg.cand_vocab_size - 1),
@@ -183,25 +185,20 @@ def check_request_values(cfg: RankerConfig, inputs: dict[str, torch.Tensor]) -> 
         "cand_sparse_ids": f"the table [0, {cfg.cand_vocab_size})",
         "user_history_ids": f"the table [0, {cfg.item_vocab_size})",
     }
-    for name, (low, high) in index_bounds(cfg, num_users).items():
+    for name, (low, high) in index_bounds(cfg, num_users - 1).items():
         _check_range(name, inputs[name], low, high + 1, tables[name])
 
 
-def flag_and_clamp(cfg: RankerConfig, inputs: dict[str, torch.Tensor], num_users: torch.Tensor):
-    """The device twin of `check_request_values`, in torch ops that a CUDA graph can hold (no host
-    sync): returns (inputs with every index clamped into its range, `bad`: a 0-d bool tensor, True
-    iff a value check fails). Clamping keeps a bad index from reaching a gather; the scores of a
-    flagged request are discarded and `check_request_values` names the offender on the host.
-    `num_users`: the request's U as a 0-d int32 tensor on the inputs' device. NaN fails `<=`, so
-    `abs(x) <= DENSE_ABS_MAX` checks finiteness and magnitude at once."""
-    clamped, failures = dict(inputs), []
+def check_values_on_device(cfg: RankerConfig, inputs: dict[str, torch.Tensor], last_user: torch.Tensor, flag: torch.Tensor) -> None:
+    """The device twin of `check_request_values`, with no host sync (a CUDA graph holds it): every
+    index input clamped into its range in place (a bad index never reaches a gather), and flag[0]
+    set to 1 if any value check fails (kernels.request_checks). `last_user`: U - 1 as a 0-d int32
+    tensor on the inputs' device; flag: float32 [1], zeroed by the caller. A flagged request's
+    scores are discarded and `check_request_values` names the offender on the host."""
     for name in ("user_dense", "cand_dense"):
-        failures.append((inputs[name].abs() <= DENSE_ABS_MAX).logical_not().any())
-    for name, (low, high) in index_bounds(cfg, num_users).items():
-        x = inputs[name]
-        clamped[name] = x.clamp(min=low).minimum(high) if isinstance(high, torch.Tensor) else x.clamp(low, high)
-        failures.append((clamped[name] != x).any())
-    return clamped, torch.stack(failures).any()
+        flag_unbounded(inputs[name], DENSE_ABS_MAX, flag)
+    for name, (low, high) in index_bounds(cfg, last_user).items():
+        clamp_flagged_(inputs[name], low, high, flag)
 
 
 def ragged_counts(num_users: int, num_candidates: int, rng: np.random.Generator) -> np.ndarray:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ikbo_backend.cuda_graphs import GraphedInteraction, GraphedRanker, shape_buckets
 from ikbo_backend.ranker import Features, RankerConfig, build_ranker, make_demo_weights, profile_config
 from ikbo_backend.requests import (
-    INPUT_NAMES, InvalidRequest, ShapeRanges, check_request_values, flag_and_clamp, index_bounds, make_request, to_tensors,
+    INPUT_NAMES, InvalidRequest, ShapeRanges, check_request_values, check_values_on_device, index_bounds, make_request, to_tensors,
 )
 from ikbo_backend.serving import InteractionModel, RankerModel, use_cuda_graphs
 
@@ -92,7 +92,7 @@ def test_padded_replay_of_the_whole_ranker_gives_the_request_rows(variant):
         assert got.shape == (num_candidates, SMALL.tasks)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         views = graphed._views(*graphed.bucket(num_users, num_candidates))
-        assert int(views["num_users"]) == num_users
+        assert int(views["last_user"]) == num_users - 1
         for name, t in request.items():  # the request's rows, then zeros; views at 256-byte offsets
             assert torch.equal(views[name][: t.shape[0]], t) and not views[name][t.shape[0] :].any()
             assert (views[name].data_ptr() - graphed.static.data_ptr()) % GraphedRanker.ALIGN == 0
@@ -116,9 +116,10 @@ def _bad_value(cfg, request, name, kind, rng):
 @given(name=st.sampled_from(INPUT_NAMES), kind=st.sampled_from(["low", "high", "huge"]), data=st.data())
 @settings(max_examples=40, deadline=None)
 def test_device_value_checks_flag_exactly_what_the_host_checks_refuse(name, kind, data):
-    """flag_and_clamp (the graph's checks) against check_request_values (the host's), on fresh
-    requests with one bad value of each kind in each input, and on valid ones: the flag is raised
-    iff the host refuses, and every clamped index lies in its table."""
+    """check_values_on_device (the graph's checks; here their torch reference on the CPU) against
+    check_request_values (the host's), on fresh requests with one bad value of each kind in each
+    input, and on valid ones: the flag is raised iff the host refuses, and every clamped index lies
+    in its table."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     num_users, num_candidates = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 40))
     request = make_request(SMALL, num_users, num_candidates, rng)
@@ -126,7 +127,8 @@ def test_device_value_checks_flag_exactly_what_the_host_checks_refuse(name, kind
     if bad:
         _bad_value(SMALL, request, name, kind, rng)
     inputs = to_tensors(request)
-    clamped, flag = flag_and_clamp(SMALL, inputs, torch.tensor(num_users, dtype=torch.int32))
+    clamped, flag = {name: t.clone() for name, t in inputs.items()}, torch.zeros(1)
+    check_values_on_device(SMALL, clamped, torch.tensor(num_users - 1, dtype=torch.int32), flag)
     try:
         check_request_values(SMALL, inputs)
         refused = False
@@ -134,7 +136,7 @@ def test_device_value_checks_flag_exactly_what_the_host_checks_refuse(name, kind
         refused = True
         assert e.input_name == name
     assert bool(flag) == refused == bad
-    for index_name, (low, high) in index_bounds(SMALL, num_users).items():
+    for index_name, (low, high) in index_bounds(SMALL, num_users - 1).items():
         assert int(clamped[index_name].min()) >= low and int(clamped[index_name].max()) <= high
 
 
