@@ -4,6 +4,7 @@
     scripts/bench_attention.py [--sweep full|corners|none] [--no-flex] [--tune] [--variants] [--smoke] [--host-cpu]   (or scripts/bench_kernels.py attention ...)
     scripts/bench_attention.py --ws      the Gluon FA3-style kernel (kernels/attention_ws.py) side by side
     scripts/bench_attention.py --ws-ab   its WS_AB variants against its default, in alternation, one process
+    ncu --profile-from-start off ... scripts/bench_attention.py --ws-profile   PROFILE_RUNS, once each, for Nsight Compute
 
 Canonical shape, bf16, non-causal target attention: B=1024 candidates, S=64 query tokens each,
 U=15 users with ragged counts, L=1024, H=4, d=128; FLOPs = 4·B·H·S·L·d. Providers:
@@ -596,6 +597,7 @@ WS_SHAPES = [  # timed, bf16, no kv_len
     Shape(15, 1024, 64, 1024, 4, 64),  # d = 64
     Shape(64, 1024, 64, 512, 2, 128),  # B/U = 16, L = 512
 ]
+PROFILE_RUNS = [(CANONICAL, WS_AB[0]), (CANONICAL, "ws overlap"), (Shape(4, 1024, 64, 4096, 4, 128), WS_AB[0])]
 AB_SHAPES = [CANONICAL, Shape(4, 1024, 64, 4096, 4, 128), Shape(15, 1024, 64, 1024, 4, 64), Shape(64, 1024, 64, 512, 2, 128)]
 
 
@@ -748,6 +750,28 @@ def ws_ab_table(results):
     return lines
 
 
+def ws_profile():
+    """--ws-profile: each PROFILE_RUNS kernel compiled and run once, then once more (plan given) between
+    cudaProfilerStart/Stop, so that `ncu --profile-from-start off` sees only those launches."""
+    from kernels import attention_ws
+
+    runs = []
+    for shape, name in PROFILE_RUNS:
+        p = make_problem(shape, seed=7)
+        plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, attention_ws.TILE_M)
+        cfg = attention_ws.WSAttentionConfig(**WS_VARIANTS[name])
+        args = (p["q"], p["k"], p["v"], p["cand_to_user"], None, 1 / math.sqrt(shape.head_dim), cfg)
+        attention_ws.launch_ws(*args, plan=plan)
+        runs.append((args, plan))
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for args, plan in runs:
+        attention_ws.launch_ws(*args, plan=plan)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled (in order):", [f"{name} at {shape}" for shape, name in PROFILE_RUNS], flush=True)
+
+
 def _driver_version() -> str:
     import subprocess
 
@@ -869,6 +893,7 @@ def main(argv):
     parser.add_argument("--host-cpu", action="store_true", help="host µs per call without a GPU (stand-in driver), then exit")
     parser.add_argument("--ws", action="store_true", help="the Gluon kernel's variants against the Triton kernel, then exit")
     parser.add_argument("--ws-ab", action="store_true", help="the Gluon kernel's WS_AB variants in alternation, then exit")
+    parser.add_argument("--ws-profile", action="store_true", help="PROFILE_RUNS once each for ncu, then exit")
     parser.add_argument("--ws-child", help=argparse.SUPPRESS)
     parser.add_argument("--ws-phase", choices=("check", "time", "ab"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -883,6 +908,9 @@ def main(argv):
         return
     if args.ws_ab:
         print("\n".join(ws_ab_section()), flush=True)
+        return
+    if args.ws_profile:
+        ws_profile()
         return
     if args.host_cpu:
         print("\n".join(host_cpu()))
