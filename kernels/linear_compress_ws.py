@@ -463,11 +463,12 @@ def _lce_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    CONSUMERS: gl.constexpr = 2 if SPLIT else 1  # consumer partitions: each arrives once to free a slot
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=PARTS)  # one arrive per consumer partition
+        mbarrier.init(empty.index(s), count=CONSUMERS)
     mbarrier.init(epi_ready, count=1)
-    mbarrier.init(epi_free, count=PARTS)
+    mbarrier.init(epi_free, count=CONSUMERS)
 
     if SPLIT:
         gl.warp_specialize([

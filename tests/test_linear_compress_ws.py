@@ -136,6 +136,9 @@ def test_compiles_for_sm90a(kwargs):
         assert ptx.count("ld.global.v4.b32") == 16  # the Y_u block, 16-byte loads (64 KiB over 256 threads)
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx
     assert "cp.async.bulk.tensor.3d.global.shared::cta" in ptx  # the TMA store of the output tile
+    config = kwargs.get("config") or WSConfig()
+    counts = set(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx))
+    assert counts == ({"1", "2"} if config.split_consumers else {"1"}), counts  # one arrive per consumer partition
     tool = _cuobjdump()
     if tool is None:
         return
