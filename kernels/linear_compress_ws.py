@@ -13,7 +13,8 @@ for wgmma or barriers; the `WSConfig` knobs mma_depth, defer_epilogue / defer_us
 split_consumers were measured and are not faster (docs/notes/lce.md, 17:40 UTC); tile_order
 "candidate" (one program runs all tiles of a candidate) measured 12–17 % slower (18:15 UTC); epi_chunk
 (the output in 64-column chunks, Y_u read by the consumer, so a 4th ring stage fits: more bytes in
-flight) is built (docs/notes/lce.md, 20:00 UTC). Reached through
+flight) is built and compiled; its one GPU run hung on a barrier count (fixed since), so it is not
+yet measured or GPU-tested (docs/notes/lce.md, 19:40 UTC). Reached through
 `PackedLinearCompress(..., variant="s6")`; the served model tries it as a tuning candidate of every
 LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
 
