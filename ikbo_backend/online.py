@@ -16,11 +16,12 @@ of 1 (`max_batch_size` > 0):
 Output `scores` [1, n, T]. n is free per request. `user_history_len` travels as [1, 1] (Triton
 needs a dim after the request dimension) and reaches the model as [1] (reshape). Triton's dynamic batcher coalesces concurrent
 requests (ragged batching on the NRO inputs: the python backend receives them as separate requests
-in one `execute`); `execute_online` validates each alone (`validate_request` at U = 1), concatenates
-the valid ones — request i becomes user i, its candidates get `cand_to_user` = i — runs the feature
-stage and the interaction in-process as one IKBO batch (serving.RankerModel: one CUDA graph per
-shape bucket on a GPU), and splits the scores back (host memory). A bad request gets its own
-INVALID_ARG response and never enters the batch. A single python model per variant (not an
+in one `execute`); `execute_online` checks each one's shapes alone (at U = 1), concatenates them —
+request i becomes user i, its candidates get `cand_to_user` = i — runs the feature stage and the
+interaction in-process as one IKBO batch (serving.RankerModel: one CUDA graph per shape bucket on a
+GPU, which checks the values on the device), and splits the scores back (host memory). A bad request
+gets its own INVALID_ARG response and no answer it shares a batch with changes: a batch with a bad
+value is run again without it. A single python model per variant (not an
 ensemble): one batching point, no copy between steps.
 
 With the config parameter `batch_invariant: "yes"` (the CPU configs; default "no") the batch runs
@@ -35,7 +36,9 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from .ranker import RankerConfig
-from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest, input_widths, make_request, validate_request
+from .requests import (
+    CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest, check_request_shapes, check_request_values, input_widths, make_request,
+)
 from .serving import RankerModel, _to_torch, score_dims
 
 ONLINE_INPUT_NAMES = tuple(name for name in INPUT_NAMES if name != "cand_to_user")
@@ -121,9 +124,9 @@ def groups_within(counts: list[int], max_users: int, max_candidates: int) -> lis
 
 class OnlineModel(RankerModel):
     """ikbo_ranker_online / baseline_ranker_online: the one-model ranker (serving.RankerModel) behind
-    the online contract. Called on a batch in the batch contract (warm-up, tests: scores [B, T] in
-    host memory, no validation); `execute_online` validates each request and serves the online
-    contract. `batch_invariant` "yes": the batch-invariant CPU mode (module doc)."""
+    the online contract. Called on a batch in the batch contract (scores [B, T] in host memory; values
+    checked, InvalidRequest for a bad one; shapes are the caller's); `execute_online` serves the
+    online contract. `batch_invariant` "yes": the batch-invariant CPU mode (module doc)."""
 
     inputs = ONLINE_INPUT_NAMES
     config_parameters = RankerModel.config_parameters + ("batch_invariant",)
@@ -150,39 +153,66 @@ class OnlineModel(RankerModel):
 
 def execute_online(pb_utils, model: OnlineModel, requests, metrics=None) -> list:
     """The python backend's execute for the online endpoints: one response per request, in order.
-    Bad requests get INVALID_ARG alone; the valid ones run as one IKBO batch per `groups_within`
-    chunk (an error there fails that chunk with INTERNAL, naming only the model and the exception
-    type; the text goes to the server log). `metrics.record(U, B)` per batch."""
+    Each request's shapes are checked alone; the rest run as one IKBO batch per `groups_within`
+    chunk, whose values the model checks (on the GPU inside its graph, else on the host, once per
+    batch). If a batch holds a bad value, every request's values are checked alone on the host, the
+    bad ones get INVALID_ARG and the valid ones run again, grouped as if the bad ones had never come:
+    no answer or metric of the first pass is kept. Any other error fails its chunk with INTERNAL,
+    naming only the model and the exception type (the text goes to the server log).
+    `metrics.record(U, B)` per answered batch."""
 
     def error(message, code):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
     responses: list = [None] * len(requests)
-    valid: list[tuple[int, dict[str, torch.Tensor]]] = []
+    shaped: list[tuple[int, dict[str, torch.Tensor]]] = []
     for index, request in enumerate(requests):
         try:
             raw = {name: _to_torch(name, pb_utils.get_input_tensor_by_name(request, name)) for name in ONLINE_INPUT_NAMES}
             single = unbatch(raw)
-            validate_request(model.cfg, model.ranges, single)  # InvalidRequest names the input
-            valid.append((index, single))
+            check_request_shapes(model.cfg, model.ranges, single)  # InvalidRequest names the input
+            shaped.append((index, single))
         except ValueError as e:
             responses[index] = error(str(e), pb_utils.TritonError.INVALID_ARG)
+    try:
+        answered, batches = _run_batches(pb_utils, model, shaped)
+    except InvalidRequest:  # a bad value somewhere: find it request by request
+        valid = []
+        for index, single in shaped:
+            try:
+                check_request_values(model.cfg, single)
+                valid.append((index, single))
+            except ValueError as e:
+                responses[index] = error(str(e), pb_utils.TritonError.INVALID_ARG)
+        answered, batches = _run_batches(pb_utils, model, valid)
+    for index, response in answered:
+        responses[index] = response
+    if metrics is not None:
+        for num_users, num_candidates in batches:
+            metrics.record(num_users, num_candidates)
+    return responses
 
-    counts = [single["cand_dense"].shape[0] for _, single in valid]
+
+def _run_batches(pb_utils, model: OnlineModel, members: list[tuple[int, dict[str, torch.Tensor]]]):
+    """([(request index, response)], [(U, B) of each answered batch]) of requests at U = 1, run as
+    `groups_within` batches. InvalidRequest (a value check of a batch failed) propagates; any other
+    error answers its chunk with INTERNAL."""
+    counts = [single["cand_dense"].shape[0] for _, single in members]
+    answered, batches = [], []
     for group in groups_within(counts, model.ranges.users[1], model.ranges.candidates[1]):
-        members = valid[group]
+        chunk = members[group]
         try:
             with torch.inference_mode():
-                scores = model(coalesce([single for _, single in members]))  # [B, T]
-            for (index, _), part in zip(members, torch.split(scores, counts[group])):
+                scores = model(coalesce([single for _, single in chunk]))  # [B, T]
+            for (index, _), part in zip(chunk, torch.split(scores, counts[group])):
                 tensor = pb_utils.Tensor.from_dlpack("scores", to_dlpack(part[None].contiguous()))  # [1, n, T]
-                responses[index] = pb_utils.InferenceResponse(output_tensors=[tensor])
-            if metrics is not None:
-                metrics.record(len(members), sum(counts[group]))
+                answered.append((index, pb_utils.InferenceResponse(output_tensors=[tensor])))
+            batches.append((len(chunk), sum(counts[group])))
+        except InvalidRequest:
+            raise
         except Exception as e:  # noqa: BLE001 — answer every request of the chunk
             name = getattr(model, "name", type(model).__name__)
             pb_utils.Logger.log_error(f"{name}: {type(e).__name__}: {e}")  # details only in the server log
             message = f"model '{name}': internal error ({type(e).__name__}); details are in the server log"
-            for index, _ in members:
-                responses[index] = error(message, pb_utils.TritonError.INTERNAL)
-    return responses
+            answered += [(index, pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))) for index, _ in chunk]
+    return answered, batches

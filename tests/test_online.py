@@ -193,6 +193,36 @@ def test_bad_request_fails_alone_and_the_batch_is_unchanged(small_weights, varia
         torch.testing.assert_close(got.outputs["scores"][0], solo, rtol=1e-5, atol=1e-7)
 
 
+def test_values_are_checked_once_per_batch_and_request_by_request_only_after_a_bad_one(small_weights, monkeypatch):
+    """All good: one value check per batch (the model's), none per request. One bad value: the batch's
+    check fails, then every request is checked alone and the good ones are answered."""
+    import ikbo_backend.online as online_module
+    import ikbo_backend.serving as serving_module
+
+    calls = []
+
+    def counting(module):
+        check = module.check_request_values
+
+        def counted(cfg, inputs):
+            calls.append((module.__name__, inputs["cand_dense"].shape[0]))
+            return check(cfg, inputs)
+
+        monkeypatch.setattr(module, "check_request_values", counted)
+
+    counting(online_module)
+    counting(serving_module)
+    model = OnlineModel(SMALL, small_weights, ShapeRanges((1, 8), (1, 40)))
+    good = [as_served(one) for one in split_by_user(make_online_batch(SMALL, 4, 30, rng(11)))]
+    assert all(r.error is None for r in execute_online(FAKE_PB_UTILS, model, good))
+    assert calls == [("ikbo_backend.serving", 30)]
+    calls.clear()
+    bad = dict(good[2], user_history_len=good[2]["user_history_len"].clone().fill_(SMALL.history_length + 1))
+    responses = execute_online(FAKE_PB_UTILS, model, [good[0], good[1], bad, good[3]])
+    assert [r.error is None for r in responses] == [True, True, False, True] and "'user_history_len'" in responses[2].error.message
+    assert [module for module, _ in calls] == ["ikbo_backend.serving"] + ["ikbo_backend.online"] * 4 + ["ikbo_backend.serving"]
+
+
 @pytest.fixture(scope="module")
 def invariant_models():
     """(weights, variant → OnlineModel in the batch-invariant mode), demo dims, fresh weights."""
