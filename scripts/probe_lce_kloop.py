@@ -8,7 +8,7 @@
                                           # of tests/test_linear_compress_ws.py with the winner as s6's default
     scripts/probe_lce_kloop.py --call     # a short device call (≤ CALL_BUDGET_S): CALL_ORDER without K scaling
                                           # or ncu, then the GPU tests (all with a winner as the default, else
-                                          # those of the new knob, CALL_TESTS)
+                                          # those of the timed variant, CALL_TESTS)
     scripts/probe_lce_kloop.py --variants a,b --no-k-scaling   # the probe on those VARIANTS only
 
 Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D=256, N=512, bf16).
@@ -63,27 +63,11 @@ BF16_TOL = 1e-2
 VARIANTS = {  # name → WSConfig (None: s6's default)
     "default": None,
     "bk32": WSConfig(block_k=32, stages=6, epi_free_at=4),
-    "bk32-depth2": WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2),
-    "defer": WSConfig(stages=3, defer_epilogue=True),
-    "defer-user": WSConfig(stages=3, defer_epilogue=True, defer_user=True),
-    "bk32-defer-user": WSConfig(block_k=32, stages=6, epi_free_at=4, defer_epilogue=True, defer_user=True),
-    "bk32-depth2-defer-user": WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2, defer_epilogue=True, defer_user=True),
-    "split": WSConfig(stages=3, split_consumers=True),
-    "split-defer-user": WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True),
-    # 2026-11-29, 18:xx UTC call: candidate-major tile order (one program runs all tiles of a candidate).
-    "candidate": WSConfig(tile_order="candidate"),
-    "candidate-bk32": WSConfig(block_k=32, stages=6, epi_free_at=4, tile_order="candidate"),
-    "candidate-defer-user": WSConfig(stages=3, defer_epilogue=True, defer_user=True, tile_order="candidate"),
-    # 2026-11-29, 20:xx UTC call: the output in 64-column chunks through 2 × 16 KiB, Y_u read by the
-    # consumer, the freed shared memory a 4th ring stage (st3: the chunked epilogue alone, 3 stages;
-    # bk32: 8 stages of 24 KiB, the same bytes in flight as 4 × 48 KiB).
-    "chunk64": WSConfig(stages=0, epi_chunk=64),
-    "chunk64-st3": WSConfig(stages=3, epi_chunk=64),
-    "chunk64-bk32": WSConfig(block_k=32, stages=8, epi_chunk=64),
+    "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
 }
-# --call: timed in this order (default and the new variant twice: the run's noise)
-CALL_ORDER = ("default", "chunk64", "chunk64-st3", "chunk64-bk32", "default", "chunk64")
-CALL_TESTS = "gpu and chunk64"  # the GPU tests of the new knob, run when no variant wins
+# --call: timed in this order (default and the variant twice: the run's noise)
+CALL_ORDER = ("default", "bk32", "default", "bk32")
+CALL_TESTS = "gpu and bk32"  # the GPU tests of the timed variant, run when no variant wins
 CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
@@ -115,13 +99,9 @@ def warm_jobs(argv=None):
 
 
 def warm(index: int):
-    """Compile one job's kernels by running it once on a tiny problem with the same specialization.
-    A tiny problem (B = 2) runs candidate-order configs in row order (`candidate_major`), so those
-    are warmed at B = 132 · 2 (the order is a compile-time constant)."""
+    """Compile one job's kernels by running it once on a tiny problem (B = 2) with the same specialization."""
     name, kc, with_user = warm_jobs()[index]
     num_candidates = 2
-    if VARIANTS[name] is not None and VARIANTS[name].tile_order == "candidate":
-        num_candidates = 2 * torch.cuda.get_device_properties(0).multi_processor_count
     p = make_problem(num_users=1, num_candidates=num_candidates, ku=CANONICAL["ku"] if with_user else 0, kc=kc, dim=DIM,
                      rows=ROWS, seed=0)
     packed = PackedLinearCompress.from_weight(p.weight, p.user_emb.shape[1], p.bias if with_user else None)

@@ -7,8 +7,7 @@ compile Gluon for CUDA. Gluon does not run under TRITON_INTERPRET, so that is al
 GPU (skipped without a Hopper device): bf16 and fp16 outputs and Y_u poisoned with NaN, fresh random
 inputs, the canonical shape, odd Kc, U = 1, unsorted ragged mappings, users without candidates,
 D and N not multiples of the tile, one K tile, Ku = 0, no bias; each config the benchmark times; few
-programs with many tiles each (the ring's phases wrap many times), in row and in candidate order; the
-column-chunked epilogue (`epi_chunk`, 4 ring stages) on every shape.
+programs with many tiles each (the ring's phases wrap many times).
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from kernels.linear_compress_ws import (
     USER_GEMM_CONFIG,
     WSConfig,
     _launch_ws,
-    candidate_major,
     compile_s6,
     lce_s6,
     s6_supported,
@@ -38,23 +36,16 @@ from kernels.linear_compress_ws import (
 )
 
 BF16_TOL = 1e-2
-CHUNKED = WSConfig(stages=0, epi_chunk=64)  # column-chunked epilogue, 4 ring stages at 128 × 256 × 64
 FP16_TOL = 2e-3
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-# LCE_S6_DEFAULT="block_k=32,stages=6,epi_free_at=4" (or "tile_order=candidate"): the GPU tests run with that WSConfig as s6's
-# default, so a candidate default is checked on every test shape before it is made the default.
+# LCE_S6_DEFAULT="block_k=32,stages=6,epi_free_at=4": the GPU tests run with that WSConfig as s6's default,
+# so a candidate default is checked on every test shape before it is made the default.
 DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
 
 
 def _parse_config(text: str) -> WSConfig:
-    fields = {}
-    for item in filter(None, text.split(",")):
-        name, value = item.split("=")
-        if value in ("True", "False"):
-            fields[name] = value == "True"
-        else:
-            fields[name] = int(value) if value.lstrip("-").isdigit() else value
-    return WSConfig(**fields)
+    """"name=value,…" (integer WSConfig fields) → WSConfig."""
+    return WSConfig(**{name: int(value) for name, value in (item.split("=") for item in filter(None, text.split(",")))})
 
 
 @pytest.fixture(autouse=True)
@@ -74,27 +65,12 @@ def test_ws_config_fits_shared_memory():
     small = ws_config(64, 2)
     assert small.block_d == 64 and small.smem_bytes(2) <= SMEM_LIMIT
     assert ws_config(256, 2, WSConfig(block_k=32, stages=6)).smem_bytes(2) <= SMEM_LIMIT
-    chunked = ws_config(256, 2, WSConfig(stages=0, epi_chunk=64))  # 2 × [128, 64] buffers free a 4th stage
-    assert chunked.stages == 4 and chunked.chunk == 64 and chunked.smem_bytes(2) <= SMEM_LIMIT
-    assert ws_config(256, 2, WSConfig(block_k=32, stages=8, epi_chunk=64)).smem_bytes(2) <= SMEM_LIMIT
-    assert ws_config(48, 2, WSConfig(epi_chunk=64)).chunk == 64  # one chunk of BLOCK_D = 64
-    for bad in (WSConfig(epi_chunk=32), WSConfig(epi_chunk=8, block_d=16), WSConfig(epi_chunk=48),
-                WSConfig(epi_chunk=64, defer_epilogue=True), WSConfig(epi_chunk=64, split_consumers=True)):
-        with pytest.raises(ValueError, match="^epi_chunk"):
-            ws_config(256, 2, bad)
 
 
-def test_candidate_major_only_where_balanced():
-    """Candidate order where the busiest program gets no more tiles than in row order, else row order."""
-    cand = WSConfig(tile_order="candidate")
-    assert candidate_major(cand, 1024, 4, 132)  # canonical: 8 candidates · 4 = 32 = cdiv(4096, 132)
-    assert not candidate_major(WSConfig(), 1024, 4, 132)
-    assert not candidate_major(cand, 64, 4, 132)  # 4 tiles on one program against 2
-    assert not candidate_major(cand, 40, 2, 3) and candidate_major(cand, 39, 2, 3)
-    assert candidate_major(cand, 5, 7, 1)
-    assert _parse_config("tile_order=candidate,stages=3") == WSConfig(tile_order="candidate", stages=3)
-    with pytest.raises(ValueError, match="^tile_order"):
-        candidate_major(WSConfig(tile_order="column"), 8, 1, 1)
+def test_default_override_parser():
+    """LCE_S6_DEFAULT as the probe writes it (the winner's fields that differ from WSConfig())."""
+    assert _parse_config("block_k=32,stages=6,epi_free_at=4") == WSConfig(block_k=32, stages=6, epi_free_at=4)
+    assert _parse_config("") == WSConfig()
 
 
 def _cuobjdump():
@@ -109,19 +85,10 @@ def _cuobjdump():
     [
         {},  # canonical: bf16, D = 256, Kc = 500, Y_u and bias
         dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
-        dict(config=WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True)),
-        dict(config=WSConfig(tile_order="candidate")),
-        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False,
-             config=WSConfig(tile_order="candidate")),
-        dict(config=CHUNKED),
-        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, config=CHUNKED),
-        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False, config=CHUNKED),
-        dict(dim=128, config=CHUNKED),  # 2 chunks
-        dict(dim=64, rows=130, num_cand_tokens=37, config=CHUNKED),  # 1 chunk
-        dict(config=WSConfig(block_k=32, stages=8, epi_chunk=64)),
+        dict(config=WSConfig(block_k=32, stages=6, epi_free_at=4)),
+        dict(config=WSConfig(block_d=128, stages=0)),  # 6 stages
     ],
-    ids=["canonical", "fp16-odd", "split-defer-user", "candidate", "candidate-fp16-odd", "chunk64",
-         "chunk64-fp16-odd", "chunk64-fp16-odd-no-user", "chunk64-d128", "chunk64-d64", "chunk64-bk32"],
+    ids=["canonical", "fp16-odd", "bk32-st6", "bd128"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -131,14 +98,10 @@ def test_compiles_for_sm90a(kwargs):
         pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
     ptx = kernel.asm["ptx"]
     assert kernel.metadata.shared <= SMEM_LIMIT
-    if kwargs.get("config") == CHUNKED and kwargs.get("dim", 256) == 256:
-        assert ptx.count("cp.async.bulk.tensor.3d.global.shared::cta") == 4  # one TMA store per 64-column chunk
-        assert ptx.count("ld.global.v4.b32") == 16  # the Y_u block, 16-byte loads (64 KiB over 256 threads)
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx
     assert "cp.async.bulk.tensor.3d.global.shared::cta" in ptx  # the TMA store of the output tile
-    config = kwargs.get("config") or WSConfig()
     counts = set(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx))
-    assert counts == ({"1", "2"} if config.split_consumers else {"1"}), counts  # one arrive per consumer partition
+    assert counts == {"1"}, counts  # one arrive per barrier phase (one consumer partition)
     tool = _cuobjdump()
     if tool is None:
         return
@@ -191,48 +154,21 @@ CONFIGS = [
     WSConfig(epi_free_at=1),
     WSConfig(block_k=32, stages=6, epi_free_at=4),
     WSConfig(block_d=128, stages=0),
-    WSConfig(block_d=128, stages=0, defer_epilogue=True),
-    WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2),
-    WSConfig(stages=3, defer_epilogue=True),
-    WSConfig(stages=3, defer_epilogue=True, defer_user=True),
-    WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2, defer_epilogue=True, defer_user=True),
-    WSConfig(stages=3, split_consumers=True),
-    WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True),
-    WSConfig(tile_order="candidate"),
-    WSConfig(block_k=32, stages=6, epi_free_at=4, tile_order="candidate"),
-    WSConfig(stages=3, defer_epilogue=True, defer_user=True, tile_order="candidate"),
-    WSConfig(stages=3, epi_chunk=64),
-    WSConfig(block_k=32, stages=8, epi_chunk=64),
-    WSConfig(stages=0, epi_chunk=64, tile_order="candidate"),
 ]
-CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128", "bd128-defer", "bk32-depth2", "defer", "defer-user", "bk32-depth2-defer-user",
-              "split", "split-defer-user", "candidate", "candidate-bk32", "candidate-defer-user", "chunk64-st3",
-              "chunk64-bk32-st8", "chunk64-candidate"]
+CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
 def test_gpu_s6(shape, dtype):
-    _run_shape(shape, dtype, None)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
-def test_gpu_s6_chunk64(shape, dtype):
-    """The column-chunked epilogue (Y_u read by the consumer, 4 ring stages) on every test shape."""
-    _run_shape(shape, dtype, CHUNKED)
-
-
-def _run_shape(shape, dtype, config):
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, hash((shape, str(dtype))) % 2**31)
     assert s6_supported(user_emb, cand_emb)
     num_users, num_candidates, ku, _, dim, rows = shape[:6]
     for _ in range(2):  # twice: cached descriptors must serve the second call
         out = torch.full((num_candidates, rows, dim), float("nan"), dtype=dtype, device="cuda")
         user_part = torch.full((num_users, rows, dim), float("nan"), dtype=dtype, device="cuda") if ku else None
-        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part, config=config)
+        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
         _check(out, ref, dtype)
 
 
@@ -250,25 +186,18 @@ def test_gpu_s6_configs(config):
 @pytest.mark.parametrize("num_programs", [1, 3])
 @pytest.mark.parametrize(
     "base",
-    [None, WSConfig(block_d=128, stages=0, defer_epilogue=True),
-     WSConfig(block_k=32, stages=6, epi_free_at=4, mma_depth=2, defer_epilogue=True, defer_user=True),
-     WSConfig(stages=3, split_consumers=True, defer_epilogue=True, defer_user=True),
-     WSConfig(tile_order="candidate"), WSConfig(stages=3, defer_epilogue=True, defer_user=True, tile_order="candidate"),
-     CHUNKED],
-    ids=["default", "bd128-defer", "bk32-depth2-defer-user", "split-defer-user", "candidate", "candidate-defer-user",
-         "chunk64"],
+    [None, WSConfig(block_d=128, stages=0), WSConfig(block_k=32, stages=6, epi_free_at=4)],
+    ids=["default", "bd128", "bk32-st6"],
 )
 def test_gpu_s6_few_programs(num_programs, base):
-    """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times.
-    39 candidates of 2 tiles: candidate order is balanced on 1 and on 3 programs (26 tiles each)."""
+    """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times
+    (39 candidates of 2 tiles, 4 at BLOCK_D = 128, on 1 or 3 programs)."""
     shape = (5, 39, 32, 200, 256, 256, True, 1)
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 11 + num_programs)
     user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
     packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
     out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-    config = ws_config(256, 2, base)
-    assert candidate_major(config, 39, 2, num_programs) == (config.tile_order == "candidate")
-    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, config, num_programs)
+    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, base), num_programs)
     _check(out, ref, torch.bfloat16)
 
 
