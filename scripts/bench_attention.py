@@ -570,16 +570,10 @@ def sweep_section(points):
 # ---------------------------------------------------------------------------------------------
 
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
-    "ws default (128 keys, pingpong, gather, no fence)": {},
-    "ws 128, pingpong, gather, fence": dict(fence=True),
-    "ws 128, no pingpong, gather": dict(pingpong=False),
-    "ws 128, pingpong, no gather, fence (call 1's)": dict(gather=False, fence=True, consumer_regs=232, producer_regs=24),
-    "ws overlap": dict(overlap=True),
-    "ws overlap + producer store": dict(overlap=True, producer_store=True, producer_regs=64),
-    "ws producer store": dict(producer_store=True, producer_regs=64),
+    "ws default (128 keys, gather)": {},
+    "ws 128, no gather (the unaligned-rows fallback)": dict(gather=False),
 }
-WS_AB = ["ws default (128 keys, pingpong, gather, no fence)", "ws overlap", "ws overlap + producer store",
-         "ws producer store"]  # --ws-ab: the first is the reference
+WS_AB = ["ws default (128 keys, gather)", "ws 128, no gather (the unaligned-rows fallback)"]  # --ws-ab: the first is the reference
 AB_ROUNDS = 3
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [
@@ -597,7 +591,7 @@ WS_SHAPES = [  # timed, bf16, no kv_len
     Shape(15, 1024, 64, 1024, 4, 64),  # d = 64
     Shape(64, 1024, 64, 512, 2, 128),  # B/U = 16, L = 512
 ]
-PROFILE_RUNS = [(CANONICAL, WS_AB[0]), (CANONICAL, "ws overlap"), (Shape(4, 1024, 64, 4096, 4, 128), WS_AB[0])]
+PROFILE_RUNS = [(CANONICAL, WS_AB[0]), (Shape(4, 1024, 64, 4096, 4, 128), WS_AB[0])]
 AB_SHAPES = [CANONICAL, Shape(4, 1024, 64, 4096, 4, 128), Shape(15, 1024, 64, 1024, 4, 64), Shape(64, 1024, 64, 512, 2, 128)]
 
 
