@@ -678,30 +678,46 @@ def ws_ab_child(names):
         del p, outs, out
 
 
+def _ws_checks(names, timeout_s: float) -> dict[str, tuple[str, str, str]]:
+    """Run `--ws-child NAME --ws-phase check` for every name at once (checks and compilations in
+    parallel); {name: (stdout, stderr, "exit N" | "timeout T s")}, all within timeout_s together."""
+    import subprocess
+
+    start = time.perf_counter()
+    procs = {name: subprocess.Popen([sys.executable, __file__, "--ws-child", name, "--ws-phase", "check"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in names}
+    done = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - start)))
+            done[name] = (stdout, stderr, f"exit {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            done[name] = (stdout, stderr, f"timeout {timeout_s} s")
+    return done
+
+
+def _ws_header(title: str, ceilings_line: str) -> list[str]:
+    """The first lines of a --ws / --ws-ab table: title and time, device and versions, the ceilings."""
+    props = torch.cuda.get_device_properties(0)
+    return [f"# {title}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"device {props.name} ({props.multi_processor_count} SMs), driver {_driver_version()}, "
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}",
+            f"{ceilings_line}\n"]
+
+
 def ws_ab_section(check_timeout_s=100, time_timeout_s=150):
     """The --ws-ab run (see module doc); returns the table lines."""
     import json
     import subprocess
 
     peak, _ = ceilings()
-    props = torch.cuda.get_device_properties(0)
-    lines = [f"# Gluon FA3-style kernel: WS_AB variants against the default, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"device {props.name} ({props.multi_processor_count} SMs), driver {_driver_version()}, "
-             f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}",
-             f"bf16 matmul measured here: {peak / 1e12:.0f} TFLOP/s\n"]
+    lines = _ws_header("Gluon FA3-style kernel: WS_AB variants against the default", f"bf16 matmul measured here: {peak / 1e12:.0f} TFLOP/s")
     results, log = [], []
     start = time.perf_counter()
-    procs = {name: subprocess.Popen([sys.executable, __file__, "--ws-child", name, "--ws-phase", "check"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in WS_AB}
     passed = []
-    for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=max(1.0, check_timeout_s - (time.perf_counter() - start)))
-            status = f"exit {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-            status = f"timeout {check_timeout_s} s"
+    for name, (stdout, stderr, status) in _ws_checks(WS_AB, check_timeout_s).items():
         log.append(f"== {name} (check): {status}\n{stdout}\n{stderr[-3000:]}")
         checks = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
         results += checks
@@ -782,11 +798,8 @@ def ws_section(check_timeout_s=110, time_timeout_s=60):
     import subprocess
 
     peak, bandwidth = ceilings()
-    props = torch.cuda.get_device_properties(0)
-    lines = [f"# Gluon FA3-style kernel vs the Triton kernel, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"device {props.name} ({props.multi_processor_count} SMs), driver {_driver_version()}, "
-             f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}",
-             f"ceilings measured here: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s\n"]
+    lines = _ws_header("Gluon FA3-style kernel vs the Triton kernel",
+                       f"ceilings measured here: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s")
     results = {"peak": peak, "bandwidth": bandwidth, "triton": {}, "ws": []}
     for shape in WS_SHAPES:  # the Triton kernel (default config) and, at the canonical shape, the baseline
         p = make_problem(shape, seed=7)
@@ -818,16 +831,7 @@ def ws_section(check_timeout_s=110, time_timeout_s=60):
 
     # checks (and the compilations) of all variants at once, then the timings one at a time
     start = time.perf_counter()
-    procs = {name: subprocess.Popen([sys.executable, __file__, "--ws-child", name, "--ws-phase", "check"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in WS_VARIANTS}
-    for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=max(1.0, check_timeout_s - (time.perf_counter() - start)))
-            status = f"exit {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-            status = f"timeout {check_timeout_s} s"
+    for name, (stdout, stderr, status) in _ws_checks(WS_VARIANTS, check_timeout_s).items():
         collect(name, "check", stdout, stderr, status, time.perf_counter() - start)
     for name in WS_VARIANTS:
         if any(r["kind"] == "status" and r["variant"] == name and r["status"] != "exit 0" for r in results["ws"]):
