@@ -347,7 +347,8 @@ def server(weights_file, tmp_path_factory):
         env.setenv("IKBO_WEIGHTS", str(weights_file))
         log_path = tmp_path_factory.mktemp("server") / "tritonserver.log"
         with running_tritonserver(log_path=log_path, extra_args=["--model-control-mode=explicit"]) as running:
-            _, connection = connect(running, "http")
+            # a model load (warm-up included) takes 4-30 s here; one took 94 s on a loaded 2-core machine
+            connection = client_module("http").InferenceServerClient(running.http_url, network_timeout=600.0)
             try:
                 for model in ONLINE_MODELS:
                     config = online_config(model, "gpu" if GPU else "config")
