@@ -384,10 +384,6 @@ def ranker_python_model(pb_utils):
                 self.metrics.record_execute(time.perf_counter() - start)
             return responses
 
-        def finalize(self):
-            if self.metrics is not None:
-                self.metrics.close()  # the counts not sent yet
-
     return TritonPythonModel
 
 

@@ -43,7 +43,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ikbo_backend.metrics import FLUSH_SECONDS  # noqa: E402
 from ikbo_backend.ranker import PROFILES  # noqa: E402
 from ikbo_backend.requests import make_request  # noqa: E402
 
@@ -177,10 +176,7 @@ def in_process(model: str, config: str, users: int, candidates: int, repeats: in
 
 
 def server_snapshot(http_url: str, metrics_url: str) -> dict[str, dict]:
-    """Cumulative Triton statistics (ns, counts) and ikbo_execute_seconds_total per model, read after
-    5 × FLUSH_SECONDS of quiet: the models send their metrics every FLUSH_SECONDS (ikbo_backend.metrics),
-    so the executes before the call are all on the port (call it between load steps, not under load)."""
-    time.sleep(5 * FLUSH_SECONDS)
+    """Cumulative Triton statistics (ns, counts) and ikbo_execute_seconds_total per model."""
     with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=10) as response:
         document = json.load(response)
     inside = execute_seconds(metrics_url)

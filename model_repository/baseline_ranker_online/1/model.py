@@ -24,7 +24,3 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return execute_online(pb_utils, self.model, requests, self.metrics)
-
-    def finalize(self):
-        if self.metrics is not None:
-            self.metrics.close()  # the counts not sent yet

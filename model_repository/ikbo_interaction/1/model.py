@@ -27,6 +27,3 @@ class TritonPythonModel:
         self.metrics.record_responses(pb_utils, requests, responses)
         self.metrics.record_execute(time.perf_counter() - start)
         return responses
-
-    def finalize(self):
-        self.metrics.close()  # the counts not sent yet

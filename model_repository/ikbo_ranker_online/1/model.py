@@ -29,7 +29,3 @@ class TritonPythonModel:
         if self.metrics is not None:
             self.metrics.record_execute(time.perf_counter() - start)
         return responses
-
-    def finalize(self):
-        if self.metrics is not None:
-            self.metrics.close()  # the counts not sent yet
