@@ -262,22 +262,22 @@ class GraphedRanker(_GraphedStage):
         self.host_output: torch.Tensor | None = None
         self._io: dict[tuple[int, int], tuple] = {}  # bucket → `_bucket_io`
 
-    def _layout(self, users: int, cands: int) -> tuple[dict[str, tuple[int, int]], int]:
-        """({name: (byte offset, rows)}, total bytes) of bucket (users, cands); the header (U - 1,
-        int32) is at offset 0."""
+    def _layout(self, users: int, cands: int) -> tuple[dict[str, tuple[int, int, int]], int]:
+        """({name: (byte offset, bytes, rows)}, total bytes) of bucket (users, cands); the header
+        (U - 1, int32) is at offset 0."""
         offsets, end = {}, self.ALIGN
         for name, rows in self._rows(users, cands).items():
             trailing, dtype = self.row_specs[name]
-            offsets[name] = (end, rows)
-            end += -(-rows * math.prod(trailing) * dtype.itemsize // self.ALIGN) * self.ALIGN
+            size = rows * math.prod(trailing) * dtype.itemsize
+            offsets[name] = (end, size, rows)
+            end += -(-size // self.ALIGN) * self.ALIGN
         return offsets, end
 
     def _typed(self, buffer: torch.Tensor, users: int, cands: int) -> dict[str, torch.Tensor]:
         offsets, _ = self._layout(users, cands)
         views = {"last_user": buffer[:4].view(torch.int32)[0]}
-        for name, (offset, rows) in offsets.items():
+        for name, (offset, size, rows) in offsets.items():
             trailing, dtype = self.row_specs[name]
-            size = rows * math.prod(trailing) * dtype.itemsize
             views[name] = buffer[offset : offset + size].view(dtype).view(rows, *trailing)
         return views
 
@@ -287,8 +287,7 @@ class GraphedRanker(_GraphedStage):
         self.static = torch.zeros(total, dtype=torch.uint8, device=self.device)
         pinned = self.device.type == "cuda"
         self.staging = torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)
-        num_tasks = self.cfg.tasks
-        self.host_output = torch.empty(1 + self.cand_sizes[-1] * num_tasks, dtype=torch.float32, pin_memory=pinned)
+        self.host_output = torch.empty(1 + self.cand_sizes[-1] * self.cfg.tasks, dtype=torch.float32, pin_memory=pinned)
 
     def _bucket_io(self, users: int, cands: int):
         """(numpy views of the staging, torch views of the device buffer, the bucket's bytes of
