@@ -39,7 +39,7 @@ Kernel `_lce_ws_kernel`, one persistent program per SM, tiles t = pid, pid + P, 
         producer for the next Y_u block.
     Option (`WSConfig.prefetch`, off by default): the producer also asks L2 for the cand_emb block of the
     tile `prefetch` tiles ahead (`cp.async.bulk.prefetch.L2`, no shared memory), so the ring's TMA loads
-    hit L2 instead of waiting on HBM (docs/notes/lce.md, 2026-11-29 22:30 UTC).
+    hit L2 instead of waiting on HBM (docs/notes/lce.md, 2026-11-29 22:20 UTC).
 Why cooperative and not pingpong (CUTLASS's two consumer warpgroups alternating tiles): on Hopper the
 accumulator lives in registers; one warpgroup holding a whole 128 × 256 fp32 tile needs 256
 registers per thread (more than the 255 limit), so pingpong shrinks each warpgroup's tile to
