@@ -89,9 +89,24 @@ def find_tritonserver() -> tuple[Path, Path, dict[str, str]]:
             raise TritonServerError("no $TRITONSERVER, no tritonserver on PATH and nvidia-pytriton is not installed") from e
         binary = Path(pytriton.__file__).parent / "tritonserver" / "bin" / "tritonserver"
     if (binary.parent.parent / "python_backend_stubs").is_dir():
-        return binary, _prepare_pytriton_layout(binary, env), env
-    backend_dir = binary.parent.parent / "backends"
-    return binary, backend_dir if backend_dir.is_dir() else NGC_BACKEND_DIR, env
+        backend_dir = _prepare_pytriton_layout(binary, env)
+    else:
+        backend_dir = binary.parent.parent / "backends"
+        backend_dir = backend_dir if backend_dir.is_dir() else NGC_BACKEND_DIR
+    _install_inprocess_backend(backend_dir)
+    return binary, backend_dir, env
+
+
+def _install_inprocess_backend(backend_dir: Path) -> None:
+    """Build the python_inprocess backend (ikbo_backend/inprocess) into `backend_dir` if it is not
+    there yet. If that fails, say why: the models whose config names that backend will not load
+    (Triton: "unable to find backend library"), the others are unaffected."""
+    from .inprocess import build
+
+    try:
+        build(backend_dir)
+    except (OSError, RuntimeError) as e:
+        print(f"ikbo_backend: the python_inprocess backend is not available: {e}", file=sys.stderr, flush=True)
 
 
 def free_port() -> int:

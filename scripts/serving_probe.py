@@ -134,7 +134,7 @@ def load_served(model: str, config: str):
 
     path = MODEL_REPOSITORY / model / ("config.pbtxt" if config == "config" else f"configs/{config}.pbtxt")
     parsed = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
-    if parsed.backend != "python":
+    if parsed.backend not in ("python", "python_inprocess"):
         raise SystemExit(f"{path}: not a python model (an ensemble has no in-process call of its own)")
     gpu = any(g.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU for g in parsed.instance_group)
     args = {

@@ -44,7 +44,7 @@ def test_every_model_has_a_gpu_config_and_the_rankers_are_python_models_there():
     instances spread over the GPUs like every other model's."""
     assert {"ikbo_interaction", "ikbo_ranker_online", "ranker_features", *ENSEMBLES} <= set(GPU_MODELS)
     for model in ENSEMBLES:
-        assert read_config(MODEL_REPOSITORY / model / "configs" / "gpu.pbtxt").backend == "python", model
+        assert read_config(MODEL_REPOSITORY / model / "configs" / "gpu.pbtxt").backend == "python_inprocess", model
         assert read_config(MODEL_REPOSITORY / model / "config.pbtxt").platform == "ensemble", model
 
 

@@ -104,13 +104,14 @@ def test_online_configs(variant):
     assert cpu.parameters["variant"].string_value == variant
     assert cpu.parameters["batch_invariant"].string_value == "yes"  # CPU only: the GPU configs keep the default "no"
     assert "batch_invariant" not in gpu.parameters
-    assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "yes"  # raw inputs: validated on the host
+    assert gpu.backend == "python_inprocess" and "FORCE_CPU_ONLY_INPUT_TENSORS" not in gpu.parameters  # host-memory inputs
     assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
     assert gpu.parameters["cuda_graphs"].string_value == "yes"
     for parsed in (cpu, gpu):
         parsed.ClearField("instance_group")
         parsed.ClearField("parameters")
         parsed.ClearField("model_warmup")  # GPU configs warm up through Triton (tests/test_model_repository.py)
+        parsed.ClearField("backend")  # the GPU configs run model.py in tritonserver's process
     assert cpu == gpu
 
 
@@ -339,10 +340,15 @@ def weights_file(tmp_path_factory):
 QUEUE_DELAY_US = 100_000  # overrides the configs' max_queue_delay_microseconds: the batches do not depend on timing
 
 
-@pytest.fixture(scope="module")
-def server(weights_file, tmp_path_factory):
+# The GPU configs run model.py in tritonserver's process (python_inprocess); on the CPU both backends
+# serve the CPU config, the second time with only `backend` changed.
+BACKENDS = ("python_inprocess",) if GPU else ("python", "python_inprocess")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(weights_file, tmp_path_factory, request):
     """Started empty; the online models are loaded with their config (CPU or GPU) where only the queue
-    delay differs, as a deployment would set it (load request with a config)."""
+    delay (and on the CPU the backend) differs, as a deployment would set it (load request with a config)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("IKBO_WEIGHTS", str(weights_file))
         log_path = tmp_path_factory.mktemp("server") / "tritonserver.log"
@@ -353,6 +359,7 @@ def server(weights_file, tmp_path_factory):
                 for model in ONLINE_MODELS:
                     config = online_config(model, "gpu" if GPU else "config")
                     config.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
+                    config.backend = request.param
                     connection.load_model(model, config=json_format.MessageToJson(config))
                     assert connection.get_model_config(model)["dynamic_batching"]["max_queue_delay_microseconds"] == QUEUE_DELAY_US
             finally:

@@ -1,0 +1,105 @@
+/* Triton backend "python_inprocess": runs a model's model.py (a TritonPythonModel, as the python
+ * backend does) inside tritonserver's own process. This file only starts the interpreter and forwards
+ * Triton's five entry points to ikbo_backend/inprocess/driver.py, which does all the work through
+ * Triton's C API (ctypes). No stub process, no shared-memory IPC: what the python backend spends
+ * on two process wake-ups and the copies into its shared memory per request is gone.
+ *
+ * Build (ikbo_backend/inprocess/__init__.py does it):
+ *   cc -O2 -shared -fPIC -DIKBO_LIBPYTHON='"<libpython3.X.so.1.0>"' backend.c -ldl -o libtriton_python_inprocess.so
+ * The TRITONSERVER_* symbols resolve at load time from tritonserver's own libtritonserver.so.
+ * The Python C API is looked up with dlsym in libpython, loaded RTLD_GLOBAL so that extension
+ * modules (torch, numpy) find its symbols. */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <time.h>
+
+#ifndef IKBO_LIBPYTHON
+#error "define IKBO_LIBPYTHON as the path of the libpython to embed"
+#endif
+
+typedef struct TRITONSERVER_Error TRITONSERVER_Error;
+typedef struct TRITONBACKEND_Backend TRITONBACKEND_Backend;
+typedef struct TRITONBACKEND_ModelInstance TRITONBACKEND_ModelInstance;
+typedef struct TRITONBACKEND_Request TRITONBACKEND_Request;
+enum { TRITONSERVER_ERROR_INTERNAL = 1 }; /* tritonserver.h, TRITONSERVER_Error_Code */
+extern TRITONSERVER_Error *TRITONSERVER_ErrorNew(int code, const char *msg);
+
+typedef struct _object PyObject;
+static PyObject *driver; /* the ikbo_backend.inprocess.driver module */
+static PyObject *(*Import)(const char *);
+static PyObject *(*GetAttr)(PyObject *, const char *);
+static PyObject *(*Call)(PyObject *, const char *, ...);
+static const char *(*AsUTF8)(PyObject *);
+static PyObject *None; /* &_Py_NoneStruct */
+static void (*DecRef)(PyObject *);
+static void (*PrintError)(void);
+static int (*GILEnsure)(void);
+static void (*GILRelease)(int);
+
+#define FIND(sym, name)                                     \
+  if (!(*(void **)&sym = dlsym(lib, name)))                 \
+    return TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, \
+                                 "python_inprocess: " name " not found in " IKBO_LIBPYTHON);
+
+TRITONSERVER_Error *TRITONBACKEND_Initialize(TRITONBACKEND_Backend *backend) {
+  (void)backend;
+  void *lib = dlopen(IKBO_LIBPYTHON, RTLD_NOW | RTLD_GLOBAL);
+  if (!lib) return TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, dlerror());
+  int (*IsInitialized)(void);
+  void (*InitializeEx)(int);
+  void *(*SaveThread)(void);
+  FIND(IsInitialized, "Py_IsInitialized");
+  FIND(InitializeEx, "Py_InitializeEx");
+  FIND(SaveThread, "PyEval_SaveThread");
+  FIND(Import, "PyImport_ImportModule");
+  FIND(GetAttr, "PyObject_GetAttrString");
+  FIND(Call, "PyObject_CallMethod");
+  FIND(AsUTF8, "PyUnicode_AsUTF8");
+  FIND(None, "_Py_NoneStruct");
+  FIND(DecRef, "Py_DecRef");
+  FIND(PrintError, "PyErr_Print");
+  FIND(GILEnsure, "PyGILState_Ensure");
+  FIND(GILRelease, "PyGILState_Release");
+  if (IsInitialized()) return TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, "python_inprocess: Python already runs in this process");
+  InitializeEx(0); /* 0: Triton keeps its signal handlers */
+  driver = Import("ikbo_backend.inprocess.driver"); /* found through PYTHONPATH (the repository root) */
+  if (!driver) PrintError();
+  SaveThread(); /* the GIL is taken per call, from Triton's instance threads */
+  return driver ? NULL : TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, "python_inprocess: cannot import ikbo_backend.inprocess.driver (is the repository root on PYTHONPATH?); the traceback is on stderr");
+}
+
+/* driver.<method>(args): NULL on success; else an error with the message the driver returned. */
+static TRITONSERVER_Error *call_driver(const char *method, const char *format, uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  int gil = GILEnsure();
+  TRITONSERVER_Error *error = NULL;
+  PyObject *result = Call(driver, method, format, a, b, c, d);
+  if (!result) {
+    PrintError();
+    error = TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, "python_inprocess: the driver raised; the traceback is on stderr");
+  } else {
+    if (result != None) {
+      const char *message = AsUTF8(result);
+      error = TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, message ? message : "python_inprocess: error");
+    }
+    DecRef(result);
+  }
+  GILRelease(gil);
+  return error;
+}
+
+TRITONSERVER_Error *TRITONBACKEND_ModelInstanceInitialize(TRITONBACKEND_ModelInstance *instance) {
+  return call_driver("initialize", "K", (uint64_t)(uintptr_t)instance, 0, 0, 0);
+}
+
+TRITONSERVER_Error *TRITONBACKEND_ModelInstanceFinalize(TRITONBACKEND_ModelInstance *instance) {
+  return call_driver("finalize", "K", (uint64_t)(uintptr_t)instance, 0, 0, 0);
+}
+
+TRITONSERVER_Error *TRITONBACKEND_ModelInstanceExecute(TRITONBACKEND_ModelInstance *instance, TRITONBACKEND_Request **requests,
+                                                        const uint32_t request_count) {
+  struct timespec now; /* Triton's statistics clock: steady_clock = CLOCK_MONOTONIC */
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  uint64_t exec_start_ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+  return call_driver("execute", "KKKK", (uint64_t)(uintptr_t)instance, (uint64_t)(uintptr_t)requests, request_count, exec_start_ns);
+}

@@ -1,0 +1,186 @@
+"""What backend.c calls, with the GIL held, from Triton's threads: `initialize` / `finalize` per model
+instance and `execute` per batch of requests. A model instance is its model.py's TritonPythonModel,
+built and called as the python backend would (same `args` keys, same `execute(requests)` contract),
+but in tritonserver's process: inputs are read from Triton's buffers, outputs written into Triton's,
+statistics reported per request (compute input = wrapping the requests, compute infer = the model's
+`execute`, compute output = sending the responses).
+
+Loading is exclusive: an `initialize` (warm-up, CUDA graph capture in global capture mode, Triton
+compilations) waits for running `execute` calls and holds new ones back (`_Exclusive`), as each
+instance had its own process under the python backend. Compilations during a load are not counted
+as request-path compilations of the models already loaded (`CompileCounter.loads_in_progress`).
+
+Each returns None, or for initialize/finalize an error message that Triton shows (the model then
+fails to load). `execute` never raises: a model that raises answers every request of the call with an
+INTERNAL error naming the model and the exception type; the traceback goes to the server log."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import sys
+import threading
+import time
+from contextlib import contextmanager
+import traceback
+from ctypes import byref, c_char_p, c_int, c_int32, c_uint64, c_void_p
+from pathlib import Path
+
+from ..shape_spec import CompileCounter
+from . import pb_utils
+from . import triton_c as C
+from .triton_c import api
+
+sys.modules.setdefault("triton_python_backend_utils", pb_utils)
+
+
+class _Instance:
+    def __init__(self, handle: int, model, args: dict[str, str]):
+        self.handle, self.model, self.name = handle, model, args["model_name"]
+        self.cuda_device = int(args["model_instance_device_id"]) if args["model_instance_kind"] == "GPU" else None
+
+
+class _Exclusive:
+    """Shared holds (execute) run together; an exclusive hold (initialize, finalize) runs alone, and a
+    waiting exclusive hold keeps new shared ones out."""
+
+    def __init__(self):
+        self._condition = threading.Condition()
+        self._shared = 0
+        self._exclusive = self._waiting = False
+
+    @contextmanager
+    def shared(self):
+        with self._condition:
+            self._condition.wait_for(lambda: not (self._exclusive or self._waiting))
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._shared -= 1
+                self._condition.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._condition:
+            self._condition.wait_for(lambda: not self._waiting)
+            self._waiting = True
+            self._condition.wait_for(lambda: not (self._exclusive or self._shared))
+            self._exclusive, self._waiting = True, False
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._exclusive = False
+                self._condition.notify_all()
+
+
+_instances: dict[int, _Instance] = {}  # instance handle → its model
+_loading = _Exclusive()
+
+
+def _model_args(instance: int) -> dict[str, str]:
+    """The python backend's initialize args of a model instance (all strings)."""
+    model, name, instance_name, kind, device = c_void_p(), c_char_p(), c_char_p(), c_int(), c_int32()
+    api.TRITONBACKEND_ModelInstanceModel(instance, byref(model))
+    api.TRITONBACKEND_ModelName(model, byref(name))
+    api.TRITONBACKEND_ModelInstanceName(instance, byref(instance_name))
+    api.TRITONBACKEND_ModelInstanceKind(instance, byref(kind))
+    api.TRITONBACKEND_ModelInstanceDeviceId(instance, byref(device))
+    version, artifact, location = c_uint64(), c_int(), c_char_p()
+    api.TRITONBACKEND_ModelVersion(model, byref(version))
+    api.TRITONBACKEND_ModelRepository(model, byref(artifact), byref(location))
+    message, base, size = c_void_p(), c_void_p(), c_uint64()
+    api.TRITONBACKEND_ModelConfig(model, 1, byref(message))
+    try:
+        api.TRITONSERVER_MessageSerializeToJson(message, byref(base), byref(size))
+        config = ctypes.string_at(base, size.value).decode()
+    finally:
+        api.TRITONSERVER_MessageDelete(message)
+    return {
+        "model_config": config,
+        "model_instance_kind": C.INSTANCE_KINDS[kind.value],
+        "model_instance_name": instance_name.value.decode(),
+        "model_instance_device_id": str(device.value),
+        "model_repository": location.value.decode(),
+        "model_version": str(version.value),
+        "model_name": name.value.decode(),
+    }
+
+
+def initialize(instance: int) -> str | None:
+    with _loading.exclusive():
+        CompileCounter.loads_in_progress += 1
+        try:
+            return _initialize(instance)
+        finally:
+            CompileCounter.loads_in_progress -= 1
+
+
+def _initialize(instance: int) -> str | None:
+    try:
+        args = _model_args(instance)
+        filename = json.loads(args["model_config"]).get("default_model_filename") or "model.py"
+        path = Path(args["model_repository"]) / args["model_version"] / filename
+        spec = importlib.util.spec_from_file_location(f"_inprocess_{args['model_name']}_{args['model_version']}_{instance:x}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model = module.TritonPythonModel()
+        if hasattr(model, "initialize"):
+            model.initialize(args)
+        _instances[instance] = _Instance(instance, model, args)
+        return None
+    except Exception:  # noqa: BLE001 — Triton shows the message and does not load the model
+        return f"python_inprocess: initialize failed:\n{traceback.format_exc()}"
+
+
+def finalize(instance: int) -> str | None:
+    with _loading.exclusive():
+        served = _instances.pop(instance, None)
+        try:
+            if hasattr(served, "model") and hasattr(served.model, "finalize"):
+                served.model.finalize()
+        except Exception:  # noqa: BLE001
+            return f"python_inprocess: finalize failed:\n{traceback.format_exc()}"
+    return None
+
+
+def execute(instance: int, requests_address: int, count: int, exec_start_ns: int) -> None:
+    with _loading.shared():
+        _execute(_instances[instance], requests_address, count, exec_start_ns)
+
+
+def _execute(served: _Instance, requests_address: int, count: int, exec_start_ns: int) -> None:
+    if served.cuda_device is not None:
+        import torch
+
+        torch.cuda.set_device(served.cuda_device)  # per thread: Triton calls execute from its own threads
+    requests = [pb_utils.InferenceRequest(handle) for handle in (c_void_p * count).from_address(requests_address)]
+    compute_start_ns = time.monotonic_ns()
+    try:
+        responses = served.model.execute(requests)
+        if len(responses) != count:
+            raise RuntimeError(f"execute returned {len(responses)} responses for {count} requests")
+    except Exception as e:  # noqa: BLE001 — every request gets an error response; the server stays up
+        pb_utils.Logger.log_error(f"{served.name}: {traceback.format_exc()}")
+        message = f"model '{served.name}': internal error ({type(e).__name__}); details are in the server log"
+        responses = [pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))] * count
+    compute_end_ns = time.monotonic_ns()
+    sent = [_send(served, request, response) for request, response in zip(requests, responses)]
+    exec_end_ns = time.monotonic_ns()
+    for request, success in zip(requests, sent):
+        api.TRITONBACKEND_ModelInstanceReportStatistics(served.handle, request.handle, success, exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns)
+        api.TRITONBACKEND_RequestRelease(request.handle, C.REQUEST_RELEASE_ALL)
+    api.TRITONBACKEND_ModelInstanceReportBatchStatistics(served.handle, count, exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns)
+
+
+def _send(served: _Instance, request, response) -> bool:
+    """Send one response; True if it went out without an error."""
+    try:
+        pb_utils.send_response(request, response)
+        return not response.has_error()
+    except Exception:  # noqa: BLE001 — a response Triton refused: logged; the request is still released
+        pb_utils.Logger.log_error(f"{served.name}: sending a response failed: {traceback.format_exc()}")
+        return False

@@ -1,0 +1,231 @@
+"""`triton_python_backend_utils` for models run by the in-process backend: the part of the python
+backend's API that this project's model.py files use, on Triton's C API (triton_c.py) instead of the
+stub's IPC. The driver puts this module into sys.modules under that name before loading a model.py.
+
+- `get_input_tensor_by_name(request, name)` → `Tensor` over Triton's input buffer (no copy; valid
+  until the request is released, after `execute` returns), or None.
+- `Tensor(name, array)`, `Tensor.from_dlpack(name, capsule)`, `.to_dlpack()`, `.as_numpy()`,
+  `.shape()`, `.name()`; host tensors only (outputs are copied into Triton's host buffer).
+- `InferenceResponse(output_tensors=…, error=…)`, `TritonError(message, code)`, `Logger`,
+  `MetricFamily(name, description, kind).Metric(labels=…, buckets=…)` with increment/set/observe:
+  in-process calls, not IPC round trips."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from ctypes import byref, c_char_p, c_double, c_int, c_int64, c_uint32, c_uint64, c_void_p
+
+import numpy as np
+import torch
+from torch.utils.dlpack import from_dlpack, to_dlpack
+
+from . import triton_c as C
+from .triton_c import api
+
+
+class TritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message: str, code: int = INTERNAL):
+        self._message, self._code = message, code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+
+class TritonModelException(Exception):
+    pass
+
+
+class Tensor:
+    """A named host tensor (torch inside)."""
+
+    def __init__(self, name: str, value):
+        self._name = name
+        self._tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+
+    @classmethod
+    def from_dlpack(cls, name: str, capsule) -> "Tensor":
+        return cls(name, from_dlpack(capsule))
+
+    def name(self) -> str:
+        return self._name
+
+    def shape(self) -> list[int]:
+        return list(self._tensor.shape)
+
+    def is_cpu(self) -> bool:
+        return self._tensor.device.type == "cpu"
+
+    def to_dlpack(self):
+        return to_dlpack(self._tensor)
+
+    def as_numpy(self) -> np.ndarray:
+        return self._tensor.numpy()
+
+
+class InferenceRequest:
+    """One TRITONBACKEND_Request of an `execute` call."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def parameters(self) -> str:
+        """The request's parameters as a JSON object string (the python backend's form)."""
+        count, parameters = c_uint32(), {}
+        api.TRITONBACKEND_RequestParameterCount(self.handle, byref(count))
+        for index in range(count.value):
+            key, kind, value = c_char_p(), c_int(), c_void_p()
+            api.TRITONBACKEND_RequestParameter(self.handle, index, byref(key), byref(kind), byref(value))
+            if kind.value == C.PARAMETER_STRING:
+                parameters[key.value.decode()] = ctypes.cast(value, c_char_p).value.decode()
+            elif kind.value == C.PARAMETER_INT:
+                parameters[key.value.decode()] = ctypes.cast(value, ctypes.POINTER(c_int64)).contents.value
+            elif kind.value == C.PARAMETER_BOOL:
+                parameters[key.value.decode()] = ctypes.cast(value, ctypes.POINTER(ctypes.c_bool)).contents.value
+            elif kind.value == C.PARAMETER_DOUBLE:
+                parameters[key.value.decode()] = ctypes.cast(value, ctypes.POINTER(c_double)).contents.value
+        return json.dumps(parameters)
+
+
+def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
+    """The request's input `name` as a host tensor over Triton's buffer (a copy only when Triton holds
+    it in several buffers), or None if the request has no such input. Raises ValueError for an
+    input in GPU memory (CUDA shared memory from the client) or of a type not served here."""
+    handle = c_void_p()
+    try:
+        api.TRITONBACKEND_RequestInput(request.handle, name.encode(), byref(handle))
+    except C.TritonCError:
+        return None
+    datatype, shape, dims, byte_size, buffers = c_int(), ctypes.POINTER(c_int64)(), c_uint32(), c_uint64(), c_uint32()
+    api.TRITONBACKEND_InputProperties(handle, None, byref(datatype), byref(shape), byref(dims), byref(byte_size), byref(buffers))
+    if datatype.value not in C.DTYPES:
+        raise ValueError(f"input {name}: data type {datatype.value} is not served by this backend")
+    parts = []
+    for index in range(buffers.value):
+        pointer, size, memory, memory_id = c_void_p(), c_uint64(), c_int(C.MEMORY_CPU), c_int64(0)
+        api.TRITONBACKEND_InputBuffer(handle, index, byref(pointer), byref(size), byref(memory), byref(memory_id))
+        if memory.value == C.MEMORY_GPU:
+            raise ValueError(f"input {name}: arrived in GPU memory; this backend takes inputs in host memory")
+        if size.value:
+            parts.append(torch.frombuffer((ctypes.c_uint8 * size.value).from_address(pointer.value), dtype=torch.uint8))
+    data = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return Tensor(name, data.view(C.DTYPES[datatype.value]).view([shape[i] for i in range(dims.value)]))
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors=None, error: TritonError | None = None):
+        self._outputs, self._error = list(output_tensors or []), error
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+
+def send_response(request: InferenceRequest, response: InferenceResponse) -> None:
+    """Send `response` (its outputs copied into Triton's host buffers, or its error) for `request`."""
+    handle = c_void_p()
+    api.TRITONBACKEND_ResponseNew(byref(handle), request.handle)
+    error = None
+    try:
+        if response.has_error():
+            error = api.TRITONSERVER_ErrorNew(response.error().code(), response.error().message().encode())
+        for tensor in response.output_tensors():
+            _write_output(handle, tensor)
+    except Exception as e:  # noqa: BLE001 — the response still goes, as an error
+        error = api.TRITONSERVER_ErrorNew(C.ERROR_INTERNAL, f"output {getattr(tensor, '_name', '?')}: {e}".encode())
+    api.TRITONBACKEND_ResponseSend(handle, C.RESPONSE_COMPLETE_FINAL, error)
+    if error:
+        api.TRITONSERVER_ErrorDelete(error)  # the caller keeps ownership of a sent error
+
+
+def _write_output(response, tensor: Tensor) -> None:
+    value = tensor._tensor.detach().contiguous().cpu()
+    shape = (c_int64 * value.dim())(*value.shape)
+    output, pointer, memory, memory_id = c_void_p(), c_void_p(), c_int(C.MEMORY_CPU), c_int64(0)
+    api.TRITONBACKEND_ResponseOutput(response, byref(output), tensor.name().encode(), C.TRITON_DTYPES[value.dtype], shape, value.dim())
+    size = value.numel() * value.element_size()
+    api.TRITONBACKEND_OutputBuffer(output, byref(pointer), size, byref(memory), byref(memory_id))
+    if memory.value == C.MEMORY_GPU:
+        raise RuntimeError("Triton gave a GPU output buffer; this backend writes host memory")
+    if size:
+        ctypes.memmove(pointer.value, value.data_ptr(), size)
+
+
+class Logger:
+    @staticmethod
+    def log(message: str, level: int = C.LOG_INFO) -> None:
+        api.TRITONSERVER_LogMessage(level, b"model.py", 0, str(message).encode(errors="replace"))
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        Logger.log(message, C.LOG_INFO)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        Logger.log(message, C.LOG_WARN)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        Logger.log(message, C.LOG_ERROR)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        Logger.log(message, C.LOG_VERBOSE)
+
+
+class MetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = C.METRIC_COUNTER, C.METRIC_GAUGE, C.METRIC_HISTOGRAM
+
+    def __init__(self, name: str, description: str, kind: int):
+        self.kind, self.handle = kind, c_void_p()
+        api.TRITONSERVER_MetricFamilyNew(byref(self.handle), kind, name.encode(), description.encode())
+
+    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> "Metric":  # noqa: N802 — pb_utils' name
+        return Metric(self, labels or {}, buckets)
+
+    def __del__(self):
+        if self.handle:
+            api.TRITONSERVER_MetricFamilyDelete(self.handle)
+
+
+class Metric:
+    def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None):
+        self.family, self.handle = family, c_void_p()  # the family must outlive its metrics
+        parameters = [api.TRITONSERVER_ParameterNew(k.encode(), C.PARAMETER_STRING, c_char_p(str(v).encode())) for k, v in labels.items()]
+        arguments = c_void_p()
+        try:
+            if family.kind == MetricFamily.HISTOGRAM:
+                if not buckets:
+                    raise ValueError("a histogram metric needs buckets")
+                api.TRITONSERVER_MetricArgsNew(byref(arguments))
+                api.TRITONSERVER_MetricArgsSetHistogram(arguments, (c_double * len(buckets))(*buckets), len(buckets))
+            label_array = (c_void_p * max(len(parameters), 1))(*parameters)
+            api.TRITONSERVER_MetricNewWithArgs(byref(self.handle), family.handle, label_array, len(parameters), arguments)
+        finally:
+            for parameter in parameters:
+                api.TRITONSERVER_ParameterDelete(parameter)
+            if arguments:
+                api.TRITONSERVER_MetricArgsDelete(arguments)
+
+    def increment(self, value: float) -> None:
+        api.TRITONSERVER_MetricIncrement(self.handle, float(value))
+
+    def set(self, value: float) -> None:
+        api.TRITONSERVER_MetricSet(self.handle, float(value))
+
+    def observe(self, value: float) -> None:
+        api.TRITONSERVER_MetricObserve(self.handle, float(value))
+
+    def __del__(self):
+        if self.handle:
+            api.TRITONSERVER_MetricDelete(self.handle)

@@ -1,0 +1,170 @@
+"""The python_inprocess backend (ikbo_backend/inprocess) with a real tritonserver on the CPU, on toy
+models written here: answers equal an fp64 reference on fresh random inputs (HTTP and gRPC, several
+dtypes), request parameters reach the model, a model that raises answers that request with an
+INTERNAL error that hides the exception's text, a model whose initialize fails does not load (its
+message says why) while the others keep serving, and Triton's per-model statistics are reported.
+The rankers under this backend are tested in tests/test_server.py (the GPU configs placed on the
+CPU) and tests/test_online.py (the online endpoints, both backends)."""
+
+import secrets
+import threading
+import time
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from ikbo_backend.inprocess.driver import _Exclusive
+from ikbo_backend.tritonserver import running_tritonserver
+
+SEED = secrets.randbits(32)
+pytestmark = pytest.mark.timeout(300)
+
+SCALE_MODEL = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.kind = args["model_instance_kind"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            ids = pb_utils.get_input_tensor_by_name(request, "IDS").as_numpy()
+            if x.size and x.flat[0] < 0:
+                raise RuntimeError("secret /internal/path")
+            scale = json.loads(request.parameters()).get("scale", 2)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("Y", (x.astype(np.float64) * scale).astype(np.float32)),
+                pb_utils.Tensor("IDS_PLUS_ONE", ids + 1),
+            ]))
+        return responses
+'''
+BROKEN_MODEL = '''
+class TritonPythonModel:
+    def initialize(self, args):
+        raise ValueError("this model cannot load: weights missing")
+
+    def execute(self, requests):
+        return []
+'''
+CONFIG = '''
+name: "{name}"
+backend: "python_inprocess"
+max_batch_size: 0
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS" data_type: TYPE_INT64 dims: [ -1 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS_PLUS_ONE" data_type: TYPE_INT64 dims: [ -1 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 2 }} ]
+'''
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("inprocess_repo")
+    for name, source in (("scale", SCALE_MODEL), ("broken", BROKEN_MODEL)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(source)
+        (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name))
+    log_path = tmp_path_factory.mktemp("server") / "tritonserver.log"
+    with running_tritonserver(repo, log_path=log_path, extra_args=["--model-control-mode=explicit", "--load-model=scale"]) as running:
+        yield running
+
+
+def clients(server):
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+
+    return [(http, http.InferenceServerClient(server.http_url)), (grpc, grpc.InferenceServerClient(server.grpc_url))]
+
+
+def infer(module, client, x, ids, parameters=None):
+    inputs = [module.InferInput("X", list(x.shape), "FP32"), module.InferInput("IDS", list(ids.shape), "INT64")]
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(ids)
+    result = client.infer("scale", inputs, parameters=parameters)
+    return result.as_numpy("Y"), result.as_numpy("IDS_PLUS_ONE")
+
+
+def test_answers_equal_the_fp64_reference(server):
+    rng = np.random.default_rng(SEED)
+    for module, client in clients(server):
+        for rows, scale in ((1, None), (17, 3), (0, None), (1000, 0.5)):
+            x = rng.uniform(0.5, 2.0, (rows, 3)).astype(np.float32)
+            ids = rng.integers(-(2**40), 2**40, rows)
+            y, ids_plus_one = infer(module, client, x, ids, {"scale": scale} if scale is not None else None)
+            want = x.astype(np.float64) * (2 if scale is None else scale)
+            assert y.shape == want.shape and np.allclose(y, want, rtol=1e-7, atol=0), f"{module.__name__} rows {rows} (seed {SEED})"
+            assert np.array_equal(ids_plus_one, ids + 1), f"{module.__name__} rows {rows} (seed {SEED})"
+        client.close()
+
+
+def test_a_raising_model_answers_500_without_details_and_the_next_request_is_answered(server):
+    rng = np.random.default_rng(SEED + 1)
+    for module, client in clients(server):
+        bad = -rng.uniform(1, 2, (4, 3)).astype(np.float32)
+        with pytest.raises(InferenceServerException) as error:
+            infer(module, client, bad, np.arange(4))
+        assert "internal error (RuntimeError)" in error.value.message() and "secret" not in error.value.message(), str(error.value)
+        good = rng.uniform(1, 2, (5, 3)).astype(np.float32)
+        y, _ = infer(module, client, good, np.arange(5))
+        assert np.allclose(y, good.astype(np.float64) * 2, rtol=1e-7, atol=0)
+        client.close()
+    assert "secret /internal/path" in server.log_tail(400)  # the details go to the server log
+
+
+def test_a_model_whose_initialize_fails_does_not_load_and_says_why(server):
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(server.http_url)
+    with pytest.raises(InferenceServerException, match="weights missing"):
+        client.load_model("broken")
+    assert client.is_model_ready("scale") and not client.is_model_ready("broken")
+    client.close()
+
+
+def test_statistics_count_each_request_and_its_compute_time(server):
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(server.http_url)
+    before = client.get_inference_statistics("scale")["model_stats"][0]
+    x = np.random.default_rng(SEED + 2).uniform(1, 2, (8, 3)).astype(np.float32)
+    for _ in range(3):
+        infer(http, client, x, np.arange(8))
+    after = client.get_inference_statistics("scale")["model_stats"][0]
+    client.close()
+    stats = {key: (after["inference_stats"][key]["count"] - before["inference_stats"][key]["count"],
+                   after["inference_stats"][key]["ns"] - before["inference_stats"][key]["ns"]) for key in ("success", "compute_infer")}  # fmt: skip
+    assert stats["success"][0] == 3 and stats["compute_infer"][0] == 3
+    assert 0 < stats["compute_infer"][1] < stats["success"][1]
+
+
+def test_an_exclusive_hold_waits_for_shared_ones_and_keeps_new_ones_out():
+    lock, events = _Exclusive(), []
+
+    def shared(name, seconds):
+        with lock.shared():
+            events.append(f"{name} in")
+            time.sleep(seconds)
+            events.append(f"{name} out")
+
+    def exclusive():
+        with lock.exclusive():
+            events.append("exclusive in")
+            time.sleep(0.05)
+            events.append("exclusive out")
+
+    first = threading.Thread(target=shared, args=("first", 0.2))
+    first.start()
+    time.sleep(0.05)
+    writer = threading.Thread(target=exclusive)
+    writer.start()
+    time.sleep(0.05)
+    late = threading.Thread(target=shared, args=("late", 0))
+    late.start()
+    for thread in (first, writer, late):
+        thread.join(5)
+    assert events == ["first in", "first out", "exclusive in", "exclusive out", "late in", "late out"], events
