@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): requirements.txt
 	@dpkg -s libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libb64-0d; }
+	@command -v cc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq gcc libc6-dev; }  # builds the python_inprocess backend
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
 	@touch $(STAMP)
