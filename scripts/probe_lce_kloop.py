@@ -66,12 +66,15 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
     "pf1": WSConfig(stages=0, prefetch=1),  # L2 prefetch of the next tile's cand_emb block by the producer
     "pf2": WSConfig(stages=0, prefetch=2),  # … of the tile after next
+    "pf1s": WSConfig(stages=0, prefetch=1, prefetch_spread=1),  # pf1, its K block kt at the producer's step kt
+    "pf2s": WSConfig(stages=0, prefetch=2, prefetch_spread=1),
 }
 # --call: timed in this order (default and the variants alternating, each twice or more: the run's noise)
-CALL_ORDER = ("default", "pf1", "pf2", "default", "pf1", "pf2", "default")
+CALL_ORDER = ("default", "pf1s", "pf2s", "default", "pf1s", "pf2s", "default")
 CALL_TESTS = "gpu and prefetch"  # the GPU tests of the timed variants, run when no variant wins
 CALL_PROBE_S = 85  # the probe's share of the --call run
-CALL_BUDGET_S = 155  # the whole --call run: the probe (≤ CALL_PROBE_S), then the GPU tests with what is left (≤ 65 s)
+CALL_TESTS_S = 85  # the GPU tests' share (all 54 with a winner as the default, -n 16)
+CALL_BUDGET_S = 175  # the whole --call run: the probe (≤ CALL_PROBE_S), then the GPU tests with what is left (≤ CALL_TESTS_S)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
 LONG_K_VARIANTS = ("default",)
@@ -439,7 +442,7 @@ def run_call():
     env = dict(os.environ, LCE_S6_DEFAULT=winner)
     selection = "gpu" if winner else CALL_TESTS
     with open(out_dir / "pytest_gpu.txt", "w") as f:
-        stage(f"GPU tests -k '{selection}' (LCE_S6_DEFAULT='{winner}')", _pytest_args(selection), 65, env=env, stdout=f)
+        stage(f"GPU tests -k '{selection}' (LCE_S6_DEFAULT='{winner}')", _pytest_args(selection), CALL_TESTS_S, env=env, stdout=f)
     _summary(out_dir, log)
 
 
