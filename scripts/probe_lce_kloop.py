@@ -70,7 +70,7 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "pf2s": WSConfig(stages=0, prefetch=2, prefetch_spread=1),
 }
 # --call: timed in this order (default and the variants alternating, each twice or more: the run's noise)
-CALL_ORDER = ("default", "pf1s", "pf2s", "default", "pf1s", "pf2s", "default")
+CALL_ORDER = ("default", "pf1s", "pf2s", "pf1", "default", "pf1s", "pf2s", "default")
 CALL_TESTS = "gpu and prefetch"  # the GPU tests of the timed variants, run when no variant wins
 CALL_PROBE_S = 85  # the probe's share of the --call run
 CALL_TESTS_S = 85  # the GPU tests' share (all 54 with a winner as the default, -n 16)
