@@ -388,11 +388,13 @@ def ranker_python_model(pb_utils):
 
 
 def _to_torch(name: str, tensor) -> torch.Tensor:
-    """A pb_utils.Tensor (CPU or GPU) as a torch tensor, through DLPack (no copy). Not as_numpy():
-    python backend 2.51's stub builds wrong arrays under numpy 2 (every row = row 0, seen on the H200)."""
+    """A pb_utils.Tensor (CPU or GPU) as a torch tensor, without a copy: the python_inprocess backend's
+    tensors are torch tensors already (`as_torch`), the python backend's go through DLPack. Not
+    as_numpy(): python backend 2.51's stub builds wrong arrays under numpy 2 (every row = row 0, seen
+    on the H200)."""
     if tensor is None:
         raise InvalidRequest(name, "missing")
-    return from_dlpack(tensor.to_dlpack())
+    return tensor.as_torch() if hasattr(tensor, "as_torch") else from_dlpack(tensor.to_dlpack())
 
 
 # Test-only fault injection: with IKBO_TEST_FAULTS=1 in the server's environment (never in `make serve`),

@@ -79,6 +79,7 @@ class _Exclusive:
 
 _instances: dict[int, _Instance] = {}  # instance handle → its model
 _loading = _Exclusive()
+_thread = threading.local()  # .cuda_device: the device set in this (Triton instance) thread
 
 
 def _model_args(instance: int) -> dict[str, str]:
@@ -153,10 +154,11 @@ def execute(instance: int, requests_address: int, count: int, exec_start_ns: int
 
 
 def _execute(served: _Instance, requests_address: int, count: int, exec_start_ns: int) -> None:
-    if served.cuda_device is not None:
+    if served.cuda_device is not None and getattr(_thread, "cuda_device", None) != served.cuda_device:
         import torch
 
         torch.cuda.set_device(served.cuda_device)  # per thread: Triton calls execute from its own threads
+        _thread.cuda_device = served.cuda_device
     requests = [pb_utils.InferenceRequest(handle) for handle in (c_void_p * count).from_address(requests_address)]
     compute_start_ns = time.monotonic_ns()
     try:

@@ -64,6 +64,10 @@ class Tensor:
     def to_dlpack(self):
         return to_dlpack(self._tensor)
 
+    def as_torch(self) -> torch.Tensor:
+        """The torch tensor itself (this backend only; the python backend's tensors have to_dlpack)."""
+        return self._tensor
+
     def as_numpy(self) -> np.ndarray:
         return self._tensor.numpy()
 
@@ -73,6 +77,7 @@ class InferenceRequest:
 
     def __init__(self, handle: int):
         self.handle = handle
+        self.inputs: dict[str, Tensor | None] = {}  # read once (the metrics read some again)
 
     def parameters(self) -> str:
         """The request's parameters as a JSON object string (the python backend's form)."""
@@ -96,6 +101,12 @@ def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | N
     """The request's input `name` as a host tensor over Triton's buffer (a copy only when Triton holds
     it in several buffers), or None if the request has no such input. Raises ValueError for an
     input in GPU memory (CUDA shared memory from the client) or of a type not served here."""
+    if name not in request.inputs:
+        request.inputs[name] = _read_input(request, name)
+    return request.inputs[name]
+
+
+def _read_input(request: InferenceRequest, name: str) -> Tensor | None:
     handle = c_void_p()
     try:
         api.TRITONBACKEND_RequestInput(request.handle, name.encode(), byref(handle))
