@@ -25,8 +25,7 @@ of attention.py's grid (tiles of one user adjacent, heads slow). Tiles come from
         turns issuing their wgmmas (pingpong, an mbarrier per warpgroup), so one's softmax runs
         under the other's products. The output rows are scattered back by pointer (16-byte stores).
     Options measured on the H200 no faster than this default and removed on 2026-11-29 (fence,
-        overlap, producer_store, pingpong off): docs/notes/attention.md. `exp_fma` (off): half of each
-        block's exponentials on the FMA pipe (`_exp2_half_fma`), since the softmax waits on MUFU.EX2.
+        overlap, producer_store, pingpong off): docs/notes/attention.md.
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
 
@@ -78,7 +77,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp (24 are enough without gather)
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    exp_fma: bool = False  # half of each block's exponentials on the FMA pipe (`_exp2_half_fma`), half on MUFU
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -250,38 +248,8 @@ def _pass_turn(turns, WG: gl.constexpr):
 
 
 @gluon.jit
-def _exp2(x, EXP_FMA: gl.constexpr):
-    """2^x of a [rows, n] score tile (x ≤ 0 or -inf): MUFU.EX2 for every element, or with EXP_FMA
-    `_exp2_half_fma`."""
-    if EXP_FMA:
-        return _exp2_half_fma(x)
-    else:
-        return gl.exp2(x)
-
-
-@gluon.jit
-def _exp2_half_fma(x):
-    """2^x (x ≤ 0 or -inf) with columns [0, n/2) on MUFU.EX2 and [n/2, n) on the FMA pipe: Cody-Waite
-    rounding (x = j + f, f ∈ [-0.5, 0.5]) and a degree-3 polynomial for 2^f (relative error 7.5e-5, far
-    under bf16's rounding of P; x < -126 gives ≈ 1.2e-38, not 0). The exponent j is added to the bits of
-    2^f. In the wgmma accumulator layout column bit n/2 is a register bit, so the split and the join
-    move no data. The idea: FlashAttention-4's software exp2 (https://github.com/Dao-AILab/flash-attention,
-    flash_attn/cute), for a softmax bound by MUFU throughput."""
-    ROWS: gl.constexpr = x.type.shape[0]
-    N: gl.constexpr = x.type.shape[1]
-    lo, hi = gl.split(gl.permute(gl.reshape(x, [ROWS, 2, N // 2]), (0, 2, 1)))
-    hi = gl.maximum(hi, -126.0)
-    r = hi + 12582912.0  # 1.5 · 2^23: round(hi) in the low mantissa bits of r
-    f = hi - (r - 12582912.0)
-    p2 = ((0.055171650 * f + 0.24261114) * f + 0.69326097) * f + 0.99992806  # 2^f on [-0.5, 0.5]
-    hi = (p2.to(gl.int32, bitcast=True) + (r.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
-    out = gl.reshape(gl.permute(gl.join(gl.exp2(lo), hi), (0, 2, 1)), [ROWS, N])
-    return gl.convert_layout(out, x.type.layout)  # the same linear layout: no data moves
-
-
-@gluon.jit
 def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-           turns, STAGES: gl.constexpr, WG: gl.constexpr, EXP_FMA: gl.constexpr):
+           turns, STAGES: gl.constexpr, WG: gl.constexpr):
     """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
     softmax of block j, wait for P_{j-1}·V_{j-1}, rescale. Returns (acc, m_i, l_i, P_j). (ptxas puts
     that wait before the softmax, P_j taking P_{j-1}'s registers: the softmax runs under the other
@@ -306,7 +274,7 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
         s = gl.where((j * BLOCK_N + key_cols < kv_len)[None, :], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
-    p = _exp2(s * qk_scale - m_new[:, None], EXP_FMA)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
     mbarrier.arrive(v_empty.index(prev), count=1)
@@ -319,23 +287,20 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
 def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
               k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
               tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr,
-              EXP_FMA: gl.constexpr):
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr):
     """Consumer partition of warpgroup WG: `_consumer_items`. (A call, not its body: the inlined call's
     debug label at the partition's start is part of the measured kernel's input to ptxas, which
     otherwise names 13 registers of the worker's prologue differently at d = 64 without kv_len.)"""
     _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_bufs, v_bufs,
                     q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tile_ptr, order_ptr,
-                    kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale, HAS_KV_LEN, STAGES, GATHER, WG,
-                    EXP_FMA)
+                    kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale, HAS_KV_LEN, STAGES, GATHER, WG)
 
 
 @gluon.jit
 def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                     k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                     tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr,
-                    EXP_FMA: gl.constexpr):
+                    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr):
     """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile, each item from block 0 (q·k_0ᵀ
     alone) to its last P·V (alone) and its epilogue (see module doc)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -384,12 +349,12 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
                 key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where((key_cols < kv_len)[None, :], s, float("-inf"))
             m_i = gl.max(s, 1) * qk_scale
-            p = _exp2(s * qk_scale - m_i[:, None], EXP_FMA)
+            p = gl.exp2(s * qk_scale - m_i[:, None])
             l_i = gl.sum(p, 1)
             p_a = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, num_blocks):
                 acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
-                                            v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG, EXP_FMA)
+                                            v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG)
             # the last block's P·V; the next item's q rows load under it
             it += num_blocks - 1
             turn += num_blocks
@@ -453,7 +418,7 @@ def _attention_ws_kernel(
     num_tiles,  # tile slots
     seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, EXP_FMA: gl.constexpr = False,
+    PRODUCER_REGS: gl.constexpr,
 ):
     """Persistent: program p runs work items p, p + programs, … (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -494,11 +459,11 @@ def _attention_ws_kernel(
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, GATHER, WG0, EXP_FMA)),
+                     HAS_KV_LEN, STAGES, GATHER, WG0)),
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, GATHER, WG1, EXP_FMA)),
+                     HAS_KV_LEN, STAGES, GATHER, WG1)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
@@ -577,7 +542,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         order if kv_len is None else kv_len, order, tiles,
         num_items, max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, GATHER=cfg.gather,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, EXP_FMA=cfg.exp_fma,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     return out, flag
@@ -603,6 +568,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
     )
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, GATHER=cfg.gather,
-                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, EXP_FMA=cfg.exp_fma)
+                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -33,9 +33,8 @@ CONFIGS = [
     WSAttentionConfig(gather=False),  # launch_ws's fallback for rows not 16-byte aligned
     NO_GATHER,
     WSAttentionConfig(block_n=64, stages=4, gather=False, consumer_regs=232, producer_regs=24),
-    EXP_FMA := WSAttentionConfig(exp_fma=True),  # half the exponentials on the FMA pipe
 ]
-CONFIG_IDS = ["default", "fallback-no-gather", "no-gather", "64-no-gather", "exp-fma"]
+CONFIG_IDS = ["default", "fallback-no-gather", "no-gather", "64-no-gather"]
 
 
 def _cuobjdump():
@@ -79,29 +78,6 @@ def test_compiles_for_sm90a(config, kwargs):
     assert "LDL" not in sass and "STL" not in sass
     # The key loop: q·k_jᵀ waited with P_{j-1}·V_{j-1} still in flight (at most one group left).
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
-
-
-def test_exp_fma_halves_the_mufu_exponentials():
-    """exp_fma: per key block and warpgroup 32 + 1 MUFU.EX2 instead of 64 + 1 (block 0 and the loop,
-    two consumer partitions), the other 32 exponentials as FFMAs, and no shared-memory round trip
-    for the split and join."""
-    tool = _cuobjdump()
-    try:
-        kernels = [compile_ws(config=cfg) for cfg in (DEFAULT_CONFIG, WSAttentionConfig(exp_fma=True))]
-    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
-        pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
-    if tool is None:
-        pytest.skip("no cuobjdump")
-    counts = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, kernel in enumerate(kernels):
-            cubin = Path(tmp, f"ws{i}.cubin")
-            cubin.write_bytes(kernel.asm["cubin"])
-            sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-            counts.append({op: len(re.findall(pat, sass)) for op, pat in
-                           [("ex2", r"MUFU\.EX2"), ("lds", r"\bLDS"), ("sts", r"\bSTS"), ("local", r"\b(LDL|STL)")]})
-    assert counts[0]["ex2"] == 2 * 2 * (64 + 1) and counts[1]["ex2"] == 2 * 2 * (32 + 1), counts
-    assert counts[1]["lds"] == counts[0]["lds"] and counts[1]["sts"] == counts[0]["sts"] and counts[1]["local"] == 0, counts
 
 
 def test_not_supported_on_cpu():
@@ -164,7 +140,7 @@ def test_cuda_launch_ws_matches_fp64(case, dtype, config):
 def test_cuda_few_programs_many_items():
     """Two programs loop over every work item: the ring's and the turns' phases wrap many times."""
     q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[1], torch.bfloat16, seed=3)
-    for config in (DEFAULT_CONFIG, NO_GATHER, EXP_FMA):
+    for config in (DEFAULT_CONFIG, NO_GATHER):
         out = torch.full_like(q, float("nan"))
         launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, num_programs=2)
         _check(out, ref)
@@ -191,14 +167,11 @@ def test_public_op_dispatch_rule():
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("default", [DEFAULT_CONFIG, EXP_FMA], ids=["default", "exp-fma-as-default"])
 @pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1]])
-def test_cuda_public_op_dispatches_here(case, default, monkeypatch):
-    """ikbo_attention (backend triton) at a preferred shape runs launch_ws, and is right (also with
-    exp_fma as the default config)."""
+def test_cuda_public_op_dispatches_here(case, monkeypatch):
+    """ikbo_attention (backend triton) at a preferred shape runs launch_ws, and is right."""
     from kernels import attention_ws
 
-    monkeypatch.setattr(attention_ws, "DEFAULT_CONFIG", default)
     calls = []
     original = attention_ws.launch_ws
     monkeypatch.setattr(attention_ws, "launch_ws", lambda *a, **kw: calls.append(1) or original(*a, **kw))
