@@ -37,10 +37,6 @@ Kernel `_lce_ws_kernel`, one persistent program per SM, tiles t = pid, pid + P, 
         (~0.5 µs per tile) and no LSU-queue time (the pointer epilogue of s5, a removed variant: docs/notes/lce.md). The
         store drains during the next tile's first K step; then the buffer is handed back to the
         producer for the next Y_u block.
-    Option (`WSConfig.prefetch`, off by default): the producer also asks L2 for the cand_emb block of the
-    tile `prefetch` tiles ahead (`cp.async.bulk.prefetch.L2`, no shared memory), so the ring's TMA loads
-    hit L2 instead of waiting on HBM (docs/notes/lce.md, 2026-11-29 22:20 UTC): all of it at the tile's
-    start (measured 1–3 % slower on the H200), or spread over the tile's K steps (`prefetch_spread`).
 Why cooperative and not pingpong (CUTLASS's two consumer warpgroups alternating tiles): on Hopper the
 accumulator lives in registers; one warpgroup holding a whole 128 × 256 fp32 tile needs 256
 registers per thread (more than the 255 limit), so pingpong shrinks each warpgroup's tile to
@@ -101,8 +97,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
-    prefetch: int = 0  # L2 prefetch of the cand_emb block `prefetch` tiles ahead by the producer (0: none)
-    prefetch_spread: int = 0  # 1: its K block kt at the producer's K step kt; 0: all of it at the tile's start
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -130,49 +124,10 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _prefetch_l2(x_ptr, x_desc, valid, b, off_m, off_d, row_lo, row_hi, num_m_tiles, BLOCK_M: gl.constexpr):
-    """L2 prefetch (`cp.async.bulk.prefetch.L2`; no shared memory, no barrier) of this tile's share of the
-    rows [row_lo, row_hi) of its cand_emb block cand_emb[b, :, off_d:off_d + BLOCK_D]: the m-th of
-    num_m_tiles row ranges, m the tile's row-tile index. The num_m_tiles tiles of one (b, off_d) read the
-    same block, so together they prefetch it once (in row order they run at the same time on neighbouring
-    programs). Each lane of the warp takes a run of rows: one prefetch where the rows are contiguous in
-    memory (D = BLOCK_D, packed rows), else one per row. Nothing where not `valid`."""
-    BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
-    ELEM: gl.constexpr = x_desc.dtype.primitive_bitwidth // 8
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # the producer's one warp
-    if valid:
-        row_stride = x_desc.strides[1]
-        row_bytes = gl.minimum(x_desc.shape[2] - off_d, BLOCK_D) * ELEM  # a multiple of 16 (s6_supported)
-        share = gl.cdiv(row_hi - row_lo, num_m_tiles)
-        per_lane = gl.cdiv(share, 32)
-        start = row_lo + (off_m // BLOCK_M) * share
-        lo = start + gl.arange(0, 32, layout=lanes) * per_lane
-        hi = gl.minimum(gl.minimum(lo + per_lane, start + share), row_hi)
-        base = x_ptr + b.to(gl.int64) * x_desc.strides[0] + off_d
-        if row_stride * ELEM == row_bytes:  # the lane's rows are one contiguous range
-            _bulk_prefetch_l2(base + lo.to(gl.int64) * row_stride, gl.maximum(hi - lo, 0) * row_bytes)
-        else:
-            for j in range(per_lane):
-                rows = lo + j
-                _bulk_prefetch_l2(base + rows.to(gl.int64) * row_stride, gl.where(rows < hi, row_bytes, 0))
-
-
-@gluon.jit
-def _bulk_prefetch_l2(ptrs, sizes):
-    """`cp.async.bulk.prefetch.L2.global [ptr], size` per element with size > 0 (size a multiple of 16)."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, sizes], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _producer(w_desc, x_desc, y_desc, m_ptr, x_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              PREFETCH: gl.constexpr, PREFETCH_SPREAD: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue
-    buffer; with PREFETCH, an L2 prefetch of the cand_emb block of the tile PREFETCH tiles ahead: all of
-    it before the tile's first load, or (PREFETCH_SPREAD) its K block kt after the tile's load of step kt."""
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
@@ -180,11 +135,6 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, x_ptr, w_bufs, x_bufs, epi_buf, rea
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-        if PREFETCH > 0:
-            ahead = tile + PREFETCH * gl.num_programs(0)
-            pf_b, pf_m, pf_d = _tile_coords(ahead, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-            if not PREFETCH_SPREAD:
-                _prefetch_l2(x_ptr, x_desc, ahead < num_tiles, pf_b, pf_m, pf_d, 0, x_desc.shape[1], num_m_tiles, BLOCK_M)
         if HAS_USER:
             user = gl.load(m_ptr + b).to(gl.int32)
         for kt in gl.static_range(K_TILES):
@@ -196,9 +146,6 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, x_ptr, w_bufs, x_bufs, epi_buf, rea
             tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
             tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
             step += 1
-            if PREFETCH > 0 and PREFETCH_SPREAD:
-                _prefetch_l2(x_ptr, x_desc, ahead < num_tiles, pf_b, pf_m, pf_d, kt * BLOCK_K,
-                             gl.minimum(x_desc.shape[1], (kt + 1) * BLOCK_K), num_m_tiles, BLOCK_M)
             if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
                     mbarrier.wait(epi_free, i & 1)
@@ -273,9 +220,8 @@ def _lce_ws_kernel(
     out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D]
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
-    x_ptr,  # cand_emb (its base address, for the L2 prefetch; last, so the other parameters keep their offsets)
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr, PREFETCH_SPREAD: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -309,9 +255,8 @@ def _lce_ws_kernel(
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
-        (_producer, (w_desc, x_desc, y_desc, m_ptr, x_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, PREFETCH,
-                     PREFETCH_SPREAD)),
+        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -392,11 +337,10 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
         num_candidates, rows, dim,
-        cand_emb,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, PREFETCH=cfg.prefetch,
-        PREFETCH_SPREAD=bool(cfg.prefetch_spread), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -440,8 +384,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, PREFETCH=cfg.prefetch,
-        PREFETCH_SPREAD=bool(cfg.prefetch_spread), num_warps=cfg.num_warps,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
@@ -459,7 +402,7 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     runtime_args = dict(
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
-        B=num_candidates, N=rows, D=dim, x_ptr=cand_emb,
+        B=num_candidates, N=rows, D=dim,
     )
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -65,8 +65,6 @@ S6_EXTRA_CONFIGS = [  # with --configs, beside s6's default (128×256×64, 3 sta
     WSConfig(epi_free_at=1),
     WSConfig(block_k=32, stages=6, epi_free_at=4),
     WSConfig(block_d=128, stages=0),  # 128×128 tiles, 64 accumulator registers, 6 stages
-    WSConfig(stages=0, prefetch=1),  # L2 prefetch of the next tile's cand_emb block
-    WSConfig(stages=0, prefetch=1, prefetch_spread=1),  # … one K block per K step
 ]
 
 

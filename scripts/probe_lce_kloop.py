@@ -64,17 +64,11 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "default": None,
     "bk32": WSConfig(block_k=32, stages=6, epi_free_at=4),
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
-    "pf1": WSConfig(stages=0, prefetch=1),  # L2 prefetch of the next tile's cand_emb block by the producer
-    "pf2": WSConfig(stages=0, prefetch=2),  # … of the tile after next
-    "pf1s": WSConfig(stages=0, prefetch=1, prefetch_spread=1),  # pf1, its K block kt at the producer's step kt
-    "pf2s": WSConfig(stages=0, prefetch=2, prefetch_spread=1),
 }
-# --call: timed in this order (default and the variants alternating, each twice or more: the run's noise)
-CALL_ORDER = ("default", "pf1s", "pf2s", "pf1", "default", "pf1s", "pf2s", "default")
-CALL_TESTS = "gpu and prefetch"  # the GPU tests of the timed variants, run when no variant wins
-CALL_PROBE_S = 85  # the probe's share of the --call run
-CALL_TESTS_S = 85  # the GPU tests' share (all 54 with a winner as the default, -n 16)
-CALL_BUDGET_S = 175  # the whole --call run: the probe (≤ CALL_PROBE_S), then the GPU tests with what is left (≤ CALL_TESTS_S)
+# --call: timed in this order (default and the variant twice: the run's noise)
+CALL_ORDER = ("default", "bk32", "default", "bk32")
+CALL_TESTS = "gpu and bk32"  # the GPU tests of the timed variant, run when no variant wins
+CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
 LONG_K_VARIANTS = ("default",)
@@ -432,17 +426,17 @@ def _summary(out_dir, log):
 
 
 def run_call():
-    """A short device call (CALL_BUDGET_S): the probe on CALL_ORDER without K scaling (≤ CALL_PROBE_S), then the
+    """A short device call (CALL_BUDGET_S): the probe on CALL_ORDER without K scaling (≤ 70 s), then the
     GPU tests of tests/test_linear_compress_ws.py with what is left: all of them with the winner as s6's
     default (LCE_S6_DEFAULT), else CALL_TESTS."""
     out_dir, log, stage = _stages(CALL_BUDGET_S)
-    stage("probe", [sys.executable, __file__, "--variants", ",".join(CALL_ORDER), "--no-k-scaling"], CALL_PROBE_S)
+    stage("probe", [sys.executable, __file__, "--variants", ",".join(CALL_ORDER), "--no-k-scaling"], 70)
     winner_file = out_dir / "s6_winner.txt"
     winner = winner_file.read_text().strip() if winner_file.exists() else ""
     env = dict(os.environ, LCE_S6_DEFAULT=winner)
     selection = "gpu" if winner else CALL_TESTS
     with open(out_dir / "pytest_gpu.txt", "w") as f:
-        stage(f"GPU tests -k '{selection}' (LCE_S6_DEFAULT='{winner}')", _pytest_args(selection), CALL_TESTS_S, env=env, stdout=f)
+        stage(f"GPU tests -k '{selection}' (LCE_S6_DEFAULT='{winner}')", _pytest_args(selection), 65, env=env, stdout=f)
     _summary(out_dir, log)
 
 

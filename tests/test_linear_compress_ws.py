@@ -87,17 +87,8 @@ def _cuobjdump():
         dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
         dict(config=WSConfig(block_k=32, stages=6, epi_free_at=4)),
         dict(config=WSConfig(block_d=128, stages=0)),  # 6 stages
-        dict(config=WSConfig(stages=0, prefetch=1)),  # rows contiguous: one L2 prefetch per lane
-        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False,
-             config=WSConfig(stages=0, prefetch=1)),
-        dict(dim=512, config=WSConfig(stages=0, prefetch=2)),  # BLOCK_D < D: one L2 prefetch per row
-        dict(config=WSConfig(stages=0, prefetch=1, prefetch_spread=1)),  # one K block per K step
-        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False,
-             config=WSConfig(stages=0, prefetch=1, prefetch_spread=1)),
-        dict(dim=512, config=WSConfig(stages=0, prefetch=2, prefetch_spread=1)),
     ],
-    ids=["canonical", "fp16-odd", "bk32-st6", "bd128", "prefetch1", "prefetch1-fp16-odd", "prefetch2-d512",
-         "prefetch1-spread", "prefetch1-spread-fp16-odd", "prefetch2-spread-d512"],
+    ids=["canonical", "fp16-odd", "bk32-st6", "bd128"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -109,8 +100,6 @@ def test_compiles_for_sm90a(kwargs):
     assert kernel.metadata.shared <= SMEM_LIMIT
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx
     assert "cp.async.bulk.tensor.3d.global.shared::cta" in ptx  # the TMA store of the output tile
-    config = kwargs.get("config") or WSConfig()
-    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (config.prefetch > 0)
     counts = set(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx))
     assert counts == {"1"}, counts  # one arrive per barrier phase (one consumer partition)
     tool = _cuobjdump()
@@ -122,7 +111,6 @@ def test_compiles_for_sm90a(kwargs):
         sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert "HGMMA.64x" in sass and "UTMASTG" in sass
-    assert ("UBLKPF.L2" in sass) == (config.prefetch > 0)
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert "LDL" not in sass and "STL" not in sass
 
@@ -166,12 +154,8 @@ CONFIGS = [
     WSConfig(epi_free_at=1),
     WSConfig(block_k=32, stages=6, epi_free_at=4),
     WSConfig(block_d=128, stages=0),
-    WSConfig(stages=0, prefetch=1),
-    WSConfig(stages=0, prefetch=2),
-    WSConfig(stages=0, prefetch=1, prefetch_spread=1),
-    WSConfig(stages=0, prefetch=2, prefetch_spread=1),
 ]
-CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128", "prefetch1", "prefetch2", "prefetch1-spread", "prefetch2-spread"]
+CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -199,32 +183,11 @@ def test_gpu_s6_configs(config):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("spread", [0, 1], ids=["whole", "spread"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "shape",
-    GPU_SHAPES + [(4, 64, 32, 130, 512, 256, True, 0)],  # D = 512 > BLOCK_D: the per-row prefetch path
-    ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]),
-)
-def test_gpu_s6_prefetch(shape, dtype, spread):
-    """The L2 prefetch (a hint: it must not change the result, nor touch memory outside cand_emb) on every
-    GPU shape: contiguous rows (one prefetch per lane), D < BLOCK_D, D > BLOCK_D (one prefetch per row);
-    the whole block at the tile's start, or one K block per K step."""
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, 17)
-    num_users, num_candidates, ku, _, dim, rows = shape[:6]
-    out = torch.full((num_candidates, rows, dim), float("nan"), dtype=dtype, device="cuda")
-    user_part = torch.full((num_users, rows, dim), float("nan"), dtype=dtype, device="cuda") if ku else None
-    lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part, config=WSConfig(stages=0, prefetch=1, prefetch_spread=spread))
-    _check(out, ref, dtype)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("num_programs", [1, 3])
 @pytest.mark.parametrize(
     "base",
-    [None, WSConfig(block_d=128, stages=0), WSConfig(block_k=32, stages=6, epi_free_at=4),
-     WSConfig(stages=0, prefetch=1), WSConfig(stages=0, prefetch=1, prefetch_spread=1)],
-    ids=["default", "bd128", "bk32-st6", "prefetch1", "prefetch1-spread"],
+    [None, WSConfig(block_d=128, stages=0), WSConfig(block_k=32, stages=6, epi_free_at=4)],
+    ids=["default", "bd128", "bk32-st6"],
 )
 def test_gpu_s6_few_programs(num_programs, base):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times
