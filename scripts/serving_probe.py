@@ -325,12 +325,13 @@ def main(argv=None) -> None:
     if args.command == "equal-load":
         rows = equal_load(args.url, args.profile, args.mix, args.rates, args.models, args.window_ms, args.out, args.http_url, args.metrics_url)
         reference = args.models[0]
-        print(f"| offered req/s | model | achieved req/s | p50 ms | p99 ms | p99 / {reference} p99 | server compute ms | inside execute ms |")
+        print(f"| offered req/s | model | achieved req/s | p50 ms | p99 ms | p99 / {reference} p99 | server compute ms (input / infer / output) | inside execute ms |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             base = next(b for b in rows if b["rate"] == r["rate"] and b["model"] == reference)
             server = r["server"]
-            compute = f"{server['compute_ms']:.3f} | " + ("–" if server["execute_ms"] != server["execute_ms"] else f"{server['execute_ms']:.3f}") if server else "– | –"
+            stages = "/".join(f"{server[f'compute_{stage}_ms']:.3f}" for stage in ("input", "infer", "output"))
+            compute = f"{server['compute_ms']:.3f} ({stages}) | " + ("–" if server["execute_ms"] != server["execute_ms"] else f"{server['execute_ms']:.3f}") if server else "– | –"
             print(f"| {r['rate']:g} | {r['model']} | {r['achieved']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['p99'] / base['p99']:.2f} | {compute} |"
                   + ("" if r["status"] == "ok" else f" {r['status']}"))
         return

@@ -2,8 +2,9 @@
 instance and `execute` per batch of requests. A model instance is its model.py's TritonPythonModel,
 built and called as the python backend would (same `args` keys, same `execute(requests)` contract),
 but in tritonserver's process: inputs are read from Triton's buffers, outputs written into Triton's,
-statistics reported per request (compute input = wrapping the requests, compute infer = the model's
-`execute`, compute output = sending the responses).
+statistics reported per request as Triton's own backends (onnxruntime, TensorRT) do: compute input =
+wrapping the requests, compute infer = the model's `execute`, compute output = writing the outputs
+into Triton's response buffers; the responses are handed to Triton after that (exec end).
 
 Loading is exclusive: an `initialize` (warm-up, CUDA graph capture in global capture mode, Triton
 compilations) waits for running `execute` calls and holds new ones back (`_Exclusive`), as each
@@ -170,19 +171,31 @@ def _execute(served: _Instance, requests_address: int, count: int, exec_start_ns
         message = f"model '{served.name}': internal error ({type(e).__name__}); details are in the server log"
         responses = [pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))] * count
     compute_end_ns = time.monotonic_ns()
-    sent = [_send(served, request, response) for request, response in zip(requests, responses)]
+    built = [_build(served, request, response) for request, response in zip(requests, responses)]
     exec_end_ns = time.monotonic_ns()
+    sent = [_send(served, response, handles) for response, handles in zip(responses, built)]
     for request, success in zip(requests, sent):
         api.TRITONBACKEND_ModelInstanceReportStatistics(served.handle, request.handle, success, exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns)
         api.TRITONBACKEND_RequestRelease(request.handle, C.REQUEST_RELEASE_ALL)
     api.TRITONBACKEND_ModelInstanceReportBatchStatistics(served.handle, count, exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns)
 
 
-def _send(served: _Instance, request, response) -> bool:
-    """Send one response; True if it went out without an error."""
+def _build(served: _Instance, request, response):
+    """`pb_utils.build_response`, or None (logged) if Triton refused to create the response."""
     try:
-        pb_utils.send_response(request, response)
-        return not response.has_error()
+        return pb_utils.build_response(request, response)
+    except Exception:  # noqa: BLE001 — the request is still released
+        pb_utils.Logger.log_error(f"{served.name}: creating a response failed: {traceback.format_exc()}")
+        return None
+
+
+def _send(served: _Instance, response, built) -> bool:
+    """Send one built response; True if it went out without an error."""
+    if built is None:
+        return False
+    try:
+        pb_utils.send(*built)
+        return not response.has_error() and not built[1]
     except Exception:  # noqa: BLE001 — a response Triton refused: logged; the request is still released
         pb_utils.Logger.log_error(f"{served.name}: sending a response failed: {traceback.format_exc()}")
         return False

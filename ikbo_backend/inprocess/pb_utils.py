@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import threading
 from ctypes import byref, c_char_p, c_double, c_int, c_int64, c_uint32, c_uint64, c_void_p
 
 import numpy as np
@@ -106,26 +107,54 @@ def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | N
     return request.inputs[name]
 
 
+class _OutParameters(threading.local):
+    """The C API's out-parameters of `_read_input`, allocated once per thread (it runs per input)."""
+
+    def __init__(self):
+        self.input, self.pointer = c_void_p(), c_void_p()
+        self.datatype, self.memory = c_int(), c_int()
+        self.shape, self.dims = ctypes.POINTER(c_int64)(), c_uint32()
+        self.byte_size, self.buffers, self.size, self.memory_id = c_uint64(), c_uint32(), c_uint64(), c_int64()
+        self.refs = {name: byref(getattr(self, name)) for name in vars(self).copy()}
+
+
+_out = _OutParameters()
+# numpy dtype of the same width per served torch dtype (numpy has no bfloat16: its bits as uint16)
+_NUMPY_VIEWS = {dtype: torch.empty(0, dtype=dtype).view(torch.uint16 if dtype == torch.bfloat16 else dtype).numpy().dtype for dtype in C.DTYPES.values()}
+
+
 def _read_input(request: InferenceRequest, name: str) -> Tensor | None:
-    handle = c_void_p()
+    out, ref = _out, _out.refs
     try:
-        api.TRITONBACKEND_RequestInput(request.handle, name.encode(), byref(handle))
+        api.TRITONBACKEND_RequestInput(request.handle, name.encode(), ref["input"])
     except C.TritonCError:
         return None
-    datatype, shape, dims, byte_size, buffers = c_int(), ctypes.POINTER(c_int64)(), c_uint32(), c_uint64(), c_uint32()
-    api.TRITONBACKEND_InputProperties(handle, None, byref(datatype), byref(shape), byref(dims), byref(byte_size), byref(buffers))
-    if datatype.value not in C.DTYPES:
-        raise ValueError(f"input {name}: data type {datatype.value} is not served by this backend")
-    parts = []
-    for index in range(buffers.value):
-        pointer, size, memory, memory_id = c_void_p(), c_uint64(), c_int(C.MEMORY_CPU), c_int64(0)
-        api.TRITONBACKEND_InputBuffer(handle, index, byref(pointer), byref(size), byref(memory), byref(memory_id))
-        if memory.value == C.MEMORY_GPU:
+    api.TRITONBACKEND_InputProperties(out.input, None, ref["datatype"], ref["shape"], ref["dims"], ref["byte_size"], ref["buffers"])
+    dtype = C.DTYPES.get(out.datatype.value)
+    if dtype is None:
+        raise ValueError(f"input {name}: data type {out.datatype.value} is not served by this backend")
+    shape = out.shape[: out.dims.value]
+    if out.buffers.value == 1:  # the usual case: a view of Triton's buffer (numpy's wrapping is the cheapest)
+        out.memory.value = C.MEMORY_CPU
+        api.TRITONBACKEND_InputBuffer(out.input, 0, ref["pointer"], ref["size"], ref["memory"], ref["memory_id"])
+        if out.memory.value == C.MEMORY_GPU:
             raise ValueError(f"input {name}: arrived in GPU memory; this backend takes inputs in host memory")
-        if size.value:
-            parts.append(torch.frombuffer((ctypes.c_uint8 * size.value).from_address(pointer.value), dtype=torch.uint8))
-    data = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return Tensor(name, data.view(C.DTYPES[datatype.value]).view([shape[i] for i in range(dims.value)]))
+        if out.size.value:
+            array = np.frombuffer((ctypes.c_char * out.size.value).from_address(out.pointer.value), dtype=_NUMPY_VIEWS[dtype])
+            return Tensor(name, torch.from_numpy(array.reshape(shape)).view(dtype))
+    parts = []
+    for index in range(out.buffers.value):
+        out.memory.value = C.MEMORY_CPU
+        api.TRITONBACKEND_InputBuffer(out.input, index, ref["pointer"], ref["size"], ref["memory"], ref["memory_id"])
+        if out.memory.value == C.MEMORY_GPU:
+            raise ValueError(f"input {name}: arrived in GPU memory; this backend takes inputs in host memory")
+        if out.size.value:
+            parts.append(torch.frombuffer((ctypes.c_char * out.size.value).from_address(out.pointer.value), dtype=torch.uint8))
+    if len(parts) == 1:
+        data = parts[0]
+    else:  # several buffers (or none): one copy
+        data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return Tensor(name, data.view(dtype).view(shape))
 
 
 class InferenceResponse:
@@ -142,8 +171,9 @@ class InferenceResponse:
         return self._error
 
 
-def send_response(request: InferenceRequest, response: InferenceResponse) -> None:
-    """Send `response` (its outputs copied into Triton's host buffers, or its error) for `request`."""
+def build_response(request: InferenceRequest, response: InferenceResponse) -> tuple[c_void_p, int | None]:
+    """Triton's response for `request`: its outputs copied into Triton's host buffers, or its error.
+    → (response handle, TRITONSERVER_Error or None), for `send`."""
     handle = c_void_p()
     api.TRITONBACKEND_ResponseNew(byref(handle), request.handle)
     error = None
@@ -154,6 +184,11 @@ def send_response(request: InferenceRequest, response: InferenceResponse) -> Non
             _write_output(handle, tensor)
     except Exception as e:  # noqa: BLE001 — the response still goes, as an error
         error = api.TRITONSERVER_ErrorNew(C.ERROR_INTERNAL, f"output {getattr(tensor, '_name', '?')}: {e}".encode())
+    return handle, error
+
+
+def send(handle: c_void_p, error: int | None) -> None:
+    """Hand a built response to Triton (which owns it from then on)."""
     api.TRITONBACKEND_ResponseSend(handle, C.RESPONSE_COMPLETE_FINAL, error)
     if error:
         api.TRITONSERVER_ErrorDelete(error)  # the caller keeps ownership of a sent error

@@ -81,10 +81,13 @@ _SIGNATURES = {  # name: argument types (all return TRITONSERVER_Error* but the 
 
 
 class _CApi:
-    """The functions above, bound on first use (so this module imports outside tritonserver too)."""
+    """The functions above, bound on first use (so this module imports outside tritonserver too).
+    Bound as PyDLL functions: each call keeps the GIL (they are short, non-blocking accessors), so
+    a call neither pays for a GIL release and re-acquisition nor hands the GIL to another instance's
+    thread in the middle of a request."""
 
     def __getattr__(self, name: str):
-        function = getattr(ctypes.CDLL(None), name)
+        function = getattr(ctypes.PyDLL(None), name)
         function.argtypes = _SIGNATURES[name]
         function.restype = {"TRITONSERVER_ErrorMessage": c_char_p, "TRITONSERVER_ErrorDelete": None}.get(name, c_void_p)
         if name in _ERROR_API:
