@@ -1,14 +1,17 @@
 """Reliability rows of issue 6 that need `make serve` itself (scripts/serve as a subprocess, over a
 copy of the rankers' models): hardening (restricted APIs behind the admin header, no model control),
-stub kill -9 under load (serve restarts tritonserver), and SIGTERM under load (last: it stops the
+stub kill -9 under load (serve restarts tritonserver), a tritonserver killed by a signal (serve
+starts it again), and SIGTERM under load (last: it stops the
 server); then the same kill and SIGTERM rows with `serve --replicas 2` (a replica with a dead stub is
 killed and replaced while the other serves: only requests in flight at the kill may fail).
 Long forms: scripts/reliability.py harden|kill|shutdown [--replicas N].
 """
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,24 @@ def test_restricted_apis_need_the_admin_header(served):
 def test_stub_kill_under_load_recovers_within_30_s_without_shm_leaks(served):
     result = reliability.kill_stubs(served, kills=1, recover_timeout=30)
     assert result["kills"] == 1 and not result["failures"], result
+
+
+def test_a_tritonserver_killed_by_a_signal_is_started_again(served):
+    """A crash inside tritonserver's process (SIGSEGV: a model run in process by python_inprocess)
+    takes the server down; serve starts it again and both rankers answer within 60 s."""
+    reliability.wait_ready(served)
+    [server] = served.triton_pids()
+    os.kill(server, signal.SIGSEGV)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pids = served.triton_pids()
+        if pids and server not in pids and served.all_up() and all(reliability.probe(served.http_url, m) is None for m in reliability.RANKERS):
+            break
+        assert served.process.poll() is None, f"serve exited with {served.process.returncode}\n{served.log_tail()}"
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"not serving again 60 s after the crash\n{served.log_tail()}")
+    assert "died of signal 11; restarting tritonserver" in served.log_tail(200)
 
 
 def test_sigterm_under_load_finishes_in_flight_requests_and_exits_0(served):

@@ -10,6 +10,7 @@ Loading is exclusive: an `initialize` (warm-up, CUDA graph capture in global cap
 compilations) waits for running `execute` calls and holds new ones back (`_Exclusive`), as each
 instance had its own process under the python backend. Compilations during a load are not counted
 as request-path compilations of the models already loaded (`CompileCounter.loads_in_progress`).
+After each load the objects alive are frozen out of the garbage collector (`_freeze_long_lived`).
 
 Each returns None, or for initialize/finalize an error message that Triton shows (the model then
 fails to load). `execute` never raises: a model that raises answers every request of the call with an
@@ -24,8 +25,8 @@ import json
 import sys
 import threading
 import time
-from contextlib import contextmanager
 import traceback
+from contextlib import contextmanager
 from ctypes import byref, c_char_p, c_int, c_int32, c_uint64, c_void_p
 from pathlib import Path
 
