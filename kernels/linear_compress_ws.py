@@ -49,7 +49,11 @@ limits s6) and was removed; its code is in git (docs/notes/lce.md).
 
 Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more,
-as the removed s5 did). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
+as the removed s5 did). `WSConfig.pdl` (off by default; not measured yet: docs/notes/lce.md,
+"programmatic dependent launch") launches s6 by programmatic dependent launch after it (triton 3.6:
+the `launch_pdl` launch option, `triton.language.extra.cuda.gdc_wait` / `gdc_launch_dependents`): s6's
+programs start while the user GEMM runs, and only the producer's first Y_u load waits for that grid.
+Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
 (D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
 Sources: Triton's Gluon tutorials `python/tutorials/gluon/08-warp-specialization.py` (partitions,
 ready/empty rings, TMA-store epilogue), `07-persistence.py` and `05-wgmma.py` (async wgmma on Hopper);
