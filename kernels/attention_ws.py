@@ -77,6 +77,7 @@ class WSAttentionConfig:
     stages: int = 2  # K/V ring depth
     gather: bool = True  # the producer gathers q rows (cp.async, 2 slots) and output-row offsets
     offset: bool = False  # warpgroup 1 issues each item's last P·V in the next item's block-0 turn (needs gather)
+    gather_ahead: bool = False  # the producer gathers the next item's q rows after this item's block 1 (needs gather)
     consumer_regs: int = 224  # registers per thread of the worker consumer warpgroup (setmaxnreg; the default one gets the rest)
     producer_regs: int = 56  # registers per thread of the producer warp (24 are enough without gather)
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
@@ -196,16 +197,34 @@ def _publish_q(q_ready, qs):
 
 
 @gluon.jit
+def _gather_item(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, item, i,
+                 num_items, num_tiles, num_queries, q_bufs, row_bufs, q_empty):
+    """Producer (AHEAD): `_gather_q` of work item `item`, this program's i-th, into q slot i % 2 (if the item exists)."""
+    if item < num_items:
+        tile, head = _item_coords(item, num_tiles)
+        if i % 2 == 0:
+            _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
+                      tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 0)
+        else:
+            _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
+                      tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 1)
+
+
+@gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
               num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
               q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
               q_bufs, row_bufs, q_ready, q_empty,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, AHEAD: gl.constexpr):
     """1 warp: every work item's K and V blocks into the ring (slots start free); with GATHER also
-    its q rows (issued before the item's first K/V block, published after it)."""
+    its q rows (issued before the item's first K/V block, published after it; with AHEAD issued a work
+    item earlier, after that item's block 1)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     it = 0
     i = 0
+    if AHEAD:
+        _gather_item(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
+                     gl.program_id(0), 0, num_items, num_tiles, num_queries, q_bufs, row_bufs, q_empty)
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile, head = _item_coords(item, num_tiles)
         user, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
@@ -214,7 +233,7 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
         kv_col = (kv_offset % stride_kl).to(gl.int32)
         num_blocks = gl.cdiv(kv_len, BLOCK_N)
         qs = i % 2
-        if GATHER:  # slot qs, unrolled: shared-memory slices take constant offsets
+        if GATHER and not AHEAD:  # slot qs, unrolled: shared-memory slices take constant offsets
             if qs == 0:
                 _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
                           tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 0)
@@ -233,10 +252,20 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
             if GATHER:
                 if j == 0:
                     _publish_q(q_ready, qs)
+            if AHEAD:
+                if j == gl.minimum(num_blocks - 1, 1):
+                    _gather_item(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
+                                 order_ptr, item + gl.num_programs(0), i + 1, num_items, num_tiles, num_queries, q_bufs,
+                                 row_bufs, q_empty)
             it += 1
         if GATHER:
             if num_blocks == 0:
                 _publish_q(q_ready, qs)
+        if AHEAD:
+            if num_blocks == 0:
+                _gather_item(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
+                             item + gl.num_programs(0), i + 1, num_items, num_tiles, num_queries, q_bufs, row_bufs,
+                             q_empty)
         i += 1
 
 
@@ -549,11 +578,12 @@ def _attention_ws_kernel(
     num_tiles,  # tile slots
     seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, OFFSET: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, OFFSET: gl.constexpr, AHEAD: gl.constexpr,
 ):
     """Persistent: program p runs work items p, p + programs, … (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
     gl.static_assert(GATHER or not OFFSET, "OFFSET stores through the producer's output-row offsets (GATHER)")
+    gl.static_assert(GATHER or not AHEAD, "AHEAD moves the producer's q gather (GATHER)")
     dtype: gl.constexpr = k_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -599,7 +629,7 @@ def _attention_ws_kernel(
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
-                     num_queries, q_bufs, row_bufs, q_ready, q_empty, HAS_KV_LEN, STAGES, GATHER)),
+                     num_queries, q_bufs, row_bufs, q_ready, q_empty, HAS_KV_LEN, STAGES, GATHER, AHEAD)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -663,7 +693,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         return out.zero_(), flag
     q = q if q.stride(-1) == 1 else q.contiguous()
     if cfg.gather and not all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, out)):
-        cfg = replace(cfg, gather=False, offset=False)  # 16-byte copies and stores of rows (offset needs gather)
+        cfg = replace(cfg, gather=False, offset=False, gather_ahead=False)  # 16-byte copies and stores of rows (the others need gather)
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n)
     num_items = max_tiles * heads
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
@@ -674,7 +704,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         order if kv_len is None else kv_len, order, tiles,
         num_items, max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, GATHER=cfg.gather,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, OFFSET=cfg.offset,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, OFFSET=cfg.offset, AHEAD=cfg.gather_ahead,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     return out, flag
@@ -700,6 +730,7 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
     )
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, GATHER=cfg.gather,
-                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, OFFSET=cfg.offset)
+                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, OFFSET=cfg.offset,
+                      AHEAD=cfg.gather_ahead)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
