@@ -26,7 +26,9 @@ of attention.py's grid (tiles of one user adjacent, heads slow). Tiles come from
         under the other's products. The output rows are scattered back by pointer (16-byte stores).
     With OFFSET (off; needs GATHER) warpgroup 1 issues each item's last P·V in its next block-0 turn, before
         q·k_0ᵀ, then stores that item, and takes the turn it left empty: its block-0 softmax starts a
-        P·V (and an epilogue) after warpgroup 0's instead of 64 rows of q·k_0ᵀ after it.
+        P·V (and an epilogue) after warpgroup 0's instead of 64 rows of q·k_0ᵀ after it. With AHEAD (off; needs
+        GATHER) the producer gathers the next item's q rows after this item's block 1, not after its last block.
+        Neither is measured yet: docs/notes/attention.md, 2026-11-29 23:20 UTC.
     Options measured on the H200 no faster than this default and removed on 2026-11-29 (fence,
         overlap, producer_store, pingpong off): docs/notes/attention.md.
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
