@@ -126,14 +126,15 @@ def group_by_user(cand_to_user: torch.Tensor, num_users: int):
 
 
 def compile_gluon_without_gpu(kernel, runtime_args: dict, constexprs: dict, options: dict, capability: int = 90):
-    """Compile the Gluon `kernel` for CUDA sm_<capability> on a machine without a GPU: CPU tensors and
-    host descriptors in `runtime_args` stand in for the arguments and the JIT's own specialization
-    rules give the signature; `constexprs` by name. Returns the CompiledKernel (`.asm["ptx"]`,
-    `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump)."""
+    """Compile the Gluon (or plain Triton) `kernel` for CUDA sm_<capability> on a machine without a GPU:
+    CPU tensors and host descriptors in `runtime_args` stand in for the arguments and the JIT's own
+    specialization rules give the signature; `constexprs` by name. Returns the CompiledKernel
+    (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump)."""
     import triton
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     signature, attrs, constants = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
@@ -146,5 +147,5 @@ def compile_gluon_without_gpu(kernel, runtime_args: dict, constexprs: dict, opti
         signature[name] = kind
         if isinstance(key, str):
             attrs[(index,)] = BaseBackend.parse_attr(key)
-    source = GluonASTSource(kernel, signature, constants, attrs)
+    source = (GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource)(kernel, signature, constants, attrs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)

@@ -177,11 +177,8 @@ def test_pdl_wait_only_with_the_option(kwargs, waits):
 def _compile_user_gemm(launch_dependents: bool):
     """s6's user GEMM (s3's tile kernel at USER_GEMM_CONFIG, canonical shape) compiled for sm_90a on the CPU:
     `_launch_tile` runs with CPU tensors against a stand-in kernel that keeps its arguments, which then
-    go through the JIT's own specialization rules, as `compile_gluon_without_gpu` does for Gluon."""
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
+    go through `compile_gluon_without_gpu` (plain Triton kernels too)."""
+    from kernels._common import compile_gluon_without_gpu
 
     seen = {}
 
@@ -200,18 +197,7 @@ def _compile_user_gemm(launch_dependents: bool):
         lc._lce_tile_kernel = kernel
     constexprs = dict(seen["kwargs"])
     options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages")}
-    runtime = dict(zip(kernel.arg_names, seen["args"]))
-    signature, attrs, constants = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            constants[(index,)] = constexprs[name]
-            continue
-        kind, key = native_specialize_impl(BaseBackend, runtime[name], False, not kernel.params[index].do_not_specialize, True)
-        signature[name] = kind
-        if isinstance(key, str):
-            attrs[(index,)] = BaseBackend.parse_attr(key)
-    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_gluon_without_gpu(kernel, dict(zip(kernel.arg_names, seen["args"])), constexprs, options)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="compiles for sm_90a")
@@ -428,14 +414,21 @@ def test_gpu_s6_pdl_cuda_graph(pdl):
     with new inputs copied in place are right."""
     shape = (15, 256, 128, 500, 256, 512, True, 0)
     config = WSConfig(stages=0, pdl=pdl)
-    user_emb, cand_emb, cand_to_user, packed, _ = _problem(shape, torch.bfloat16, 33)
-    lce_s6(packed, user_emb, cand_emb, cand_to_user, config=config)  # compile outside the capture
+    _check_graph_replays(shape, 33, lambda packed, *inputs: lce_s6(packed, *inputs, config=config))
+
+
+def _check_graph_replays(shape, seed, call):
+    """`call(packed, user_emb, cand_emb, cand_to_user)` captured in a CUDA graph (after one eager call
+    that compiles), then replayed twice with new inputs copied in place and the output NaN-poisoned
+    before each replay: against fp64 each time."""
+    user_emb, cand_emb, cand_to_user, packed, _ = _problem(shape, torch.bfloat16, seed)
+    call(packed, user_emb, cand_emb, cand_to_user)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = lce_s6(packed, user_emb, cand_emb, cand_to_user, config=config)
-    for seed in (43, 44):
-        new_user, new_cand, new_map, _, _ = _problem(shape, torch.bfloat16, seed)
+        out = call(packed, user_emb, cand_emb, cand_to_user)
+    for new_seed in (seed + 10, seed + 11):
+        new_user, new_cand, new_map, _, _ = _problem(shape, torch.bfloat16, new_seed)
         user_emb.copy_(new_user)
         cand_emb.copy_(new_cand)
         cand_to_user.copy_(new_map)
@@ -487,20 +480,4 @@ def test_gpu_public_variant_s6_and_fallback():
 def test_gpu_s6_cuda_graph():
     """s6 captured in a CUDA graph (no per-call state): replays with new inputs copied in place are right."""
     shape = (15, 256, 128, 500, 256, 512, True, 0)
-    user_emb, cand_emb, cand_to_user, packed, _ = _problem(shape, torch.bfloat16, 31)
-    packed._triton(user_emb, cand_emb, cand_to_user, "s6")  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = packed._triton(user_emb, cand_emb, cand_to_user, "s6")
-    for seed in (41, 42):
-        new_user, new_cand, new_map, _, _ = _problem(shape, torch.bfloat16, seed)
-        user_emb.copy_(new_user)
-        cand_emb.copy_(new_cand)
-        cand_to_user.copy_(new_map)
-        out.fill_(float("nan"))
-        graph.replay()
-        tokens = torch.cat([user_emb.double()[cand_to_user.long()], cand_emb.double()], dim=1)
-        weight = torch.cat([packed.user_weight, packed.cand_weight], dim=1).double()
-        ref = torch.matmul(weight, tokens) + packed.bias.double()[:, None]
-        _check(out, ref, torch.bfloat16)
+    _check_graph_replays(shape, 31, lambda packed, *inputs: packed._triton(*inputs, "s6"))
