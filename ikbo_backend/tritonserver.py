@@ -11,6 +11,7 @@ its shared libraries come from site-packages/nvidia_pytriton.libs). See ../share
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import re
 import shutil
@@ -306,12 +307,18 @@ def busy_idle_cpus(cpus=None):
             loop.wait()
 
 
+# Not up yet. HTTPException too: a port in the ephemeral range that nothing listens on yet can be
+# reached by a TCP self-connect (source port = destination port), which reads back our own request
+# line ("BadStatusLine: GET /metrics HTTP/1.1", seen with `serve --replicas 2`).
+NOT_UP = (urllib.error.URLError, OSError, http.client.HTTPException)
+
+
 def is_ready(http_url: str) -> bool:
     """GET /v2/health/ready answers 200."""
     try:
         with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=2) as r:
             return r.status == 200
-    except (urllib.error.URLError, OSError):
+    except NOT_UP:
         return False
 
 
@@ -322,7 +329,7 @@ def metrics_started(metrics_url: str) -> bool:
     try:
         with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=2) as r:
             return r.status == 200
-    except (urllib.error.URLError, OSError):
+    except NOT_UP:
         return False
 
 

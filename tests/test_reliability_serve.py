@@ -65,6 +65,31 @@ def test_sigterm_under_load_finishes_in_flight_requests_and_exits_0(served):
     assert not result["failures"], result
 
 
+def test_readiness_probes_treat_a_port_that_echoes_the_request_as_not_up():
+    """What a TCP self-connect to a port nothing listens on yet returns (our own request line back):
+    not ready, no exception (it once ended `serve --replicas 2` while a replica was starting)."""
+    import socket
+    import threading
+
+    from ikbo_backend.tritonserver import is_ready, metrics_started
+
+    listener = socket.create_server(("localhost", 0))
+    port = listener.getsockname()[1]
+
+    def echo():
+        for _ in range(2):
+            connection, _ = listener.accept()
+            with connection:
+                connection.sendall(connection.recv(65536))
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    assert not metrics_started(f"localhost:{port}")
+    assert not is_ready(f"localhost:{port}")
+    thread.join(5)
+    listener.close()
+
+
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_serve_refuses_fewer_than_one_replica(value):
     run = subprocess.run([*SERVE, "--replicas", value], capture_output=True, text=True, timeout=120)
