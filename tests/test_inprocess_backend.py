@@ -38,10 +38,11 @@ class TritonPythonModel:
             if x.size and x.flat[0] < 0:
                 raise RuntimeError("secret /internal/path")
             scale = json.loads(request.parameters()).get("scale", 2)
+            halves = [pb_utils.get_input_tensor_by_name(request, name) for name in ("F16", "BF16")]
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("Y", (x.astype(np.float64) * scale).astype(np.float32)),
                 pb_utils.Tensor("IDS_PLUS_ONE", ids + 1),
-            ]))
+            ] + [pb_utils.Tensor(f"{t.name()}_TWICE", t.as_torch() * 2) for t in halves if t is not None]))
         return responses
 '''
 BROKEN_MODEL = '''
@@ -56,8 +57,10 @@ CONFIG = '''
 name: "{name}"
 backend: "python_inprocess"
 max_batch_size: 0
-input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS" data_type: TYPE_INT64 dims: [ -1 ] }} ]
-output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS_PLUS_ONE" data_type: TYPE_INT64 dims: [ -1 ] }} ]
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS" data_type: TYPE_INT64 dims: [ -1 ] }},
+        {{ name: "F16" data_type: TYPE_FP16 dims: [ -1 ] optional: true }}, {{ name: "BF16" data_type: TYPE_BF16 dims: [ -1 ] optional: true }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS_PLUS_ONE" data_type: TYPE_INT64 dims: [ -1 ] }},
+         {{ name: "F16_TWICE" data_type: TYPE_FP16 dims: [ -1 ] }}, {{ name: "BF16_TWICE" data_type: TYPE_BF16 dims: [ -1 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: 2 }} ]
 '''
 
@@ -99,6 +102,23 @@ def test_answers_equal_the_fp64_reference(server):
             want = x.astype(np.float64) * (2 if scale is None else scale)
             assert y.shape == want.shape and np.allclose(y, want, rtol=1e-7, atol=0), f"{module.__name__} rows {rows} (seed {SEED})"
             assert np.array_equal(ids_plus_one, ids + 1), f"{module.__name__} rows {rows} (seed {SEED})"
+        client.close()
+
+
+def test_16_bit_inputs_and_outputs(server):
+    """FP16 and BF16 (no numpy type: its bits travel as uint16) in and out; doubling is exact in both."""
+    rng = np.random.default_rng(SEED + 3)
+    for module, client in clients(server):
+        x, ids = rng.uniform(1, 2, (4, 3)).astype(np.float32), np.arange(4)
+        f16 = rng.uniform(-4, 4, 33).astype(np.float16)
+        bf16 = (rng.uniform(-4, 4, 33).astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)  # bf16 values
+        inputs = [module.InferInput("X", [4, 3], "FP32"), module.InferInput("IDS", [4], "INT64"),
+                  module.InferInput("F16", [33], "FP16"), module.InferInput("BF16", [33], "BF16")]  # fmt: skip
+        for tensor, value in zip(inputs, (x, ids, f16, bf16)):
+            tensor.set_data_from_numpy(value)
+        result = client.infer("scale", inputs)
+        assert np.array_equal(result.as_numpy("F16_TWICE"), f16 * 2), f"{module.__name__} (seed {SEED})"
+        assert np.array_equal(result.as_numpy("BF16_TWICE").astype(np.float32), bf16 * 2), f"{module.__name__} (seed {SEED})"
         client.close()
 
 
