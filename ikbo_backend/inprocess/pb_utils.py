@@ -38,10 +38,6 @@ class TritonError:
         return self._code
 
 
-class TritonModelException(Exception):
-    pass
-
-
 class Tensor:
     """A named host tensor (torch inside)."""
 
@@ -58,9 +54,6 @@ class Tensor:
 
     def shape(self) -> list[int]:
         return list(self._tensor.shape)
-
-    def is_cpu(self) -> bool:
-        return self._tensor.device.type == "cpu"
 
     def to_dlpack(self):
         return to_dlpack(self._tensor)
@@ -133,28 +126,17 @@ def _read_input(request: InferenceRequest, name: str) -> Tensor | None:
     dtype = C.DTYPES.get(out.datatype.value)
     if dtype is None:
         raise ValueError(f"input {name}: data type {out.datatype.value} is not served by this backend")
-    shape = out.shape[: out.dims.value]
-    if out.buffers.value == 1:  # the usual case: a view of Triton's buffer (numpy's wrapping is the cheapest)
-        out.memory.value = C.MEMORY_CPU
-        api.TRITONBACKEND_InputBuffer(out.input, 0, ref["pointer"], ref["size"], ref["memory"], ref["memory_id"])
-        if out.memory.value == C.MEMORY_GPU:
-            raise ValueError(f"input {name}: arrived in GPU memory; this backend takes inputs in host memory")
-        if out.size.value:
-            array = np.frombuffer((ctypes.c_char * out.size.value).from_address(out.pointer.value), dtype=_NUMPY_VIEWS[dtype])
-            return Tensor(name, torch.from_numpy(array.reshape(shape)).view(dtype))
     parts = []
     for index in range(out.buffers.value):
         out.memory.value = C.MEMORY_CPU
         api.TRITONBACKEND_InputBuffer(out.input, index, ref["pointer"], ref["size"], ref["memory"], ref["memory_id"])
         if out.memory.value == C.MEMORY_GPU:
             raise ValueError(f"input {name}: arrived in GPU memory; this backend takes inputs in host memory")
-        if out.size.value:
-            parts.append(torch.frombuffer((ctypes.c_char * out.size.value).from_address(out.pointer.value), dtype=torch.uint8))
-    if len(parts) == 1:
-        data = parts[0]
-    else:  # several buffers (or none): one copy
-        data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return Tensor(name, data.view(dtype).view(shape))
+        if out.size.value:  # numpy's wrapping of the raw buffer is the cheapest
+            parts.append(np.frombuffer((ctypes.c_char * out.size.value).from_address(out.pointer.value), dtype=np.uint8))
+    data = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.uint8)  # several: one copy
+    array = data.view(_NUMPY_VIEWS[dtype]).reshape(out.shape[: out.dims.value])
+    return Tensor(name, torch.from_numpy(array).view(dtype))
 
 
 class InferenceResponse:
