@@ -4,7 +4,8 @@ built and called as the python backend would (same `args` keys, same `execute(re
 but in tritonserver's process: inputs are read from Triton's buffers, outputs written into Triton's,
 statistics reported per request as Triton's own backends (onnxruntime, TensorRT) do: compute input =
 wrapping the requests, compute infer = the model's `execute`, compute output = writing the outputs
-into Triton's response buffers; the responses are handed to Triton after that (exec end).
+into Triton's response buffers; the statistics are reported and the responses handed to Triton after
+that (exec end).
 
 Loading is exclusive: an `initialize` (warm-up, CUDA graph capture in global capture mode, Triton
 compilations) waits for running `execute` calls and holds new ones back (`_Exclusive`), as each
@@ -188,11 +189,14 @@ def _execute(served: _Instance, requests_address: int, count: int, exec_start_ns
     compute_end_ns = time.monotonic_ns()
     built = [_build(served, request, response) for request, response in zip(requests, responses)]
     exec_end_ns = time.monotonic_ns()
-    sent = [_send(served, response, handles) for response, handles in zip(responses, built)]
-    for request, success in zip(requests, sent):
+    # statistics before the responses go: a client that has its answer finds its request counted
+    for request, response, handles in zip(requests, responses, built):
+        success = handles is not None and not handles[1] and not response.has_error()
         api.TRITONBACKEND_ModelInstanceReportStatistics(served.handle, request.handle, success, exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns)
-        api.TRITONBACKEND_RequestRelease(request.handle, C.REQUEST_RELEASE_ALL)
     api.TRITONBACKEND_ModelInstanceReportBatchStatistics(served.handle, count, exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns)
+    for request, handles in zip(requests, built):
+        _send(served, handles)
+        api.TRITONBACKEND_RequestRelease(request.handle, C.REQUEST_RELEASE_ALL)
 
 
 def _build(served: _Instance, request, response):
@@ -204,13 +208,11 @@ def _build(served: _Instance, request, response):
         return None
 
 
-def _send(served: _Instance, response, built) -> bool:
-    """Send one built response; True if it went out without an error."""
+def _send(served: _Instance, built) -> None:
+    """Send one built response (None: it could not be built, already logged)."""
     if built is None:
-        return False
+        return
     try:
         pb_utils.send(*built)
-        return not response.has_error() and not built[1]
     except Exception:  # noqa: BLE001 — a response Triton refused: logged; the request is still released
         pb_utils.Logger.log_error(f"{served.name}: sending a response failed: {traceback.format_exc()}")
-        return False
