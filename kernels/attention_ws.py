@@ -24,13 +24,9 @@ of attention.py's grid (tiles of one user adjacent, heads slow). Tiles come from
         block j (base 2, fp32), waits for P_{j-1}·V_{j-1} and rescales. The two warpgroups take
         turns issuing their wgmmas (pingpong, an mbarrier per warpgroup), so one's softmax runs
         under the other's products. The output rows are scattered back by pointer (16-byte stores).
-    With OFFSET (off; needs GATHER) warpgroup 1 issues each item's last P·V in its next block-0 turn, before
-        q·k_0ᵀ, then stores that item, and takes the turn it left empty: its block-0 softmax starts a
-        P·V (and an epilogue) after warpgroup 0's instead of 64 rows of q·k_0ᵀ after it. With AHEAD (off; needs
-        GATHER) the producer gathers the next item's q rows after this item's block 1, not after its last block.
-        Neither is measured yet: docs/notes/attention.md, 2026-11-29 23:20 UTC.
     Options measured on the H200 no faster than this default and removed on 2026-11-29 (fence,
-        overlap, producer_store, pingpong off): docs/notes/attention.md.
+        overlap, producer_store, pingpong off) and 2026-11-30 (offset, gather_ahead: both wrong on
+        edge cases, gather_ahead at most 3 % faster): docs/notes/attention.md.
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
 
@@ -78,8 +74,6 @@ class WSAttentionConfig:
     block_n: int = 128  # keys per step
     stages: int = 2  # K/V ring depth
     gather: bool = True  # the producer gathers q rows (cp.async, 2 slots) and output-row offsets
-    offset: bool = False  # warpgroup 1 issues each item's last P·V in the next item's block-0 turn (needs gather)
-    gather_ahead: bool = False  # the producer gathers the next item's q rows after this item's block 1 (needs gather)
     consumer_regs: int = 224  # registers per thread of the worker consumer warpgroup (setmaxnreg; the default one gets the rest)
     producer_regs: int = 56  # registers per thread of the producer warp (24 are enough without gather)
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
@@ -199,34 +193,16 @@ def _publish_q(q_ready, qs):
 
 
 @gluon.jit
-def _gather_item(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, item, i,
-                 num_items, num_tiles, num_queries, q_bufs, row_bufs, q_empty):
-    """Producer (AHEAD): `_gather_q` of work item `item`, this program's i-th, into q slot i % 2 (if the item exists)."""
-    if item < num_items:
-        tile, head = _item_coords(item, num_tiles)
-        if i % 2 == 0:
-            _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
-                      tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 0)
-        else:
-            _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
-                      tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 1)
-
-
-@gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
               num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
               q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
               q_bufs, row_bufs, q_ready, q_empty,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, AHEAD: gl.constexpr):
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
     """1 warp: every work item's K and V blocks into the ring (slots start free); with GATHER also
-    its q rows (issued before the item's first K/V block, published after it; with AHEAD issued a work
-    item earlier, after that item's block 1)."""
+    its q rows (issued before the item's first K/V block, published after it)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     it = 0
     i = 0
-    if AHEAD:
-        _gather_item(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
-                     gl.program_id(0), 0, num_items, num_tiles, num_queries, q_bufs, row_bufs, q_empty)
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile, head = _item_coords(item, num_tiles)
         user, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
@@ -235,7 +211,7 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
         kv_col = (kv_offset % stride_kl).to(gl.int32)
         num_blocks = gl.cdiv(kv_len, BLOCK_N)
         qs = i % 2
-        if GATHER and not AHEAD:  # slot qs, unrolled: shared-memory slices take constant offsets
+        if GATHER:  # slot qs, unrolled: shared-memory slices take constant offsets
             if qs == 0:
                 _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
                           tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 0)
@@ -254,20 +230,10 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
             if GATHER:
                 if j == 0:
                     _publish_q(q_ready, qs)
-            if AHEAD:
-                if j == gl.minimum(num_blocks - 1, 1):
-                    _gather_item(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
-                                 order_ptr, item + gl.num_programs(0), i + 1, num_items, num_tiles, num_queries, q_bufs,
-                                 row_bufs, q_empty)
             it += 1
         if GATHER:
             if num_blocks == 0:
                 _publish_q(q_ready, qs)
-        if AHEAD:
-            if num_blocks == 0:
-                _gather_item(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
-                             item + gl.num_programs(0), i + 1, num_items, num_tiles, num_queries, q_bufs, row_bufs,
-                             q_empty)
         i += 1
 
 
@@ -322,20 +288,13 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
 def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
               k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
               tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr,
-              OFFSET: gl.constexpr):
-    """Consumer partition of warpgroup WG: `_consumer_items`, or `_consumer_offset` for warpgroup 1 with OFFSET.
-    (A call, not its body: the inlined call's debug label at the partition's start is part of the measured
-    kernel's input to ptxas, which otherwise names 13 registers of the worker's prologue differently at d = 64
-    without kv_len.)"""
-    if OFFSET and WG == 1:
-        _consumer_offset(out_ptr, stride_ob, stride_oh, stride_os, k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty,
-                         k_ready, v_ready, k_empty, v_empty, turns, tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles,
-                         seq_len, num_queries, qk_scale, HAS_KV_LEN, STAGES)
-    else:
-        _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_bufs, v_bufs,
-                        q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tile_ptr, order_ptr,
-                        kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale, HAS_KV_LEN, STAGES, GATHER, WG)
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr):
+    """Consumer partition of warpgroup WG: `_consumer_items`. (A call, not its body: the inlined call's
+    debug label at the partition's start is part of the measured kernel's input to ptxas, which
+    otherwise names 13 registers of the worker's prologue differently at d = 64 without kv_len.)"""
+    _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_bufs, v_bufs,
+                    q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tile_ptr, order_ptr,
+                    kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale, HAS_KV_LEN, STAGES, GATHER, WG)
 
 
 @gluon.jit
@@ -428,126 +387,6 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
 
 
 @gluon.jit
-def _finish_item(acc, l_i, out_ptr, row_bufs, q_empty, tile_ptr, order_ptr, item, num_tiles, num_queries, stride_ob,
-                 stride_oh, stride_os, qs, WG: gl.constexpr):
-    """GATHER: out rows = acc / l of work item `item` (q slot qs) scattered back, the q slot released."""
-    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    tile, head = _item_coords(item, num_tiles)
-    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-    _store_rows(out.to(out_ptr.dtype.element_ty), out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_queries,
-                stride_ob, stride_oh, stride_os, qs, True, WG)
-    mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)
-
-
-@gluon.jit
-def _last_pv(acc, p_a, l_i, it, v_bufs, v_ready, v_empty, out_ptr, row_bufs, q_empty, tile_ptr, order_ptr, item, num_tiles,
-             num_queries, stride_ob, stride_oh, stride_os, qs, STAGES: gl.constexpr, WG: gl.constexpr):
-    """OFFSET: a pending item's last P·V (V at ring position `it`) issued alone outside the turns (the next item has
-    no keys, or there is none), waited, and the item finished."""
-    slot = it % STAGES
-    mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_a, v_bufs.index(slot), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-    mbarrier.arrive(v_empty.index(slot), count=1)
-    _finish_item(acc, l_i, out_ptr, row_bufs, q_empty, tile_ptr, order_ptr, item, num_tiles, num_queries, stride_ob,
-                 stride_oh, stride_os, qs, WG)
-
-
-@gluon.jit
-def _consumer_offset(out_ptr, stride_ob, stride_oh, stride_os, k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty,
-                     k_ready, v_ready, k_empty, v_empty, turns, tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles,
-                     seq_len, num_queries, qk_scale, HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr):
-    """Warpgroup 1 with OFFSET (GATHER): as `_consumer_items`, but an item's last P·V stays pending; the next item's
-    block-0 turn issues it before q·k_0ᵀ, and after the wait the pending item is stored before block 0's softmax.
-    The turn the last P·V used to take is taken empty, so both warpgroups take n + 1 turns per item of n key
-    blocks and the turns keep alternating. The ring is unchanged: the pending V slot is the one the producer
-    refills for the next item's block 1, which warpgroup 0 reads two turns later."""
-    WG: gl.constexpr = 1
-    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
-    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
-    dtype: gl.constexpr = k_bufs.dtype
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    pid = gl.program_id(0)
-    step = gl.num_programs(0)
-    it = 0  # K/V blocks consumed (ring position)
-    turn = 0  # wgmma turns taken
-    i = 0  # work items started (q slot)
-    pending = 0  # 1: item `pend_item` (q slot pend_qs) waits for its last P·V, V at ring position it - 1
-    pend_item = 0
-    pend_qs = 0
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-    l_i = gl.full([64], 1.0, gl.float32, s_rows)
-    p_a = gl.zeros([64, BLOCK_N], dtype, p_layout)
-    for item in range(pid, num_items, step):
-        tile, head = _item_coords(item, num_tiles)
-        _, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
-        num_blocks = gl.cdiv(kv_len, BLOCK_N)
-        qs = i % 2
-        q_smem = q_bufs.index(2 * WG + qs)
-        mbarrier.wait(q_ready.index(2 * WG + qs), (i // 2) & 1)
-        if num_blocks > 0:
-            # block 0: the pending item's last P·V, then q·k_0ᵀ, in one turn
-            slot = it % STAGES
-            _take_turn(turns, turn, WG)
-            if pending != 0:
-                prev = (it - 1) % STAGES
-                mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-                acc_tok = warpgroup_mma(p_a, v_bufs.index(prev), acc, is_async=True)
-                mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-                s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
-                                      gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                _pass_turn(turns, WG)
-                s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, acc_tok))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                _finish_item(acc, l_i, out_ptr, row_bufs, q_empty, tile_ptr, order_ptr, pend_item, num_tiles,
-                             num_queries, stride_ob, stride_oh, stride_os, pend_qs, WG)
-            else:
-                mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-                s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
-                                      gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                _pass_turn(turns, WG)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-            if kv_len < BLOCK_N:
-                key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                s = gl.where((key_cols < kv_len)[None, :], s, float("-inf"))
-            m_i = gl.max(s, 1) * qk_scale
-            p = gl.exp2(s * qk_scale - m_i[:, None])
-            l_i = gl.sum(p, 1)
-            p_a = gl.convert_layout(p.to(dtype), p_layout)
-            acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-            for j in range(1, num_blocks):
-                acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
-                                            v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG)
-            # the turn of the last P·V, taken empty: the P·V waits for the next item's block 0
-            _take_turn(turns, turn + num_blocks, WG)
-            _pass_turn(turns, WG)
-            it += num_blocks
-            turn += num_blocks + 1
-            pending = 1
-            pend_item = item
-            pend_qs = qs
-        else:
-            if pending != 0:
-                _last_pv(acc, p_a, l_i, it - 1, v_bufs, v_ready, v_empty, out_ptr, row_bufs, q_empty, tile_ptr, order_ptr,
-                         pend_item, num_tiles, num_queries, stride_ob, stride_oh, stride_os, pend_qs, STAGES, WG)
-            pending = 0
-            acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-            l_i = gl.full([64], 1.0, gl.float32, s_rows)
-            _finish_item(acc, l_i, out_ptr, row_bufs, q_empty, tile_ptr, order_ptr, item, num_tiles, num_queries,
-                         stride_ob, stride_oh, stride_os, qs, WG)  # no keys: zeros
-        i += 1
-    if pending != 0:
-        _last_pv(acc, p_a, l_i, it - 1, v_bufs, v_ready, v_empty, out_ptr, row_bufs, q_empty, tile_ptr, order_ptr,
-                 pend_item, num_tiles, num_queries, stride_ob, stride_oh, stride_os, pend_qs, STAGES, WG)
-
-
-@gluon.jit
 def _store_rows(out, out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_queries, stride_ob, stride_oh, stride_os, qs,
                 GATHER: gl.constexpr, WG: gl.constexpr):
     """Scatter warpgroup WG's output rows `out` [64, d] back to [B, H, S, d] (16-byte stores); with GATHER
@@ -580,12 +419,10 @@ def _attention_ws_kernel(
     num_tiles,  # tile slots
     seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, OFFSET: gl.constexpr, AHEAD: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     """Persistent: program p runs work items p, p + programs, … (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
-    gl.static_assert(GATHER or not OFFSET, "OFFSET stores through the producer's output-row offsets (GATHER)")
-    gl.static_assert(GATHER or not AHEAD, "AHEAD moves the producer's q gather (GATHER)")
     dtype: gl.constexpr = k_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -623,15 +460,15 @@ def _attention_ws_kernel(
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, GATHER, WG0, OFFSET)),
+                     HAS_KV_LEN, STAGES, GATHER, WG0)),
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, GATHER, WG1, OFFSET)),
+                     HAS_KV_LEN, STAGES, GATHER, WG1)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
-                     num_queries, q_bufs, row_bufs, q_ready, q_empty, HAS_KV_LEN, STAGES, GATHER, AHEAD)),
+                     num_queries, q_bufs, row_bufs, q_ready, q_empty, HAS_KV_LEN, STAGES, GATHER)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -695,7 +532,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         return out.zero_(), flag
     q = q if q.stride(-1) == 1 else q.contiguous()
     if cfg.gather and not all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, out)):
-        cfg = replace(cfg, gather=False, offset=False, gather_ahead=False)  # 16-byte copies and stores of rows (the others need gather)
+        cfg = replace(cfg, gather=False)  # 16-byte copies and stores of rows
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n)
     num_items = max_tiles * heads
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
@@ -706,7 +543,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         order if kv_len is None else kv_len, order, tiles,
         num_items, max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, GATHER=cfg.gather,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, OFFSET=cfg.offset, AHEAD=cfg.gather_ahead,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     return out, flag
@@ -732,7 +569,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
     )
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, GATHER=cfg.gather,
-                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, OFFSET=cfg.offset,
-                      AHEAD=cfg.gather_ahead)
+                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -572,11 +572,8 @@ def sweep_section(points):
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws default (128 keys, gather)": {},
     "ws 128, no gather (the unaligned-rows fallback)": dict(gather=False),
-    "ws offset (warpgroup 1's last P·V in its next block-0 turn)": dict(offset=True),
-    "ws gather ahead (next item's q after block 1)": dict(gather_ahead=True),
 }
-WS_AB = ["ws default (128 keys, gather)", "ws offset (warpgroup 1's last P·V in its next block-0 turn)",
-         "ws gather ahead (next item's q after block 1)"]  # --ws-ab: the first is the reference
+WS_AB = ["ws default (128 keys, gather)", "ws 128, no gather (the unaligned-rows fallback)"]  # --ws-ab: the first is the reference
 AB_ROUNDS = 3
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [
@@ -594,7 +591,7 @@ WS_SHAPES = [  # timed, bf16, no kv_len
     Shape(15, 1024, 64, 1024, 4, 64),  # d = 64
     Shape(64, 1024, 64, 512, 2, 128),  # B/U = 16, L = 512
 ]
-PROFILE_RUNS = [(CANONICAL, WS_AB[0]), (CANONICAL, WS_AB[1]), (CANONICAL, WS_AB[2]), (Shape(4, 1024, 64, 4096, 4, 128), WS_AB[0])]
+PROFILE_RUNS = [(CANONICAL, WS_AB[0]), (Shape(4, 1024, 64, 4096, 4, 128), WS_AB[0])]
 AB_SHAPES = [CANONICAL, Shape(4, 1024, 64, 4096, 4, 128), Shape(15, 1024, 64, 1024, 4, 64), Shape(64, 1024, 64, 512, 2, 128)]
 
 

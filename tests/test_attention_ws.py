@@ -28,18 +28,13 @@ from kernels.attention_ws import DEFAULT_CONFIG, SMEM_LIMIT, WSAttentionConfig, 
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NO_GATHER = WSAttentionConfig(gather=False, consumer_regs=232, producer_regs=24)  # H200 call 1's structure
-OFFSET = WSAttentionConfig(offset=True)  # warpgroup 1's last P·V in its next block-0 turn (not yet measured)
-AHEAD = WSAttentionConfig(gather_ahead=True)  # the next item's q gathered after block 1 (not yet measured)
 CONFIGS = [
     DEFAULT_CONFIG,  # 128 keys, gather
     WSAttentionConfig(gather=False),  # launch_ws's fallback for rows not 16-byte aligned
     NO_GATHER,
     WSAttentionConfig(block_n=64, stages=4, gather=False, consumer_regs=232, producer_regs=24),
-    OFFSET,
-    AHEAD,
-    WSAttentionConfig(offset=True, gather_ahead=True),
 ]
-CONFIG_IDS = ["default", "fallback-no-gather", "no-gather", "64-no-gather", "offset", "gather-ahead", "offset-gather-ahead"]
+CONFIG_IDS = ["default", "fallback-no-gather", "no-gather", "64-no-gather"]
 
 
 def _cuobjdump():
@@ -83,11 +78,6 @@ def test_compiles_for_sm90a(config, kwargs):
     assert "LDL" not in sass and "STL" not in sass
     # The key loop: q·k_jᵀ waited with P_{j-1}·V_{j-1} still in flight (at most one group left).
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
-    # A P·V (P from registers) followed by a q·kᵀ (accumulator zero) before any wgmma wait: only `offset`'s
-    # block-0 turn of warpgroup 1 (the pending item's last P·V, then the next item's q·k_0ᵀ) issues that.
-    pv_then_qk = re.search(r"HGMMA\.64x\d+x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc[^\n]*\n(?:(?![^\n]*DEPBAR)[^\n]*\n)*?"
-                           r"[^\n]*HGMMA\.64x\d+x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\], RZ, !UPT", sass)
-    assert bool(pv_then_qk) == config.offset
 
 
 def test_not_supported_on_cpu():
@@ -150,7 +140,7 @@ def test_cuda_launch_ws_matches_fp64(case, dtype, config):
 def test_cuda_few_programs_many_items():
     """Two programs loop over every work item: the ring's and the turns' phases wrap many times."""
     q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[1], torch.bfloat16, seed=3)
-    for config in (DEFAULT_CONFIG, NO_GATHER, OFFSET, AHEAD):
+    for config in (DEFAULT_CONFIG, NO_GATHER):
         out = torch.full_like(q, float("nan"))
         launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, num_programs=2)
         _check(out, ref)
@@ -159,14 +149,13 @@ def test_cuda_few_programs_many_items():
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 def test_cuda_gather_falls_back_on_unaligned_rows():
     """q rows whose strides are not multiples of 8 elements: the producer cannot copy them 16 bytes at
-    a time, so launch_ws runs without gather (and without offset and gather_ahead, which need it), and is right."""
+    a time, so launch_ws runs without gather (and is right)."""
     q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[3], torch.bfloat16, seed=5)
     wide = torch.randn(q.shape[0], q.shape[1], q.shape[2], q.shape[3] + 4, device="cuda").to(q.dtype)
     wide[..., : q.shape[3]] = q
-    for config in (DEFAULT_CONFIG, OFFSET, AHEAD):
-        out = torch.full_like(q, float("nan"))
-        launch_ws(wide[..., : q.shape[3]], k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out)
-        _check(out, ref)
+    out = torch.full_like(q, float("nan"))
+    launch_ws(wide[..., : q.shape[3]], k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out)
+    _check(out, ref)
 
 
 def test_public_op_dispatch_rule():
