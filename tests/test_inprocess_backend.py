@@ -22,8 +22,11 @@ pytestmark = pytest.mark.timeout(300)
 
 SCALE_MODEL = '''
 import json
+import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+calls_on_this_thread = threading.local()
 
 
 class TritonPythonModel:
@@ -31,6 +34,7 @@ class TritonPythonModel:
         self.kind = args["model_instance_kind"]
 
     def execute(self, requests):
+        calls_on_this_thread.count = getattr(calls_on_this_thread, "count", 0) + 1
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
@@ -42,6 +46,7 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("Y", (x.astype(np.float64) * scale).astype(np.float32)),
                 pb_utils.Tensor("IDS_PLUS_ONE", ids + 1),
+                pb_utils.Tensor("THREAD_CALLS", np.array([calls_on_this_thread.count])),
             ] + [pb_utils.Tensor(f"{t.name()}_TWICE", t.as_torch() * 2) for t in halves if t is not None]))
         return responses
 '''
@@ -60,6 +65,7 @@ max_batch_size: 0
 input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS" data_type: TYPE_INT64 dims: [ -1 ] }},
         {{ name: "F16" data_type: TYPE_FP16 dims: [ -1 ] optional: true }}, {{ name: "BF16" data_type: TYPE_BF16 dims: [ -1 ] optional: true }} ]
 output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS_PLUS_ONE" data_type: TYPE_INT64 dims: [ -1 ] }},
+         {{ name: "THREAD_CALLS" data_type: TYPE_INT64 dims: [ 1 ] }},
          {{ name: "F16_TWICE" data_type: TYPE_FP16 dims: [ -1 ] }}, {{ name: "BF16_TWICE" data_type: TYPE_BF16 dims: [ -1 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: 2 }} ]
 '''
@@ -160,6 +166,23 @@ def test_statistics_count_each_request_and_its_compute_time(server):
                    after["inference_stats"][key]["ns"] - before["inference_stats"][key]["ns"]) for key in ("success", "compute_infer")}  # fmt: skip
     assert stats["success"][0] == 3 and stats["compute_infer"][0] == 3
     assert 0 < stats["compute_infer"][1] < stats["success"][1]
+
+
+def test_thread_local_data_lives_across_calls(server):
+    """Each Triton instance thread keeps one Python thread state: a threading.local set in one execute
+    is there in the next (per-call thread states lost it, and set the CUDA device again every call)."""
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(server.http_url)
+    x = np.random.default_rng(SEED + 4).uniform(1, 2, (2, 3)).astype(np.float32)
+    counts = []
+    for _ in range(8):  # two instances (threads): one of them runs at least 4 of the 8 calls
+        inputs = [http.InferInput("X", [2, 3], "FP32"), http.InferInput("IDS", [2], "INT64")]
+        inputs[0].set_data_from_numpy(x)
+        inputs[1].set_data_from_numpy(np.arange(2))
+        counts.append(int(client.infer("scale", inputs).as_numpy("THREAD_CALLS")[0]))
+    client.close()
+    assert max(counts) >= 4, counts
 
 
 def test_an_exclusive_hold_waits_for_shared_ones_and_keeps_new_ones_out():

@@ -35,7 +35,12 @@ static PyObject *None; /* &_Py_NoneStruct */
 static void (*DecRef)(PyObject *);
 static void (*PrintError)(void);
 static int (*GILEnsure)(void);
-static void (*GILRelease)(int);
+static void *(*SaveThread)(void);
+static void (*RestoreThread)(void *);
+/* This Triton thread's Python thread state, kept from its first call on. PyGILState_Ensure/Release
+ * around each call would create and destroy one per call (8 us against 0.4 us per call on the CPU
+ * machine) and lose the thread's threading.local data every time. */
+static __thread void *thread_state;
 
 #define FIND(sym, name)                                     \
   if (!(*(void **)&sym = dlsym(lib, name)))                 \
@@ -48,7 +53,6 @@ TRITONSERVER_Error *TRITONBACKEND_Initialize(TRITONBACKEND_Backend *backend) {
   if (!lib) return TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, dlerror());
   int (*IsInitialized)(void);
   void (*InitializeEx)(int);
-  void *(*SaveThread)(void);
   FIND(IsInitialized, "Py_IsInitialized");
   FIND(InitializeEx, "Py_InitializeEx");
   FIND(SaveThread, "PyEval_SaveThread");
@@ -60,7 +64,7 @@ TRITONSERVER_Error *TRITONBACKEND_Initialize(TRITONBACKEND_Backend *backend) {
   FIND(DecRef, "Py_DecRef");
   FIND(PrintError, "PyErr_Print");
   FIND(GILEnsure, "PyGILState_Ensure");
-  FIND(GILRelease, "PyGILState_Release");
+  FIND(RestoreThread, "PyEval_RestoreThread");
   if (IsInitialized()) return TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, "python_inprocess: Python already runs in this process");
   InitializeEx(0); /* 0: Triton keeps its signal handlers */
   driver = Import("ikbo_backend.inprocess.driver"); /* found through PYTHONPATH (the repository root) */
@@ -71,7 +75,10 @@ TRITONSERVER_Error *TRITONBACKEND_Initialize(TRITONBACKEND_Backend *backend) {
 
 /* driver.<method>(args): NULL on success; else an error with the message the driver returned. */
 static TRITONSERVER_Error *call_driver(const char *method, const char *format, uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
-  int gil = GILEnsure();
+  if (thread_state)
+    RestoreThread(thread_state);
+  else
+    GILEnsure(); /* never released: the thread state lives as long as the thread */
   TRITONSERVER_Error *error = NULL;
   PyObject *result = Call(driver, method, format, a, b, c, d);
   if (!result) {
@@ -84,7 +91,7 @@ static TRITONSERVER_Error *call_driver(const char *method, const char *format, u
     }
     DecRef(result);
   }
-  GILRelease(gil);
+  thread_state = SaveThread();
   return error;
 }
 
