@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import add_user_rows, check_mapping, check_same, check_tensor, resolve_backend
@@ -221,13 +220,8 @@ def _lce_tile_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     W_TMA: tl.constexpr, X_TMA: tl.constexpr, OUT_TMA: tl.constexpr,
     FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    """One output tile per program: out[g] = W @ X[g] (s1, s2), + Y_u[m[g]] + bias in the epilogue (s3).
-    LAUNCH_DEPENDENTS (s6's user GEMM with WSConfig.pdl = 2): let a kernel launched after this one with
-    programmatic dependent launch start now; it waits for this grid before reading what it wrote."""
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    """One output tile per program: out[g] = W @ X[g] (s1, s2), + Y_u[m[g]] + bias in the epilogue (s3)."""
     g, off_n, off_d = _tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), BLOCK_M, BLOCK_D)
     acc = _tile_mainloop(
         w_ptr, w_desc, stride_wn,
@@ -535,10 +529,8 @@ class PackedLinearCompress:
                 HAS_USER=has_user, HAS_BIAS=self.bias is not None, BLOCK=block,
             )
 
-    def _launch_tile(self, weight, x, out, fused_user, with_bias, tma, cfg: TileConfig, launch_dependents: bool = False):
-        """out[g] = weight @ x[g] (+ Y_u[m[g]] when `fused_user` = (Y_u, m)) (+ bias when `with_bias`).
-        `launch_dependents`: griddepcontrol.launch_dependents at each program's start (s6's WSConfig.pdl = 2;
-        not under the interpreter, which has no inline assembly and no dependent launch)."""
+    def _launch_tile(self, weight, x, out, fused_user, with_bias, tma, cfg: TileConfig):
+        """out[g] = weight @ x[g] (+ Y_u[m[g]] when `fused_user` = (Y_u, m)) (+ bias when `with_bias`)."""
         rows, dim, depth = out.shape[1], out.shape[2], x.shape[1]
         w_desc = self._weight_desc(weight, cfg) if tma else None
         x_desc = _activation_desc(x, cfg) if tma else None
@@ -555,7 +547,7 @@ class PackedLinearCompress:
             BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_k,
             W_TMA=tma, X_TMA=x_desc is not None, OUT_TMA=out_desc is not None,
             FUSE_USER=fused_user is not None, HAS_BIAS=bias is not None, WARP_SPECIALIZE=cfg.warp_specialize,
-            SPLIT=cfg.epilogue_split, LAUNCH_DEPENDENTS=launch_dependents and not _interpreting(),
+            SPLIT=cfg.epilogue_split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -49,11 +49,7 @@ limits s6) and was removed; its code is in git (docs/notes/lce.md).
 
 Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more,
-as the removed s5 did). `WSConfig.pdl` (off by default; not measured yet: docs/notes/lce.md,
-"programmatic dependent launch") launches s6 by programmatic dependent launch after it (triton 3.6:
-the `launch_pdl` launch option, `triton.language.extra.cuda.gdc_wait` / `gdc_launch_dependents`): s6's
-programs start while the user GEMM runs, and only the producer's first Y_u load waits for that grid.
-Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
+as the removed s5 did). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
 (D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
 Sources: Triton's Gluon tutorials `python/tutorials/gluon/08-warp-specialization.py` (partitions,
 ready/empty rings, TMA-store epilogue), `07-persistence.py` and `05-wgmma.py` (async wgmma on Hopper);
@@ -77,7 +73,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.extra.cuda import gdc_wait
 
 from ._common import compile_gluon_without_gpu
 from .linear_compress import PackedLinearCompress, TileConfig
@@ -102,10 +97,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
-    # Programmatic dependent launch after the user GEMM (off: 0): 1 launches s6 with the PDL attribute and
-    # its producer waits for the user GEMM's grid (griddepcontrol.wait) only before its first Y_u load;
-    # 2 also lets the user GEMM's programs release s6 as they start (griddepcontrol.launch_dependents).
-    pdl: int = 0
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -135,11 +126,8 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 @gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              PDL: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer.
-    PDL: the kernel may run while the user GEMM that writes Y_u still runs; Y_u is the one thing s6 reads
-    that it writes, so the producer waits for that grid (griddepcontrol.wait) before its first Y_u load only."""
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
@@ -161,9 +149,6 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
                     mbarrier.wait(epi_free, i & 1)
-                    if PDL:
-                        if i == 0:
-                            gdc_wait()
                     mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
         i += 1
@@ -236,7 +221,7 @@ def _lce_ws_kernel(
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -271,7 +256,7 @@ def _lce_ws_kernel(
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, PDL)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -341,25 +326,21 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
 
 
 def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
-               num_programs: int | None = None, after_user_gemm: bool = False):
-    """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias).
-    `after_user_gemm`: the last launch on this stream was the user GEMM writing user_part, so where cfg.pdl
-    is set, s6 may start before it ends (programmatic dependent launch): everything else s6 reads or
-    writes was complete before that GEMM started. Anywhere else PDL would race with the kernel before."""
+               num_programs: int | None = None):
+    """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
     w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
     grid = min(num_programs or _device_info(out.device)[1], num_tiles)
-    pdl = bool(cfg.pdl) and after_user_gemm and user_part is not None
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
         num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, PDL=pdl,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, launch_pdl=pdl,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -375,9 +356,8 @@ def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=N
 
 def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out, user_part, cfg, launch) -> torch.Tensor:
     """The two launches of s6: the user GEMM Y_u = W_u @ user_emb (s3's tile kernel, skipped
-    at Ku = 0), then `launch(packed, cand_emb, out, Y_u or None, cand_to_user, bias, cfg, after_user_gemm=…)`,
-    the candidate GEMM with Y_u[m[b]] + bias fused into its epilogue. cfg.pdl ≥ 2: the user GEMM's programs
-    release the dependent launch as they start (griddepcontrol.launch_dependents)."""
+    at Ku = 0), then `launch(packed, cand_emb, out, Y_u or None, cand_to_user, bias, cfg)`, the
+    candidate GEMM with Y_u[m[b]] + bias fused into its epilogue."""
     num_users, num_user_tokens, dim = user_emb.shape
     num_candidates = cand_emb.shape[0]
     rows = packed.cand_weight.shape[0]
@@ -388,11 +368,10 @@ def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, ou
     if num_user_tokens > 0:
         if user_part is None:
             user_part = torch.empty(num_users, rows, dim, dtype=out.dtype, device=out.device)  # Y_u
-        packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG,
-                            launch_dependents=cfg.pdl >= 2)
+        packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
     else:
         user_part = None
-    launch(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, after_user_gemm=user_part is not None)
+    launch(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg)
     return out
 
 
@@ -405,8 +384,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        PDL=bool(cfg.pdl) and has_user, num_warps=cfg.num_warps,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 

@@ -8,19 +8,12 @@ GPU (skipped without a Hopper device): bf16 and fp16 outputs and Y_u poisoned wi
 inputs, the canonical shape, odd Kc, U = 1, unsorted ragged mappings, users without candidates,
 D and N not multiples of the tile, one K tile, Ku = 0, no bias; each config the benchmark times; few
 programs with many tiles each (the ring's phases wrap many times).
-WSConfig.pdl (programmatic dependent launch after the user GEMM): on the CPU, griddepcontrol in the
-PTX/SASS only with the option (s6's wait, the user GEMM's launch_dependents), which launches take PDL,
-and, interpreted with hypothesis-drawn shapes, `run_fused`'s dispatch of the option (the candidate
-launch there is s3's fused tile kernel: Gluon does not run under the interpreter). On the GPU the same
-shapes with pdl 1 and 2, a user GEMM of 4 waves and 64 K steps per tile beside 1-K-step candidate
-tiles (a missing or misplaced wait reads NaN-poisoned Y_u), few programs, and CUDA-graph capture.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
 import shutil
 import subprocess
 import tempfile
@@ -28,13 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
 
 import kernels.linear_compress_ws as ws
-import kernels.linear_compress as lc
-from kernels.linear_compress import PackedLinearCompress, TileConfig
-from kernels.reference import linear_compress_reference
+from kernels.linear_compress import PackedLinearCompress
 from kernels.linear_compress_ws import (
     SMEM_LIMIT,
     USER_GEMM_CONFIG,
@@ -42,17 +31,13 @@ from kernels.linear_compress_ws import (
     _launch_ws,
     compile_s6,
     lce_s6,
-    run_fused,
     s6_supported,
     ws_config,
 )
-from interpreted import run_interpreted
-from test_linear_compress import cases, make_inputs, rel_err
 
 BF16_TOL = 1e-2
 FP16_TOL = 2e-3
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # LCE_S6_DEFAULT="block_k=32,stages=6,epi_free_at=4": the GPU tests run with that WSConfig as s6's default,
 # so a candidate default is checked on every test shape before it is made the default.
 DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
@@ -128,160 +113,6 @@ def test_compiles_for_sm90a(kwargs):
     assert "HGMMA.64x" in sass and "UTMASTG" in sass
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert "LDL" not in sass and "STL" not in sass
-
-
-def _sass(cubin: bytes) -> str | None:
-    tool = _cuobjdump()
-    if tool is None:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, "k.cubin")
-        path.write_bytes(cubin)
-        return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-
-
-@pytest.mark.parametrize(
-    "kwargs, waits",
-    [
-        ({}, 0),
-        (dict(config=WSConfig(stages=0, pdl=1)), 1),
-        (dict(config=WSConfig(stages=0, pdl=2)), 1),
-        (dict(config=WSConfig(block_k=32, stages=6, epi_free_at=4, pdl=1)), 1),
-        (dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, config=WSConfig(stages=0, pdl=1)), 1),
-        (dict(has_user=False, config=WSConfig(stages=0, pdl=1)), 0),  # no Y_u: no user GEMM to wait for
-    ],
-    ids=["default", "pdl1", "pdl2", "pdl1-bk32", "pdl1-fp16-odd", "pdl1-no-user"],
-)
-def test_pdl_wait_only_with_the_option(kwargs, waits):
-    """sm_90a without a GPU: one griddepcontrol.wait (SASS ACQBULK) in s6 with WSConfig.pdl and Y_u, none
-    otherwise; with pdl the SASS differs from the same config without it by that wait and its branch only."""
-    try:
-        kernel = compile_s6(**kwargs)
-    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
-        pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
-    ptx = kernel.asm["ptx"]
-    assert ptx.count("griddepcontrol.wait") == waits and "griddepcontrol.launch_dependents" not in ptx
-    sass = _sass(kernel.asm["cubin"])
-    if sass is None:
-        return
-    assert sass.count("ACQBULK") == waits and "PREEXIT" not in sass
-    if waits:  # the same config without pdl: the same wgmmas, TMA loads and stores, barriers; ≤ 12 instructions more
-        base = compile_s6(**dict(kwargs, config=replace(kwargs["config"], pdl=0)))
-        base_sass = _sass(base.asm["cubin"])
-        assert base.metadata.shared == kernel.metadata.shared
-        for op in ("HGMMA", "UTMALDG", "UTMASTG", "SYNCS"):
-            assert sass.count(op) == base_sass.count(op), op
-        assert sass != base_sass and 0 <= len(sass.splitlines()) - len(base_sass.splitlines()) <= 24  # 2 lines each
-
-
-def _compile_user_gemm(launch_dependents: bool):
-    """s6's user GEMM (s3's tile kernel at USER_GEMM_CONFIG, canonical shape) compiled for sm_90a on the CPU:
-    `_launch_tile` runs with CPU tensors against a stand-in kernel that keeps its arguments, which then
-    go through `compile_gluon_without_gpu` (plain Triton kernels too)."""
-    from kernels._common import compile_gluon_without_gpu
-
-    seen = {}
-
-    class Catch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs)
-
-    kernel = lc._lce_tile_kernel
-    weight = torch.zeros(512, 1024, dtype=torch.bfloat16)
-    packed = PackedLinearCompress(weight, weight, None, weight, weight)
-    x, y = torch.zeros(15, 1024, 256, dtype=torch.bfloat16), torch.zeros(15, 512, 256, dtype=torch.bfloat16)
-    lc._lce_tile_kernel = Catch()
-    try:
-        packed._launch_tile(weight, x, y, None, False, True, USER_GEMM_CONFIG, launch_dependents=launch_dependents)
-    finally:
-        lc._lce_tile_kernel = kernel
-    constexprs = dict(seen["kwargs"])
-    options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages")}
-    return compile_gluon_without_gpu(kernel, dict(zip(kernel.arg_names, seen["args"])), constexprs, options)
-
-
-@pytest.mark.skipif(INTERPRETING, reason="compiles for sm_90a")
-@pytest.mark.parametrize("launch_dependents", [False, True])
-def test_user_gemm_launch_dependents_only_with_the_option(launch_dependents):
-    """The user GEMM has griddepcontrol.launch_dependents (SASS PREEXIT) only for WSConfig.pdl = 2, before its K loop."""
-    try:
-        kernel = _compile_user_gemm(launch_dependents)
-    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
-        pytest.skip(f"cannot compile for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
-    ptx = kernel.asm["ptx"]
-    assert ptx.count("griddepcontrol.launch_dependents") == int(launch_dependents) and "griddepcontrol.wait" not in ptx
-    if launch_dependents:
-        assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("wgmma.mma_async")
-    sass = _sass(kernel.asm["cubin"])
-    if sass is not None:
-        assert sass.count("PREEXIT") == int(launch_dependents) and "ACQBULK" not in sass
-
-
-@pytest.mark.parametrize("pdl", [0, 1, 2])
-def test_pdl_launch_only_after_the_user_gemm(monkeypatch, pdl):
-    """`_launch_ws` launches with PDL (launch_pdl and the kernel's wait) only where cfg.pdl is set, Y_u is given
-    and the user GEMM was the launch before (run_fused); a stand-in kernel keeps the launch arguments (CPU)."""
-    launches = []
-
-    class Catch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((kwargs["PDL"], kwargs["launch_pdl"]))
-
-    monkeypatch.setattr(ws, "_lce_ws_kernel", Catch())
-    weight = torch.zeros(256, 64, dtype=torch.bfloat16)
-    packed = PackedLinearCompress(weight, weight, None, weight, weight)
-    cand_emb, out = torch.zeros(4, 64, 256, dtype=torch.bfloat16), torch.zeros(4, 256, 256, dtype=torch.bfloat16)
-    user_part = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
-    cfg = ws_config(256, 2, WSConfig(stages=0, pdl=pdl))
-    mapping = torch.zeros(4, dtype=torch.int32)
-    for y_u, after in ((user_part, True), (user_part, False), (None, True), (None, False)):
-        _launch_ws(packed, cand_emb, out, y_u, mapping, None, cfg, num_programs=4, after_user_gemm=after)
-    on = bool(pdl)
-    assert launches == [(on, on), (False, False), (False, False), (False, False)]
-
-
-@pytest.mark.skipif(INTERPRETING, reason="already interpreting: the interpreted tests run directly")
-def test_pdl_dispatch_interpreted():
-    """Run the `interpreted_` tests below in a child process with TRITON_INTERPRET=1."""
-    run_interpreted(__file__)
-
-
-class _RecordingPacked(PackedLinearCompress):
-    """Records each tile launch (the user GEMM in run_fused) with its launch_dependents in _flags["calls"]."""
-
-    def _launch_tile(self, *args, launch_dependents: bool = False):
-        self._flags["calls"].append(("user", launch_dependents))
-        super()._launch_tile(*args, launch_dependents=launch_dependents)
-
-
-@pytest.mark.skipif(not INTERPRETING, reason="runs in test_pdl_dispatch_interpreted's child process")
-@settings(max_examples=30, deadline=None)
-@given(case=cases(max_users=4, max_candidates=8, max_tokens=24, max_dim=24, max_rows=24), pdl=st.sampled_from([0, 1, 2]))
-def test_interpreted_pdl_dispatch(case, pdl):
-    """`run_fused` with WSConfig.pdl, interpreted, against fp64: the user GEMM (s3's tile kernel) fills a
-    NaN-poisoned Y_u, asked for launch_dependents exactly at pdl 2; the candidate launch is told
-    after_user_gemm exactly where that GEMM ran (Ku > 0) and, standing in for s6, runs s3's fused tile kernel."""
-    assume(case.num_cand_tokens >= 1)  # s6 needs Kc ≥ 1 (s6_supported)
-    user_emb, cand_emb, cand_to_user, weight, bias = make_inputs(case)
-    ref = linear_compress_reference(user_emb, cand_emb, cand_to_user, weight, bias)
-    packed = _RecordingPacked.from_weight(weight, case.num_user_tokens, bias)
-    calls = packed._flags["calls"] = []
-
-    def launch(packed_, cand_emb_, out_, user_part_, mapping, bias_, cfg, after_user_gemm=False):
-        calls.append(("cand", after_user_gemm, cfg.pdl))
-        fused = (user_part_, mapping) if user_part_ is not None else None
-        PackedLinearCompress._launch_tile(packed_, packed_.cand_weight_padded, cand_emb_, out_, fused, bias_ is not None,
-                                          True, TileConfig(16, 32, 16, num_warps=4, num_stages=1))
-
-    num_candidates, rows, dim = len(case.mapping), case.out_rows, case.dim
-    out = torch.full((num_candidates, rows, dim), float("nan"))
-    user_part = torch.full((case.num_users, rows, dim), float("nan")) if case.num_user_tokens else None
-    result = run_fused(packed, user_emb, cand_emb, cand_to_user, out, user_part, ws_config(dim, 4, WSConfig(stages=0, pdl=pdl)), launch)
-    has_user = case.num_user_tokens > 0
-    expected = [] if num_candidates == 0 else [("user", pdl >= 2)] * has_user + [("cand", has_user, pdl)]
-    assert calls == expected, (calls, case)
-    assert result is out and bool(torch.isfinite(out).all()), case
-    assert rel_err(out, ref) <= 1e-5, (case, rel_err(out, ref))
 
 
 def _ragged_mapping(num_users: int, num_candidates: int, gen: torch.Generator, skip_users: int = 0):
@@ -368,53 +199,6 @@ def test_gpu_s6_few_programs(num_programs, base):
     out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
     _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, base), num_programs)
     _check(out, ref, torch.bfloat16)
-
-
-# The user GEMM of the last shape is 64 · 4 · 2 = 512 programs (4 waves on 132 SMs) of 64 K steps, beside
-# 256 candidate tiles of one K step: s6 runs far ahead of it, so a wait that is missing, misplaced or
-# skipped on a path reads the NaN-poisoned Y_u.
-PDL_SHAPES = GPU_SHAPES + [(64, 64, 4096, 64, 256, 512, True, 0)]
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("pdl", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", PDL_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
-def test_gpu_s6_pdl(shape, dtype, pdl):
-    """lce_s6 with programmatic dependent launch after the user GEMM (WSConfig.pdl), out and Y_u poisoned."""
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, hash((shape, str(dtype), pdl)) % 2**31)
-    num_users, num_candidates, ku, _, dim, rows = shape[:6]
-    for _ in range(3):
-        out = torch.full((num_candidates, rows, dim), float("nan"), dtype=dtype, device="cuda")
-        user_part = torch.full((num_users, rows, dim), float("nan"), dtype=dtype, device="cuda") if ku else None
-        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part, config=WSConfig(stages=0, pdl=pdl))
-        _check(out, ref, dtype)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("pdl", [1, 2])
-@pytest.mark.parametrize("num_programs", [1, 3])
-def test_gpu_s6_pdl_few_programs(num_programs, pdl):
-    """PDL with few persistent programs (many tiles each: the wait runs once, in the first tile only)."""
-    shape = (5, 39, 32, 200, 256, 256, True, 1)
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 17 + num_programs + 10 * pdl)
-    user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-    cfg = ws_config(256, 2, WSConfig(stages=0, pdl=pdl))
-    packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG,
-                        launch_dependents=pdl >= 2)
-    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, num_programs, after_user_gemm=True)
-    _check(out, ref, torch.bfloat16)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("pdl", [1, 2])
-def test_gpu_s6_pdl_cuda_graph(pdl):
-    """lce_s6 with PDL captured in a CUDA graph (the launch attribute becomes a programmatic edge): replays
-    with new inputs copied in place are right."""
-    shape = (15, 256, 128, 500, 256, 512, True, 0)
-    config = WSConfig(stages=0, pdl=pdl)
-    _check_graph_replays(shape, 33, lambda packed, *inputs: lce_s6(packed, *inputs, config=config))
 
 
 def _check_graph_replays(shape, seed, call):
