@@ -21,12 +21,24 @@ SEED = secrets.randbits(32)
 pytestmark = pytest.mark.timeout(300)
 
 SCALE_MODEL = '''
+import ctypes
 import json
 import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 calls_on_this_thread = threading.local()
+
+
+def thread_states():
+    """Python thread states of this interpreter (one per thread that has called into Python)."""
+    api = ctypes.pythonapi
+    api.PyInterpreterState_Get.restype = api.PyInterpreterState_ThreadHead.restype = api.PyThreadState_Next.restype = ctypes.c_void_p
+    api.PyInterpreterState_ThreadHead.argtypes = api.PyThreadState_Next.argtypes = [ctypes.c_void_p]
+    count, state = 0, api.PyInterpreterState_ThreadHead(api.PyInterpreterState_Get())
+    while state:
+        count, state = count + 1, api.PyThreadState_Next(state)
+    return count
 
 
 class TritonPythonModel:
@@ -47,6 +59,7 @@ class TritonPythonModel:
                 pb_utils.Tensor("Y", (x.astype(np.float64) * scale).astype(np.float32)),
                 pb_utils.Tensor("IDS_PLUS_ONE", ids + 1),
                 pb_utils.Tensor("THREAD_CALLS", np.array([calls_on_this_thread.count])),
+                pb_utils.Tensor("THREAD_STATES", np.array([thread_states()])),
             ] + [pb_utils.Tensor(f"{t.name()}_TWICE", t.as_torch() * 2) for t in halves if t is not None]))
         return responses
 '''
@@ -65,7 +78,7 @@ max_batch_size: 0
 input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS" data_type: TYPE_INT64 dims: [ -1 ] }},
         {{ name: "F16" data_type: TYPE_FP16 dims: [ -1 ] optional: true }}, {{ name: "BF16" data_type: TYPE_BF16 dims: [ -1 ] optional: true }} ]
 output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS_PLUS_ONE" data_type: TYPE_INT64 dims: [ -1 ] }},
-         {{ name: "THREAD_CALLS" data_type: TYPE_INT64 dims: [ 1 ] }},
+         {{ name: "THREAD_CALLS" data_type: TYPE_INT64 dims: [ 1 ] }}, {{ name: "THREAD_STATES" data_type: TYPE_INT64 dims: [ 1 ] }},
          {{ name: "F16_TWICE" data_type: TYPE_FP16 dims: [ -1 ] }}, {{ name: "BF16_TWICE" data_type: TYPE_BF16 dims: [ -1 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: 2 }} ]
 '''
@@ -183,6 +196,34 @@ def test_thread_local_data_lives_across_calls(server):
         counts.append(int(client.infer("scale", inputs).as_numpy("THREAD_CALLS")[0]))
     client.close()
     assert max(counts) >= 4, counts
+
+
+def test_reloads_leave_no_thread_states_behind(server):
+    """A model's instance threads end when it unloads, and their Python thread states go with them:
+    12 load/unload cycles start 24 instance threads, and the interpreter's thread states grow by at
+    most the few long-lived threads that run initialize/finalize (Triton's model-load pool; 3 here).
+    Without the cleanup they grew by one per instance thread."""
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(server.http_url)
+    x = np.random.default_rng(SEED + 5).uniform(1, 2, (2, 3)).astype(np.float32)
+
+    def thread_states_seen():
+        inputs = [http.InferInput("X", [2, 3], "FP32"), http.InferInput("IDS", [2], "INT64")]
+        inputs[0].set_data_from_numpy(x)
+        inputs[1].set_data_from_numpy(np.arange(2))
+        return max(int(client.infer("scale", inputs).as_numpy("THREAD_STATES")[0]) for _ in range(4))  # both instances called
+
+    before, cycles = thread_states_seen(), 12
+    for _ in range(cycles):
+        client.unload_model("scale")
+        client.load_model("scale")
+        thread_states_seen()
+    deadline = time.monotonic() + 20
+    while (after := thread_states_seen()) > before + cycles // 2 and time.monotonic() < deadline:
+        time.sleep(0.2)  # old instance threads end shortly after their unload
+    client.close()
+    assert after - before <= cycles // 2, f"thread states {before} before {cycles} reloads, {after} after"
 
 
 def test_an_exclusive_hold_waits_for_shared_ones_and_keeps_new_ones_out():

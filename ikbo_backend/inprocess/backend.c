@@ -5,11 +5,12 @@
  * on two process wake-ups and the copies into its shared memory per request is gone.
  *
  * Build (ikbo_backend/inprocess/__init__.py does it):
- *   cc -O2 -shared -fPIC -DIKBO_LIBPYTHON='"<libpython3.X.so.1.0>"' backend.c -ldl -o libtriton_python_inprocess.so
+ *   cc -O2 -shared -fPIC -DIKBO_LIBPYTHON='"<libpython3.X.so.1.0>"' backend.c -ldl -pthread -o libtriton_python_inprocess.so
  * The TRITONSERVER_* symbols resolve at load time from tritonserver's own libtritonserver.so.
  * The Python C API is looked up with dlsym in libpython, loaded RTLD_GLOBAL so that extension
  * modules (torch, numpy) find its symbols. */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <time.h>
@@ -37,10 +38,19 @@ static void (*PrintError)(void);
 static int (*GILEnsure)(void);
 static void *(*SaveThread)(void);
 static void (*RestoreThread)(void *);
-/* This Triton thread's Python thread state, kept from its first call on. PyGILState_Ensure/Release
- * around each call would create and destroy one per call (8 us against 0.4 us per call on the CPU
- * machine) and lose the thread's threading.local data every time. */
-static __thread void *thread_state;
+static void (*ThreadStateClear)(void *);
+static void (*DeleteCurrentThreadState)(void);
+/* Each Triton thread's Python thread state, kept from its first call until the thread ends (the key's
+ * destructor drops it: instances come and go with model loads). PyGILState_Ensure/Release around
+ * each call would create and destroy one per call (8 us against 0.4 us per call on the CPU machine)
+ * and lose the thread's threading.local data every time. */
+static pthread_key_t thread_state_key;
+
+static void drop_thread_state(void *thread_state) {
+  RestoreThread(thread_state); /* the GIL, with the ending thread's own state */
+  ThreadStateClear(thread_state);
+  DeleteCurrentThreadState(); /* and the GIL released */
+}
 
 #define FIND(sym, name)                                     \
   if (!(*(void **)&sym = dlsym(lib, name)))                 \
@@ -65,6 +75,10 @@ TRITONSERVER_Error *TRITONBACKEND_Initialize(TRITONBACKEND_Backend *backend) {
   FIND(PrintError, "PyErr_Print");
   FIND(GILEnsure, "PyGILState_Ensure");
   FIND(RestoreThread, "PyEval_RestoreThread");
+  FIND(ThreadStateClear, "PyThreadState_Clear");
+  FIND(DeleteCurrentThreadState, "PyThreadState_DeleteCurrent");
+  if (pthread_key_create(&thread_state_key, drop_thread_state))
+    return TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, "python_inprocess: pthread_key_create failed");
   if (IsInitialized()) return TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, "python_inprocess: Python already runs in this process");
   InitializeEx(0); /* 0: Triton keeps its signal handlers */
   driver = Import("ikbo_backend.inprocess.driver"); /* found through PYTHONPATH (the repository root) */
@@ -75,6 +89,7 @@ TRITONSERVER_Error *TRITONBACKEND_Initialize(TRITONBACKEND_Backend *backend) {
 
 /* driver.<method>(args): NULL on success; else an error with the message the driver returned. */
 static TRITONSERVER_Error *call_driver(const char *method, const char *format, uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  void *thread_state = pthread_getspecific(thread_state_key);
   if (thread_state)
     RestoreThread(thread_state);
   else
@@ -91,7 +106,7 @@ static TRITONSERVER_Error *call_driver(const char *method, const char *format, u
     }
     DecRef(result);
   }
-  thread_state = SaveThread();
+  pthread_setspecific(thread_state_key, SaveThread());
   return error;
 }
 
