@@ -106,10 +106,11 @@ fi
 
 log "tritonserver --model-config-name=$CONFIG"
 python3 - "$W" "$CONFIG" <<'EOF' &
-import json, sys, time
+import json, signal, sys, time
 sys.path.insert(0, ".")
 from ikbo_backend.tritonserver import running_tritonserver
 work, config = sys.argv[1], sys.argv[2]
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server stops with this holder (a `timeout` around the run included)
 start = time.perf_counter()
 with running_tritonserver(config_name=config or None, log_path=f"{work}/tritonserver.log", timeout=500) as s:
     urls = dict(http=s.http_url, grpc=s.grpc_url, metrics=s.metrics_url, pid=s.process.pid, ready_s=time.perf_counter() - start)
@@ -163,7 +164,7 @@ if [ -f "$W/urls.json" ]; then
 else
   log "server never became ready"; tail -40 "$W/tritonserver.log" >>"$S"
 fi
-kill $HOLDER $SMI 2>/dev/null; sleep 3; pkill -f tritonserver 2>/dev/null
+kill $HOLDER $SMI 2>/dev/null; wait $HOLDER 2>/dev/null; pkill -f tritonserver 2>/dev/null  # the holder stops its server
 python3 - "$W/gpu_memory.csv" >>"$S" 2>/dev/null <<'EOF'
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1]))][1:]
