@@ -12,7 +12,9 @@
 # Knobs (environment): GPU_TESTS (pytest arguments run first; "" skips), SKIP_BENCH, BENCH_MIXES,
 # MAIN_MIXES / MAIN_RANKERS / MAIN_CONCURRENCY (the main gRPC sweep: 15:1024, both batch ensembles,
 # 1 2 4 8), ONLINE_CONCURRENCY (online endpoints at 15:1024; "" skips), EQUAL_RATES / EQUAL_MODELS
-# (offered requests/s and models of the same-load comparison, the first the reference; "" skips), SKIP_EXTRA (no
+# (offered requests/s and models of the same-load comparison, the first the reference; "" skips), EQUAL_WINDOW
+# (its perf_analyzer window, ms, default 3000: perf_analyzer merges the 3 stable windows, ~900 requests at
+# 100 req/s, so a p99 rests on the ~9 slowest; longer windows give it more), SKIP_EXTRA (no
 # transformed, other-mix and HTTP sweeps), SKIP_IN_PROCESS, STEP_TIMEOUT (s per step), WINDOW
 # (perf_analyzer ms), IN_PROCESS_MODELS, GAPS (ms of sleep between the in-process calls and before
 # `serving_probe.py idle`'s fixed work), WAKE_AB (the in-process call
@@ -136,7 +138,7 @@ if [ -f "$W/urls.json" ]; then
   sweep main --mixes ${MAIN_MIXES:-u15_b1024} --protocols grpc --concurrency ${MAIN_CONCURRENCY:-1 2 4 8} --rankers ${MAIN_RANKERS:-baseline_ranker ikbo_ranker}
   equal_load() {  # name
     timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py equal-load --url "$GRPC" --http-url "$HTTP" --metrics-url "$METRICS" --profile "$PROFILE" \
-      --rates ${EQUAL_RATES-50 100} --models ${EQUAL_MODELS:-baseline_ranker ikbo_ranker} --out "$W/$1" >>"$S" 2>>"$W/steps.log" || log "equal-load: exit $?"
+      --rates ${EQUAL_RATES-50 100} --models ${EQUAL_MODELS:-baseline_ranker ikbo_ranker} --window-ms "${EQUAL_WINDOW:-3000}" --out "$W/$1" >>"$S" 2>>"$W/steps.log" || log "equal-load: exit $?"
   }
   if [ -n "${EQUAL_RATES-50 100}" ]; then
     log "equal offered load: ${EQUAL_RATES-50 100} req/s"
