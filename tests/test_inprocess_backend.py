@@ -103,11 +103,15 @@ def clients(server):
     return [(http, http.InferenceServerClient(server.http_url)), (grpc, grpc.InferenceServerClient(server.grpc_url))]
 
 
-def infer(module, client, x, ids, parameters=None):
+def infer_result(module, client, x, ids, parameters=None):
     inputs = [module.InferInput("X", list(x.shape), "FP32"), module.InferInput("IDS", list(ids.shape), "INT64")]
     inputs[0].set_data_from_numpy(x)
     inputs[1].set_data_from_numpy(ids)
-    result = client.infer("scale", inputs, parameters=parameters)
+    return client.infer("scale", inputs, parameters=parameters)
+
+
+def infer(module, client, x, ids, parameters=None):
+    result = infer_result(module, client, x, ids, parameters)
     return result.as_numpy("Y"), result.as_numpy("IDS_PLUS_ONE")
 
 
@@ -190,10 +194,7 @@ def test_thread_local_data_lives_across_calls(server):
     x = np.random.default_rng(SEED + 4).uniform(1, 2, (2, 3)).astype(np.float32)
     counts = []
     for _ in range(8):  # two instances (threads): one of them runs at least 4 of the 8 calls
-        inputs = [http.InferInput("X", [2, 3], "FP32"), http.InferInput("IDS", [2], "INT64")]
-        inputs[0].set_data_from_numpy(x)
-        inputs[1].set_data_from_numpy(np.arange(2))
-        counts.append(int(client.infer("scale", inputs).as_numpy("THREAD_CALLS")[0]))
+        counts.append(int(infer_result(http, client, x, np.arange(2)).as_numpy("THREAD_CALLS")[0]))
     client.close()
     assert max(counts) >= 4, counts
 
@@ -208,11 +209,8 @@ def test_reloads_leave_no_thread_states_behind(server):
     client = http.InferenceServerClient(server.http_url)
     x = np.random.default_rng(SEED + 5).uniform(1, 2, (2, 3)).astype(np.float32)
 
-    def thread_states_seen():
-        inputs = [http.InferInput("X", [2, 3], "FP32"), http.InferInput("IDS", [2], "INT64")]
-        inputs[0].set_data_from_numpy(x)
-        inputs[1].set_data_from_numpy(np.arange(2))
-        return max(int(client.infer("scale", inputs).as_numpy("THREAD_STATES")[0]) for _ in range(4))  # both instances called
+    def thread_states_seen():  # both instances called
+        return max(int(infer_result(http, client, x, np.arange(2)).as_numpy("THREAD_STATES")[0]) for _ in range(4))
 
     before, cycles = thread_states_seen(), 12
     for _ in range(cycles):
