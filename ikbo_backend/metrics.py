@@ -21,9 +21,17 @@ requests); the in-process warm-up is not counted, Triton's `model_warmup` reques
 avoided are those the baseline interaction materializes by replicating user rows to candidate rows
 (`BaselineRanker`: user_tokens [Ku, D], history_tokens [L, D], history_len per row), less the U
 rows it would hold anyway. `pb_utils` is passed in, so this module imports without a server.
+
+Under the python_inprocess backend (GPU configs) a worker thread makes the updates, off the request
+path: `execute` queues (U, B) and returns; the values show on /metrics right after the response
+(`flush` waits for them). An update there is a C call into the server (~40 µs a request at 10 ms
+gaps on the H200 host, 2026-11-30). Under the python backend's stub, updates are made in place.
 """
 
 from __future__ import annotations
+
+import queue
+import threading
 
 import torch
 
@@ -46,12 +54,13 @@ def broadcast_bytes_avoided(num_users: int, num_candidates: int, row_bytes: int)
 
 class RankerMetrics:
     """The metric families above, for one model instance (labels `model`, `device`). `record(U, B)`
-    once per batch."""
+    once per batch; `close()` when the model is finalized."""
 
-    def __init__(self, pb_utils, model_name: str, row_bytes: int, compilations=None, device=None):
+    def __init__(self, pb_utils, model_name: str, row_bytes: int, compilations=None, device=None, background: bool | None = None):
         """`compilations`: a shape_spec.CompileCounter installed before the model was built; `device`:
         the instance's torch device (label `device`; none when None). Instances of one model on
-        different devices then count apart; with the same labels they share one counter."""
+        different devices then count apart; with the same labels they share one counter.
+        `background`: updates on a worker thread (None: where pb_utils is the python_inprocess one)."""
         family = pb_utils.MetricFamily
         labels = {"model": model_name} | ({} if device is None else {"device": str(device)})
         self.row_bytes = row_bytes
@@ -78,6 +87,40 @@ class RankerMetrics:
             self._families.append(compiled)
             self._compiled_metrics = {phase: compiled.Metric(labels={**labels, "phase": phase}) for phase in self._compiled}
             self.sync_compilations()
+        if background is None:
+            background = getattr(pb_utils, "IN_SERVER_PROCESS", False)
+        self._queue: queue.SimpleQueue | None = None
+        if background:
+            self._queue = queue.SimpleQueue()
+            self._worker = threading.Thread(target=self._update_from_queue, name=f"metrics {model_name}", daemon=True)
+            self._worker.start()
+
+    def _update_from_queue(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()  # a flush: everything queued before it is done
+            else:
+                update, *values = item
+                update(*values)
+
+    def _update(self, update, *values) -> None:
+        if self._queue is None:
+            update(*values)
+        else:
+            self._queue.put((update, *values))
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every update queued so far is made (no-op without the worker)."""
+        if self._queue is not None and self._worker.is_alive():
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait(timeout)
+
+    def close(self) -> None:
+        """Make the queued updates, then stop the worker (the model's finalize)."""
+        if self._queue is not None and self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join(10.0)
 
     def sync_compilations(self) -> None:
         """Bring ikbo_triton_compilations_total up to the counter's numbers."""
@@ -99,9 +142,12 @@ class RankerMetrics:
 
     def record_execute(self, seconds: float) -> None:
         """Add one `execute` call's wall time."""
-        self.execute_seconds.increment(float(seconds))
+        self._update(self.execute_seconds.increment, float(seconds))
 
     def record(self, num_users: int, num_candidates: int) -> None:
+        self._update(self._record, num_users, num_candidates)
+
+    def _record(self, num_users: int, num_candidates: int) -> None:
         self.candidates.increment(float(num_candidates))
         self.users.increment(float(num_users))
         self.ratio.observe(num_candidates / max(num_users, 1))

@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.dlpack import to_dlpack
 
 from .ranker import RankerConfig
 from .requests import (
     CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest, check_request_shapes, check_request_values, input_widths, make_request,
 )
-from .serving import RankerModel, _to_torch, score_dims
+from .serving import RankerModel, _to_torch, from_torch, score_dims
 
 ONLINE_INPUT_NAMES = tuple(name for name in INPUT_NAMES if name != "cand_to_user")
 ONLINE_CAND_INPUTS = tuple(name for name in CAND_INPUTS if name != "cand_to_user")  # NRO, ragged
@@ -205,7 +204,7 @@ def _run_batches(pb_utils, model: OnlineModel, members: list[tuple[int, dict[str
             with torch.inference_mode():
                 scores = model(coalesce([single for _, single in chunk]))  # [B, T]
             for (index, _), part in zip(chunk, torch.split(scores, counts[group])):
-                tensor = pb_utils.Tensor.from_dlpack("scores", to_dlpack(part[None].contiguous()))  # [1, n, T]
+                tensor = from_torch(pb_utils, "scores", part[None])  # [1, n, T]
                 answered.append((index, pb_utils.InferenceResponse(output_tensors=[tensor])))
             batches.append((len(chunk), sum(counts[group])))
         except InvalidRequest:

@@ -384,6 +384,10 @@ def ranker_python_model(pb_utils):
                 self.metrics.record_execute(time.perf_counter() - start)
             return responses
 
+        def finalize(self):
+            if self.metrics is not None:
+                self.metrics.close()  # the queued metric updates, then its worker thread ends
+
     return TritonPythonModel
 
 
@@ -397,15 +401,24 @@ def _to_torch(name: str, tensor) -> torch.Tensor:
     return tensor.as_torch() if hasattr(tensor, "as_torch") else from_dlpack(tensor.to_dlpack())
 
 
+def from_torch(pb_utils, name: str, tensor: torch.Tensor):
+    """A torch tensor as a pb_utils.Tensor, without a copy: the python_inprocess backend's Tensor holds
+    it as it is, the python backend's takes it through DLPack."""
+    if hasattr(pb_utils.Tensor, "as_torch"):
+        return pb_utils.Tensor(name, tensor)
+    return pb_utils.Tensor.from_dlpack(name, to_dlpack(tensor.contiguous()))
+
+
 # Test-only fault injection: with IKBO_TEST_FAULTS=1 in the server's environment (never in `make serve`),
 # a request parameter ikbo_test_fault="raise" makes execute raise an exception whose text holds internal
 # details (this process's command line: model.py path, shared-memory key), as a real bug's might.
 TEST_FAULTS_ENV = "IKBO_TEST_FAULTS"
 TEST_FAULT_PARAMETER = "ikbo_test_fault"
+_TEST_FAULTS = os.environ.get(TEST_FAULTS_ENV) == "1"  # read once: the server's environment is fixed at its start
 
 
 def _injected_fault(request) -> None:
-    if os.environ.get(TEST_FAULTS_ENV) != "1":
+    if not _TEST_FAULTS:
         return
     if json.loads(request.parameters() or "{}").get(TEST_FAULT_PARAMETER) == "raise":
         cmdline = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -425,7 +438,7 @@ def execute_requests(pb_utils, model: _ServedStage, requests) -> list:
             inputs = {name: _to_torch(name, pb_utils.get_input_tensor_by_name(request, name)) for name in model.inputs}
             with torch.inference_mode():
                 outputs = model(inputs)
-            tensors = [pb_utils.Tensor.from_dlpack(name, to_dlpack(t.contiguous())) for name, t in outputs.items()]
+            tensors = [from_torch(pb_utils, name, t) for name, t in outputs.items()]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         except ValueError as e:
             responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))

@@ -7,6 +7,7 @@ GPU the warm-up's count must be positive, so the counter is live)."""
 import re
 import secrets
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,13 +45,15 @@ def test_row_bytes_are_what_the_baseline_replicates_per_candidate():
 
 class _Metric:
     def __init__(self, family, labels, buckets=None):
-        self.family, self.labels, self.buckets, self.values = family, labels, buckets, []
+        self.family, self.labels, self.buckets, self.values, self.threads = family, labels, buckets, [], set()
 
     def increment(self, value):
         self.values.append(value)
+        self.threads.add(threading.current_thread().name)
 
     def observe(self, value):
         self.values.append(value)
+        self.threads.add(threading.current_thread().name)
 
 
 class _Family:
@@ -75,6 +78,29 @@ def test_record_through_the_metric_families():
     metrics.record_execute(0.25)
     metrics.record_execute(0.5)
     assert metrics.execute_seconds.values == [0.25, 0.5] and metrics.execute_seconds.family.kind == "counter"
+
+
+def test_background_updates_are_made_on_the_worker_in_order_and_close_ends_it():
+    """In process (pb_utils.IN_SERVER_PROCESS) the updates leave the request path: queued, made on
+    the worker thread in the order recorded; flush waits for them, close makes the rest and stops it."""
+    rng = np.random.default_rng(SEED)
+    batches = [(int(u), int(u + rng.integers(0, 2000))) for u in rng.integers(1, 64, size=200)]
+    metrics = RankerMetrics(SimpleNamespace(MetricFamily=_Family, IN_SERVER_PROCESS=True), "m", row_bytes=7)
+    for users, candidates in batches[:150]:
+        metrics.record(users, candidates)
+    metrics.flush()
+    assert metrics.candidates.values == [float(b) for _, b in batches[:150]]
+    for users, candidates in batches[150:]:
+        metrics.record(users, candidates)
+    metrics.record_execute(0.125)
+    metrics.close()
+    assert not metrics._worker.is_alive()
+    assert metrics.users.values == [float(u) for u, _ in batches] and metrics.ratio.values == [b / u for u, b in batches]
+    assert metrics.avoided.values == [float((b - u) * 7) for u, b in batches] and metrics.execute_seconds.values == [0.125]
+    assert metrics.candidates.threads == metrics.execute_seconds.threads == {"metrics m"}
+    inline = RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", row_bytes=7)  # the python backend's stub: in place
+    inline.record(2, 5)
+    assert inline.candidates.values == [5.0] and inline.candidates.threads == {threading.current_thread().name}
 
 
 def test_instances_on_different_devices_count_apart():

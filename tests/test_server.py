@@ -303,8 +303,13 @@ def test_one_model_rankers_of_the_gpu_configs(tmp_path, monkeypatch):
                     assert str(error.status()) == CLIENT_ERROR[protocol] and "'cand_to_user'" in error.message(), str(error)
                     infer_scores(connection, module, model, request_at(4, 32))
                 connection.close()
-            metrics = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read().decode()
-            scored = re.search(r'ikbo_candidates_scored_total\{[^}]*model="ikbo_ranker"[^}]*\} (\S+)', metrics)
+            deadline = time.monotonic() + 5  # in process the metrics are updated by a worker, right after the responses
+            while True:
+                metrics = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read().decode()
+                scored = re.search(r'ikbo_candidates_scored_total\{[^}]*model="ikbo_ranker"[^}]*\} (\S+)', metrics)
+                if (scored and float(scored.group(1)) == 2 * (40 + 1 + 32)) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             assert scored and float(scored.group(1)) == 2 * (40 + 1 + 32), metrics[:2000]
 
 

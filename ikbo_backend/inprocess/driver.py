@@ -47,23 +47,28 @@ class _Instance:
 
 class _Exclusive:
     """Shared holds (execute) run together; an exclusive hold (initialize, finalize) runs alone, and a
-    waiting exclusive hold keeps new shared ones out."""
+    waiting exclusive hold keeps new shared ones out. A shared hold with no exclusive one around takes
+    one lock and no wait (it opens every request: no generator, no notify)."""
 
     def __init__(self):
-        self._condition = threading.Condition()
+        self._condition = threading.Condition(threading.Lock())
         self._shared = 0
         self._exclusive = self._waiting = False
+        self._shared_hold = _SharedHold(self)
 
-    @contextmanager
-    def shared(self):
+    def shared(self) -> "_SharedHold":
+        return self._shared_hold
+
+    def _enter_shared(self) -> None:
         with self._condition:
-            self._condition.wait_for(lambda: not (self._exclusive or self._waiting))
+            if self._exclusive or self._waiting:
+                self._condition.wait_for(lambda: not (self._exclusive or self._waiting))
             self._shared += 1
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._shared -= 1
+
+    def _exit_shared(self) -> None:
+        with self._condition:
+            self._shared -= 1
+            if self._waiting and not self._shared:  # the last shared hold lets the waiting exclusive one in
                 self._condition.notify_all()
 
     @contextmanager
@@ -79,6 +84,19 @@ class _Exclusive:
             with self._condition:
                 self._exclusive = False
                 self._condition.notify_all()
+
+
+class _SharedHold:
+    """`with _Exclusive.shared():` one reusable context manager per lock."""
+
+    def __init__(self, lock: _Exclusive):
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._lock._enter_shared()
+
+    def __exit__(self, *exc) -> None:
+        self._lock._exit_shared()
 
 
 _instances: dict[int, _Instance] = {}  # instance handle → its model

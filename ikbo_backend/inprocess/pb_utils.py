@@ -24,6 +24,10 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from . import triton_c as C
 from .triton_c import api
 
+# Models here run inside tritonserver: metric updates are thread-safe C calls, so
+# ikbo_backend.metrics makes them on a worker thread, off the request path.
+IN_SERVER_PROCESS = True
+
 
 class TritonError:
     UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
@@ -177,7 +181,9 @@ def send(handle: c_void_p, error: int | None) -> None:
 
 
 def _write_output(response, tensor: Tensor) -> None:
-    value = tensor._tensor.detach().contiguous().cpu()
+    value = tensor._tensor
+    if value.device.type != "cpu" or not value.is_contiguous():
+        value = value.detach().contiguous().cpu()
     shape = (c_int64 * value.dim())(*value.shape)
     output, pointer, memory, memory_id = c_void_p(), c_void_p(), c_int(C.MEMORY_CPU), c_int64(0)
     api.TRITONBACKEND_ResponseOutput(response, byref(output), tensor.name().encode(), C.TRITON_DTYPES[value.dtype], shape, value.dim())

@@ -24,3 +24,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return execute_online(pb_utils, self.model, requests, self.metrics)
+
+    def finalize(self):
+        if self.metrics is not None:
+            self.metrics.close()  # the queued metric updates, then its worker thread ends

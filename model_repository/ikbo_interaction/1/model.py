@@ -27,3 +27,7 @@ class TritonPythonModel:
         self.metrics.record_responses(pb_utils, requests, responses)
         self.metrics.record_execute(time.perf_counter() - start)
         return responses
+
+    def finalize(self):
+        if self.metrics is not None:
+            self.metrics.close()  # the queued metric updates, then its worker thread ends

@@ -29,3 +29,7 @@ class TritonPythonModel:
         if self.metrics is not None:
             self.metrics.record_execute(time.perf_counter() - start)
         return responses
+
+    def finalize(self):
+        if self.metrics is not None:
+            self.metrics.close()  # the queued metric updates, then its worker thread ends
