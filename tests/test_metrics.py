@@ -8,6 +8,7 @@ import re
 import secrets
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -80,24 +81,31 @@ def test_record_through_the_metric_families():
     assert metrics.execute_seconds.values == [0.25, 0.5] and metrics.execute_seconds.family.kind == "counter"
 
 
-def test_background_updates_are_made_on_the_worker_in_order_and_close_ends_it():
-    """In process (pb_utils.IN_SERVER_PROCESS) the updates leave the request path: queued, made on
-    the worker thread in the order recorded; flush waits for them, close makes the rest and stops it."""
+def test_background_updates_are_pushed_by_the_worker_and_nothing_is_lost():
+    """In process (pb_utils.IN_SERVER_PROCESS) the updates leave the request path: the worker pushes
+    what gathered in a period (counters summed, one histogram observation per batch, in order);
+    flush pushes now, close pushes the rest and ends the worker. Records from 4 threads at once."""
     rng = np.random.default_rng(SEED)
-    batches = [(int(u), int(u + rng.integers(0, 2000))) for u in rng.integers(1, 64, size=200)]
+    batches = [(int(u), int(u + rng.integers(0, 2000))) for u in rng.integers(1, 64, size=400)]
     metrics = RankerMetrics(SimpleNamespace(MetricFamily=_Family, IN_SERVER_PROCESS=True), "m", row_bytes=7)
-    for users, candidates in batches[:150]:
+    for users, candidates in batches[:100]:
         metrics.record(users, candidates)
-    metrics.flush()
-    assert metrics.candidates.values == [float(b) for _, b in batches[:150]]
-    for users, candidates in batches[150:]:
-        metrics.record(users, candidates)
+    deadline = time.monotonic() + 5
+    while sum(metrics.candidates.values) != sum(b for _, b in batches[:100]) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker pushes within a period
+    assert sum(metrics.candidates.values) == sum(b for _, b in batches[:100])
+    assert len(metrics.candidates.values) < 100 and metrics.candidates.threads == {"metrics m"}  # summed per period
+    threads = [threading.Thread(target=lambda part: [metrics.record(*batch) for batch in part], args=(batches[i::4],)) for i in range(100, 104)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     metrics.record_execute(0.125)
     metrics.close()
     assert not metrics._worker.is_alive()
-    assert metrics.users.values == [float(u) for u, _ in batches] and metrics.ratio.values == [b / u for u, b in batches]
-    assert metrics.avoided.values == [float((b - u) * 7) for u, b in batches] and metrics.execute_seconds.values == [0.125]
-    assert metrics.candidates.threads == metrics.execute_seconds.threads == {"metrics m"}
+    assert sum(metrics.candidates.values) == sum(b for _, b in batches) and sum(metrics.users.values) == sum(u for u, _ in batches)
+    assert sorted(metrics.ratio.values) == sorted(b / u for u, b in batches) and metrics.ratio.values[:100] == [b / u for u, b in batches[:100]]
+    assert sum(metrics.avoided.values) == sum((b - u) * 7 for u, b in batches) and metrics.execute_seconds.values == [0.125]
     inline = RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", row_bytes=7)  # the python backend's stub: in place
     inline.record(2, 5)
     assert inline.candidates.values == [5.0] and inline.candidates.threads == {threading.current_thread().name}

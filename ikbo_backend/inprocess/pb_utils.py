@@ -13,6 +13,7 @@ stub's IPC. The driver puts this module into sys.modules under that name before 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import threading
 from ctypes import byref, c_char_p, c_double, c_int, c_int64, c_uint32, c_uint64, c_void_p
@@ -116,31 +117,35 @@ class _OutParameters(threading.local):
 
 
 _out = _OutParameters()
-# numpy dtype of the same width per served torch dtype (numpy has no bfloat16: its bits as uint16)
-_NUMPY_VIEWS = {dtype: torch.empty(0, dtype=dtype).view(torch.uint16 if dtype == torch.bfloat16 else dtype).numpy().dtype for dtype in C.DTYPES.values()}
+
+
+@functools.cache
+def _input_api():
+    """The per-input C calls as bare functions (errors checked inline), bound at the first request."""
+    return tuple(api.raw(name) for name in ("TRITONBACKEND_RequestInput", "TRITONBACKEND_InputProperties", "TRITONBACKEND_InputBuffer"))
 
 
 def _read_input(request: InferenceRequest, name: str) -> Tensor | None:
     out, ref = _out, _out.refs
-    try:
-        api.TRITONBACKEND_RequestInput(request.handle, name.encode(), ref["input"])
-    except C.TritonCError:
+    _request_input, _input_properties, _input_buffer = _input_api()
+    error = _request_input(request.handle, name.encode(), ref["input"])
+    if error:  # no such input
+        api.TRITONSERVER_ErrorDelete(error)
         return None
-    api.TRITONBACKEND_InputProperties(out.input, None, ref["datatype"], ref["shape"], ref["dims"], ref["byte_size"], ref["buffers"])
+    api.check(_input_properties(out.input, None, ref["datatype"], ref["shape"], ref["dims"], ref["byte_size"], ref["buffers"]))
     dtype = C.DTYPES.get(out.datatype.value)
     if dtype is None:
         raise ValueError(f"input {name}: data type {out.datatype.value} is not served by this backend")
     parts = []
     for index in range(out.buffers.value):
         out.memory.value = C.MEMORY_CPU
-        api.TRITONBACKEND_InputBuffer(out.input, index, ref["pointer"], ref["size"], ref["memory"], ref["memory_id"])
+        api.check(_input_buffer(out.input, index, ref["pointer"], ref["size"], ref["memory"], ref["memory_id"]))
         if out.memory.value == C.MEMORY_GPU:
             raise ValueError(f"input {name}: arrived in GPU memory; this backend takes inputs in host memory")
-        if out.size.value:  # numpy's wrapping of the raw buffer is the cheapest
-            parts.append(np.frombuffer((ctypes.c_char * out.size.value).from_address(out.pointer.value), dtype=np.uint8))
-    data = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.uint8)  # several: one copy
-    array = data.view(_NUMPY_VIEWS[dtype]).reshape(out.shape[: out.dims.value])
-    return Tensor(name, torch.from_numpy(array).view(dtype))
+        if out.size.value:  # a view of the raw buffer
+            parts.append(torch.frombuffer((ctypes.c_char * out.size.value).from_address(out.pointer.value), dtype=torch.uint8))
+    data = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)  # several: one copy
+    return Tensor(name, data.view(dtype).view(out.shape[: out.dims.value]))
 
 
 class InferenceResponse:

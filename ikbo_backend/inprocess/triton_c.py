@@ -86,19 +86,28 @@ class _CApi:
     a call neither pays for a GIL release and re-acquisition nor hands the GIL to another instance's
     thread in the middle of a request."""
 
-    def __getattr__(self, name: str):
+    def raw(self, name: str):
+        """The bare ctypes function: it returns the TRITONSERVER_Error* (an int, or None), for hot
+        paths that pass it to `check` themselves (one Python frame less per call)."""
         function = getattr(ctypes.PyDLL(None), name)
         function.argtypes = _SIGNATURES[name]
         function.restype = {"TRITONSERVER_ErrorMessage": c_char_p, "TRITONSERVER_ErrorDelete": None}.get(name, c_void_p)
+        return function
+
+    def check(self, error) -> None:
+        """Raise TritonCError with the message of a non-null TRITONSERVER_Error* (and delete it)."""
+        if error:
+            message = self.TRITONSERVER_ErrorMessage(error).decode(errors="replace")
+            self.TRITONSERVER_ErrorDelete(error)
+            raise TritonCError(message)
+
+    def __getattr__(self, name: str):
+        function = self.raw(name)
         if name in _ERROR_API:
             bound = function
         else:
             def bound(*args, _function=function):
-                error = _function(*args)
-                if error:
-                    message = self.TRITONSERVER_ErrorMessage(error).decode(errors="replace")
-                    self.TRITONSERVER_ErrorDelete(error)
-                    raise TritonCError(message)
+                self.check(_function(*args))
         setattr(self, name, bound)
         return bound
 
