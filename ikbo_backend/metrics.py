@@ -23,12 +23,12 @@ avoided are those the baseline interaction materializes by replicating user rows
 rows it would hold anyway. `pb_utils` is passed in, so this module imports without a server.
 
 Under the python_inprocess backend (GPU configs) a worker thread makes the updates, off the request
-path: `execute` appends (U, B) to a list, and the worker, woken by a period's first item, pushes
-what gathered after PUSH_PERIOD_S (counters once, the histogram once per batch), so values show on
-/metrics within 50 ms of the response. Each update is a C call into the server: per request they
-took ~40 µs at 10 ms gaps on the H200 host (2026-11-30); a worker woken per request took the GIL
-in the middle of the next step (CPU machine: +48 µs in building the response). Under the python
-backend's stub, updates are made in place, per batch.
+path: `execute` appends (U, B) to a queue, and the worker pushes what gathered every PUSH_PERIOD_S
+(counters once, the histogram once per batch), so values show on /metrics within 50 ms of the
+response. Each update is a C call into the server: per request they took ~40 µs at 10 ms gaps on
+the H200 host (2026-11-30). The worker is never woken by a request: woken from `execute`, it took
+the GIL at the request's next release and held it while the request waited (CPU machine: +48 µs in
+building the response). Under the python backend's stub, updates are made in place, per batch.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class RankerMetrics:
         self._push_lock = threading.Lock()
         self._worker = None
         if background:
-            self._wake, self._closing = threading.Event(), False
+            self._closing = False
             self._worker = threading.Thread(target=self._push_every_period, name=f"metrics {model_name}", daemon=True)
             self._worker.start()
 
@@ -106,18 +106,15 @@ class RankerMetrics:
         self._pending.append(item)
         if self._worker is None:
             self.flush()
-        elif not self._wake.is_set():
-            self._wake.set()  # the first item of a period wakes the worker
 
     def _push_every_period(self) -> None:
-        while True:
-            self._wake.wait()
-            if not self._closing:
-                time.sleep(PUSH_PERIOD_S)  # let a period's items gather (and their requests finish)
-            self._wake.clear()  # before the flush: an item added after it wakes the next period
-            self.flush()
-            if self._closing:
-                return
+        """Wake every PUSH_PERIOD_S and push what gathered. Never woken by a request: a worker woken
+        from `execute` takes the GIL at the request's next release (a torch op, a copy) and holds it
+        for its pushes while the request waits."""
+        while not self._closing:
+            time.sleep(PUSH_PERIOD_S)
+            if self._pending:
+                self.flush()
 
     def flush(self) -> None:
         """Make the pending updates now, on this thread: counters once per flush, one histogram
@@ -140,7 +137,6 @@ class RankerMetrics:
         """Make the pending updates and stop the worker (the model's finalize)."""
         if self._worker is not None and self._worker.is_alive():
             self._closing = True
-            self._wake.set()
             self._worker.join(10.0)
         self.flush()
 

@@ -25,6 +25,7 @@ import ctypes
 import json
 import threading
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 calls_on_this_thread = threading.local()
@@ -39,6 +40,22 @@ def thread_states():
     while state:
         count, state = count + 1, api.PyThreadState_Next(state)
     return count
+
+
+def read_paths(request):
+    """[1 if backend.c's one-call reader is bound and gave every present input, 1 if the per-call
+    reading gives the same tensors (dtype, shape, values; None for an absent input)]."""
+    native = pb_utils._read_all_inputs(request)
+    present = {name for name in ("X", "IDS", "F16", "BF16") if pb_utils._read_input(request, name) is not None}
+    agree = True
+    for name in ("X", "IDS", "F16", "BF16"):
+        per_call, one_call = pb_utils._read_input(request, name), native.get(name)
+        if per_call is None or one_call is None:
+            agree &= per_call is None and one_call is None
+        else:
+            a, b = per_call.as_torch(), one_call.as_torch()
+            agree &= a.dtype == b.dtype and a.shape == b.shape and bool((a.view(-1).view(torch.uint8) == b.view(-1).view(torch.uint8)).all())
+    return np.array([int(pb_utils._native_read_inputs is not None and set(native) == present), int(agree)])
 
 
 class TritonPythonModel:
@@ -60,6 +77,7 @@ class TritonPythonModel:
                 pb_utils.Tensor("IDS_PLUS_ONE", ids + 1),
                 pb_utils.Tensor("THREAD_CALLS", np.array([calls_on_this_thread.count])),
                 pb_utils.Tensor("THREAD_STATES", np.array([thread_states()])),
+                pb_utils.Tensor("READ_PATHS", read_paths(request)),
             ] + [pb_utils.Tensor(f"{t.name()}_TWICE", t.as_torch() * 2) for t in halves if t is not None]))
         return responses
 '''
@@ -79,6 +97,7 @@ input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS" dat
         {{ name: "F16" data_type: TYPE_FP16 dims: [ -1 ] optional: true }}, {{ name: "BF16" data_type: TYPE_BF16 dims: [ -1 ] optional: true }} ]
 output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS_PLUS_ONE" data_type: TYPE_INT64 dims: [ -1 ] }},
          {{ name: "THREAD_CALLS" data_type: TYPE_INT64 dims: [ 1 ] }}, {{ name: "THREAD_STATES" data_type: TYPE_INT64 dims: [ 1 ] }},
+         {{ name: "READ_PATHS" data_type: TYPE_INT64 dims: [ 2 ] }},
          {{ name: "F16_TWICE" data_type: TYPE_FP16 dims: [ -1 ] }}, {{ name: "BF16_TWICE" data_type: TYPE_BF16 dims: [ -1 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: 2 }} ]
 '''
@@ -142,6 +161,24 @@ def test_16_bit_inputs_and_outputs(server):
         result = client.infer("scale", inputs)
         assert np.array_equal(result.as_numpy("F16_TWICE"), f16 * 2), f"{module.__name__} (seed {SEED})"
         assert np.array_equal(result.as_numpy("BF16_TWICE").astype(np.float32), bf16 * 2), f"{module.__name__} (seed {SEED})"
+        client.close()
+
+
+def test_all_inputs_come_through_one_native_call_equal_to_the_per_call_reading(server):
+    """backend.c's ikbo_read_inputs gives every input of a request in one call; the per-call path
+    (kept for inputs it leaves out) reads the same bytes, dtypes and shapes, and None when absent."""
+    rng = np.random.default_rng(SEED + 5)
+    for module, client in clients(server):
+        for rows, halves in ((0, False), (1, True), (1000, False), (7, True)):
+            inputs = [module.InferInput("X", [rows, 3], "FP32"), module.InferInput("IDS", [rows], "INT64")]
+            values = [rng.uniform(-2, 2, (rows, 3)).astype(np.float32) + 3, rng.integers(-(2**40), 2**40, rows)]
+            if halves:
+                inputs += [module.InferInput("F16", [rows], "FP16"), module.InferInput("BF16", [rows], "BF16")]
+                values += [rng.uniform(-4, 4, rows).astype(np.float16), rng.uniform(-4, 4, rows).astype(np.float32)]
+            for tensor, value in zip(inputs, values):
+                tensor.set_data_from_numpy(value)
+            paths = client.infer("scale", inputs).as_numpy("READ_PATHS")
+            assert paths.tolist() == [1, 1], f"{module.__name__} rows {rows} halves {halves}: {paths} (seed {SEED})"
         client.close()
 
 

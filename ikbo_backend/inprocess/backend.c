@@ -23,8 +23,71 @@ typedef struct TRITONSERVER_Error TRITONSERVER_Error;
 typedef struct TRITONBACKEND_Backend TRITONBACKEND_Backend;
 typedef struct TRITONBACKEND_ModelInstance TRITONBACKEND_ModelInstance;
 typedef struct TRITONBACKEND_Request TRITONBACKEND_Request;
+typedef struct TRITONBACKEND_Input TRITONBACKEND_Input;
 enum { TRITONSERVER_ERROR_INTERNAL = 1 }; /* tritonserver.h, TRITONSERVER_Error_Code */
+enum { TRITONSERVER_MEMORY_CPU = 0, TRITONSERVER_MEMORY_GPU = 2 }; /* TRITONSERVER_MemoryType */
 extern TRITONSERVER_Error *TRITONSERVER_ErrorNew(int code, const char *msg);
+extern void TRITONSERVER_ErrorDelete(TRITONSERVER_Error *error);
+extern TRITONSERVER_Error *TRITONBACKEND_RequestInputCount(TRITONBACKEND_Request *request, uint32_t *count);
+extern TRITONSERVER_Error *TRITONBACKEND_RequestInputByIndex(TRITONBACKEND_Request *request, uint32_t index, TRITONBACKEND_Input **input);
+extern TRITONSERVER_Error *TRITONBACKEND_InputProperties(TRITONBACKEND_Input *input, const char **name, int *datatype, const int64_t **shape,
+                                                         uint32_t *dims_count, uint64_t *byte_size, uint32_t *buffer_count);
+extern TRITONSERVER_Error *TRITONBACKEND_InputBuffer(TRITONBACKEND_Input *input, uint32_t index, const void **buffer, uint64_t *buffer_byte_size,
+                                                     int *memory_type, int64_t *memory_type_id);
+
+/* One input of `ikbo_read_inputs` (pb_utils._NativeInput mirrors it). status 0: `data` is its one host
+ * buffer; else (several buffers, more than IKBO_MAX_DIMS dims, GPU memory, an error) pb_utils reads
+ * that input the per-call way, which copies or names the problem. */
+#define IKBO_MAX_DIMS 8
+typedef struct {
+  const char *name;
+  const void *data;
+  uint64_t byte_size;
+  int64_t shape[IKBO_MAX_DIMS];
+  int32_t datatype;
+  uint32_t dims;
+  int32_t status;
+  int32_t reserved;
+} ikbo_input;
+
+/* All inputs of a request in one call from Python (pb_utils): read the per-call way, each input cost
+ * three ctypes calls. Fills min(count, capacity) slots; returns the request's input count, or -1. */
+static int64_t ikbo_read_inputs(TRITONBACKEND_Request *request, ikbo_input *inputs, uint32_t capacity) {
+  uint32_t count = 0;
+  TRITONSERVER_Error *error = TRITONBACKEND_RequestInputCount(request, &count);
+  if (error) {
+    TRITONSERVER_ErrorDelete(error);
+    return -1;
+  }
+  for (uint32_t i = 0; i < count && i < capacity; ++i) {
+    ikbo_input *slot = &inputs[i];
+    TRITONBACKEND_Input *input = NULL;
+    const int64_t *shape = NULL;
+    uint32_t buffers = 0;
+    slot->name = NULL;
+    slot->data = NULL;
+    slot->status = 1;
+    if ((error = TRITONBACKEND_RequestInputByIndex(request, i, &input)) ||
+        (error = TRITONBACKEND_InputProperties(input, &slot->name, &slot->datatype, &shape, &slot->dims, &slot->byte_size, &buffers))) {
+      TRITONSERVER_ErrorDelete(error);
+      continue;
+    }
+    if (slot->dims > IKBO_MAX_DIMS || buffers > 1) continue;
+    for (uint32_t d = 0; d < slot->dims; ++d) slot->shape[d] = shape[d];
+    if (buffers == 1) {
+      uint64_t size = 0;
+      int memory = TRITONSERVER_MEMORY_CPU;
+      int64_t memory_id = 0;
+      if ((error = TRITONBACKEND_InputBuffer(input, 0, &slot->data, &size, &memory, &memory_id))) {
+        TRITONSERVER_ErrorDelete(error);
+        continue;
+      }
+      if (memory == TRITONSERVER_MEMORY_GPU || size != slot->byte_size) continue;
+    }
+    slot->status = 0;
+  }
+  return count;
+}
 
 typedef struct _object PyObject;
 static PyObject *driver; /* the ikbo_backend.inprocess.driver module */
@@ -83,6 +146,9 @@ TRITONSERVER_Error *TRITONBACKEND_Initialize(TRITONBACKEND_Backend *backend) {
   InitializeEx(0); /* 0: Triton keeps its signal handlers */
   driver = Import("ikbo_backend.inprocess.driver"); /* found through PYTHONPATH (the repository root) */
   if (!driver) PrintError();
+  PyObject *result = driver ? Call(driver, "set_native_reader", "K", (uint64_t)(uintptr_t)&ikbo_read_inputs) : NULL;
+  if (driver && !result) PrintError();
+  if (result) DecRef(result);
   SaveThread(); /* the GIL is taken per call, from Triton's instance threads */
   return driver ? NULL : TRITONSERVER_ErrorNew(TRITONSERVER_ERROR_INTERNAL, "python_inprocess: cannot import ikbo_backend.inprocess.driver (is the repository root on PYTHONPATH?); the traceback is on stderr");
 }

@@ -104,6 +104,11 @@ _loading = _Exclusive()
 _thread = threading.local()  # .cuda_device: the device set in this (Triton instance) thread
 
 
+def set_native_reader(address: int) -> None:
+    """backend.c, once at start: the address of its `ikbo_read_inputs` (pb_utils.read_all_inputs)."""
+    pb_utils.set_native_reader(address)
+
+
 def _model_args(instance: int) -> dict[str, str]:
     """The python backend's initialize args of a model instance (all strings)."""
     model, name, instance_name, kind, device = c_void_p(), c_char_p(), c_char_p(), c_int(), c_int32()
