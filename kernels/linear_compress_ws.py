@@ -49,34 +49,7 @@ limits s6) and was removed; its code is in git (docs/notes/lce.md).
 
 Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more,
-as the removed s5 did).
-
-`WSConfig(fold_user=True)` (opt-in, not measured yet: docs/notes/lce.md, 2026-11-30): one launch. The
-user GEMM's U · N/BLOCK_M · D/BLOCK_D tiles (60 at the canonical shape, each cdiv(Ku, BLOCK_K) = 16 K steps)
-run in the same persistent kernel, first in every program's sequence (program p: user tiles p, p + P, …).
-A W_u block [BLOCK_M, BLOCK_K] and a user_emb block [1, BLOCK_K, BLOCK_D] (rank-3 descriptor: rows past Ku
-of user u are zero-filled, as the W_u columns past Ku are zeros or out of bounds) have the shapes of W_c's
-and cand_emb's, so user tiles stream through the same ring slots; the consumer's user K loop is a runtime
-loop (any Ku). A user tile's epilogue stores Y_u (without the bias: the candidate epilogue adds it, once)
-through the epilogue buffer by TMA into the scratch Y_u [U, N, D], waits until the store's writes are done
-(`cp.async.bulk.wait_group 0`, then an async → generic proxy fence), and releases flag[tile] = epoch + 1
-(gpu scope). A candidate tile's producer, before the TMA load of its Y_u block, spins on that flag
-(acquire, gpu scope, then a generic → async proxy fence: the Y_u read is a TMA load). Flags are int64,
-never cleared; the epoch only grows and lives on the device (`_fold_sync`: the last program of a launch
-advances it), so a CUDA graph replays correctly (s4's host epoch cannot be captured). Candidate tiles
-are balanced around the user tiles (`_fold_schedule`: programs without a user tile take one extra
-candidate tile while the user tiles run; at the canonical shape programs 0–59 run one user tile and 31
-candidate tiles, 60–63 32 candidate tiles, 64–131 31). Ku = 0, a user_emb that TMA cannot address, or a
-CUDA-graph capture before any eager fold call of that many user tiles (`_can_fold`): the two launches above.
-Why the flag waits cannot deadlock: the grid is at most the SM count and one program fills an SM
-(208 KiB of shared memory, all registers), so every program is resident at once and none waits for an
-SM. A producer waits on a flag only in a candidate tile, after it has issued all of its own program's user
-tile loads; a user tile waits only for its ring slots, which its own consumer frees without waiting on
-anything else (it reaches the candidate tiles only after its user tiles). So every user tile completes
-whatever the candidate tiles do, and every flag is eventually set. This needs all programs resident: not
-two launches of one packed module on concurrent streams (nor SMs taken away, e.g. by MPS limits).
-
-Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
+as the removed s5 did). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
 (D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
 Sources: Triton's Gluon tutorials `python/tutorials/gluon/08-warp-specialization.py` (partitions,
 ready/empty rings, TMA-store epilogue), `07-persistence.py` and `05-wgmma.py` (async wgmma on Hopper);
@@ -124,7 +97,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
-    fold_user: bool = False  # the user GEMM's tiles inside the same launch, first in the tile sequence (see module doc)
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -152,136 +124,34 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _fold_schedule(num_user_tiles, num_tiles, user_slots):
-    """FOLD_USER: this program's candidate tiles as two arithmetic runs, (n1, first1, stride1, first2, n2):
-    tile k is first1 + k · stride1 for k < n1, else first2 + (k - n1) · P. Program p takes user tiles
-    p, p + P, … (q = num_user_tiles // P or q + 1 of them; the r = num_user_tiles % P lowest programs one
-    more). While programs < r run their last user tile, programs ≥ r take `user_slots` rounds of candidate
-    tiles, 0 … user_slots · (P - r) - 1 (run 1, stride P - r); then every program takes the rest in the usual
-    stride-P order (run 2). user_slots (host: 1 where a user tile has at least half a candidate tile's K
-    steps, else 0) is one round and not Ku/Kc rounds: the first candidate tile of a program ≥ r cannot
-    finish its epilogue before the user tiles have stored Y_u, so a second one would only wait behind it."""
-    pid = gl.program_id(0)
-    num_programs = gl.num_programs(0)
-    rem = num_user_tiles % num_programs
-    n1 = 0
-    first1 = 0
-    stride1 = 1
-    partial = 0
-    if rem > 0:
-        partial = user_slots * (num_programs - rem)
-        if pid >= rem:
-            first1 = pid - rem
-            stride1 = num_programs - rem
-            n1 = min(max(gl.cdiv(num_tiles - first1, stride1), 0), user_slots)
-    first2 = partial + pid
-    n2 = max(gl.cdiv(num_tiles - first2, num_programs), 0)
-    return n1, first1, stride1, first2, n2
-
-
-@gluon.jit
-def _fold_tile(k, n1, first1, stride1, first2):
-    """The k-th candidate tile of this program under `_fold_schedule`."""
-    tile = first2 + (k - n1) * gl.num_programs(0)
-    if k < n1:
-        tile = first1 + k * stride1
-    return tile
-
-
-@gluon.jit
-def _wait_flag(ptr, target):
-    """Spin until the int64 at `ptr` is ≥ `target` (gpu scope, acquire), then a generic → async proxy fence:
-    the caller's next read of what the flag guards is a TMA load (the async proxy). As s4's `_wait_at_least`
-    (kernels/linear_compress.py, a Triton function: Gluon calls Gluon functions only) plus that fence."""
-    gl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred not_yet;
-        .reg .s64 seen;
-        lce_ws_spin:
-        ld.acquire.gpu.global.s64 seen, [$1];
-        setp.lt.s64 not_yet, seen, $2;
-        @not_yet bra lce_ws_spin;
-        fence.proxy.async.global;
-        mov.b64 $0, seen;
-        }""",
-        constraints="=l,l,l",
-        args=[ptr, target],
-        dtype=gl.int64,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                  tile, step, i, num_m_tiles, tiles_per_row, flag_ptr, epoch,
-                  K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-                  FOLD_USER: gl.constexpr):
-    """One candidate tile's K_TILES ring loads and, at K step Y_AT, its Y_u block (FOLD_USER: once the
-    user tile's flag says the block is stored). Returns the ring step after the tile."""
-    BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
-    b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-    if HAS_USER:
-        user = gl.load(m_ptr + b).to(gl.int32)
-    for kt in gl.static_range(K_TILES):
-        slot = step % STAGES
-        # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
-        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
-        tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
-        step += 1
-        if HAS_USER:
-            if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
-                mbarrier.wait(epi_free, i & 1)
-                if FOLD_USER:  # user tile (user, row, column) of this launch has stored its Y_u block
-                    _wait_flag(flag_ptr + user * tiles_per_row + tile % tiles_per_row, epoch)
-                mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
-    return step
-
-
-@gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              wu_desc, xu_desc, sync_ptr, num_user_tiles, ku_tiles, user_slots, FOLD_USER: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring (FOLD_USER: this program's user tiles
-    first, W_u and user_emb blocks in the same slots), and of each candidate tile's Y_u block into the
-    epilogue buffer."""
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     step = 0
     i = 0
-    if FOLD_USER:
-        epoch = gl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu") + 1  # this launch's flag value
-        for tile in range(gl.program_id(0), num_user_tiles, gl.num_programs(0)):
-            user, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-            for kt in range(ku_tiles):
-                slot = step % STAGES
-                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, wu_desc.block_type.nbytes + xu_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(wu_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
-                tma.async_copy_global_to_shared(xu_desc, [user, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
-                step += 1
-        n1, first1, stride1, first2, n2 = _fold_schedule(num_user_tiles, num_tiles, user_slots)
-        for k in range(n1 + n2):
-            tile = _fold_tile(k, n1, first1, stride1, first2)
-            step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
-                                 epi_free, tile, step, i, num_m_tiles, tiles_per_row, sync_ptr + 2, epoch,
-                                 K_TILES, STAGES, HAS_USER, Y_AT, FOLD_USER)
-            i += 1
-    else:
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
-                                 epi_free, tile, step, i, num_m_tiles, tiles_per_row, sync_ptr, 0,
-                                 K_TILES, STAGES, HAS_USER, Y_AT, FOLD_USER)
-            i += 1
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+        if HAS_USER:
+            user = gl.load(m_ptr + b).to(gl.int32)
+        for kt in gl.static_range(K_TILES):
+            slot = step % STAGES
+            # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
+            tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
+            step += 1
+            if HAS_USER:
+                if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
+                    mbarrier.wait(epi_free, i & 1)
+                    mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
+        i += 1
 
 
 @gluon.jit
@@ -303,129 +173,46 @@ def _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_U
 
 
 @gluon.jit
-def _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                  tile, step, i, num_m_tiles, tiles_per_row, N, row_layout: gl.constexpr,
-                  K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  EPI_FREE_AT: gl.constexpr):
-    """One candidate tile: K_TILES wgmmas over the ring, then the epilogue. Returns (acc, bias, step)."""
-    BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
-    BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
-    b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-    if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
-        rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-        bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-    for kt in gl.static_range(K_TILES):
-        slot = step % STAGES
-        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
-        acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if kt >= 1:  # the wgmma of the previous step has finished reading its slot
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-        if kt == EPI_FREE_AT:  # the last TMA store has read the epilogue buffer: the producer may refill it
-            tma.store_wait(0)
-            mbarrier.arrive(epi_free, count=1)
-        step += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-    _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
-    return acc, bias, step
-
-
-@gluon.jit
-def _consume_user_tile(acc, w_bufs, x_bufs, epi_buf, ready, empty, y_desc, flag_ptr, epoch,
-                       tile, step, ku_tiles, num_m_tiles, tiles_per_row, STAGES: gl.constexpr):
-    """FOLD_USER: one user tile Y_u[u, rows, columns] = W_u rows @ user_emb[u] over ku_tiles ring steps
-    (a runtime loop: any Ku), stored by TMA without the bias (the candidate epilogue adds it, once);
-    then, once the store has completed, flag[tile] = epoch (release, gpu scope). Returns (acc, step)."""
-    BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
-    BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
-    user, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-    acc = gl.zeros_like(acc)
-    for kt in range(ku_tiles):
-        slot = step % STAGES
-        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
-        acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if kt >= 1:
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-        step += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-    # The epilogue buffer is free: user tiles precede every candidate tile (whose Y_u loads the producer
-    # puts there only after the consumer's epi_free arrivals, from the first candidate tile on), and the
-    # previous user tile's store has completed below.
-    epi_buf.reshape([BLOCK_M, BLOCK_D]).store(acc.to(epi_buf.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(y_desc, [user, off_m, off_d], epi_buf)
-    # Publish: the issuing thread waits until the store's writes are done (not only its shared-memory
-    # reads, which is all `tma.store_wait` waits for) and fences the async proxy against the generic one;
-    # the barrier orders that before the release of the flag.
-    gl.inline_asm_elementwise(
-        asm="cp.async.bulk.wait_group 0;\n fence.proxy.async.global; // $0",
-        constraints="=r", args=[], dtype=gl.int32, is_pure=False, pack=1,
-    )
-    gl.thread_barrier()
-    gl.atomic_xchg(flag_ptr + tile, epoch, sem="release", scope="gpu")
-    return acc, step
-
-
-@gluon.jit
-def _launch_done(sync_ptr):
-    """FOLD_USER, at the end of a program's consumer: the last of the launch's programs to get here resets
-    the count and advances the epoch (sync_ptr[0]) for the next launch; every program of this launch read
-    the epoch at its start (the producer before its first flag wait, the consumer before its first
-    publish), so all read the same value. Kept on the device so that a CUDA graph replays it."""
-    done = gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if done == gl.num_programs(0) - 1:
-        gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
-        gl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr,
-              y_desc, sync_ptr, num_user_tiles, ku_tiles, user_slots, FOLD_USER: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
-    s + 1, the last one after the tile's final wait), then acc + Y_u + bias → epilogue buffer → TMA store.
-    FOLD_USER: this program's user tiles first (Y_u stored, flags released), then its candidate tiles."""
-    BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
+    s + 1, the last one after the tile's final wait), then acc + Y_u + bias → epilogue buffer → TMA store."""
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
+    BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
     mma_layout: gl.constexpr = _mma_layout(BLOCK_D, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     acc = gl.zeros((BLOCK_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
     step = 0
     i = 0
-    if FOLD_USER:
-        epoch = gl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu") + 1  # this launch's flag value
-        for tile in range(gl.program_id(0), num_user_tiles, gl.num_programs(0)):
-            acc, step = _consume_user_tile(acc, w_bufs, x_bufs, epi_buf, ready, empty, y_desc, sync_ptr + 2, epoch,
-                                           tile, step, ku_tiles, num_m_tiles, tiles_per_row, STAGES)
-        n1, first1, stride1, first2, n2 = _fold_schedule(num_user_tiles, num_tiles, user_slots)
-        for k in range(n1 + n2):
-            tile = _fold_tile(k, n1, first1, stride1, first2)
-            acc, bias, step = _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                                            out_desc, bias_ptr, tile, step, i, num_m_tiles, tiles_per_row, N,
-                                            row_layout, K_TILES, STAGES, HAS_USER, HAS_BIAS, EPI_FREE_AT)
-            i += 1
-        tma.store_wait(0)
-        _launch_done(sync_ptr)
-    else:
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            acc, bias, step = _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                                            out_desc, bias_ptr, tile, step, i, num_m_tiles, tiles_per_row, N,
-                                            row_layout, K_TILES, STAGES, HAS_USER, HAS_BIAS, EPI_FREE_AT)
-            i += 1
-        tma.store_wait(0)
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+        if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
+            rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+        for kt in gl.static_range(K_TILES):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
+            acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if kt >= 1:  # the wgmma of the previous step has finished reading its slot
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+            if kt == EPI_FREE_AT:  # the last TMA store has read the epilogue buffer: the producer may refill it
+                tma.store_wait(0)
+                mbarrier.arrive(epi_free, count=1)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
+        _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
+        i += 1
+    tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["B", "num_user_tiles", "ku_tiles", "user_slots"])  # one binary for any B (FOLD_USER: U, Ku)
+@gluon.jit(do_not_specialize=["B"])  # one binary for any batch size (no compilation on a request's B)
 def _lce_ws_kernel(
     w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
     x_desc,  # cand_emb [B, Kc, D], blocks [1, BLOCK_K, BLOCK_D]
@@ -436,12 +223,6 @@ def _lce_ws_kernel(
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
     EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
-    # FOLD_USER only (None otherwise, so the default kernel's signature is as before):
-    wu_desc=None,  # W_u padded [N, Ku'], blocks [BLOCK_M, BLOCK_K]
-    xu_desc=None,  # user_emb [U, Ku, D], blocks [1, BLOCK_K, BLOCK_D]
-    sync_ptr=None,  # int64 [2 + user tiles]: epoch, programs done, flag per user tile (y_desc is Y_u's scratch)
-    num_user_tiles=None, ku_tiles=None, user_slots=None,  # U · tiles_per_row, cdiv(Ku, BLOCK_K), a user tile's weight
-    FOLD_USER: gl.constexpr = False,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
@@ -473,11 +254,9 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     y_desc, sync_ptr, num_user_tiles, ku_tiles, user_slots, FOLD_USER)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT,
-                     wu_desc, xu_desc, sync_ptr, num_user_tiles, ku_tiles, user_slots, FOLD_USER)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -546,79 +325,22 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     return w_desc, x_desc, y_desc, out_desc
 
 
-def _fold_args(packed: PackedLinearCompress, user_emb, out, cfg: WSConfig, k_tiles: int, sync=None) -> dict:
-    """The FOLD_USER kernel arguments: W_u and user_emb descriptors (same blocks, hence the same ring slots,
-    as W_c and cand_emb), the sync words (`_fold_sync`, or `sync` given) and the user-tile counts."""
-    num_users, num_user_tokens, dim = user_emb.shape
-    weight = packed.user_weight_padded
-    key = ("s6-desc", weight.data_ptr(), cfg.block_m, cfg.block_k)
-    wu_desc = packed._flags.get(key)
-    if wu_desc is None:
-        wu_desc = packed._flags[key] = _descriptor(weight, [cfg.block_m, cfg.block_k])
-    num_user_tiles = num_users * triton.cdiv(out.shape[1], cfg.block_m) * triton.cdiv(dim, cfg.block_d)
-    ku_tiles = triton.cdiv(num_user_tokens, cfg.block_k)
-    return dict(
-        wu_desc=wu_desc, xu_desc=_descriptor(user_emb, [1, cfg.block_k, cfg.block_d]),
-        sync_ptr=_fold_sync(packed, out.device, num_user_tiles) if sync is None else sync,
-        num_user_tiles=num_user_tiles, ku_tiles=ku_tiles, user_slots=min(1, round(ku_tiles / k_tiles)),
-        FOLD_USER=True,
-    )
-
-
-def _fold_sync(packed: PackedLinearCompress, device: torch.device, num_user_tiles: int) -> torch.Tensor:
-    """FOLD_USER's int64 words on `device`, kept on the packed module: [0] the epoch (advanced on the
-    device by the last program of each launch), [1] programs done in the running launch, [2:] one flag
-    per user tile (set to epoch + 1 once that Y_u block is stored). As s4's flags (`_sync_state`), they
-    are never cleared and only grow, but the epoch lives on the device, so CUDA graphs replay it; s4's
-    host epoch (one per call) would be frozen into a graph. A larger call allocates new zeroed words
-    (epoch 0, flags 0: consistent); the old ones stay allocated, as a captured graph may still use them.
-    Not allocated inside a capture (`run_fused` takes the two launches there instead): the zero fill would
-    be replayed. Calls of one module must run in stream order, not on two streams at once."""
-    key = ("s6-fold-sync", device)
-    sync = packed._flags.get(key)
-    if sync is None or sync.numel() < 2 + num_user_tiles:
-        if sync is not None:
-            packed._flags.setdefault(("s6-fold-sync-old", device), []).append(sync)
-        sync = packed._flags[key] = torch.zeros(2 + max(num_user_tiles, 1024), dtype=torch.int64, device=device)
-    return sync
-
-
-def _can_fold(packed: PackedLinearCompress, user_emb, out, cfg) -> bool:
-    """cfg.fold_user applies: Ku ≥ 1, user_emb TMA-able, and outside a CUDA-graph capture only where the
-    sync words for this many user tiles exist already (`_fold_sync`)."""
-    num_users, num_user_tokens, dim = user_emb.shape
-    if not (getattr(cfg, "fold_user", False) and num_user_tokens > 0 and _tma_ok(user_emb)):
-        return False
-    if out.is_cuda and torch.cuda.is_current_stream_capturing():
-        sync = packed._flags.get(("s6-fold-sync", out.device))
-        num_user_tiles = num_users * triton.cdiv(out.shape[1], cfg.block_m) * triton.cdiv(dim, cfg.block_d)
-        return sync is not None and sync.numel() >= 2 + num_user_tiles
-    return True
-
-
 def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
-               num_programs: int | None = None, user_emb=None):
-    """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias).
-    With `user_emb` (cfg.fold_user; Ku ≥ 1, user_emb TMA-able): user_part is Y_u's scratch [U, N, D],
-    computed in the same launch (FOLD_USER)."""
+               num_programs: int | None = None):
+    """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
     w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
-    k_tiles = triton.cdiv(num_cand_tokens, cfg.block_k)
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
-    fold = _fold_args(packed, user_emb, out, cfg, k_tiles) if user_emb is not None else {}
-    # FOLD_USER: grid ≤ the SM count, one program per SM (208 KiB of shared memory), so every program is
-    # resident at once and a flag wait never waits on a program that has not started (module doc).
-    grid = min(num_programs or _device_info(out.device)[1], num_tiles + fold.get("num_user_tiles", 0))
+    grid = min(num_programs or _device_info(out.device)[1], num_tiles)
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
         num_candidates, rows, dim,
-        K_TILES=k_tiles, STAGES=cfg.stages,
+        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
-        **fold,
     )
 
 
@@ -635,19 +357,13 @@ def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=N
 def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out, user_part, cfg, launch) -> torch.Tensor:
     """The two launches of s6: the user GEMM Y_u = W_u @ user_emb (s3's tile kernel, skipped
     at Ku = 0), then `launch(packed, cand_emb, out, Y_u or None, cand_to_user, bias, cfg)`, the
-    candidate GEMM with Y_u[m[b]] + bias fused into its epilogue. With cfg.fold_user (`_can_fold`: Ku ≥ 1,
-    user_emb TMA-able) one launch: `launch(..., user_emb=user_emb)` computes Y_u (into user_part) itself."""
+    candidate GEMM with Y_u[m[b]] + bias fused into its epilogue."""
     num_users, num_user_tokens, dim = user_emb.shape
     num_candidates = cand_emb.shape[0]
     rows = packed.cand_weight.shape[0]
     if out is None:
         out = torch.empty(num_candidates, rows, dim, dtype=cand_emb.dtype, device=cand_emb.device)
     if out.numel() == 0:
-        return out
-    if _can_fold(packed, user_emb, out, cfg):  # one launch (FOLD_USER)
-        if user_part is None:
-            user_part = torch.empty(num_users, rows, dim, dtype=out.dtype, device=out.device)  # Y_u scratch
-        launch(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, user_emb=user_emb)
         return out
     if num_user_tokens > 0:
         if user_part is None:
@@ -659,41 +375,25 @@ def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, ou
     return out
 
 
-FOLD_ARGS = ("wu_desc", "xu_desc", "sync_ptr", "num_user_tiles", "ku_tiles", "user_slots")
-
-
 def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, rows: int = 512, dim: int = 256,
                num_cand_tokens: int = 500, config: WSConfig | None = None, has_user: bool = True,
-               has_bias: bool = True, capability: int = 90, num_user_tokens: int = 1024):
+               has_bias: bool = True, capability: int = 90):
     """Compile `_lce_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
     arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
-    `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump.
-    config.fold_user (with has_user) compiles the FOLD_USER kernel at Ku = num_user_tokens."""
+    `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
-    k_tiles = triton.cdiv(num_cand_tokens, cfg.block_k)
     constexprs = dict(
-        K_TILES=k_tiles, STAGES=cfg.stages, HAS_USER=has_user,
+        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps,
     )
-    fold = {}
-    if cfg.fold_user and has_user:  # FOLD_USER at U = 15, Ku = num_user_tokens
-        weight = torch.zeros(rows, triton.cdiv(num_user_tokens, 8) * 8, dtype=dtype)
-        packed = PackedLinearCompress(weight, weight, None, weight, weight)
-        out = torch.zeros(2, rows, dim, dtype=dtype)
-        fold = _fold_args(packed, torch.zeros(15, num_user_tokens, dim, dtype=dtype), out, cfg, k_tiles,
-                          sync=torch.zeros(16, dtype=torch.int64))
-    constexprs["FOLD_USER"] = fold.pop("FOLD_USER", False)
-    if not fold:  # the default kernel: the FOLD_USER arguments are None (constexpr), as at a launch
-        constexprs.update({name: None for name in FOLD_ARGS})
-    return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user,
-                       capability, fold)
+    return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
 
 def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidates: int, rows: int, dim: int,
-                num_cand_tokens: int, has_user: bool, capability: int, extra_args: dict | None = None):
+                num_cand_tokens: int, has_user: bool, capability: int):
     """Compile a Gluon kernel with s6's runtime arguments (w_desc, x_desc, y_desc, out_desc, m_ptr,
-    bias_ptr, B, N, D, and `extra_args`) for a CUDA target without a GPU: CPU tensors stand in for the
-    arguments, the JIT's own specialization rules give the signature. `constexprs` holds the rest (with num_warps)."""
+    bias_ptr, B, N, D) for a CUDA target without a GPU: CPU tensors stand in for the arguments, the
+    JIT's own specialization rules give the signature. `constexprs` holds the rest (with num_warps)."""
     weight = torch.zeros(rows, triton.cdiv(num_cand_tokens, 8) * 8, dtype=dtype)
     packed = PackedLinearCompress(weight, weight, None, weight, weight)
     cand_emb = torch.zeros(2, num_cand_tokens, dim, dtype=dtype)
@@ -702,7 +402,7 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     runtime_args = dict(
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
-        B=num_candidates, N=rows, D=dim, **(extra_args or {}),
+        B=num_candidates, N=rows, D=dim,
     )
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -8,7 +8,7 @@
                                           # of tests/test_linear_compress_ws.py with the winner as s6's default
     scripts/probe_lce_kloop.py --call     # a short device call (≤ CALL_BUDGET_S): CALL_ORDER without K scaling
                                           # or ncu, then the GPU tests (all with a winner as the default, else
-                                          # those of the timed variant, CALL_TESTS); writes 3 files to $OUT
+                                          # those of the timed variant, CALL_TESTS)
     scripts/probe_lce_kloop.py --variants a,b --no-k-scaling   # the probe on those VARIANTS only
 
 Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D=256, N=512, bf16).
@@ -17,10 +17,7 @@ Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D
    Y_u (bf16 rel err ≤ 1e-2), then timed on one shared input set: `do_bench` median, CUDA-graph
    replay median, the kernel alone (no Y_u, no bias) and the kernel with its fused epilogue (Y_u
    given). The default is timed first and again near the end (the spread of one config within the run,
-   the run's noise); with --call the new variant (CALL_ORDER) too. The fold variant (WSConfig.fold_user:
-   the user GEMM inside the same launch) has no separate user GEMM: its "kernel + fused epilogue" column
-   is its one launch with the user tiles in it (the whole op's kernel), and its "kernel alone" column
-   (no Y_u, nothing to fold) launches the default's kernel, a consistency check of the run.
+   the run's noise); with --call the new variant (CALL_ORDER) too.
 3. K scaling: the kernel alone at Kc = 500, 1024, 2048, 8192 (8 … 128 K steps of 64 per 128 × 256
    tile): time per tile = a + b · steps on the busiest SM gives the per-tile cost a and the per-step
    cost b, against the ceiling's time for one step; at Kc = 8192 also the whole op (checked on the
@@ -28,10 +25,10 @@ Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D
 Every Gluon kernel is compiled first by parallel worker processes (--warm) into Triton's disk cache:
 the K loop is unrolled, and one compile at Kc = 8192 takes ~45 s.
 A watchdog ends the run (exit 3, table so far) if one step takes over STEP_LIMIT_S.
-With $OUT set, writes probe_lce_kloop.{md,json} there; the json's "winner" is the winning config for
-the tests ("" when no variant beats the default by more than the run's noise, eager and in CUDA graphs:
-the larger of 1 % and the relative spread between the timings of the default, or of the variant where it
-was timed more than once). --call adds only $OUT/pytest_gpu.txt (--all: ncu files too).
+With $OUT set, writes probe_lce_kloop.{md,json} there and, for the tests, the winning config to
+$OUT/s6_winner.txt (empty when no variant beats the default by more than the run's noise, eager and in
+CUDA graphs: the larger of 1 % and the relative spread between the two timings of the default, or of
+the variant where it was timed twice).
 """
 
 from __future__ import annotations
@@ -67,12 +64,11 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "default": None,
     "bk32": WSConfig(block_k=32, stages=6, epi_free_at=4),
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
-    "fold": WSConfig(stages=0, fold_user=True),  # the user GEMM's tiles in the same launch (one launch)
 }
-# --call: timed in this order, alternating (the default three times, the variant twice: the run's noise)
-CALL_ORDER = ("default", "fold", "default", "fold", "default")
-CALL_TESTS = "gpu and fold"  # the GPU tests of the timed variant, run when no variant wins
-CALL_BUDGET_S = 165  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 90 s)
+# --call: timed in this order (default and the variant twice: the run's noise)
+CALL_ORDER = ("default", "bk32", "default", "bk32")
+CALL_TESTS = "gpu and bk32"  # the GPU tests of the timed variant, run when no variant wins
+CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
 LONG_K_VARIANTS = ("default",)
@@ -240,8 +236,7 @@ def main():
             ms = med(full)
             graph = graph_med(lambda: lce_s6(packed, *args, config=VARIANTS[name]))
             alone = med(lambda: _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, cfg))
-            fold = dict(user_emb=p.user_emb) if cfg.fold_user else {}  # fold: Y_u computed in the same launch
-            fused = med(lambda: _launch_ws(packed, p.cand_emb, out, y_u, p.cand_to_user, packed.bias, cfg, **fold))
+            fused = med(lambda: _launch_ws(packed, p.cand_emb, out, y_u, p.cand_to_user, packed.bias, cfg))
         except Exception as exc:  # noqa: BLE001  one variant's failure must not end the run
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
@@ -254,7 +249,9 @@ def main():
     if k_scaling:
         k_scaling_probe(dog, raw, workers, flop_rate, num_candidates, t_start, save)
     dog.step("report")
-    raw["winner"] = pick_winner(rows, notes)
+    raw["winner"] = winner = pick_winner(rows, notes)
+    if out_dir:
+        (out_dir / "s6_winner.txt").write_text(winner)
     for w in workers:  # compiles that the run did not need are not waited for
         try:
             w.wait(timeout=1)
@@ -309,7 +306,7 @@ def pick_winner(rows, notes) -> str:
         return ""
     name = min(good, key=lambda n: best(n, "ms"))
     cfg = next(r["config"] for r in rows if r["variant"] == name)
-    fields = {k: int(v) for k, v in cfg.items() if v != getattr(WSConfig(), k) and k != "block_d"}  # fold_user=1
+    fields = {k: v for k, v in cfg.items() if v != getattr(WSConfig(), k) and k != "block_d"}
     winner = ",".join(f"{k}={v}" for k, v in fields.items())
     notes.append(f"winner: {name} ({winner})")
     return winner
@@ -422,14 +419,6 @@ def _pytest_args(selection: str) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", *xdist, "-k", selection, "tests/test_linear_compress_ws.py"]
 
 
-def _winner(out_dir) -> str:
-    """The probe's winner ("name=value,…" for LCE_S6_DEFAULT; "" for none) from its json."""
-    try:
-        return json.loads((out_dir / "probe_lce_kloop.json").read_text()).get("winner") or ""
-    except (OSError, ValueError):
-        return ""
-
-
 def _summary(out_dir, log):
     tail = (out_dir / "pytest_gpu.txt").read_text().strip().splitlines()[-3:] if (out_dir / "pytest_gpu.txt").exists() else []
     table = (out_dir / "probe_lce_kloop.md").read_text() if (out_dir / "probe_lce_kloop.md").exists() else "(no probe table)"
@@ -442,11 +431,12 @@ def run_call():
     default (LCE_S6_DEFAULT), else CALL_TESTS."""
     out_dir, log, stage = _stages(CALL_BUDGET_S)
     stage("probe", [sys.executable, __file__, "--variants", ",".join(CALL_ORDER), "--no-k-scaling"], 70)
-    winner = _winner(out_dir)
+    winner_file = out_dir / "s6_winner.txt"
+    winner = winner_file.read_text().strip() if winner_file.exists() else ""
     env = dict(os.environ, LCE_S6_DEFAULT=winner)
     selection = "gpu" if winner else CALL_TESTS
     with open(out_dir / "pytest_gpu.txt", "w") as f:
-        stage(f"GPU tests -k '{selection}' (LCE_S6_DEFAULT='{winner}')", _pytest_args(selection), 90, env=env, stdout=f)
+        stage(f"GPU tests -k '{selection}' (LCE_S6_DEFAULT='{winner}')", _pytest_args(selection), 65, env=env, stdout=f)
     _summary(out_dir, log)
 
 
@@ -471,7 +461,8 @@ def run_all():
                     stage(f"ncu --page {page}", [str(ncu), "-i", f"{rep}.ncu-rep", "--page", page, *extra], 20, stdout=f)
     else:
         log.append("ncu: not found")
-    winner = _winner(out_dir)
+    winner_file = out_dir / "s6_winner.txt"
+    winner = winner_file.read_text().strip() if winner_file.exists() else ""
     env = dict(os.environ, LCE_S6_DEFAULT=winner)
     with open(out_dir / "pytest_gpu.txt", "w") as f:
         stage(f"GPU tests (LCE_S6_DEFAULT='{winner}')", _pytest_args("gpu"), 70, env=env, stdout=f)

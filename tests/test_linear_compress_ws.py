@@ -8,10 +8,6 @@ GPU (skipped without a Hopper device): bf16 and fp16 outputs and Y_u poisoned wi
 inputs, the canonical shape, odd Kc, U = 1, unsorted ragged mappings, users without candidates,
 D and N not multiples of the tile, one K tile, Ku = 0, no bias; each config the benchmark times; few
 programs with many tiles each (the ring's phases wrap many times).
-fold_user (the user GEMM inside the same launch, `-k fold`): CPU, its sm_90a compile (one flag spin, the
-user tiles' store completion and release) and the tile schedule (every candidate tile exactly once);
-GPU, the same shapes plus odd Ku, more user tiles than programs and drawn shapes (hypothesis), Y_u checked
-too, repeated calls (the device epoch), few programs, CUDA-graph replays.
 """
 
 from __future__ import annotations
@@ -19,15 +15,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import replace
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import kernels.linear_compress_ws as ws
 from kernels.linear_compress import PackedLinearCompress
@@ -37,7 +30,6 @@ from kernels.linear_compress_ws import (
     WSConfig,
     _launch_ws,
     compile_s6,
-    run_fused,
     lce_s6,
     s6_supported,
     ws_config,
@@ -273,204 +265,3 @@ def test_gpu_s6_cuda_graph():
     """s6 captured in a CUDA graph (no per-call state): replays with new inputs copied in place are right."""
     shape = (15, 256, 128, 500, 256, 512, True, 0)
     _check_graph_replays(shape, 31, lambda packed, *inputs: packed._triton(*inputs, "s6"))
-
-
-# ----------------------------------------------------------------------------- fold_user
-
-FOLD = WSConfig(fold_user=True)
-
-
-def _fold_tiles(pid: int, num_programs: int, num_user_tiles: int, num_tiles: int, user_slots: int) -> list[int]:
-    """`_fold_schedule` / `_fold_tile` of the kernel, in Python: program pid's candidate tiles in order."""
-    rem = num_user_tiles % num_programs
-    n1, first1, stride1, partial = 0, 0, 1, 0
-    if rem > 0:
-        partial = user_slots * (num_programs - rem)
-        if pid >= rem:
-            first1, stride1 = pid - rem, num_programs - rem
-            n1 = min(max(-(-(num_tiles - first1) // stride1), 0), user_slots)
-    first2 = partial + pid
-    n2 = max(-(-(num_tiles - first2) // num_programs), 0)
-    return [first1 + k * stride1 for k in range(n1)] + [first2 + k * num_programs for k in range(n2)]
-
-
-@pytest.mark.parametrize(
-    "num_programs,num_user_tiles,num_tiles,user_slots",
-    [(132, 60, 4096, 1), (132, 60, 4096, 0), (132, 400, 128, 1), (3, 5, 39, 1), (1, 15, 8, 1), (132, 131, 1, 1),
-     (7, 7, 10, 1), (5, 2, 3, 1)],
-)
-def test_fold_schedule_covers_every_tile_once(num_programs, num_user_tiles, num_tiles, user_slots):
-    """The fold schedule gives every candidate tile to exactly one program; at the canonical shape the
-    programs with a user tile (0–59) take 31 candidate tiles, 60–63 take 32, the rest 31."""
-    per_program = [_fold_tiles(p, num_programs, num_user_tiles, num_tiles, user_slots) for p in range(num_programs)]
-    assert sorted(t for tiles in per_program for t in tiles) == list(range(num_tiles))
-    if (num_programs, num_user_tiles, num_tiles, user_slots) == (132, 60, 4096, 1):
-        counts = [len(tiles) for tiles in per_program]
-        assert counts[:60] == [31] * 60 and counts[60:64] == [32] * 4 and counts[64:] == [31] * 68
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(config=FOLD),  # canonical: bf16, Ku = 1024, Kc = 500
-        dict(config=FOLD, dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_bias=False, num_user_tokens=333),
-        dict(config=WSConfig(fold_user=True, block_d=128, stages=0), num_user_tokens=40),
-    ],
-    ids=["canonical", "fp16-odd", "bd128"],
-)
-def test_fold_compiles_for_sm90a(kwargs):
-    """fold_user for sm_90a without a GPU: one flag spin (acquire, then the proxy fence before the Y_u TMA
-    load), the user tiles' store completion (not only its reads) before the flag's release, the device
-    epoch; REG within the cap, no spills; the default kernel has none of it."""
-    try:
-        kernel = compile_s6(**kwargs)
-        default = compile_s6(**dict(kwargs, config=replace(kwargs["config"], fold_user=False)))
-    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
-        pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
-    ptx = kernel.asm["ptx"]
-    assert kernel.metadata.shared <= SMEM_LIMIT
-    assert ptx.count("ld.acquire.gpu.global.s64") == 1 and ptx.count("fence.proxy.async.global") == 2
-    assert "cp.async.bulk.wait_group 0;" in ptx
-    assert len(re.findall(r"atom\.global\.gpu\.release\.exch\.b64", ptx)) == 1  # flag[user tile] = epoch
-    assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.release.add" in ptx  # programs done, epoch
-    assert "ld.acquire" not in default.asm["ptx"] and "atom." not in default.asm["ptx"]
-    tool = _cuobjdump()
-    if tool is None:
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp, "fold.cubin")
-        cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    assert int(re.search(r"REG:(\d+)", usage).group(1)) <= WSConfig().maxnreg, usage
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
-    assert "LDL" not in sass and "STL" not in sass
-
-
-def _check_user_part(user_part, user_emb, packed, dtype):
-    """Y_u [U, N, D] that the fold kernel stored, against fp64 W_u @ user_emb (no bias)."""
-    ref = torch.matmul(packed.user_weight.double(), user_emb.double())
-    _check(user_part, ref, dtype)
-
-
-FOLD_SHAPES = GPU_SHAPES + [
-    (5, 77, 333, 45, 72, 130, True, 1),  # odd Ku and Kc, D = 72 (one 128-wide tile), N not a multiple of 128
-    (200, 64, 64, 130, 256, 256, True, 120),  # 400 user tiles: more than the programs, most users without candidates
-    (2, 900, 2048, 64, 256, 512, False, 0),  # user tiles 32 K steps, candidate tiles 1: the candidate waits are long
-]
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", FOLD_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
-def test_gpu_s6_fold(shape, dtype):
-    """fold_user: out and Y_u NaN-poisoned, three calls (the device epoch advances), against fp64."""
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, hash((shape, str(dtype), "fold")) % 2**31)
-    num_users, num_candidates, ku, _, dim, rows = shape[:6]
-    for _ in range(3):
-        out = torch.full((num_candidates, rows, dim), float("nan"), dtype=dtype, device="cuda")
-        user_part = torch.full((num_users, rows, dim), float("nan"), dtype=dtype, device="cuda") if ku else None
-        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part, config=FOLD)
-        _check(out, ref, dtype)
-        if ku:
-            _check_user_part(user_part, user_emb, packed, dtype)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@given(
-    num_users=st.integers(1, 40),
-    num_candidates=st.integers(1, 400),
-    ku=st.integers(1, 700),
-    kc=st.sampled_from([37, 130]),
-    dim=st.sampled_from([72, 256]),  # few constexpr combinations: few compiles
-    rows=st.integers(1, 300),
-    with_bias=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-@settings(max_examples=25, deadline=None)
-def test_gpu_s6_fold_drawn(num_users, num_candidates, ku, kc, dim, rows, with_bias, seed):
-    """fold_user on drawn shapes and unsorted ragged mappings (some users without candidates), against
-    fp64, with out and Y_u NaN-poisoned."""
-    shape = (num_users, num_candidates, ku, kc, dim, rows, with_bias, min(num_users - 1, seed % 3))
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, seed)
-    out = torch.full((num_candidates, rows, dim), float("nan"), dtype=torch.bfloat16, device="cuda")
-    user_part = torch.full((num_users, rows, dim), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part, config=FOLD)
-    _check(out, ref, torch.bfloat16)
-    _check_user_part(user_part, user_emb, packed, torch.bfloat16)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("num_programs", [1, 3])
-@pytest.mark.parametrize(
-    "base",
-    [FOLD, WSConfig(fold_user=True, block_d=128, stages=0), WSConfig(fold_user=True, block_k=32, stages=6, epi_free_at=4)],
-    ids=["fold", "fold-bd128", "fold-bk32-st6"],
-)
-def test_gpu_s6_fold_few_programs(num_programs, base):
-    """fold_user on 1 or 3 programs: each runs several user tiles, then many candidate tiles, some of
-    which wait on its own user tiles' flags; ring and epilogue-buffer phases wrap many times."""
-    shape = (5, 39, 96, 200, 256, 256, True, 1)
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 41 + num_programs)
-    for _ in range(2):
-        user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-        out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-        _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, base), num_programs,
-                   user_emb=user_emb)
-        _check(out, ref, torch.bfloat16)
-        _check_user_part(user_part, user_emb, packed, torch.bfloat16)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-def test_gpu_s6_fold_cuda_graph():
-    """fold_user captured in a CUDA graph: the epoch is advanced on the device, so replays with new inputs
-    are right; an eager call after the replays too (graph and eager calls share the module's sync words)."""
-    shape = (15, 256, 128, 500, 256, 512, True, 0)
-    call = lambda packed, *inputs: lce_s6(packed, *inputs, config=FOLD)  # noqa: E731
-    _check_graph_replays(shape, 51, call)
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 52)
-    for _ in range(2):
-        _check(call(packed, user_emb, cand_emb, cand_to_user), ref, torch.bfloat16)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-def test_gpu_s6_fold_not_tma_able_user_emb():
-    """fold_user where user_emb cannot be a TMA source (a sliced, misaligned view): the two launches."""
-    shape = (4, 50, 64, 37, 64, 128, True, 0)
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 61)
-    wide = torch.zeros(4, 64, 65, dtype=torch.bfloat16, device="cuda")
-    wide[:, :, 1:] = user_emb
-    view = wide[:, :, 1:]  # rows of 65 elements: strides not 16-byte multiples
-    out = run_fused(packed, view, cand_emb, cand_to_user, None, None, ws_config(64, 2, FOLD), _launch_ws)
-    _check(out, ref, torch.bfloat16)
-
-
-def test_fold_dispatch_on_cpu(monkeypatch):
-    """Which launches fold_user makes (CPU tensors, launches caught): one `_lce_ws_kernel` launch with the
-    FOLD_USER arguments where Ku ≥ 1 and user_emb is TMA-able (canonical: 60 user tiles of 16 K steps,
-    grid = the programs given), else the user GEMM and a launch without them (Ku = 0: no user GEMM)."""
-    launches = []
-
-    class Catch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(("s6", grid, kwargs))
-
-    monkeypatch.setattr(ws, "_lce_ws_kernel", Catch())
-    monkeypatch.setattr(PackedLinearCompress, "_launch_tile", lambda self, *args: launches.append(("user-gemm",)))
-    launch = lambda *args, **kwargs: _launch_ws(*args, **kwargs, num_programs=132)  # noqa: E731
-    cfg = ws_config(256, 2, FOLD)
-    for ku, sliced, expected in ((1024, False, ["s6"]), (0, False, ["s6"]), (1024, True, ["user-gemm", "s6"])):
-        launches.clear()
-        weight = torch.zeros(512, ku + 500, dtype=torch.bfloat16)
-        packed = PackedLinearCompress.from_weight(weight, ku, torch.zeros(512, dtype=torch.bfloat16))
-        user_emb = torch.zeros(15, ku, 257 if sliced else 256, dtype=torch.bfloat16)[..., 257 - 256 if sliced else 0:]
-        cand_emb = torch.zeros(1024, 500, 256, dtype=torch.bfloat16)
-        run_fused(packed, user_emb, cand_emb, torch.zeros(1024, dtype=torch.int32), None, None, cfg, launch)
-        assert [entry[0] for entry in launches] == expected, (ku, sliced)
-        _, grid, kwargs = launches[-1]
-        assert grid == (132,)
-        folded = ku > 0 and not sliced
-        assert kwargs.get("FOLD_USER", False) == folded and kwargs["HAS_USER"] == (ku > 0)
-        if folded:
-            assert (kwargs["num_user_tiles"], kwargs["ku_tiles"], kwargs["user_slots"]) == (60, 16, 1)
-            assert kwargs["sync_ptr"].dtype == torch.int64 and kwargs["sync_ptr"].numel() >= 62
