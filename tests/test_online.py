@@ -15,6 +15,7 @@ are fresh random each run: the seed is in every failure message.
 
 import secrets
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -416,7 +417,10 @@ def test_concurrent_requests_are_coalesced_and_answered_alone_correctly(server, 
     online = split_by_user(make_online_batch(CFG, 24, 24 * 68, rng(5, len(model))))
     before = statistics(server, model)
     answers = send_concurrently(server, model, online, lambda i: ("http", "grpc")[i % 2])
-    inferences, executions = (a - b for a, b in zip(statistics(server, model), before))
+    deadline = time.monotonic() + 10  # the python backend reports a batch's statistics after sending its responses
+    while (counts := statistics(server, model))[0] - before[0] < len(online) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    inferences, executions = (a - b for a, b in zip(counts, before))
     for index, (one, scores) in enumerate(zip(online, answers)):
         assert not isinstance(scores, Exception), f"request {index}: {scores} (seed {SEED})"
         want = solo_scores(reference, model, one)

@@ -7,6 +7,7 @@ nonzero throughput, and the server counted successful inferences and no failures
 
 import json
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -126,7 +127,12 @@ def test_server_times_between_snapshots_count_only_that_step(server):
     for _ in range(3):
         client.infer(MODEL, infer_inputs(module, make_request(RankerConfig(), 3, 40, rng)))
     client.close()
-    after = serving_probe.server_snapshot(server.http_url, metrics_url)
+    deadline = time.monotonic() + 10  # the python backend reports a step's statistics after sending its response
+    while True:
+        after = serving_probe.server_snapshot(server.http_url, metrics_url)
+        if after["ikbo_interaction"]["requests"] - before.get("ikbo_interaction", {}).get("requests", 0) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert after["ikbo_interaction"]["requests"] - before.get("ikbo_interaction", {}).get("requests", 0) == 3
     times = serving_probe.server_times(before, after, "ikbo_interaction")
     assert times["compute_ms"] == pytest.approx(times["compute_input_ms"] + times["compute_infer_ms"] + times["compute_output_ms"])
