@@ -166,12 +166,15 @@ def run_perf_analyzer(
         "-v",
     ]  # fmt: skip
     csv_path.unlink(missing_ok=True)
-    try:
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit)
-        output, returncode = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (exc.stdout or "", exc.stderr or ""))
-        output, returncode = f"{output}\ntimed out after {limit:.0f} s", -1
+    output = ""
+    for attempt in range(2):  # a perf_analyzer that stalls (seen in request-rate count mode on a loaded 2-core machine, with the server idle) is run once more
+        try:
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit)
+            output, returncode = output + proc.stdout + proc.stderr, proc.returncode
+            break
+        except subprocess.TimeoutExpired as exc:
+            output += "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (exc.stdout or "", exc.stderr or ""))
+            output, returncode = f"{output}\ntimed out after {limit:.0f} s (attempt {attempt + 1} of 2)\n", -1
     with log_path.open("a" if profile.request_count else "w") as log:
         log.write(" ".join(argv) + "\n\n" + output + "\n")
 

@@ -89,6 +89,42 @@ def test_an_interrupted_sweep_reports_the_runs_it_finished(monkeypatch, tmp_path
     assert [(r["ranker"], r["concurrency"]) for r in rows] == [("baseline_ranker", "1")]
     assert float(rows[0]["candidates_per_s"]) == 12.5 * 64
 
+FAKE_PERF_ANALYZER = """#!{python}
+import sys, time
+from pathlib import Path
+marker = Path({marker!r})
+runs = int(marker.read_text()) if marker.exists() else 0
+marker.write_text(str(runs + 1))
+if runs < {stalls}:
+    time.sleep(60)  # a stalled perf_analyzer
+out = Path(sys.argv[sys.argv.index("-f") + 1])
+out.write_text("Concurrency,Inferences/Second,p50 latency,p90 latency,p99 latency\\n1,{rate},1000,1500,2000\\n")
+"""
+
+
+@pytest.mark.parametrize("stalls", (1, 2))
+def test_a_stalled_perf_analyzer_is_run_once_more(monkeypatch, tmp_path, stalls):
+    """run_perf_analyzer kills a perf_analyzer that outlives its limit and runs it once more: one stall
+    costs one limit and the measurement stands; two stalls are an error that says so."""
+    fake = tmp_path / "perf_analyzer"
+    rate = 12.5 + stalls
+    fake.write_text(FAKE_PERF_ANALYZER.format(python=sys.executable, marker=str(tmp_path / "runs"), stalls=stalls, rate=rate))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PERF_ANALYZER", str(fake))
+    start = time.monotonic()
+    row, _, status = run_perf_analyzer(
+        MODEL, "localhost:1", "grpc", tmp_path / "data.json", concurrency=1, profile=QUICK,
+        csv_path=tmp_path / "run.csv", log_path=tmp_path / "run.log", timeout_s=2,
+    )  # fmt: skip
+    log = (tmp_path / "run.log").read_text()
+    assert (tmp_path / "runs").read_text() == "2" and 2 * stalls <= time.monotonic() - start < 30
+    assert "timed out after 2 s (attempt 1 of 2)" in log
+    if stalls == 1:
+        assert status == "ok" and float(row["Inferences/Second"]) == rate, log
+    else:
+        assert row is None and status.startswith("error") and "timed out after 2 s (attempt 2 of 2)" in log, status
+
+
 
 @pytest.mark.timeout(120)
 def test_request_rate_mode_offers_the_asked_load(server, tmp_path):
@@ -97,7 +133,7 @@ def test_request_rate_mode_offers_the_asked_load(server, tmp_path):
     success_before, fail_before = inference_counts(server.http_url)
     row, _, status = run_perf_analyzer(
         MODEL, server.grpc_url, "grpc", ensure_config("u1_b64"), concurrency=1, profile=QUICK,
-        csv_path=tmp_path / "run.csv", log_path=tmp_path / "run.log", timeout_s=60, request_rate=8,
+        csv_path=tmp_path / "run.csv", log_path=tmp_path / "run.log", timeout_s=45, request_rate=8,
     )  # fmt: skip
     log = (tmp_path / "run.log").read_text()
     assert status == "ok", f"{status}\n{log[-3000:]}"
