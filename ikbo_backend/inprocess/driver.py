@@ -105,7 +105,7 @@ _thread = threading.local()  # .cuda_device: the device set in this (Triton inst
 
 
 def set_native_reader(address: int) -> None:
-    """backend.c, once at start: the address of its `ikbo_read_inputs` (pb_utils.read_all_inputs)."""
+    """backend.c, once at start: the address of its `ikbo_read_inputs` (for pb_utils._read_all_inputs)."""
     pb_utils.set_native_reader(address)
 
 
