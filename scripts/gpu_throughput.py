@@ -59,6 +59,9 @@ def parse_prometheus(text: str) -> dict[Series, float]:
     return samples
 
 
+METRICS_SETTLE_S = 0.1  # in process, metric updates reach /metrics within 50 ms (ikbo_backend.metrics.PUSH_PERIOD_S)
+
+
 def scrape(url: str) -> dict[Series, float]:
     """The samples of http://<url>/metrics (url: HOST:PORT of the metrics endpoint)."""
     with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as response:
@@ -165,7 +168,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     before, start = scrape(args.url), time.monotonic()
     status = subprocess.call(command) if command else (time.sleep(args.duration) or 0)
-    after, seconds = scrape(args.url), time.monotonic() - start
+    seconds = time.monotonic() - start
+    time.sleep(METRICS_SETTLE_S)
+    after = scrape(args.url)
     result = report(before, after, seconds)
     print(f"\n### Per-GPU throughput (`scripts/gpu_throughput.py --url {args.url}`)\n\n{result.markdown()}\n")
     if args.json:

@@ -175,6 +175,9 @@ def in_process(model: str, config: str, users: int, candidates: int, repeats: in
     return {"model": model, "p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "load_s": load_s, "load_mib": load_mib, "repeats": repeats}
 
 
+METRICS_SETTLE_S = 0.1  # in process, metric updates reach /metrics within 50 ms (ikbo_backend.metrics.PUSH_PERIOD_S)
+
+
 def server_snapshot(http_url: str, metrics_url: str) -> dict[str, dict]:
     """Cumulative Triton statistics (ns, counts) and ikbo_execute_seconds_total per model."""
     with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=10) as response:
@@ -261,6 +264,7 @@ def equal_load(url: str, profile: str, mix: str, rates: list[float], models: lis
             name = f"{model}.{mix}.rate{rate:g}"
             before = server_snapshot(http_url, metrics_url) if http_url else {}
             row, mode, status = run_perf_analyzer(model, url, "grpc", input_data, 8, settings, out / f"{name}.csv", out / f"{name}.log", request_rate=rate)
+            time.sleep(METRICS_SETTLE_S)
             server = server_times(before, server_snapshot(http_url, metrics_url), model) if http_url else {}
             result: Result = to_result(model, mix, "grpc", 0, 0, row, mode, status)
             rows.append({"rate": rate, "model": model, "achieved": result.infer_per_s, "p50": result.p50_ms, "p99": result.p99_ms, "status": status, "server": server})
