@@ -43,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ikbo_backend.metrics import PUSH_PERIOD_S  # noqa: E402
 from ikbo_backend.ranker import PROFILES  # noqa: E402
 from ikbo_backend.requests import make_request  # noqa: E402
 
@@ -175,7 +176,7 @@ def in_process(model: str, config: str, users: int, candidates: int, repeats: in
     return {"model": model, "p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "load_s": load_s, "load_mib": load_mib, "repeats": repeats}
 
 
-METRICS_SETTLE_S = 0.1  # in process, metric updates reach /metrics within 50 ms (ikbo_backend.metrics.PUSH_PERIOD_S)
+METRICS_SETTLE_S = 2 * PUSH_PERIOD_S  # in process, metric updates reach /metrics within one push period
 
 
 def server_snapshot(http_url: str, metrics_url: str) -> dict[str, dict]:

@@ -1,8 +1,9 @@
 /* Triton backend "python_inprocess": runs a model's model.py (a TritonPythonModel, as the python
  * backend does) inside tritonserver's own process. This file starts the interpreter, forwards
  * Triton's five entry points to ikbo_backend/inprocess/driver.py, which does the work through
- * Triton's C API (ctypes), and gives it one helper: all inputs of a request in one call. No stub process, no shared-memory IPC: what the python backend spends
- * on two process wake-ups and the copies into its shared memory per request is gone.
+ * Triton's C API (ctypes), and gives it one helper: all inputs of a request in one call. No stub
+ * process, no shared-memory IPC: what the python backend spends on two process wake-ups and the
+ * copies into its shared memory per request is gone.
  *
  * Build (ikbo_backend/inprocess/__init__.py does it):
  *   cc -O2 -shared -fPIC -DIKBO_LIBPYTHON='"<libpython3.X.so.1.0>"' backend.c -ldl -pthread -o libtriton_python_inprocess.so
