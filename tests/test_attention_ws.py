@@ -33,8 +33,12 @@ CONFIGS = [
     WSAttentionConfig(gather=False),  # launch_ws's fallback for rows not 16-byte aligned
     NO_GATHER,
     WSAttentionConfig(block_n=64, stages=4, gather=False, consumer_regs=232, producer_regs=24),
+    LAZY_THREAD := WSAttentionConfig(lazy_rescale="thread"),  # rescale skipped by a branch per thread
+    LAZY_WARPGROUP := WSAttentionConfig(lazy_rescale="warpgroup"),  # … by one branch per warpgroup
 ]
-CONFIG_IDS = ["default", "fallback-no-gather", "no-gather", "64-no-gather"]
+CONFIG_IDS = ["default", "fallback-no-gather", "no-gather", "64-no-gather", "lazy-thread", "lazy-warpgroup"]
+LAZY_CONFIGS = [DEFAULT_CONFIG, LAZY_THREAD, LAZY_WARPGROUP]
+LAZY_IDS = ["default", "lazy-thread", "lazy-warpgroup"]
 
 
 def _cuobjdump():
@@ -78,6 +82,30 @@ def test_compiles_for_sm90a(config, kwargs):
     assert "LDL" not in sass and "STL" not in sass
     # The key loop: q·k_jᵀ waited with P_{j-1}·V_{j-1} still in flight (at most one group left).
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+
+
+def test_lazy_thread_rescale_multiplies_sit_behind_a_branch():
+    """lazy_rescale="thread": in each consumer's key loop the d/2 accumulator multiplies by alpha follow a
+    predicated branch that jumps over exactly them (the default has the same multiplies and no branch)."""
+    tool = _cuobjdump()
+    try:
+        kernel = compile_ws(config=LAZY_THREAD)
+    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
+        pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
+    if tool is None:
+        pytest.skip("no cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp, "ws.cubin")
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    skips = []
+    for i, (addr, op) in enumerate(code):
+        m = re.match(r"@!P\d BRA 0x([0-9a-f]+)$", op)
+        if m and i + 1 < len(code) and code[i + 1][1].startswith("FMUL"):
+            body = [o for a, o in code if addr < a < int(m.group(1), 16)]
+            skips.append((len(body), sum(o.startswith("FMUL") for o in body)))
+    assert skips == [(64, 64), (64, 64)], skips  # one per consumer warpgroup, d = 128
 
 
 def test_not_supported_on_cpu():
@@ -143,6 +171,39 @@ def test_cuda_few_programs_many_items():
     for config in (DEFAULT_CONFIG, NO_GATHER):
         out = torch.full_like(q, float("nan"))
         launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, num_programs=2)
+        _check(out, ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _growing_scores_problem(head_dim, dtype):
+    """Scores that grow along the keys (key j scaled by 1 + 3·j/128) for half of the query rows and stay
+    small for the other half (q scaled by 0.05), so that with lazy rescaling some rows of a thread must
+    rescale in later key blocks while others keep their max; kv_len ragged."""
+    gen = torch.Generator().manual_seed(head_dim)
+    num_users, num_candidates, num_queries, seq_len, heads = 3, 50, 64, 1024, 2
+    mapping = torch.randint(0, num_users, (num_candidates,), generator=gen)
+    q = torch.randn(num_candidates, heads, num_queries, head_dim, generator=gen)
+    q[:, :, 1::2] *= 0.05
+    growth = 1 + 3 * torch.arange(seq_len, dtype=torch.float32) / 128
+    k = torch.randn(num_users, heads, seq_len, head_dim, generator=gen) * growth[:, None]
+    v = torch.randn(num_users, heads, seq_len, head_dim, generator=gen)
+    q, k, v = (t.to("cuda", dtype) for t in (q, k, v))
+    kv_len = torch.tensor([seq_len, 700, 130]).cuda()
+    ref = attention.ikbo_attention(q.double(), k.double(), v.double(), mapping.cuda(), kv_len, backend="torch")
+    return q, k, v, mapping.cuda(), kv_len, ref
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", LAZY_CONFIGS, ids=LAZY_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_cuda_lazy_rescale_with_growing_scores(head_dim, dtype, config):
+    """Rows whose max grows by far more than RESCALE_LOG2 over the keys next to rows whose max stays:
+    a skipped multiply where one was needed (or a wrong row's alpha) shows as an error far over 1e-2."""
+    q, k, v, mapping, kv_len, ref = _growing_scores_problem(head_dim, dtype)
+    for num_programs in (None, 2):
+        out = torch.full_like(q, float("nan"))
+        launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(head_dim), config, out=out, num_programs=num_programs)
         _check(out, ref)
 
 
