@@ -78,10 +78,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp (24 are enough without gather)
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    # FlashAttention-4's lazy rescaling: a row keeps its running max until a key block's max exceeds it
-    # by more than RESCALE_LOG2 (then acc and l are rescaled); "" always rescales, "thread" skips the
-    # acc multiplies by a branch per thread (inline PTX), "warpgroup" by one branch per warpgroup
-    lazy_rescale: str = ""
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -91,8 +87,6 @@ class WSAttentionConfig:
 
 
 DEFAULT_CONFIG = WSAttentionConfig()
-LAZY_MODES = {"": 0, "thread": 1, "warpgroup": 2}
-RESCALE_LOG2 = gl.constexpr(8.0)  # a stale max leaves p ≤ 2^8 (exact in bf16/fp16 operands' range) and l ≤ 2^8 · L
 
 
 @gluon.constexpr_function
@@ -254,47 +248,9 @@ def _pass_turn(turns, WG: gl.constexpr):
     mbarrier.arrive(turns.index(1 - WG), count=1)
 
 
-@gluon.constexpr_function
-def _rescale_asm(n):
-    """PTX for n accumulator elements of one thread: multiply each by its row's alpha only when the
-    thread's first four alphas (its two rows in the wgmma layout) are not all 1; a branch, so a warp whose
-    rows all kept their max issues no multiplies. Operands: $0..$n-1 out (tied to acc), $n..$2n-1 acc,
-    $2n..$3n-1 alpha."""
-    lines = ["{", ".reg .pred need;", f"setp.lt.f32 need, ${2 * n}, 0f3F800000;"]
-    lines += [f"setp.lt.or.f32 need, ${2 * n + e}, 0f3F800000, need;" for e in range(1, 4)]
-    lines += ["@!need bra SKIP_RESCALE;"]
-    lines += [f"mul.f32 ${e}, ${n + e}, ${2 * n + e};" for e in range(n)]
-    lines += ["SKIP_RESCALE:", "}"]
-    return "\n".join(lines)
-
-
-@gluon.constexpr_function
-def _rescale_constraints(n):
-    return ",".join(["=f"] * n + [str(e) for e in range(n)] + ["f"] * n)
-
-
-@gluon.jit
-def _rescale(acc, alpha, LAZY: gl.constexpr):
-    """acc [64, d] · alpha [64] per row (alpha = 1 for rows that kept their max)."""
-    o_layout: gl.constexpr = acc.type.layout
-    alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-    if LAZY == 2:  # one warpgroup-wide minimum (shared memory and a barrier) decides for all 64 rows
-        if gl.min(alpha, 0) < 1.0:
-            acc = acc * alpha[:, None]
-    elif LAZY == 1:
-        HEAD_DIM: gl.constexpr = acc.type.shape[1]
-        N: gl.constexpr = HEAD_DIM // 2  # elements of a [64, d] wgmma accumulator per thread
-        acc, alpha = gl.broadcast(acc, alpha[:, None])
-        acc = gl.inline_asm_elementwise(_rescale_asm(N), _rescale_constraints(N), [acc, alpha], gl.float32,
-                                        is_pure=True, pack=N)
-    else:
-        acc = acc * alpha[:, None]
-    return acc
-
-
 @gluon.jit
 def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-           turns, STAGES: gl.constexpr, WG: gl.constexpr, LAZY: gl.constexpr = 0):
+           turns, STAGES: gl.constexpr, WG: gl.constexpr):
     """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
     softmax of block j, wait for P_{j-1}·V_{j-1}, rescale. Returns (acc, m_i, l_i, P_j). (ptxas puts
     that wait before the softmax, P_j taking P_{j-1}'s registers: the softmax runs under the other
@@ -317,17 +273,13 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
     if (j + 1) * BLOCK_N > kv_len:  # the last, partial block
         key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where((j * BLOCK_N + key_cols < kv_len)[None, :], s, float("-inf"))
-    if LAZY != 0:  # keep the row's max unless this block's exceeds it by more than RESCALE_LOG2
-        m_blk = gl.max(s, 1) * qk_scale
-        m_new = gl.where(m_blk > m_i + RESCALE_LOG2, m_blk, m_i)
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
     mbarrier.arrive(v_empty.index(prev), count=1)
-    acc = _rescale(acc, alpha, LAZY)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(k_bufs.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     return acc, m_new, l_i, p_op
 
@@ -336,22 +288,20 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
 def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
               k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
               tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr,
-              LAZY: gl.constexpr):
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr):
     """Consumer partition of warpgroup WG: `_consumer_items`. (A call, not its body: the inlined call's
     debug label at the partition's start is part of the measured kernel's input to ptxas, which
     otherwise names 13 registers of the worker's prologue differently at d = 64 without kv_len.)"""
     _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_bufs, v_bufs,
                     q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tile_ptr, order_ptr,
-                    kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale, HAS_KV_LEN, STAGES, GATHER, WG, LAZY)
+                    kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale, HAS_KV_LEN, STAGES, GATHER, WG)
 
 
 @gluon.jit
 def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                     k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                     tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr,
-                    LAZY: gl.constexpr):
+                    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr):
     """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile, each item from block 0 (q·k_0ᵀ
     alone) to its last P·V (alone) and its epilogue (see module doc)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -405,7 +355,7 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
             p_a = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, num_blocks):
                 acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
-                                            v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG, LAZY)
+                                            v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG)
             # the last block's P·V; the next item's q rows load under it
             it += num_blocks - 1
             turn += num_blocks
@@ -469,7 +419,7 @@ def _attention_ws_kernel(
     num_tiles,  # tile slots
     seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, LAZY: gl.constexpr = 0,
+    PRODUCER_REGS: gl.constexpr,
 ):
     """Persistent: program p runs work items p, p + programs, … (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -510,11 +460,11 @@ def _attention_ws_kernel(
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, GATHER, WG0, LAZY)),
+                     HAS_KV_LEN, STAGES, GATHER, WG0)),
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, GATHER, WG1, LAZY)),
+                     HAS_KV_LEN, STAGES, GATHER, WG1)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
@@ -593,7 +543,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         order if kv_len is None else kv_len, order, tiles,
         num_items, max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, GATHER=cfg.gather,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, LAZY=LAZY_MODES[cfg.lazy_rescale],
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     return out, flag
@@ -619,7 +569,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
     )
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, GATHER=cfg.gather,
-                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-                      LAZY=LAZY_MODES[cfg.lazy_rescale])
+                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -572,10 +572,8 @@ def sweep_section(points):
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws default (128 keys, gather)": {},
     "ws 128, no gather (the unaligned-rows fallback)": dict(gather=False),
-    "ws lazy rescale, a branch per thread": dict(lazy_rescale="thread"),
-    "ws lazy rescale, a branch per warpgroup": dict(lazy_rescale="warpgroup"),
 }
-WS_AB = ["ws default (128 keys, gather)", "ws lazy rescale, a branch per thread", "ws lazy rescale, a branch per warpgroup"]  # --ws-ab: the first is the reference
+WS_AB = ["ws default (128 keys, gather)", "ws 128, no gather (the unaligned-rows fallback)"]  # --ws-ab: the first is the reference
 AB_ROUNDS = 3
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [

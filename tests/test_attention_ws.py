@@ -33,12 +33,8 @@ CONFIGS = [
     WSAttentionConfig(gather=False),  # launch_ws's fallback for rows not 16-byte aligned
     NO_GATHER,
     WSAttentionConfig(block_n=64, stages=4, gather=False, consumer_regs=232, producer_regs=24),
-    LAZY_THREAD := WSAttentionConfig(lazy_rescale="thread"),  # rescale skipped by a branch per thread
-    LAZY_WARPGROUP := WSAttentionConfig(lazy_rescale="warpgroup"),  # … by one branch per warpgroup
 ]
-CONFIG_IDS = ["default", "fallback-no-gather", "no-gather", "64-no-gather", "lazy-thread", "lazy-warpgroup"]
-LAZY_CONFIGS = [DEFAULT_CONFIG, LAZY_THREAD, LAZY_WARPGROUP]
-LAZY_IDS = ["default", "lazy-thread", "lazy-warpgroup"]
+CONFIG_IDS = ["default", "fallback-no-gather", "no-gather", "64-no-gather"]
 
 
 def _cuobjdump():
@@ -82,30 +78,6 @@ def test_compiles_for_sm90a(config, kwargs):
     assert "LDL" not in sass and "STL" not in sass
     # The key loop: q·k_jᵀ waited with P_{j-1}·V_{j-1} still in flight (at most one group left).
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
-
-
-def test_lazy_thread_rescale_multiplies_sit_behind_a_branch():
-    """lazy_rescale="thread": in each consumer's key loop the d/2 accumulator multiplies by alpha follow a
-    predicated branch that jumps over exactly them (the default has the same multiplies and no branch)."""
-    tool = _cuobjdump()
-    try:
-        kernel = compile_ws(config=LAZY_THREAD)
-    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
-        pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
-    if tool is None:
-        pytest.skip("no cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp, "ws.cubin")
-        cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    skips = []
-    for i, (addr, op) in enumerate(code):
-        m = re.match(r"@!P\d BRA 0x([0-9a-f]+)$", op)
-        if m and i + 1 < len(code) and code[i + 1][1].startswith("FMUL"):
-            body = [o for a, o in code if addr < a < int(m.group(1), 16)]
-            skips.append((len(body), sum(o.startswith("FMUL") for o in body)))
-    assert skips == [(64, 64), (64, 64)], skips  # one per consumer warpgroup, d = 128
 
 
 def test_not_supported_on_cpu():
@@ -177,8 +149,8 @@ def test_cuda_few_programs_many_items():
 @functools.lru_cache(maxsize=None)
 def _growing_scores_problem(head_dim, dtype):
     """Scores that grow along the keys (key j scaled by 1 + 3·j/128) for half of the query rows and stay
-    small for the other half (q scaled by 0.05), so that with lazy rescaling some rows of a thread must
-    rescale in later key blocks while others keep their max; kv_len ragged."""
+    small for the other half (q scaled by 0.05): the running max of some rows of a thread jumps by far
+    more than 2^8 in later key blocks while others barely move; kv_len ragged."""
     gen = torch.Generator().manual_seed(head_dim)
     num_users, num_candidates, num_queries, seq_len, heads = 3, 50, 64, 1024, 2
     mapping = torch.randint(0, num_users, (num_candidates,), generator=gen)
@@ -194,16 +166,16 @@ def _growing_scores_problem(head_dim, dtype):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", LAZY_CONFIGS, ids=LAZY_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_cuda_lazy_rescale_with_growing_scores(head_dim, dtype, config):
-    """Rows whose max grows by far more than RESCALE_LOG2 over the keys next to rows whose max stays:
-    a skipped multiply where one was needed (or a wrong row's alpha) shows as an error far over 1e-2."""
+def test_cuda_growing_scores(head_dim, dtype):
+    """Rows whose max grows block after block next to rows whose max stays: a rescale of the wrong row
+    or a missed one shows as an error far over 1e-2. (Written for the lazy-rescale option, measured on
+    the H200 2026-11-30 and removed; it passed there for the default too.)"""
     q, k, v, mapping, kv_len, ref = _growing_scores_problem(head_dim, dtype)
     for num_programs in (None, 2):
         out = torch.full_like(q, float("nan"))
-        launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(head_dim), config, out=out, num_programs=num_programs)
+        launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(head_dim), out=out, num_programs=num_programs)
         _check(out, ref)
 
 
