@@ -42,15 +42,39 @@ def _within(values: torch.Tensor, low: int, high: int) -> bool:
     return bool((lowest >= low) & (highest <= high))
 
 
-def check_mapping(cand_to_user, num_candidates: int, num_users: int, device: torch.device) -> None:
-    """cand_to_user: [B] int32/int64 with every value in [0, U), on the inputs' device."""
+def check_mapping_shape(cand_to_user, num_candidates: int, device: torch.device) -> None:
+    """The checks of check_mapping that need no values (no device→host wait): rank, dtype, length, device."""
     check_tensor("cand_to_user", cand_to_user, 1, (torch.int32, torch.int64))
     check_same("cand_to_user", cand_to_user.shape[0], "B (rows of the candidate tensor)", num_candidates)
     if cand_to_user.device != device:
         raise ValueError(f"cand_to_user: expected device {device}, got {cand_to_user.device}")
+
+
+def check_mapping(cand_to_user, num_candidates: int, num_users: int, device: torch.device) -> None:
+    """cand_to_user: [B] int32/int64 with every value in [0, U), on the inputs' device."""
+    check_mapping_shape(cand_to_user, num_candidates, device)
     if num_candidates and not _within(cand_to_user, 0, num_users - 1):
         bad = cand_to_user[(cand_to_user < 0) | (cand_to_user >= num_users)][0]
         raise ValueError(f"cand_to_user: value {int(bad)} is outside [0, U={num_users})")
+
+
+class RangeReadback:
+    """The min and max of a CUDA index tensor on their way to the host: one reduction and a copy into
+    pinned memory, enqueued before the kernels that use the values. `within` waits for that copy (and
+    what ran before it), not for those kernels, so an op launches its kernels first and waits after:
+    the device is not left idle while the host launches. The kernels must read nothing out of bounds
+    for bad values (they clamp), since the error is raised only after they were launched."""
+
+    def __init__(self, values: torch.Tensor):
+        self.host = torch.empty(2, dtype=values.dtype, pin_memory=True)
+        self.host.copy_(torch.stack(torch.aminmax(values)), non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record(torch.cuda.current_stream(values.device))
+
+    def within(self, low: int, high: int) -> bool:
+        self.ready.synchronize()
+        lowest, highest = self.host.tolist()
+        return low <= lowest and highest <= high
 
 
 def check_kv_len(kv_len, num_users: int, max_len: int, device: torch.device):

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import add_user_rows, check_mapping, check_same, check_tensor, resolve_backend
+from ._common import RangeReadback, add_user_rows, check_mapping, check_mapping_shape, check_same, check_tensor, resolve_backend
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -162,17 +162,18 @@ def _tile_mainloop(
 @triton.jit
 def _epilogue_part(
     acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
-    g, off_n, off_d, N, D,
+    g, off_n, off_d, N, D, U,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_TMA: tl.constexpr,
 ):
-    """out[g] tile = acc (+ Y_u[m[g]] tile) (+ bias); out and Y_u are contiguous [*, N, D]."""
+    """out[g] tile = acc (+ Y_u[m[g]] tile) (+ bias); out and Y_u are contiguous [*, N, D]. m[g] is
+    clamped to [0, U): a bad mapping reads no memory out of bounds (the op raises after the launch)."""
     rn = off_n + tl.arange(0, BLOCK_M)
     rd = off_d + tl.arange(0, BLOCK_D)
     mask = (rn < N)[:, None] & (rd < D)[None, :]
     tile_offsets = rn[:, None] * D + rd[None, :]
     if FUSE_USER:
-        user = tl.load(m_ptr + g).to(tl.int64)
+        user = tl.minimum(tl.maximum(tl.load(m_ptr + g).to(tl.int64), 0), U - 1)
         y = tl.load(y_ptr + user * N * D + tile_offsets, mask=mask, other=0.0, cache_modifier=".cg")
         acc += y.to(tl.float32)
     if HAS_BIAS:
@@ -187,7 +188,7 @@ def _epilogue_part(
 @triton.jit
 def _tile_epilogue(
     acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
-    g, off_n, off_d, N, D,
+    g, off_n, off_d, N, D, U,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
@@ -196,27 +197,27 @@ def _tile_epilogue(
     if SPLIT:
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_D // 2).permute(0, 2, 1).split()
         _epilogue_part(
-            left, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D,
+            left, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D, U,
             BLOCK_M, BLOCK_D // 2, FUSE_USER, HAS_BIAS, OUT_TMA,
         )
         _epilogue_part(
-            right, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d + BLOCK_D // 2, N, D,
+            right, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d + BLOCK_D // 2, N, D, U,
             BLOCK_M, BLOCK_D // 2, FUSE_USER, HAS_BIAS, OUT_TMA,
         )
     else:
         _epilogue_part(
-            acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D,
+            acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D, U,
             BLOCK_M, BLOCK_D, FUSE_USER, HAS_BIAS, OUT_TMA,
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["U"])
 def _lce_tile_kernel(
     w_ptr, w_desc, stride_wn,  # weight [N, K] (s1: unpadded, pointers; s2+: padded copy, descriptor)
     x_ptr, x_desc, stride_xg, stride_xk, stride_xd,  # activations [G, K, D]
     out_ptr, out_desc,  # out [G, N, D], contiguous
     y_ptr, m_ptr, bias_ptr,  # FUSE_USER: Y_u [U, N, D] contiguous, cand_to_user [G]; bias [N]
-    N, D, K,
+    N, D, K, U,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     W_TMA: tl.constexpr, X_TMA: tl.constexpr, OUT_TMA: tl.constexpr,
     FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT: tl.constexpr,
@@ -231,25 +232,26 @@ def _lce_tile_kernel(
     )
     _tile_epilogue(
         acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
-        g, off_n, off_d, N, D,
+        g, off_n, off_d, N, D, U,
         BLOCK_M, BLOCK_D, FUSE_USER, HAS_BIAS, OUT_TMA, SPLIT,
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["U"])
 def _lce_add_user_kernel(
     out_ptr, y_ptr, m_ptr, bias_ptr,  # out [B, N, D] (updated in place), Y_u [U, N, D], m [B], bias [N]
-    N, D,
+    N, D, U,
     HAS_USER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """s1 / s2 gather-add: out[b] += Y_u[m[b]] (+ bias[:, None]), one [N·D] row chunk per program."""
+    """s1 / s2 gather-add: out[b] += Y_u[m[b]] (+ bias[:, None]), one [N·D] row chunk per program
+    (m[b] clamped to [0, U))."""
     b = tl.program_id(0).to(tl.int64)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < N * D
     row = out_ptr + b * N * D + offsets
     value = tl.load(row, mask=mask).to(tl.float32)
     if HAS_USER:
-        user = tl.load(m_ptr + b).to(tl.int64)
+        user = tl.minimum(tl.maximum(tl.load(m_ptr + b).to(tl.int64), 0), U - 1)
         value += tl.load(y_ptr + user * N * D + offsets, mask=mask).to(tl.float32)
     if HAS_BIAS:
         value += tl.load(bias_ptr + offsets // D, mask=mask).to(tl.float32)
@@ -316,7 +318,7 @@ def _lce_persistent_kernel(
             )
             _tile_epilogue(
                 acc, y_ptr, y_ptr, y_ptr, m_ptr, bias_ptr,
-                user, off_n, off_d, N, D,
+                user, off_n, off_d, N, D, U,
                 BLOCK_M, BLOCK_D, False, False, False, SPLIT,
             )
             tl.debug_barrier()  # every thread's Y_u stores precede the flag's release
@@ -333,11 +335,11 @@ def _lce_persistent_kernel(
             BLOCK_M, BLOCK_D, BLOCK_K, True, XC_TMA, False,
         )
         if HAS_USER:
-            user = tl.load(m_ptr + cand)
+            user = tl.minimum(tl.maximum(tl.load(m_ptr + cand), 0), U - 1)  # a bad value waits on no missing flag
             _wait_at_least(flag_ptr + user * tiles_per_row + tile % tiles_per_row, epoch, SPIN_ASM)
         _tile_epilogue(
             acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
-            cand, off_n, off_d, N, D,
+            cand, off_n, off_d, N, D, U,
             BLOCK_M, BLOCK_D, HAS_USER, HAS_BIAS, OUT_TMA, SPLIT,
         )
 
@@ -447,7 +449,7 @@ class PackedLinearCompress:
         for name, t in (("cand_emb", cand_emb), ("weight", self.user_weight), ("bias", self.bias)):
             if t is not None and (t.dtype != user_emb.dtype or t.device != user_emb.device):
                 raise ValueError(f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}")
-        check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
+        check_mapping_shape(cand_to_user, num_candidates, user_emb.device)
         tuned = None  # (variant, TileConfig) from set_tuned_configs
         if variant is None and _TUNED:
             lookup = _TUNED.get((user_emb.device, user_emb.dtype, num_user_tokens, num_cand_tokens, self.cand_weight.shape[0], dim))
@@ -463,7 +465,19 @@ class PackedLinearCompress:
                 raise ValueError(f"user_emb: the Triton path takes float32/float16/bfloat16, got {user_emb.dtype}")
             if user_emb.device.type != "cuda" and not _interpreting():
                 raise ValueError(f"user_emb: the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {user_emb.device}")
-            return self._triton(user_emb, cand_emb, cand_to_user, variant, config)
+            # Launch first, then wait for the mapping's min and max (copied to the host ahead of the
+            # kernels, which clamp bad values), so the device is not idle while the host launches.
+            # Not while a CUDA graph is captured (no wait allowed) or without users (no value is valid).
+            readback = None
+            if user_emb.is_cuda and num_candidates and num_users and not torch.cuda.is_current_stream_capturing():
+                readback = RangeReadback(cand_to_user)
+            else:
+                check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
+            out = self._triton(user_emb, cand_emb, cand_to_user, variant, config)
+            if readback is not None and not readback.within(0, num_users - 1):
+                check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)  # raises, naming the value
+            return out
+        check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
         return _linear_compress_torch(user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias)
 
     def _triton(self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None):
@@ -525,7 +539,7 @@ class PackedLinearCompress:
             block = min(4096, triton.next_power_of_2(rows * dim))
             _lce_add_user_kernel[(num_candidates, triton.cdiv(rows * dim, block))](
                 out, user_part, cand_to_user, self.bias,
-                rows, dim,
+                rows, dim, max(user_part.shape[0], 1),
                 HAS_USER=has_user, HAS_BIAS=self.bias is not None, BLOCK=block,
             )
 
@@ -543,7 +557,7 @@ class PackedLinearCompress:
             x, x_desc, x.stride(0), x.stride(1), x.stride(2),
             out, out_desc,
             user_part, mapping, bias,
-            rows, dim, depth,
+            rows, dim, depth, max(user_part.shape[0], 1) if user_part is not None else 1,
             BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_k,
             W_TMA=tma, X_TMA=x_desc is not None, OUT_TMA=out_desc is not None,
             FUSE_USER=fused_user is not None, HAS_BIAS=bias is not None, WARP_SPECIALIZE=cfg.warp_specialize,

@@ -270,6 +270,22 @@ def test_interpreted_drawn_fp16(case, variant):
     _check_triton(case, variant, torch.float16, FP16_TOL)
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_interpreted_bad_mapping_reads_in_bounds(variant):
+    """On CUDA the op launches its kernels before it knows the mapping's range (it raises after), so
+    the kernels clamp a bad m[b] to [0, U): rows with m = -3 or U + 4 get user 0's or user U-1's part."""
+    case = Case(9, 7, 24, 20, 3, (2, -3, 1, 7, 0), True, torch.int64, 21)
+    user_emb, cand_emb, cand_to_user, weight, bias = make_inputs(case, torch.float32)
+    ref = linear_compress_reference(user_emb, cand_emb, cand_to_user.clamp(0, case.num_users - 1), weight, bias)
+    packed = PackedLinearCompress.from_weight(weight, case.num_user_tokens, bias)
+    out = torch.full((len(case.mapping), case.out_rows, case.dim), float("nan"))
+    packed._triton(user_emb, cand_emb, cand_to_user, variant, out=out)
+    assert rel_err(out, ref) <= FP32_TOL, (variant, rel_err(out, ref))
+    with pytest.raises(ValueError, match=r"^cand_to_user: value -3 is outside \[0, U=3\)"):
+        packed(user_emb, cand_emb, cand_to_user, backend="triton", variant=variant)
+
+
 # ---------------------------------------------------------------- Triton kernels on CUDA, real sizes
 
 def _ragged_mapping(num_users: int, num_candidates: int, gen: torch.Generator) -> tuple:
@@ -326,3 +342,24 @@ def test_gpu_offsets_past_int32():
         torch.cuda.synchronize()
         assert rel_err(out[tail], ref) <= BF16_TOL, variant
         del out
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("variant", VARIANTS + ("s6",))
+@pytest.mark.parametrize("bad", [15, -1, 2**40], ids=["U", "negative", "huge"])
+def test_gpu_bad_mapping_raises_after_launch(variant, bad):
+    """The Triton path launches first and checks the mapping's range after: a bad value still gives the
+    ValueError that names it (no fault, no hang: s4 waits on no missing flag), and the next good call
+    on the same module is right."""
+    num_users, num_candidates, ku, kc, dim, rows = 15, 300, 64, 72, 128, 256
+    gen = torch.Generator().manual_seed(abs(bad) % 1000 + len(variant))
+    case = Case(ku, kc, dim, rows, num_users, _ragged_mapping(num_users, num_candidates, gen), True, torch.int64, 31)
+    user_emb, cand_emb, cand_to_user, weight, bias = make_inputs(case, torch.bfloat16, "cuda")
+    packed = PackedLinearCompress.from_weight(weight, ku, bias)
+    wrong = cand_to_user.clone()
+    wrong[137] = bad
+    with pytest.raises(ValueError, match=rf"^cand_to_user: value {bad} is outside \[0, U=15\)"):
+        packed(user_emb, cand_emb, wrong, backend="triton", variant=variant)
+    out = packed(user_emb, cand_emb, cand_to_user, backend="triton", variant=variant)
+    ref = linear_compress_reference(user_emb, cand_emb, cand_to_user, weight, bias)
+    assert rel_err(out, ref) <= BF16_TOL, (variant, rel_err(out, ref))
