@@ -58,23 +58,22 @@ def check_mapping(cand_to_user, num_candidates: int, num_users: int, device: tor
         raise ValueError(f"cand_to_user: value {int(bad)} is outside [0, U={num_users})")
 
 
-class RangeReadback:
-    """The min and max of a CUDA index tensor on their way to the host: one reduction and a copy into
-    pinned memory, enqueued before the kernels that use the values. `within` waits for that copy (and
-    what ran before it), not for those kernels, so an op launches its kernels first and waits after:
-    the device is not left idle while the host launches. The kernels must read nothing out of bounds
-    for bad values (they clamp), since the error is raised only after they were launched."""
+class HostReadback:
+    """A small CUDA tensor on its way to the host: a copy into pinned memory and an event, enqueued
+    where it is made. `values()` waits for that copy (and what ran before it on the stream), not for
+    work enqueued after it, so an op can launch its kernels first and read its index checks after:
+    the device is not left idle while the host launches, and the caller's next host work overlaps
+    the kernels. Kernels launched before the check must read nothing out of bounds for bad values."""
 
-    def __init__(self, values: torch.Tensor):
-        self.host = torch.empty(2, dtype=values.dtype, pin_memory=True)
-        self.host.copy_(torch.stack(torch.aminmax(values)), non_blocking=True)
+    def __init__(self, t: torch.Tensor):
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
         self.ready = torch.cuda.Event()
-        self.ready.record(torch.cuda.current_stream(values.device))
+        self.ready.record(torch.cuda.current_stream(t.device))
 
-    def within(self, low: int, high: int) -> bool:
+    def values(self) -> list:
         self.ready.synchronize()
-        lowest, highest = self.host.tolist()
-        return low <= lowest and highest <= high
+        return self.host.tolist()
 
 
 def check_kv_len(kv_len, num_users: int, max_len: int, device: torch.device):

@@ -44,7 +44,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import check_kv_len, check_mapping, check_same, check_tensor, group_by_user, resolve_backend
+from ._common import HostReadback, check_kv_len, check_mapping, check_same, check_tensor, group_by_user, resolve_backend
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float16, torch.bfloat16)
@@ -705,23 +705,6 @@ def _check_index_shapes(cand_to_user, kv_len, num_candidates, k):
             raise ValueError(f"{name}: expected device {k.device}, got {t.device}")
 
 
-class _FlagReadback:
-    """The plan's range flag on its way to the host: a copy into pinned memory enqueued right after
-    the plan kernel, before the attention kernel. Waiting for it waits for the plan (and what ran
-    before it), not for the attention kernel, so the op returns while that runs and the caller's
-    next host work (≈ 0.1 ms of Python and launches per call) overlaps it."""
-
-    def __init__(self, flag):
-        self.host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
-        self.host.copy_(flag, non_blocking=True)
-        self.ready = torch.cuda.Event()
-        self.ready.record(torch.cuda.current_stream(flag.device))
-
-    def raised(self) -> bool:
-        self.ready.synchronize()
-        return bool(self.host[0])
-
-
 def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):
     _check_index_shapes(cand_to_user, kv_len, q.shape[0], k)
     if k.shape[0] == 0:  # no users, so no candidates either (checked above)
@@ -731,10 +714,12 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):
     # caller's to check; the kernels still read nothing out of bounds (bad rows are left unwritten,
     # kv_len is clamped).
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    # The flag's copy is enqueued right after the plan kernel, before the attention kernel: waiting for it
+    # waits for the plan, so the op returns while the attention kernel runs.
     readback = []
-    on_plan = (lambda flag: readback.append(_FlagReadback(flag))) if q.is_cuda and not capturing else None
+    on_plan = (lambda flag: readback.append(HostReadback(flag))) if q.is_cuda and not capturing else None
     out, user_out, flag = _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, on_plan=on_plan)
-    if not capturing and (readback[0].raised() if readback else flag.item()):
+    if not capturing and (readback[0].values()[0] if readback else flag.item()):
         check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
         check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
     return out, user_out

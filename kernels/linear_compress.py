@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import RangeReadback, add_user_rows, check_mapping, check_mapping_shape, check_same, check_tensor, resolve_backend
+from ._common import HostReadback, add_user_rows, check_mapping, check_mapping_shape, check_same, check_tensor, resolve_backend
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -470,12 +470,14 @@ class PackedLinearCompress:
             # Not while a CUDA graph is captured (no wait allowed) or without users (no value is valid).
             readback = None
             if user_emb.is_cuda and num_candidates and num_users and not torch.cuda.is_current_stream_capturing():
-                readback = RangeReadback(cand_to_user)
+                readback = HostReadback(torch.stack(torch.aminmax(cand_to_user)))
             else:
                 check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
             out = self._triton(user_emb, cand_emb, cand_to_user, variant, config)
-            if readback is not None and not readback.within(0, num_users - 1):
-                check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)  # raises, naming the value
+            if readback is not None:
+                lowest, highest = readback.values()
+                if lowest < 0 or highest >= num_users:
+                    check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)  # raises, naming the value
             return out
         check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
         return _linear_compress_torch(user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias)
