@@ -97,7 +97,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
-    user_runs: bool = False  # user-grouped schedule: each program keeps Y_u[u] in registers over a run of u's candidates
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -116,66 +115,28 @@ def _mma_layout(block_d, num_warps):
 
 
 @gluon.jit
-def _num_work(B, tiles_per_row, USER_RUNS: gl.constexpr):
-    """How many tiles this program runs (see `_tile_coords`)."""
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    if USER_RUNS:
-        per_group = gl.cdiv(B, programs // tiles_per_row)
-        count = gl.minimum(per_group, B - (pid // tiles_per_row) * per_group)
-    else:
-        count = gl.cdiv(B * tiles_per_row - pid, programs)
-    return count
-
-
-@gluon.jit
-def _tile_coords(j, order_ptr, B, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-                 USER_RUNS: gl.constexpr):
-    """This program's j-th tile → (candidate b, row offset, column offset).
-    Row order: tiles pid + j·P of the (b, n, d) order (the N tiles of one candidate adjacent).
-    USER_RUNS: program pid = g·T + r (T = tiles_per_row, G = P // T groups) runs block r of the
-    candidates at positions g·C … g·C + C − 1 of `order` (candidates sorted by user, C = ⌈B / G⌉):
-    a run of one user's candidates, the T programs of a group on the same candidate at once."""
-    pid = gl.program_id(0)
-    if USER_RUNS:
-        per_group = gl.cdiv(B, gl.num_programs(0) // tiles_per_row)
-        at = (pid // tiles_per_row) * per_group + j
-        b = gl.load(order_ptr + at, mask=at < B, other=0).to(gl.int32)  # j may run one past the program's last tile
-        rest = pid % tiles_per_row
-    else:
-        tile = pid + j * gl.num_programs(0)
-        b = tile // tiles_per_row
-        rest = tile % tiles_per_row
+def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Global tile id in (b, n, d) order → (candidate b, row offset, column offset); the N tiles of one
+    candidate are adjacent."""
+    b = tile // tiles_per_row
+    rest = tile % tiles_per_row
     return b, (rest % num_m_tiles) * BLOCK_M, (rest // num_m_tiles) * BLOCK_D
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, y_desc, m_ptr, order_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-              B, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              USER_RUNS: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue
-    buffer (with USER_RUNS only when the tile's user differs from the previous tile's)."""
+def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+              num_tiles, num_m_tiles, tiles_per_row,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     step = 0
-    loads = 0  # Y_u blocks loaded so far: the epilogue buffer's barrier phases
-    prev_user = 0
-    if USER_RUNS:  # the next tile's candidate and user are loaded one tile ahead (two dependent loads)
-        next_b, next_m, next_d = _tile_coords(0, order_ptr, B, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D, USER_RUNS)
-        next_user = gl.load(m_ptr + next_b).to(gl.int32)
-    for j in range(_num_work(B, tiles_per_row, USER_RUNS)):
-        if USER_RUNS:
-            b, off_m, off_d, user = next_b, next_m, next_d, next_user
-            new_user = (j == 0) | (user != prev_user)
-            next_b, next_m, next_d = _tile_coords(j + 1, order_ptr, B, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D, USER_RUNS)
-            next_user = gl.load(m_ptr + next_b).to(gl.int32)
-        else:
-            b, off_m, off_d = _tile_coords(j, order_ptr, B, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D, USER_RUNS)
-            new_user = True
-            if HAS_USER:
-                user = gl.load(m_ptr + b).to(gl.int32)
+    i = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+        if HAS_USER:
+            user = gl.load(m_ptr + b).to(gl.int32)
         for kt in gl.static_range(K_TILES):
             slot = step % STAGES
             # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
@@ -187,24 +148,16 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, order_ptr, w_bufs, x_bufs, epi_buf,
             step += 1
             if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
-                    if new_user:
-                        mbarrier.wait(epi_free, loads & 1)
-                        mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
-        if USER_RUNS:
-            loads += new_user.to(gl.int32)
-            prev_user = user
-        else:
-            loads += 1
+                    mbarrier.wait(epi_free, i & 1)
+                    mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
+        i += 1
 
 
 @gluon.jit
-def _epilogue(acc, bias, user_block, new_user, epi_buf, epi_ready, out_desc, b, off_m, off_d, loads,
-              HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr, USER_RUNS: gl.constexpr):
+def _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
     """out[b] tile = cast(acc (+ bias) (+ the Y_u block that the producer put in epi_buf, where HAS_USER)),
-    written over epi_buf and stored by TMA (waited for by the consumer at EPI_FREE_AT). With USER_RUNS
-    the Y_u block stays in registers (`user_block`) and is read from epi_buf only for a new user.
-    Returns user_block."""
+    written over epi_buf and stored by TMA (waited for by the consumer at EPI_FREE_AT)."""
     BLOCK_M: gl.constexpr = epi_buf.type.shape[1]
     BLOCK_D: gl.constexpr = epi_buf.type.shape[2]
     epi_tile = epi_buf.reshape([BLOCK_M, BLOCK_D])
@@ -212,25 +165,18 @@ def _epilogue(acc, bias, user_block, new_user, epi_buf, epi_ready, out_desc, b, 
     if HAS_BIAS:
         result = result + bias[:, None]
     if HAS_USER:
-        if USER_RUNS:
-            if new_user:
-                mbarrier.wait(epi_ready, loads & 1)
-                user_block = epi_tile.load(acc.type.layout)
-            result = result + user_block.to(gl.float32)
-        else:
-            mbarrier.wait(epi_ready, loads & 1)
-            result = result + epi_tile.load(acc.type.layout).to(gl.float32)
+        mbarrier.wait(epi_ready, i & 1)
+        result = result + epi_tile.load(acc.type.layout).to(gl.float32)
     epi_tile.store(result.to(epi_buf.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d], epi_buf)
-    return user_block
 
 
 @gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-              m_ptr, order_ptr, B, num_m_tiles, tiles_per_row, N,
+              num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, USER_RUNS: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → epilogue buffer → TMA store."""
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
@@ -240,23 +186,10 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     acc = gl.zeros((BLOCK_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
-    user_block = gl.zeros((BLOCK_M, BLOCK_D), dtype=epi_buf.dtype, layout=mma_layout)  # USER_RUNS: Y_u[user] tile
     step = 0
-    loads = 0
-    prev_user = 0
-    if USER_RUNS:  # as the producer: the next tile's candidate and user one tile ahead
-        next_b, next_m, next_d = _tile_coords(0, order_ptr, B, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D, USER_RUNS)
-        next_user = gl.load(m_ptr + next_b).to(gl.int32)
-    for j in range(_num_work(B, tiles_per_row, USER_RUNS)):
-        if USER_RUNS:  # the producer's rule: a Y_u block is loaded for the first tile and at every change of user
-            b, off_m, off_d, user = next_b, next_m, next_d, next_user
-            new_user = (j == 0) | (user != prev_user)
-            prev_user = user
-            next_b, next_m, next_d = _tile_coords(j + 1, order_ptr, B, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D, USER_RUNS)
-            next_user = gl.load(m_ptr + next_b).to(gl.int32)
-        else:
-            b, off_m, off_d = _tile_coords(j, order_ptr, B, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D, USER_RUNS)
-            new_user = True
+    i = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
             rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
             bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
@@ -270,17 +203,12 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
             if kt == EPI_FREE_AT:  # the last TMA store has read the epilogue buffer: the producer may refill it
                 tma.store_wait(0)
-                if new_user:
-                    mbarrier.arrive(epi_free, count=1)
+                mbarrier.arrive(epi_free, count=1)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-        user_block = _epilogue(acc, bias, user_block, new_user, epi_buf, epi_ready, out_desc, b, off_m, off_d, loads,
-                               HAS_USER, HAS_BIAS, USER_RUNS)
-        if USER_RUNS:
-            loads += new_user.to(gl.int32)
-        else:
-            loads += 1
+        _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
+        i += 1
     tma.store_wait(0)
 
 
@@ -290,18 +218,17 @@ def _lce_ws_kernel(
     x_desc,  # cand_emb [B, Kc, D], blocks [1, BLOCK_K, BLOCK_D]
     y_desc,  # Y_u [U, N, D], blocks [1, BLOCK_M, BLOCK_D] (any descriptor of that block when not HAS_USER)
     out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D]
-    m_ptr, bias_ptr, order_ptr,  # cand_to_user [B], bias [N], candidates sorted by user [B] (USER_RUNS)
+    m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, USER_RUNS: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
-    the program's tiles from `_tile_coords`; a consumer partition of num_warps warps, a 1-warp producer."""
+    tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
-    gl.static_assert(HAS_USER or not USER_RUNS, "USER_RUNS keeps Y_u blocks: it needs HAS_USER")
     dtype: gl.constexpr = w_desc.dtype
     # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
     # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
@@ -310,6 +237,7 @@ def _lce_ws_kernel(
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
     tiles_per_row = num_m_tiles * gl.cdiv(D, BLOCK_D)
+    num_tiles = B * tiles_per_row
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -326,10 +254,9 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     m_ptr, order_ptr, B, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     USER_RUNS)),
-        (_producer, (w_desc, x_desc, y_desc, m_ptr, order_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
-                     epi_free, B, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, USER_RUNS)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
+        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -404,32 +331,17 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
     w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
-    tiles_per_row = triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
-    programs = num_programs or _device_info(out.device)[1]
-    grid = min(programs, num_candidates * tiles_per_row)
-    user_runs = cfg.user_runs and user_part is not None and user_runs_grid(num_candidates, tiles_per_row, programs)
-    if user_runs:
-        grid = user_runs_grid(num_candidates, tiles_per_row, programs)
-        order = torch.argsort(cand_to_user)  # candidates by user (any order within a user)
+    num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
+    grid = min(num_programs or _device_info(out.device)[1], num_tiles)
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
-        cand_to_user, out if bias is None else bias, order if user_runs else cand_to_user,
+        cand_to_user, out if bias is None else bias,
         num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, USER_RUNS=user_runs,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
-
-
-def user_runs_grid(num_candidates: int, tiles_per_row: int, programs: int) -> int:
-    """Programs of the user-grouped schedule (`WSConfig.user_runs`): G = programs // T groups of T =
-    tiles_per_row programs, each group a contiguous run of ⌈B / G⌉ user-sorted candidates; 0 (take the
-    row order) where that gives the busiest program more tiles than the row order's ⌈B·T / programs⌉."""
-    groups = min(programs // tiles_per_row, num_candidates)
-    if groups == 0 or triton.cdiv(num_candidates, groups) > triton.cdiv(num_candidates * tiles_per_row, programs):
-        return 0
-    return groups * tiles_per_row
 
 
 def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
@@ -472,8 +384,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        USER_RUNS=bool(cfg.user_runs and has_user), num_warps=cfg.num_warps,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
@@ -491,7 +402,6 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     runtime_args = dict(
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
-        order_ptr=torch.zeros(16, dtype=torch.int64),
         B=num_candidates, N=rows, D=dim,
     )
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}

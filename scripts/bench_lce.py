@@ -65,7 +65,6 @@ S6_EXTRA_CONFIGS = [  # with --configs, beside s6's default (128×256×64, 3 sta
     WSConfig(epi_free_at=1),
     WSConfig(block_k=32, stages=6, epi_free_at=4),
     WSConfig(block_d=128, stages=0),  # 128×128 tiles, 64 accumulator registers, 6 stages
-    WSConfig(stages=0, user_runs=True),  # user-grouped schedule, Y_u kept in registers over a user's run
 ]
 
 
@@ -175,7 +174,7 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
         for cfg in S6_EXTRA_CONFIGS:
             cfg = ws_config(p.shape[4], p.cand_emb.element_size(), cfg)
             name = f"Triton s6 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages} free@{cfg.epi_free_at}"
-            table[name + (" user runs" if cfg.user_runs else "")] = triton_provider(packed, args, "s6", cfg)
+            table[name] = triton_provider(packed, args, "s6", cfg)
     if ONLY:
         table = {name: fn for name, fn in table.items() if name.startswith(ONLY)}
     return table

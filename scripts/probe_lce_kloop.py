@@ -64,11 +64,10 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "default": None,
     "bk32": WSConfig(block_k=32, stages=6, epi_free_at=4),
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
-    "user_runs": WSConfig(stages=0, user_runs=True),  # user-grouped schedule, Y_u kept in registers per run
 }
 # --call: timed in this order (default and the variant twice: the run's noise)
-CALL_ORDER = ("default", "user_runs", "default", "user_runs")
-CALL_TESTS = "gpu and user"  # the GPU tests of the timed variant, run when no variant wins
+CALL_ORDER = ("default", "bk32", "default", "bk32")
+CALL_TESTS = "gpu and bk32"  # the GPU tests of the timed variant, run when no variant wins
 CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
@@ -308,7 +307,7 @@ def pick_winner(rows, notes) -> str:
     name = min(good, key=lambda n: best(n, "ms"))
     cfg = next(r["config"] for r in rows if r["variant"] == name)
     fields = {k: v for k, v in cfg.items() if v != getattr(WSConfig(), k) and k != "block_d"}
-    winner = ",".join(f"{k}={int(v)}" for k, v in fields.items())  # integers (bools as 0/1) for LCE_S6_DEFAULT
+    winner = ",".join(f"{k}={v}" for k, v in fields.items())
     notes.append(f"winner: {name} ({winner})")
     return winner
 

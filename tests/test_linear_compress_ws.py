@@ -32,7 +32,6 @@ from kernels.linear_compress_ws import (
     compile_s6,
     lce_s6,
     s6_supported,
-    user_runs_grid,
     ws_config,
 )
 
@@ -74,18 +73,6 @@ def test_default_override_parser():
     assert _parse_config("") == WSConfig()
 
 
-def test_user_runs_grid():
-    """The user-grouped schedule takes G = P // T groups of T programs, only where its busiest program
-    runs no more tiles than the row order's: ⌈B / G⌉ ≤ ⌈B·T / P⌉."""
-    assert user_runs_grid(1024, 4, 132) == 132  # canonical: 33 groups of 32 candidates, as the row order's 32 tiles
-    assert user_runs_grid(64, 4, 132) == 132  # 2 candidates a group, 2 tiles a program either way
-    assert user_runs_grid(10, 4, 132) == 40  # fewer candidates than groups: one each
-    assert user_runs_grid(1024, 8, 132) == 0  # 16 groups of 64 > ⌈8192 / 132⌉ = 63: the row order
-    assert user_runs_grid(39, 2, 3) == 0 and user_runs_grid(39, 2, 1) == 0  # one group of 39 > 26; no group
-    assert user_runs_grid(39, 2, 6) == 6  # 3 groups of 13 = ⌈78 / 6⌉
-    assert user_runs_grid(5, 300, 132) == 0  # more tiles a candidate than programs
-
-
 def _cuobjdump():
     import triton
 
@@ -100,10 +87,8 @@ def _cuobjdump():
         dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
         dict(config=WSConfig(block_k=32, stages=6, epi_free_at=4)),
         dict(config=WSConfig(block_d=128, stages=0)),  # 6 stages
-        dict(config=WSConfig(stages=0, user_runs=True)),  # Y_u kept in registers: 64 more per thread
-        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, config=WSConfig(stages=0, user_runs=True)),
     ],
-    ids=["canonical", "fp16-odd", "bk32-st6", "bd128", "user-runs", "user-runs-fp16-odd"],
+    ids=["canonical", "fp16-odd", "bk32-st6", "bd128"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -169,9 +154,8 @@ CONFIGS = [
     WSConfig(epi_free_at=1),
     WSConfig(block_k=32, stages=6, epi_free_at=4),
     WSConfig(block_d=128, stages=0),
-    WSConfig(stages=0, user_runs=True),
 ]
-CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128", "user-runs"]
+CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -215,51 +199,6 @@ def test_gpu_s6_few_programs(num_programs, base):
     out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
     _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, base), num_programs)
     _check(out, ref, torch.bfloat16)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("num_programs", [2, 6])
-@pytest.mark.parametrize("mapping", ["unsorted", "sorted", "one-user", "alternating"])
-def test_gpu_s6_user_runs(mapping, num_programs):
-    """The user-grouped schedule (Y_u kept in registers over a run of one user's candidates) on 1 or 3
-    groups of 2 programs (39 candidates of 2 tiles): runs that cross group ends, a user whose run spans
-    every program, users that change at every candidate; then bad mapping values (U, -1: Y_u rows the
-    TMA zero-fills) neither fault nor hang, and the next good call is right."""
-    shape = (5, 39, 32, 200, 256, 256, True, 1)
-    user_emb, cand_emb, cand_to_user, packed, _ = _problem(shape, torch.bfloat16, 17 + num_programs)
-    if mapping == "sorted":
-        cand_to_user = cand_to_user.sort().values
-    elif mapping == "one-user":
-        cand_to_user = torch.full_like(cand_to_user, 3)
-    elif mapping == "alternating":
-        cand_to_user = (torch.arange(39, device="cuda", dtype=torch.int32) % 2) * 4
-    tokens = torch.cat([user_emb.double()[cand_to_user.long()], cand_emb.double()], dim=1)
-    weight = torch.cat([packed.user_weight, packed.cand_weight], dim=1).double()
-    ref = torch.matmul(weight, tokens) + packed.bias.double()[:, None]
-    cfg = ws_config(256, 2, WSConfig(stages=0, user_runs=True))
-    assert user_runs_grid(39, 2, num_programs) == num_programs  # the grouped schedule runs, not the row order
-    user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
-    for bad in (None, 5, -1):
-        mapping_used = cand_to_user.clone()
-        if bad is not None:
-            mapping_used[[0, 20, 38]] = bad
-        out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-        _launch_ws(packed, cand_emb, out, user_part, mapping_used, packed.bias, cfg, num_programs)
-        torch.cuda.synchronize()
-        if bad is None:
-            _check(out, ref, torch.bfloat16)
-    out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, num_programs)
-    _check(out, ref, torch.bfloat16)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-def test_gpu_s6_user_runs_cuda_graph():
-    """The user-grouped schedule in a CUDA graph: the sort of the mapping is captured with the kernels."""
-    shape = (15, 256, 128, 500, 256, 512, True, 0)
-    cfg = WSConfig(stages=0, user_runs=True)
-    _check_graph_replays(shape, 37, lambda packed, *inputs: lce_s6(packed, *inputs, config=cfg))
 
 
 def _check_graph_replays(shape, seed, call):
