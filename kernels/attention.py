@@ -644,12 +644,14 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
     if config is None and _TUNED:
         lookup = _TUNED.get((q.device, q.dtype, heads, seq_len, num_queries, head_dim, user_q is not None))
         config = lookup(num_users, num_candidates) if lookup is not None else None
-    if config is None and plan is None and user_q is None and not interpreting():
-        from .attention_ws import launch_ws, prefer_ws  # here: attention_ws imports this module
+    if config is None and plan is None and not interpreting():
+        from .attention_ws import launch_ws, prefer_ws, self_target_ws_ok  # here: attention_ws imports this module
 
-        if prefer_ws(q, k):  # Hopper, bf16/fp16, d ∈ {64, 128}, the shapes where it was measured faster
-            out, flag = launch_ws(q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan)
-            return out, None, flag
+        # Hopper, bf16/fp16, d ∈ {64, 128}, the shapes where it was measured faster; self tiles where rows align
+        if prefer_ws(q, k) and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
+            out, flag = launch_ws(q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan, user_q=user_q,
+                                  user_out=user_out, causal=causal)
+            return out, user_out, flag
     if config is None:
         rows_per_user = num_candidates * num_queries / num_users + (0 if user_q is None else seq_len)
         config = pick_config(rows_per_user, interpreting())

@@ -126,6 +126,38 @@ def _entry_keys(entry_user, kv_len_ptr, seq_len, HAS_KV_LEN: gl.constexpr):
 
 
 @gluon.jit
+def _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles,
+               HAS_KV_LEN: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
+    """A work item's tile → (user, valid keys kv_len, keys to visit, first self row or -1).
+    Target tiles (after the self tiles): `_user_keys`, all valid keys, -1. Self tiles (HAS_SELF, tile <
+    num_self_tiles): user tile % U, rows [r0, r0 + TILE_M) of its own sequence (the longest first when
+    CAUSAL); keys to visit min(kv_len, r0 + TILE_M) when CAUSAL, and none when r0 ≥ kv_len (rows past the
+    history are zeros)."""
+    if HAS_SELF:
+        if tile < num_self_tiles:
+            user = tile % num_users
+            if CAUSAL:
+                r0 = (num_self_tiles // num_users - 1 - tile // num_users) * 128
+            else:
+                r0 = (tile // num_users) * 128
+            user, kv_len = _entry_keys(user, kv_len_ptr, seq_len, HAS_KV_LEN)
+            if CAUSAL:
+                hi = gl.minimum(kv_len, r0 + 128)
+            else:
+                hi = kv_len
+            hi = gl.where(r0 < kv_len, hi, 0)
+        else:
+            user, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile - num_self_tiles, seq_len, HAS_KV_LEN)
+            hi = kv_len
+            r0 = tile * 0 - 1
+    else:
+        user, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
+        hi = kv_len
+        r0 = -1
+    return user, kv_len, hi, r0
+
+
+@gluon.jit
 def _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG: gl.constexpr, layout: gl.constexpr):
     """Warpgroup WG's 64 virtual rows of a tile → (candidate int64, token, row valid), in `layout`."""
     entry = tile_ptr + tile * 4
@@ -150,24 +182,46 @@ def _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, item, n
     return gl.load(q_ptr + (rows[:, None] + cols[None, :]))
 
 
+_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))  # a tile's 128 row offsets over the producer warp
+NO_ROW = gl.constexpr(-(2**62))  # output-row offset of a row that is not stored, with HAS_SELF (offsets may be negative)
+
+
 @gluon.jit
-def _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, tile, head,
-              num_queries, q_bufs, row_bufs, q_empty, phase, QS: gl.constexpr):
-    """Producer (GATHER): the tile's 128 q-row and output-row offsets into row_bufs[256·QS + (0 | 128) …]
-    (an output row past the tile's end: -8), then cp.async of each warpgroup's 64 q rows into q_bufs[2·w + QS], 8 rows
-    at a time (16-byte copies; the slot waits until both warpgroups released it)."""
-    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
-    rows_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
-    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [1, 1], [1, 0])
+def _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, tile, head,
+                 num_queries, no_row):
+    """A target tile's 128 q-row and output-row offsets (int64, from q_ptr / out_ptr); `no_row` past its end."""
     entry = tile_ptr + tile * 4
     first_slot = gl.load(entry + 1)
-    rows = gl.load(entry + 2) + gl.arange(0, 128, layout=rows_layout)
+    rows = gl.load(entry + 2) + gl.arange(0, 128, layout=_ROWS_LAYOUT)
     row_ok = rows < gl.load(entry + 3)
     slot = rows // num_queries
     token = rows - slot * num_queries
     cand = gl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(gl.int64)  # padding rows: candidate 0
     q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
-    o_rows = gl.where(row_ok, cand * stride_ob + head * stride_oh + token * stride_os, -8)
+    o_rows = gl.where(row_ok, cand * stride_ob + head * stride_oh + token * stride_os, no_row)
+    return q_rows, o_rows
+
+
+@gluon.jit
+def _self_rows(uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol, user, head, r0,
+               seq_len):
+    """A self tile's 128 q-row and output-row offsets, from q_ptr / out_ptr (user_q and user_out lie
+    uq_delta / uo_delta elements from them); rows past L read row L - 1 and are not stored (NO_ROW)."""
+    rows = r0 + gl.arange(0, 128, layout=_ROWS_LAYOUT)
+    base_q = uq_delta + user.to(gl.int64) * stride_uqu + head * stride_uqh
+    base_o = uo_delta + user.to(gl.int64) * stride_uou + head * stride_uoh
+    q_rows = base_q + gl.minimum(rows, seq_len - 1).to(gl.int64) * stride_uql
+    o_rows = gl.where(rows < seq_len, base_o + rows.to(gl.int64) * stride_uol, NO_ROW)
+    return q_rows, o_rows
+
+
+@gluon.jit
+def _gather_q(q_ptr, q_rows, o_rows, q_bufs, row_bufs, q_empty, phase, QS: gl.constexpr):
+    """Producer (GATHER): the tile's 128 q-row and output-row offsets into row_bufs[256·QS + (0 | 128) …],
+    then cp.async of each warpgroup's 64 q rows into q_bufs[2·w + QS], 8 rows at a time (16-byte copies;
+    the slot waits until both warpgroups released it)."""
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [1, 1], [1, 0])
     mbarrier.wait(q_empty.index(QS), phase)
     mbarrier.wait(q_empty.index(2 + QS), phase)
     row_bufs.slice(256 * QS, 128).store(q_rows)
@@ -197,7 +251,10 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
               num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
               q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
               q_bufs, row_bufs, q_ready, q_empty,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
+              uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
+              num_users, num_self_tiles,
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, HAS_SELF: gl.constexpr,
+              CAUSAL: gl.constexpr):
     """1 warp: every work item's K and V blocks into the ring (slots start free); with GATHER also
     its q rows (issued before the item's first K/V block, published after it)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -205,19 +262,28 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
     i = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile, head = _item_coords(item, num_tiles)
-        user, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
+        user, kv_len, hi, r0 = _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles,
+                                          HAS_KV_LEN, HAS_SELF, CAUSAL)
         kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
         kv_row = (kv_offset // stride_kl).to(gl.int32)
         kv_col = (kv_offset % stride_kl).to(gl.int32)
-        num_blocks = gl.cdiv(kv_len, BLOCK_N)
+        num_blocks = gl.cdiv(hi, BLOCK_N)
         qs = i % 2
         if GATHER:  # slot qs, unrolled: shared-memory slices take constant offsets
-            if qs == 0:
-                _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
-                          tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 0)
+            if HAS_SELF:
+                if r0 >= 0:
+                    q_rows, o_rows = _self_rows(uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou,
+                                                stride_uoh, stride_uol, user, head, r0, seq_len)
+                else:
+                    q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
+                                                  tile_ptr, order_ptr, tile - num_self_tiles, head, num_queries, NO_ROW)
             else:
-                _gather_q(q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
-                          tile, head, num_queries, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 1)
+                q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
+                                              tile_ptr, order_ptr, tile, head, num_queries, -8)
+            if qs == 0:
+                _gather_q(q_ptr, q_rows, o_rows, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 0)
+            else:
+                _gather_q(q_ptr, q_rows, o_rows, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 1)
         for j in range(0, num_blocks):
             slot = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1
@@ -249,12 +315,13 @@ def _pass_turn(turns, WG: gl.constexpr):
 
 
 @gluon.jit
-def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-           turns, STAGES: gl.constexpr, WG: gl.constexpr):
+def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready,
+           v_ready, k_empty, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr):
     """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
     softmax of block j, wait for P_{j-1}·V_{j-1}, rescale. Returns (acc, m_i, l_i, P_j). (ptxas puts
     that wait before the softmax, P_j taking P_{j-1}'s registers: the softmax runs under the other
-    warpgroup's products, not its own.)"""
+    warpgroup's products, not its own.) Keys below dense_end are seen by every row; past it the block
+    is masked to keys < kv_len and, with HAS_SELF, keys ≤ the row's `row_limit` (causal self rows)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
@@ -270,9 +337,8 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
     _pass_turn(turns, WG)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(slot), count=1)
-    if (j + 1) * BLOCK_N > kv_len:  # the last, partial block
-        key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where((j * BLOCK_N + key_cols < kv_len)[None, :], s, float("-inf"))
+    if (j + 1) * BLOCK_N > dense_end:  # the last, partial block (or a causal self tile's diagonal)
+        s = _mask_keys(s, j * BLOCK_N, kv_len, row_limit, HAS_SELF)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s * qk_scale - m_new[:, None])
@@ -285,25 +351,42 @@ def _block(j, it, turn, kv_len, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v
 
 
 @gluon.jit
+def _mask_keys(s, first_key, kv_len, row_limit, HAS_SELF: gl.constexpr):
+    """Scores s [64, BLOCK_N] of keys first_key + … → -inf where key ≥ kv_len (or, with HAS_SELF, key > row_limit)."""
+    BLOCK_N: gl.constexpr = s.type.shape[1]
+    keys = first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    ok = (keys < kv_len)[None, :]
+    if HAS_SELF:
+        ok = ok & (keys[None, :] <= row_limit[:, None])
+    return gl.where(ok, s, float("-inf"))
+
+
+@gluon.jit
 def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
               k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
               tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr):
+              num_users, num_self_tiles,
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr,
+              HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer partition of warpgroup WG: `_consumer_items`. (A call, not its body: the inlined call's
     debug label at the partition's start is part of the measured kernel's input to ptxas, which
     otherwise names 13 registers of the worker's prologue differently at d = 64 without kv_len.)"""
     _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_bufs, v_bufs,
                     q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tile_ptr, order_ptr,
-                    kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale, HAS_KV_LEN, STAGES, GATHER, WG)
+                    kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale, num_users, num_self_tiles,
+                    HAS_KV_LEN, STAGES, GATHER, WG, HAS_SELF, CAUSAL)
 
 
 @gluon.jit
 def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                     k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                     tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr):
+                    num_users, num_self_tiles,
+                    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr,
+                    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
     """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile, each item from block 0 (q·k_0ᵀ
-    alone) to its last P·V (alone) and its epilogue (see module doc)."""
+    alone) to its last P·V (alone) and its epilogue (see module doc). With HAS_SELF the self tiles come
+    first (GATHER only): causal rows see keys ≤ their position, rows past the user's history are zeros."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     dtype: gl.constexpr = k_bufs.dtype
@@ -322,8 +405,16 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
         q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, pid, num_tiles, num_queries, WG, HEAD_DIM)
     for item in range(pid, num_items, step):
         tile, head = _item_coords(item, num_tiles)
-        _, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
-        num_blocks = gl.cdiv(kv_len, BLOCK_N)
+        _, kv_len, hi, r0 = _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles,
+                                       HAS_KV_LEN, HAS_SELF, CAUSAL)
+        num_blocks = gl.cdiv(hi, BLOCK_N)
+        dense_end = kv_len  # keys below it are seen by every row of this warpgroup
+        row_limit = gl.full([64], 2147483647, gl.int32, s_rows)  # last key a row sees (causal self rows)
+        if HAS_SELF:
+            if CAUSAL:
+                own_rows = r0 + 64 * WG + gl.arange(0, 64, layout=s_rows)
+                row_limit = gl.where(r0 >= 0, own_rows, 2147483647)
+                dense_end = gl.where(r0 >= 0, gl.minimum(kv_len, r0 + 64 * WG + 1), kv_len)
         qs = i % 2
         if GATHER:  # the producer's copies of this item's q rows
             q_smem = q_bufs.index(2 * WG + qs)
@@ -346,16 +437,16 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
             _pass_turn(turns, WG)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(slot), count=1)
-            if kv_len < BLOCK_N:
-                key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                s = gl.where((key_cols < kv_len)[None, :], s, float("-inf"))
+            if dense_end < BLOCK_N:
+                s = _mask_keys(s, 0, kv_len, row_limit, HAS_SELF)
             m_i = gl.max(s, 1) * qk_scale
             p = gl.exp2(s * qk_scale - m_i[:, None])
             l_i = gl.sum(p, 1)
             p_a = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, num_blocks):
-                acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs,
-                                            v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG)
+                acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_a,
+                                            q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG,
+                                            HAS_SELF)
             # the last block's P·V; the next item's q rows load under it
             it += num_blocks - 1
             turn += num_blocks
@@ -377,8 +468,11 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
                             num_queries, WG, HEAD_DIM)
         # out rows = acc / l (zeros without keys), scattered back to [B, H, S, d]
         out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+        if HAS_SELF:  # self rows past the user's history are zeros
+            rows_here = r0 + 64 * WG + gl.arange(0, 64, layout=o_rows)
+            out = gl.where(((r0 < 0) | (rows_here < kv_len))[:, None], out, 0.0)
         _store_rows(out.to(dtype), out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_queries, stride_ob,
-                    stride_oh, stride_os, qs, GATHER, WG)
+                    stride_oh, stride_os, qs, GATHER, WG, HAS_SELF)
         if GATHER:
             mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows and output-row offsets read
         else:
@@ -388,9 +482,10 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
 
 @gluon.jit
 def _store_rows(out, out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_queries, stride_ob, stride_oh, stride_os, qs,
-                GATHER: gl.constexpr, WG: gl.constexpr):
+                GATHER: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr):
     """Scatter warpgroup WG's output rows `out` [64, d] back to [B, H, S, d] (16-byte stores); with GATHER
-    the output-row offsets come from the producer (row_bufs, slot qs; -8 past the tile's end)."""
+    the output-row offsets come from the producer (row_bufs, slot qs; -8 past the tile's end, NO_ROW with
+    HAS_SELF, whose user_out offsets may be negative)."""
     HEAD_DIM: gl.constexpr = out.type.shape[1]
     io: gl.constexpr = _io_layout(HEAD_DIM)
     out = gl.convert_layout(out, io)
@@ -399,7 +494,10 @@ def _store_rows(out, out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_que
             rows = gl.multiple_of(row_bufs.slice(128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
         else:
             rows = gl.multiple_of(row_bufs.slice(256 + 128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
-        row_ok = rows >= 0
+        if HAS_SELF:
+            row_ok = rows != NO_ROW
+        else:
+            row_ok = rows >= 0
     else:
         cand, token, row_ok = _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG, gl.SliceLayout(1, io))
         rows = cand * stride_ob + head * stride_oh + token * stride_os
@@ -416,15 +514,20 @@ def _attention_ws_kernel(
     kv_len_ptr,  # [U] int32/int64 (unused without HAS_KV_LEN)
     order_ptr, tile_ptr,  # from attention._plan_kernel at BLOCK_M = 128
     num_items,  # tile slots × H
-    num_tiles,  # tile slots
+    num_tiles,  # tile slots (self tiles first)
     seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
+    # HAS_SELF: user_q / user_out [U, H, L, d] lie uq_delta / uo_delta elements from q_ptr / out_ptr
+    uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
+    num_users, num_self_tiles,  # U, U · cdiv(L, 128) (0 without HAS_SELF)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     """Persistent: program p runs work items p, p + programs, … (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
+    gl.static_assert(GATHER or not HAS_SELF, "self tiles need GATHER")
     dtype: gl.constexpr = k_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_N == 128 or not HAS_SELF, "self tiles of 128 rows: one diagonal key block per tile")
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -460,15 +563,17 @@ def _attention_ws_kernel(
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, GATHER, WG0)),
+                     num_users, num_self_tiles, HAS_KV_LEN, STAGES, GATHER, WG0, HAS_SELF, CAUSAL)),
         (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
                      k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                      tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     HAS_KV_LEN, STAGES, GATHER, WG1)),
+                     num_users, num_self_tiles, HAS_KV_LEN, STAGES, GATHER, WG1, HAS_SELF, CAUSAL)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
-                     num_queries, q_bufs, row_bufs, q_ready, q_empty, HAS_KV_LEN, STAGES, GATHER)),
+                     num_queries, q_bufs, row_bufs, q_ready, q_empty,
+                     uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
+                     num_users, num_self_tiles, HAS_KV_LEN, STAGES, GATHER, HAS_SELF, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -511,15 +616,41 @@ def _kv_descriptors(k, v, block_n):
     return descs[0], descs[1], strides
 
 
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """Rows of t [·, ·, ·, d] copied and stored 16 bytes at a time: 16-byte aligned base, strides multiples of 8 elements."""
+    return t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
+
+
+def _with_gather(cfg: WSAttentionConfig) -> WSAttentionConfig:
+    """cfg fitted to self tiles: GATHER (with the default's register split where cfg had none) and key
+    blocks of TILE_M (one diagonal block per self tile; the default's ring depth where cfg had others)."""
+    if not cfg.gather:
+        cfg = replace(cfg, gather=True, consumer_regs=DEFAULT_CONFIG.consumer_regs, producer_regs=DEFAULT_CONFIG.producer_regs)
+    if cfg.block_n != TILE_M:
+        cfg = replace(cfg, block_n=TILE_M, stages=DEFAULT_CONFIG.stages)
+    return cfg
+
+
+def self_target_ws_ok(q, out, user_q, user_out) -> bool:
+    """Whether `launch_ws` can take self tiles with these tensors: candidates present (q's base anchors
+    the user_q offsets), unit last strides, and every row 16-byte aligned (the self tiles need GATHER)."""
+    tensors = (q, out, user_q, user_out)
+    return q.shape[0] > 0 and all(t.stride(-1) == 1 and _rows_aligned(t) for t in tensors)
+
+
 def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | None = None, out=None, plan=None,
-              on_plan=None, num_programs: int | None = None):
+              on_plan=None, num_programs: int | None = None, user_q=None, user_out=None, causal: bool = True):
     """Target attention through `_attention_ws_kernel` for inputs that passed ikbo_attention's checks
     and `ws_supported`. q [B, H, S, d], k/v [U, H, L, d] (U ≥ 1); `plan` from
     `attention.plan_tiles(..., block_m=TILE_M)` when one batch's grouping serves several calls;
     `on_plan(flag)` between the two launches; `num_programs` overrides the persistent grid (tests).
-    Nothing here waits for the device.
+    With user_q [U, H, L, d] (and user_out, written in place; where `self_target_ws_ok`) the user's
+    own (causal) self-attention tiles run in the same launch over the same K/V, as
+    `attention.ikbo_self_target_attention`. Nothing here waits for the device.
     Returns (out, flag): flag [1] int32 is 1 when an index value was out of range."""
     cfg = config or DEFAULT_CONFIG
+    if user_q is not None and not self_target_ws_ok(q, out if out is not None else q, user_q, user_out):
+        raise ValueError("launch_ws: self tiles need candidates and 16-byte aligned rows of q, out, user_q, user_out")
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
@@ -529,32 +660,44 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
     if on_plan is not None:
         on_plan(flag)
     if heads * seq_len * num_candidates * num_queries == 0:
+        if user_q is not None:
+            user_out.zero_()
         return out.zero_(), flag
     q = q if q.stride(-1) == 1 else q.contiguous()
-    if cfg.gather and not all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, out)):
+    if user_q is not None:
+        cfg = _with_gather(cfg)
+    elif cfg.gather and not all(_rows_aligned(t) for t in (q, out)):
         cfg = replace(cfg, gather=False)  # 16-byte copies and stores of rows
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n)
-    num_items = max_tiles * heads
+    num_self_tiles = 0 if user_q is None else num_users * triton.cdiv(seq_len, TILE_M)
+    num_items = (num_self_tiles + max_tiles) * heads
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
+    uq, uo = (q, out) if user_q is None else (user_q, user_out)
+    elem = q.element_size()
     _attention_ws_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
         k_desc, v_desc, stride_ku, stride_kh, stride_kl,
         order if kv_len is None else kv_len, order, tiles,
-        num_items, max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
+        num_items, num_self_tiles + max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
+        (uq.data_ptr() - q.data_ptr()) // elem, uq.stride(0), uq.stride(1), uq.stride(2),
+        (uo.data_ptr() - out.data_ptr()) // elem, uo.stride(0), uo.stride(1), uo.stride(2),
+        num_users, num_self_tiles,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, GATHER=cfg.gather,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        HAS_SELF=user_q is not None, CAUSAL=causal,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     return out, flag
 
 
 def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True,
-               config: WSAttentionConfig | None = None, capability: int = 90):
+               config: WSAttentionConfig | None = None, capability: int = 90, has_self: bool = False, causal: bool = True):
     """Compile `_attention_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
     arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
     `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
     cfg = config or DEFAULT_CONFIG
+    cfg = _with_gather(cfg) if has_self else cfg
     kernel = _attention_ws_kernel
     num_users, heads, seq_len, num_queries = 15, 4, 1024, 64
     q = torch.zeros(4, heads, num_queries, head_dim, dtype=dtype)
@@ -567,8 +710,11 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         k_desc=k_desc, v_desc=v_desc, stride_ku=s_u, stride_kh=s_h, stride_kl=s_l,
         kv_len_ptr=ints, order_ptr=ints, tile_ptr=ints, num_items=2108, num_tiles=527,
         seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
+        uq_delta=-(2**33), stride_uqu=k.stride(0), stride_uqh=k.stride(1), stride_uql=k.stride(2),
+        uo_delta=2**33, stride_uou=k.stride(0), stride_uoh=k.stride(1), stride_uol=k.stride(2),
+        num_users=num_users, num_self_tiles=num_users * 8 if has_self else 0,
     )
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, GATHER=cfg.gather,
-                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

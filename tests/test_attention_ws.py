@@ -24,7 +24,15 @@ import pytest
 import torch
 
 from kernels import attention
-from kernels.attention_ws import DEFAULT_CONFIG, SMEM_LIMIT, WSAttentionConfig, compile_ws, launch_ws, ws_supported
+from kernels.attention_ws import (
+    DEFAULT_CONFIG,
+    SMEM_LIMIT,
+    WSAttentionConfig,
+    compile_ws,
+    launch_ws,
+    self_target_ws_ok,
+    ws_supported,
+)
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NO_GATHER = WSAttentionConfig(gather=False, consumer_regs=232, producer_regs=24)  # H200 call 1's structure
@@ -51,7 +59,11 @@ def test_configs_fit_shared_memory():
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("kwargs", [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False)], ids=["bf16-d128", "fp16-d64"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False), dict(has_self=True), dict(has_self=True, causal=False, head_dim=64)],
+    ids=["bf16-d128", "fp16-d64", "self-causal", "self-d64"],
+)
 def test_compiles_for_sm90a(config, kwargs):
     """sm_90a without a GPU: producer + two consumer warpgroups with setmaxnreg, wgmma with P from
     registers, TMA loads of K/V, named barriers per partition, no spills."""
@@ -213,3 +225,67 @@ def test_cuda_public_op_dispatches_here(case, monkeypatch):
     out = attention.ikbo_attention(q, k, v, mapping, kv_len, backend="triton")
     assert calls == [1]
     _check(out, ref)
+
+
+# Self + target in one launch: (U, B, S, L, H, d, kv_len mode, users without candidates, causal)
+SELF_CASES = [
+    (15, 1024, 64, 1024, 4, 128, None, 0, True),  # canonical
+    (15, 600, 64, 1000, 4, 128, "ragged", 2, True),  # kv_len 0, 5, L and random; L not a tile multiple; empty users
+    (6, 90, 64, 777, 2, 64, "ragged", 0, True),  # d = 64; the last self tile past L
+    (4, 70, 64, 520, 2, 128, "ragged", 1, False),  # non-causal self-attention
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _self_problem(case, dtype, seed):
+    """Inputs and the fp64 references (user_out, cand_out) of one self + target case."""
+    *target, causal = case
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim, kv_mode, empty = target
+    q, k, v, mapping, kv_len, _ = _problem(tuple(target), dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    user_q = torch.randn(num_users, heads, seq_len, head_dim, generator=gen).to("cuda", dtype)
+    ref_user, ref_cand = attention.ikbo_self_target_attention(
+        user_q.double(), q.double(), k.double(), v.double(), mapping, kv_len, causal=causal, backend="torch")
+    return user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("num_programs", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", SELF_CASES)
+def test_cuda_self_target_matches_fp64(case, dtype, num_programs):
+    """Self tiles (causal or not, longest first) and target tiles in one launch, outputs NaN-poisoned:
+    user rows past kv_len are zeros, rows see keys ≤ their position, users without keys give zeros; on
+    the full grid and on 3 programs (every ring, q-slot and turn phase wraps across item kinds)."""
+    user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand = _self_problem(case, dtype, seed=hash(case) % 1000)
+    out, user_out = torch.full_like(q, float("nan")), torch.full_like(user_q, float("nan"))
+    assert self_target_ws_ok(q, out, user_q, user_out)
+    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out, user_q=user_q, user_out=user_out,
+              causal=causal, num_programs=num_programs)
+    _check(user_out, ref_user)
+    _check(out, ref_cand)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+def test_cuda_public_self_target_dispatches_here(monkeypatch):
+    """ikbo_self_target_attention at a preferred shape runs launch_ws with the self tiles, and is right;
+    with unaligned user_q rows it takes the Triton kernel, also right."""
+    from kernels import attention_ws
+
+    calls = []
+    original = attention_ws.launch_ws
+    monkeypatch.setattr(attention_ws, "launch_ws", lambda *a, **kw: calls.append(kw.get("user_q") is not None) or original(*a, **kw))
+    user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand = _self_problem(SELF_CASES[1], torch.bfloat16, seed=3)
+    user_out, cand_out = attention.ikbo_self_target_attention(user_q, q, k, v, mapping, kv_len, causal=causal, backend="triton")
+    assert calls == [True]
+    _check(user_out, ref_user)
+    _check(cand_out, ref_cand)
+    wide = torch.zeros(*user_q.shape[:3], user_q.shape[3] + 4, device="cuda", dtype=user_q.dtype)
+    wide[..., : user_q.shape[3]] = user_q
+    unaligned = wide[..., 2 : 2 + user_q.shape[3]]  # rows start 4 bytes in: not 16-byte aligned
+    unaligned.copy_(user_q)
+    assert not self_target_ws_ok(q, q, unaligned, user_q)
+    user_out, cand_out = attention.ikbo_self_target_attention(unaligned, q, k, v, mapping, kv_len, causal=causal, backend="triton")
+    assert calls == [True]
+    _check(user_out, ref_user)
+    _check(cand_out, ref_cand)
