@@ -178,6 +178,8 @@ def _lce_label(variant, tile) -> str:
 
 
 def _attention_label(tile) -> str:
+    if tile == attention_op.WS_CHOICE:
+        return "warp-specialized (Gluon)"
     regs = f" r{tile.maxnreg}" if tile.maxnreg else ""
     return f"{tile.block_m}x{tile.block_n} w{tile.num_warps} s{tile.num_stages}{regs}"
 
@@ -197,11 +199,16 @@ def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def attention_candidates(cfg: RankerConfig, key: tuple) -> list:
+def attention_candidates(cfg: RankerConfig, key: tuple, dtype: torch.dtype | None = None, hopper: bool = False) -> list:
     """Tiles to try for an attention bucket: `pick_config`'s and ATTENTION_CONFIGS with BLOCK_N |
-    BLOCK_M (causal self tiles need it)."""
+    BLOCK_M (causal self tiles need it); on a Hopper GPU in 16 bit with d ∈ {64, 128} also the Gluon
+    warp-specialized kernel (`attention_op.WS_CHOICE`: self and target tiles in one launch; one kernel
+    for any U, B; graph-safe)."""
     tiles = [pick_config(rows, interpret=False) for rows in (64, 65)] + list(ATTENTION_CONFIGS)
-    return [t for t in dict.fromkeys(tiles) if t.block_m % t.block_n == 0]
+    tiles = [t for t in dict.fromkeys(tiles) if t.block_m % t.block_n == 0]
+    if hopper and dtype in (torch.float16, torch.bfloat16) and cfg.head_dim in (64, 128):
+        tiles.append(attention_op.WS_CHOICE)
+    return tiles
 
 
 def _tune_lce(cfg: RankerConfig, key: tuple, shape, dtype, device, timer) -> dict:
@@ -255,9 +262,10 @@ def _tune_attention(cfg: RankerConfig, key: tuple, shape, dtype, device, timer) 
             cand_got, user_got, _ = run()
             return max(rel_err(cand_got, ref_cand), rel_err(user_got, ref_user)) <= TOLERANCE[dtype]
 
-        return Candidate(_attention_label(tile), {"tile": dataclasses.asdict(tile)}, check, run)
+        choice = {"tile": None, "kernel": tile} if tile == attention_op.WS_CHOICE else {"tile": dataclasses.asdict(tile)}
+        return Candidate(_attention_label(tile), choice, check, run)
 
-    return fastest([candidate(t) for t in attention_candidates(cfg, key)], timer)
+    return fastest([candidate(t) for t in attention_candidates(cfg, key, dtype, _is_hopper(torch.device(device)))], timer)
 
 
 TUNERS = {"lce": _tune_lce, "attention": _tune_attention}
@@ -278,6 +286,8 @@ def _decode(op: str, choice):
         if op == "lce":
             tile = choice["tile"]
             return choice["variant"], None if tile is None else lce_op.TileConfig(**tile)
+        if choice.get("kernel") == attention_op.WS_CHOICE:
+            return attention_op.WS_CHOICE
         return attention_op.TileConfig(**choice["tile"])
     except (KeyError, TypeError) as e:
         warnings.warn(f"tuned {op} config {choice} unreadable ({e!r}); the kernel's heuristics are used", stacklevel=2)

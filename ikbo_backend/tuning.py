@@ -36,7 +36,7 @@ import triton
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TUNING_DIR_ENV = "IKBO_TUNING_CACHE"
 CACHE_FILE = "tuned_configs.json"
-FORMAT = 2  # of an entry; part of every key, so a new format tunes again instead of misreading
+FORMAT = 3  # of an entry and its candidates (3: the Gluon attention kernel); part of every key, so a change tunes again
 WARMUP_MS, REP_MS = 10, 40  # triton.testing.do_bench per candidate: ≥ 40 runs of a ≤ 1 ms kernel
 ROUNDS = 2  # timings of each candidate (in alternating order); the best median counts
 

@@ -51,7 +51,10 @@ TRITON_TYPES = (torch.float16, torch.bfloat16)
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
 RESCALE_THRESHOLD = tl.constexpr(8.0)  # lazy rescaling: p ≤ 2^8 between rescales (fp32 sums, bf16/fp16 P: no overflow)
-_TUNED: dict = {}  # (device, dtype, H, L, S, d, with self-attention) → lookup(U, B) → TileConfig or None
+_TUNED: dict = {}  # (device, dtype, H, L, S, d, with self-attention) → lookup(U, B) → TileConfig, WS_CHOICE or None
+# A tuned choice (`set_tuned_configs`, `_launch(config=...)`): the Gluon warp-specialized kernel of
+# kernels/attention_ws.py wherever it runs the inputs (not only at `prefer_ws`'s shapes), else `pick_config`.
+WS_CHOICE = "gluon-ws"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,14 +647,18 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
     if config is None and _TUNED:
         lookup = _TUNED.get((q.device, q.dtype, heads, seq_len, num_queries, head_dim, user_q is not None))
         config = lookup(num_users, num_candidates) if lookup is not None else None
-    if config is None and plan is None and not interpreting():
-        from .attention_ws import launch_ws, prefer_ws, self_target_ws_ok  # here: attention_ws imports this module
+    if (config is None or config == WS_CHOICE) and plan is None and not interpreting():
+        from .attention_ws import launch_ws, prefer_ws, self_target_ws_ok, ws_supported  # here: attention_ws imports this module
 
-        # Hopper, bf16/fp16, d ∈ {64, 128}, the shapes where it was measured faster; self tiles where rows align
-        if prefer_ws(q, k) and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
+        # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it was measured faster, or wherever tuned; self
+        # tiles where rows align
+        takes_ws = prefer_ws(q, k) if config is None else ws_supported(q, k)
+        if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
             out, flag = launch_ws(q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan, user_q=user_q,
                                   user_out=user_out, causal=causal)
             return out, user_out, flag
+    if config == WS_CHOICE:
+        config = None
     if config is None:
         rows_per_user = num_candidates * num_queries / num_users + (0 if user_q is None else seq_len)
         config = pick_config(rows_per_user, interpreting())

@@ -120,6 +120,25 @@ def test_no_triton_compilation_on_the_request_path(variant_class):
     assert during_requests == [], f"compiled on the request path: {during_requests} (seed {SEED})"
 
 
+def test_gluon_attention_is_a_candidate_on_hopper_in_16_bit_and_its_choice_round_trips():
+    """The Gluon warp-specialized attention kernel is tried only on a Hopper GPU for fp16/bf16 with
+    d ∈ {64, 128}; its cached choice decodes to attention_op.WS_CHOICE, which `_launch` takes."""
+    from ikbo_backend.ranker import RankerConfig
+    from ikbo_backend.shape_spec import _attention_label, _decode, attention_candidates
+    from kernels import attention as attention_op
+
+    cfg = RankerConfig(embedding_dim=256, heads=2)  # d = 128
+    for dtype in (torch.float16, torch.bfloat16):
+        assert attention_candidates(cfg, ("triton",), dtype, hopper=True)[-1] == attention_op.WS_CHOICE
+        assert attention_op.WS_CHOICE not in attention_candidates(cfg, ("triton",), dtype, hopper=False)
+    assert attention_op.WS_CHOICE not in attention_candidates(cfg, ("triton",), torch.float32, hopper=True)
+    assert attention_op.WS_CHOICE not in attention_candidates(RankerConfig(embedding_dim=96, heads=3), ("triton",), torch.bfloat16, hopper=True)
+    assert _decode("attention", {"tile": None, "kernel": attention_op.WS_CHOICE}) == attention_op.WS_CHOICE
+    assert _attention_label(attention_op.WS_CHOICE) == "warp-specialized (Gluon)"
+    tile = attention_candidates(cfg, ("triton",))[0]
+    assert _decode("attention", {"tile": dataclasses.asdict(tile)}) == tile
+
+
 def test_s6_is_an_lce_candidate_on_hopper_in_16_bit_and_its_choice_round_trips():
     """s6 (Gluon) is tried only on a Hopper GPU for fp16/bf16; its cached choice (tile None) decodes
     to what `set_tuned_configs` hands the op: ("s6", None), launched with s6's own config."""
