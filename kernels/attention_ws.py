@@ -30,8 +30,16 @@ of attention.py's grid (tiles of one user adjacent, heads slow). Tiles come from
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
 
-Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}, target attention only (the
-fused self + target path stays on attention.py's kernel); the public op takes it where `prefer_ws`.
+Self + target (`launch_ws(user_q=..., user_out=...)`, as `ikbo_self_target_attention`): the users' own
+(causal) self-attention tiles of 128 rows come first in the item order (longest first), over the same
+K/V ring: q rows gathered from user_q (offsets from q_ptr), keys ≤ the row's position and < kv_len
+(masked in the diagonal / last block only), rows past kv_len written as zeros, rows past L not stored.
+Needs GATHER (16-byte aligned rows of q, out, user_q, user_out: `self_target_ws_ok`) and 128-key blocks.
+H200 (2026-11-30, canonical shape, CUDA-graph replays): 0.310–0.314 ms against 0.380–0.384 for the
+Triton kernel's fused grid, and level with SDPA's causal self plus this kernel's target launch apart
+(0.309–0.310 ms); docs/notes/attention.md.
+Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}; the public ops take it where
+`prefer_ws` (and for self tiles `self_target_ws_ok`), the tuner where it times fastest (`attention.WS_CHOICE`).
 H200 (2026-11-29): canonical shape 0.255 ms plan + kernel (539 TFLOP/s, 67 % of the matmul rate)
 against 0.333 for the Triton kernel; L = 4096: 609 TFLOP/s. Measurements: docs/notes/attention.md.
 Patterns from kernels/linear_compress_ws.py (s6) and Triton's Gluon tutorials 05-wgmma,
