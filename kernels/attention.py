@@ -651,9 +651,14 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
     if (config is None or config == WS_CHOICE) and plan is None and not interpreting():
         from .attention_ws import launch_ws, prefer_ws, self_target_ws_ok, ws_supported  # here: attention_ws imports this module
 
-        # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it was measured faster, or wherever tuned; self
-        # tiles where rows align
-        takes_ws = prefer_ws(q, k) if config is None else ws_supported(q, k)
+        # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it was measured faster, or wherever tuned. Self
+        # tiles where rows align, and untuned only without kv_len: with ragged histories the persistent
+        # kernel's static item order is unbalanced and it measured 0.69–1.31× the Triton kernel's speed
+        # (docs/notes/attention.md, 2026-11-30 06:51 UTC)
+        if config is None:
+            takes_ws = prefer_ws(q, k) and (user_q is None or kv_len is None)
+        else:
+            takes_ws = ws_supported(q, k)
         if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
             out, flag = launch_ws(q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan, user_q=user_q,
                                   user_out=user_out, causal=causal)

@@ -601,13 +601,23 @@ def ws_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _device_info(k.device)[0][0] == 9
 
 
+MIN_ROWS_PER_USER = 256  # candidate query rows (B·S / U) per user below which the Triton kernel is taken
+
+
+def preferred_shape(num_candidates: int, num_users: int, num_queries: int, seq_len: int) -> bool:
+    """The shapes where this kernel measured faster than the Triton kernel (H200, docs/notes/attention.md):
+    S ≥ 64 and L ≥ 512 (2026-11-29 17:44 and 17:52 UTC: 1.19–1.29×; at S = 8 plan + kernel was host-bound
+    and came out 1.9× faster in one run, 1.8× slower in the other), and at least MIN_ROWS_PER_USER query
+    rows per user (2026-11-30 06:52 UTC, CUDA graphs: at B/U = 1, 64 rows a user, half of every 128-row
+    tile is padding and this kernel took 1.03–1.45× the Triton kernel's time; at B/U ≥ 16, 1024 rows
+    and more, 0.94–1.32× faster, mostly faster; 256 is between the two, not measured)."""
+    rows_per_user = num_candidates * num_queries / max(num_users, 1)
+    return num_queries >= 64 and seq_len >= 512 and rows_per_user >= MIN_ROWS_PER_USER
+
+
 def prefer_ws(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Where `kernels.attention`'s Triton path takes this kernel: `ws_supported` and the shapes where
-    it was faster than the Triton kernel, plan included, in both H200 runs (docs/notes/attention.md,
-    2026-11-29 17:44 and 17:52 UTC): S = 64, L ∈ {512, 1024, 4096}, d ∈ {64, 128}, 1.19–1.29×. At
-    S = 8 (L = 1024) the kernel alone was 1.6× faster, but plan + kernel is host-bound there and
-    came out 1.9× faster in one run and 1.8× slower in the other: not taken."""
-    return ws_supported(q, k) and q.shape[2] >= 64 and k.shape[2] >= 512
+    """Where `kernels.attention`'s Triton path takes this kernel: `ws_supported` and `preferred_shape`."""
+    return ws_supported(q, k) and preferred_shape(q.shape[0], k.shape[0], q.shape[2], k.shape[2])
 
 
 @functools.lru_cache(maxsize=None)

@@ -204,11 +204,16 @@ def test_cuda_gather_falls_back_on_unaligned_rows():
 
 
 def test_public_op_dispatch_rule():
-    """The public op takes this kernel only on CUDA Hopper inputs of the measured shapes."""
-    from kernels.attention_ws import prefer_ws
+    """The public op takes this kernel only on CUDA Hopper inputs of the measured shapes: S ≥ 64, L ≥ 512
+    and at least MIN_ROWS_PER_USER query rows a user."""
+    from kernels.attention_ws import MIN_ROWS_PER_USER, prefer_ws, preferred_shape
 
-    q = torch.zeros(2, 1, 64, 128, dtype=torch.bfloat16)
+    q = torch.zeros(8, 1, 64, 128, dtype=torch.bfloat16)
     assert not prefer_ws(q, torch.zeros(1, 1, 1024, 128, dtype=torch.bfloat16))  # CPU tensors
+    assert preferred_shape(1024, 15, 64, 1024)  # canonical: 4369 rows a user
+    assert not preferred_shape(1024, 1024, 64, 1024)  # B/U = 1: 64 rows a user
+    assert preferred_shape(MIN_ROWS_PER_USER // 64, 1, 64, 512) and not preferred_shape(MIN_ROWS_PER_USER // 64 - 1, 1, 64, 512)
+    assert not preferred_shape(1024, 15, 8, 1024) and not preferred_shape(1024, 15, 64, 256)
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -268,18 +273,25 @@ def test_cuda_self_target_matches_fp64(case, dtype, num_programs):
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 def test_cuda_public_self_target_dispatches_here(monkeypatch):
-    """ikbo_self_target_attention at a preferred shape runs launch_ws with the self tiles, and is right;
-    with unaligned user_q rows it takes the Triton kernel, also right."""
+    """ikbo_self_target_attention at a preferred shape without kv_len runs launch_ws with the self tiles,
+    and is right; with kv_len, or with unaligned user_q rows, it takes the Triton kernel, also right."""
     from kernels import attention_ws
 
     calls = []
     original = attention_ws.launch_ws
     monkeypatch.setattr(attention_ws, "launch_ws", lambda *a, **kw: calls.append(kw.get("user_q") is not None) or original(*a, **kw))
-    user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand = _self_problem(SELF_CASES[1], torch.bfloat16, seed=3)
+    user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand = _self_problem(SELF_CASES[0], torch.bfloat16, seed=3)
+    assert kv_len is None
     user_out, cand_out = attention.ikbo_self_target_attention(user_q, q, k, v, mapping, kv_len, causal=causal, backend="triton")
     assert calls == [True]
     _check(user_out, ref_user)
     _check(cand_out, ref_cand)
+    # with kv_len (ragged histories) the untuned op keeps the Triton kernel's fused grid
+    ragged = _self_problem(SELF_CASES[1], torch.bfloat16, seed=3)
+    user_out, cand_out = attention.ikbo_self_target_attention(*ragged[:6], causal=ragged[6], backend="triton")
+    assert calls == [True]
+    _check(user_out, ragged[7])
+    _check(cand_out, ragged[8])
     wide = torch.zeros(*user_q.shape[:3], user_q.shape[3] + 4, device="cuda", dtype=user_q.dtype)
     wide[..., : user_q.shape[3]] = user_q
     unaligned = wide[..., 2 : 2 + user_q.shape[3]]  # rows start 4 bytes in: not 16-byte aligned
