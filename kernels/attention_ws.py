@@ -37,9 +37,12 @@ K/V ring: q rows gathered from user_q (offsets from q_ptr), keys ≤ the row's p
 Needs GATHER (16-byte aligned rows of q, out, user_q, user_out: `self_target_ws_ok`) and 128-key blocks.
 H200 (2026-11-30, canonical shape, CUDA-graph replays): 0.310–0.314 ms against 0.380–0.384 for the
 Triton kernel's fused grid, and level with SDPA's causal self plus this kernel's target launch apart
-(0.309–0.310 ms); docs/notes/attention.md.
+(0.309–0.310 ms); docs/notes/attention.md. Where it loses: with < 256 query rows a user (padded
+128-row tiles) and with ragged kv_len (the static round-robin item order leaves programs unevenly loaded;
+a dynamic tile scheduler would be the fix, not done).
 Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}; the public ops take it where
-`prefer_ws` (and for self tiles `self_target_ws_ok`), the tuner where it times fastest (`attention.WS_CHOICE`).
+`prefer_ws` (self tiles: also `self_target_ws_ok` and no kv_len), the tuner where it times fastest
+(`attention.WS_CHOICE`).
 H200 (2026-11-29): canonical shape 0.255 ms plan + kernel (539 TFLOP/s, 67 % of the matmul rate)
 against 0.333 for the Triton kernel; L = 4096: 609 TFLOP/s. Measurements: docs/notes/attention.md.
 Patterns from kernels/linear_compress_ws.py (s6) and Triton's Gluon tutorials 05-wgmma,
