@@ -28,8 +28,9 @@ Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; Flash
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
 Hopper: attention (no plan given, no tuned tile) goes to the warp-specialized Gluon kernel of
 kernels/attention_ws.py where `attention_ws.prefer_ws` says it was measured faster (bf16/fp16,
-d ∈ {64, 128}, S ≥ 64, L ≥ 512), self + target too where its rows are 16-byte aligned
-(`self_target_ws_ok`), and wherever a tuned choice says `WS_CHOICE`; the rest here.
+d ∈ {64, 128}, S ≥ 64, L ≥ 512, ≥ 256 query rows a user), self + target too without kv_len where its
+rows are 16-byte aligned (`self_target_ws_ok`), and wherever a tuned choice says `WS_CHOICE`; the
+rest here.
 Measurements, what was tried and what worked: docs/notes/attention.md.
 """
 
