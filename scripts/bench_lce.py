@@ -335,52 +335,54 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
     ]
     raw = []
     shape = dict(base_shape)
+    points = {}  # (U, B) → B/U; U = max(1, round(B / ratio)) repeats U = 1 past B: measured once
     for num_candidates in candidate_counts:
         for ratio in ratios:
-            num_users = max(1, round(num_candidates / ratio))
-            shape.update(num_users=num_users, num_candidates=num_candidates)
-            p = make_problem(**shape, seed=num_candidates + ratio)
-            packed = PackedLinearCompress.from_weight(p.weight, shape["ku"], p.bias)
-            head = slice(0, min(num_candidates, 256))
-            ref = reference(p, head)
-            args = (p.user_emb, p.cand_emb, p.cand_to_user)
-            times, errs = {}, {}
-            for name, fn in [
-                ("S0", lambda: s0_materialized(*args, p.weight, p.bias)),
-                ("s3", lambda out=None, up=None: packed._triton(*args, "s3", out=out, user_part=up)),
-                ("s4", lambda out=None, up=None: packed._triton(*args, "s4", out=out, user_part=up)),
-                ("s6", lambda out=None, up=None: lce_s6(packed, *args, out=out, user_part=up)),
-            ]:
-                if name == "s6" and not has_s6(p):
-                    times[name] = float("nan")
-                    continue
-                try:
-                    if name in ("s3", "s4", "s6"):
-                        errs[name] = check("Triton " + name, fn, p, ref, head)
-                    times[name] = time_ms(fn)
-                except Exception as exc:
-                    log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
-                    times[name] = float("nan")
-            graph = " | | |" if with_graph else ""
-            if with_graph and num_candidates <= 1024:  # host overhead matters only for small problems  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
-                s0_fn = lambda: s0_materialized(*args, p.weight, p.bias)  # noqa: E731
-                s3_fn = lambda: packed._triton(*args, "s3")  # noqa: E731
-                s6_graph = graph_ms(lambda: lce_s6(packed, *args)) if has_s6(p) else float("nan")
-                graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} | {s6_graph:.4f} |"
-            best = min(t for t in (times["s3"], times["s4"], times["s6"]) if t == t)
-            floor = floor_ms(p, flop_rate, copy_rate)
-            raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()}, **{"err_" + k: v for k, v in errs.items()}))
-            lines.append(
-                f"| {num_candidates} | {num_users} | {num_candidates / num_users:.0f} | {times['S0']:.4f} | "
-                f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s6']:.4f} | {times['S0'] / best:.2f} | "
-                f"{floor:.4f} | {100 * floor / best:.0f}% | "
-                + " / ".join(f"{errs.get(k, float('nan')):.1e}" for k in ("s3", "s4", "s6"))
-                + " |" + graph
-            )
-            log(lines[-1])
-            del p, packed, ref
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
+            points.setdefault((max(1, round(num_candidates / ratio)), num_candidates), ratio)
+    for (num_users, num_candidates), ratio in points.items():
+        shape.update(num_users=num_users, num_candidates=num_candidates)
+        p = make_problem(**shape, seed=num_candidates + ratio)
+        packed = PackedLinearCompress.from_weight(p.weight, shape["ku"], p.bias)
+        head = slice(0, min(num_candidates, 256))
+        ref = reference(p, head)
+        args = (p.user_emb, p.cand_emb, p.cand_to_user)
+        times, errs = {}, {}
+        for name, fn in [
+            ("S0", lambda: s0_materialized(*args, p.weight, p.bias)),
+            ("s3", lambda out=None, up=None: packed._triton(*args, "s3", out=out, user_part=up)),
+            ("s4", lambda out=None, up=None: packed._triton(*args, "s4", out=out, user_part=up)),
+            ("s6", lambda out=None, up=None: lce_s6(packed, *args, out=out, user_part=up)),
+        ]:
+            if name == "s6" and not has_s6(p):
+                times[name] = float("nan")
+                continue
+            try:
+                if name in ("s3", "s4", "s6"):
+                    errs[name] = check("Triton " + name, fn, p, ref, head)
+                times[name] = time_ms(fn)
+            except Exception as exc:
+                log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+                times[name] = float("nan")
+        graph = " | | |" if with_graph else ""
+        if with_graph and num_candidates <= 1024:  # host overhead matters only for small problems  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
+            s0_fn = lambda: s0_materialized(*args, p.weight, p.bias)  # noqa: E731
+            s3_fn = lambda: packed._triton(*args, "s3")  # noqa: E731
+            s6_graph = graph_ms(lambda: lce_s6(packed, *args)) if has_s6(p) else float("nan")
+            graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} | {s6_graph:.4f} |"
+        best = min(t for t in (times["s3"], times["s4"], times["s6"]) if t == t)
+        floor = floor_ms(p, flop_rate, copy_rate)
+        raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()}, **{"err_" + k: v for k, v in errs.items()}))
+        lines.append(
+            f"| {num_candidates} | {num_users} | {num_candidates / num_users:.0f} | {times['S0']:.4f} | "
+            f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s6']:.4f} | {times['S0'] / best:.2f} | "
+            f"{floor:.4f} | {100 * floor / best:.0f}% | "
+            + " / ".join(f"{errs.get(k, float('nan')):.1e}" for k in ("s3", "s4", "s6"))
+            + " |" + graph
+        )
+        log(lines[-1])
+        del p, packed, ref
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     return lines, raw
 
 
