@@ -653,10 +653,11 @@ def _with_gather(cfg: WSAttentionConfig) -> WSAttentionConfig:
 
 
 def self_target_ws_ok(q, out, user_q, user_out) -> bool:
-    """Whether `launch_ws` can take self tiles with these tensors: candidates present (q's base anchors
-    the user_q offsets), unit last strides, and every row 16-byte aligned (the self tiles need GATHER)."""
+    """Whether `launch_ws` can take self tiles with these tensors: candidate query rows present (q's base
+    anchors the user_q offsets, and the launch is skipped without them), unit last strides, and every row
+    16-byte aligned (the self tiles need GATHER)."""
     tensors = (q, out, user_q, user_out)
-    return q.shape[0] > 0 and all(t.stride(-1) == 1 and _rows_aligned(t) for t in tensors)
+    return q.shape[0] * q.shape[2] > 0 and all(t.stride(-1) == 1 and _rows_aligned(t) for t in tensors)
 
 
 def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | None = None, out=None, plan=None,

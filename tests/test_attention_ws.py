@@ -301,3 +301,52 @@ def test_cuda_public_self_target_dispatches_here(monkeypatch):
     assert calls == [True]
     _check(user_out, ref_user)
     _check(cand_out, ref_cand)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("ragged", [False, True], ids=["all-keys", "kv_len"])
+def test_cuda_self_target_graph_replays(ragged):
+    """Self + target through the Gluon kernel captured in a CUDA graph, as the served model replays a tuned
+    WS_CHOICE (with kv_len) or the untuned op takes it (without): replays on new values copied into the
+    captured inputs (mapping and kv_len too), outputs NaN-poisoned, each against fp64."""
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim = 6, 400, 64, 512, 2, 128
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+
+    def fresh():
+        user_q, k, v = (torch.randn(num_users, heads, seq_len, head_dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+        q = torch.randn(num_candidates, heads, num_queries, head_dim, generator=gen).to("cuda", torch.bfloat16)
+        mapping = torch.randint(0, num_users, (num_candidates,), generator=gen).cuda()
+        kv_len = torch.randint(0, seq_len + 1, (num_users,), generator=gen).cuda() if ragged else None
+        return user_q, q, k, v, mapping, kv_len
+
+    static = fresh()
+    user_q, q, k, v, mapping, kv_len = static
+    scale = 1 / math.sqrt(head_dim)
+
+    def call():
+        if ragged:  # a tuned choice: the Gluon kernel with kv_len
+            cand_out, user_out, _ = attention._launch(q, k, v, mapping, kv_len, scale, user_q, True, config=attention.WS_CHOICE)
+            return user_out, cand_out
+        return attention.ikbo_self_target_attention(user_q, q, k, v, mapping, backend="triton")
+
+    from kernels import attention_ws
+
+    assert attention_ws.prefer_ws(q, k)
+    call()  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        user_out, cand_out = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        for dst, src in zip(static, fresh()):
+            if dst is not None:
+                dst.copy_(src)
+        user_out.fill_(float("nan"))
+        cand_out.fill_(float("nan"))
+        graph.replay()
+        ref_user, ref_cand = attention.ikbo_self_target_attention(
+            user_q.double(), q.double(), k.double(), v.double(), mapping, kv_len, backend="torch")
+        _check(user_out, ref_user)
+        _check(cand_out, ref_cand)
