@@ -516,7 +516,8 @@ def _store_rows(out, out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_que
     gl.store(out_ptr + (rows[:, None] + cols[None, :]), out, mask=row_ok[:, None])
 
 
-@gluon.jit(do_not_specialize=["num_items", "num_tiles"])  # any U, B: one compiled kernel
+# any U, B (and any addresses of user_q / user_out): one compiled kernel
+@gluon.jit(do_not_specialize=["num_items", "num_tiles", "num_users", "num_self_tiles", "uq_delta", "uo_delta"])
 def _attention_ws_kernel(
     q_ptr, stride_qb, stride_qh, stride_qs,  # q [B, H, S, d]
     out_ptr, stride_ob, stride_oh, stride_os,  # out [B, H, S, d]

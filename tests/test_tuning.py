@@ -196,12 +196,15 @@ def test_request_shapes_do_not_specialize_the_kernels():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from kernels import attention, linear_compress
+    from kernels import attention, attention_ws, linear_compress, linear_compress_ws
 
     unspecialized = {
         attention._plan_kernel: {"num_candidates", "num_users"},
         attention._attention_kernel: {"num_users", "num_self_tiles"},
+        # the Gluon kernels; user_q / user_out reach attention_ws as offsets from q / out (their addresses)
+        attention_ws._attention_ws_kernel: {"num_items", "num_tiles", "num_users", "num_self_tiles", "uq_delta", "uo_delta"},
         linear_compress._lce_persistent_kernel: {"U", "B", "NUM_PROGRAMS"},
+        linear_compress_ws._lce_ws_kernel: {"B"},
     }
     for kernel, names in unspecialized.items():
         flags = {p.name: p.do_not_specialize for p in kernel.params}
