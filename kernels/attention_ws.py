@@ -672,6 +672,8 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
     `attention.ikbo_self_target_attention`. Nothing here waits for the device.
     Returns (out, flag): flag [1] int32 is 1 when an index value was out of range."""
     cfg = config or DEFAULT_CONFIG
+    if user_q is not None and user_out is None:
+        raise ValueError("launch_ws: user_out [U, H, L, d] must be given with user_q (it is written in place)")
     if user_q is not None and not self_target_ws_ok(q, out if out is not None else q, user_q, user_out):
         raise ValueError("launch_ws: self tiles need candidates and 16-byte aligned rows of q, out, user_q, user_out")
     num_candidates, heads, num_queries, head_dim = q.shape

@@ -92,6 +92,21 @@ def test_compiles_for_sm90a(config, kwargs):
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
 
 
+def test_launch_ws_self_tiles_need_user_out_and_aligned_rows():
+    """Self tiles without user_out, or on rows that are not 16-byte aligned, are refused with a ValueError
+    before anything is launched (checked on CPU tensors)."""
+    q = torch.zeros(4, 1, 64, 128, dtype=torch.bfloat16)
+    user_q = torch.zeros(2, 1, 512, 128, dtype=torch.bfloat16)
+    k = torch.zeros_like(user_q)
+    mapping = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="user_out"):
+        launch_ws(q, k, k, mapping, None, 0.1, user_q=user_q)
+    wide = torch.zeros(2, 1, 512, 130, dtype=torch.bfloat16)[..., 1:129]  # rows 2 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        launch_ws(q, k, k, mapping, None, 0.1, user_q=wide, user_out=torch.zeros_like(user_q))
+    assert not self_target_ws_ok(q[:0], q[:0], user_q, user_q)  # no candidate rows
+
+
 def test_not_supported_on_cpu():
     q = torch.zeros(2, 1, 4, 128, dtype=torch.bfloat16)
     assert not ws_supported(q, torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16))
