@@ -28,9 +28,9 @@ Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; Flash
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
 Hopper: attention (no plan given, no tuned tile) goes to the warp-specialized Gluon kernel of
 kernels/attention_ws.py where `attention_ws.prefer_ws` says it was measured faster (bf16/fp16,
-d ∈ {64, 128}, S ≥ 64, L ≥ 512, ≥ 256 query rows a user), self + target too without kv_len where its
-rows are 16-byte aligned (`self_target_ws_ok`), and wherever a tuned choice says `WS_CHOICE`; the
-rest here.
+d ∈ {64, 128}, S ≥ 64, L ≥ 512, ≥ 256 query rows a user), self + target too where its rows are
+16-byte aligned (`self_target_ws_ok`) and, with kv_len, from L = 1024; and wherever a tuned choice says
+`WS_CHOICE`; the rest here.
 Measurements, what was tried and what worked: docs/notes/attention.md.
 """
 
@@ -610,7 +610,9 @@ def plan_buffers(num_candidates: int, max_tiles: int, device):
     offsets moved with B would compile the kernels again on the request path. Zero-filled: with a
     mapping value outside [0, U) the plan kernel leaves some tile slots unwritten, and the attention
     kernel runs before the host sees the flag; a zero slot is an empty tile of user 0 (no rows, no
-    stores), where uninitialized memory sent loads out of bounds (found by an interpreter memcheck)."""
+    stores), where uninitialized memory sent loads out of bounds (found by an interpreter memcheck).
+    The two words after the flag are the Gluon kernel's item counter and finished-program count
+    (attention_ws, DYNAMIC): zero here, and each launch leaves them zero."""
     order_at = 4
     tiles_at = order_at + triton.cdiv(num_candidates, 4) * 4
     buf = torch.zeros(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device)
@@ -652,12 +654,10 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
     if (config is None or config == WS_CHOICE) and plan is None and not interpreting():
         from .attention_ws import launch_ws, prefer_ws, self_target_ws_ok, ws_supported  # here: attention_ws imports this module
 
-        # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it was measured faster, or wherever tuned. Self
-        # tiles where rows align, and untuned only without kv_len: with ragged histories the persistent
-        # kernel's static item order is unbalanced and it measured 0.69–1.31× the Triton kernel's speed
-        # (docs/notes/attention.md, 2026-11-30 06:51 UTC)
+        # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it was measured faster (`prefer_ws`), or wherever
+        # tuned; self tiles where rows align
         if config is None:
-            takes_ws = prefer_ws(q, k) and (user_q is None or kv_len is None)
+            takes_ws = prefer_ws(q, k, kv_len, user_q is not None)
         else:
             takes_ws = ws_supported(q, k)
         if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):

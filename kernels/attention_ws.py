@@ -8,41 +8,48 @@ softmax (MUFU exp2, row reductions) and the wgmmas run one after the other, and 
 warp-specializes it nor keeps a prefetched q·kᵀ in flight (docs/notes/attention.md). Here the
 schedule is written out (FlashAttention-3, Shah et al. 2024, https://arxiv.org/abs/2407.08608):
 
-Kernel `_attention_ws_kernel`, persistent (one program per SM), work items (tile, head) in the order
-of attention.py's grid (tiles of one user adjacent, heads slow). Tiles come from attention.py's
-`_plan_kernel` at BLOCK_M = 128 packed "virtual rows" of one user (candidate-major, S tokens each).
-    producer partition, 1 warp: for each work item, TMA loads of the user's K and V blocks
-        [BLOCK_N, d] into a STAGES-deep ring, K and V with their own ready/empty mbarriers, so a K
-        slot is refilled as soon as both consumers' q·kᵀ has read it.
-        With GATHER (default; launch_ws turns it off where q or out rows are not 16-byte aligned) it
-        also gathers each item's q rows by cp.async into a 2-slot buffer per warpgroup and writes the
-        output-row offsets to shared memory, before the item's first K/V.
+Kernel `_attention_ws_kernel`, persistent (one program per SM), work items (tile, head). Tiles come from
+attention.py's `_plan_kernel` at BLOCK_M = 128 packed "virtual rows" of one user (candidate-major, S
+tokens each). Items are handed out in one of two ways (`WSAttentionConfig.dynamic`):
+    static: program p runs items p, p + programs, … in attention.py's grid order (tiles of one user
+        adjacent, heads slow); the default where every item has the same length (no kv_len, no self tiles).
+    dynamic: the producer asks an atomic counter in the plan's buffer for the next item's ticket (an item
+        ahead, so it never waits for the answer), target items first, then the self tiles longest first;
+        the last program to finish sets the counter back to zero. The default with kv_len or self tiles.
+    producer partition, 1 warp: for each work item, its 128 q-row and output-row offsets into shared
+        memory and the q rows themselves by cp.async (16-byte copies) into a 2-slot buffer per
+        warpgroup, with the item's (kv_len, keys to visit, first self row) for the consumers; then TMA
+        loads of the user's K and V blocks [BLOCK_N, d] into a STAGES-deep ring, K and V with their own
+        ready/empty mbarriers, so a K slot is refilled as soon as both consumers' q·kᵀ has read it. After
+        its last item it tells the consumers there are no more.
     two consumer warpgroups (the default partition and a 4-warp worker, the same code): warpgroup w
-        owns rows [64·w, 64·w + 64) of the tile (without GATHER it gathers its q rows by pointer
-        itself, the next item's under the last P·V), then per key block j issues q·k_jᵀ (async
-        wgmma) and P_{j-1}·V_{j-1} (async wgmma, P from registers), runs the online softmax of
-        block j (base 2, fp32), waits for P_{j-1}·V_{j-1} and rescales. The two warpgroups take
-        turns issuing their wgmmas (pingpong, an mbarrier per warpgroup), so one's softmax runs
-        under the other's products. The output rows are scattered back by pointer (16-byte stores).
+        owns rows [64·w, 64·w + 64) of each item's tile; per key block j it issues q·k_jᵀ (async wgmma)
+        and P_{j-1}·V_{j-1} (async wgmma, P from registers), runs the online softmax of block j (base 2,
+        fp32), waits for P_{j-1}·V_{j-1} and rescales. The two warpgroups take turns issuing their
+        wgmmas (pingpong, an mbarrier per warpgroup), so one's softmax runs under the other's products.
+        The output rows are scattered back by pointer (16-byte stores).
     Options measured on the H200 no faster than this default and removed on 2026-11-29 (fence,
         overlap, producer_store, pingpong off) and 2026-11-30 (offset, gather_ahead: both wrong on
-        edge cases, gather_ahead at most 3 % faster): docs/notes/attention.md.
+        edge cases, gather_ahead at most 3 % faster; the q gather by the consumers, kept until then for
+        unaligned rows: launch_ws copies those now): docs/notes/attention.md.
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
 
 Self + target (`launch_ws(user_q=..., user_out=...)`, as `ikbo_self_target_attention`): the users' own
-(causal) self-attention tiles of 128 rows come first in the item order (longest first), over the same
-K/V ring: q rows gathered from user_q (offsets from q_ptr), keys ≤ the row's position and < kv_len
-(masked in the diagonal / last block only), rows past kv_len written as zeros, rows past L not stored.
-Needs GATHER (16-byte aligned rows of q, out, user_q, user_out: `self_target_ws_ok`) and 128-key blocks.
-H200 (2026-11-30, canonical shape, CUDA-graph replays): 0.310–0.314 ms against 0.380–0.384 for the
-Triton kernel's fused grid, and level with SDPA's causal self plus this kernel's target launch apart
-(0.309–0.310 ms); docs/notes/attention.md. Where it loses: with < 256 query rows a user (padded
-128-row tiles) and with ragged kv_len (the static round-robin item order leaves programs unevenly loaded;
-a dynamic tile scheduler would be the fix, not done).
+(causal) self-attention tiles of 128 rows, over the same K/V ring: q rows gathered from user_q
+(offsets from q_ptr), keys ≤ the row's position and < kv_len (masked in the diagonal / last block
+only), rows past kv_len written as zeros, rows past L not stored. Needs 16-byte aligned rows of q, out,
+user_q, user_out (`self_target_ws_ok`) and 128-key blocks.
+H200, canonical shape, CUDA-graph replays (2026-11-30 08:00 / 08:03 UTC): fused 0.300–0.314 ms with
+dynamic items against 0.307–0.320 for SDPA's causal self plus this kernel's target launch apart (0.97–0.98×),
+and 0.38 for the Triton kernel's fused grid (06:30 UTC). With ragged kv_len (S = 64, B/U 16 and 70,
+L 512 and 1024, d 64 and 128), the Triton kernel's time over this one's: dynamic items 0.75–1.25 (self +
+target) and 0.93–1.27 (target), the static order 0.64–1.11 and 0.86–1.22; so `prefer_ws` sends self +
+target with kv_len here only from L = 1024 (0.98–1.25 there). Where it still loses: with < 256 query rows a
+user (padded 128-row tiles), and with short items (L = 512, d = 64: block 0 and the last P·V of an item
+overlap nothing).
 Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}; the public ops take it where
-`prefer_ws` (self tiles: also `self_target_ws_ok` and no kv_len), the tuner where it times fastest
-(`attention.WS_CHOICE`).
+`prefer_ws` (self tiles: also `self_target_ws_ok`), the tuner where it times fastest (`attention.WS_CHOICE`).
 H200 (2026-11-29): canonical shape 0.255 ms plan + kernel (539 TFLOP/s, 67 % of the matmul rate)
 against 0.333 for the Triton kernel; L = 4096: 609 TFLOP/s. Measurements: docs/notes/attention.md.
 Patterns from kernels/linear_compress_ws.py (s6) and Triton's Gluon tutorials 05-wgmma,
@@ -80,21 +87,23 @@ TILE_M = 2 * WG_ROWS  # rows per plan tile: two consumer warpgroups
 
 @dataclass(frozen=True)
 class WSAttentionConfig:
-    """Key block, ring depth, q gather and register split of `_attention_ws_kernel`."""
+    """Key block, ring depth, item scheduling and register split of `_attention_ws_kernel`."""
 
     block_n: int = 128  # keys per step
     stages: int = 2  # K/V ring depth
-    gather: bool = True  # the producer gathers q rows (cp.async, 2 slots) and output-row offsets
+    # items handed out by an atomic counter (else program p takes p, p + programs, …); None: where items differ
+    # in length (self tiles or kv_len), the only shapes where it measured faster (docs/notes/attention.md)
+    dynamic: bool | None = None
     consumer_regs: int = 224  # registers per thread of the worker consumer warpgroup (setmaxnreg; the default one gets the rest)
-    producer_regs: int = 56  # registers per thread of the producer warp (24 are enough without gather)
+    producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
         ring = self.stages * 2 * self.block_n * head_dim * elem
-        q_bufs = (4 if self.gather else 2) * WG_ROWS * head_dim * elem
-        return ring + q_bufs + 2 * 2 * 128 * 8 + 8 * (4 * self.stages + 11)
+        q_bufs = 4 * WG_ROWS * head_dim * elem
+        return ring + q_bufs + 2 * 2 * 128 * 8 + 2 * 4 * 4 + 8 * (4 * self.stages + 10)
 
 
 DEFAULT_CONFIG = WSAttentionConfig()
@@ -117,6 +126,51 @@ def _io_layout(head_dim):
 def _item_coords(item, num_tiles):
     """Work item → (tile, head): tiles fast, heads slow (attention.py's grid order)."""
     return item % num_tiles, item // num_tiles
+
+
+@gluon.jit
+def _ticket_coords(ticket, num_tiles, num_self_tiles, heads):
+    """DYNAMIC: the item of ticket number `ticket` → (tile, head), longest first where it is known: the target
+    items first (tiles fast, heads slow), then the self tiles of all heads, their longest (last rows) first."""
+    num_target_tiles = num_tiles - num_self_tiles
+    num_target_items = num_target_tiles * heads
+    if ticket < num_target_items:
+        tile = num_self_tiles + ticket % num_target_tiles
+        head = ticket // num_target_tiles
+    else:
+        tile = (ticket - num_target_items) // heads
+        head = (ticket - num_target_items) % heads
+    return tile, head
+
+
+_LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # one value per lane of the producer warp
+
+
+@gluon.jit
+def _request_ticket(sched_ptr):
+    """DYNAMIC: ask the launch's counter (sched_ptr[1]) for a ticket, from lane 0; the answer is read by
+    `_ticket_value` an item later (a tensor atomic: the warp waits for it only there)."""
+    lane = gl.arange(0, 32, layout=_LANES)
+    # masked lanes point elsewhere: with one address for the warp ptxas aggregates the atomic and waits for it at once
+    ptrs = sched_ptr + gl.where(lane == 0, 1, 2)
+    return gl.atomic_add(ptrs, gl.full([32], 1, gl.int32, _LANES), mask=lane == 0, sem="relaxed")
+
+
+@gluon.jit
+def _ticket_value(answer):
+    """The ticket of a `_request_ticket` answer, in every lane."""
+    lane = gl.arange(0, 32, layout=_LANES)
+    return gl.max(gl.where(lane == 0, answer, -1), 0)
+
+
+@gluon.jit
+def _finish_tickets(sched_ptr):
+    """DYNAMIC, after this program's last ticket: count it done (sched_ptr[2]); the last program to finish
+    sets both counters back to zero for the next launch on the same plan (and the next CUDA-graph replay)."""
+    done = gl.atomic_add(sched_ptr + 2, 1, sem="acq_rel")
+    if done == gl.num_programs(0) - 1:
+        gl.store(sched_ptr + 1, 0)
+        gl.store(sched_ptr + 2, 0)
 
 
 @gluon.jit
@@ -168,32 +222,11 @@ def _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles,
     return user, kv_len, hi, r0
 
 
-@gluon.jit
-def _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG: gl.constexpr, layout: gl.constexpr):
-    """Warpgroup WG's 64 virtual rows of a tile → (candidate int64, token, row valid), in `layout`."""
-    entry = tile_ptr + tile * 4
-    first_slot = gl.load(entry + 1)
-    rows = gl.load(entry + 2) + WG * 64 + gl.arange(0, 64, layout=layout)
-    row_ok = rows < gl.load(entry + 3)
-    slot = rows // num_queries
-    token = rows - slot * num_queries
-    cand = gl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(gl.int64)  # padding rows: candidate 0
-    return cand, token, row_ok
-
-
-@gluon.jit
-def _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, item, num_tiles, num_queries,
-            WG: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Warpgroup WG's q rows of work item `item` → [64, d] registers (16-byte loads)."""
-    io: gl.constexpr = _io_layout(HEAD_DIM)
-    tile, head = _item_coords(item, num_tiles)
-    cand, token, _ = _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG, gl.SliceLayout(1, io))
-    rows = cand * stride_qb + head * stride_qh + token * stride_qs
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
-    return gl.load(q_ptr + (rows[:, None] + cols[None, :]))
-
-
 _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))  # a tile's 128 row offsets over the producer warp
+# an item's (kv_len, hi, r0, ·), whole in every thread of the producer warp / of a consumer warpgroup (no lane
+# arithmetic for LLVM to hoist into the kernel's entry, where it would be spilled across the register reallocation)
+_INFO_PRODUCER = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))
+_INFO_CONSUMER = gl.constexpr(gl.BlockedLayout([4], [32], [4], [0]))
 NO_ROW = gl.constexpr(-(2**62))  # output-row offset of a row that is not stored, with HAS_SELF (offsets may be negative)
 
 
@@ -227,14 +260,22 @@ def _self_rows(uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uo
 
 
 @gluon.jit
-def _gather_q(q_ptr, q_rows, o_rows, q_bufs, row_bufs, q_empty, phase, QS: gl.constexpr):
-    """Producer (GATHER): the tile's 128 q-row and output-row offsets into row_bufs[256·QS + (0 | 128) …],
-    then cp.async of each warpgroup's 64 q rows into q_bufs[2·w + QS], 8 rows at a time (16-byte copies;
-    the slot waits until both warpgroups released it)."""
+def _item_info(kv_len, hi, r0):
+    """An item's (valid keys, keys to visit, first self row) as the vector the consumers read (hi < 0: no more items)."""
+    idx = gl.arange(0, 4, layout=_INFO_PRODUCER)
+    return gl.where(idx == 0, kv_len, gl.where(idx == 1, hi, r0))
+
+
+@gluon.jit
+def _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, phase, QS: gl.constexpr):
+    """Producer: once both warpgroups released slot QS, the item's `_item_info` into item_info[QS] and its 128
+    q-row and output-row offsets into row_bufs[256·QS + (0 | 128) …], then cp.async of each warpgroup's 64 q
+    rows into q_bufs[2·w + QS], 8 rows at a time (16-byte copies)."""
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [1, 1], [1, 0])
     mbarrier.wait(q_empty.index(QS), phase)
     mbarrier.wait(q_empty.index(2 + QS), phase)
+    item_info.index(QS).store(_item_info(kv_len, hi, r0))
     row_bufs.slice(256 * QS, 128).store(q_rows)
     row_bufs.slice(256 * QS + 128, 128).store(o_rows)
     gl.thread_barrier()  # the warp's q-row offsets are in shared memory before its lanes read them back
@@ -250,7 +291,7 @@ def _gather_q(q_ptr, q_rows, o_rows, q_bufs, row_bufs, q_empty, phase, QS: gl.co
 
 @gluon.jit
 def _publish_q(q_ready, qs):
-    """Producer (GATHER): wait for this item's q copies, make them visible to wgmma, signal both warpgroups."""
+    """Producer: wait for this item's q copies, make them visible to wgmma, signal both warpgroups."""
     async_copy.wait_group(0)
     fence_async_shared()
     mbarrier.arrive(q_ready.index(qs), count=1)
@@ -258,60 +299,109 @@ def _publish_q(q_ready, qs):
 
 
 @gluon.jit
+def _stop_consumers(item_info, q_ready, q_empty, i):
+    """Producer, after its last item (i items done): 'no more items' (hi = -1) in the next q slot."""
+    qs = i % 2
+    phase = ((i // 2) & 1) ^ 1
+    mbarrier.wait(q_empty.index(qs), phase)
+    mbarrier.wait(q_empty.index(2 + qs), phase)
+    item_info.index(qs).store(_item_info(0, -1, -1))
+    gl.thread_barrier()  # every lane's part is in shared memory before the arrive
+    mbarrier.arrive(q_ready.index(qs), count=1)
+    mbarrier.arrive(q_ready.index(2 + qs), count=1)
+
+
+@gluon.jit
+def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr,
+                  kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh, stride_qs,
+                  stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
+                  uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
+                  num_users, num_self_tiles,
+                  HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
+    """The producer's part of the i-th item of this program (ring position `it`): its q rows and info into
+    q slot i % 2, then its K and V blocks into the ring. Returns the ring position after the item."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    user, kv_len, hi, r0 = _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles,
+                                      HAS_KV_LEN, HAS_SELF, CAUSAL)
+    kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
+    kv_row = (kv_offset // stride_kl).to(gl.int32)
+    kv_col = (kv_offset % stride_kl).to(gl.int32)
+    num_blocks = gl.cdiv(hi, BLOCK_N)
+    qs = i % 2
+    if HAS_SELF:
+        if r0 >= 0:
+            q_rows, o_rows = _self_rows(uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou,
+                                        stride_uoh, stride_uol, user, head, r0, seq_len)
+        else:
+            q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
+                                          tile_ptr, order_ptr, tile - num_self_tiles, head, num_queries, NO_ROW)
+    else:
+        q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
+                                      tile_ptr, order_ptr, tile, head, num_queries, -8)
+    if qs == 0:  # slot qs, unrolled: shared-memory slices take constant offsets
+        _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, ((i // 2) & 1) ^ 1, 0)
+    else:
+        _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, ((i // 2) & 1) ^ 1, 1)
+    for j in range(0, num_blocks):
+        slot = it % STAGES
+        phase = ((it // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
+        if j == 0:
+            _publish_q(q_ready, qs)
+        it += 1
+    if num_blocks == 0:
+        _publish_q(q_ready, qs)
+    return it
+
+
+@gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
               num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
               q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
-              q_bufs, row_bufs, q_ready, q_empty,
+              q_bufs, row_bufs, item_info, q_ready, q_empty,
               uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-              num_users, num_self_tiles,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, HAS_SELF: gl.constexpr,
-              CAUSAL: gl.constexpr):
-    """1 warp: every work item's K and V blocks into the ring (slots start free); with GATHER also
-    its q rows (issued before the item's first K/V block, published after it)."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+              num_users, num_self_tiles, sched_ptr,
+              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
+              DYNAMIC: gl.constexpr):
+    """1 warp: every work item of this program (`_produce_item`; slots start free), then 'no more items'.
+    Items: with DYNAMIC by ticket (`_ticket_coords`) while tickets last, each ticket asked for an item ahead,
+    else p, p + programs, …"""
     it = 0
     i = 0
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        tile, head = _item_coords(item, num_tiles)
-        user, kv_len, hi, r0 = _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles,
-                                          HAS_KV_LEN, HAS_SELF, CAUSAL)
-        kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
-        kv_row = (kv_offset // stride_kl).to(gl.int32)
-        kv_col = (kv_offset % stride_kl).to(gl.int32)
-        num_blocks = gl.cdiv(hi, BLOCK_N)
-        qs = i % 2
-        if GATHER:  # slot qs, unrolled: shared-memory slices take constant offsets
-            if HAS_SELF:
-                if r0 >= 0:
-                    q_rows, o_rows = _self_rows(uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou,
-                                                stride_uoh, stride_uol, user, head, r0, seq_len)
-                else:
-                    q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
-                                                  tile_ptr, order_ptr, tile - num_self_tiles, head, num_queries, NO_ROW)
-            else:
-                q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
-                                              tile_ptr, order_ptr, tile, head, num_queries, -8)
-            if qs == 0:
-                _gather_q(q_ptr, q_rows, o_rows, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 0)
-            else:
-                _gather_q(q_ptr, q_rows, o_rows, q_bufs, row_bufs, q_empty, ((i // 2) & 1) ^ 1, 1)
-        for j in range(0, num_blocks):
-            slot = it % STAGES
-            phase = ((it // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_bufs.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
-            if GATHER:
-                if j == 0:
-                    _publish_q(q_ready, qs)
-            it += 1
-        if GATHER:
-            if num_blocks == 0:
-                _publish_q(q_ready, qs)
-        i += 1
+    if DYNAMIC:
+        heads = num_items // num_tiles
+        ticket = _ticket_value(_request_ticket(sched_ptr))
+        answer = _request_ticket(sched_ptr)
+        while ticket < num_items:
+            tile, head = _ticket_coords(ticket, num_tiles, num_self_tiles, heads)
+            it = _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                               tile_ptr, kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh,
+                               stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs,
+                               item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta,
+                               stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN, STAGES, HAS_SELF,
+                               CAUSAL)
+            ticket = _ticket_value(answer)
+            answer = _request_ticket(sched_ptr)
+            i += 1
+        _stop_consumers(item_info, q_ready, q_empty, i)
+        if _ticket_value(answer) >= 0:  # the last answer in hand before this program counts itself done
+            _finish_tickets(sched_ptr)
+    else:
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            tile, head = _item_coords(item, num_tiles)
+            it = _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                               tile_ptr, kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh,
+                               stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs,
+                               item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta,
+                               stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN, STAGES, HAS_SELF,
+                               CAUSAL)
+            i += 1
+        _stop_consumers(item_info, q_ready, q_empty, i)
 
 
 @gluon.jit
@@ -373,31 +463,26 @@ def _mask_keys(s, first_key, kv_len, row_limit, HAS_SELF: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-              k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-              tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-              num_users, num_self_tiles,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr,
-              HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
-    """Consumer partition of warpgroup WG: `_consumer_items`. (A call, not its body: the inlined call's
-    debug label at the partition's start is part of the measured kernel's input to ptxas, which
-    otherwise names 13 registers of the worker's prologue differently at d = 64 without kv_len.)"""
-    _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_bufs, v_bufs,
-                    q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tile_ptr, order_ptr,
-                    kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale, num_users, num_self_tiles,
-                    HAS_KV_LEN, STAGES, GATHER, WG, HAS_SELF, CAUSAL)
+def _read_info(item_info, q_ready, i, WG: gl.constexpr):
+    """Consumer WG: wait for its i-th item's q rows, then the item's (kv_len, hi, r0) from the producer."""
+    qs = i % 2
+    mbarrier.wait(q_ready.index(2 * WG + qs), (i // 2) & 1)
+    idx = gl.arange(0, 4, layout=_INFO_CONSUMER)
+    info = item_info.index(qs).load(_INFO_CONSUMER)
+    lowest = -2147483648  # where idx is not the field
+    kv_len = gl.max(gl.where(idx == 0, info, lowest), 0)
+    hi = gl.max(gl.where(idx == 1, info, lowest), 0)
+    r0 = gl.max(gl.where(idx == 2, info, lowest), 0)
+    return kv_len, hi, r0
 
 
 @gluon.jit
-def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-                    k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                    tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                    num_users, num_self_tiles,
-                    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, WG: gl.constexpr,
-                    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warpgroup: rows [64·WG, 64·WG + 64) of every work item's tile, each item from block 0 (q·k_0ᵀ
-    alone) to its last P·V (alone) and its epilogue (see module doc). With HAS_SELF the self tiles come
-    first (GATHER only): causal rows see keys ≤ their position, rows past the user's history are zeros."""
+def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              turns, qk_scale, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
+    offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
+    epilogue (see module doc), until the producer says there are no more. With HAS_SELF, causal self rows
+    see keys ≤ their position, and rows past the user's history are zeros."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     dtype: gl.constexpr = k_bufs.dtype
@@ -407,17 +492,11 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    pid = gl.program_id(0)
-    step = gl.num_programs(0)
     it = 0  # K/V blocks consumed (ring position)
     turn = 0  # wgmma turns taken
-    i = 0  # work items done (q slot with GATHER)
-    if not GATHER:
-        q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, pid, num_tiles, num_queries, WG, HEAD_DIM)
-    for item in range(pid, num_items, step):
-        tile, head = _item_coords(item, num_tiles)
-        _, kv_len, hi, r0 = _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles,
-                                       HAS_KV_LEN, HAS_SELF, CAUSAL)
+    i = 0  # work items done (q slot i % 2)
+    kv_len, hi, r0 = _read_info(item_info, q_ready, i, WG)
+    while hi >= 0:
         num_blocks = gl.cdiv(hi, BLOCK_N)
         dense_end = kv_len  # keys below it are seen by every row of this warpgroup
         row_limit = gl.full([64], 2147483647, gl.int32, s_rows)  # last key a row sees (causal self rows)
@@ -427,17 +506,9 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
                 row_limit = gl.where(r0 >= 0, own_rows, 2147483647)
                 dense_end = gl.where(r0 >= 0, gl.minimum(kv_len, r0 + 64 * WG + 1), kv_len)
         qs = i % 2
-        if GATHER:  # the producer's copies of this item's q rows
-            q_smem = q_bufs.index(2 * WG + qs)
-            mbarrier.wait(q_ready.index(2 * WG + qs), (i // 2) & 1)
-        else:
-            q_smem = q_bufs.index(WG)
-            q_smem.store(q)
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's q rows are in shared memory before the wgmma reads them
+        q_smem = q_bufs.index(2 * WG + qs)
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
         l_i = gl.full([64], 1.0, gl.float32, s_rows)
-        next_item = gl.minimum(item + step, num_items - 1)
         if num_blocks > 0:
             # block 0: q·k_0ᵀ alone
             slot = it % STAGES
@@ -458,7 +529,7 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
                 acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_a,
                                             q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG,
                                             HAS_SELF)
-            # the last block's P·V; the next item's q rows load under it
+            # the last block's P·V
             it += num_blocks - 1
             turn += num_blocks
             slot = it % STAGES
@@ -466,52 +537,37 @@ def _consumer_items(q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, 
             mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
             acc_tok = warpgroup_mma(p_a, v_bufs.index(slot), acc, is_async=True)
             _pass_turn(turns, WG)
-            if not GATHER:
-                q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, next_item, num_tiles,
-                            num_queries, WG, HEAD_DIM)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
             mbarrier.arrive(v_empty.index(slot), count=1)
             it += 1
             turn += 1
-        else:
-            if not GATHER:
-                q = _load_q(q_ptr, stride_qb, stride_qh, stride_qs, tile_ptr, order_ptr, next_item, num_tiles,
-                            num_queries, WG, HEAD_DIM)
         # out rows = acc / l (zeros without keys), scattered back to [B, H, S, d]
         out = acc / gl.convert_layout(l_i, o_rows)[:, None]
         if HAS_SELF:  # self rows past the user's history are zeros
             rows_here = r0 + 64 * WG + gl.arange(0, 64, layout=o_rows)
             out = gl.where(((r0 < 0) | (rows_here < kv_len))[:, None], out, 0.0)
-        _store_rows(out.to(dtype), out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_queries, stride_ob,
-                    stride_oh, stride_os, qs, GATHER, WG, HAS_SELF)
-        if GATHER:
-            mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows and output-row offsets read
-        else:
-            gl.thread_barrier()  # every warp is done with q_smem's wgmmas before the next item overwrites it
+        _store_rows(out.to(dtype), out_ptr, row_bufs, qs, WG, HAS_SELF)
+        mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows, output-row offsets and info read
         i += 1
+        kv_len, hi, r0 = _read_info(item_info, q_ready, i, WG)
 
 
 @gluon.jit
-def _store_rows(out, out_ptr, row_bufs, tile_ptr, order_ptr, tile, head, num_queries, stride_ob, stride_oh, stride_os, qs,
-                GATHER: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr):
-    """Scatter warpgroup WG's output rows `out` [64, d] back to [B, H, S, d] (16-byte stores); with GATHER
-    the output-row offsets come from the producer (row_bufs, slot qs; -8 past the tile's end, NO_ROW with
-    HAS_SELF, whose user_out offsets may be negative)."""
+def _store_rows(out, out_ptr, row_bufs, qs, WG: gl.constexpr, HAS_SELF: gl.constexpr):
+    """Scatter warpgroup WG's output rows `out` [64, d] back to [B, H, S, d] (16-byte stores) at the
+    producer's output-row offsets (row_bufs, slot qs; -8 past the tile's end, NO_ROW with HAS_SELF, whose
+    user_out offsets may be negative)."""
     HEAD_DIM: gl.constexpr = out.type.shape[1]
     io: gl.constexpr = _io_layout(HEAD_DIM)
     out = gl.convert_layout(out, io)
-    if GATHER:
-        if qs == 0:  # (the alignment hint on each load: on the branches' result it is lost)
-            rows = gl.multiple_of(row_bufs.slice(128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
-        else:
-            rows = gl.multiple_of(row_bufs.slice(256 + 128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
-        if HAS_SELF:
-            row_ok = rows != NO_ROW
-        else:
-            row_ok = rows >= 0
+    if qs == 0:  # (the alignment hint on each load: on the branches' result it is lost)
+        rows = gl.multiple_of(row_bufs.slice(128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
     else:
-        cand, token, row_ok = _wg_rows(tile_ptr, order_ptr, tile, num_queries, WG, gl.SliceLayout(1, io))
-        rows = cand * stride_ob + head * stride_oh + token * stride_os
+        rows = gl.multiple_of(row_bufs.slice(256 + 128 + 64 * WG, 64).load(gl.SliceLayout(1, io)), 8)
+    if HAS_SELF:
+        row_ok = rows != NO_ROW
+    else:
+        row_ok = rows >= 0
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
     gl.store(out_ptr + (rows[:, None] + cols[None, :]), out, mask=row_ok[:, None])
 
@@ -525,28 +581,29 @@ def _attention_ws_kernel(
     stride_ku, stride_kh, stride_kl,
     kv_len_ptr,  # [U] int32/int64 (unused without HAS_KV_LEN)
     order_ptr, tile_ptr,  # from attention._plan_kernel at BLOCK_M = 128
+    sched_ptr,  # the plan's int32 words [flag, next ticket, programs done]: the last two zero, and left zero (DYNAMIC)
     num_items,  # tile slots × H
     num_tiles,  # tile slots (self tiles first)
     seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
     # HAS_SELF: user_q / user_out [U, H, L, d] lie uq_delta / uo_delta elements from q_ptr / out_ptr
     uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
     num_users, num_self_tiles,  # U, U · cdiv(L, 128) (0 without HAS_SELF)
-    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    """Persistent: program p runs work items p, p + programs, … (see module doc)."""
+    """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
-    gl.static_assert(GATHER or not HAS_SELF, "self tiles need GATHER")
     dtype: gl.constexpr = k_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     gl.static_assert(BLOCK_N == 128 or not HAS_SELF, "self tiles of 128 rows: one diagonal key block per tile")
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    # q rows of warpgroup w in slot 2·w + s (s: the item's parity) with GATHER, else in slot w; row offsets
-    # of slot s from the producer (GATHER): q rows at row_bufs[256·s …], output rows at [256·s + 128 …]
-    q_bufs = gl.allocate_shared_memory(dtype, [4 if GATHER else 2, 64, HEAD_DIM], k_desc.layout)
+    # q rows of warpgroup w in slot 2·w + s (s: the item's parity); row offsets of slot s: q rows at
+    # row_bufs[256·s …], output rows at [256·s + 128 …]; the item's (kv_len, hi, r0) at item_info[s]
+    q_bufs = gl.allocate_shared_memory(dtype, [4, 64, HEAD_DIM], k_desc.layout)
     row_bufs = gl.allocate_shared_memory(gl.int64, [512], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_info = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -554,9 +611,6 @@ def _attention_ws_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # the removed `fence` option's barrier, unused: kept because its init is part of the measured kernel's
-    # SASS (without it ptxas emits the prologue differently; docs/notes/attention.md, 2026-11-29 removal)
-    fence_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -564,7 +618,6 @@ def _attention_ws_kernel(
         mbarrier.init(v_empty.index(s), count=2)
     for w in gl.static_range(2):
         mbarrier.init(turns.index(w), count=1)
-    mbarrier.init(fence_bar, count=1)
     for s in gl.static_range(4):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(q_empty.index(s), count=1)
@@ -572,20 +625,16 @@ def _attention_ws_kernel(
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
-        (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-                     k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                     tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     num_users, num_self_tiles, HAS_KV_LEN, STAGES, GATHER, WG0, HAS_SELF, CAUSAL)),
-        (_consumer, (q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-                     k_bufs, v_bufs, q_bufs, row_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                     tile_ptr, order_ptr, kv_len_ptr, num_items, num_tiles, seq_len, num_queries, qk_scale,
-                     num_users, num_self_tiles, HAS_KV_LEN, STAGES, GATHER, WG1, HAS_SELF, CAUSAL)),
+        (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, turns, qk_scale, STAGES, WG0, HAS_SELF, CAUSAL)),
+        (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, turns, qk_scale, STAGES, WG1, HAS_SELF, CAUSAL)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
-                     num_queries, q_bufs, row_bufs, q_ready, q_empty,
+                     num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
                      uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                     num_users, num_self_tiles, HAS_KV_LEN, STAGES, GATHER, HAS_SELF, CAUSAL)),
+                     num_users, num_self_tiles, sched_ptr, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -619,8 +668,15 @@ def preferred_shape(num_candidates: int, num_users: int, num_queries: int, seq_l
     return num_queries >= 64 and seq_len >= 512 and rows_per_user >= MIN_ROWS_PER_USER
 
 
-def prefer_ws(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Where `kernels.attention`'s Triton path takes this kernel: `ws_supported` and `preferred_shape`."""
+MIN_RAGGED_SELF_SEQ = 1024  # L below which self + target with kv_len takes the Triton kernel
+
+
+def prefer_ws(q: torch.Tensor, k: torch.Tensor, kv_len: torch.Tensor | None = None, self_tiles: bool = False) -> bool:
+    """Where `kernels.attention`'s Triton path takes this kernel: `ws_supported` and `preferred_shape`; self +
+    target with kv_len only from L = MIN_RAGGED_SELF_SEQ (2026-11-30 08:00–08:04 UTC, H200, S = 64, ragged
+    kv_len, CUDA graphs, the Triton kernel's time over this one's: L = 1024 0.98–1.25×, L = 512 0.75–1.01×)."""
+    if self_tiles and kv_len is not None and k.shape[2] < MIN_RAGGED_SELF_SEQ:
+        return False
     return ws_supported(q, k) and preferred_shape(q.shape[0], k.shape[0], q.shape[2], k.shape[2])
 
 
@@ -639,15 +695,14 @@ def _kv_descriptors(k, v, block_n):
 
 
 def _rows_aligned(t: torch.Tensor) -> bool:
-    """Rows of t [·, ·, ·, d] copied and stored 16 bytes at a time: 16-byte aligned base, strides multiples of 8 elements."""
-    return t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
+    """Rows of t [·, ·, ·, d] copied and stored 16 bytes at a time: unit last stride, 16-byte aligned base,
+    other strides multiples of 8 elements."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
 
 
-def _with_gather(cfg: WSAttentionConfig) -> WSAttentionConfig:
-    """cfg fitted to self tiles: GATHER (with the default's register split where cfg had none) and key
-    blocks of TILE_M (one diagonal block per self tile; the default's ring depth where cfg had others)."""
-    if not cfg.gather:
-        cfg = replace(cfg, gather=True, consumer_regs=DEFAULT_CONFIG.consumer_regs, producer_regs=DEFAULT_CONFIG.producer_regs)
+def _for_self_tiles(cfg: WSAttentionConfig) -> WSAttentionConfig:
+    """cfg fitted to self tiles: key blocks of TILE_M (one diagonal block per self tile; the default's
+    ring depth where cfg had others)."""
     if cfg.block_n != TILE_M:
         cfg = replace(cfg, block_n=TILE_M, stages=DEFAULT_CONFIG.stages)
     return cfg
@@ -655,21 +710,21 @@ def _with_gather(cfg: WSAttentionConfig) -> WSAttentionConfig:
 
 def self_target_ws_ok(q, out, user_q, user_out) -> bool:
     """Whether `launch_ws` can take self tiles with these tensors: candidate query rows present (q's base
-    anchors the user_q offsets, and the launch is skipped without them), unit last strides, and every row
-    16-byte aligned (the self tiles need GATHER)."""
-    tensors = (q, out, user_q, user_out)
-    return q.shape[0] * q.shape[2] > 0 and all(t.stride(-1) == 1 and _rows_aligned(t) for t in tensors)
+    anchors the user_q offsets, and the launch is skipped without them), and every row 16-byte aligned
+    (q rows are copied 16 bytes at a time; only target-only launches copy unaligned tensors)."""
+    return q.shape[0] * q.shape[2] > 0 and all(_rows_aligned(t) for t in (q, out, user_q, user_out))
 
 
 def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | None = None, out=None, plan=None,
               on_plan=None, num_programs: int | None = None, user_q=None, user_out=None, causal: bool = True):
     """Target attention through `_attention_ws_kernel` for inputs that passed ikbo_attention's checks
     and `ws_supported`. q [B, H, S, d], k/v [U, H, L, d] (U ≥ 1); `plan` from
-    `attention.plan_tiles(..., block_m=TILE_M)` when one batch's grouping serves several calls;
-    `on_plan(flag)` between the two launches; `num_programs` overrides the persistent grid (tests).
-    With user_q [U, H, L, d] (and user_out, written in place; where `self_target_ws_ok`) the user's
-    own (causal) self-attention tiles run in the same launch over the same K/V, as
-    `attention.ikbo_self_target_attention`. Nothing here waits for the device.
+    `attention.plan_tiles(..., block_m=TILE_M)` when one batch's grouping serves several calls (not by
+    two launches at once: the kernel's item counter lives in it); `on_plan(flag)` between the two
+    launches; `num_programs` overrides the persistent grid (tests). With user_q [U, H, L, d] (and
+    user_out, written in place; where `self_target_ws_ok`) the user's own (causal) self-attention tiles
+    run in the same launch over the same K/V, as `attention.ikbo_self_target_attention`. q or out rows
+    that are not 16-byte aligned go through aligned copies. Nothing here waits for the device.
     Returns (out, flag): flag [1] int32 is 1 when an index value was out of range."""
     cfg = config or DEFAULT_CONFIG
     if user_q is not None and user_out is None:
@@ -688,31 +743,34 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         if user_q is not None:
             user_out.zero_()
         return out.zero_(), flag
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    if not _rows_aligned(q):
+        q = q.clone(memory_format=torch.contiguous_format)
+    dest = out if _rows_aligned(out) else torch.empty_like(q, memory_format=torch.contiguous_format)
     if user_q is not None:
-        cfg = _with_gather(cfg)
-    elif cfg.gather and not all(_rows_aligned(t) for t in (q, out)):
-        cfg = replace(cfg, gather=False)  # 16-byte copies and stores of rows
+        cfg = _for_self_tiles(cfg)
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n)
     num_self_tiles = 0 if user_q is None else num_users * triton.cdiv(seq_len, TILE_M)
     num_items = (num_self_tiles + max_tiles) * heads
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
-    uq, uo = (q, out) if user_q is None else (user_q, user_out)
+    uq, uo = (q, dest) if user_q is None else (user_q, user_out)
     elem = q.element_size()
     _attention_ws_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
-        out, out.stride(0), out.stride(1), out.stride(2),
+        dest, dest.stride(0), dest.stride(1), dest.stride(2),
         k_desc, v_desc, stride_ku, stride_kh, stride_kl,
-        order if kv_len is None else kv_len, order, tiles,
+        order if kv_len is None else kv_len, order, tiles, flag,
         num_items, num_self_tiles + max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
         (uq.data_ptr() - q.data_ptr()) // elem, uq.stride(0), uq.stride(1), uq.stride(2),
-        (uo.data_ptr() - out.data_ptr()) // elem, uo.stride(0), uo.stride(1), uo.stride(2),
+        (uo.data_ptr() - dest.data_ptr()) // elem, uo.stride(0), uo.stride(1), uo.stride(2),
         num_users, num_self_tiles,
-        HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages, GATHER=cfg.gather,
+        HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
+        DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
+    if dest is not out:
+        out.copy_(dest)
     return out, flag
 
 
@@ -722,7 +780,7 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
     `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
     cfg = config or DEFAULT_CONFIG
-    cfg = _with_gather(cfg) if has_self else cfg
+    cfg = _for_self_tiles(cfg) if has_self else cfg
     kernel = _attention_ws_kernel
     num_users, heads, seq_len, num_queries = 15, 4, 1024, 64
     q = torch.zeros(4, heads, num_queries, head_dim, dtype=dtype)
@@ -733,13 +791,14 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         q_ptr=q, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
         out_ptr=q, stride_ob=q.stride(0), stride_oh=q.stride(1), stride_os=q.stride(2),
         k_desc=k_desc, v_desc=v_desc, stride_ku=s_u, stride_kh=s_h, stride_kl=s_l,
-        kv_len_ptr=ints, order_ptr=ints, tile_ptr=ints, num_items=2108, num_tiles=527,
+        kv_len_ptr=ints, order_ptr=ints, tile_ptr=ints, sched_ptr=ints, num_items=2108, num_tiles=527,
         seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
         uq_delta=-(2**33), stride_uqu=k.stride(0), stride_uqh=k.stride(1), stride_uql=k.stride(2),
         uo_delta=2**33, stride_uou=k.stride(0), stride_uoh=k.stride(1), stride_uol=k.stride(2),
         num_users=num_users, num_self_tiles=num_users * 8 if has_self else 0,
     )
-    constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, GATHER=cfg.gather,
-                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal)
+    constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
+                      PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

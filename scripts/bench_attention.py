@@ -4,6 +4,7 @@
     scripts/bench_attention.py [--sweep full|corners|none] [--no-flex] [--tune] [--variants] [--smoke] [--host-cpu]   (or scripts/bench_kernels.py attention ...)
     scripts/bench_attention.py --ws      the Gluon FA3-style kernel (kernels/attention_ws.py) side by side
     scripts/bench_attention.py --ws-ab   its WS_AB variants against its default, in alternation, one process
+    scripts/bench_attention.py --ws-sched   its item scheduling (atomic counter / static) with ragged kv_len (SCHED_GRID)
     ncu --profile-from-start off ... scripts/bench_attention.py --ws-profile   PROFILE_RUNS, once each, for Nsight Compute
 
 Canonical shape, bf16, non-causal target attention: B=1024 candidates, S=64 query tokens each,
@@ -628,10 +629,10 @@ def sweep_section(points):
 # ---------------------------------------------------------------------------------------------
 
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
-    "ws default (128 keys, gather)": {},
-    "ws 128, no gather (the unaligned-rows fallback)": dict(gather=False),
+    "ws default (128 keys; static items here, no kv_len)": {},
+    "ws 128, items from the atomic counter": dict(dynamic=True),
 }
-WS_AB = ["ws default (128 keys, gather)", "ws 128, no gather (the unaligned-rows fallback)"]  # --ws-ab: the first is the reference
+WS_AB = list(WS_VARIANTS)  # --ws-ab: the first is the reference
 AB_ROUNDS = 3
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [
@@ -840,6 +841,48 @@ def ws_profile():
     print("profiled (in order):", [f"{name} at {shape}" for shape, name in PROFILE_RUNS], flush=True)
 
 
+SCHED_GRID = [(op, length, d, ratio) for op in ("target", "self+target") for length in (512, 1024) for d in (64, 128)
+              for ratio in (16, 70)]  # --ws-sched: S = 64, H = 4, B = 1024, ragged kv_len
+
+
+def ws_sched_section():
+    """--ws-sched: the Gluon kernel's items from the atomic counter (dynamic) against the static order and the
+    Triton kernel (pick_config), with ragged kv_len, target and causal self + target, as CUDA-graph replays of
+    plan + kernel; the dynamic outputs checked against fp64 first. Returns the table lines."""
+    from kernels import attention_ws
+
+    configs = {"dynamic": attention_ws.WSAttentionConfig(dynamic=True), "static": attention_ws.WSAttentionConfig(dynamic=False)}
+    lines = _ws_header("Gluon kernel: items from the atomic counter vs the static order vs the Triton kernel, ragged kv_len", "")
+    lines += ["| op | L | d | B/U | dynamic ms | static ms | Triton ms | Triton / dynamic | Triton / static | rel err (dynamic) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for op, length, head_dim, ratio in SCHED_GRID:
+        shape = Shape(round(SWEEP_CANDIDATES / ratio), SWEEP_CANDIDATES, 64, length, 4, head_dim)
+        p = make_problem(shape, seed=length + head_dim + ratio, with_user_q=op != "target")
+        kv_len = torch.randint(0, length + 1, (shape.num_users,), device=DEVICE, dtype=torch.int32)
+        args = (p["q"], p["k"], p["v"], p["cand_to_user"], kv_len, 1 / math.sqrt(head_dim))
+        out = torch.full_like(p["q"], float("nan"))
+        user_out = None if p["user_q"] is None else torch.full_like(p["user_q"], float("nan"))
+        extra = {} if user_out is None else dict(user_q=p["user_q"], user_out=user_out)
+        tile = attention.pick_config(shape.num_candidates * 64 / shape.num_users + (length if user_out is not None else 0), False)
+        runs = {name: (lambda cfg=cfg: attention_ws.launch_ws(*args, cfg, out=out, **extra)) for name, cfg in configs.items()}
+        runs["Triton"] = lambda: attention._launch(*args, p["user_q"], True, config=tile, out=out, user_out=user_out)
+        runs["dynamic"]()
+        if user_out is None:
+            err = f"{rel_err(out, ikbo_attention(*(t.double() for t in args[:3]), p['cand_to_user'], kv_len, backend='torch')):.1e}"
+        else:
+            ref_user, ref_cand = ikbo_self_target_attention(p["user_q"].double(), *(t.double() for t in args[:3]), p["cand_to_user"],
+                                                            kv_len, backend="torch")
+            err = f"user {rel_err(user_out, ref_user):.1e}, cand {rel_err(out, ref_cand):.1e}"
+            del ref_user, ref_cand
+        ms = {name: graph_ms(fn) for name, fn in runs.items()}
+        lines.append(f"| {op} | {length} | {head_dim} | {ratio} | {ms['dynamic']:.4f} | {ms['static']:.4f} | {ms['Triton']:.4f} | "
+                     f"{ms['Triton'] / ms['dynamic']:.2f} | {ms['Triton'] / ms['static']:.2f} | {err} |")
+        print(lines[-1], flush=True)
+        del p, out, user_out
+        torch.cuda.empty_cache()
+    return lines
+
+
 def _driver_version() -> str:
     import subprocess
 
@@ -950,6 +993,7 @@ def main(argv):
     parser.add_argument("--ws", action="store_true", help="the Gluon kernel's variants against the Triton kernel, then exit")
     parser.add_argument("--ws-ab", action="store_true", help="the Gluon kernel's WS_AB variants in alternation, then exit")
     parser.add_argument("--ws-profile", action="store_true", help="PROFILE_RUNS once each for ncu, then exit")
+    parser.add_argument("--ws-sched", action="store_true", help="the Gluon kernel's item scheduling with ragged kv_len, then exit")
     parser.add_argument("--ws-child", help=argparse.SUPPRESS)
     parser.add_argument("--ws-phase", choices=("check", "time", "ab"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -967,6 +1011,9 @@ def main(argv):
         return
     if args.ws_profile:
         ws_profile()
+        return
+    if args.ws_sched:
+        print("\n".join(ws_sched_section()), flush=True)
         return
     if args.host_cpu:
         print("\n".join(host_cpu()))

@@ -7,7 +7,8 @@ Triton cannot compile Gluon for CUDA. Gluon does not run under TRITON_INTERPRET,
 CPU can check. GPU (skipped without a Hopper device): bf16 and fp16 outputs
 poisoned with NaN, fresh random inputs, ragged counts, kv_len < L and 0, L not a multiple of the
 key block, users without candidates, S > 64 and S = 1, d = 64, through `launch_ws` for every
-config and through the public op's dispatch (the fp64 reference computed once per case and dtype).
+config (items handed out by the atomic counter or statically) and through the public op's dispatch
+(the fp64 reference computed once per case and dtype); the counter left zero for the next launch.
 """
 
 from __future__ import annotations
@@ -35,14 +36,10 @@ from kernels.attention_ws import (
 )
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-NO_GATHER = WSAttentionConfig(gather=False, consumer_regs=232, producer_regs=24)  # H200 call 1's structure
-CONFIGS = [
-    DEFAULT_CONFIG,  # 128 keys, gather
-    WSAttentionConfig(gather=False),  # launch_ws's fallback for rows not 16-byte aligned
-    NO_GATHER,
-    WSAttentionConfig(block_n=64, stages=4, gather=False, consumer_regs=232, producer_regs=24),
-]
-CONFIG_IDS = ["default", "fallback-no-gather", "no-gather", "64-no-gather"]
+DYNAMIC = WSAttentionConfig(dynamic=True)  # items from the atomic counter (the default's with kv_len or self tiles)
+STATIC = WSAttentionConfig(dynamic=False)  # program p takes items p, p + programs, … (the default's otherwise)
+CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4)]
+CONFIG_IDS = ["default", "dynamic", "static", "64-keys"]
 
 
 def _cuobjdump():
@@ -167,7 +164,7 @@ def test_cuda_launch_ws_matches_fp64(case, dtype, config):
 def test_cuda_few_programs_many_items():
     """Two programs loop over every work item: the ring's and the turns' phases wrap many times."""
     q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[1], torch.bfloat16, seed=3)
-    for config in (DEFAULT_CONFIG, NO_GATHER):
+    for config in (DYNAMIC, STATIC):
         out = torch.full_like(q, float("nan"))
         launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, num_programs=2)
         _check(out, ref)
@@ -207,20 +204,46 @@ def test_cuda_growing_scores(head_dim, dtype):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-def test_cuda_gather_falls_back_on_unaligned_rows():
-    """q rows whose strides are not multiples of 8 elements: the producer cannot copy them 16 bytes at
-    a time, so launch_ws runs without gather (and is right)."""
+def test_cuda_unaligned_rows_go_through_copies():
+    """q rows whose strides are not multiples of 8 elements, and an output whose rows start 4 bytes in:
+    the producer copies rows 16 bytes at a time, so launch_ws works on aligned copies (and is right)."""
     q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[3], torch.bfloat16, seed=5)
     wide = torch.randn(q.shape[0], q.shape[1], q.shape[2], q.shape[3] + 4, device="cuda").to(q.dtype)
     wide[..., : q.shape[3]] = q
     out = torch.full_like(q, float("nan"))
     launch_ws(wide[..., : q.shape[3]], k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out)
     _check(out, ref)
+    out_wide = torch.full_like(wide, float("nan"))
+    shifted = out_wide[..., 2 : 2 + q.shape[3]]
+    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=shifted)
+    _check(shifted, ref)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+def test_cuda_item_counter_left_zero_for_the_next_launch():
+    """The atomic item counter lives in the plan (words 1–2 after the flag): each launch leaves it zero, so
+    one plan serves launch after launch (target, then self + target, on fewer programs than items), each
+    right; a plan whose counter was not zero would skip items (NaN left in the output)."""
+    from kernels.attention_ws import TILE_M
+
+    user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand = _self_problem(SELF_CASES[1], torch.bfloat16, seed=7)
+    plan = attention.plan_tiles(mapping, k.shape[0], q.shape[2], TILE_M, kv_len, k.shape[2])
+    words = plan[3].as_strided((3,), (1,))  # [flag, next ticket, programs done] of the plan's buffer
+    for num_programs in (None, 5, None):
+        out, user_out = torch.full_like(q, float("nan")), torch.full_like(user_q, float("nan"))
+        launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out, plan=plan, num_programs=num_programs)
+        _check(out, ref_cand)
+        out.fill_(float("nan"))
+        launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out, plan=plan, num_programs=num_programs,
+                  user_q=user_q, user_out=user_out, causal=causal)
+        _check(out, ref_cand)
+        _check(user_out, ref_user)
+        assert words[1:].tolist() == [0, 0]
 
 
 def test_public_op_dispatch_rule():
     """The public op takes this kernel only on CUDA Hopper inputs of the measured shapes: S ≥ 64, L ≥ 512
-    and at least MIN_ROWS_PER_USER query rows a user."""
+    and at least MIN_ROWS_PER_USER query rows a user; self + target with kv_len from L = MIN_RAGGED_SELF_SEQ."""
     from kernels.attention_ws import MIN_ROWS_PER_USER, prefer_ws, preferred_shape
 
     q = torch.zeros(8, 1, 64, 128, dtype=torch.bfloat16)
@@ -229,6 +252,11 @@ def test_public_op_dispatch_rule():
     assert not preferred_shape(1024, 1024, 64, 1024)  # B/U = 1: 64 rows a user
     assert preferred_shape(MIN_ROWS_PER_USER // 64, 1, 64, 512) and not preferred_shape(MIN_ROWS_PER_USER // 64 - 1, 1, 64, 512)
     assert not preferred_shape(1024, 15, 8, 1024) and not preferred_shape(1024, 15, 64, 256)
+    # self + target with kv_len below MIN_RAGGED_SELF_SEQ: the Triton kernel, whatever the device
+    from kernels.attention_ws import MIN_RAGGED_SELF_SEQ
+
+    short = torch.zeros(15, 1, MIN_RAGGED_SELF_SEQ - 1, 128, dtype=torch.bfloat16)
+    assert not prefer_ws(q, short, torch.zeros(15, dtype=torch.int32), self_tiles=True)
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -288,9 +316,11 @@ def test_cuda_self_target_matches_fp64(case, dtype, num_programs):
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 def test_cuda_public_self_target_dispatches_here(monkeypatch):
-    """ikbo_self_target_attention at a preferred shape without kv_len runs launch_ws with the self tiles,
-    and is right; with kv_len, or with unaligned user_q rows, it takes the Triton kernel, also right."""
+    """ikbo_self_target_attention at a preferred shape runs launch_ws with the self tiles, without kv_len and
+    with kv_len from L = MIN_RAGGED_SELF_SEQ, and is right; with kv_len below it, or with unaligned user_q rows,
+    it takes the Triton kernel, also right."""
     from kernels import attention_ws
+    from kernels.attention_ws import MIN_RAGGED_SELF_SEQ
 
     calls = []
     original = attention_ws.launch_ws
@@ -301,19 +331,25 @@ def test_cuda_public_self_target_dispatches_here(monkeypatch):
     assert calls == [True]
     _check(user_out, ref_user)
     _check(cand_out, ref_cand)
-    # with kv_len (ragged histories) the untuned op keeps the Triton kernel's fused grid
+    # with kv_len (ragged histories) below L = MIN_RAGGED_SELF_SEQ the untuned op keeps the Triton kernel's fused grid
     ragged = _self_problem(SELF_CASES[1], torch.bfloat16, seed=3)
+    assert ragged[2].shape[2] < MIN_RAGGED_SELF_SEQ
     user_out, cand_out = attention.ikbo_self_target_attention(*ragged[:6], causal=ragged[6], backend="triton")
     assert calls == [True]
     _check(user_out, ragged[7])
     _check(cand_out, ragged[8])
+    long_ragged = _self_problem((15, 600, 64, MIN_RAGGED_SELF_SEQ, 2, 128, "ragged", 2, True), torch.bfloat16, seed=4)
+    user_out, cand_out = attention.ikbo_self_target_attention(*long_ragged[:6], causal=True, backend="triton")
+    assert calls == [True, True]
+    _check(user_out, long_ragged[7])
+    _check(cand_out, long_ragged[8])
     wide = torch.zeros(*user_q.shape[:3], user_q.shape[3] + 4, device="cuda", dtype=user_q.dtype)
     wide[..., : user_q.shape[3]] = user_q
     unaligned = wide[..., 2 : 2 + user_q.shape[3]]  # rows start 4 bytes in: not 16-byte aligned
     unaligned.copy_(user_q)
     assert not self_target_ws_ok(q, q, unaligned, user_q)
     user_out, cand_out = attention.ikbo_self_target_attention(unaligned, q, k, v, mapping, kv_len, causal=causal, backend="triton")
-    assert calls == [True]
+    assert calls == [True, True]
     _check(user_out, ref_user)
     _check(cand_out, ref_cand)
 
