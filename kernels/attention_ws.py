@@ -377,31 +377,29 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
         heads = num_items // num_tiles
         ticket = _ticket_value(_request_ticket(sched_ptr))
         answer = _request_ticket(sched_ptr)
-        while ticket < num_items:
+    else:
+        ticket = gl.program_id(0)
+    while ticket < num_items:
+        if DYNAMIC:
             tile, head = _ticket_coords(ticket, num_tiles, num_self_tiles, heads)
-            it = _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                               tile_ptr, kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh,
-                               stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs,
-                               item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta,
-                               stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN, STAGES, HAS_SELF,
-                               CAUSAL)
+        else:
+            tile, head = _item_coords(ticket, num_tiles)
+        it = _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                           tile_ptr, kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh,
+                           stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs,
+                           item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta,
+                           stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN, STAGES, HAS_SELF,
+                           CAUSAL)
+        if DYNAMIC:
             ticket = _ticket_value(answer)
             answer = _request_ticket(sched_ptr)
-            i += 1
-        _stop_consumers(item_info, q_ready, q_empty, i)
+        else:
+            ticket += gl.num_programs(0)
+        i += 1
+    _stop_consumers(item_info, q_ready, q_empty, i)
+    if DYNAMIC:
         if _ticket_value(answer) >= 0:  # the last answer in hand before this program counts itself done
             _finish_tickets(sched_ptr)
-    else:
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            tile, head = _item_coords(item, num_tiles)
-            it = _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                               tile_ptr, kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh,
-                               stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs,
-                               item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta,
-                               stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN, STAGES, HAS_SELF,
-                               CAUSAL)
-            i += 1
-        _stop_consumers(item_info, q_ready, q_empty, i)
 
 
 @gluon.jit
