@@ -43,9 +43,9 @@ user_q, user_out (`self_target_ws_ok`) and 128-key blocks.
 H200, canonical shape, CUDA-graph replays (2026-11-30 08:00 / 08:03 UTC): fused 0.300–0.314 ms with
 dynamic items against 0.307–0.320 for SDPA's causal self plus this kernel's target launch apart (0.97–0.98×),
 and 0.38 for the Triton kernel's fused grid (06:30 UTC). With ragged kv_len (S = 64, B/U 16 and 70,
-L 512 and 1024, d 64 and 128), the Triton kernel's time over this one's: dynamic items 0.75–1.25 (self +
+L 512 and 1024, d 64 and 128, three calls), the Triton kernel's time over this one's: dynamic items 0.75–1.27 (self +
 target) and 0.93–1.27 (target), the static order 0.64–1.11 and 0.86–1.22; so `prefer_ws` sends self +
-target with kv_len here only from L = 1024 (0.98–1.25 there). Where it still loses: with < 256 query rows a
+target with kv_len here only from L = 1024 (0.98–1.27 there). Where it still loses: with < 256 query rows a
 user (padded 128-row tiles), and with short items (L = 512, d = 64: block 0 and the last P·V of an item
 overlap nothing).
 Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}; the public ops take it where
@@ -671,8 +671,9 @@ MIN_RAGGED_SELF_SEQ = 1024  # L below which self + target with kv_len takes the 
 
 def prefer_ws(q: torch.Tensor, k: torch.Tensor, kv_len: torch.Tensor | None = None, self_tiles: bool = False) -> bool:
     """Where `kernels.attention`'s Triton path takes this kernel: `ws_supported` and `preferred_shape`; self +
-    target with kv_len only from L = MIN_RAGGED_SELF_SEQ (2026-11-30 08:00–08:04 UTC, H200, S = 64, ragged
-    kv_len, CUDA graphs, the Triton kernel's time over this one's: L = 1024 0.98–1.25×, L = 512 0.75–1.01×)."""
+    target with kv_len only from L = MIN_RAGGED_SELF_SEQ (2026-11-30 07:59–08:09 UTC, H200, S = 64, ragged
+    kv_len, CUDA graphs, three calls, the Triton kernel's time over this one's: L = 1024 0.98–1.27×, L = 512
+    0.75–1.03×)."""
     if self_tiles and kv_len is not None and k.shape[2] < MIN_RAGGED_SELF_SEQ:
         return False
     return ws_supported(q, k) and preferred_shape(q.shape[0], k.shape[0], q.shape[2], k.shape[2])
