@@ -223,7 +223,7 @@ def test_cuda_unaligned_rows_go_through_copies():
 def test_cuda_item_counter_left_zero_for_the_next_launch():
     """The atomic item counter lives in the plan (words 1–2 after the flag): each launch leaves it zero, so
     one plan serves launch after launch (target, then self + target, on fewer programs than items), each
-    right; a plan whose counter was not zero would skip items (NaN left in the output)."""
+    right; a plan whose tickets are all taken computes nothing."""
     from kernels.attention_ws import TILE_M
 
     user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand = _self_problem(SELF_CASES[1], torch.bfloat16, seed=7)
@@ -239,6 +239,14 @@ def test_cuda_item_counter_left_zero_for_the_next_launch():
         _check(out, ref_cand)
         _check(user_out, ref_user)
         assert words[1:].tolist() == [0, 0]
+    # the items really come from the counter: with every ticket already taken, nothing is computed (and the
+    # counter is zero again after the launch)
+    words[1] = 1 << 30
+    out = torch.full_like(q, float("nan"))
+    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out, plan=plan)
+    torch.cuda.synchronize()
+    assert bool(torch.isnan(out).all())
+    assert words[1:].tolist() == [0, 0]
 
 
 def test_public_op_dispatch_rule():
