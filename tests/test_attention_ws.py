@@ -306,17 +306,19 @@ def _self_problem(case, dtype, seed):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", [DEFAULT_CONFIG, STATIC], ids=["default", "static"])
 @pytest.mark.parametrize("num_programs", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", SELF_CASES)
-def test_cuda_self_target_matches_fp64(case, dtype, num_programs):
+def test_cuda_self_target_matches_fp64(case, dtype, num_programs, config):
     """Self tiles (causal or not, longest first) and target tiles in one launch, outputs NaN-poisoned:
     user rows past kv_len are zeros, rows see keys ≤ their position, users without keys give zeros; on
-    the full grid and on 3 programs (every ring, q-slot and turn phase wraps across item kinds)."""
+    the full grid and on 3 programs (every ring, q-slot and turn phase wraps across item kinds); items from
+    the counter (the default with self tiles) and in the static order."""
     user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand = _self_problem(case, dtype, seed=hash(case) % 1000)
     out, user_out = torch.full_like(q, float("nan")), torch.full_like(user_q, float("nan"))
     assert self_target_ws_ok(q, out, user_q, user_out)
-    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out, user_q=user_q, user_out=user_out,
+    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, user_q=user_q, user_out=user_out,
               causal=causal, num_programs=num_programs)
     _check(user_out, ref_user)
     _check(out, ref_cand)
