@@ -24,13 +24,14 @@ Triton path, four stages of the IKBO co-design, each selectable (`variant=`):
         candidate tile's epilogue waits on its user tile's flag (set with release semantics after
         the tile is stored). Loops are software-pipelined across tiles (`flatten=True`). Inside a
         CUDA-graph capture the op takes s3 (s4's per-call epoch would be frozen into the graph).
-With no `variant`, `default_variant(U, B)` picks s4 or s3, whichever measured faster (H200).
-    s6  (explicit `variant="s6"` only) the candidate GEMM + fused epilogue as a warp-specialized
-        persistent Gluon kernel, `kernels/linear_compress_ws.py` (Hopper, fp16/bf16); s3 where it
-        does not run. On the H200 the fastest variant at every measured B ≥ 256 (canonical 0.283
-        vs s4 0.359 ms), slower eager at B = 64 (host time); the served model's shape buckets and
-        tuning (ikbo_backend/shape_spec.py) know s3/s4 only, so `default_variant` does not pick it
-        (docs/notes/lce.md).
+    s6  the candidate GEMM + fused epilogue as a warp-specialized persistent Gluon kernel,
+        `kernels/linear_compress_ws.py` (Hopper, fp16/bf16; s3 where it does not run). On the H200 the
+        fastest variant at every measured B ≥ 256 (canonical 0.27–0.28 ms against s4's 0.355), slower
+        eager at B = 64 (host time) (docs/notes/lce.md).
+With no `variant` (and nothing tuned), `default_variant(U, B, s6_runs)` picks s6 where it runs and
+B ≥ WS_MIN_CANDIDATES, else s4 or s3, whichever measured faster (H200). The served model's shape
+buckets are keyed on the s3/s4 choice, and its tuner times s6 beside them on a Hopper GPU
+(ikbo_backend/shape_spec.py), so a served model launches what its tuner chose, s6 included.
 Triton 3.6's Hopper warp specialization (`tl.range(..., warp_specialize=True)`) compiles for s2/s3
 but hung on the H200; it is off by default (TileConfig.warp_specialize, docs/notes/lce.md).
 Y_u is kept in the output dtype. Activations whose rows are not 16-byte aligned (odd D) fall back
@@ -62,6 +63,7 @@ _CONFIG_CHOICE: dict = {}  # (variant, dtype, D, device) → the first config of
 _TUNED: dict = {}  # (device, dtype, Ku, Kc, N, D) → lookup(U, B) → (variant, TileConfig) or None: set_tuned_configs
 S4_MIN_CANDIDATES_PER_USER = 32  # default variant, from the H200 sweep (docs/notes/lce.md): see default_variant
 SMALL_BATCH = 256  # at most this many candidates: s4 from B/U ≥ 4 (one launch, less host time)
+WS_MIN_CANDIDATES = 256  # default variant s6 from here where it runs (H200: fastest at every B ≥ 256 measured)
 K_ALIGN = 8  # weight columns padded to a multiple of this at pack time (16 bytes in 16-bit types)
 
 
@@ -389,13 +391,18 @@ def _num_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_variant(num_users: int, num_candidates: int) -> str:
-    """s4 (one persistent launch) where it measured faster on the H200, else s3 (two launches).
+def default_variant(num_users: int, num_candidates: int, s6_runs: bool = False) -> str:
+    """s6 where it runs (`s6_runs`: linear_compress_ws.s6_supported) from B = WS_MIN_CANDIDATES up;
+    else s4 (one persistent launch) where it measured faster on the H200, else s3 (two launches).
 
+    s6 was the fastest variant at every measured B ≥ 256 (5–25 % under the best of s3/s4; at
+    B = 256, U = 4 level with s3); at B = 64 its two launches make it slower eager (host time).
     s4 wins from B/U ≈ 64 up (at B/U = 16 s3 is 2–4% faster: s4's user phase, U·N/128 tiles of
     depth Ku, runs ahead of every candidate tile), and on small batches (B ≤ 256, B/U ≥ 4) where
     one launch instead of two halves the host's share. At B/U = 1 s3 is up to 1.7× faster.
     """
+    if s6_runs and num_candidates >= WS_MIN_CANDIDATES:
+        return WS_VARIANT
     if num_candidates >= S4_MIN_CANDIDATES_PER_USER * num_users:
         return "s4"
     if num_candidates <= SMALL_BATCH and num_candidates >= 4 * num_users:
@@ -454,7 +461,11 @@ class PackedLinearCompress:
         if variant is None and _TUNED:
             lookup = _TUNED.get((user_emb.device, user_emb.dtype, num_user_tokens, num_cand_tokens, self.cand_weight.shape[0], dim))
             tuned = lookup(num_users, num_candidates) if lookup is not None else None
-        variant, config = tuned if tuned is not None else (default_variant(num_users, num_candidates) if variant is None else variant, None)
+        if tuned is not None:
+            variant, config = tuned
+        else:
+            variant = default_variant(num_users, num_candidates, self._s6_runs(user_emb, cand_emb)) if variant is None else variant
+            config = None
         if variant not in VARIANTS + (WS_VARIANT,):
             raise ValueError(f"variant: expected one of {VARIANTS + (WS_VARIANT,)}, got {variant!r}")
         chosen = resolve_backend(backend, user_emb.device, triton_available=True)
@@ -481,6 +492,15 @@ class PackedLinearCompress:
             return out
         check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
         return _linear_compress_torch(user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias)
+
+    @staticmethod
+    def _s6_runs(user_emb, cand_emb) -> bool:
+        """Whether s6 would run these checked inputs (a Hopper GPU in 16 bit, TMA-able rows)."""
+        if not cand_emb.is_cuda or cand_emb.dtype not in (torch.float16, torch.bfloat16) or _interpreting():
+            return False
+        from .linear_compress_ws import s6_supported  # Gluon (Hopper); imported on first use
+
+        return s6_supported(user_emb, cand_emb)
 
     def _triton(self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None):
         """The Triton path for checked inputs.

@@ -12,7 +12,8 @@ consumer waiting mostly for ring data (cand_emb from HBM, 3 slots = 2 steps of l
 for wgmma or barriers. Measured on the H200, not faster, and removed (code in git, docs/notes/lce.md,
 "s6's slower knobs removed"): two wgmma groups in flight, the deferred epilogue (± Y_u), split consumer
 partitions, the candidate-major tile order, the column-chunked epilogue with a 4th ring stage.
-Reached through `PackedLinearCompress(..., variant="s6")`; the served model tries it as a tuning
+Reached through `PackedLinearCompress(..., variant="s6")`, and with no variant from B = WS_MIN_CANDIDATES
+(`linear_compress.default_variant`); the served model tries it as a tuning
 candidate of every LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
 
 Why: at the canonical shape each [128, 256] output tile has only 8 K steps of 64 (Kc = 500), so the

@@ -260,6 +260,39 @@ def test_gpu_public_variant_s6_and_fallback():
         assert ((out.double() - ref).norm() / ref.norm()).item() <= tol, (dtype, dim)
 
 
+def test_default_variant_takes_s6_where_it_runs():
+    """Untuned, the op takes s6 where it runs from WS_MIN_CANDIDATES candidates up, else s3/s4 as before."""
+    from kernels.linear_compress import WS_MIN_CANDIDATES, default_variant
+
+    for users, cands in ((15, 1024), (1, WS_MIN_CANDIDATES), (WS_MIN_CANDIDATES, WS_MIN_CANDIDATES), (241, 16384)):
+        assert default_variant(users, cands, s6_runs=True) == "s6", (users, cands)
+        assert default_variant(users, cands) in ("s3", "s4"), (users, cands)
+    for users, cands in ((1, WS_MIN_CANDIDATES - 1), (64, 64), (16, 64)):
+        assert default_variant(users, cands, s6_runs=True) == default_variant(users, cands), (users, cands)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype, num_candidates, dim, expect_s6", [
+    (torch.bfloat16, 1024, 256, True),
+    (torch.float16, 300, 128, True),
+    (torch.bfloat16, 200, 256, False),  # under WS_MIN_CANDIDATES
+    (torch.bfloat16, 600, 100, False),  # D·2 bytes not a multiple of 16: s6 does not run
+    (torch.float32, 600, 256, False),
+])
+def test_gpu_public_default_dispatch(monkeypatch, dtype, num_candidates, dim, expect_s6):
+    """With no variant and nothing tuned the public op launches s6 exactly where default_variant says so,
+    and the result matches fp64 either way."""
+    launched = []
+    real = ws.lce_s6
+    monkeypatch.setattr(ws, "lce_s6", lambda *a, **k: launched.append(1) or real(*a, **k))
+    shape = (15, num_candidates, 96, 72, dim, 256, True, 1)
+    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, 41)
+    out = packed(user_emb, cand_emb, cand_to_user, backend="triton")
+    tol = 1e-3 if dtype == torch.float32 else BF16_TOL
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= tol
+    assert bool(launched) == expect_s6
+
+
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 def test_gpu_s6_cuda_graph():
     """s6 captured in a CUDA graph (no per-call state): replays with new inputs copied in place are right."""
