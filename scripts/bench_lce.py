@@ -166,6 +166,7 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
         table[f"Triton {variant}"] = triton_provider(packed, args, variant)
     if has_s6(p):
         table["Triton s6 (Gluon, warp-specialized)"] = triton_provider(packed, args, "s6")
+    table["public op (input checks, untuned default variant)"] = lambda: packed(*args)
     if with_configs == "all":
         for variant, cfg in EXTRA_CONFIGS:
             name = f"Triton {variant} {cfg.block_m}x{cfg.block_d}x{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
@@ -330,8 +331,8 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
     graph_head = " S0 graph ms | s3 graph ms | s6 graph ms |" if with_graph else ""
     lines = [
         "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s6 ms | best Triton × S0 | floor ms "
-        "| best % of floor | rel err s3 / s4 / s6 |" + graph_head,
-        "|" + " ---: |" * 10 + " --- |" + " ---: |" * 3 * with_graph,
+        "| best % of floor | rel err s3 / s4 / s6 | public op ms (default variant) |" + graph_head,
+        "|" + " ---: |" * 10 + " --- | ---: |" + " ---: |" * 3 * with_graph,
     ]
     raw = []
     shape = dict(base_shape)
@@ -352,6 +353,7 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
             ("s3", lambda out=None, up=None: packed._triton(*args, "s3", out=out, user_part=up)),
             ("s4", lambda out=None, up=None: packed._triton(*args, "s4", out=out, user_part=up)),
             ("s6", lambda out=None, up=None: lce_s6(packed, *args, out=out, user_part=up)),
+            ("op", lambda: packed(*args)),
         ]:
             if name == "s6" and not has_s6(p):
                 times[name] = float("nan")
@@ -359,6 +361,8 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
             try:
                 if name in ("s3", "s4", "s6"):
                     errs[name] = check("Triton " + name, fn, p, ref, head)
+                elif name == "op":
+                    errs[name] = check(name, fn, p, ref, head)
                 times[name] = time_ms(fn)
             except Exception as exc:
                 log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
@@ -377,6 +381,7 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
             f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s6']:.4f} | {times['S0'] / best:.2f} | "
             f"{floor:.4f} | {100 * floor / best:.0f}% | "
             + " / ".join(f"{errs.get(k, float('nan')):.1e}" for k in ("s3", "s4", "s6"))
+            + f" | {times['op']:.4f}" + (" (rel err {:.1e})".format(errs["op"]) if errs.get("op", 0) > 1e-2 else "")
             + " |" + graph
         )
         log(lines[-1])
