@@ -496,7 +496,7 @@ class PackedLinearCompress:
     @staticmethod
     def _s6_runs(user_emb, cand_emb) -> bool:
         """Whether s6 would run these checked inputs (a Hopper GPU in 16 bit, TMA-able rows)."""
-        if not cand_emb.is_cuda or cand_emb.dtype not in (torch.float16, torch.bfloat16) or _interpreting():
+        if not cand_emb.is_cuda or _interpreting():
             return False
         from .linear_compress_ws import s6_supported  # Gluon (Hopper); imported on first use
 
