@@ -188,8 +188,13 @@ class _ServedStage:
     def warmup_shapes(self) -> list[tuple[int, int]]:
         """(U, B): the declared range's ends and middle, then one shape per Triton shape bucket of
         each op on this device (ikbo_backend/shape_spec.py; none on a CPU)."""
-        buckets = bucket_representatives(self.cfg, self.ranges, self.device, getattr(self, "compute_dtype", torch.float32))
+        dtype = getattr(self, "compute_dtype", torch.float32)
+        buckets = bucket_representatives(self.cfg, self.ranges, self.device, dtype, graphs=self.replays_graphs())
         return list(dict.fromkeys(warmup_sizes(self.ranges) + buckets))
+
+    def replays_graphs(self) -> bool:
+        """Whether the stage's kernels run from CUDA graphs (the tuner then times them as replays)."""
+        return False
 
     @torch.inference_mode()
     def warm_up(self, seed: int = 0) -> None:
@@ -281,6 +286,9 @@ class InteractionModel(_ServedStage):
         features = self.features(**to_tensors(request, self.device))
         return {name: _as_feature(getattr(features, name), self.feature_dtype) for name in FEATURE_NAMES}
 
+    def replays_graphs(self) -> bool:
+        return isinstance(self.interaction, GraphedInteraction)
+
     def capture_graphs(self, rng):
         if isinstance(self.interaction, GraphedInteraction):  # static inputs in the dtype the stage receives
             features = self.features(**to_tensors(self.graph_example(rng), self.device))
@@ -346,6 +354,9 @@ class RankerModel(_ServedStage):
             return self.graphed(batch)  # InvalidRequest for a bad value
         check_request_values(self.cfg, batch)
         return self.interaction(self.features(**{name: t.to(self.device) for name, t in batch.items()})).cpu()
+
+    def replays_graphs(self) -> bool:
+        return self.graphed is not None
 
     def capture_graphs(self, rng):
         if self.graphed is not None:

@@ -31,7 +31,9 @@ what the public ops launch for every (U, B) of the bucket (`set_tuned_configs` o
 linear_compress.py and kernels/attention.py; their heuristics where nothing is tuned). Candidates:
 lce, the s3 bucket s3's `tile_configs`, the s4 bucket s4's and s3's, plus s6 (Gluon,
 warp-specialized, one kernel for any U, B) on a Hopper GPU in 16-bit; attention, `pick_config`'s
-and ATTENTION_CONFIGS with BLOCK_N | BLOCK_M.
+and ATTENTION_CONFIGS with BLOCK_N | BLOCK_M, plus the Gluon kernel on Hopper. A model that replays
+CUDA graphs (`cuda_graphs`) times them as graph replays, as it runs them (an eager timing counts the
+host's launch time, which a replay does not pay), and without s4 (inside a capture it runs as s3).
 Choices are cached on disk and Triton's binaries too (ikbo_backend/tuning.py), so a restart times
 and compiles nothing: it reads the choices and loads the chosen kernels.
 """
@@ -58,7 +60,7 @@ from kernels.linear_compress import PackedLinearCompress, default_variant, tile_
 
 from .ranker import RankerConfig
 from .requests import ShapeRanges
-from .tuning import FORMAT, Candidate, TuningCache, cached_entries, device_description, fastest, median_ms, rel_err
+from .tuning import FORMAT, Candidate, TuningCache, cached_entries, device_description, fastest, graph_median_ms, median_ms, rel_err
 from .tuning import use_persistent_triton_cache
 
 OPS = ("lce", "attention")
@@ -139,12 +141,14 @@ def device_sms(device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
-def bucket_representatives(cfg: RankerConfig, ranges: ShapeRanges, device, dtype: torch.dtype = torch.float32) -> list[tuple[int, int]]:
+def bucket_representatives(
+    cfg: RankerConfig, ranges: ShapeRanges, device, dtype: torch.dtype = torch.float32, graphs: bool = False
+) -> list[tuple[int, int]]:
     """(U, B) to warm up at so that every bucket of every op has run once on `device`. On a GPU,
-    first `tune_buckets` (read from the disk cache after the first load), so that the warm-up runs,
-    and compiles, the kernels the requests will launch."""
+    first `tune_buckets` (read from the disk cache after the first load; `graphs`: the model replays
+    CUDA graphs), so that the warm-up runs, and compiles, the kernels the requests will launch."""
     if torch.device(device).type == "cuda":
-        tune_buckets(cfg, ranges, device, dtype)
+        tune_buckets(cfg, ranges, device, dtype, graphs=graphs)
     buckets = shape_buckets(cfg, ranges, dtype, device_sms(device))
     return list(dict.fromkeys(b.representative for op in OPS for b in buckets[op]))
 
@@ -184,11 +188,14 @@ def _attention_label(tile) -> str:
     return f"{tile.block_m}x{tile.block_n} w{tile.num_warps} s{tile.num_stages}{regs}"
 
 
-def lce_candidates(cfg: RankerConfig, key: tuple, dtype: torch.dtype, hopper: bool = False) -> list[tuple[str, object]]:
+def lce_candidates(cfg: RankerConfig, key: tuple, dtype: torch.dtype, hopper: bool = False, graphs: bool = False) -> list[tuple[str, object]]:
     """(variant, tile) to try for the LCE bucket `key`: the s3 bucket s3's configs; the s4 bucket s4's
-    and s3's (either compiles one kernel per config for any U, B); on a Hopper GPU in 16-bit also s6
-    (tile None: its own config; one kernel for any U, B; graph-safe)."""
+    and s3's (either compiles one kernel per config for any U, B), s3's only for a model that replays
+    CUDA graphs (`graphs`: inside a capture s4 runs as s3); on a Hopper GPU in 16-bit also s6 (tile
+    None: its own config; one kernel for any U, B; graph-safe)."""
     variants = ("s4", "s3") if key[0] == "s4" else (key[0],)
+    if graphs:
+        variants = tuple(v for v in variants if v != "s4")
     candidates = [(variant, tile) for variant in variants for tile in dict.fromkeys(tile_configs(variant, dtype, cfg.embedding_dim))]
     if hopper and dtype in (torch.float16, torch.bfloat16):
         candidates.append((lce_op.WS_VARIANT, None))
@@ -211,7 +218,7 @@ def attention_candidates(cfg: RankerConfig, key: tuple, dtype: torch.dtype | Non
     return tiles
 
 
-def _tune_lce(cfg: RankerConfig, key: tuple, shape, dtype, device, timer) -> dict:
+def _tune_lce(cfg: RankerConfig, key: tuple, shape, dtype, device, timer, graphs: bool) -> dict:
     num_users, num_candidates = shape
     ku, kc, n, d = cfg.user_tokens, cfg.cand_tokens, cfg.compressed_tokens, cfg.embedding_dim
     user_emb = torch.randn(num_users, ku, d, dtype=dtype, device=device)  # [U, Ku, D]
@@ -222,10 +229,11 @@ def _tune_lce(cfg: RankerConfig, key: tuple, shape, dtype, device, timer) -> dic
     ref = ikbo_linear_compress(user_emb.double(), cand_emb.double(), cand_to_user, weight.double(), bias.double(), backend="torch")
     packed = PackedLinearCompress.from_weight(weight, ku, bias)
     out = torch.empty(num_candidates, n, d, dtype=dtype, device=device)  # [B, N, D]
+    user_part = torch.empty(num_users, n, d, dtype=dtype, device=device)  # Y_u [U, N, D]: no allocation per timed call
 
     def candidate(variant, tile):
         def run():
-            return packed._triton(user_emb, cand_emb, cand_to_user, variant, config=tile, out=out)
+            return packed._triton(user_emb, cand_emb, cand_to_user, variant, config=tile, out=out, user_part=user_part)
 
         def check():
             out.fill_(float("nan"))
@@ -234,10 +242,11 @@ def _tune_lce(cfg: RankerConfig, key: tuple, shape, dtype, device, timer) -> dic
         choice = {"variant": variant, "tile": None if tile is None else dataclasses.asdict(tile)}
         return Candidate(_lce_label(variant, tile), choice, check, run)
 
-    return fastest([candidate(v, t) for v, t in lce_candidates(cfg, key, dtype, _is_hopper(torch.device(device)))], timer)
+    hopper = _is_hopper(torch.device(device))
+    return fastest([candidate(v, t) for v, t in lce_candidates(cfg, key, dtype, hopper, graphs)], timer)
 
 
-def _tune_attention(cfg: RankerConfig, key: tuple, shape, dtype, device, timer) -> dict:
+def _tune_attention(cfg: RankerConfig, key: tuple, shape, dtype, device, timer, graphs: bool) -> dict:
     num_users, num_candidates = shape
     heads, seq_len, queries, head_dim = cfg.heads, cfg.history_length, cfg.query_tokens, cfg.head_dim
     user_q, k, v = (torch.randn(num_users, heads, seq_len, head_dim, dtype=dtype, device=device) for _ in range(3))  # [U, H, L, d]
@@ -302,13 +311,18 @@ def tune_buckets(
     *,
     num_sms: int | None = None,
     cache: TuningCache | None = None,
-    timer=median_ms,
+    timer=None,
+    graphs: bool = False,
 ) -> dict[str, dict[tuple, Tuned]]:
     """Tune every Triton bucket of every op on `device` (see the module docstring) and make the
     public ops use the choices: op → {bucket key: Tuned}. Choices come from `cache` (default:
     .cache/ikbo-tuning/tuned_configs.json) where it holds them, else `timer(fn)` → ms times the
-    candidates and the cache keeps the result. `num_sms` overrides the device's SM count (the
-    interpreter tests). Nothing to do on a CPU (every op runs torch there): {}."""
+    candidates and the cache keeps the result. `graphs`: the model replays CUDA graphs, so the
+    candidates are timed as graph replays (default timer `graph_median_ms`, else `median_ms`) and
+    those that do not run as themselves inside a capture (s4) are left out; the cache keys the two
+    apart. `num_sms` overrides the device's SM count (the interpreter tests). Nothing to do on a CPU
+    (every op runs torch there): {}."""
+    timer = timer or (graph_median_ms if graphs else median_ms)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -324,9 +338,10 @@ def tune_buckets(
             if bucket.key == ("torch",):
                 continue
             dims = ",".join(map(str, _dims(cfg, op)))
-            key = f"v{FORMAT}|{device_description(device)}|{op}|{str(dtype).removeprefix('torch.')}|{dims}|{bucket.key}"
+            mode = "graphs" if graphs else "eager"
+            key = f"v{FORMAT}|{device_description(device)}|{op}|{str(dtype).removeprefix('torch.')}|{dims}|{bucket.key}|{mode}"
             where[key] = (op, bucket)
-            jobs[key] = functools.partial(_job, op, cfg, bucket, dtype, device, timer)
+            jobs[key] = functools.partial(_job, op, cfg, bucket, dtype, device, timer, graphs)
     tables: dict[str, dict[tuple, Tuned]] = {op: {} for op in OPS}
     for key, entry in cached_entries(cache, jobs).items():
         op, bucket = where[key]
@@ -337,9 +352,9 @@ def tune_buckets(
     return tables
 
 
-def _job(op, cfg, bucket, dtype, device, timer) -> dict:
+def _job(op, cfg, bucket, dtype, device, timer, graphs) -> dict:
     """A cache entry: the timed candidates at the bucket's largest (U, B)."""
-    return {"shape": list(bucket.largest), **TUNERS[op](cfg, bucket.key, bucket.largest, dtype, device, timer)}
+    return {"shape": list(bucket.largest), **TUNERS[op](cfg, bucket.key, bucket.largest, dtype, device, timer, graphs)}
 
 
 def _register(op: str, cfg: RankerConfig, dtype, device, num_sms: int, choices: dict) -> None:

@@ -36,8 +36,9 @@ import triton
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TUNING_DIR_ENV = "IKBO_TUNING_CACHE"
 CACHE_FILE = "tuned_configs.json"
-FORMAT = 4  # of an entry and its candidates (3: the Gluon attention kernel; 4: its items from an atomic counter, so
-# its times with kv_len changed); part of every key, so a change tunes again
+FORMAT = 5  # of an entry and its candidates (3: the Gluon attention kernel; 4: its items from an atomic counter, so
+# its times with kv_len changed; 5: keys name how the model runs, eager or CUDA-graph replays); part of every
+# key, so a change tunes again
 WARMUP_MS, REP_MS = 10, 40  # triton.testing.do_bench per candidate: ≥ 40 runs of a ≤ 1 ms kernel
 ROUNDS = 2  # timings of each candidate (in alternating order); the best median counts
 
@@ -55,8 +56,15 @@ def use_persistent_triton_cache(directory=None) -> str:
 
 
 def median_ms(fn) -> float:
-    """Median time of `fn` in ms (CUDA events, L2 flushed between runs)."""
+    """Median time of `fn` in ms (CUDA events, L2 flushed between runs): for a model that runs eagerly,
+    where a call's host launch time counts whenever it exceeds the device time."""
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+def graph_median_ms(fn) -> float:
+    """Median time of `fn` in ms as CUDA-graph replays: for a model that replays its kernels from CUDA
+    graphs, where the host's launch time does not count (and `fn` runs as it does under capture)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
 
 
 def device_description(device) -> str:

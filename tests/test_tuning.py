@@ -184,9 +184,41 @@ def test_candidates_per_bucket():
         for bucket in shape_spec.shape_buckets(cfg, ranges, torch.bfloat16, 132)["lce"]:
             candidates = shape_spec.lce_candidates(cfg, bucket.key, torch.bfloat16)
             assert {v for v, _ in candidates} == ({"s4", "s3"} if bucket.key[0] == "s4" else {"s3"}), bucket
+            graphed = shape_spec.lce_candidates(cfg, bucket.key, torch.bfloat16, hopper=True, graphs=True)
+            assert graphed == [c for c in candidates if c[0] != "s4"] + [("s6", None)], bucket  # s4 runs as s3 in a graph
         for bucket in shape_spec.shape_buckets(cfg, ranges, torch.bfloat16, 132)["attention"]:
             tiles = shape_spec.attention_candidates(cfg, bucket.key)
             assert tiles and all(t.block_m % t.block_n == 0 for t in tiles)
+
+
+def test_graph_replayed_models_are_tuned_apart_with_the_graph_timer(tmp_path, monkeypatch, clean_registry):
+    """`graphs=True` times with `graph_median_ms` (unless a timer is given), tells the op tuners, and keys
+    the cache apart from an eager model's: the two modes' entries live side by side, each read back
+    by its own mode without timing. (Fake op tuners and timers: no kernel runs.)"""
+    seen = []
+
+    def fake_tuner(op):
+        def tune(cfg, key, shape, dtype, device, timer, graphs):
+            seen.append((op, graphs, timer))
+            choice = {"variant": "s3", "tile": None} if op == "lce" else {"tile": None, "kernel": attention_op.WS_CHOICE}
+            return {"choice": choice, "ms": {"fake": float(timer(lambda: None))}}
+
+        return tune
+
+    monkeypatch.setattr(shape_spec, "TUNERS", {op: fake_tuner(op) for op in shape_spec.OPS})
+    graph_timer, eager_timer = FakeTimer(SEED), FakeTimer(SEED + 1)
+    monkeypatch.setattr(shape_spec, "graph_median_ms", graph_timer)
+    monkeypatch.setattr(shape_spec, "median_ms", eager_timer)
+    ranges, cache = ShapeRanges((1, 3), (1, 40)), TuningCache(tmp_path / "t.json")
+    tune = lambda graphs, **kw: shape_spec.tune_buckets(CFG, ranges, "cpu", torch.float16, num_sms=132, cache=cache, graphs=graphs, **kw)  # noqa: E731
+    graphed = tune(True)
+    assert seen and all(graphs and timer is graph_timer for _, graphs, timer in seen) and eager_timer.calls == 0
+    seen.clear()
+    eager = tune(False)
+    assert seen and all(not graphs and timer is eager_timer for _, graphs, timer in seen)
+    keys = list(json.loads(cache.path.read_text())["entries"])
+    assert len(keys) == 2 * sum(len(t) for t in graphed.values()) and {k.rsplit("|", 1)[1] for k in keys} == {"graphs", "eager"}
+    assert tune(True, timer=_never_timed) == graphed and tune(False, timer=_never_timed) == eager
 
 
 def test_request_shapes_do_not_specialize_the_kernels():
@@ -251,35 +283,39 @@ def clean_registry():
     attention_op._TUNED.clear()
 
 
-def _lce_inputs(cfg, num_users, num_candidates, dtype, gen):
+def _lce_inputs(cfg, num_users, num_candidates, dtype, gen, device="cpu"):
     ku, kc, n, d = cfg.user_tokens, cfg.cand_tokens, cfg.compressed_tokens, cfg.embedding_dim
-    user_emb = torch.randn(num_users, ku, d, generator=gen).to(dtype)
-    cand_emb = torch.randn(num_candidates, kc, d, generator=gen).to(dtype)
-    cand_to_user = torch.randint(0, num_users, (num_candidates,), generator=gen, dtype=torch.int32)
-    weight = (torch.randn(n, ku + kc, generator=gen) / math.sqrt(ku + kc)).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype)
+    user_emb = torch.randn(num_users, ku, d, generator=gen).to(device, dtype)
+    cand_emb = torch.randn(num_candidates, kc, d, generator=gen).to(device, dtype)
+    cand_to_user = torch.randint(0, num_users, (num_candidates,), generator=gen, dtype=torch.int32).to(device)
+    weight = (torch.randn(n, ku + kc, generator=gen) / math.sqrt(ku + kc)).to(device, dtype)
+    bias = torch.randn(n, generator=gen).to(device, dtype)
     return user_emb, cand_emb, cand_to_user, weight, bias
 
 
-def _attention_inputs(cfg, num_users, num_candidates, dtype, gen):
+def _attention_inputs(cfg, num_users, num_candidates, dtype, gen, device="cpu"):
     shape = (num_users, cfg.heads, cfg.history_length, cfg.head_dim)
-    user_q, k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(3))
-    cand_q = torch.randn(num_candidates, cfg.heads, cfg.query_tokens, cfg.head_dim, generator=gen).to(dtype)
-    cand_to_user = torch.randint(0, num_users, (num_candidates,), generator=gen, dtype=torch.int32)
-    kv_len = torch.randint(0, cfg.history_length + 1, (num_users,), generator=gen, dtype=torch.int32)
+    user_q, k, v = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3))
+    cand_q = torch.randn(num_candidates, cfg.heads, cfg.query_tokens, cfg.head_dim, generator=gen).to(device, dtype)
+    cand_to_user = torch.randint(0, num_users, (num_candidates,), generator=gen, dtype=torch.int32).to(device)
+    kv_len = torch.randint(0, cfg.history_length + 1, (num_users,), generator=gen, dtype=torch.int32).to(device)
     return user_q, cand_q, k, v, cand_to_user, kv_len
 
 
-def _check_public_ops(cfg, shape, dtype, gen, tol, backend="auto"):
-    """Both public ops at (U, B) on fresh random inputs against the fp64 torch path."""
-    user_emb, cand_emb, cand_to_user, weight, bias = _lce_inputs(cfg, *shape, dtype, gen)
+def _fp64_cpu(tensors):
+    """The reference's inputs: floating tensors in fp64, all on the CPU."""
+    return [(t.double() if t.is_floating_point() else t).cpu() for t in tensors]
+
+
+def _check_public_ops(cfg, shape, dtype, gen, tol, backend="auto", device="cpu"):
+    """Both public ops at (U, B) on fresh random inputs on `device` against the fp64 torch path (CPU)."""
+    user_emb, cand_emb, cand_to_user, weight, bias = _lce_inputs(cfg, *shape, dtype, gen, device)
     out = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend=backend)
-    as64 = [t.double() if t.is_floating_point() else t for t in (user_emb, cand_emb, cand_to_user, weight, bias)]
-    err = rel_err(out, ikbo_linear_compress(*as64, backend="torch"))
+    err = rel_err(out, ikbo_linear_compress(*_fp64_cpu((user_emb, cand_emb, cand_to_user, weight, bias)), backend="torch"))
     assert err <= tol, ("lce", shape, err, SEED)
-    inputs = _attention_inputs(cfg, *shape, dtype, gen)
+    inputs = _attention_inputs(cfg, *shape, dtype, gen, device)
     user_out, cand_out = ikbo_self_target_attention(*inputs, backend=backend)
-    ref_user, ref_cand = ikbo_self_target_attention(*(t.double() if t.is_floating_point() else t for t in inputs), backend="torch")
+    ref_user, ref_cand = ikbo_self_target_attention(*_fp64_cpu(inputs), backend="torch")
     err = max(rel_err(user_out, ref_user), rel_err(cand_out, ref_cand))
     assert err <= tol, ("attention", shape, err, SEED)
 
@@ -382,7 +418,7 @@ def _tune_in_a_fresh_process(cache_dir: str, triton_dir: str, seed: int) -> dict
     shapes = [s for op in shape_spec.OPS for b in buckets[op] for s in (b.representative, b.largest)]
     shapes += [(int(u), int(b)) for u, b in zip(rng.integers(1, 3, 12), rng.integers(1, 41, 12))]
     for shape in shapes:
-        _check_public_ops(CFG, shape, torch.bfloat16, gen, BF16_TOL)
+        _check_public_ops(CFG, shape, torch.bfloat16, gen, BF16_TOL, device="cuda")
     torch.cuda.synchronize()
     table = [
         f"{op} {key} at (U, B) = {t.shape}: {shape_spec._lce_label(*t.choice) if op == 'lce' else shape_spec._attention_label(t.choice)}"
@@ -392,6 +428,36 @@ def _tune_in_a_fresh_process(cache_dir: str, triton_dir: str, seed: int) -> dict
     ]
     choices = {f"{op} {key}": (t.choice, t.shape, t.ms) for op, rows in tables.items() for key, t in rows.items()}
     return {"timed": len(timed), "compiled_tuning": at_tuning, "compiled_after": compiled[at_tuning:], "table": table, "choices": choices}
+
+
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs a CUDA GPU")
+def test_gpu_tune_for_graph_replays(tmp_path, clean_registry):
+    """A CUDA-graph-replayed model's tuning: every candidate timed as graph replays (a float for each,
+    none dropped for being captured), no s4 among them, and the public ops captured in a CUDA graph
+    with the choices give the fp64 torch path's results on fresh inputs copied in."""
+    cache = TuningCache(tmp_path / "tuned_configs.json")
+    tables = shape_spec.tune_buckets(CFG, GPU_RANGES, "cuda", torch.bfloat16, cache=cache, graphs=True)
+    assert tables["lce"] and tables["attention"]
+    for op, rows in tables.items():
+        for key, tuned in rows.items():
+            assert tuned.choice is not None and all(isinstance(ms, float) for ms in tuned.ms.values()), (op, key, tuned.ms)
+            assert op != "lce" or (tuned.choice[0] != "s4" and not any(label.startswith("s4") for label in tuned.ms)), tuned
+    gen = torch.Generator().manual_seed(SEED)
+    buckets = shape_spec.shape_buckets(CFG, GPU_RANGES, torch.bfloat16, shape_spec.device_sms("cuda"))
+    for shape in [b.largest for op in shape_spec.OPS for b in buckets[op]]:
+        static = _lce_inputs(CFG, *shape, torch.bfloat16, gen, "cuda")
+        packed = lce_op.PackedLinearCompress.from_weight(static[3], CFG.user_tokens, static[4])
+        packed(*static[:3])  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = packed(*static[:3])
+        fresh = _lce_inputs(CFG, *shape, torch.bfloat16, gen)
+        for dst, src in zip(static[:3], fresh[:3]):
+            dst.copy_(src)
+        graph.replay()
+        ref = ikbo_linear_compress(*_fp64_cpu(fresh[:3] + static[3:]), backend="torch")
+        assert rel_err(out, ref) <= BF16_TOL, shape
+        _check_public_ops(CFG, shape, torch.bfloat16, gen, BF16_TOL, device="cuda")  # and eagerly, both ops
 
 
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs a CUDA GPU")
