@@ -6,7 +6,8 @@ depend on the op.
 Two caches, both under <repo>/.cache (gitignored); clear them with `rm -rf .cache/ikbo-tuning .cache/triton`:
 - `.cache/ikbo-tuning/tuned_configs.json` (the directory is $IKBO_TUNING_CACHE when set): one JSON
   object {"entries": {key: entry}}. A key names everything a choice depends on: device name, SMs and
-  compute capability, Triton and torch versions, op, dtype, model dims and the bucket's key; an entry
+  compute capability, Triton and torch versions, op, dtype, model dims, the bucket's key and how the model
+  runs (eager, or CUDA-graph replays: timed as such); an entry
   holds the chosen config (null: no candidate launched correctly, the kernel's heuristics stay), the
   (U, B) it was timed at and every candidate's median ms (or why it was dropped). Writers take an
   exclusive lock (flock on `tuned_configs.json.lock`), read the file again, add their entries and
