@@ -247,6 +247,7 @@ def _tune_lce(cfg: RankerConfig, key: tuple, shape, dtype, device, timer, graphs
 
 
 def _tune_attention(cfg: RankerConfig, key: tuple, shape, dtype, device, timer, graphs: bool) -> dict:
+    """(`graphs` leaves the candidates as they are: every attention candidate runs as itself in a capture.)"""
     num_users, num_candidates = shape
     heads, seq_len, queries, head_dim = cfg.heads, cfg.history_length, cfg.query_tokens, cfg.head_dim
     user_q, k, v = (torch.randn(num_users, heads, seq_len, head_dim, dtype=dtype, device=device) for _ in range(3))  # [U, H, L, d]
