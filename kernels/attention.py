@@ -127,7 +127,7 @@ def _plan_kernel(
     kv_len_ptr,  # [U] int32/int64, expected in [0, L] (unused without HAS_KV_LEN)
     order_ptr,  # [B] int32 out: candidates grouped by user, in their original order within a user
     tile_ptr,  # [B·S // BLOCK_M + U, 4] int32 out: (user or -1, first candidate slot, first row, row end)
-    flag_ptr,  # [1] int32 out: 1 when a mapping or kv_len value is out of range
+    flag_ptr,  # [3] int32 out: flag (1 when a mapping or kv_len value is out of range), then two zeros
     num_candidates,
     num_users,
     seq_len,
@@ -136,12 +136,15 @@ def _plan_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Program u reads the whole mapping twice: first = #candidates of users < u and count = #of u,
+    """Program u reads the whole mapping twice: first = #candidates of users in [0, u) and count = #of u,
     then writes its candidates to order[first, first + count) and its tiles to the slots
     [start(u), start(u + 1)), start(u) = first·S // BLOCK_M + u, which holds the cdiv(count·S,
-    BLOCK_M) tiles it needs (unused slots get user -1). No atomics, no cross-program traffic; O(U·B)
-    loads, which the U programs share. Out-of-range values are never matched (their rows are left
-    unwritten), and program 0 raises the flag, on which the host raises the ValueError."""
+    BLOCK_M) tiles it needs (unused slots get user -1); the last program also fills the slots up to
+    B·S // BLOCK_M + U, so every slot is written whatever the mapping holds (the buffers need no
+    zero-fill). No atomics, no cross-program traffic; O(U·B) loads, which the U programs share.
+    Out-of-range values are never matched (their rows are left unwritten, and no tile refers to
+    them); program 0 writes the flag (1 on such a value, on which the host raises the ValueError)
+    and zeroes the two words after it (the Gluon kernel's item counter and finished-program count)."""
     user = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     first = tl.full((), 0, tl.int32)
@@ -150,7 +153,7 @@ def _plan_kernel(
     for i in range(0, num_candidates, CHUNK):
         ok = i + offs < num_candidates
         m = tl.load(cand_to_user_ptr + i + offs, mask=ok, other=0)
-        first += tl.sum((ok & (m < user)).to(tl.int32), 0)
+        first += tl.sum((ok & (m >= 0) & (m < user)).to(tl.int32), 0)
         count += tl.sum((ok & (m == user)).to(tl.int32), 0)
         bad = tl.maximum(bad, tl.max((ok & ((m < 0) | (m >= num_users))).to(tl.int32), 0))
     seen = tl.full((), 0, tl.int32)
@@ -165,6 +168,8 @@ def _plan_kernel(
     tiles = (rows + BLOCK_M - 1) // BLOCK_M
     start = (first * num_queries) // BLOCK_M + user
     stop = ((first + count) * num_queries) // BLOCK_M + user + 1
+    if user == num_users - 1:  # with out-of-range values the counts fall short of B: fill to the end
+        stop = (num_candidates * num_queries) // BLOCK_M + num_users
     for j in range(0, stop - start, CHUNK):
         t = j + offs
         entry = tile_ptr + (start + t) * 4
@@ -181,6 +186,8 @@ def _plan_kernel(
                 kv = tl.load(kv_len_ptr + i + offs, mask=ok, other=0)
                 bad = tl.maximum(bad, tl.max((ok & ((kv < 0) | (kv > seq_len))).to(tl.int32), 0))
         tl.store(flag_ptr, bad)
+        tl.store(flag_ptr + 1, 0)
+        tl.store(flag_ptr + 2, 0)
 
 
 @triton.jit
@@ -607,15 +614,15 @@ def _kv_views(k, v, block_n):
 def plan_buffers(num_candidates: int, max_tiles: int, device):
     """(flag [1], order [B], tiles [max_tiles, 4]) int32 views of one allocation, each starting on a
     16-byte boundary for any B: Triton specializes pointers on 16-byte alignment, so parts whose
-    offsets moved with B would compile the kernels again on the request path. Zero-filled: with a
-    mapping value outside [0, U) the plan kernel leaves some tile slots unwritten, and the attention
-    kernel runs before the host sees the flag; a zero slot is an empty tile of user 0 (no rows, no
-    stores), where uninitialized memory sent loads out of bounds (found by an interpreter memcheck).
-    The two words after the flag are the Gluon kernel's item counter and finished-program count
-    (attention_ws, DYNAMIC): zero here, and each launch leaves them zero."""
+    offsets moved with B would compile the kernels again on the request path. Not initialized (no
+    fill launch on the host's path): `_plan_kernel` writes the flag, the two words after it (the Gluon
+    kernel's item counter and finished-program count, attention_ws DYNAMIC; each launch leaves them
+    zero) and every tile slot, also when a mapping value is out of range (the attention kernel runs
+    before the host sees the flag; an interpreter memcheck found loads out of bounds when slots were
+    left unwritten). `order` entries of out-of-range candidates stay unwritten; no tile refers to them."""
     order_at = 4
     tiles_at = order_at + triton.cdiv(num_candidates, 4) * 4
-    buf = torch.zeros(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device)
+    buf = torch.empty(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device)
     return buf[:1], buf[order_at : order_at + num_candidates], buf[tiles_at:].view(max_tiles, 4)
 
 

@@ -49,8 +49,8 @@ hid the epilogue, ran no faster than s6 (kernel alone 0.2466 vs 0.2479 ms; so th
 limits s6) and was removed; its code is in git (docs/notes/lce.md).
 
 Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
-The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first through s3's tile kernel (one launch more,
-as the removed s5 did). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
+The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first as one cuBLAS batched GEMM (`user_gemm`; one
+launch more, as the removed s5 had with s3's tile kernel). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
 (D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
 Sources: Triton's Gluon tutorials `python/tutorials/gluon/08-warp-specialization.py` (partitions,
 ready/empty rings, TMA-store epilogue), `07-persistence.py` and `05-wgmma.py` (async wgmma on Hopper);
@@ -76,13 +76,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import compile_gluon_without_gpu
-from .linear_compress import PackedLinearCompress, TileConfig
+from .linear_compress import PackedLinearCompress
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
 GLUON_TYPES = (torch.float16, torch.bfloat16)
-# User GEMM (Y_u, launched before s6): s3's tile kernel at [128, 128] tiles, so that U · N/128 · D/128
-# programs (120 at the canonical shape) spread over the SMs; the user GEMM is 4 of the 138 GFLOP.
-USER_GEMM_CONFIG = TileConfig(128, 128, 64, num_warps=4, num_stages=4)
 MAX_STAGES = 6
 
 
@@ -348,15 +345,23 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
 def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
            config: WSConfig | None = None) -> torch.Tensor:
     """out [B, N, D] = packed(user_emb, cand_emb, cand_to_user) through s6, for inputs that passed
-    PackedLinearCompress's checks and `s6_supported`. Two launches: the user GEMM (s3's tile kernel,
+    PackedLinearCompress's checks and `s6_supported`. Two launches: the user GEMM (`user_gemm`,
     Y_u [U, N, D]) and `_lce_ws_kernel`. `config` overrides the tile config (benchmarks; stages 0
     picks the deepest ring); `out` and `user_part` may be given pre-filled (tests poison them with NaN)."""
     cfg = ws_config(user_emb.shape[2], cand_emb.element_size(), config)
     return run_fused(packed, user_emb, cand_emb, cand_to_user, out, user_part, cfg, _launch_ws)
 
 
+def user_gemm(packed: PackedLinearCompress, user_emb, user_part) -> None:
+    """user_part [U, N, D] = W_u @ user_emb[u] for every user: one cuBLAS batched GEMM (W_u broadcast over
+    the U users as a stride-0 view; nothing is copied). It replaced s3's tile kernel here on 2026-11-30: same
+    device time at the canonical shape (0.008 ms), up to 1.2× faster at many users, one Triton launch less
+    on the host (docs/perf.md)."""
+    torch.matmul(packed.user_weight, user_emb, out=user_part)
+
+
 def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out, user_part, cfg, launch) -> torch.Tensor:
-    """The two launches of s6: the user GEMM Y_u = W_u @ user_emb (s3's tile kernel, skipped
+    """The two launches of s6: the user GEMM Y_u = W_u @ user_emb (`user_gemm`, skipped
     at Ku = 0), then `launch(packed, cand_emb, out, Y_u or None, cand_to_user, bias, cfg)`, the
     candidate GEMM with Y_u[m[b]] + bias fused into its epilogue."""
     num_users, num_user_tokens, dim = user_emb.shape
@@ -369,7 +374,7 @@ def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, ou
     if num_user_tokens > 0:
         if user_part is None:
             user_part = torch.empty(num_users, rows, dim, dtype=out.dtype, device=out.device)  # Y_u
-        packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
+        user_gemm(packed, user_emb, user_part)
     else:
         user_part = None
     launch(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg)

@@ -42,7 +42,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig  # noqa: E402
-from kernels.linear_compress_ws import USER_GEMM_CONFIG, WSConfig, _launch_ws, lce_s6, s6_supported, ws_config  # noqa: E402
+from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, s6_supported, user_gemm, ws_config  # noqa: E402
 
 CANONICAL = dict(num_users=15, num_candidates=1024, ku=1024, kc=500, dim=256, rows=512)
 SWEEP_RATIOS = (1, 4, 16, 70, 256, 1024)
@@ -196,15 +196,15 @@ def calibration(p: Problem, packed: PackedLinearCompress, flop_rate, log):
     }
     if has_s6(p):
         user_part = torch.empty(num_users, rows, dim, dtype=out.dtype, device=DEVICE)
-        entries["s6's user GEMM alone: W_u @ user_emb (s3 tile kernel, 128x128 tiles)"] = (
-            lambda: packed._launch_tile(packed.user_weight_padded, p.user_emb, user_part, None, False, True, USER_GEMM_CONFIG),
+        entries["s6's user GEMM alone: W_u @ user_emb (cuBLAS batched)"] = (
+            lambda: user_gemm(packed, p.user_emb, user_part),
             2.0 * num_users * rows * dim * ku)
         s6_cfg = ws_config(dim, p.cand_emb.element_size())
         entries["Gluon s6 kernel: W_c @ cand_emb (warp-specialized, no Y_u, no bias)"] = (
             lambda: _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, s6_cfg), flops)
         if ku:
             user_part6 = torch.empty(num_users, rows, dim, dtype=out.dtype, device=DEVICE)
-            packed._launch_tile(packed.user_weight_padded, p.user_emb, user_part6, None, False, True, USER_GEMM_CONFIG)
+            user_gemm(packed, p.user_emb, user_part6)
             entries["Gluon s6 kernel with the fused epilogue (+ Y_u[m[b]] + bias; Y_u given)"] = (
                 lambda: _launch_ws(packed, p.cand_emb, out, user_part6, p.cand_to_user, packed.bias, s6_cfg), flops)
     lines = ["| GEMM alone | ms | TFLOP/s | % of bf16 matmul rate |", "| --- | ---: | ---: | ---: |"]

