@@ -95,11 +95,17 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
+    # The Y_u block comes through the ring as two column halves [BLOCK_M, BLOCK_D / 2], each in a cand_emb
+    # slot (needs block_m = 2 · block_k), and the epilogue works in place there: no epilogue buffer, so one
+    # ring stage more (4 at 128 × 256 × 64, bf16)
+    ring_epilogue: bool = False
 
     def smem_bytes(self, elem: int) -> int:
-        """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer + 2 · stages + 2 mbarriers."""
+        """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer (none with ring_epilogue)
+        + 2 · stages + 2 mbarriers."""
         ring = self.stages * (self.block_m + self.block_d) * self.block_k * elem
-        return ring + self.block_m * self.block_d * elem + 8 * (2 * self.stages + 2)
+        epilogue = 0 if self.ring_epilogue else self.block_m * self.block_d * elem
+        return ring + epilogue + 8 * (2 * self.stages + 2)
 
 
 # What `lce_s6` runs without a config (stages 0: the deepest ring that fits; 3 at 128 × 256 × 64, bf16).
@@ -124,8 +130,11 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 @gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer."""
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
+              RING_EPI: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer
+    (RING_EPI: as two more ring steps after the tile's K steps, a column half each, into cand_emb slots;
+    without a user part those steps load nothing and only hand the slots to the consumer)."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
@@ -144,11 +153,24 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
             tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
             step += 1
-            if HAS_USER:
+            if HAS_USER and not RING_EPI:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
                     mbarrier.wait(epi_free, i & 1)
                     mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
+        if RING_EPI:
+            HALF: gl.constexpr = y_desc.block_type.shape[2]
+            for h in gl.static_range(2):
+                slot = step % STAGES
+                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                if HAS_USER:
+                    mbarrier.expect(bar, y_desc.block_type.nbytes)
+                    half_buf = x_bufs.index(slot)._reinterpret(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d + h * HALF], bar, half_buf)
+                else:
+                    mbarrier.arrive(bar, count=1)
+                step += 1
         i += 1
 
 
@@ -171,12 +193,49 @@ def _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_U
 
 
 @gluon.jit
+def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, h: gl.constexpr,
+                        STAGES: gl.constexpr, HAS_USER: gl.constexpr):
+    """Column half h of the tile: cast(part (+ the Y_u half the producer put in ring step `step`'s slot)),
+    written over that slot and stored by TMA to out[b, off_m:, off_d + h · BLOCK_D / 2:]."""
+    HALF: gl.constexpr = out_desc.block_type.shape[2]
+    BLOCK_M: gl.constexpr = out_desc.block_type.shape[1]
+    slot = step % STAGES
+    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+    buf = x_bufs.index(slot)._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+    tile = buf.reshape([BLOCK_M, HALF])
+    if HAS_USER:
+        part = part + tile.load(part.type.layout).to(gl.float32)
+    tile.store(part.to(out_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d + h * HALF], buf)
+
+
+@gluon.jit
+def _ring_epilogue(acc, bias, x_bufs, ready, empty, out_desc, b, off_m, off_d, step,
+                   STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """The ring_epilogue form of `_epilogue`: the tile in two column halves through ring steps `step` and
+    `step` + 1; the first half's slot is released once its store has read it (after the second store is
+    issued), the second's at the next tile's EPI_FREE_AT step."""
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    HALF: gl.constexpr = acc.shape[1] // 2
+    result = acc
+    if HAS_BIAS:
+        result = result + bias[:, None]
+    lo, hi = gl.split(result.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))  # columns [0, HALF), [HALF, 2 HALF)
+    _ring_epilogue_half(lo, x_bufs, ready, out_desc, b, off_m, off_d, step, 0, STAGES, HAS_USER)
+    _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step + 1, 1, STAGES, HAS_USER)
+    tma.store_wait(1)
+    mbarrier.arrive(empty.index(step % STAGES), count=1)
+
+
+@gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr, RING_EPI: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
-    s + 1, the last one after the tile's final wait), then acc + Y_u + bias → epilogue buffer → TMA store."""
+    s + 1, the last one after the tile's final wait), then acc + Y_u + bias → epilogue buffer → TMA store
+    (RING_EPI: through the tile's two last ring steps, `_ring_epilogue`)."""
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
     BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
@@ -199,13 +258,22 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if kt >= 1:  # the wgmma of the previous step has finished reading its slot
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-            if kt == EPI_FREE_AT:  # the last TMA store has read the epilogue buffer: the producer may refill it
-                tma.store_wait(0)
-                mbarrier.arrive(epi_free, count=1)
+            if kt == EPI_FREE_AT:
+                if RING_EPI:  # the last tile's second half has been stored: release its slot (ring step before kt = 0)
+                    if i > 0:
+                        tma.store_wait(0)
+                        mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
+                else:  # the last TMA store has read the epilogue buffer: the producer may refill it
+                    tma.store_wait(0)
+                    mbarrier.arrive(epi_free, count=1)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-        _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
+        if RING_EPI:
+            _ring_epilogue(acc, bias, x_bufs, ready, empty, out_desc, b, off_m, off_d, step, STAGES, HAS_USER, HAS_BIAS)
+            step += 2
+        else:
+            _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
         i += 1
     tma.store_wait(0)
 
@@ -214,23 +282,33 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
 def _lce_ws_kernel(
     w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
     x_desc,  # cand_emb [B, Kc, D], blocks [1, BLOCK_K, BLOCK_D]
-    y_desc,  # Y_u [U, N, D], blocks [1, BLOCK_M, BLOCK_D] (any descriptor of that block when not HAS_USER)
-    out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D]
+    y_desc,  # Y_u [U, N, D], blocks [1, BLOCK_M, BLOCK_D] (RING_EPI: [1, BLOCK_M, BLOCK_D / 2]; any
+             # descriptor of that block when not HAS_USER)
+    out_desc,  # out [B, N, D], blocks as y_desc's
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, RING_EPI: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
     dtype: gl.constexpr = w_desc.dtype
-    # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
-    # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
-    FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1)
+    if RING_EPI:
+        # A [1, BLOCK_M, BLOCK_D / 2] half block takes exactly one [1, BLOCK_K, BLOCK_D] cand_emb slot. The
+        # second half's slot is released at the next tile's step FREE_AT, before the consumer waits on that
+        # slot's next use (STAGES ring steps later) and with every slot the producer needs first released.
+        gl.static_assert(BLOCK_M == 2 * BLOCK_K, "ring_epilogue: block_m = 2 · block_k")
+        gl.static_assert(out_desc.block_type.shape[2] * 2 == BLOCK_D, "ring_epilogue: out blocks of BLOCK_D / 2 columns")
+        FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1, STAGES - 2)
+    else:
+        # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
+        # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
+        FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1)
     Y_AT: gl.constexpr = min(FREE_AT + STAGES, K_TILES - 1)
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
@@ -239,7 +317,10 @@ def _lce_ws_kernel(
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    epi_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    if RING_EPI:
+        epi_buf = x_bufs  # not used: the epilogue works in ring slots
+    else:
+        epi_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -252,9 +333,10 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
+                     RING_EPI)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, RING_EPI)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -318,8 +400,9 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     if w_desc is None:
         w_desc = packed._flags[key] = _descriptor(weight, [cfg.block_m, cfg.block_k])
     x_desc = _descriptor(cand_emb, [1, cfg.block_k, cfg.block_d])
-    out_desc = _descriptor(out, [1, cfg.block_m, cfg.block_d])
-    y_desc = out_desc if user_part is None else _descriptor(user_part, [1, cfg.block_m, cfg.block_d])
+    out_block = [1, cfg.block_m, cfg.block_d // 2 if cfg.ring_epilogue else cfg.block_d]
+    out_desc = _descriptor(out, out_block)
+    y_desc = out_desc if user_part is None else _descriptor(user_part, out_block)
     return w_desc, x_desc, y_desc, out_desc
 
 
@@ -337,7 +420,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, RING_EPI=cfg.ring_epilogue,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -390,7 +473,8 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
+        RING_EPI=cfg.ring_epilogue, num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
