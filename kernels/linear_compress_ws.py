@@ -95,16 +95,17 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
-    # The Y_u block comes through the ring as two column halves [BLOCK_M, BLOCK_D / 2], each in a cand_emb
-    # slot (needs block_m = 2 · block_k), and the epilogue works in place there: no epilogue buffer, so one
-    # ring stage more (4 at 128 × 256 × 64, bf16)
+    # The epilogue in two column halves [BLOCK_M, BLOCK_D / 2]: the first through a half-size epilogue
+    # buffer, the second (its Y_u half and its output) in a cand_emb slot of the ring, one ring step after
+    # the tile's K steps (needs block_m = 2 · block_k). Half the epilogue buffer frees a ring stage: 4 at
+    # 128 × 256 × 64, bf16
     ring_epilogue: bool = False
 
     def smem_bytes(self, elem: int) -> int:
-        """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer (none with ring_epilogue)
-        + 2 · stages + 2 mbarriers."""
+        """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer ([BLOCK_M, BLOCK_D / 2]
+        with ring_epilogue) + 2 · stages + 2 mbarriers."""
         ring = self.stages * (self.block_m + self.block_d) * self.block_k * elem
-        epilogue = 0 if self.ring_epilogue else self.block_m * self.block_d * elem
+        epilogue = self.block_m * self.block_d * elem // (2 if self.ring_epilogue else 1)
         return ring + epilogue + 8 * (2 * self.stages + 2)
 
 
@@ -133,8 +134,8 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
               RING_EPI: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer
-    (RING_EPI: as two more ring steps after the tile's K steps, a column half each, into cand_emb slots;
-    without a user part those steps load nothing and only hand the slots to the consumer)."""
+    (RING_EPI: the block's first column half there, its second in one more ring step after the tile's K
+    steps, into a cand_emb slot; without a user part that step loads nothing and only hands the slot over)."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
@@ -153,24 +154,23 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
             tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
             step += 1
-            if HAS_USER and not RING_EPI:
+            if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
                     mbarrier.wait(epi_free, i & 1)
                     mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
         if RING_EPI:
             HALF: gl.constexpr = y_desc.block_type.shape[2]
-            for h in gl.static_range(2):
-                slot = step % STAGES
-                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                if HAS_USER:
-                    mbarrier.expect(bar, y_desc.block_type.nbytes)
-                    half_buf = x_bufs.index(slot)._reinterpret(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d + h * HALF], bar, half_buf)
-                else:
-                    mbarrier.arrive(bar, count=1)
-                step += 1
+            slot = step % STAGES
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            if HAS_USER:
+                mbarrier.expect(bar, y_desc.block_type.nbytes)
+                half_buf = x_bufs.index(slot)._reinterpret(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+                tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d + HALF], bar, half_buf)
+            else:
+                mbarrier.arrive(bar, count=1)
+            step += 1
         i += 1
 
 
@@ -211,21 +211,18 @@ def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, h:
 
 
 @gluon.jit
-def _ring_epilogue(acc, bias, x_bufs, ready, empty, out_desc, b, off_m, off_d, step,
+def _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
                    STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """The ring_epilogue form of `_epilogue`: the tile in two column halves through ring steps `step` and
-    `step` + 1; the first half's slot is released once its store has read it (after the second store is
-    issued), the second's at the next tile's EPI_FREE_AT step."""
+    """The ring_epilogue form of `_epilogue`: the tile's first column half through the epilogue buffer,
+    the second through ring step `step`'s slot; both released at the next tile's EPI_FREE_AT step."""
     BLOCK_M: gl.constexpr = acc.shape[0]
     HALF: gl.constexpr = acc.shape[1] // 2
     result = acc
     if HAS_BIAS:
         result = result + bias[:, None]
     lo, hi = gl.split(result.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))  # columns [0, HALF), [HALF, 2 HALF)
-    _ring_epilogue_half(lo, x_bufs, ready, out_desc, b, off_m, off_d, step, 0, STAGES, HAS_USER)
-    _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step + 1, 1, STAGES, HAS_USER)
-    tma.store_wait(1)
-    mbarrier.arrive(empty.index(step % STAGES), count=1)
+    _epilogue(lo, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, False)
+    _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, 1, STAGES, HAS_USER)
 
 
 @gluon.jit
@@ -258,20 +255,19 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if kt >= 1:  # the wgmma of the previous step has finished reading its slot
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-            if kt == EPI_FREE_AT:
-                if RING_EPI:  # the last tile's second half has been stored: release its slot (ring step before kt = 0)
+            if kt == EPI_FREE_AT:  # the last TMA store has read the epilogue buffer: the producer may refill it
+                tma.store_wait(0)
+                mbarrier.arrive(epi_free, count=1)
+                if RING_EPI:  # and the last tile's second half has read its slot (the ring step before kt = 0)
                     if i > 0:
-                        tma.store_wait(0)
                         mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
-                else:  # the last TMA store has read the epilogue buffer: the producer may refill it
-                    tma.store_wait(0)
-                    mbarrier.arrive(epi_free, count=1)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
         if RING_EPI:
-            _ring_epilogue(acc, bias, x_bufs, ready, empty, out_desc, b, off_m, off_d, step, STAGES, HAS_USER, HAS_BIAS)
-            step += 2
+            _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
+                           STAGES, HAS_USER, HAS_BIAS)
+            step += 1
         else:
             _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
         i += 1
@@ -302,6 +298,7 @@ def _lce_ws_kernel(
         # A [1, BLOCK_M, BLOCK_D / 2] half block takes exactly one [1, BLOCK_K, BLOCK_D] cand_emb slot. The
         # second half's slot is released at the next tile's step FREE_AT, before the consumer waits on that
         # slot's next use (STAGES ring steps later) and with every slot the producer needs first released.
+        # The producer's wait for the epilogue buffer at step Y_AT ≥ FREE_AT is as without RING_EPI.
         gl.static_assert(BLOCK_M == 2 * BLOCK_K, "ring_epilogue: block_m = 2 · block_k")
         gl.static_assert(out_desc.block_type.shape[2] * 2 == BLOCK_D, "ring_epilogue: out blocks of BLOCK_D / 2 columns")
         FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1, STAGES - 2)
@@ -317,10 +314,7 @@ def _lce_ws_kernel(
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    if RING_EPI:
-        epi_buf = x_bufs  # not used: the epilogue works in ring slots
-    else:
-        epi_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    epi_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

@@ -64,7 +64,7 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "default": None,
     "bk32": WSConfig(block_k=32, stages=6, epi_free_at=4),
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
-    "ring": WSConfig(stages=0, ring_epilogue=True),  # Y_u halves and the epilogue in ring slots: 4 stages
+    "ring": WSConfig(stages=0, ring_epilogue=True),  # half the epilogue (Y_u in, out) in a ring slot: 4 stages
 }
 # --call: timed in this order (default and the variant twice: the run's noise)
 CALL_ORDER = ("default", "ring", "default", "ring")

@@ -42,7 +42,7 @@ HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0]
 # LCE_S6_DEFAULT="block_k=32,stages=6,epi_free_at=4": the GPU tests run with that WSConfig as s6's default,
 # so a candidate default is checked on every test shape before it is made the default.
 DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
-RING = WSConfig(stages=0, ring_epilogue=True)  # the epilogue in ring slots, 4 stages at 128 × 256 × 64
+RING = WSConfig(stages=0, ring_epilogue=True)  # half the epilogue in a ring slot: 4 stages at 128 × 256 × 64
 
 
 def _parse_config(text: str) -> WSConfig:
@@ -95,7 +95,7 @@ def _cuobjdump():
         dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
         dict(config=WSConfig(block_k=32, stages=6, epi_free_at=4)),
         dict(config=WSConfig(block_d=128, stages=0)),  # 6 stages
-        dict(config=RING),  # 4 stages, the epilogue in ring slots
+        dict(config=RING),  # 4 stages, half the epilogue in a ring slot
         dict(config=RING, dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
     ],
     ids=["canonical", "fp16-odd", "bk32-st6", "bd128", "ring", "ring-fp16-odd"],
