@@ -66,9 +66,10 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
     "ring": WSConfig(stages=0, ring_epilogue=True),  # half the epilogue (Y_u in, out) in a ring slot: 4 stages
     "ring-free1": WSConfig(stages=0, ring_epilogue=True, epi_free_at=1),
+    "ring-free0": WSConfig(stages=0, ring_epilogue=True, epi_free_at=0),
 }
 # --call: timed in this order (default and the variant twice: the run's noise)
-CALL_ORDER = ("default", "ring", "ring-free1", "default", "ring")
+CALL_ORDER = ("default", "ring-free1", "ring-free0", "default", "ring-free1", "ring-free0")
 CALL_TESTS = "gpu and ring"  # the GPU tests of the timed variant, run when no variant wins
 CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
