@@ -38,6 +38,11 @@ Kernel `_lce_ws_kernel`, one persistent program per SM, tiles t = pid, pid + P, 
         (~0.5 µs per tile) and no LSU-queue time (the pointer epilogue of s5, a removed variant: docs/notes/lce.md). The
         store drains during the next tile's first K step; then the buffer is handed back to the
         producer for the next Y_u block.
+    `ring_epilogue` (the default): the same in two column halves [BLOCK_M, BLOCK_D / 2], the first through
+        a half-size epilogue buffer, the second (its Y_u half in, its output out) through a cand_emb slot
+        of the ring, taken by the producer as one more ring step after the tile's K steps. The freed
+        32 KiB give the ring a 4th stage: more loads in flight in the K loop, and as many slots as before
+        for the next tile's first loads while the epilogue runs.
 Why cooperative and not pingpong (CUTLASS's two consumer warpgroups alternating tiles): on Hopper the
 accumulator lives in registers; one warpgroup holding a whole 128 × 256 fp32 tile needs 256
 registers per thread (more than the 255 limit), so pingpong shrinks each warpgroup's tile to
@@ -48,7 +53,8 @@ Measured since: pingpong at 128 × 128 per warpgroup (this file's producer and e
 hid the epilogue, ran no faster than s6 (kernel alone 0.2466 vs 0.2479 ms; so the epilogue is not what
 limits s6) and was removed; its code is in git (docs/notes/lce.md).
 
-Shared memory at 128 × 256 × 64, bf16: 3 stages × 48 KiB + 64 KiB epilogue buffer = 208 KiB.
+Shared memory at 128 × 256 × 64, bf16: 4 stages × 48 KiB + 32 KiB half epilogue buffer = 224 KiB (without
+ring_epilogue: 3 stages × 48 KiB + the 64 KiB whole-tile buffer = 208 KiB).
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first as one cuBLAS batched GEMM (`user_gemm`; one
 launch more, as the removed s5 had with s3's tile kernel). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
 (D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
@@ -109,8 +115,10 @@ class WSConfig:
         return ring + epilogue + 8 * (2 * self.stages + 2)
 
 
-# What `lce_s6` runs without a config (stages 0: the deepest ring that fits; 3 at 128 × 256 × 64, bf16).
-DEFAULT_CONFIG = WSConfig(stages=0)
+# What `lce_s6` runs without a config (stages 0: the deepest ring that fits; 4 at 128 × 256 × 64, bf16, with
+# the half epilogue buffer). Since 2026-11-30 12:30 UTC; before, WSConfig(stages=0): the whole-tile epilogue
+# buffer, 3 stages, the store waited at K step 2 (H200: 3-6 % slower, docs/notes/lce.md).
+DEFAULT_CONFIG = WSConfig(stages=0, ring_epilogue=True, epi_free_at=1)
 
 
 @gluon.constexpr_function
