@@ -70,69 +70,7 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
 }
 # --call: timed in this order (default and the variant twice: the run's noise)
 CALL_ORDER = ("default", "whole-epi", "ring-st3", "default", "whole-epi", "ring-st3")
-CALL_TESTS)
-    scripts/probe_lce_kloop.py --variants a,b --no-k-scaling   # the probe on those VARIANTS only
-
-Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D=256, N=512, bf16).
-1. Ceilings measured in this run: bf16 matmul 8192³ (random), device copy (read + write).
-2. Variants (WSConfig), each checked against fp64 on fresh random inputs with NaN-poisoned out and
-   Y_u (bf16 rel err ≤ 1e-2), then timed on one shared input set: `do_bench` median, CUDA-graph
-   replay median, the kernel alone (no Y_u, no bias) and the kernel with its fused epilogue (Y_u
-   given). The default is timed first and again near the end (the spread of one config within the run,
-   the run's noise); with --call the new variant (CALL_ORDER) too.
-3. K scaling: the kernel alone at Kc = 500, 1024, 2048, 8192 (8 … 128 K steps of 64 per 128 × 256
-   tile): time per tile = a + b · steps on the busiest SM gives the per-tile cost a and the per-step
-   cost b, against the ceiling's time for one step; at Kc = 8192 also the whole op (checked on the
-   first 64 candidates) and cuBLAS on the same candidate GEMM.
-Every Gluon kernel is compiled first by parallel worker processes (--warm) into Triton's disk cache:
-the K loop is unrolled, and one compile at Kc = 8192 takes ~45 s.
-A watchdog ends the run (exit 3, table so far) if one step takes over STEP_LIMIT_S.
-With $OUT set, writes probe_lce_kloop.{md,json} there and, for the tests, the winning config to
-$OUT/s6_winner.txt (empty when no variant beats the default by more than the run's noise, eager and in
-CUDA graphs: the larger of 1 % and the relative spread between the two timings of the default, or of
-the variant where it was timed twice).
-"""
-
-from __future__ import annotations
-
-import datetime
-import json
-import os
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import asdict
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
-
-from kernels.linear_compress import PackedLinearCompress  # noqa: E402
-from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, user_gemm, ws_config  # noqa: E402
-from scripts.bench_lce import CANONICAL, make_problem, measure_ceilings, reference, rel_err  # noqa: E402
-
-STEP_LIMIT_S = 90
-WARM_LIMIT_S = 40  # --no-k-scaling: the warm workers' compiles and tiny runs (~10 s at Kc = 500)
-# On the H200 (2026-11-29) the probe reached Kc = 8192 at 27 s, before its worker had compiled that
-# kernel (44 s on one free core, longer beside 21 other compiles), compiled it a second time and
-# ran past its 85 s stage limit; so the long-K step now waits for its workers, and --all gives the
-# probe 110 s.
-BF16_TOL = 1e-2
-VARIANTS = {  # name → WSConfig (None: s6's default)
-    "default": None,
-    "bk32": WSConfig(block_k=32, stages=6, epi_free_at=4),
-    "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
-    "ring": WSConfig(stages=0, ring_epilogue=True),  # half the epilogue (Y_u in, out) in a ring slot: 4 stages
-    "ring-free1": WSConfig(stages=0, ring_epilogue=True, epi_free_at=1),
-    "ring-free0": WSConfig(stages=0, ring_epilogue=True, epi_free_at=0),
-}
-# --call: timed in this order (default and the variant twice: the run's noise)
-CALL_ORDER = ("default", "ring-free1", "ring-free0", "default", "ring-free1", "ring-free0")
-CALL_TESTS = "gpu and ring"  # the GPU tests of the timed variants, run when no variant wins
+CALL_TESTS = "gpu and ring"  # the GPU tests of the timed variant, run when no variant wins
 CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
