@@ -3,15 +3,15 @@
 Math (as in `kernels/linear_compress.py`): out[b] = W_u @ user_emb[m[b]] + W_c @ cand_emb[b] + bias[:, None],
 user_emb [U, Ku, D], cand_emb [B, Kc, D], W_c [N, Kc], bias [N] → out [B, N, D].
 
-Status (H200, 2026-11-29, docs/notes/lce.md): correct (fp64 tests, NaN-poisoned outputs, CUDA-graph
-capture); 0.283 ms at the canonical shape against s4's 0.359 ms (−21 %), the fastest variant at
-every measured B ≥ 256 and, in CUDA-graph device time, at B = 64; eager at B = 64 slower than s3/s4
-(host time of two launches). The 0.25 ms target is still missed: the K loop's steady state runs at
-96 % of the matmul ceiling's step rate, but every tile pays ~2 µs of fixed cost, and ncu shows the
-consumer waiting mostly for ring data (cand_emb from HBM, 3 slots = 2 steps of latency cover), not
-for wgmma or barriers. Measured on the H200, not faster, and removed (code in git, docs/notes/lce.md,
-"s6's slower knobs removed"): two wgmma groups in flight, the deferred epilogue (± Y_u), split consumer
-partitions, the candidate-major tile order, the column-chunked epilogue with a 4th ring stage.
+Status (H200, docs/notes/lce.md): correct (fp64 tests, NaN-poisoned outputs, CUDA-graph capture).
+With `ring_epilogue` (the default since 2026-11-30 12:30 UTC): 0.253–0.261 ms at the canonical shape
+against s4's 0.350 ms, and the fastest variant at 17 of 18 sweep points. The kernel alone
+(0.233–0.249 ms) is as fast as cuBLAS's best form of the same GEMM. The 0.25 ms target is still missed
+by 1–4 %: every tile pays a fixed cost at its start, when the ring's first loads are waited for, and
+the fused epilogue adds ~0.015 ms. Measured on the H200, not faster, and removed (code in git,
+docs/notes/lce.md, "s6's slower knobs removed"): two wgmma groups in flight, the deferred epilogue
+(± Y_u), split consumer partitions, the candidate-major tile order, the column-chunked epilogue with a
+4th ring stage (Y_u by consumer loads).
 Reached through `PackedLinearCompress(..., variant="s6")`, and with no variant from B = WS_MIN_CANDIDATES
 (`linear_compress.default_variant`); the served model tries it as a tuning
 candidate of every LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
