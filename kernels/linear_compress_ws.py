@@ -106,9 +106,6 @@ class WSConfig:
     # the tile's K steps (needs block_m = 2 · block_k). Half the epilogue buffer frees a ring stage: 4 at
     # 128 × 256 × 64, bf16
     ring_epilogue: bool = False
-    # With ring_epilogue and a user part: the consumer reads both Y_u halves into registers during the tile's
-    # last K step (its wgmma in flight), so the epilogue after the final wait only adds, casts and stores
-    y_early: bool = False
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer ([BLOCK_M, BLOCK_D / 2]
@@ -222,36 +219,25 @@ def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, h:
 
 
 @gluon.jit
-def _column_halves(x):
-    """x [M, 2·C] → (columns [0, C), columns [C, 2·C)); the halves lie in each thread's registers (wgmma
-    layout), so no data moves."""
-    BLOCK_M: gl.constexpr = x.shape[0]
-    HALF: gl.constexpr = x.shape[1] // 2
-    return gl.split(x.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))
-
-
-@gluon.jit
-def _ring_epilogue(acc, bias, y_lo, y_hi, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-                   STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr, Y_EARLY: gl.constexpr):
+def _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
+                   STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
     """The ring_epilogue form of `_epilogue`: the tile's first column half through the epilogue buffer,
-    the second through ring step `step`'s slot; both released at the next tile's EPI_FREE_AT step.
-    Y_EARLY: the Y_u halves are y_lo, y_hi (read by the consumer during the last K step)."""
+    the second through ring step `step`'s slot; both released at the next tile's EPI_FREE_AT step."""
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    HALF: gl.constexpr = acc.shape[1] // 2
     result = acc
     if HAS_BIAS:
         result = result + bias[:, None]
-    lo, hi = _column_halves(result)
-    if Y_EARLY:
-        lo = lo + y_lo.to(gl.float32)
-        hi = hi + y_hi.to(gl.float32)
-    _epilogue(lo, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER and not Y_EARLY, False)
-    _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, 1, STAGES, HAS_USER and not Y_EARLY)
+    lo, hi = gl.split(result.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))  # columns [0, HALF), [HALF, 2 HALF)
+    _epilogue(lo, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, False)
+    _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, 1, STAGES, HAS_USER)
 
 
 @gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, RING_EPI: gl.constexpr, Y_EARLY: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr, RING_EPI: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → epilogue buffer → TMA store
     (RING_EPI: through the tile's two last ring steps, `_ring_epilogue`)."""
@@ -262,7 +248,6 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     acc = gl.zeros((BLOCK_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
-    y_lo, y_hi = _column_halves(gl.zeros((BLOCK_M, BLOCK_D), dtype=w_bufs.dtype, layout=mma_layout))
     step = 0
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -284,21 +269,12 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
                 if RING_EPI:  # and the last tile's second half has read its slot (the ring step before kt = 0)
                     if i > 0:
                         mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
-            if Y_EARLY and kt == K_TILES - 1:  # the Y_u halves into registers while this step's wgmma runs
-                HALF: gl.constexpr = BLOCK_D // 2
-                mbarrier.wait(epi_ready, i & 1)
-                y_lo = epi_buf.reshape([BLOCK_M, HALF]).load(y_lo.type.layout)
-                y_step = step + 1  # the ring step of the second half, right after the last K step
-                y_slot = y_step % STAGES
-                mbarrier.wait(ready.index(y_slot), (y_step // STAGES) & 1)
-                y_half = x_bufs.index(y_slot)._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-                y_hi = y_half.reshape([BLOCK_M, HALF]).load(y_hi.type.layout)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
         if RING_EPI:
-            _ring_epilogue(acc, bias, y_lo, y_hi, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-                           STAGES, HAS_USER, HAS_BIAS, Y_EARLY)
+            _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
+                           STAGES, HAS_USER, HAS_BIAS)
             step += 1
         else:
             _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
@@ -316,7 +292,7 @@ def _lce_ws_kernel(
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, RING_EPI: gl.constexpr, Y_EARLY: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, RING_EPI: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -338,7 +314,6 @@ def _lce_ws_kernel(
         # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
         # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
         FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1)
-    gl.static_assert(RING_EPI or not Y_EARLY, "y_early: only with ring_epilogue")
     Y_AT: gl.constexpr = min(FREE_AT + STAGES, K_TILES - 1)
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
@@ -361,7 +336,7 @@ def _lce_ws_kernel(
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     RING_EPI, Y_EARLY and HAS_USER)),
+                     RING_EPI)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
                      num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, RING_EPI)),
     ], [1], [PRODUCER_REGS])
@@ -448,7 +423,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, RING_EPI=cfg.ring_epilogue,
-        Y_EARLY=cfg.y_early, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -501,7 +476,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        RING_EPI=cfg.ring_epilogue, Y_EARLY=cfg.y_early, num_warps=cfg.num_warps,
+        RING_EPI=cfg.ring_epilogue, num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
