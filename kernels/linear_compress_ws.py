@@ -106,9 +106,6 @@ class WSConfig:
     # the tile's K steps (needs block_m = 2 · block_k). Half the epilogue buffer frees a ring stage: 4 at
     # 128 × 256 × 64, bf16
     ring_epilogue: bool = False
-    # With ring_epilogue: the tile's epilogue (acc + bias cast to 16 bit and kept in registers) is finished
-    # (+ Y_u, stores) in the next tile, after its first wgmma is issued, so the tensor cores run under it
-    defer_epilogue: bool = False
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer ([BLOCK_M, BLOCK_D / 2]
@@ -222,24 +219,6 @@ def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, h:
 
 
 @gluon.jit
-def _column_halves(x):
-    """x [M, 2·C] → (columns [0, C), columns [C, 2·C)); the halves lie in each thread's registers (wgmma
-    layout), so no data moves."""
-    BLOCK_M: gl.constexpr = x.shape[0]
-    HALF: gl.constexpr = x.shape[1] // 2
-    return gl.split(x.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))
-
-
-@gluon.jit
-def _deferred_epilogue(lo16, hi16, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, y_step, i,
-                       STAGES: gl.constexpr, HAS_USER: gl.constexpr):
-    """defer_epilogue: tile i's halves, cast(acc + bias) in registers, + its Y_u halves (epilogue buffer and
-    ring step y_step's slot), cast again and stored as `_ring_epilogue` stores them."""
-    _epilogue(lo16.to(gl.float32), lo16, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, False)
-    _ring_epilogue_half(hi16.to(gl.float32), x_bufs, ready, out_desc, b, off_m, off_d, y_step, 1, STAGES, HAS_USER)
-
-
-@gluon.jit
 def _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
                    STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
     """The ring_epilogue form of `_epilogue`: the tile's first column half through the epilogue buffer,
@@ -249,7 +228,7 @@ def _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, of
     result = acc
     if HAS_BIAS:
         result = result + bias[:, None]
-    lo, hi = _column_halves(result)
+    lo, hi = gl.split(result.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))  # columns [0, HALF), [HALF, 2 HALF)
     _epilogue(lo, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, False)
     _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, 1, STAGES, HAS_USER)
 
@@ -258,7 +237,7 @@ def _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, of
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, RING_EPI: gl.constexpr, DEFER: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr, RING_EPI: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → epilogue buffer → TMA store
     (RING_EPI: through the tile's two last ring steps, `_ring_epilogue`)."""
@@ -269,10 +248,6 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     acc = gl.zeros((BLOCK_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
-    lo16, hi16 = _column_halves(gl.zeros((BLOCK_M, BLOCK_D), dtype=w_bufs.dtype, layout=mma_layout))  # DEFER
-    prev_b = 0
-    prev_off_m = 0
-    prev_off_d = 0
     step = 0
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -285,10 +260,6 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
             acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
-            if DEFER and kt == 0:  # the last tile's epilogue, under this wgmma (its Y_u half: the step before)
-                if i > 0:
-                    _deferred_epilogue(lo16, hi16, epi_buf, epi_ready, x_bufs, ready, out_desc, prev_b, prev_off_m,
-                                       prev_off_d, step - 1, i - 1, STAGES, HAS_USER)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if kt >= 1:  # the wgmma of the previous step has finished reading its slot
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
@@ -301,28 +272,13 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-        if DEFER:
-            result = acc
-            if HAS_BIAS:
-                result = result + bias[:, None]
-            lo, hi = _column_halves(result)
-            lo16 = lo.to(w_bufs.dtype)
-            hi16 = hi.to(w_bufs.dtype)
-            prev_b = b
-            prev_off_m = off_m
-            prev_off_d = off_d
-            step += 1
-        elif RING_EPI:
+        if RING_EPI:
             _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
                            STAGES, HAS_USER, HAS_BIAS)
             step += 1
         else:
             _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
         i += 1
-    if DEFER:
-        if i > 0:
-            _deferred_epilogue(lo16, hi16, epi_buf, epi_ready, x_bufs, ready, out_desc, prev_b, prev_off_m,
-                               prev_off_d, step - 1, i - 1, STAGES, HAS_USER)
     tma.store_wait(0)
 
 
@@ -336,7 +292,7 @@ def _lce_ws_kernel(
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, RING_EPI: gl.constexpr, DEFER: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, RING_EPI: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -358,7 +314,6 @@ def _lce_ws_kernel(
         # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
         # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
         FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1)
-    gl.static_assert(RING_EPI or not DEFER, "defer_epilogue: only with ring_epilogue")
     Y_AT: gl.constexpr = min(FREE_AT + STAGES, K_TILES - 1)
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
@@ -381,7 +336,7 @@ def _lce_ws_kernel(
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     RING_EPI, DEFER)),
+                     RING_EPI)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
                      num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, RING_EPI)),
     ], [1], [PRODUCER_REGS])
@@ -468,7 +423,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, RING_EPI=cfg.ring_epilogue,
-        DEFER=cfg.defer_epilogue, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -521,7 +476,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        RING_EPI=cfg.ring_epilogue, DEFER=cfg.defer_epilogue, num_warps=cfg.num_warps,
+        RING_EPI=cfg.ring_epilogue, num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 

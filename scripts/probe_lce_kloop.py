@@ -65,14 +65,12 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "whole-epi": WSConfig(stages=0),  # the default before: whole-tile epilogue buffer, 3 stages, store waited at step 2
     "ring-st3": WSConfig(stages=3, ring_epilogue=True, epi_free_at=1),  # the split epilogue without the 4th stage
     "ring-free2": WSConfig(stages=0, ring_epilogue=True),  # the store waited at K step 2
-    "defer": WSConfig(stages=0, ring_epilogue=True, epi_free_at=1, defer_epilogue=True),  # under the next tile's wgmma
-    "defer-free2": WSConfig(stages=0, ring_epilogue=True, defer_epilogue=True),
     "bk32": WSConfig(block_k=32, stages=6, epi_free_at=4),
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
 }
 # --call: timed in this order (default and the variant twice: the run's noise)
-CALL_ORDER = ("default", "defer", "defer-free2", "default", "defer", "defer-free2")
-CALL_TESTS = "gpu and defer"  # the GPU tests of the timed variant, run when no variant wins
+CALL_ORDER = ("default", "whole-epi", "ring-st3", "default", "whole-epi", "ring-st3")
+CALL_TESTS = "gpu and ring"  # the GPU tests of the timed variant, run when no variant wins
 CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192

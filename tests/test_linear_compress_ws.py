@@ -43,7 +43,6 @@ HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0]
 # so a candidate default is checked on every test shape before it is made the default.
 DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
 RING = WSConfig(stages=0, ring_epilogue=True)  # half the epilogue in a ring slot: 4 stages at 128 × 256 × 64
-DEFER = WSConfig(stages=0, ring_epilogue=True, epi_free_at=1, defer_epilogue=True)  # finished under the next tile
 
 
 def _parse_config(text: str) -> WSConfig:
@@ -98,10 +97,8 @@ def _cuobjdump():
         dict(config=WSConfig(block_d=128, stages=0)),  # 6 stages
         dict(config=RING),  # 4 stages, half the epilogue in a ring slot
         dict(config=RING, dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
-        dict(config=DEFER),
-        dict(config=DEFER, dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130),
     ],
-    ids=["canonical", "fp16-odd", "bk32-st6", "bd128", "ring", "ring-fp16-odd", "defer", "defer-fp16-odd"],
+    ids=["canonical", "fp16-odd", "bk32-st6", "bd128", "ring", "ring-fp16-odd"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -170,14 +167,12 @@ CONFIGS = [
     RING,
     replace(RING, epi_free_at=0),
     replace(RING, stages=2),
-    replace(DEFER, stages=2),
-    replace(DEFER, epi_free_at=0),
 ]
-CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128", "ring", "ring-free-at-0", "ring-st2", "defer-st2", "defer-free-at-0"]
+CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128", "ring", "ring-free-at-0", "ring-st2"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", [None, RING, DEFER], ids=["default", "ring", "defer"])
+@pytest.mark.parametrize("config", [None, RING], ids=["default", "ring"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
 def test_gpu_s6(shape, dtype, config):
@@ -205,8 +200,8 @@ def test_gpu_s6_configs(config):
 @pytest.mark.parametrize("num_programs", [1, 3])
 @pytest.mark.parametrize(
     "base",
-    [None, WSConfig(block_d=128, stages=0), WSConfig(block_k=32, stages=6, epi_free_at=4), RING, DEFER],
-    ids=["default", "bd128", "bk32-st6", "ring", "defer"],
+    [None, WSConfig(block_d=128, stages=0), WSConfig(block_k=32, stages=6, epi_free_at=4), RING],
+    ids=["default", "bd128", "bk32-st6", "ring"],
 )
 def test_gpu_s6_few_programs(num_programs, base):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times
