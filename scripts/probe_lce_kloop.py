@@ -69,7 +69,7 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
 }
 # --call: timed in this order (default and the variant twice: the run's noise)
-CALL_ORDER = ("default", "whole-epi", "ring-st3", "default", "whole-epi", "ring-st3")
+CALL_ORDER = ("default", "whole-epi", "default", "whole-epi")
 CALL_TESTS = "gpu and ring"  # the GPU tests of the timed variant, run when no variant wins
 CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
