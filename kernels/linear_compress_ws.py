@@ -4,14 +4,15 @@ Math (as in `kernels/linear_compress.py`): out[b] = W_u @ user_emb[m[b]] + W_c @
 user_emb [U, Ku, D], cand_emb [B, Kc, D], W_c [N, Kc], bias [N] → out [B, N, D].
 
 Status (H200, docs/notes/lce.md): correct (fp64 tests, NaN-poisoned outputs, CUDA-graph capture).
-With `ring_epilogue` (the default since 2026-11-30 12:30 UTC): 0.253–0.261 ms at the canonical shape
-against s4's 0.350 ms, and the fastest variant at 17 of 18 sweep points. The kernel alone
-(0.233–0.249 ms) is as fast as cuBLAS's best form of the same GEMM. The 0.25 ms target is still missed
-by 1–4 %: every tile pays a fixed cost at its start, when the ring's first loads are waited for, and
-the fused epilogue adds ~0.015 ms. Measured on the H200, not faster, and removed (code in git,
-docs/notes/lce.md, "s6's slower knobs removed"): two wgmma groups in flight, the deferred epilogue
-(± Y_u), split consumer partitions, the candidate-major tile order, the column-chunked epilogue with a
-4th ring stage (Y_u by consumer loads).
+0.253–0.262 ms at the canonical shape against s4's 0.350 ms (2026-11-30, with the epilogue's second
+half in a ring slot), the fastest variant at 17 of 18 sweep points. The kernel alone (0.233–0.249 ms)
+is as fast as cuBLAS's best form of the same GEMM. The 0.25 ms target is still missed by 1–5 %:
+every tile pays a fixed cost at its start (~1.3 µs), and the fused epilogue adds ~0.015 ms. Measured
+on the H200, not faster, and removed (code in git, docs/notes/lce.md): two wgmma groups in flight,
+the deferred epilogue (± Y_u; also with the ring form), split consumer partitions, the candidate-major
+tile order, the column-chunked epilogue with a 4th ring stage (Y_u by consumer loads), both epilogue
+halves in ring slots, the Y_u halves read during the last K step, BLOCK_K = 32 with 6 stages, the
+whole-tile epilogue buffer with 3 stages (the default until 2026-11-30 12:30 UTC, 4–9 % slower).
 Reached through `PackedLinearCompress(..., variant="s6")`, and with no variant from B = WS_MIN_CANDIDATES
 (`linear_compress.default_variant`); the served model tries it as a tuning
 candidate of every LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
@@ -27,22 +28,21 @@ Kernel `_lce_ws_kernel`, one persistent program per SM, tiles t = pid, pid + P, 
     worker partition, 1 warp (the producer): for every tile, K_TILES TMA loads of a W_c tile
         [BLOCK_M, BLOCK_K] and a cand_emb tile [1, BLOCK_K, BLOCK_D] (rank-3 descriptor: rows past
         Kc of candidate b are zero-filled) into a STAGES-deep mbarrier ring (ready/empty barrier per
-        slot); in the middle of each tile's loads, one TMA load of the tile's Y_u[m[b]] block
-        [1, BLOCK_M, BLOCK_D] into the epilogue buffer. The producer never waits on the consumer's
-        epilogue except for that buffer, so the next tile's operands stream in while the consumer
+        slot); in the middle of each tile's loads, one TMA load of the first column half of the tile's
+        Y_u[m[b]] block, [1, BLOCK_M, BLOCK_D / 2], into the half-size epilogue buffer; after the K
+        loads, one more ring step: the second half into a cand_emb slot (a half block is exactly one
+        [1, BLOCK_K, BLOCK_D] slot at BLOCK_M = 2 · BLOCK_K). The producer never waits on the consumer's
+        epilogue except for those buffers, so the next tile's operands stream in while the consumer
         finishes the current one.
     default partition, num_warps warps (the consumer, two warpgroups of 64 rows at 8 warps):
         async wgmma, one group in flight, releasing each slot as the next wgmma is issued; then the
-        epilogue: acc + Y_u tile (read from shared memory) + bias, cast, written back into the same
-        shared buffer and stored by TMA (`UTMASTG`), so the epilogue costs shared-memory time
-        (~0.5 µs per tile) and no LSU-queue time (the pointer epilogue of s5, a removed variant: docs/notes/lce.md). The
-        store drains during the next tile's first K step; then the buffer is handed back to the
-        producer for the next Y_u block.
-    `ring_epilogue` (the default): the same in two column halves [BLOCK_M, BLOCK_D / 2], the first through
-        a half-size epilogue buffer, the second (its Y_u half in, its output out) through a cand_emb slot
-        of the ring, taken by the producer as one more ring step after the tile's K steps. The freed
-        32 KiB give the ring a 4th stage: more loads in flight in the K loop, and as many slots as before
-        for the next tile's first loads while the epilogue runs.
+        epilogue in two column halves (split in registers, no data moved): acc + Y_u half (read from
+        shared memory) + bias, cast, written back over the same buffer (the epilogue buffer, the ring
+        slot) and stored by TMA (`UTMASTG`), so the epilogue costs shared-memory time and no LSU-queue
+        time (the pointer epilogue of s5, a removed variant: docs/notes/lce.md). The stores drain during
+        the next tile's first K steps; then the buffer and the slot are handed back to the producer.
+        Half the epilogue buffer in the ring gives the ring a 4th stage: more loads in flight in the
+        K loop, and three free slots for the next tile's first loads while the epilogue runs.
 Why cooperative and not pingpong (CUTLASS's two consumer warpgroups alternating tiles): on Hopper the
 accumulator lives in registers; one warpgroup holding a whole 128 × 256 fp32 tile needs 256
 registers per thread (more than the 255 limit), so pingpong shrinks each warpgroup's tile to
@@ -53,8 +53,7 @@ Measured since: pingpong at 128 × 128 per warpgroup (this file's producer and e
 hid the epilogue, ran no faster than s6 (kernel alone 0.2466 vs 0.2479 ms; so the epilogue is not what
 limits s6) and was removed; its code is in git (docs/notes/lce.md).
 
-Shared memory at 128 × 256 × 64, bf16: 4 stages × 48 KiB + 32 KiB half epilogue buffer = 224 KiB (without
-ring_epilogue: 3 stages × 48 KiB + the 64 KiB whole-tile buffer = 208 KiB).
+Shared memory at 128 × 256 × 64, bf16: 4 stages × 48 KiB + the 32 KiB half epilogue buffer = 224 KiB.
 The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first as one cuBLAS batched GEMM (`user_gemm`; one
 launch more, as the removed s5 had with s3's tile kernel). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
 (D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
@@ -100,25 +99,16 @@ class WSConfig:
     num_warps: int = 8  # consumer (default partition) warps
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
-    epi_free_at: int = 2  # the consumer's K step at which the last tile's TMA store is waited for
-    # The epilogue in two column halves [BLOCK_M, BLOCK_D / 2]: the first through a half-size epilogue
-    # buffer, the second (its Y_u half and its output) in a cand_emb slot of the ring, one ring step after
-    # the tile's K steps (needs block_m = 2 · block_k). Half the epilogue buffer frees a ring stage: 4 at
-    # 128 × 256 × 64, bf16
-    ring_epilogue: bool = False
+    epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
 
     def smem_bytes(self, elem: int) -> int:
-        """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D] epilogue buffer ([BLOCK_M, BLOCK_D / 2]
-        with ring_epilogue) + 2 · stages + 2 mbarriers."""
+        """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
         ring = self.stages * (self.block_m + self.block_d) * self.block_k * elem
-        epilogue = self.block_m * self.block_d * elem // (2 if self.ring_epilogue else 1)
-        return ring + epilogue + 8 * (2 * self.stages + 2)
+        return ring + self.block_m * self.block_d // 2 * elem + 8 * (2 * self.stages + 2)
 
 
-# What `lce_s6` runs without a config (stages 0: the deepest ring that fits; 4 at 128 × 256 × 64, bf16, with
-# the half epilogue buffer). Since 2026-11-30 12:30 UTC; before, WSConfig(stages=0): the whole-tile epilogue
-# buffer, 3 stages, the store waited at K step 2 (H200: 3-6 % slower, docs/notes/lce.md).
-DEFAULT_CONFIG = WSConfig(stages=0, ring_epilogue=True, epi_free_at=1)
+# What `lce_s6` runs without a config (stages 0: the deepest ring that fits; 4 at 128 × 256 × 64, bf16).
+DEFAULT_CONFIG = WSConfig(stages=0)
 
 
 @gluon.constexpr_function
@@ -139,11 +129,10 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 @gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              RING_EPI: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring, and of its Y_u block into the epilogue buffer
-    (RING_EPI: the block's first column half there, its second in one more ring step after the tile's K
-    steps, into a cand_emb slot; without a user part that step loads nothing and only hands the slot over)."""
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
+    epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
+    slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
@@ -167,44 +156,41 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
                     mbarrier.wait(epi_free, i & 1)
                     mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
-        if RING_EPI:
-            HALF: gl.constexpr = y_desc.block_type.shape[2]
-            slot = step % STAGES
-            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            if HAS_USER:
-                mbarrier.expect(bar, y_desc.block_type.nbytes)
-                half_buf = x_bufs.index(slot)._reinterpret(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-                tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d + HALF], bar, half_buf)
-            else:
-                mbarrier.arrive(bar, count=1)
-            step += 1
+        HALF: gl.constexpr = y_desc.block_type.shape[2]
+        slot = step % STAGES
+        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        if HAS_USER:
+            mbarrier.expect(bar, y_desc.block_type.nbytes)
+            half_buf = x_bufs.index(slot)._reinterpret(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+            tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d + HALF], bar, half_buf)
+        else:
+            mbarrier.arrive(bar, count=1)
+        step += 1
         i += 1
 
 
 @gluon.jit
-def _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """out[b] tile = cast(acc (+ bias) (+ the Y_u block that the producer put in epi_buf, where HAS_USER)),
-    written over epi_buf and stored by TMA (waited for by the consumer at EPI_FREE_AT)."""
+def _epilogue_half(part, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER: gl.constexpr):
+    """Column half 0 of the tile: cast(part (+ the Y_u half that the producer put in epi_buf)), written over
+    epi_buf and stored by TMA to out[b, off_m:, off_d:] (waited for by the consumer at EPI_FREE_AT)."""
     BLOCK_M: gl.constexpr = epi_buf.type.shape[1]
-    BLOCK_D: gl.constexpr = epi_buf.type.shape[2]
-    epi_tile = epi_buf.reshape([BLOCK_M, BLOCK_D])
-    result = acc
-    if HAS_BIAS:
-        result = result + bias[:, None]
+    HALF: gl.constexpr = epi_buf.type.shape[2]
+    epi_tile = epi_buf.reshape([BLOCK_M, HALF])
+    result = part
     if HAS_USER:
         mbarrier.wait(epi_ready, i & 1)
-        result = result + epi_tile.load(acc.type.layout).to(gl.float32)
+        result = result + epi_tile.load(part.type.layout).to(gl.float32)
     epi_tile.store(result.to(epi_buf.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d], epi_buf)
 
 
 @gluon.jit
-def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, h: gl.constexpr,
-                        STAGES: gl.constexpr, HAS_USER: gl.constexpr):
-    """Column half h of the tile: cast(part (+ the Y_u half the producer put in ring step `step`'s slot)),
-    written over that slot and stored by TMA to out[b, off_m:, off_d + h · BLOCK_D / 2:]."""
+def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES: gl.constexpr,
+                        HAS_USER: gl.constexpr):
+    """Column half 1 of the tile: cast(part (+ the Y_u half the producer put in ring step `step`'s slot)),
+    written over that slot and stored by TMA to out[b, off_m:, off_d + BLOCK_D / 2:]."""
     HALF: gl.constexpr = out_desc.block_type.shape[2]
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[1]
     slot = step % STAGES
@@ -215,32 +201,33 @@ def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, h:
         part = part + tile.load(part.type.layout).to(gl.float32)
     tile.store(part.to(out_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d + h * HALF], buf)
+    tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d + HALF], buf)
 
 
 @gluon.jit
-def _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-                   STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """The ring_epilogue form of `_epilogue`: the tile's first column half through the epilogue buffer,
-    the second through ring step `step`'s slot; both released at the next tile's EPI_FREE_AT step."""
+def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
+              STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """out[b] tile = cast(acc (+ bias) (+ Y_u[m[b]] block)) in two column halves: the first through the
+    epilogue buffer, the second through ring step `step`'s slot; both released at the next tile's
+    EPI_FREE_AT step. The halves lie in each thread's registers (wgmma layout): splitting moves no data."""
     BLOCK_M: gl.constexpr = acc.shape[0]
     HALF: gl.constexpr = acc.shape[1] // 2
     result = acc
     if HAS_BIAS:
         result = result + bias[:, None]
     lo, hi = gl.split(result.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))  # columns [0, HALF), [HALF, 2 HALF)
-    _epilogue(lo, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, False)
-    _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, 1, STAGES, HAS_USER)
+    _epilogue_half(lo, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER)
+    _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES, HAS_USER)
 
 
 @gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, RING_EPI: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
-    s + 1, the last one after the tile's final wait), then acc + Y_u + bias → epilogue buffer → TMA store
-    (RING_EPI: through the tile's two last ring steps, `_ring_epilogue`)."""
+    s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
+    through the epilogue buffer and the tile's last ring step)."""
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
     BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
@@ -263,21 +250,17 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if kt >= 1:  # the wgmma of the previous step has finished reading its slot
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-            if kt == EPI_FREE_AT:  # the last TMA store has read the epilogue buffer: the producer may refill it
+            if kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
                 tma.store_wait(0)
                 mbarrier.arrive(epi_free, count=1)
-                if RING_EPI:  # and the last tile's second half has read its slot (the ring step before kt = 0)
-                    if i > 0:
-                        mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
+                if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
+                    mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-        if RING_EPI:
-            _ring_epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-                           STAGES, HAS_USER, HAS_BIAS)
-            step += 1
-        else:
-            _epilogue(acc, bias, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER, HAS_BIAS)
+        _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
+                  STAGES, HAS_USER, HAS_BIAS)
+        step += 1
         i += 1
     tma.store_wait(0)
 
@@ -286,13 +269,12 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
 def _lce_ws_kernel(
     w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
     x_desc,  # cand_emb [B, Kc, D], blocks [1, BLOCK_K, BLOCK_D]
-    y_desc,  # Y_u [U, N, D], blocks [1, BLOCK_M, BLOCK_D] (RING_EPI: [1, BLOCK_M, BLOCK_D / 2]; any
-             # descriptor of that block when not HAS_USER)
-    out_desc,  # out [B, N, D], blocks as y_desc's
+    y_desc,  # Y_u [U, N, D], blocks [1, BLOCK_M, BLOCK_D / 2] (any descriptor of that block when not HAS_USER)
+    out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D / 2]
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, RING_EPI: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -302,18 +284,14 @@ def _lce_ws_kernel(
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
     dtype: gl.constexpr = w_desc.dtype
-    if RING_EPI:
-        # A [1, BLOCK_M, BLOCK_D / 2] half block takes exactly one [1, BLOCK_K, BLOCK_D] cand_emb slot. The
-        # second half's slot is released at the next tile's step FREE_AT, before the consumer waits on that
-        # slot's next use (STAGES ring steps later) and with every slot the producer needs first released.
-        # The producer's wait for the epilogue buffer at step Y_AT ≥ FREE_AT is as without RING_EPI.
-        gl.static_assert(BLOCK_M == 2 * BLOCK_K, "ring_epilogue: block_m = 2 · block_k")
-        gl.static_assert(out_desc.block_type.shape[2] * 2 == BLOCK_D, "ring_epilogue: out blocks of BLOCK_D / 2 columns")
-        FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1, STAGES - 2)
-    else:
-        # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
-        # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
-        FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1)
+    # A [1, BLOCK_M, BLOCK_D / 2] half block takes exactly one [1, BLOCK_K, BLOCK_D] cand_emb slot. The
+    # second half's slot is released at the next tile's step FREE_AT, before the consumer waits on that
+    # slot's next use (STAGES ring steps later) and with every slot the producer needs first released.
+    gl.static_assert(BLOCK_M == 2 * BLOCK_K, "block_m = 2 · block_k: a Y_u half fills one cand_emb slot")
+    gl.static_assert(out_desc.block_type.shape[2] * 2 == BLOCK_D, "out and Y_u blocks of BLOCK_D / 2 columns")
+    FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1, STAGES - 2)
+    # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
+    # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
     Y_AT: gl.constexpr = min(FREE_AT + STAGES, K_TILES - 1)
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
@@ -335,10 +313,9 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     RING_EPI)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, RING_EPI)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -356,6 +333,9 @@ def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
     """`base` with BLOCK_D fitted to D and, where base.stages is 0, the deepest ring (≤ MAX_STAGES)
     that fits one SM's shared memory; a fixed base.stages is kept (the launch fails if it does not fit)."""
     base = base or DEFAULT_CONFIG
+    if base.block_m != 2 * base.block_k:
+        raise ValueError(f"WSConfig: block_m ({base.block_m}) must be 2 · block_k ({base.block_k}): the epilogue's "
+                         "second half block [block_m, block_d / 2] fills one [block_k, block_d] cand_emb slot")
     block_d = max(16, min(base.block_d, triton.next_power_of_2(dim)))
     cfg = replace(base, block_d=block_d, stages=max(base.stages, 2))
     if base.stages == 0:
@@ -402,7 +382,7 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     if w_desc is None:
         w_desc = packed._flags[key] = _descriptor(weight, [cfg.block_m, cfg.block_k])
     x_desc = _descriptor(cand_emb, [1, cfg.block_k, cfg.block_d])
-    out_block = [1, cfg.block_m, cfg.block_d // 2 if cfg.ring_epilogue else cfg.block_d]
+    out_block = [1, cfg.block_m, cfg.block_d // 2]
     out_desc = _descriptor(out, out_block)
     y_desc = out_desc if user_part is None else _descriptor(user_part, out_block)
     return w_desc, x_desc, y_desc, out_desc
@@ -422,7 +402,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, RING_EPI=cfg.ring_epilogue,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -476,7 +456,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        RING_EPI=cfg.ring_epilogue, num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 

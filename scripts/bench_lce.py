@@ -61,11 +61,9 @@ EXTRA_CONFIGS = [
     ("s4", TileConfig(128, 256, 64, 8, 2, epilogue_split=True)),
     ("s4", TileConfig(128, 128, 64, 8, 4, epilogue_split=True)),
 ]
-S6_EXTRA_CONFIGS = [  # with --configs, beside s6's default (128×256×64, 4 stages, half the epilogue in a ring slot,
-    # store waited at K step 1)
-    WSConfig(stages=0),  # the default before 2026-11-30 12:30 UTC: whole-tile epilogue buffer, 3 stages
-    WSConfig(epi_free_at=1),
-    WSConfig(block_k=32, stages=6, epi_free_at=4),
+S6_EXTRA_CONFIGS = [  # with --configs, beside s6's default (128×256×64, 4 stages, stores waited at K step 1)
+    WSConfig(epi_free_at=2),
+    WSConfig(stages=3),
     WSConfig(block_d=128, stages=0),  # 128×128 tiles, 64 accumulator registers, 6 stages
 ]
 
@@ -176,7 +174,7 @@ def providers(p: Problem, packed: PackedLinearCompress, with_compile: bool, with
     if with_configs in ("all", "s6") and has_s6(p):
         for cfg in S6_EXTRA_CONFIGS:
             cfg = ws_config(p.shape[4], p.cand_emb.element_size(), cfg)
-            name = f"Triton s6 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages} free@{cfg.epi_free_at}" + (" ring" if cfg.ring_epilogue else "")
+            name = f"Triton s6 {cfg.block_m}x{cfg.block_d}x{cfg.block_k} st{cfg.stages} free@{cfg.epi_free_at}"
             table[name] = triton_provider(packed, args, "s6", cfg)
     if ONLY:
         table = {name: fn for name, fn in table.items() if name.startswith(ONLY)}

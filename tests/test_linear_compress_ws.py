@@ -39,10 +39,9 @@ from kernels.linear_compress_ws import (
 BF16_TOL = 1e-2
 FP16_TOL = 2e-3
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-# LCE_S6_DEFAULT="block_k=32,stages=6,epi_free_at=4": the GPU tests run with that WSConfig as s6's default,
+# LCE_S6_DEFAULT="stages=3,epi_free_at=2": the GPU tests run with that WSConfig as s6's default,
 # so a candidate default is checked on every test shape before it is made the default.
 DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
-RING = WSConfig(stages=0, ring_epilogue=True)  # half the epilogue in a ring slot: 4 stages at 128 × 256 × 64
 
 
 def _parse_config(text: str) -> WSConfig:
@@ -64,21 +63,20 @@ def _s6_default(monkeypatch):
 
 def test_ws_config_fits_shared_memory():
     cfg = ws_config(256, 2)
-    assert (cfg.block_m, cfg.block_d, cfg.block_k, cfg.stages) == (128, 256, 64, 4 if cfg.ring_epilogue else 3)
-    assert cfg.smem_bytes(2) <= SMEM_LIMIT
+    assert (cfg.block_m, cfg.block_d, cfg.block_k) == (128, 256, 64)
+    if not DEFAULT_OVERRIDE:  # 4 × 48 KiB ring + the 32 KiB half epilogue buffer; a 5th stage does not fit
+        assert cfg.stages == 4 and cfg.smem_bytes(2) <= SMEM_LIMIT < replace(cfg, stages=5).smem_bytes(2)
     assert ws_config(256, 2, WSConfig(block_d=128, stages=0)).stages == 6  # MAX_STAGES
     small = ws_config(64, 2)
     assert small.block_d == 64 and small.smem_bytes(2) <= SMEM_LIMIT
-    assert ws_config(256, 2, WSConfig(block_k=32, stages=6)).smem_bytes(2) <= SMEM_LIMIT
-    ring = ws_config(256, 2, WSConfig(stages=0, ring_epilogue=True))  # no epilogue buffer: one stage more
-    assert ring.stages == 4 and ring.smem_bytes(2) <= SMEM_LIMIT < replace(ring, stages=5).smem_bytes(2)
+    with pytest.raises(ValueError, match="block_m .* must be 2 · block_k"):  # a Y_u half fills one cand_emb slot
+        ws_config(256, 2, WSConfig(block_k=32, stages=6))
 
 
 def test_default_override_parser():
     """LCE_S6_DEFAULT as the probe writes it (the winner's fields that differ from WSConfig())."""
-    assert _parse_config("block_k=32,stages=6,epi_free_at=4") == WSConfig(block_k=32, stages=6, epi_free_at=4)
+    assert _parse_config("stages=3,epi_free_at=2") == WSConfig(stages=3, epi_free_at=2)
     assert _parse_config("") == WSConfig()
-    assert _parse_config("stages=4,ring_epilogue=True") == WSConfig(stages=4, ring_epilogue=True)
 
 
 def _cuobjdump():
@@ -93,12 +91,11 @@ def _cuobjdump():
     [
         {},  # canonical: bf16, D = 256, Kc = 500, Y_u and bias
         dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
-        dict(config=WSConfig(block_k=32, stages=6, epi_free_at=4)),
+        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130),
         dict(config=WSConfig(block_d=128, stages=0)),  # 6 stages
-        dict(config=RING),  # 4 stages, half the epilogue in a ring slot
-        dict(config=RING, dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False),
+        dict(config=WSConfig(stages=2)),
     ],
-    ids=["canonical", "fp16-odd", "bk32-st6", "bd128", "ring", "ring-fp16-odd"],
+    ids=["canonical", "fp16-odd-no-user", "fp16-odd", "bd128", "st2"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -161,28 +158,26 @@ GPU_SHAPES = [
 ]
 CONFIGS = [
     None,
-    WSConfig(epi_free_at=1),
-    WSConfig(block_k=32, stages=6, epi_free_at=4),
+    WSConfig(epi_free_at=2),
+    WSConfig(epi_free_at=0),
     WSConfig(block_d=128, stages=0),
-    RING,
-    replace(RING, epi_free_at=0),
-    replace(RING, stages=2),
+    WSConfig(stages=2),
+    WSConfig(stages=3),
 ]
-CONFIG_IDS = ["free-at-1", "bk32-st6", "bd128", "ring", "ring-free-at-0", "ring-st2"]
+CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", [None, RING], ids=["default", "ring"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
-def test_gpu_s6(shape, dtype, config):
+def test_gpu_s6(shape, dtype):
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, hash((shape, str(dtype))) % 2**31)
     assert s6_supported(user_emb, cand_emb)
     num_users, num_candidates, ku, _, dim, rows = shape[:6]
     for _ in range(2):  # twice: cached descriptors must serve the second call
         out = torch.full((num_candidates, rows, dim), float("nan"), dtype=dtype, device="cuda")
         user_part = torch.full((num_users, rows, dim), float("nan"), dtype=dtype, device="cuda") if ku else None
-        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part, config=config)
+        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
         _check(out, ref, dtype)
 
 
@@ -200,8 +195,8 @@ def test_gpu_s6_configs(config):
 @pytest.mark.parametrize("num_programs", [1, 3])
 @pytest.mark.parametrize(
     "base",
-    [None, WSConfig(block_d=128, stages=0), WSConfig(block_k=32, stages=6, epi_free_at=4), RING],
-    ids=["default", "bd128", "bk32-st6", "ring"],
+    [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2)],
+    ids=["default", "bd128", "st2"],
 )
 def test_gpu_s6_few_programs(num_programs, base):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times
