@@ -26,8 +26,8 @@ Triton path, four stages of the IKBO co-design, each selectable (`variant=`):
         CUDA-graph capture the op takes s3 (s4's per-call epoch would be frozen into the graph).
     s6  the candidate GEMM + fused epilogue as a warp-specialized persistent Gluon kernel,
         `kernels/linear_compress_ws.py` (Hopper, fp16/bf16; s3 where it does not run). On the H200 the
-        fastest variant at every measured B ≥ 256 (canonical 0.27–0.28 ms against s4's 0.355), slower
-        eager at B = 64 (host time) (docs/notes/lce.md).
+        fastest variant at every measured B ≥ 256 (canonical 0.253–0.262 ms against s4's 0.350,
+        2026-11-30), slower eager at B = 64 on slow hosts (host time) (docs/notes/lce.md).
 With no `variant` (and nothing tuned), `default_variant(U, B, s6_runs)` picks s6 where it runs and
 B ≥ WS_MIN_CANDIDATES, else s4 or s3, whichever measured faster (H200). The served model's shape
 buckets are keyed on the s3/s4 choice, and its tuner times s6 beside them on a Hopper GPU

@@ -45,11 +45,8 @@ DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
 
 
 def _parse_config(text: str) -> WSConfig:
-    """"name=value,…" (integer or True/False WSConfig fields) → WSConfig."""
-    def value(text):
-        return {"True": True, "False": False}[text] if text in ("True", "False") else int(text)
-
-    return WSConfig(**{name: value(v) for name, v in (item.split("=") for item in filter(None, text.split(",")))})
+    """"name=value,…" (integer WSConfig fields) → WSConfig."""
+    return WSConfig(**{name: int(value) for name, value in (item.split("=") for item in filter(None, text.split(",")))})
 
 
 @pytest.fixture(autouse=True)
