@@ -100,8 +100,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    ring_first: int = 0  # 1: the ring-slot half is stored first; its slot is released at epi_free_at (its store
-    #                      alone waited for), the epilogue buffer one K step later
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -208,7 +206,7 @@ def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, ST
 
 @gluon.jit
 def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-              STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr, RING_FIRST: gl.constexpr):
+              STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
     """out[b] tile = cast(acc (+ bias) (+ Y_u[m[b]] block)) in two column halves: the first through the
     epilogue buffer, the second through ring step `step`'s slot; both released at the next tile's
     EPI_FREE_AT step. The halves lie in each thread's registers (wgmma layout): splitting moves no data."""
@@ -218,19 +216,15 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
     if HAS_BIAS:
         result = result + bias[:, None]
     lo, hi = gl.split(result.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))  # columns [0, HALF), [HALF, 2 HALF)
-    if RING_FIRST:  # the ring slot's store goes first, so the slot can go back to the producer first
-        _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES, HAS_USER)
-        _epilogue_half(lo, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER)
-    else:
-        _epilogue_half(lo, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER)
-        _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES, HAS_USER)
+    _epilogue_half(lo, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER)
+    _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES, HAS_USER)
 
 
 @gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, RING_FIRST: gl.constexpr, EPI_BUF_FREE_AT: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
     through the epilogue buffer and the tile's last ring step)."""
@@ -256,15 +250,7 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if kt >= 1:  # the wgmma of the previous step has finished reading its slot
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-            if RING_FIRST:
-                if kt == EPI_FREE_AT:  # the last tile's first store (the ring half) has read its slot
-                    tma.store_wait(1)
-                    if i > 0:  # (the ring step before kt = 0)
-                        mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
-                if kt == EPI_BUF_FREE_AT:  # and its second has read the epilogue buffer
-                    tma.store_wait(0)
-                    mbarrier.arrive(epi_free, count=1)
-            elif kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
+            if kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
                 tma.store_wait(0)
                 mbarrier.arrive(epi_free, count=1)
                 if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
@@ -273,7 +259,7 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
         _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-                  STAGES, HAS_USER, HAS_BIAS, RING_FIRST)
+                  STAGES, HAS_USER, HAS_BIAS)
         step += 1
         i += 1
     tma.store_wait(0)
@@ -288,7 +274,7 @@ def _lce_ws_kernel(
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, RING_FIRST: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -306,8 +292,7 @@ def _lce_ws_kernel(
     FREE_AT: gl.constexpr = min(max(EPI_FREE_AT, 0), K_TILES - 1, STAGES - 2)
     # The producer refills the epilogue buffer after it has waited for the slot of step Y_AT, i.e.
     # after the consumer passed step Y_AT - STAGES ≥ EPI_FREE_AT (no wait on a consumer that waits on it).
-    EPI_BUF_FREE_AT: gl.constexpr = min(FREE_AT + RING_FIRST, K_TILES - 1)  # the epilogue buffer's release
-    Y_AT: gl.constexpr = min(EPI_BUF_FREE_AT + STAGES, K_TILES - 1)
+    Y_AT: gl.constexpr = min(FREE_AT + STAGES, K_TILES - 1)
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
     tiles_per_row = num_m_tiles * gl.cdiv(D, BLOCK_D)
@@ -328,8 +313,7 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     RING_FIRST, EPI_BUF_FREE_AT)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
                      num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
@@ -418,7 +402,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, RING_FIRST=cfg.ring_first,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -471,7 +455,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, RING_FIRST=cfg.ring_first,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)

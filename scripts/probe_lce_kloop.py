@@ -65,12 +65,10 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "free2": WSConfig(epi_free_at=2),  # the last tile's stores waited for at K step 2
     "st3": WSConfig(stages=3),
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
-    "ring1": WSConfig(stages=0, ring_first=1),  # the ring-slot half stored first, its slot released alone
-    "ring1-free0": WSConfig(stages=0, ring_first=1, epi_free_at=0),
 }
 # --call: timed in this order (default and the variant twice: the run's noise)
-CALL_ORDER = ("default", "ring1", "ring1-free0", "default", "ring1", "ring1-free0")
-CALL_TESTS = "gpu and ring-first"  # the GPU tests of the timed variant, run when no variant wins
+CALL_ORDER = ("default", "free2", "default", "free2")
+CALL_TESTS = "gpu and free-at-2"  # the GPU tests of the timed variant, run when no variant wins
 CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
