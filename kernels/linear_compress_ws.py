@@ -100,8 +100,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    direct_store: int = 0  # 1: the second half is stored from registers (pointer stores) and its slot handed back
-    #                        as soon as its Y_u half is read; only where every tile is whole (N, D multiples)
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -189,11 +187,10 @@ def _epilogue_half(part, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_U
 
 
 @gluon.jit
-def _ring_epilogue_half(part, x_bufs, ready, empty, out_desc, out_ptr, b, off_m, off_d, N, D, step,
-                        STAGES: gl.constexpr, HAS_USER: gl.constexpr, DIRECT: gl.constexpr):
+def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES: gl.constexpr,
+                        HAS_USER: gl.constexpr):
     """Column half 1 of the tile: cast(part (+ the Y_u half the producer put in ring step `step`'s slot)),
-    written over that slot and stored by TMA to out[b, off_m:, off_d + BLOCK_D / 2:]; with DIRECT, the slot
-    goes back to the producer once read and the half is stored from registers (whole tiles only)."""
+    written over that slot and stored by TMA to out[b, off_m:, off_d + BLOCK_D / 2:]."""
     HALF: gl.constexpr = out_desc.block_type.shape[2]
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[1]
     slot = step % STAGES
@@ -202,21 +199,14 @@ def _ring_epilogue_half(part, x_bufs, ready, empty, out_desc, out_ptr, b, off_m,
     tile = buf.reshape([BLOCK_M, HALF])
     if HAS_USER:
         part = part + tile.load(part.type.layout).to(gl.float32)
-    if DIRECT:
-        mbarrier.arrive(empty.index(slot), count=1)
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, part.type.layout))
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, part.type.layout))
-        base = out_ptr + (b.to(gl.int64) * N + off_m) * D + off_d + HALF
-        gl.store(base + (rows[:, None] * D + cols[None, :]), part.to(out_desc.dtype))
-    else:
-        tile.store(part.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d + HALF], buf)
+    tile.store(part.to(out_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d + HALF], buf)
 
 
 @gluon.jit
-def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, empty, out_desc, out_ptr, b, off_m, off_d, N, D, step, i,
-              STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr, DIRECT: gl.constexpr):
+def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
+              STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
     """out[b] tile = cast(acc (+ bias) (+ Y_u[m[b]] block)) in two column halves: the first through the
     epilogue buffer, the second through ring step `step`'s slot; both released at the next tile's
     EPI_FREE_AT step. The halves lie in each thread's registers (wgmma layout): splitting moves no data."""
@@ -227,15 +217,14 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, empty, out_desc, out
         result = result + bias[:, None]
     lo, hi = gl.split(result.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))  # columns [0, HALF), [HALF, 2 HALF)
     _epilogue_half(lo, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER)
-    _ring_epilogue_half(hi, x_bufs, ready, empty, out_desc, out_ptr, b, off_m, off_d, N, D, step, STAGES, HAS_USER,
-                        DIRECT)
+    _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES, HAS_USER)
 
 
 @gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-              out_ptr, num_tiles, num_m_tiles, tiles_per_row, N, D,
+              num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, DIRECT: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
     through the epilogue buffer and the tile's last ring step)."""
@@ -264,13 +253,13 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             if kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
                 tma.store_wait(0)
                 mbarrier.arrive(epi_free, count=1)
-                if not DIRECT and i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
+                if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
                     mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-        _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, empty, out_desc, out_ptr, b, off_m, off_d, N, D, step,
-                  i, STAGES, HAS_USER, HAS_BIAS, DIRECT)
+        _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
+                  STAGES, HAS_USER, HAS_BIAS)
         step += 1
         i += 1
     tma.store_wait(0)
@@ -284,9 +273,8 @@ def _lce_ws_kernel(
     out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D / 2]
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
-    out_ptr,  # out [B, N, D] (contiguous), for DIRECT's pointer stores
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, DIRECT: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -325,8 +313,7 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     out_ptr, num_tiles, num_m_tiles, tiles_per_row, N, D, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     DIRECT)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
                      num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
@@ -401,11 +388,6 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     return w_desc, x_desc, y_desc, out_desc
 
 
-def direct_store(cfg: WSConfig, rows: int, dim: int, out) -> bool:
-    """cfg.direct_store where every tile is whole and out is contiguous (pointer stores with no masks)."""
-    return bool(cfg.direct_store) and rows % cfg.block_m == 0 and dim % cfg.block_d == 0 and out.is_contiguous()
-
-
 def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
                num_programs: int | None = None):
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
@@ -417,10 +399,10 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
-        num_candidates, rows, dim, out,
+        num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, DIRECT=direct_store(cfg, rows, dim, out),
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -474,7 +456,6 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        DIRECT=bool(cfg.direct_store) and rows % cfg.block_m == 0 and dim % cfg.block_d == 0,
         num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
@@ -493,7 +474,7 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     runtime_args = dict(
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
-        B=num_candidates, N=rows, D=dim, out_ptr=out,
+        B=num_candidates, N=rows, D=dim,
     )
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
