@@ -100,9 +100,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    prefetch_blocks: int = 0  # L2 prefetch, at a tile's first load, of the next tile's cand_emb K blocks
-    prefetch_from: int = 3  # [prefetch_from, prefetch_from + prefetch_blocks) (the ones whose loads wait on a
-    #                        slot the epilogue holds)
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -130,33 +127,9 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _prefetch_rows_l2(x_ptr, x_desc, b, off_m, off_d, row_lo, row_hi, num_m_tiles, BLOCK_M: gl.constexpr):
-    """One `cp.async.bulk.prefetch.L2` of this tile's share (the m-th of num_m_tiles) of rows [row_lo, row_hi)
-    of cand_emb[b, :, off_d:]; only where those rows are contiguous in memory (D = BLOCK_D, packed rows).
-    Every lane holds the same address and size, so the warp issues it once."""
-    BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
-    ELEM: gl.constexpr = x_desc.dtype.primitive_bitwidth // 8
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    row_stride = x_desc.strides[1]
-    if (x_desc.shape[2] == BLOCK_D) & (row_stride == BLOCK_D):
-        end = gl.minimum(row_hi, x_desc.shape[1])
-        share = gl.cdiv(end - row_lo, num_m_tiles)
-        lo = row_lo + (off_m // BLOCK_M) * share
-        hi = gl.minimum(lo + share, end)
-        if hi > lo:
-            addr = x_ptr + b.to(gl.int64) * x_desc.strides[0] + lo.to(gl.int64) * row_stride
-            size = (hi - lo) * (BLOCK_D * ELEM)
-            gl.inline_asm_elementwise(
-                "{ cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
-                [addr + gl.zeros([32], gl.int64, lanes), size + gl.zeros([32], gl.int32, lanes)],
-                dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _producer(w_desc, x_desc, y_desc, m_ptr, x_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              PF_FROM: gl.constexpr, PF_BLOCKS: gl.constexpr):
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
@@ -178,13 +151,6 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, x_ptr, w_bufs, x_bufs, epi_buf, rea
             tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
             tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
             step += 1
-            if PF_BLOCKS > 0:
-                if kt == 0:  # the next tile's K blocks whose loads wait for the epilogue's ring slot
-                    ahead = tile + gl.num_programs(0)
-                    if ahead < num_tiles:
-                        pf_b, pf_m, pf_d = _tile_coords(ahead, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-                        _prefetch_rows_l2(x_ptr, x_desc, pf_b, pf_m, pf_d, PF_FROM * BLOCK_K,
-                                          (PF_FROM + PF_BLOCKS) * BLOCK_K, num_m_tiles, BLOCK_M)
             if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
                     mbarrier.wait(epi_free, i & 1)
@@ -307,9 +273,8 @@ def _lce_ws_kernel(
     out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D / 2]
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
-    x_ptr,  # cand_emb's base address (the L2 prefetch)
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, PF_FROM: gl.constexpr, PF_BLOCKS: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -349,8 +314,8 @@ def _lce_ws_kernel(
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
-        (_producer, (w_desc, x_desc, y_desc, m_ptr, x_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, PF_FROM, PF_BLOCKS)),
+        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -434,11 +399,10 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
-        num_candidates, rows, dim, cand_emb,
+        num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        PF_FROM=cfg.prefetch_from, PF_BLOCKS=cfg.prefetch_blocks,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -492,7 +456,6 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        PF_FROM=cfg.prefetch_from, PF_BLOCKS=cfg.prefetch_blocks,
         num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
@@ -511,7 +474,7 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     runtime_args = dict(
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
-        B=num_candidates, N=rows, D=dim, x_ptr=cand_emb,
+        B=num_candidates, N=rows, D=dim,
     )
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
