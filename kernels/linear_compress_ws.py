@@ -100,8 +100,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    stagger: int = 0  # > 1: programs with a tile fewer start (pid % stagger) · stagger_cycles late, so that
-    stagger_cycles: int = 3000  # the programs' tile boundaries (epilogue stores, next loads) do not all coincide
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -129,20 +127,9 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _spin_cycles(cycles):
-    """Busy-wait about `cycles` SM clock cycles (one warp)."""
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    gl.inline_asm_elementwise(
-        "{ .reg .u64 t0, t1; .reg .pred p; mov.u64 t0, %clock64; SPIN: mov.u64 t1, %clock64; sub.u64 t1, t1, t0; "
-        "setp.lt.u64 p, t1, $1; @p bra SPIN; mov.u32 $0, 0; }", "=r,l",
-        [cycles.to(gl.int64) + gl.zeros([32], gl.int64, lanes)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              STAGGER: gl.constexpr, STAGGER_CYCLES: gl.constexpr):
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
@@ -151,11 +138,6 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     step = 0
     i = 0
-    if STAGGER > 1:
-        pid = gl.program_id(0)
-        extra = num_tiles % gl.num_programs(0)  # programs below it run one tile more
-        if (extra > 0) & (pid >= extra):
-            _spin_cycles((pid % STAGGER) * STAGGER_CYCLES)
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_USER:
@@ -292,7 +274,7 @@ def _lce_ws_kernel(
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, STAGGER: gl.constexpr, STAGGER_CYCLES: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -333,7 +315,7 @@ def _lce_ws_kernel(
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, STAGGER, STAGGER_CYCLES)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -421,7 +403,6 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        STAGGER=cfg.stagger, STAGGER_CYCLES=cfg.stagger_cycles,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -475,7 +456,6 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        STAGGER=cfg.stagger, STAGGER_CYCLES=cfg.stagger_cycles,
         num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
