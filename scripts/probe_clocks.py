@@ -65,20 +65,32 @@ def run_phase(name, fn, fields, flops=None):
     ms = ev0.elapsed_time(ev1) / n
     rows = [line.split(", ") for line in log.read_text().splitlines() if line.strip()]
     rows = rows[len(rows) // 5:]  # drop the ramp
-    def col(i):
-        vals = []
-        for r in rows:
-            try:
-                vals.append(float(r[i]))
-            except (ValueError, IndexError):
-                pass
-        return vals
-    sm, mem, pw, temp = col(1), col(2), col(3), col(4)
-    reasons = sorted({r[5] for r in rows if len(r) > 5})
-    def stat(v):
-        return f"{statistics.median(v):.0f} ({min(v):.0f}–{max(v):.0f})" if v else "n/a"
+    sm, mem, power, temp = (_median_range(_column(rows, i)) for i in (1, 2, 3, 4))
+    reasons = " ".join(sorted({r[5] for r in rows if len(r) > 5}))
     rate = f"{flops / ms / 1e9:.0f}" if flops else ""
-    return f"| {name} | {ms:.4f} | {rate} | {stat(sm)} | {stat(mem)} | {stat(pw)} | {stat(temp)} | {' '.join(reasons)} | {len(rows)} |"
+    return f"| {name} | {ms:.4f} | {rate} | {sm} | {mem} | {power} | {temp} | {reasons} | {len(rows)} |"
+
+
+def _column(rows, i):
+    """Field i of every sample that has it as a number."""
+    values = []
+    for row in rows:
+        try:
+            values.append(float(row[i]))
+        except (ValueError, IndexError):
+            pass
+    return values
+
+
+def _median_range(values):
+    return f"{statistics.median(values):.0f} ({min(values):.0f}–{max(values):.0f})" if values else "n/a"
+
+
+def _gemm_phase(name, fields):
+    """cuBLAS bf16 8192³ on random operands: the GEMM the benchmarks' matmul ceiling uses."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty_like(a)
+    return run_phase(name, lambda: torch.matmul(a, b, out=c), fields, 2 * 8192**3)
 
 
 def main():
@@ -94,12 +106,8 @@ def main():
              f"torch {torch.__version__}, nvidia-smi fields: {fields}", "",
              "| phase | ms / launch | TFLOP/s | SM MHz median (min–max) | mem MHz | power W | temp C | throttle reasons (hex) | samples |",
              "|---|---:|---:|---|---|---|---|---|---:|"]
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty_like(a)
     lines.append(run_phase("idle (sleep)", lambda: time.sleep(0.01), fields))
-    lines.append(run_phase("cuBLAS bf16 8192^3", lambda: torch.matmul(a, b, out=c), fields, 2 * 8192**3))
-    del a, b, c
+    lines.append(_gemm_phase("cuBLAS bf16 8192^3", fields))
     p = make_problem(**CANONICAL, seed=7)
     packed = PackedLinearCompress.from_weight(p.weight, CANONICAL["ku"], p.bias)
     num_users, num_candidates, ku, kc, dim, rows = p.shape
@@ -114,12 +122,9 @@ def main():
     from bench_attention import CANONICAL as ACANON, dispatched_kernels, dispatched_plan, make_problem as amake
     ap = amake(ACANON, seed=3)
     plan = dispatched_plan(ap, ACANON)
-    aflops = 4 * ACANON.num_candidates * ACANON.heads * ACANON.num_queries * ACANON.seq_len * ACANON.head_dim
-    lines.append(run_phase("attention ws kernel (plan given)", lambda: dispatched_kernels(ap, plan), fields, aflops))
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-    lines.append(run_phase("cuBLAS bf16 8192^3 (again)", lambda: torch.matmul(a, b, out=c), fields, 2 * 8192**3))
+    lines.append(run_phase("attention kernels as dispatched (plan given)", lambda: dispatched_kernels(ap, plan), fields,
+                           ACANON.target_flops))
+    lines.append(_gemm_phase("cuBLAS bf16 8192^3 (again)", fields))
     lines += ["", "Throttle reason bits (nvidia-smi): 0x1 GPU idle, 0x4 SW power cap, 0x8 HW slowdown, 0x20 SW thermal, "
               "0x40 HW thermal, 0x80 HW power brake; 0x0 none."]
     (OUT / "clock_probe.md").write_text("\n".join(lines) + "\n")
