@@ -127,21 +127,9 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _stamp(trace_ptr, i, field, TRACE: gl.constexpr, WARPS: gl.constexpr):
-    """TRACE: %clock64 of this partition's first thread → trace[pid, i, field] (int64 [P, 64, 48])."""
-    if TRACE:
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        idx = gl.arange(0, 32 * WARPS, layout=layout)
-        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [idx], dtype=gl.int64, is_pure=False, pack=1)
-        base = trace_ptr + (gl.program_id(0) * 64 + gl.minimum(i, 63)) * 48 + field
-        gl.store(base + idx * 0, t, mask=idx == 0)
-
-
-@gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-              num_tiles, num_m_tiles, tiles_per_row, trace_ptr,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              TRACE: gl.constexpr):
+              num_tiles, num_m_tiles, tiles_per_row,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
@@ -157,9 +145,7 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
         for kt in gl.static_range(K_TILES):
             slot = step % STAGES
             # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
-            _stamp(trace_ptr, i, kt, TRACE, 1)
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-            _stamp(trace_ptr, i, 8 + kt, TRACE, 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
@@ -172,9 +158,7 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
                     tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
         HALF: gl.constexpr = y_desc.block_type.shape[2]
         slot = step % STAGES
-        _stamp(trace_ptr, i, 35, TRACE, 1)
         mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-        _stamp(trace_ptr, i, 36, TRACE, 1)
         bar = ready.index(slot)
         if HAS_USER:
             mbarrier.expect(bar, y_desc.block_type.nbytes)
@@ -238,9 +222,9 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 
 @gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-              num_tiles, num_m_tiles, tiles_per_row, N, trace_ptr,
+              num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, TRACE: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
     through the epilogue buffer and the tile's last ring step)."""
@@ -260,9 +244,7 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
         for kt in gl.static_range(K_TILES):
             slot = step % STAGES
-            _stamp(trace_ptr, i, 16 + kt, TRACE, num_warps)
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            _stamp(trace_ptr, i, 24 + kt, TRACE, num_warps)
             x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
             acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -273,14 +255,11 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
                 mbarrier.arrive(epi_free, count=1)
                 if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
                     mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
-                _stamp(trace_ptr, i, 32, TRACE, num_warps)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-        _stamp(trace_ptr, i, 33, TRACE, num_warps)
         _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
                   STAGES, HAS_USER, HAS_BIAS)
-        _stamp(trace_ptr, i, 34, TRACE, num_warps)
         step += 1
         i += 1
     tma.store_wait(0)
@@ -294,9 +273,8 @@ def _lce_ws_kernel(
     out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D / 2]
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
-    trace_ptr,  # TRACE: int64 [P, 64, 48] clock stamps
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, TRACE: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -335,10 +313,9 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, trace_ptr, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     TRACE)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, trace_ptr, K_TILES, STAGES, HAS_USER, Y_AT, TRACE)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -412,7 +389,7 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
 
 
 def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
-               num_programs: int | None = None, trace=None):
+               num_programs: int | None = None):
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
@@ -422,10 +399,10 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
-        num_candidates, rows, dim, out if trace is None else trace,
+        num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, TRACE=trace is not None,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -478,7 +455,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, TRACE=False,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
@@ -497,7 +474,7 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     runtime_args = dict(
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
-        B=num_candidates, N=rows, D=dim, trace_ptr=out,
+        B=num_candidates, N=rows, D=dim,
     )
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
