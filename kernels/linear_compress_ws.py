@@ -129,8 +129,7 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 @gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              SKIP_W: gl.constexpr):
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
@@ -148,11 +147,8 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            if SKIP_W and i > 0:  # DIAGNOSTIC ONLY (wrong results): no W_c traffic after the first tile
-                mbarrier.expect(bar, x_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
+            mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
             tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
             step += 1
             if HAS_USER:
@@ -278,7 +274,7 @@ def _lce_ws_kernel(
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_W: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -319,7 +315,7 @@ def _lce_ws_kernel(
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, SKIP_W)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -393,7 +389,7 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
 
 
 def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
-               num_programs: int | None = None, skip_w: bool = False):
+               num_programs: int | None = None):
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
@@ -406,7 +402,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, SKIP_W=skip_w,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -459,7 +455,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, SKIP_W=False,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
