@@ -69,7 +69,7 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "ar3": WSConfig(stages=0, a_regs=3),  # … 3 K blocks
 }
 # --call: timed in this order (default and the variant twice: the run's noise)
-CALL_ORDER = ("default", "ar3", "default", "ar3", "default", "ar3")
+CALL_ORDER = ("default", "ar2", "ar3", "default", "ar2", "ar3")
 CALL_TESTS = "gpu and a-regs"  # the GPU tests of the timed variant, run when no variant wins
 CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
