@@ -100,8 +100,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    a_regs: int = 0  # W_c's first a_regs K blocks kept in the consumer's registers from a program's first tile on
-    #                  (wgmma with A from registers): no W_c loads for those steps after the first tile
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -131,8 +129,7 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 @gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              A_REGS: gl.constexpr):
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
@@ -150,11 +147,8 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            if kt < A_REGS and i > 0:  # the consumer holds this W_c block in registers since the first tile
-                mbarrier.expect(bar, x_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
+            mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
             tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
             step += 1
             if HAS_USER:
@@ -227,18 +221,10 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 
 
 @gluon.jit
-def _a_block(held, w_slot, i, layout: gl.constexpr):
-    """The W_c block of this K step in registers: read from its ring slot in a program's first tile, then held."""
-    if i == 0:
-        held = w_slot.load(layout)
-    return held
-
-
-@gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, A_REGS: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
     through the epilogue buffer and the tile's last ring step)."""
@@ -249,11 +235,6 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     acc = gl.zeros((BLOCK_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    a0 = gl.zeros((BLOCK_M, BLOCK_K), dtype=w_bufs.dtype, layout=a_layout)
-    a1 = a0
-    a2 = a0
-    a3 = a0
     step = 0
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -265,21 +246,7 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
-            if kt < A_REGS:  # A from registers (held since the program's first tile)
-                if kt == 0:
-                    a0 = _a_block(a0, w_bufs.index(slot), i, a_layout)
-                    acc = warpgroup_mma(a0, x_tile, acc, use_acc=False, is_async=True)
-                elif kt == 1:
-                    a1 = _a_block(a1, w_bufs.index(slot), i, a_layout)
-                    acc = warpgroup_mma(a1, x_tile, acc, use_acc=True, is_async=True)
-                elif kt == 2:
-                    a2 = _a_block(a2, w_bufs.index(slot), i, a_layout)
-                    acc = warpgroup_mma(a2, x_tile, acc, use_acc=True, is_async=True)
-                else:
-                    a3 = _a_block(a3, w_bufs.index(slot), i, a_layout)
-                    acc = warpgroup_mma(a3, x_tile, acc, use_acc=True, is_async=True)
-            else:
-                acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
+            acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if kt >= 1:  # the wgmma of the previous step has finished reading its slot
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
@@ -307,7 +274,7 @@ def _lce_ws_kernel(
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_REGS: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -316,7 +283,6 @@ def _lce_ws_kernel(
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
-    gl.static_assert(A_REGS <= 4, "at most 4 W_c blocks held in registers")
     dtype: gl.constexpr = w_desc.dtype
     # A [1, BLOCK_M, BLOCK_D / 2] half block takes exactly one [1, BLOCK_K, BLOCK_D] cand_emb slot. The
     # second half's slot is released at the next tile's step FREE_AT, before the consumer waits on that
@@ -347,10 +313,9 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     min(A_REGS, K_TILES))),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, min(A_REGS, K_TILES))),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -438,8 +403,6 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        # a program keeps one W_c row block for all its tiles only where the grid is a multiple of the row blocks
-        A_REGS=cfg.a_regs if grid % triton.cdiv(rows, cfg.block_m) == 0 else 0,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -492,7 +455,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, A_REGS=cfg.a_regs,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
