@@ -100,9 +100,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    cluster: int = 0  # 1: 2-CTA clusters; the pair takes two row tiles of one candidate, and each CTA loads half
-    #                   of every cand_emb K tile and multicasts it to both (half the cand_emb reads from L2);
-    #                   2 (diagnostic): the same clusters and barriers, each CTA loading its whole tile
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -130,99 +127,19 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _schedule_coords(t, rank, num_m_tiles, tiles_per_row, CLUSTER: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_D: gl.constexpr):
-    """Unit t of the schedule → (b, row offset, column offset): a tile (`_tile_coords`), or with CLUSTER a pair of
-    row tiles of one candidate, of which CTA `rank` takes row tile 2 · (t's pair index) + rank."""
-    if CLUSTER:
-        pairs_per_col = (num_m_tiles + 1) // 2
-        pairs_per_row = tiles_per_row // num_m_tiles * pairs_per_col
-        b = t // pairs_per_row
-        rest = t % pairs_per_row
-        return b, ((rest % pairs_per_col) * 2 + rank) * BLOCK_M, (rest // pairs_per_col) * BLOCK_D
-    else:
-        return _tile_coords(t, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-
-
-@gluon.jit
-def _thread_ids(NUM_WARPS: gl.constexpr):
-    """[32 · NUM_WARPS] int32, one element per thread of the partition: the operand of the PTX helpers below."""
-    return gl.arange(0, 32 * NUM_WARPS, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
-
-
-@gluon.jit
-def _cluster_sync(tids, INIT_FENCE: gl.constexpr):
-    """Every thread of the 2-CTA cluster arrives and waits (barrier.cluster); with INIT_FENCE, the mbarrier inits of
-    this CTA are made visible to the peer first."""
-    if INIT_FENCE:
-        gl.inline_asm_elementwise("fence.mbarrier_init.release.cluster; mov.u32 $0, $1;", "=r,r", [tids],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    gl.inline_asm_elementwise("barrier.cluster.arrive.release; barrier.cluster.wait.acquire; mov.u32 $0, $1;",
-                              "=r,r", [tids], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _remote_arrive(tids, bar_offset, peer):
-    """Thread 0 arrives once on the mbarrier at shared offset `bar_offset` of CTA `peer` of the cluster."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 a, r; setp.eq.s32 p, $1, 0; mov.u32 a, global_smem; add.u32 a, a, $2; "
-        "mapa.shared::cluster.u32 r, a, $3; @p mbarrier.arrive.shared::cluster.b64 _, [r]; "
-        "mov.u32 $0, 0; }",
-        "=r,r,r,r", [tids, tids * 0 + bar_offset, tids * 0 + peer], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _multicast_x_half(tids, dst_offset, bar_offset, off_d, off_k, b, rank,
-                      X_PARAM: gl.constexpr, CHUNKS: gl.constexpr, CHUNK_COLS: gl.constexpr,
-                      CHUNK_BYTES: gl.constexpr):
-    """Thread 0: CTA `rank`'s half of a cand_emb K tile, CHUNKS TMA boxes [1, BLOCK_K, CHUNK_COLS] at columns
-    off_d + (rank · CHUNKS + j) · CHUNK_COLS, multicast to the same shared offset (the slot at dst_offset, box j
-    of the half at + (rank · CHUNKS + j) · CHUNK_BYTES) of both CTAs, each completing on its own mbarrier at
-    bar_offset. The tensor map is the x_desc kernel parameter X_PARAM (the one Triton's own loads use)."""
-    for j in gl.static_range(CHUNKS):
-        chunk = rank * CHUNKS + j
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 d; .reg .b32 base, dst, bar; .reg .b16 mask; "
-            "setp.eq.s32 p, $1, 0; mov.b64 d, " + X_PARAM + "; cvta.param.u64 d, d; mov.u32 base, global_smem; "
-            "add.u32 dst, base, $2; add.u32 bar, base, $3; mov.b16 mask, 3; "
-            "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
-            "[dst], [d, {$4, $5, $6}], [bar], mask; mov.u32 $0, 0; }",
-            "=r,r,r,r,r,r,r",
-            [tids, tids * 0 + (dst_offset + chunk * CHUNK_BYTES), tids * 0 + bar_offset,
-             tids * 0 + (off_d + chunk * CHUNK_COLS), tids * 0 + off_k, tids * 0 + b],
-            dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              CLUSTER: gl.constexpr, NUM_WARPS: gl.constexpr, X_OFF: gl.constexpr, READY_OFF: gl.constexpr,
-              X_PARAM: gl.constexpr):
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
-    CHUNK_COLS: gl.constexpr = 128 // x_desc.dtype.primitive_bitwidth * 8  # one 128-byte swizzle row
-    CHUNKS: gl.constexpr = BLOCK_D // 2 // CHUNK_COLS  # TMA boxes in a column half of a cand_emb tile
-    CHUNK_BYTES: gl.constexpr = BLOCK_K * CHUNK_COLS * x_desc.dtype.primitive_bitwidth // 8
-    SLOT_BYTES: gl.constexpr = x_desc.block_type.nbytes
-    if CLUSTER:
-        tids = _thread_ids(NUM_WARPS)
-        _cluster_sync(tids, False)
-        rank = gl.program_id(0) % 2
-        start = gl.program_id(0) // 2
-        stride = gl.num_programs(0) // 2
-    else:
-        rank = 0
-        start = gl.program_id(0)
-        stride = gl.num_programs(0)
     step = 0
     i = 0
-    for tile in range(start, num_tiles, stride):
-        b, off_m, off_d = _schedule_coords(tile, rank, num_m_tiles, tiles_per_row, CLUSTER, BLOCK_M, BLOCK_D)
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_USER:
             user = gl.load(m_ptr + b).to(gl.int32)
         for kt in gl.static_range(K_TILES):
@@ -232,11 +149,7 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             bar = ready.index(slot)
             mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
-            if CLUSTER == 1:  # both CTAs' slots are free (the empty barrier counts both consumers)
-                _multicast_x_half(tids, X_OFF + slot * SLOT_BYTES, READY_OFF + slot * 8, off_d, kt * BLOCK_K, b,
-                                  rank, X_PARAM, CHUNKS, CHUNK_COLS, CHUNK_BYTES)
-            else:
-                tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
+            tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
             step += 1
             if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
@@ -255,8 +168,6 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             mbarrier.arrive(bar, count=1)
         step += 1
         i += 1
-    if CLUSTER:  # the peer's consumer arrives on this CTA's barriers until its end
-        _cluster_sync(tids, False)
 
 
 @gluon.jit
@@ -313,7 +224,7 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, CLUSTER: gl.constexpr, EMPTY_OFF: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
     through the epilogue buffer and the tile's last ring step)."""
@@ -324,20 +235,10 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     acc = gl.zeros((BLOCK_M, BLOCK_D), dtype=gl.float32, layout=mma_layout)
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
-    if CLUSTER:
-        tids = _thread_ids(num_warps)
-        _cluster_sync(tids, True)
-        rank = gl.program_id(0) % 2
-        start = gl.program_id(0) // 2
-        stride = gl.num_programs(0) // 2
-    else:
-        rank = 0
-        start = gl.program_id(0)
-        stride = gl.num_programs(0)
     step = 0
     i = 0
-    for tile in range(start, num_tiles, stride):
-        b, off_m, off_d = _schedule_coords(tile, rank, num_m_tiles, tiles_per_row, CLUSTER, BLOCK_M, BLOCK_D)
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
             rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
             bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
@@ -349,27 +250,19 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if kt >= 1:  # the wgmma of the previous step has finished reading its slot
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-                if CLUSTER:  # the peer multicasts into it too
-                    _remote_arrive(tids, EMPTY_OFF + (step + STAGES - 1) % STAGES * 8, 1 - rank)
             if kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
                 tma.store_wait(0)
                 mbarrier.arrive(epi_free, count=1)
                 if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
                     mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
-                    if CLUSTER:
-                        _remote_arrive(tids, EMPTY_OFF + (step - kt + STAGES - 1) % STAGES * 8, 1 - rank)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-        if CLUSTER:
-            _remote_arrive(tids, EMPTY_OFF + (step + STAGES - 1) % STAGES * 8, 1 - rank)
         _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
                   STAGES, HAS_USER, HAS_BIAS)
         step += 1
         i += 1
     tma.store_wait(0)
-    if CLUSTER:  # this CTA's remote arrivals have landed before the peer exits, and the peer's here
-        _cluster_sync(tids, False)
 
 
 @gluon.jit(do_not_specialize=["B"])  # one binary for any batch size (no compilation on a request's B)
@@ -383,8 +276,6 @@ def _lce_ws_kernel(
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
     EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
-    CLUSTER: gl.constexpr = 0, X_OFF: gl.constexpr = 0, READY_OFF: gl.constexpr = 0, EMPTY_OFF: gl.constexpr = 0,
-    X_PARAM: gl.constexpr = "",
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
@@ -405,11 +296,7 @@ def _lce_ws_kernel(
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
     tiles_per_row = num_m_tiles * gl.cdiv(D, BLOCK_D)
-    if CLUSTER:  # units of the schedule: pairs of row tiles
-        num_tiles = B * ((num_m_tiles + 1) // 2) * gl.cdiv(D, BLOCK_D)
-    else:
-        num_tiles = B * tiles_per_row
-    PRODUCER_WARPS: gl.constexpr = 4 if CLUSTER else 1  # with CLUSTER no idle warps (barrier.cluster counts all)
+    num_tiles = B * tiles_per_row
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -420,18 +307,16 @@ def _lce_ws_kernel(
     epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2 if CLUSTER else 1)
+        mbarrier.init(empty.index(s), count=1)
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_free, count=1)
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     CLUSTER, EMPTY_OFF)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT,
-                     CLUSTER, PRODUCER_WARPS, X_OFF, READY_OFF, X_PARAM)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
+    ], [1], [PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -452,8 +337,7 @@ def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
         raise ValueError(f"WSConfig: block_m ({base.block_m}) must be 2 · block_k ({base.block_k}): the epilogue's "
                          "second half block [block_m, block_d / 2] fills one [block_k, block_d] cand_emb slot")
     block_d = max(16, min(base.block_d, triton.next_power_of_2(dim)))
-    # cluster multicasts column halves of whole 128-byte swizzle rows: BLOCK_D ≥ 128 (16 bit)
-    cfg = replace(base, block_d=block_d, stages=max(base.stages, 2), cluster=base.cluster if block_d >= 128 else 0)
+    cfg = replace(base, block_d=block_d, stages=max(base.stages, 2))
     if base.stages == 0:
         while cfg.stages < MAX_STAGES and replace(cfg, stages=cfg.stages + 1).smem_bytes(elem) <= SMEM_LIMIT:
             cfg = replace(cfg, stages=cfg.stages + 1)
@@ -512,69 +396,15 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
     grid = min(num_programs or _device_info(out.device)[1], num_tiles)
-    args = (w_desc, x_desc, y_desc, out_desc, cand_to_user, out if bias is None else bias, num_candidates, rows, dim)
-    constexprs = dict(
+    _lce_ws_kernel[(grid,)](
+        w_desc, x_desc, y_desc, out_desc,
+        cand_to_user, out if bias is None else bias,
+        num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
-    if cfg.cluster:
-        pairs = num_candidates * triton.cdiv(triton.cdiv(rows, cfg.block_m), 2) * triton.cdiv(dim, cfg.block_d)
-        clusters = max(1, min((num_programs or _device_info(out.device)[1]) // 2, pairs))
-        constexprs.update(_cluster_constexprs(args, constexprs, cand_emb.dtype))
-        _lce_ws_kernel[(clusters,)](*args, **constexprs)
-        return
-    _lce_ws_kernel[(grid,)](*args, **constexprs)
-
-
-X_DESC_PARAM = "_lce_ws_kernel_param_5"  # x_desc's tensor map in the PTX (w_desc, 2-D, takes params 0–4)
-_CLUSTER_KERNELS: dict = {}
-
-
-def _cluster_constexprs(args, constexprs: dict, dtype) -> dict:
-    """CLUSTER, the shared offsets of x_bufs, ready and empty (read from the compiler's allocation of the same
-    kernel) and X_PARAM; the compiled kernel is marked to launch in 2-CTA clusters (grid = clusters)."""
-    key = (tuple(sorted(constexprs.items())), dtype, tuple(args[0].block_shape), tuple(args[1].block_shape))
-    extra = _CLUSTER_KERNELS.get(key)
-    if extra is None:
-        extra = dict(CLUSTER=1, X_PARAM=X_DESC_PARAM, X_OFF=0, READY_OFF=0, EMPTY_OFF=0)
-        probe = _lce_ws_kernel.warmup(*args, **constexprs, **extra, grid=(1,))
-        offsets = shared_offsets(probe.asm["ttgir"], probe.metadata.target.arch)
-        extra.update(X_OFF=offsets["x_bufs"], READY_OFF=offsets["ready"], EMPTY_OFF=offsets["empty"])
-        kernel = _lce_ws_kernel.warmup(*args, **constexprs, **extra, grid=(1,))
-        if shared_offsets(kernel.asm["ttgir"], kernel.metadata.target.arch) != offsets:
-            raise RuntimeError("s6 cluster: the shared-memory allocation moved between two compiles")
-        num_warps, _, shared = kernel.packed_metadata
-        kernel.packed_metadata = (num_warps, 2, shared)  # the launcher: grid × 2 CTAs, cluster dims (2, 1, 1)
-        _CLUSTER_KERNELS[key] = extra
-    return extra
-
-
-def shared_offsets(ttgir: str, capability: int) -> dict[str, int]:
-    """Shared-memory offset of every named `gl.allocate_shared_memory` buffer of a compiled Gluon kernel: the
-    allocation pass that Triton's own lowering runs (make_llir), run on the kernel's TTGIR."""
-    import re
-    import tempfile
-
-    from triton._C.libtriton import ir, nvidia, passes
-
-    context = ir.context()
-    ir.load_dialects(context)
-    nvidia.load_dialects(context)
-    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
-        f.write(ttgir)
-        f.flush()
-        module = ir.parse_mlir_module(f.name, context)
-    pm = ir.pass_manager(context)
-    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
-    passes.ttgpuir.add_allocate_warp_groups(pm)
-    passes.convert.add_scf_to_cf(pm)
-    passes.gluon.add_inliner(pm)
-    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, capability, 87)
-    pm.run(module, "shared_offsets")
-    return {name: int(offset) for name, offset in
-            re.findall(r"%(\w+) = ttg.local_alloc \{allocation.offset = (\d+)", str(module))}
 
 
 def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
@@ -628,9 +458,6 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps,
     )
-    # with cluster, placeholder offsets: they do not move the allocation (`shared_offsets`)
-    constexprs.update(CLUSTER=cfg.cluster, X_PARAM=X_DESC_PARAM if cfg.cluster else "", X_OFF=0, READY_OFF=0,
-                      EMPTY_OFF=0)
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
 
