@@ -12,7 +12,9 @@ on the H200, not faster, and removed (code in git, docs/notes/lce.md): two wgmma
 the deferred epilogue (± Y_u; also with the ring form), split consumer partitions, the candidate-major
 tile order, the column-chunked epilogue with a 4th ring stage (Y_u by consumer loads), both epilogue
 halves in ring slots, the Y_u halves read during the last K step, BLOCK_K = 32 with 6 stages, the
-whole-tile epilogue buffer with 3 stages (the default until 2026-11-30 12:30 UTC, 4–9 % slower).
+whole-tile epilogue buffer with 3 stages (the default until 2026-11-30 12:30 UTC, 4–9 % slower), 2-CTA clusters
+with the cand_emb tiles TMA-multicast through inline PTX (equal to the same clusters without multicast, 2–3 %
+slower than this kernel).
 Reached through `PackedLinearCompress(..., variant="s6")`, and with no variant from B = WS_MIN_CANDIDATES
 (`linear_compress.default_variant`); the served model tries it as a tuning
 candidate of every LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
