@@ -102,7 +102,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    warp_arrive: int = 0  # 1: each consumer warp releases a ring slot on its own (no bar.sync before the arrive)
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -127,26 +126,6 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
     b = tile // tiles_per_row
     rest = tile % tiles_per_row
     return b, (rest % num_m_tiles) * BLOCK_M, (rest // num_m_tiles) * BLOCK_D
-
-
-@gluon.jit
-def _warp_arrive(bar_offset, NUM_WARPS: gl.constexpr):
-    """Lane 0 of every warp arrives once on the mbarrier at shared offset `bar_offset` (initialized with NUM_WARPS
-    arrivals): no CTA barrier first, each warp releases what it has finished reading."""
-    lanes = gl.arange(0, 32 * NUM_WARPS, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 a, l; and.b32 l, $1, 31; setp.eq.s32 p, l, 0; mov.u32 a, global_smem; "
-        "add.u32 a, a, $2; @p mbarrier.arrive.shared::cta.b64 _, [a]; mov.u32 $0, 0; }",
-        "=r,r,r", [lanes, lanes * 0 + bar_offset], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _release(empty, slot, EMPTY_OFF: gl.constexpr, WARP_ARRIVE: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """The consumer is done reading ring slot `slot` (after its wgmma wait): one arrive, or one per warp."""
-    if WARP_ARRIVE:
-        _warp_arrive(EMPTY_OFF + slot * 8, NUM_WARPS)
-    else:
-        mbarrier.arrive(empty.index(slot), count=1)
 
 
 @gluon.jit
@@ -247,7 +226,7 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, WARP_ARRIVE: gl.constexpr, EMPTY_OFF: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
     through the epilogue buffer and the tile's last ring step)."""
@@ -272,17 +251,15 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if kt >= 1:  # the wgmma of the previous step has finished reading its slot
-                _release(empty, (step + STAGES - 1) % STAGES, EMPTY_OFF, WARP_ARRIVE, num_warps)
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
             if kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
                 tma.store_wait(0)
                 mbarrier.arrive(epi_free, count=1)
                 if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
-                    # after thread 0's store wait: one arrive for all warps
-                    mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES),
-                                    count=num_warps if WARP_ARRIVE else 1)
+                    mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _release(empty, (step + STAGES - 1) % STAGES, EMPTY_OFF, WARP_ARRIVE, num_warps)  # the tile's last slot
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
         _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
                   STAGES, HAS_USER, HAS_BIAS)
         step += 1
@@ -301,7 +278,6 @@ def _lce_ws_kernel(
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
     EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
-    WARP_ARRIVE: gl.constexpr = 0, EMPTY_OFF: gl.constexpr = 0,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
@@ -333,14 +309,13 @@ def _lce_ws_kernel(
     epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=num_warps if WARP_ARRIVE else 1)
+        mbarrier.init(empty.index(s), count=1)
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_free, count=1)
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     WARP_ARRIVE, EMPTY_OFF)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
                      num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
@@ -423,62 +398,15 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
     grid = min(num_programs or _device_info(out.device)[1], num_tiles)
-    args = (w_desc, x_desc, y_desc, out_desc, cand_to_user, out if bias is None else bias, num_candidates, rows, dim)
-    constexprs = dict(
+    _lce_ws_kernel[(grid,)](
+        w_desc, x_desc, y_desc, out_desc,
+        cand_to_user, out if bias is None else bias,
+        num_candidates, rows, dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
-    if cfg.warp_arrive:
-        constexprs.update(_offset_constexprs(args, constexprs))
-    _lce_ws_kernel[(grid,)](*args, **constexprs)
-
-
-_OFFSETS: dict = {}
-
-
-def _offset_constexprs(args, constexprs: dict) -> dict:
-    """WARP_ARRIVE and the `empty` barriers' shared offset, read from the compiler's allocation of the same kernel
-    (`shared_offsets`; the offset does not move the allocation, checked on a second compile)."""
-    key = (tuple(sorted(constexprs.items())), args[0].base.dtype, tuple(args[0].block_shape), tuple(args[1].block_shape))
-    extra = _OFFSETS.get(key)
-    if extra is None:
-        extra = dict(WARP_ARRIVE=1, EMPTY_OFF=0)
-        probe = _lce_ws_kernel.warmup(*args, **constexprs, **extra, grid=(1,))
-        offsets = shared_offsets(probe.asm["ttgir"], probe.metadata.target.arch)
-        extra["EMPTY_OFF"] = offsets["empty"]
-        kernel = _lce_ws_kernel.warmup(*args, **constexprs, **extra, grid=(1,))
-        if shared_offsets(kernel.asm["ttgir"], kernel.metadata.target.arch) != offsets:
-            raise RuntimeError("s6 warp_arrive: the shared-memory allocation moved between two compiles")
-        _OFFSETS[key] = extra
-    return extra
-
-
-def shared_offsets(ttgir: str, capability: int) -> dict[str, int]:
-    """Shared-memory offset of every named `gl.allocate_shared_memory` buffer of a compiled Gluon kernel: the
-    allocation pass that Triton's own lowering runs (make_llir), run on the kernel's TTGIR."""
-    import re
-    import tempfile
-
-    from triton._C.libtriton import ir, nvidia, passes
-
-    context = ir.context()
-    ir.load_dialects(context)
-    nvidia.load_dialects(context)
-    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
-        f.write(ttgir)
-        f.flush()
-        module = ir.parse_mlir_module(f.name, context)
-    pm = ir.pass_manager(context)
-    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
-    passes.ttgpuir.add_allocate_warp_groups(pm)
-    passes.convert.add_scf_to_cf(pm)
-    passes.gluon.add_inliner(pm)
-    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, capability, 87)
-    pm.run(module, "shared_offsets")
-    return {name: int(offset) for name, offset in
-            re.findall(r"%(\w+) = ttg.local_alloc \{allocation.offset = (\d+)", str(module))}
 
 
 def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
@@ -530,7 +458,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, WARP_ARRIVE=cfg.warp_arrive, EMPTY_OFF=0,
+        num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 

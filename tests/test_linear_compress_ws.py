@@ -160,9 +160,8 @@ CONFIGS = [
     WSConfig(block_d=128, stages=0),
     WSConfig(stages=2),
     WSConfig(stages=3),
-    WSConfig(stages=0, warp_arrive=1),
 ]
-CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3", "warp-arrive"]
+CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -193,8 +192,8 @@ def test_gpu_s6_configs(config):
 @pytest.mark.parametrize("num_programs", [1, 3])
 @pytest.mark.parametrize(
     "base",
-    [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2), WSConfig(stages=0, warp_arrive=1)],
-    ids=["default", "bd128", "st2", "warp-arrive"],
+    [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2)],
+    ids=["default", "bd128", "st2"],
 )
 def test_gpu_s6_few_programs(num_programs, base):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times
