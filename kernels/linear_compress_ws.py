@@ -102,7 +102,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    dup_loads: int = 0  # diagnostic: every K step loads its W_c tile (1) or its cand_emb tile (2) twice, same slot
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -132,15 +131,13 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 @gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              DUP: gl.constexpr):
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
-    EXTRA: gl.constexpr = (w_desc.block_type.nbytes if DUP == 1 else 0) + (x_desc.block_type.nbytes if DUP == 2 else 0)
     step = 0
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -152,13 +149,9 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes + EXTRA)
+            mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
-            if DUP == 1:  # the same bytes again into the same slot
-                tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
             tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
-            if DUP == 2:
-                tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
             step += 1
             if HAS_USER:
                 if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
@@ -285,7 +278,6 @@ def _lce_ws_kernel(
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
     EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
-    DUP: gl.constexpr = 0,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
@@ -325,7 +317,7 @@ def _lce_ws_kernel(
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, DUP)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -413,7 +405,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, DUP=cfg.dup_loads,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -466,7 +458,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, DUP=cfg.dup_loads,
+        num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
