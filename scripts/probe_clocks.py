@@ -45,23 +45,24 @@ def run_phase(name, fn, fields, flops=None):
     torch.cuda.synchronize()
     SMI.mkdir(exist_ok=True)
     log = SMI / ("".join(c if c.isalnum() else "_" for c in name) + ".csv")
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=open(log, "w"), stderr=subprocess.DEVNULL)
-    time.sleep(0.3)
-    start = time.perf_counter()
-    n = 0
-    ev0 = torch.cuda.Event(enable_timing=True)
-    ev1 = torch.cuda.Event(enable_timing=True)
-    ev0.record()
-    while time.perf_counter() - start < PHASE_S:
-        for _ in range(20):
-            fn()
-        n += 20
+    with open(log, "w") as sink:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50"],
+                               stdout=sink, stderr=subprocess.DEVNULL)
+        time.sleep(0.3)
+        start = time.perf_counter()
+        n = 0
+        ev0 = torch.cuda.Event(enable_timing=True)
+        ev1 = torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        while time.perf_counter() - start < PHASE_S:
+            for _ in range(20):
+                fn()
+            n += 20
+            torch.cuda.synchronize()
+        ev1.record()
         torch.cuda.synchronize()
-    ev1.record()
-    torch.cuda.synchronize()
-    smi.terminate()
-    smi.wait()
+        smi.terminate()
+        smi.wait()
     ms = ev0.elapsed_time(ev1) / n
     rows = [line.split(", ") for line in log.read_text().splitlines() if line.strip()]
     rows = rows[len(rows) // 5:]  # drop the ramp
