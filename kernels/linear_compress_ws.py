@@ -102,6 +102,7 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
+    tail_split: int = 1  # the last wave's leftover tiles run as this many column pieces each (1: off; `tail_plan`)
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -130,17 +131,20 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 @gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-              num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+              num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
+              TAIL_SPLIT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
-    slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
+    slot (without a user part that step loads nothing and only hands the slot to the consumer). Then the
+    tail piece, if any: K steps of W_c and a [1, BLOCK_K, BLOCK_D / TAIL_SPLIT] cand_emb block (in the
+    front of a slot), its Y_u block [1, BLOCK_M, BLOCK_D / TAIL_SPLIT] into the epilogue buffer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     step = 0
     i = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_USER:
             user = gl.load(m_ptr + b).to(gl.int32)
@@ -170,6 +174,29 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             mbarrier.arrive(bar, count=1)
         step += 1
         i += 1
+    if TAIL_SPLIT > 1:  # at most one piece per program (`tail_plan`), after its full tiles
+        PIECE_D: gl.constexpr = BLOCK_D // TAIL_SPLIT
+        for piece in range(gl.program_id(0), num_pieces, gl.num_programs(0)):
+            b, off_m, off_d = _tile_coords(num_full + piece // TAIL_SPLIT, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+            off_d += (piece % TAIL_SPLIT) * PIECE_D
+            if HAS_USER:
+                user = gl.load(m_ptr + b).to(gl.int32)
+            for kt in gl.static_range(K_TILES):
+                slot = step % STAGES
+                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, w_desc.block_type.nbytes + xt_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
+                x_piece = x_bufs.index(slot)._reinterpret(xt_desc.dtype, xt_desc.block_type.shape, xt_desc.layout)
+                tma.async_copy_global_to_shared(xt_desc, [b, kt * BLOCK_K, off_d], bar, x_piece)
+                step += 1
+                if HAS_USER:
+                    if kt == Y_AT:
+                        mbarrier.wait(epi_free, i & 1)
+                        mbarrier.expect(epi_ready, yt_desc.block_type.nbytes)
+                        y_piece = epi_buf._reinterpret(yt_desc.dtype, yt_desc.block_type.shape, yt_desc.layout)
+                        tma.async_copy_global_to_shared(yt_desc, [user, off_m, off_d], epi_ready, y_piece)
+            i += 1
 
 
 @gluon.jit
@@ -224,12 +251,12 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 
 @gluon.jit
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-              num_tiles, num_m_tiles, tiles_per_row, N,
+              num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr, TAIL_SPLIT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
-    through the epilogue buffer and the tile's last ring step)."""
+    through the epilogue buffer and the tile's last ring step). Then the tail piece, if any (`_consume_piece`)."""
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
     BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
@@ -239,7 +266,7 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
     step = 0
     i = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
             rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -264,10 +291,67 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
                   STAGES, HAS_USER, HAS_BIAS)
         step += 1
         i += 1
+    if TAIL_SPLIT > 1:  # at most one piece per program (`tail_plan`), after at least one full tile
+        for piece in range(gl.program_id(0), num_pieces, gl.num_programs(0)):
+            step = _consume_piece(num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, xt_desc,
+                                  ot_desc, bias_ptr, num_full + piece // TAIL_SPLIT, piece % TAIL_SPLIT, step, i,
+                                  num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, EPI_FREE_AT)
+            i += 1
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["B"])  # one binary for any batch size (no compilation on a request's B)
+@gluon.jit
+def _consume_piece(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, xt_desc,
+                   ot_desc, bias_ptr, tile, part, step, i, num_m_tiles, tiles_per_row, N,
+                   K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   EPI_FREE_AT: gl.constexpr):
+    """Column piece `part` of tile `tile`, [BLOCK_M, PIECE_D]: K_TILES wgmmas over the ring (the cand_emb
+    block in the front of each slot), then cast(acc (+ bias) (+ its Y_u block, in the epilogue buffer)),
+    written over the epilogue buffer and stored by TMA. The item before it is a full tile (`tail_plan`), so
+    at EPI_FREE_AT it releases that tile's epilogue buffer and its ring-epilogue slot as a full tile does.
+    Returns the ring step after the piece (a piece has no ring-epilogue step)."""
+    BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
+    BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
+    PIECE_D: gl.constexpr = xt_desc.block_type.shape[2]
+    mma_layout: gl.constexpr = _mma_layout(PIECE_D, num_warps)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+    off_d += part * PIECE_D
+    acc = gl.zeros((BLOCK_M, PIECE_D), dtype=gl.float32, layout=mma_layout)
+    if HAS_BIAS:
+        rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+    for kt in gl.static_range(K_TILES):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        x_piece = x_bufs.index(slot)._reinterpret(xt_desc.dtype, xt_desc.block_type.shape, xt_desc.layout)
+        acc = warpgroup_mma(w_bufs.index(slot), x_piece.reshape([BLOCK_K, PIECE_D]), acc, use_acc=kt > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if kt >= 1:
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+        if kt == EPI_FREE_AT:
+            tma.store_wait(0)
+            mbarrier.arrive(epi_free, count=1)
+            mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)  # the full tile's ring half
+        step += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+    result = acc
+    if HAS_BIAS:
+        result = result + bias[:, None]
+    out_piece = epi_buf._reinterpret(ot_desc.dtype, ot_desc.block_type.shape, ot_desc.layout)
+    out_tile = out_piece.reshape([BLOCK_M, PIECE_D])
+    if HAS_USER:
+        mbarrier.wait(epi_ready, i & 1)
+        result = result + out_tile.load(mma_layout).to(gl.float32)
+    out_tile.store(result.to(ot_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(ot_desc, [b, off_m, off_d], out_piece)
+    return step
+
+
+@gluon.jit(do_not_specialize=["B", "num_full", "num_pieces"])  # one binary for any batch size (no compilation on a request's B)
 def _lce_ws_kernel(
     w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
     x_desc,  # cand_emb [B, Kc, D], blocks [1, BLOCK_K, BLOCK_D]
@@ -278,6 +362,12 @@ def _lce_ws_kernel(
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
     EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
+    # TAIL_SPLIT > 1 only (None otherwise): the tail pieces' descriptors, blocks of BLOCK_D / TAIL_SPLIT columns
+    xt_desc=None,  # cand_emb, blocks [1, BLOCK_K, PIECE_D]
+    yt_desc=None,  # Y_u, blocks [1, BLOCK_M, PIECE_D]
+    ot_desc=None,  # out, blocks [1, BLOCK_M, PIECE_D]
+    num_full=None, num_pieces=None,  # `tail_plan`: tiles 0 … num_full - 1 whole, then num_pieces pieces
+    TAIL_SPLIT: gl.constexpr = 1,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
@@ -298,7 +388,9 @@ def _lce_ws_kernel(
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
     tiles_per_row = num_m_tiles * gl.cdiv(D, BLOCK_D)
-    num_tiles = B * tiles_per_row
+    if TAIL_SPLIT == 1:
+        num_full = B * tiles_per_row
+        num_pieces = 0
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -315,9 +407,11 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
+                     num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces,
+                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, TAIL_SPLIT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
+                     num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces,
+                     K_TILES, STAGES, HAS_USER, Y_AT, TAIL_SPLIT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -338,8 +432,12 @@ def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
     if base.block_m != 2 * base.block_k:
         raise ValueError(f"WSConfig: block_m ({base.block_m}) must be 2 · block_k ({base.block_k}): the epilogue's "
                          "second half block [block_m, block_d / 2] fills one [block_k, block_d] cand_emb slot")
+    if base.tail_split < 1 or base.tail_split & (base.tail_split - 1):
+        raise ValueError(f"WSConfig: tail_split ({base.tail_split}) must be a power of two ≥ 1")
     block_d = max(16, min(base.block_d, triton.next_power_of_2(dim)))
-    cfg = replace(base, block_d=block_d, stages=max(base.stages, 2))
+    # a piece is at least 16 columns wide (TMA boxes of ≥ 16 bytes, wgmma N ≥ 8)
+    tail_split = max(1, min(base.tail_split, block_d // 16))
+    cfg = replace(base, block_d=block_d, stages=max(base.stages, 2), tail_split=tail_split)
     if base.stages == 0:
         while cfg.stages < MAX_STAGES and replace(cfg, stages=cfg.stages + 1).smem_bytes(elem) <= SMEM_LIMIT:
             cfg = replace(cfg, stages=cfg.stages + 1)
@@ -376,8 +474,21 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
 
 
+def tail_plan(num_tiles: int, num_programs: int, split: int) -> tuple[int, int]:
+    """(num_full, num_pieces): tiles 0 … num_full - 1 run whole in stride-P order, the rest as `split` column
+    pieces each, piece p on program p. With T = q · P + r tiles, the busiest programs run q + 1 whole tiles;
+    split into pieces, the r leftover tiles cost them about 1 / split of a tile instead (4,096 tiles on 132
+    SMs: 31 tiles and a quarter, not 32). Only where every program has q ≥ 1 whole tiles and the r · split
+    pieces fit one wave; else (num_tiles, 0)."""
+    rem = num_tiles % num_programs
+    if split > 1 and num_tiles > num_programs and 0 < rem and rem * split <= num_programs:
+        return num_tiles - rem, rem * split
+    return num_tiles, 0
+
+
 def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WSConfig):
-    """W_c (packed, padded; cached on the packed module), cand_emb, Y_u and out descriptors."""
+    """W_c (packed, padded; cached on the packed module), cand_emb, Y_u and out descriptors; with
+    cfg.tail_split > 1 also the tail pieces' cand_emb, Y_u and out descriptors (else None)."""
     weight = packed.cand_weight_padded
     key = ("s6-desc", weight.data_ptr(), cfg.block_m, cfg.block_k)
     w_desc = packed._flags.get(key)
@@ -387,7 +498,15 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     out_block = [1, cfg.block_m, cfg.block_d // 2]
     out_desc = _descriptor(out, out_block)
     y_desc = out_desc if user_part is None else _descriptor(user_part, out_block)
-    return w_desc, x_desc, y_desc, out_desc
+    if cfg.tail_split == 1:
+        return w_desc, x_desc, y_desc, out_desc, None, None, None
+    piece_d = cfg.block_d // cfg.tail_split
+    xt_desc = _descriptor(cand_emb, [1, cfg.block_k, piece_d])
+    if piece_d == out_block[2]:  # halves: the epilogue's own half-block descriptors
+        return w_desc, x_desc, y_desc, out_desc, xt_desc, y_desc, out_desc
+    ot_desc = _descriptor(out, [1, cfg.block_m, piece_d])
+    yt_desc = ot_desc if user_part is None else _descriptor(user_part, [1, cfg.block_m, piece_d])
+    return w_desc, x_desc, y_desc, out_desc, xt_desc, yt_desc, ot_desc
 
 
 def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
@@ -395,9 +514,14 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
-    w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
+    w_desc, x_desc, y_desc, out_desc, *tail_descs = _descriptors(packed, cand_emb, out, user_part, cfg)
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
     grid = min(num_programs or _device_info(out.device)[1], num_tiles)
+    tail = {}
+    if cfg.tail_split > 1:
+        num_full, num_pieces = tail_plan(num_tiles, grid, cfg.tail_split)
+        tail = dict(zip(("xt_desc", "yt_desc", "ot_desc"), tail_descs), num_full=num_full, num_pieces=num_pieces,
+                    TAIL_SPLIT=cfg.tail_split)
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
@@ -405,7 +529,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, **tail,
     )
 
 
@@ -458,7 +582,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, TAIL_SPLIT=cfg.tail_split,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
@@ -472,11 +596,15 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     packed = PackedLinearCompress(weight, weight, None, weight, weight)
     cand_emb = torch.zeros(2, num_cand_tokens, dim, dtype=dtype)
     out = torch.zeros(2, rows, dim, dtype=dtype)
-    w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, out if has_user else None, cfg)
+    w_desc, x_desc, y_desc, out_desc, xt_desc, yt_desc, ot_desc = _descriptors(
+        packed, cand_emb, out, out if has_user else None, cfg)
     runtime_args = dict(
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
         B=num_candidates, N=rows, D=dim,
     )
+    tail = cfg.tail_split > 1  # (any counts: they are not specialized)
+    runtime_args.update(xt_desc=xt_desc, yt_desc=yt_desc, ot_desc=ot_desc, num_full=num_candidates if tail else None,
+                        num_pieces=4 if tail else None)
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
