@@ -83,6 +83,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import compile_gluon_without_gpu
+from .attention_ws import _finish_tickets, _request_ticket, _ticket_value
 from .linear_compress import PackedLinearCompress
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -103,6 +104,7 @@ class WSConfig:
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
     tail_split: int = 1  # the last wave's leftover tiles run as this many column pieces each (1: off; `tail_plan`)
+    dynamic: bool = False  # items after each program's first from an atomic counter (`_sched_words`), not pid + k·P
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -129,74 +131,156 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
     return b, (rest % num_m_tiles) * BLOCK_M, (rest // num_m_tiles) * BLOCK_D
 
 
+_TICKET_PRODUCER = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))  # a ticket in every lane of the producer
+
+
 @gluon.jit
-def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-              num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              TAIL_SPLIT: gl.constexpr):
-    """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
-    epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
-    slot (without a user part that step loads nothing and only hands the slot to the consumer). Then the
-    tail piece, if any: K steps of W_c and a [1, BLOCK_K, BLOCK_D / TAIL_SPLIT] cand_emb block (in the
-    front of a slot), its Y_u block [1, BLOCK_M, BLOCK_D / TAIL_SPLIT] into the epilogue buffer."""
+def _post_ticket(tile_info, slot, ticket):
+    """DYNAMIC, producer: the ticket of the item whose first ring step takes `slot` into tile_info[slot], before
+    that step's arrive (release semantics) publishes it with the slot's data."""
+    tile_info.index(slot).store(gl.full([4], 0, gl.int32, _TICKET_PRODUCER) + ticket)
+    gl.thread_barrier()  # every lane's store is done before the arrive
+
+
+@gluon.jit
+def _read_ticket(tile_info, ready, step, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """DYNAMIC, consumer: wait for ring step `step`'s slot, then the ticket of the item that starts there."""
+    slot = step % STAGES
+    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+    return gl.max(tile_info.index(slot).load(gl.BlockedLayout([4], [32], [num_warps], [0])), 0)
+
+
+@gluon.jit
+def _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+                  tile_info, tile, step, i, num_m_tiles, tiles_per_row,
+                  K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
+                  DYNAMIC: gl.constexpr):
+    """One whole tile: K_TILES ring steps of W_c and cand_emb, the Y_u block's first half into the epilogue
+    buffer at step Y_AT, the second half as one more ring step. Returns the ring step after the tile."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
-    step = 0
-    i = 0
-    for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
-        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+    b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+    if HAS_USER:
+        user = gl.load(m_ptr + b).to(gl.int32)
+    for kt in gl.static_range(K_TILES):
+        slot = step % STAGES
+        # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
+        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+        if DYNAMIC:
+            if kt == 0:
+                _post_ticket(tile_info, slot, tile)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
+        tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
+        step += 1
         if HAS_USER:
-            user = gl.load(m_ptr + b).to(gl.int32)
-        for kt in gl.static_range(K_TILES):
-            slot = step % STAGES
-            # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
-            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
-            tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
-            step += 1
-            if HAS_USER:
-                if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
-                    mbarrier.wait(epi_free, i & 1)
-                    mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
-        HALF: gl.constexpr = y_desc.block_type.shape[2]
+            if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
+                mbarrier.wait(epi_free, i & 1)
+                mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
+    HALF: gl.constexpr = y_desc.block_type.shape[2]
+    slot = step % STAGES
+    mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+    bar = ready.index(slot)
+    if HAS_USER:
+        mbarrier.expect(bar, y_desc.block_type.nbytes)
+        half_buf = x_bufs.index(slot)._reinterpret(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+        tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d + HALF], bar, half_buf)
+    else:
+        mbarrier.arrive(bar, count=1)
+    return step + 1
+
+
+@gluon.jit
+def _produce_piece(w_desc, xt_desc, yt_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+                   tile_info, ticket, num_full, step, i, num_m_tiles, tiles_per_row, BLOCK_D: gl.constexpr,
+                   TAIL_SPLIT: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr,
+                   Y_AT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """Tail piece `ticket - num_full` (column part of a leftover tile): K_TILES ring steps of W_c and a
+    [1, BLOCK_K, BLOCK_D / TAIL_SPLIT] cand_emb block (in the front of a slot), its Y_u block
+    [1, BLOCK_M, BLOCK_D / TAIL_SPLIT] into the epilogue buffer at step Y_AT. Returns the ring step after it."""
+    BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    PIECE_D: gl.constexpr = BLOCK_D // TAIL_SPLIT
+    piece = ticket - num_full
+    b, off_m, off_d = _tile_coords(num_full + piece // TAIL_SPLIT, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+    off_d += (piece % TAIL_SPLIT) * PIECE_D
+    if HAS_USER:
+        user = gl.load(m_ptr + b).to(gl.int32)
+    for kt in gl.static_range(K_TILES):
         slot = step % STAGES
         mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+        if DYNAMIC:
+            if kt == 0:
+                _post_ticket(tile_info, slot, ticket)
         bar = ready.index(slot)
-        if HAS_USER:
-            mbarrier.expect(bar, y_desc.block_type.nbytes)
-            half_buf = x_bufs.index(slot)._reinterpret(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-            tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d + HALF], bar, half_buf)
-        else:
-            mbarrier.arrive(bar, count=1)
+        mbarrier.expect(bar, w_desc.block_type.nbytes + xt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
+        x_piece = x_bufs.index(slot)._reinterpret(xt_desc.dtype, xt_desc.block_type.shape, xt_desc.layout)
+        tma.async_copy_global_to_shared(xt_desc, [b, kt * BLOCK_K, off_d], bar, x_piece)
         step += 1
-        i += 1
-    if TAIL_SPLIT > 1:  # at most one piece per program (`tail_plan`), after its full tiles
-        PIECE_D: gl.constexpr = BLOCK_D // TAIL_SPLIT
-        for piece in range(gl.program_id(0), num_pieces, gl.num_programs(0)):
-            b, off_m, off_d = _tile_coords(num_full + piece // TAIL_SPLIT, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-            off_d += (piece % TAIL_SPLIT) * PIECE_D
-            if HAS_USER:
-                user = gl.load(m_ptr + b).to(gl.int32)
-            for kt in gl.static_range(K_TILES):
-                slot = step % STAGES
-                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, w_desc.block_type.nbytes + xt_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
-                x_piece = x_bufs.index(slot)._reinterpret(xt_desc.dtype, xt_desc.block_type.shape, xt_desc.layout)
-                tma.async_copy_global_to_shared(xt_desc, [b, kt * BLOCK_K, off_d], bar, x_piece)
-                step += 1
-                if HAS_USER:
-                    if kt == Y_AT:
-                        mbarrier.wait(epi_free, i & 1)
-                        mbarrier.expect(epi_ready, yt_desc.block_type.nbytes)
-                        y_piece = epi_buf._reinterpret(yt_desc.dtype, yt_desc.block_type.shape, yt_desc.layout)
-                        tma.async_copy_global_to_shared(yt_desc, [user, off_m, off_d], epi_ready, y_piece)
+        if HAS_USER:
+            if kt == Y_AT:
+                mbarrier.wait(epi_free, i & 1)
+                mbarrier.expect(epi_ready, yt_desc.block_type.nbytes)
+                y_piece = epi_buf._reinterpret(yt_desc.dtype, yt_desc.block_type.shape, yt_desc.layout)
+                tma.async_copy_global_to_shared(yt_desc, [user, off_m, off_d], epi_ready, y_piece)
+    return step
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+              num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces, tile_info, sched_ptr,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
+              TAIL_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """1 warp: the operands of this program's items into the ring (`_produce_tile`, `_produce_piece`): whole
+    tiles pid, pid + P, … < num_full, then its tail piece if any; with DYNAMIC, its first item is pid and each
+    next one the launch counter's ticket (asked an item ahead), posted in tile_info at the item's first ring
+    step, and after the last item the end ticket (num_full + num_pieces) in one more ring step."""
+    BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
+    step = 0
+    i = 0
+    if DYNAMIC:
+        num_items = num_full + num_pieces
+        ticket = gl.program_id(0)
+        answer = _request_ticket(sched_ptr)
+        while ticket < num_items:
+            if TAIL_SPLIT > 1:
+                if ticket < num_full:
+                    step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
+                                         epi_ready, epi_free, tile_info, ticket, step, i, num_m_tiles, tiles_per_row,
+                                         K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
+                else:
+                    step = _produce_piece(w_desc, xt_desc, yt_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
+                                          epi_ready, epi_free, tile_info, ticket, num_full, step, i, num_m_tiles,
+                                          tiles_per_row, BLOCK_D, TAIL_SPLIT, K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
+            else:
+                step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
+                                     epi_ready, epi_free, tile_info, ticket, step, i, num_m_tiles, tiles_per_row,
+                                     K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
             i += 1
+            ticket = _ticket_value(answer) + gl.num_programs(0)
+            answer = _request_ticket(sched_ptr)
+        slot = step % STAGES  # the end ticket
+        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+        _post_ticket(tile_info, slot, num_items)
+        mbarrier.arrive(ready.index(slot), count=1)
+        if _ticket_value(answer) >= 0:  # the last answer in hand before this program counts itself done
+            _finish_tickets(sched_ptr)
+    else:
+        for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
+            step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
+                                 epi_free, tile_info, tile, step, i, num_m_tiles, tiles_per_row,
+                                 K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
+            i += 1
+        if TAIL_SPLIT > 1:  # at most one piece per program (`tail_plan`), after its whole tiles
+            for piece in range(gl.program_id(0), num_pieces, gl.num_programs(0)):
+                step = _produce_piece(w_desc, xt_desc, yt_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
+                                      epi_ready, epi_free, tile_info, num_full + piece, num_full, step, i, num_m_tiles,
+                                      tiles_per_row, BLOCK_D, TAIL_SPLIT, K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
+                i += 1
 
 
 @gluon.jit
@@ -250,15 +334,50 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 
 
 @gluon.jit
-def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-              num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, TAIL_SPLIT: gl.constexpr):
-    """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
-    s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
-    through the epilogue buffer and the tile's last ring step). Then the tail piece, if any (`_consume_piece`)."""
+def _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
+                  tile, step, i, num_m_tiles, tiles_per_row, N, row_layout: gl.constexpr,
+                  K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  EPI_FREE_AT: gl.constexpr):
+    """One whole tile: K_TILES wgmmas over the ring (one group in flight: the slot of step s is released at
+    step s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
+    through the epilogue buffer and the tile's last ring step). Returns (acc, bias, ring step after the tile)."""
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
+    BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
+    b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+    if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
+        rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+    for kt in gl.static_range(K_TILES):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
+        acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if kt >= 1:  # the wgmma of the previous step has finished reading its slot
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+        if kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
+            tma.store_wait(0)
+            mbarrier.arrive(epi_free, count=1)
+            if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
+                mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
+        step += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
+    _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
+              STAGES, HAS_USER, HAS_BIAS)
+    return acc, bias, step + 1
+
+
+@gluon.jit
+def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
+              num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces, tile_info,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
+              EPI_FREE_AT: gl.constexpr, TAIL_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """num_warps warps: this program's items in the producer's order: whole tiles (`_consume_tile`), then the
+    tail piece if any (`_consume_piece`); with DYNAMIC each item's ticket read at its first ring step, until
+    the end ticket."""
+    BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
     mma_layout: gl.constexpr = _mma_layout(BLOCK_D, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -266,58 +385,65 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
     step = 0
     i = 0
-    for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
-        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-        if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
-            rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-        for kt in gl.static_range(K_TILES):
-            slot = step % STAGES
-            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
-            acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if kt >= 1:  # the wgmma of the previous step has finished reading its slot
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-            if kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
-                tma.store_wait(0)
-                mbarrier.arrive(epi_free, count=1)
-                if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
-                    mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-        _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-                  STAGES, HAS_USER, HAS_BIAS)
-        step += 1
-        i += 1
-    if TAIL_SPLIT > 1:  # at most one piece per program (`tail_plan`), after at least one full tile
-        for piece in range(gl.program_id(0), num_pieces, gl.num_programs(0)):
-            step = _consume_piece(num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, xt_desc,
-                                  ot_desc, bias_ptr, num_full + piece // TAIL_SPLIT, piece % TAIL_SPLIT, step, i,
-                                  num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, EPI_FREE_AT)
+    if DYNAMIC:
+        num_items = num_full + num_pieces
+        prev_whole = 0  # whether the previous item was a whole tile (its ring-epilogue slot to release)
+        ticket = _read_ticket(tile_info, ready, step, STAGES, num_warps)
+        while ticket < num_items:
+            if TAIL_SPLIT > 1:
+                if ticket < num_full:
+                    acc, bias, step = _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
+                                                    epi_free, out_desc, bias_ptr, ticket, step, i, num_m_tiles,
+                                                    tiles_per_row, N, row_layout, K_TILES, STAGES, HAS_USER,
+                                                    HAS_BIAS, EPI_FREE_AT)
+                    prev_whole = 1
+                else:
+                    step = _consume_piece(num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+                                          xt_desc, ot_desc, bias_ptr, ticket, num_full, prev_whole, step, i,
+                                          num_m_tiles, tiles_per_row, N, TAIL_SPLIT, K_TILES, STAGES, HAS_USER,
+                                          HAS_BIAS, EPI_FREE_AT)
+                    prev_whole = 0
+            else:
+                acc, bias, step = _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
+                                                epi_free, out_desc, bias_ptr, ticket, step, i, num_m_tiles,
+                                                tiles_per_row, N, row_layout, K_TILES, STAGES, HAS_USER,
+                                                HAS_BIAS, EPI_FREE_AT)
             i += 1
+            ticket = _read_ticket(tile_info, ready, step, STAGES, num_warps)
+    else:
+        for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
+            acc, bias, step = _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+                                            out_desc, bias_ptr, tile, step, i, num_m_tiles, tiles_per_row, N,
+                                            row_layout, K_TILES, STAGES, HAS_USER, HAS_BIAS, EPI_FREE_AT)
+            i += 1
+        if TAIL_SPLIT > 1:  # at most one piece per program (`tail_plan`), after at least one whole tile
+            for piece in range(gl.program_id(0), num_pieces, gl.num_programs(0)):
+                step = _consume_piece(num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, xt_desc,
+                                      ot_desc, bias_ptr, num_full + piece, num_full, 1, step, i, num_m_tiles,
+                                      tiles_per_row, N, TAIL_SPLIT, K_TILES, STAGES, HAS_USER, HAS_BIAS, EPI_FREE_AT)
+                i += 1
     tma.store_wait(0)
 
 
 @gluon.jit
 def _consume_piece(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, xt_desc,
-                   ot_desc, bias_ptr, tile, part, step, i, num_m_tiles, tiles_per_row, N,
-                   K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   EPI_FREE_AT: gl.constexpr):
-    """Column piece `part` of tile `tile`, [BLOCK_M, PIECE_D]: K_TILES wgmmas over the ring (the cand_emb
-    block in the front of each slot), then cast(acc (+ bias) (+ its Y_u block, in the epilogue buffer)),
-    written over the epilogue buffer and stored by TMA. The item before it is a full tile (`tail_plan`), so
-    at EPI_FREE_AT it releases that tile's epilogue buffer and its ring-epilogue slot as a full tile does.
-    Returns the ring step after the piece (a piece has no ring-epilogue step)."""
+                   ot_desc, bias_ptr, ticket, num_full, prev_whole, step, i, num_m_tiles, tiles_per_row, N,
+                   TAIL_SPLIT: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, EPI_FREE_AT: gl.constexpr):
+    """Tail piece `ticket - num_full`, [BLOCK_M, PIECE_D] of a leftover tile: K_TILES wgmmas over the ring (the
+    cand_emb block in the front of each slot), then cast(acc (+ bias) (+ its Y_u block, in the epilogue
+    buffer)), written over the epilogue buffer and stored by TMA. At EPI_FREE_AT it releases the previous
+    item's epilogue buffer and, when that item was a whole tile (`prev_whole`; always so without DYNAMIC),
+    its ring-epilogue slot. Returns the ring step after the piece (a piece has no ring-epilogue step)."""
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
     BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
     PIECE_D: gl.constexpr = xt_desc.block_type.shape[2]
     mma_layout: gl.constexpr = _mma_layout(PIECE_D, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-    off_d += part * PIECE_D
+    piece = ticket - num_full
+    b, off_m, off_d = _tile_coords(num_full + piece // TAIL_SPLIT, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+    off_d += (piece % TAIL_SPLIT) * PIECE_D
     acc = gl.zeros((BLOCK_M, PIECE_D), dtype=gl.float32, layout=mma_layout)
     if HAS_BIAS:
         rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -333,7 +459,8 @@ def _consume_piece(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empt
         if kt == EPI_FREE_AT:
             tma.store_wait(0)
             mbarrier.arrive(epi_free, count=1)
-            mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)  # the full tile's ring half
+            if prev_whole != 0:  # the whole tile's ring half has been stored
+                mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
         step += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
@@ -368,9 +495,12 @@ def _lce_ws_kernel(
     ot_desc=None,  # out, blocks [1, BLOCK_M, PIECE_D]
     num_full=None, num_pieces=None,  # `tail_plan`: tiles 0 … num_full - 1 whole, then num_pieces pieces
     TAIL_SPLIT: gl.constexpr = 1,
+    sched_ptr=None,  # DYNAMIC: int32 [4], words 1 and 2 the ticket counter and the programs done (zero, left zero)
+    DYNAMIC: gl.constexpr = False,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
-    tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
+    tiles t = pid, pid + P, … of the (b, n, d) order (DYNAMIC: pid, then tickets of an atomic counter); a
+    consumer partition of num_warps warps, a 1-warp producer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
@@ -404,14 +534,33 @@ def _lce_ws_kernel(
         mbarrier.init(empty.index(s), count=1)
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_free, count=1)
+    if DYNAMIC:  # the ticket of the item that starts at each ring slot
+        tile_info = gl.allocate_shared_memory(gl.int32, [STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        _partitions(w_desc, x_desc, y_desc, out_desc, m_ptr, bias_ptr, N, w_bufs, x_bufs, epi_buf, ready, empty,
+                    epi_ready, epi_free, num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, ot_desc, num_pieces,
+                    tile_info, sched_ptr, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, Y_AT, TAIL_SPLIT, DYNAMIC,
+                    PRODUCER_REGS, num_warps)
+    else:  # (a local None cannot be handed to the partitions; the argument sched_ptr, None here, can)
+        _partitions(w_desc, x_desc, y_desc, out_desc, m_ptr, bias_ptr, N, w_bufs, x_bufs, epi_buf, ready, empty,
+                    epi_ready, epi_free, num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, ot_desc, num_pieces,
+                    sched_ptr, sched_ptr, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, Y_AT, TAIL_SPLIT, DYNAMIC,
+                    PRODUCER_REGS, num_warps)
 
+
+@gluon.jit
+def _partitions(w_desc, x_desc, y_desc, out_desc, m_ptr, bias_ptr, N, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
+                epi_free, num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, ot_desc, num_pieces, tile_info,
+                sched_ptr, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr,
+                HAS_BIAS: gl.constexpr, FREE_AT: gl.constexpr, Y_AT: gl.constexpr, TAIL_SPLIT: gl.constexpr,
+                DYNAMIC: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """The consumer (default partition, num_warps warps) and the 1-warp producer of `_lce_ws_kernel`."""
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces,
-                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, TAIL_SPLIT)),
+                     num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces, tile_info,
+                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, TAIL_SPLIT, DYNAMIC)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces,
-                     K_TILES, STAGES, HAS_USER, Y_AT, TAIL_SPLIT)),
+                     num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces, tile_info, sched_ptr,
+                     K_TILES, STAGES, HAS_USER, Y_AT, TAIL_SPLIT, DYNAMIC)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -486,6 +635,22 @@ def tail_plan(num_tiles: int, num_programs: int, split: int) -> tuple[int, int]:
     return num_tiles, 0
 
 
+_SCHED_WORDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _sched_words(device: torch.device) -> torch.Tensor:
+    """WSConfig.dynamic: the device's int32 [4] scheduler words (1: next ticket, 2: programs done). Zeroed once;
+    every launch leaves them zero (its last program resets them), so launches in stream order and CUDA-graph
+    replays each start from zero. Not for launches running at once on two streams of one device. Made outside
+    a CUDA-graph capture (the first call, eager, makes it)."""
+    words = _SCHED_WORDS.get(device)
+    if words is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("s6 with WSConfig(dynamic=True): call it once eagerly before a CUDA-graph capture")
+        words = _SCHED_WORDS[device] = torch.zeros(4, dtype=torch.int32, device=device)
+    return words
+
+
 def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WSConfig):
     """W_c (packed, padded; cached on the packed module), cand_emb, Y_u and out descriptors; with
     cfg.tail_split > 1 also the tail pieces' cand_emb, Y_u and out descriptors (else None)."""
@@ -522,6 +687,8 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         num_full, num_pieces = tail_plan(num_tiles, grid, cfg.tail_split)
         tail = dict(zip(("xt_desc", "yt_desc", "ot_desc"), tail_descs), num_full=num_full, num_pieces=num_pieces,
                     TAIL_SPLIT=cfg.tail_split)
+    if cfg.dynamic:
+        tail.update(sched_ptr=_sched_words(out.device), DYNAMIC=True)
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
@@ -582,7 +749,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, TAIL_SPLIT=cfg.tail_split,
+        num_warps=cfg.num_warps, TAIL_SPLIT=cfg.tail_split, DYNAMIC=cfg.dynamic,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
@@ -605,6 +772,7 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     )
     tail = cfg.tail_split > 1  # (any counts: they are not specialized)
     runtime_args.update(xt_desc=xt_desc, yt_desc=yt_desc, ot_desc=ot_desc, num_full=num_candidates if tail else None,
-                        num_pieces=4 if tail else None)
+                        num_pieces=4 if tail else None,
+                        sched_ptr=torch.zeros(4, dtype=torch.int32) if cfg.dynamic else None)
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

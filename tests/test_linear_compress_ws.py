@@ -46,8 +46,11 @@ DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
 
 
 def _parse_config(text: str) -> WSConfig:
-    """"name=value,…" (integer WSConfig fields) → WSConfig."""
-    return WSConfig(**{name: int(value) for name, value in (item.split("=") for item in filter(None, text.split(",")))})
+    """"name=value,…" (integer or True/False WSConfig fields) → WSConfig."""
+    def value_of(text):
+        return {"True": True, "False": False}[text] if text in ("True", "False") else int(text)
+
+    return WSConfig(**{name: value_of(value) for name, value in (item.split("=") for item in filter(None, text.split(",")))})
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +102,7 @@ def test_ws_config_tail_split():
 def test_default_override_parser():
     """LCE_S6_DEFAULT as the probe writes it (the winner's fields that differ from WSConfig())."""
     assert _parse_config("stages=3,epi_free_at=2") == WSConfig(stages=3, epi_free_at=2)
+    assert _parse_config("stages=4,tail_split=4,dynamic=True") == WSConfig(stages=4, tail_split=4, dynamic=True)
     assert _parse_config("") == WSConfig()
 
 
@@ -120,8 +124,13 @@ def _cuobjdump():
         dict(config=WSConfig(stages=0, tail_split=2)),
         dict(config=WSConfig(stages=0, tail_split=4)),
         dict(dtype=torch.float16, dim=64, num_cand_tokens=37, rows=130, has_user=False, config=WSConfig(stages=0, tail_split=4)),
+        dict(config=WSConfig(stages=0, dynamic=True)),
+        dict(config=WSConfig(stages=0, dynamic=True, tail_split=4)),
+        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False,
+             config=WSConfig(stages=0, dynamic=True, tail_split=2)),
     ],
-    ids=["canonical", "fp16-odd-no-user", "fp16-odd", "bd128", "st2", "tail2", "tail4", "tail4-d64-no-user"],
+    ids=["canonical", "fp16-odd-no-user", "fp16-odd", "bd128", "st2", "tail2", "tail4", "tail4-d64-no-user", "dynamic",
+         "dynamic-tail4", "dynamic-tail2-fp16-odd-no-user"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -191,8 +200,10 @@ CONFIGS = [
     WSConfig(stages=3),
     WSConfig(stages=0, tail_split=2),
     WSConfig(stages=0, tail_split=4),
+    WSConfig(stages=0, dynamic=True),
+    WSConfig(stages=0, dynamic=True, tail_split=4),
 ]
-CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3", "tail2", "tail4"]
+CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3", "tail2", "tail4", "dynamic", "dynamic-tail4"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -223,8 +234,8 @@ def test_gpu_s6_configs(config):
 @pytest.mark.parametrize("num_programs", [1, 3])
 @pytest.mark.parametrize(
     "base",
-    [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2)],
-    ids=["default", "bd128", "st2"],
+    [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2), WSConfig(stages=2, dynamic=True)],
+    ids=["default", "bd128", "st2", "st2-dynamic"],
 )
 def test_gpu_s6_few_programs(num_programs, base):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times
@@ -239,18 +250,20 @@ def test_gpu_s6_few_programs(num_programs, base):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("split", [2, 4], ids=["tail2", "tail4"])
 @pytest.mark.parametrize("shape, num_programs", [
     ((5, 38, 32, 200, 256, 256, True, 1), 5),  # 76 tiles on 5 programs: 15 whole each, then 1 tile in pieces
     ((9, 39, 48, 72, 200, 260, True, 2), 28),  # 117 tiles (3 row tiles, the last of 4 rows), D = 200: 5 left
     ((6, 61, 0, 130, 64, 128, False, 0), 20),  # Ku = 0, no bias, D = 64: 16-column pieces; 61 tiles, 1 left
 ])
-def test_gpu_s6_tail_pieces(shape, num_programs, split):
-    """The last wave's leftover tiles as column pieces (`tail_plan`), on few programs: every output
-    element written once and right, with and without Y_u and bias, D and N off the tile."""
+def test_gpu_s6_tail_pieces(shape, num_programs, split, dynamic):
+    """The last wave's leftover tiles as column pieces (`tail_plan`), on few programs, in the static order and
+    from the ticket counter (where a program may take two pieces in a row): every output element written
+    once and right, with and without Y_u and bias, D and N off the tile; the counter left at zero."""
     num_users, num_candidates, ku, _, dim, rows = shape[:6]
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 17 + num_programs)
-    cfg = ws_config(dim, 2, WSConfig(stages=0, tail_split=split))
+    cfg = ws_config(dim, 2, WSConfig(stages=0, tail_split=split, dynamic=dynamic))
     num_tiles = num_candidates * -(-rows // cfg.block_m) * -(-dim // cfg.block_d)
     num_full, num_pieces = tail_plan(num_tiles, num_programs, cfg.tail_split)
     user_part = None
@@ -262,6 +275,17 @@ def test_gpu_s6_tail_pieces(shape, num_programs, split):
         _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, num_programs)
         _check(out, ref, torch.bfloat16)
     assert num_pieces == (num_tiles - num_full) * split > 0, (num_tiles, num_full, num_pieces)  # pieces ran
+    assert not ws._sched_words(out.device).any()
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+def test_gpu_s6_dynamic_cuda_graph():
+    """WSConfig(dynamic=True) captured in a CUDA graph after an eager call: replays with new inputs are right,
+    and each launch leaves the ticket counter at zero for the next."""
+    shape = (15, 256, 128, 500, 256, 512, True, 0)
+    cfg = WSConfig(stages=0, dynamic=True, tail_split=4)
+    _check_graph_replays(shape, 37, lambda packed, *inputs: lce_s6(packed, *inputs, config=cfg))
+    assert not ws._sched_words(torch.device("cuda", torch.cuda.current_device())).any()
 
 
 def _check_graph_replays(shape, seed, call):
