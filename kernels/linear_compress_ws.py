@@ -104,7 +104,9 @@ class WSConfig:
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
     tail_split: int = 1  # the last wave's leftover tiles run as this many column pieces each (1: off; `tail_plan`)
-    dynamic: bool = False  # items after each program's first from an atomic counter (`_sched_words`), not pid + k·P
+    dynamic: int = 0  # 0: tiles pid + k·P; 1: after each program's first, tiles from an atomic counter (`_sched_words`);
+    # 2: one counter per W_c row block, each program staying on the row block pid % (N / BLOCK_M) (where P allows)
+    rotate_rows: bool = False  # diagnostic (static order): the k-th tile of a program takes row block (pid + k) mod N/BLOCK_M
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -132,6 +134,7 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 _TICKET_PRODUCER = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))  # a ticket in every lane of the producer
+_TICKET_LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 
 
 @gluon.jit
@@ -148,6 +151,33 @@ def _read_ticket(tile_info, ready, step, STAGES: gl.constexpr, num_warps: gl.con
     slot = step % STAGES
     mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
     return gl.max(tile_info.index(slot).load(gl.BlockedLayout([4], [32], [num_warps], [0])), 0)
+
+
+@gluon.jit
+def _request_group_ticket(sched_ptr, group):
+    """DYNAMIC > 1: `_request_ticket` on row block `group`'s counter, word 4 · group + 1."""
+    lane = gl.arange(0, 32, layout=_TICKET_LANES)
+    ptrs = sched_ptr + 4 * group + gl.where(lane == 0, 1, 2)
+    return gl.atomic_add(ptrs, gl.full([32], 1, gl.int32, _TICKET_LANES), mask=lane == 0, sem="relaxed")
+
+
+@gluon.jit
+def _finish_group_tickets(sched_ptr, GROUPS: gl.constexpr):
+    """DYNAMIC > 1, after this program's last ticket: count it done (word 2); the last program resets every
+    group's counter and the count for the next launch."""
+    done = gl.atomic_add(sched_ptr + 2, 1, sem="acq_rel")
+    if done == gl.num_programs(0) - 1:
+        for g in gl.static_range(GROUPS):
+            gl.store(sched_ptr + 4 * g + 1, 0)
+        gl.store(sched_ptr + 2, 0)
+
+
+@gluon.jit
+def _rotated(tile, tiles_per_row):
+    """ROTATE_ROWS (diagnostic): tile pid + k·P → the same candidate's tile (n + k) mod tiles_per_row."""
+    k = tile // gl.num_programs(0)
+    base = tile - tile % tiles_per_row
+    return base + (tile % tiles_per_row + k) % tiles_per_row
 
 
 @gluon.jit
@@ -234,7 +264,7 @@ def _produce_piece(w_desc, xt_desc, yt_desc, m_ptr, w_bufs, x_bufs, epi_buf, rea
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces, tile_info, sched_ptr,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              TAIL_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+              TAIL_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, ROTATE_ROWS: gl.constexpr):
     """1 warp: the operands of this program's items into the ring (`_produce_tile`, `_produce_piece`): whole
     tiles pid, pid + P, … < num_full, then its tail piece if any; with DYNAMIC, its first item is pid and each
     next one the launch counter's ticket (asked an item ahead), posted in tile_info at the item's first ring
@@ -242,7 +272,25 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     step = 0
     i = 0
-    if DYNAMIC:
+    if DYNAMIC > 1:  # a counter per row block (no tail pieces): program pid stays on row block pid % DYNAMIC
+        group = gl.program_id(0) % DYNAMIC
+        per_group = gl.num_programs(0) // DYNAMIC
+        ticket = gl.program_id(0)
+        answer = _request_group_ticket(sched_ptr, group)
+        while ticket < num_full:
+            step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
+                                 epi_ready, epi_free, tile_info, ticket, step, i, num_m_tiles, tiles_per_row,
+                                 K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
+            i += 1
+            ticket = (_ticket_value(answer) + per_group) * DYNAMIC + group
+            answer = _request_group_ticket(sched_ptr, group)
+        slot = step % STAGES  # the end ticket
+        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+        _post_ticket(tile_info, slot, num_full + num_pieces)
+        mbarrier.arrive(ready.index(slot), count=1)
+        if _ticket_value(answer) >= 0:
+            _finish_group_tickets(sched_ptr, DYNAMIC)
+    elif DYNAMIC == 1:
         num_items = num_full + num_pieces
         ticket = gl.program_id(0)
         answer = _request_ticket(sched_ptr)
@@ -271,6 +319,8 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             _finish_tickets(sched_ptr)
     else:
         for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
+            if ROTATE_ROWS:
+                tile = _rotated(tile, tiles_per_row)
             step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
                                  epi_free, tile_info, tile, step, i, num_m_tiles, tiles_per_row,
                                  K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
@@ -373,7 +423,7 @@ def _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, e
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces, tile_info,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, TAIL_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr, TAIL_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, ROTATE_ROWS: gl.constexpr):
     """num_warps warps: this program's items in the producer's order: whole tiles (`_consume_tile`), then the
     tail piece if any (`_consume_piece`); with DYNAMIC each item's ticket read at its first ring step, until
     the end ticket."""
@@ -385,7 +435,7 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
     step = 0
     i = 0
-    if DYNAMIC:
+    if DYNAMIC > 0:
         num_items = num_full + num_pieces
         prev_whole = 0  # whether the previous item was a whole tile (its ring-epilogue slot to release)
         ticket = _read_ticket(tile_info, ready, step, STAGES, num_warps)
@@ -412,6 +462,8 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             ticket = _read_ticket(tile_info, ready, step, STAGES, num_warps)
     else:
         for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
+            if ROTATE_ROWS:
+                tile = _rotated(tile, tiles_per_row)
             acc, bias, step = _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
                                             out_desc, bias_ptr, tile, step, i, num_m_tiles, tiles_per_row, N,
                                             row_layout, K_TILES, STAGES, HAS_USER, HAS_BIAS, EPI_FREE_AT)
@@ -496,7 +548,8 @@ def _lce_ws_kernel(
     num_full=None, num_pieces=None,  # `tail_plan`: tiles 0 … num_full - 1 whole, then num_pieces pieces
     TAIL_SPLIT: gl.constexpr = 1,
     sched_ptr=None,  # DYNAMIC: int32 [4], words 1 and 2 the ticket counter and the programs done (zero, left zero)
-    DYNAMIC: gl.constexpr = False,
+    DYNAMIC: gl.constexpr = 0,  # 0 static; ≥ 1 the number of ticket counters (1, or one per row block)
+    ROTATE_ROWS: gl.constexpr = False,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order (DYNAMIC: pid, then tickets of an atomic counter); a
@@ -534,17 +587,17 @@ def _lce_ws_kernel(
         mbarrier.init(empty.index(s), count=1)
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_free, count=1)
-    if DYNAMIC:  # the ticket of the item that starts at each ring slot
+    if DYNAMIC > 0:  # the ticket of the item that starts at each ring slot
         tile_info = gl.allocate_shared_memory(gl.int32, [STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         _partitions(w_desc, x_desc, y_desc, out_desc, m_ptr, bias_ptr, N, w_bufs, x_bufs, epi_buf, ready, empty,
                     epi_ready, epi_free, num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, ot_desc, num_pieces,
                     tile_info, sched_ptr, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, Y_AT, TAIL_SPLIT, DYNAMIC,
-                    PRODUCER_REGS, num_warps)
+                    ROTATE_ROWS, PRODUCER_REGS, num_warps)
     else:  # (a local None cannot be handed to the partitions; the argument sched_ptr, None here, can)
         _partitions(w_desc, x_desc, y_desc, out_desc, m_ptr, bias_ptr, N, w_bufs, x_bufs, epi_buf, ready, empty,
                     epi_ready, epi_free, num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, ot_desc, num_pieces,
                     sched_ptr, sched_ptr, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, Y_AT, TAIL_SPLIT, DYNAMIC,
-                    PRODUCER_REGS, num_warps)
+                    ROTATE_ROWS, PRODUCER_REGS, num_warps)
 
 
 @gluon.jit
@@ -552,15 +605,15 @@ def _partitions(w_desc, x_desc, y_desc, out_desc, m_ptr, bias_ptr, N, w_bufs, x_
                 epi_free, num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, ot_desc, num_pieces, tile_info,
                 sched_ptr, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr,
                 HAS_BIAS: gl.constexpr, FREE_AT: gl.constexpr, Y_AT: gl.constexpr, TAIL_SPLIT: gl.constexpr,
-                DYNAMIC: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                DYNAMIC: gl.constexpr, ROTATE_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The consumer (default partition, num_warps warps) and the 1-warp producer of `_lce_ws_kernel`."""
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
                      num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces, tile_info,
-                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, TAIL_SPLIT, DYNAMIC)),
+                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, TAIL_SPLIT, DYNAMIC, ROTATE_ROWS)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
                      num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces, tile_info, sched_ptr,
-                     K_TILES, STAGES, HAS_USER, Y_AT, TAIL_SPLIT, DYNAMIC)),
+                     K_TILES, STAGES, HAS_USER, Y_AT, TAIL_SPLIT, DYNAMIC, ROTATE_ROWS)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -647,7 +700,7 @@ def _sched_words(device: torch.device) -> torch.Tensor:
     if words is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("s6 with WSConfig(dynamic=True): call it once eagerly before a CUDA-graph capture")
-        words = _SCHED_WORDS[device] = torch.zeros(4, dtype=torch.int32, device=device)
+        words = _SCHED_WORDS[device] = torch.zeros(32, dtype=torch.int32, device=device)
     return words
 
 
@@ -687,8 +740,14 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         num_full, num_pieces = tail_plan(num_tiles, grid, cfg.tail_split)
         tail = dict(zip(("xt_desc", "yt_desc", "ot_desc"), tail_descs), num_full=num_full, num_pieces=num_pieces,
                     TAIL_SPLIT=cfg.tail_split)
+    num_m_tiles = triton.cdiv(rows, cfg.block_m)
     if cfg.dynamic:
-        tail.update(sched_ptr=_sched_words(out.device), DYNAMIC=True)
+        groups = num_m_tiles if cfg.dynamic == 2 and grid % num_m_tiles == 0 and num_m_tiles <= 8 else 1
+        if groups > 1:
+            tail.update(num_full=num_tiles, num_pieces=0, TAIL_SPLIT=1)
+        tail.update(sched_ptr=_sched_words(out.device), DYNAMIC=groups)
+    elif cfg.rotate_rows and grid % (num_tiles // num_candidates) == 0:
+        tail.update(ROTATE_ROWS=True)
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
@@ -749,7 +808,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, TAIL_SPLIT=cfg.tail_split, DYNAMIC=cfg.dynamic,
+        num_warps=cfg.num_warps, TAIL_SPLIT=cfg.tail_split, DYNAMIC=int(cfg.dynamic), ROTATE_ROWS=False,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
@@ -773,6 +832,6 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     tail = cfg.tail_split > 1  # (any counts: they are not specialized)
     runtime_args.update(xt_desc=xt_desc, yt_desc=yt_desc, ot_desc=ot_desc, num_full=num_candidates if tail else None,
                         num_pieces=4 if tail else None,
-                        sched_ptr=torch.zeros(4, dtype=torch.int32) if cfg.dynamic else None)
+                        sched_ptr=torch.zeros(32, dtype=torch.int32) if cfg.dynamic else None)
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

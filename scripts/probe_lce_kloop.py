@@ -69,10 +69,12 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "tail4": WSConfig(stages=0, tail_split=4),  # … as column quarters
     "dyn": WSConfig(stages=0, dynamic=True),  # tiles from an atomic counter
     "dyn4": WSConfig(stages=0, dynamic=True, tail_split=4),  # … and the leftover tiles as quarters
+    "dynrow": WSConfig(stages=0, dynamic=2),  # a counter per W_c row block (programs keep their row block)
+    "rot": WSConfig(stages=0, rotate_rows=True),  # diagnostic: static, a program's row block changes every tile
 }
 # --call: timed in this order (default and each variant twice: the run's noise)
-CALL_ORDER = ("default", "dyn", "dyn4", "tail4", "default", "dyn", "dyn4", "tail4")
-CALL_TESTS = "gpu and (tail or dynamic)"  # the GPU tests of the timed variants, run when no variant wins
+CALL_ORDER = ("default", "rot", "dynrow", "dyn", "default", "rot", "dynrow", "dyn")
+CALL_TESTS = "gpu and (rotate or dynamic)"  # the GPU tests of the timed variants, run when no variant wins
 CALL_BUDGET_S = 200  # the whole --call run: the probe (≤ PROBE_LIMIT_S), then the GPU tests with what is left (≤ 65 s)
 PROBE_LIMIT_S = 125
 K_SCALING = (500, 1024, 2048, 8192)

@@ -202,8 +202,11 @@ CONFIGS = [
     WSConfig(stages=0, tail_split=4),
     WSConfig(stages=0, dynamic=True),
     WSConfig(stages=0, dynamic=True, tail_split=4),
+    WSConfig(stages=0, dynamic=2),
+    WSConfig(stages=0, rotate_rows=True),
 ]
-CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3", "tail2", "tail4", "dynamic", "dynamic-tail4"]
+CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3", "tail2", "tail4", "dynamic", "dynamic-tail4",
+              "dynamic-rows", "rotate-rows"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -275,6 +278,22 @@ def test_gpu_s6_tail_pieces(shape, num_programs, split, dynamic):
         _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, num_programs)
         _check(out, ref, torch.bfloat16)
     assert num_pieces == (num_tiles - num_full) * split > 0, (num_tiles, num_full, num_pieces)  # pieces ran
+    assert not ws._sched_words(out.device).any()
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("num_programs", [4, 6])
+def test_gpu_s6_dynamic_rows_few_programs(num_programs):
+    """dynamic=2 (a counter per W_c row block) on 4 and 6 programs over 2 row blocks: right, counters left zero."""
+    shape = (5, 39, 32, 200, 256, 256, True, 1)
+    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 23 + num_programs)
+    user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    user_gemm(packed, user_emb, user_part)
+    for _ in range(2):
+        out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
+        _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, WSConfig(dynamic=2)),
+                   num_programs)
+        _check(out, ref, torch.bfloat16)
     assert not ws._sched_words(out.device).any()
 
 
