@@ -14,7 +14,8 @@ tile order, the column-chunked epilogue with a 4th ring stage (Y_u by consumer l
 halves in ring slots, the Y_u halves read during the last K step, BLOCK_K = 32 with 6 stages, the
 whole-tile epilogue buffer with 3 stages (the default until 2026-11-30 12:30 UTC, 4–9 % slower), 2-CTA clusters
 with the cand_emb tiles TMA-multicast through inline PTX (equal to the same clusters without multicast, 2–3 %
-slower than this kernel).
+slower than this kernel), the last wave's leftover tiles as column pieces (level), tiles from an atomic counter
+(3–8 % slower; per W_c row block 3–4 %; the static order keeps each program on one row block, worth 2–3 %).
 Reached through `PackedLinearCompress(..., variant="s6")`, and with no variant from B = WS_MIN_CANDIDATES
 (`linear_compress.default_variant`); the served model tries it as a tuning
 candidate of every LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
@@ -83,7 +84,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import compile_gluon_without_gpu
-from .attention_ws import _finish_tickets, _request_ticket, _ticket_value
 from .linear_compress import PackedLinearCompress
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -103,10 +103,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    tail_split: int = 1  # the last wave's leftover tiles run as this many column pieces each (1: off; `tail_plan`)
-    dynamic: int = 0  # 0: tiles pid + k·P; 1: after each program's first, tiles from an atomic counter (`_sched_words`);
-    # 2: one counter per W_c row block, each program staying on the row block pid % (N / BLOCK_M) (where P allows)
-    rotate_rows: bool = False  # diagnostic (static order): the k-th tile of a program takes row block (pid + k) mod N/BLOCK_M
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -133,204 +129,48 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
     return b, (rest % num_m_tiles) * BLOCK_M, (rest // num_m_tiles) * BLOCK_D
 
 
-_TICKET_PRODUCER = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))  # a ticket in every lane of the producer
-_TICKET_LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
-
-
-@gluon.jit
-def _post_ticket(tile_info, slot, ticket):
-    """DYNAMIC, producer: the ticket of the item whose first ring step takes `slot` into tile_info[slot], before
-    that step's arrive (release semantics) publishes it with the slot's data."""
-    tile_info.index(slot).store(gl.full([4], 0, gl.int32, _TICKET_PRODUCER) + ticket)
-    gl.thread_barrier()  # every lane's store is done before the arrive
-
-
-@gluon.jit
-def _read_ticket(tile_info, ready, step, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """DYNAMIC, consumer: wait for ring step `step`'s slot, then the ticket of the item that starts there."""
-    slot = step % STAGES
-    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-    return gl.max(tile_info.index(slot).load(gl.BlockedLayout([4], [32], [num_warps], [0])), 0)
-
-
-@gluon.jit
-def _request_group_ticket(sched_ptr, group):
-    """DYNAMIC > 1: `_request_ticket` on row block `group`'s counter, word 4 · group + 1."""
-    lane = gl.arange(0, 32, layout=_TICKET_LANES)
-    ptrs = sched_ptr + 4 * group + gl.where(lane == 0, 1, 2)
-    return gl.atomic_add(ptrs, gl.full([32], 1, gl.int32, _TICKET_LANES), mask=lane == 0, sem="relaxed")
-
-
-@gluon.jit
-def _finish_group_tickets(sched_ptr, GROUPS: gl.constexpr):
-    """DYNAMIC > 1, after this program's last ticket: count it done (word 2); the last program resets every
-    group's counter and the count for the next launch."""
-    done = gl.atomic_add(sched_ptr + 2, 1, sem="acq_rel")
-    if done == gl.num_programs(0) - 1:
-        for g in gl.static_range(GROUPS):
-            gl.store(sched_ptr + 4 * g + 1, 0)
-        gl.store(sched_ptr + 2, 0)
-
-
-@gluon.jit
-def _rotated(tile, tiles_per_row):
-    """ROTATE_ROWS (diagnostic): tile pid + k·P → the same candidate's tile (n + k) mod tiles_per_row."""
-    k = tile // gl.num_programs(0)
-    base = tile - tile % tiles_per_row
-    return base + (tile % tiles_per_row + k) % tiles_per_row
-
-
-@gluon.jit
-def _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                  tile_info, tile, step, i, num_m_tiles, tiles_per_row,
-                  K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-                  DYNAMIC: gl.constexpr):
-    """One whole tile: K_TILES ring steps of W_c and cand_emb, the Y_u block's first half into the epilogue
-    buffer at step Y_AT, the second half as one more ring step. Returns the ring step after the tile."""
-    BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
-    b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-    if HAS_USER:
-        user = gl.load(m_ptr + b).to(gl.int32)
-    for kt in gl.static_range(K_TILES):
-        slot = step % STAGES
-        # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
-        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-        if DYNAMIC:
-            if kt == 0:
-                _post_ticket(tile_info, slot, tile)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
-        tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
-        step += 1
-        if HAS_USER:
-            if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
-                mbarrier.wait(epi_free, i & 1)
-                mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
-    HALF: gl.constexpr = y_desc.block_type.shape[2]
-    slot = step % STAGES
-    mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-    bar = ready.index(slot)
-    if HAS_USER:
-        mbarrier.expect(bar, y_desc.block_type.nbytes)
-        half_buf = x_bufs.index(slot)._reinterpret(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-        tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d + HALF], bar, half_buf)
-    else:
-        mbarrier.arrive(bar, count=1)
-    return step + 1
-
-
-@gluon.jit
-def _produce_piece(w_desc, xt_desc, yt_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                   tile_info, ticket, num_full, step, i, num_m_tiles, tiles_per_row, BLOCK_D: gl.constexpr,
-                   TAIL_SPLIT: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr,
-                   Y_AT: gl.constexpr, DYNAMIC: gl.constexpr):
-    """Tail piece `ticket - num_full` (column part of a leftover tile): K_TILES ring steps of W_c and a
-    [1, BLOCK_K, BLOCK_D / TAIL_SPLIT] cand_emb block (in the front of a slot), its Y_u block
-    [1, BLOCK_M, BLOCK_D / TAIL_SPLIT] into the epilogue buffer at step Y_AT. Returns the ring step after it."""
-    BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    PIECE_D: gl.constexpr = BLOCK_D // TAIL_SPLIT
-    piece = ticket - num_full
-    b, off_m, off_d = _tile_coords(num_full + piece // TAIL_SPLIT, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-    off_d += (piece % TAIL_SPLIT) * PIECE_D
-    if HAS_USER:
-        user = gl.load(m_ptr + b).to(gl.int32)
-    for kt in gl.static_range(K_TILES):
-        slot = step % STAGES
-        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-        if DYNAMIC:
-            if kt == 0:
-                _post_ticket(tile_info, slot, ticket)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, w_desc.block_type.nbytes + xt_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
-        x_piece = x_bufs.index(slot)._reinterpret(xt_desc.dtype, xt_desc.block_type.shape, xt_desc.layout)
-        tma.async_copy_global_to_shared(xt_desc, [b, kt * BLOCK_K, off_d], bar, x_piece)
-        step += 1
-        if HAS_USER:
-            if kt == Y_AT:
-                mbarrier.wait(epi_free, i & 1)
-                mbarrier.expect(epi_ready, yt_desc.block_type.nbytes)
-                y_piece = epi_buf._reinterpret(yt_desc.dtype, yt_desc.block_type.shape, yt_desc.layout)
-                tma.async_copy_global_to_shared(yt_desc, [user, off_m, off_d], epi_ready, y_piece)
-    return step
-
-
 @gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-              num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces, tile_info, sched_ptr,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              TAIL_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, ROTATE_ROWS: gl.constexpr):
-    """1 warp: the operands of this program's items into the ring (`_produce_tile`, `_produce_piece`): whole
-    tiles pid, pid + P, … < num_full, then its tail piece if any; with DYNAMIC, its first item is pid and each
-    next one the launch counter's ticket (asked an item ahead), posted in tile_info at the item's first ring
-    step, and after the last item the end ticket (num_full + num_pieces) in one more ring step."""
+              num_tiles, num_m_tiles, tiles_per_row,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+    """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
+    epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
+    slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
+    BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     step = 0
     i = 0
-    if DYNAMIC > 1:  # a counter per row block (no tail pieces): program pid stays on row block pid % DYNAMIC
-        group = gl.program_id(0) % DYNAMIC
-        per_group = gl.num_programs(0) // DYNAMIC
-        ticket = gl.program_id(0)
-        answer = _request_group_ticket(sched_ptr, group)
-        while ticket < num_full:
-            step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
-                                 epi_ready, epi_free, tile_info, ticket, step, i, num_m_tiles, tiles_per_row,
-                                 K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
-            i += 1
-            ticket = (_ticket_value(answer) + per_group) * DYNAMIC + group
-            answer = _request_group_ticket(sched_ptr, group)
-        slot = step % STAGES  # the end ticket
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+        if HAS_USER:
+            user = gl.load(m_ptr + b).to(gl.int32)
+        for kt in gl.static_range(K_TILES):
+            slot = step % STAGES
+            # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
+            tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
+            step += 1
+            if HAS_USER:
+                if kt == Y_AT:  # the consumer has released the buffer by its step EPI_FREE_AT ≤ Y_AT - STAGES
+                    mbarrier.wait(epi_free, i & 1)
+                    mbarrier.expect(epi_ready, y_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d], epi_ready, epi_buf)
+        HALF: gl.constexpr = y_desc.block_type.shape[2]
+        slot = step % STAGES
         mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-        _post_ticket(tile_info, slot, num_full + num_pieces)
-        mbarrier.arrive(ready.index(slot), count=1)
-        if _ticket_value(answer) >= 0:
-            _finish_group_tickets(sched_ptr, DYNAMIC)
-    elif DYNAMIC == 1:
-        num_items = num_full + num_pieces
-        ticket = gl.program_id(0)
-        answer = _request_ticket(sched_ptr)
-        while ticket < num_items:
-            if TAIL_SPLIT > 1:
-                if ticket < num_full:
-                    step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
-                                         epi_ready, epi_free, tile_info, ticket, step, i, num_m_tiles, tiles_per_row,
-                                         K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
-                else:
-                    step = _produce_piece(w_desc, xt_desc, yt_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
-                                          epi_ready, epi_free, tile_info, ticket, num_full, step, i, num_m_tiles,
-                                          tiles_per_row, BLOCK_D, TAIL_SPLIT, K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
-            else:
-                step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
-                                     epi_ready, epi_free, tile_info, ticket, step, i, num_m_tiles, tiles_per_row,
-                                     K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
-            i += 1
-            ticket = _ticket_value(answer) + gl.num_programs(0)
-            answer = _request_ticket(sched_ptr)
-        slot = step % STAGES  # the end ticket
-        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-        _post_ticket(tile_info, slot, num_items)
-        mbarrier.arrive(ready.index(slot), count=1)
-        if _ticket_value(answer) >= 0:  # the last answer in hand before this program counts itself done
-            _finish_tickets(sched_ptr)
-    else:
-        for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
-            if ROTATE_ROWS:
-                tile = _rotated(tile, tiles_per_row)
-            step = _produce_tile(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
-                                 epi_free, tile_info, tile, step, i, num_m_tiles, tiles_per_row,
-                                 K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
-            i += 1
-        if TAIL_SPLIT > 1:  # at most one piece per program (`tail_plan`), after its whole tiles
-            for piece in range(gl.program_id(0), num_pieces, gl.num_programs(0)):
-                step = _produce_piece(w_desc, xt_desc, yt_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty,
-                                      epi_ready, epi_free, tile_info, num_full + piece, num_full, step, i, num_m_tiles,
-                                      tiles_per_row, BLOCK_D, TAIL_SPLIT, K_TILES, STAGES, HAS_USER, Y_AT, DYNAMIC)
-                i += 1
+        bar = ready.index(slot)
+        if HAS_USER:
+            mbarrier.expect(bar, y_desc.block_type.nbytes)
+            half_buf = x_bufs.index(slot)._reinterpret(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+            tma.async_copy_global_to_shared(y_desc, [user, off_m, off_d + HALF], bar, half_buf)
+        else:
+            mbarrier.arrive(bar, count=1)
+        step += 1
+        i += 1
 
 
 @gluon.jit
@@ -384,50 +224,15 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 
 
 @gluon.jit
-def _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                  tile, step, i, num_m_tiles, tiles_per_row, N, row_layout: gl.constexpr,
-                  K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  EPI_FREE_AT: gl.constexpr):
-    """One whole tile: K_TILES wgmmas over the ring (one group in flight: the slot of step s is released at
-    step s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
-    through the epilogue buffer and the tile's last ring step). Returns (acc, bias, ring step after the tile)."""
+def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
+              num_tiles, num_m_tiles, tiles_per_row, N,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
+              EPI_FREE_AT: gl.constexpr):
+    """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
+    s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
+    through the epilogue buffer and the tile's last ring step)."""
     BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
-    BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
-    b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-    if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
-        rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-        bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-    for kt in gl.static_range(K_TILES):
-        slot = step % STAGES
-        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
-        acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if kt >= 1:  # the wgmma of the previous step has finished reading its slot
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-        if kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
-            tma.store_wait(0)
-            mbarrier.arrive(epi_free, count=1)
-            if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
-                mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
-        step += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-    _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-              STAGES, HAS_USER, HAS_BIAS)
-    return acc, bias, step + 1
-
-
-@gluon.jit
-def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-              num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces, tile_info,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, TAIL_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, ROTATE_ROWS: gl.constexpr):
-    """num_warps warps: this program's items in the producer's order: whole tiles (`_consume_tile`), then the
-    tail piece if any (`_consume_piece`); with DYNAMIC each item's ticket read at its first ring step, until
-    the end ticket."""
-    BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
     BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
     mma_layout: gl.constexpr = _mma_layout(BLOCK_D, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -435,102 +240,35 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
     step = 0
     i = 0
-    if DYNAMIC > 0:
-        num_items = num_full + num_pieces
-        prev_whole = 0  # whether the previous item was a whole tile (its ring-epilogue slot to release)
-        ticket = _read_ticket(tile_info, ready, step, STAGES, num_warps)
-        while ticket < num_items:
-            if TAIL_SPLIT > 1:
-                if ticket < num_full:
-                    acc, bias, step = _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
-                                                    epi_free, out_desc, bias_ptr, ticket, step, i, num_m_tiles,
-                                                    tiles_per_row, N, row_layout, K_TILES, STAGES, HAS_USER,
-                                                    HAS_BIAS, EPI_FREE_AT)
-                    prev_whole = 1
-                else:
-                    step = _consume_piece(num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                                          xt_desc, ot_desc, bias_ptr, ticket, num_full, prev_whole, step, i,
-                                          num_m_tiles, tiles_per_row, N, TAIL_SPLIT, K_TILES, STAGES, HAS_USER,
-                                          HAS_BIAS, EPI_FREE_AT)
-                    prev_whole = 0
-            else:
-                acc, bias, step = _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
-                                                epi_free, out_desc, bias_ptr, ticket, step, i, num_m_tiles,
-                                                tiles_per_row, N, row_layout, K_TILES, STAGES, HAS_USER,
-                                                HAS_BIAS, EPI_FREE_AT)
-            i += 1
-            ticket = _read_ticket(tile_info, ready, step, STAGES, num_warps)
-    else:
-        for tile in range(gl.program_id(0), num_full, gl.num_programs(0)):
-            if ROTATE_ROWS:
-                tile = _rotated(tile, tiles_per_row)
-            acc, bias, step = _consume_tile(acc, bias, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                                            out_desc, bias_ptr, tile, step, i, num_m_tiles, tiles_per_row, N,
-                                            row_layout, K_TILES, STAGES, HAS_USER, HAS_BIAS, EPI_FREE_AT)
-            i += 1
-        if TAIL_SPLIT > 1:  # at most one piece per program (`tail_plan`), after at least one whole tile
-            for piece in range(gl.program_id(0), num_pieces, gl.num_programs(0)):
-                step = _consume_piece(num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, xt_desc,
-                                      ot_desc, bias_ptr, num_full + piece, num_full, 1, step, i, num_m_tiles,
-                                      tiles_per_row, N, TAIL_SPLIT, K_TILES, STAGES, HAS_USER, HAS_BIAS, EPI_FREE_AT)
-                i += 1
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
+        if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
+            rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+        for kt in gl.static_range(K_TILES):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
+            acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if kt >= 1:  # the wgmma of the previous step has finished reading its slot
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+            if kt == EPI_FREE_AT:  # the last TMA stores have read the epilogue buffer: the producer may refill it
+                tma.store_wait(0)
+                mbarrier.arrive(epi_free, count=1)
+                if i > 0:  # and the last tile's second half has read its slot (the ring step before kt = 0)
+                    mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
+        _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
+                  STAGES, HAS_USER, HAS_BIAS)
+        step += 1
+        i += 1
     tma.store_wait(0)
 
 
-@gluon.jit
-def _consume_piece(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, xt_desc,
-                   ot_desc, bias_ptr, ticket, num_full, prev_whole, step, i, num_m_tiles, tiles_per_row, N,
-                   TAIL_SPLIT: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, EPI_FREE_AT: gl.constexpr):
-    """Tail piece `ticket - num_full`, [BLOCK_M, PIECE_D] of a leftover tile: K_TILES wgmmas over the ring (the
-    cand_emb block in the front of each slot), then cast(acc (+ bias) (+ its Y_u block, in the epilogue
-    buffer)), written over the epilogue buffer and stored by TMA. At EPI_FREE_AT it releases the previous
-    item's epilogue buffer and, when that item was a whole tile (`prev_whole`; always so without DYNAMIC),
-    its ring-epilogue slot. Returns the ring step after the piece (a piece has no ring-epilogue step)."""
-    BLOCK_M: gl.constexpr = w_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = w_bufs.type.shape[2]
-    BLOCK_D: gl.constexpr = x_bufs.type.shape[3]
-    PIECE_D: gl.constexpr = xt_desc.block_type.shape[2]
-    mma_layout: gl.constexpr = _mma_layout(PIECE_D, num_warps)
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    piece = ticket - num_full
-    b, off_m, off_d = _tile_coords(num_full + piece // TAIL_SPLIT, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
-    off_d += (piece % TAIL_SPLIT) * PIECE_D
-    acc = gl.zeros((BLOCK_M, PIECE_D), dtype=gl.float32, layout=mma_layout)
-    if HAS_BIAS:
-        rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-        bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-    for kt in gl.static_range(K_TILES):
-        slot = step % STAGES
-        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        x_piece = x_bufs.index(slot)._reinterpret(xt_desc.dtype, xt_desc.block_type.shape, xt_desc.layout)
-        acc = warpgroup_mma(w_bufs.index(slot), x_piece.reshape([BLOCK_K, PIECE_D]), acc, use_acc=kt > 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if kt >= 1:
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-        if kt == EPI_FREE_AT:
-            tma.store_wait(0)
-            mbarrier.arrive(epi_free, count=1)
-            if prev_whole != 0:  # the whole tile's ring half has been stored
-                mbarrier.arrive(empty.index((step - kt + STAGES - 1) % STAGES), count=1)
-        step += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
-    result = acc
-    if HAS_BIAS:
-        result = result + bias[:, None]
-    out_piece = epi_buf._reinterpret(ot_desc.dtype, ot_desc.block_type.shape, ot_desc.layout)
-    out_tile = out_piece.reshape([BLOCK_M, PIECE_D])
-    if HAS_USER:
-        mbarrier.wait(epi_ready, i & 1)
-        result = result + out_tile.load(mma_layout).to(gl.float32)
-    out_tile.store(result.to(ot_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(ot_desc, [b, off_m, off_d], out_piece)
-    return step
-
-
-@gluon.jit(do_not_specialize=["B", "num_full", "num_pieces"])  # one binary for any batch size (no compilation on a request's B)
+@gluon.jit(do_not_specialize=["B"])  # one binary for any batch size (no compilation on a request's B)
 def _lce_ws_kernel(
     w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
     x_desc,  # cand_emb [B, Kc, D], blocks [1, BLOCK_K, BLOCK_D]
@@ -541,19 +279,9 @@ def _lce_ws_kernel(
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
     EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
-    # TAIL_SPLIT > 1 only (None otherwise): the tail pieces' descriptors, blocks of BLOCK_D / TAIL_SPLIT columns
-    xt_desc=None,  # cand_emb, blocks [1, BLOCK_K, PIECE_D]
-    yt_desc=None,  # Y_u, blocks [1, BLOCK_M, PIECE_D]
-    ot_desc=None,  # out, blocks [1, BLOCK_M, PIECE_D]
-    num_full=None, num_pieces=None,  # `tail_plan`: tiles 0 … num_full - 1 whole, then num_pieces pieces
-    TAIL_SPLIT: gl.constexpr = 1,
-    sched_ptr=None,  # DYNAMIC: int32 [4], words 1 and 2 the ticket counter and the programs done (zero, left zero)
-    DYNAMIC: gl.constexpr = 0,  # 0 static; ≥ 1 the number of ticket counters (1, or one per row block)
-    ROTATE_ROWS: gl.constexpr = False,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
-    tiles t = pid, pid + P, … of the (b, n, d) order (DYNAMIC: pid, then tickets of an atomic counter); a
-    consumer partition of num_warps warps, a 1-warp producer."""
+    tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
@@ -571,9 +299,7 @@ def _lce_ws_kernel(
 
     num_m_tiles = gl.cdiv(N, BLOCK_M)
     tiles_per_row = num_m_tiles * gl.cdiv(D, BLOCK_D)
-    if TAIL_SPLIT == 1:
-        num_full = B * tiles_per_row
-        num_pieces = 0
+    num_tiles = B * tiles_per_row
 
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -587,33 +313,12 @@ def _lce_ws_kernel(
         mbarrier.init(empty.index(s), count=1)
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_free, count=1)
-    if DYNAMIC > 0:  # the ticket of the item that starts at each ring slot
-        tile_info = gl.allocate_shared_memory(gl.int32, [STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        _partitions(w_desc, x_desc, y_desc, out_desc, m_ptr, bias_ptr, N, w_bufs, x_bufs, epi_buf, ready, empty,
-                    epi_ready, epi_free, num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, ot_desc, num_pieces,
-                    tile_info, sched_ptr, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, Y_AT, TAIL_SPLIT, DYNAMIC,
-                    ROTATE_ROWS, PRODUCER_REGS, num_warps)
-    else:  # (a local None cannot be handed to the partitions; the argument sched_ptr, None here, can)
-        _partitions(w_desc, x_desc, y_desc, out_desc, m_ptr, bias_ptr, N, w_bufs, x_bufs, epi_buf, ready, empty,
-                    epi_ready, epi_free, num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, ot_desc, num_pieces,
-                    sched_ptr, sched_ptr, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, Y_AT, TAIL_SPLIT, DYNAMIC,
-                    ROTATE_ROWS, PRODUCER_REGS, num_warps)
 
-
-@gluon.jit
-def _partitions(w_desc, x_desc, y_desc, out_desc, m_ptr, bias_ptr, N, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready,
-                epi_free, num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, ot_desc, num_pieces, tile_info,
-                sched_ptr, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr,
-                HAS_BIAS: gl.constexpr, FREE_AT: gl.constexpr, Y_AT: gl.constexpr, TAIL_SPLIT: gl.constexpr,
-                DYNAMIC: gl.constexpr, ROTATE_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """The consumer (default partition, num_warps warps) and the 1-warp producer of `_lce_ws_kernel`."""
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_full, num_m_tiles, tiles_per_row, N, xt_desc, ot_desc, num_pieces, tile_info,
-                     K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, TAIL_SPLIT, DYNAMIC, ROTATE_ROWS)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_full, num_m_tiles, tiles_per_row, xt_desc, yt_desc, num_pieces, tile_info, sched_ptr,
-                     K_TILES, STAGES, HAS_USER, Y_AT, TAIL_SPLIT, DYNAMIC, ROTATE_ROWS)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -634,12 +339,8 @@ def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
     if base.block_m != 2 * base.block_k:
         raise ValueError(f"WSConfig: block_m ({base.block_m}) must be 2 · block_k ({base.block_k}): the epilogue's "
                          "second half block [block_m, block_d / 2] fills one [block_k, block_d] cand_emb slot")
-    if base.tail_split < 1 or base.tail_split & (base.tail_split - 1):
-        raise ValueError(f"WSConfig: tail_split ({base.tail_split}) must be a power of two ≥ 1")
     block_d = max(16, min(base.block_d, triton.next_power_of_2(dim)))
-    # a piece is at least 16 columns wide (TMA boxes of ≥ 16 bytes, wgmma N ≥ 8)
-    tail_split = max(1, min(base.tail_split, block_d // 16))
-    cfg = replace(base, block_d=block_d, stages=max(base.stages, 2), tail_split=tail_split)
+    cfg = replace(base, block_d=block_d, stages=max(base.stages, 2))
     if base.stages == 0:
         while cfg.stages < MAX_STAGES and replace(cfg, stages=cfg.stages + 1).smem_bytes(elem) <= SMEM_LIMIT:
             cfg = replace(cfg, stages=cfg.stages + 1)
@@ -676,37 +377,8 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
 
 
-def tail_plan(num_tiles: int, num_programs: int, split: int) -> tuple[int, int]:
-    """(num_full, num_pieces): tiles 0 … num_full - 1 run whole in stride-P order, the rest as `split` column
-    pieces each, piece p on program p. With T = q · P + r tiles, the busiest programs run q + 1 whole tiles;
-    split into pieces, the r leftover tiles cost them about 1 / split of a tile instead (4,096 tiles on 132
-    SMs: 31 tiles and a quarter, not 32). Only where every program has q ≥ 1 whole tiles and the r · split
-    pieces fit one wave; else (num_tiles, 0)."""
-    rem = num_tiles % num_programs
-    if split > 1 and num_tiles > num_programs and 0 < rem and rem * split <= num_programs:
-        return num_tiles - rem, rem * split
-    return num_tiles, 0
-
-
-_SCHED_WORDS: dict[torch.device, torch.Tensor] = {}
-
-
-def _sched_words(device: torch.device) -> torch.Tensor:
-    """WSConfig.dynamic: the device's int32 [4] scheduler words (1: next ticket, 2: programs done). Zeroed once;
-    every launch leaves them zero (its last program resets them), so launches in stream order and CUDA-graph
-    replays each start from zero. Not for launches running at once on two streams of one device. Made outside
-    a CUDA-graph capture (the first call, eager, makes it)."""
-    words = _SCHED_WORDS.get(device)
-    if words is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("s6 with WSConfig(dynamic=True): call it once eagerly before a CUDA-graph capture")
-        words = _SCHED_WORDS[device] = torch.zeros(32, dtype=torch.int32, device=device)
-    return words
-
-
 def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WSConfig):
-    """W_c (packed, padded; cached on the packed module), cand_emb, Y_u and out descriptors; with
-    cfg.tail_split > 1 also the tail pieces' cand_emb, Y_u and out descriptors (else None)."""
+    """W_c (packed, padded; cached on the packed module), cand_emb, Y_u and out descriptors."""
     weight = packed.cand_weight_padded
     key = ("s6-desc", weight.data_ptr(), cfg.block_m, cfg.block_k)
     w_desc = packed._flags.get(key)
@@ -716,15 +388,7 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     out_block = [1, cfg.block_m, cfg.block_d // 2]
     out_desc = _descriptor(out, out_block)
     y_desc = out_desc if user_part is None else _descriptor(user_part, out_block)
-    if cfg.tail_split == 1:
-        return w_desc, x_desc, y_desc, out_desc, None, None, None
-    piece_d = cfg.block_d // cfg.tail_split
-    xt_desc = _descriptor(cand_emb, [1, cfg.block_k, piece_d])
-    if piece_d == out_block[2]:  # halves: the epilogue's own half-block descriptors
-        return w_desc, x_desc, y_desc, out_desc, xt_desc, y_desc, out_desc
-    ot_desc = _descriptor(out, [1, cfg.block_m, piece_d])
-    yt_desc = ot_desc if user_part is None else _descriptor(user_part, [1, cfg.block_m, piece_d])
-    return w_desc, x_desc, y_desc, out_desc, xt_desc, yt_desc, ot_desc
+    return w_desc, x_desc, y_desc, out_desc
 
 
 def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
@@ -732,22 +396,9 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
-    w_desc, x_desc, y_desc, out_desc, *tail_descs = _descriptors(packed, cand_emb, out, user_part, cfg)
+    w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
     grid = min(num_programs or _device_info(out.device)[1], num_tiles)
-    tail = {}
-    if cfg.tail_split > 1:
-        num_full, num_pieces = tail_plan(num_tiles, grid, cfg.tail_split)
-        tail = dict(zip(("xt_desc", "yt_desc", "ot_desc"), tail_descs), num_full=num_full, num_pieces=num_pieces,
-                    TAIL_SPLIT=cfg.tail_split)
-    num_m_tiles = triton.cdiv(rows, cfg.block_m)
-    if cfg.dynamic:
-        groups = num_m_tiles if cfg.dynamic == 2 and grid % num_m_tiles == 0 and num_m_tiles <= 8 else 1
-        if groups > 1:
-            tail.update(num_full=num_tiles, num_pieces=0, TAIL_SPLIT=1)
-        tail.update(sched_ptr=_sched_words(out.device), DYNAMIC=groups)
-    elif cfg.rotate_rows and grid % (num_tiles // num_candidates) == 0:
-        tail.update(ROTATE_ROWS=True)
     _lce_ws_kernel[(grid,)](
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
@@ -755,7 +406,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, **tail,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -808,7 +459,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, TAIL_SPLIT=cfg.tail_split, DYNAMIC=int(cfg.dynamic), ROTATE_ROWS=False,
+        num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 
@@ -822,16 +473,11 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     packed = PackedLinearCompress(weight, weight, None, weight, weight)
     cand_emb = torch.zeros(2, num_cand_tokens, dim, dtype=dtype)
     out = torch.zeros(2, rows, dim, dtype=dtype)
-    w_desc, x_desc, y_desc, out_desc, xt_desc, yt_desc, ot_desc = _descriptors(
-        packed, cand_emb, out, out if has_user else None, cfg)
+    w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, out if has_user else None, cfg)
     runtime_args = dict(
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
         B=num_candidates, N=rows, D=dim,
     )
-    tail = cfg.tail_split > 1  # (any counts: they are not specialized)
-    runtime_args.update(xt_desc=xt_desc, yt_desc=yt_desc, ot_desc=ot_desc, num_full=num_candidates if tail else None,
-                        num_pieces=4 if tail else None,
-                        sched_ptr=torch.zeros(32, dtype=torch.int32) if cfg.dynamic else None)
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -65,18 +65,11 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "free2": WSConfig(epi_free_at=2),  # the last tile's stores waited for at K step 2
     "st3": WSConfig(stages=3),
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
-    "tail2": WSConfig(stages=0, tail_split=2),  # the last wave's leftover tiles as column halves
-    "tail4": WSConfig(stages=0, tail_split=4),  # … as column quarters
-    "dyn": WSConfig(stages=0, dynamic=True),  # tiles from an atomic counter
-    "dyn4": WSConfig(stages=0, dynamic=True, tail_split=4),  # … and the leftover tiles as quarters
-    "dynrow": WSConfig(stages=0, dynamic=2),  # a counter per W_c row block (programs keep their row block)
-    "rot": WSConfig(stages=0, rotate_rows=True),  # diagnostic: static, a program's row block changes every tile
 }
-# --call: timed in this order (default and each variant twice: the run's noise)
-CALL_ORDER = ("default", "rot", "dynrow", "dyn", "default", "rot", "dynrow", "dyn")
-CALL_TESTS = "gpu and (rotate or dynamic)"  # the GPU tests of the timed variants, run when no variant wins
-CALL_BUDGET_S = 200  # the whole --call run: the probe (≤ PROBE_LIMIT_S), then the GPU tests with what is left (≤ 65 s)
-PROBE_LIMIT_S = 125
+# --call: timed in this order (default and the variant twice: the run's noise)
+CALL_ORDER = ("default", "free2", "default", "free2")
+CALL_TESTS = "gpu and free-at-2"  # the GPU tests of the timed variant, run when no variant wins
+CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192
 LONG_K_VARIANTS = ("default",)
@@ -434,11 +427,11 @@ def _summary(out_dir, log):
 
 
 def run_call():
-    """A short device call (CALL_BUDGET_S): the probe on CALL_ORDER without K scaling (≤ PROBE_LIMIT_S), then the
+    """A short device call (CALL_BUDGET_S): the probe on CALL_ORDER without K scaling (≤ 70 s), then the
     GPU tests of tests/test_linear_compress_ws.py with what is left: all of them with the winner as s6's
     default (LCE_S6_DEFAULT), else CALL_TESTS."""
     out_dir, log, stage = _stages(CALL_BUDGET_S)
-    stage("probe", [sys.executable, __file__, "--variants", ",".join(CALL_ORDER), "--no-k-scaling"], PROBE_LIMIT_S)
+    stage("probe", [sys.executable, __file__, "--variants", ",".join(CALL_ORDER), "--no-k-scaling"], 70)
     winner_file = out_dir / "s6_winner.txt"
     winner = winner_file.read_text().strip() if winner_file.exists() else ""
     env = dict(os.environ, LCE_S6_DEFAULT=winner)

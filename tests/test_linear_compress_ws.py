@@ -32,7 +32,6 @@ from kernels.linear_compress_ws import (
     compile_s6,
     lce_s6,
     s6_supported,
-    tail_plan,
     user_gemm,
     ws_config,
 )
@@ -46,11 +45,8 @@ DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
 
 
 def _parse_config(text: str) -> WSConfig:
-    """"name=value,…" (integer or True/False WSConfig fields) → WSConfig."""
-    def value_of(text):
-        return {"True": True, "False": False}[text] if text in ("True", "False") else int(text)
-
-    return WSConfig(**{name: value_of(value) for name, value in (item.split("=") for item in filter(None, text.split(",")))})
+    """"name=value,…" (integer WSConfig fields) → WSConfig."""
+    return WSConfig(**{name: int(value) for name, value in (item.split("=") for item in filter(None, text.split(",")))})
 
 
 @pytest.fixture(autouse=True)
@@ -74,35 +70,9 @@ def test_ws_config_fits_shared_memory():
         ws_config(256, 2, WSConfig(block_k=32, stages=6))
 
 
-def test_tail_plan_covers_every_tile_once():
-    """`tail_plan`: whole tiles in stride-P order, then ≤ one piece per program; every tile once (whole or
-    as all of its pieces), every program with a whole tile before its piece; no split where it cannot pay."""
-    for num_tiles, programs, split in ((4096, 132, 4), (4096, 132, 2), (140, 132, 4), (76, 5, 4), (78, 7, 2),
-                                       (900, 132, 2), (132, 132, 4), (100, 132, 4), (5, 3, 8), (4096, 132, 1)):
-        num_full, num_pieces = tail_plan(num_tiles, programs, split)
-        assert num_full % programs == 0 or num_pieces == 0
-        assert num_pieces <= programs and num_full + num_pieces // max(split, 1) == num_tiles
-        if num_pieces:
-            assert num_full >= programs and num_pieces == (num_tiles - num_full) * split
-        else:
-            assert num_full == num_tiles
-    assert tail_plan(4096, 132, 4) == (4092, 16)
-    assert tail_plan(900, 132, 2) == (900, 0)  # 108 leftover tiles: 216 halves would need two waves
-    assert tail_plan(100, 132, 4) == (100, 0)  # one wave already
-
-
-def test_ws_config_tail_split():
-    assert ws_config(256, 2, WSConfig(tail_split=4)).tail_split == 4
-    assert ws_config(32, 2, WSConfig(tail_split=4)).tail_split == 2  # pieces of ≥ 16 columns
-    assert ws_config(16, 2, WSConfig(tail_split=4)).tail_split == 1
-    with pytest.raises(ValueError, match="tail_split"):
-        ws_config(256, 2, WSConfig(tail_split=3))
-
-
 def test_default_override_parser():
     """LCE_S6_DEFAULT as the probe writes it (the winner's fields that differ from WSConfig())."""
     assert _parse_config("stages=3,epi_free_at=2") == WSConfig(stages=3, epi_free_at=2)
-    assert _parse_config("stages=4,tail_split=4,dynamic=True") == WSConfig(stages=4, tail_split=4, dynamic=True)
     assert _parse_config("") == WSConfig()
 
 
@@ -121,16 +91,8 @@ def _cuobjdump():
         dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130),
         dict(config=WSConfig(block_d=128, stages=0)),  # 6 stages
         dict(config=WSConfig(stages=2)),
-        dict(config=WSConfig(stages=0, tail_split=2)),
-        dict(config=WSConfig(stages=0, tail_split=4)),
-        dict(dtype=torch.float16, dim=64, num_cand_tokens=37, rows=130, has_user=False, config=WSConfig(stages=0, tail_split=4)),
-        dict(config=WSConfig(stages=0, dynamic=True)),
-        dict(config=WSConfig(stages=0, dynamic=True, tail_split=4)),
-        dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130, has_user=False, has_bias=False,
-             config=WSConfig(stages=0, dynamic=True, tail_split=2)),
     ],
-    ids=["canonical", "fp16-odd-no-user", "fp16-odd", "bd128", "st2", "tail2", "tail4", "tail4-d64-no-user", "dynamic",
-         "dynamic-tail4", "dynamic-tail2-fp16-odd-no-user"],
+    ids=["canonical", "fp16-odd-no-user", "fp16-odd", "bd128", "st2"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -198,15 +160,8 @@ CONFIGS = [
     WSConfig(block_d=128, stages=0),
     WSConfig(stages=2),
     WSConfig(stages=3),
-    WSConfig(stages=0, tail_split=2),
-    WSConfig(stages=0, tail_split=4),
-    WSConfig(stages=0, dynamic=True),
-    WSConfig(stages=0, dynamic=True, tail_split=4),
-    WSConfig(stages=0, dynamic=2),
-    WSConfig(stages=0, rotate_rows=True),
 ]
-CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3", "tail2", "tail4", "dynamic", "dynamic-tail4",
-              "dynamic-rows", "rotate-rows"]
+CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -237,8 +192,8 @@ def test_gpu_s6_configs(config):
 @pytest.mark.parametrize("num_programs", [1, 3])
 @pytest.mark.parametrize(
     "base",
-    [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2), WSConfig(stages=2, dynamic=True)],
-    ids=["default", "bd128", "st2", "st2-dynamic"],
+    [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2)],
+    ids=["default", "bd128", "st2"],
 )
 def test_gpu_s6_few_programs(num_programs, base):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times
@@ -250,61 +205,6 @@ def test_gpu_s6_few_programs(num_programs, base):
     out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
     _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, base), num_programs)
     _check(out, ref, torch.bfloat16)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("split", [2, 4], ids=["tail2", "tail4"])
-@pytest.mark.parametrize("shape, num_programs", [
-    ((5, 38, 32, 200, 256, 256, True, 1), 5),  # 76 tiles on 5 programs: 15 whole each, then 1 tile in pieces
-    ((9, 39, 48, 72, 200, 260, True, 2), 28),  # 117 tiles (3 row tiles, the last of 4 rows), D = 200: 5 left
-    ((6, 61, 0, 130, 64, 128, False, 0), 20),  # Ku = 0, no bias, D = 64: 16-column pieces; 61 tiles, 1 left
-])
-def test_gpu_s6_tail_pieces(shape, num_programs, split, dynamic):
-    """The last wave's leftover tiles as column pieces (`tail_plan`), on few programs, in the static order and
-    from the ticket counter (where a program may take two pieces in a row): every output element written
-    once and right, with and without Y_u and bias, D and N off the tile; the counter left at zero."""
-    num_users, num_candidates, ku, _, dim, rows = shape[:6]
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 17 + num_programs)
-    cfg = ws_config(dim, 2, WSConfig(stages=0, tail_split=split, dynamic=dynamic))
-    num_tiles = num_candidates * -(-rows // cfg.block_m) * -(-dim // cfg.block_d)
-    num_full, num_pieces = tail_plan(num_tiles, num_programs, cfg.tail_split)
-    user_part = None
-    if ku:
-        user_part = torch.full((num_users, rows, dim), float("nan"), dtype=torch.bfloat16, device="cuda")
-        user_gemm(packed, user_emb, user_part)
-    for _ in range(2):
-        out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-        _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, num_programs)
-        _check(out, ref, torch.bfloat16)
-    assert num_pieces == (num_tiles - num_full) * split > 0, (num_tiles, num_full, num_pieces)  # pieces ran
-    assert not ws._sched_words(out.device).any()
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("num_programs", [4, 6])
-def test_gpu_s6_dynamic_rows_few_programs(num_programs):
-    """dynamic=2 (a counter per W_c row block) on 4 and 6 programs over 2 row blocks: right, counters left zero."""
-    shape = (5, 39, 32, 200, 256, 256, True, 1)
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 23 + num_programs)
-    user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    user_gemm(packed, user_emb, user_part)
-    for _ in range(2):
-        out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-        _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, WSConfig(dynamic=2)),
-                   num_programs)
-        _check(out, ref, torch.bfloat16)
-    assert not ws._sched_words(out.device).any()
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-def test_gpu_s6_dynamic_cuda_graph():
-    """WSConfig(dynamic=True) captured in a CUDA graph after an eager call: replays with new inputs are right,
-    and each launch leaves the ticket counter at zero for the next."""
-    shape = (15, 256, 128, 500, 256, 512, True, 0)
-    cfg = WSConfig(stages=0, dynamic=True, tail_split=4)
-    _check_graph_replays(shape, 37, lambda packed, *inputs: lce_s6(packed, *inputs, config=cfg))
-    assert not ws._sched_words(torch.device("cuda", torch.cuda.current_device())).any()
 
 
 def _check_graph_replays(shape, seed, call):
