@@ -15,7 +15,8 @@ halves in ring slots, the Y_u halves read during the last K step, BLOCK_K = 32 w
 whole-tile epilogue buffer with 3 stages (the default until 2026-11-30 12:30 UTC, 4–9 % slower), 2-CTA clusters
 with the cand_emb tiles TMA-multicast through inline PTX (equal to the same clusters without multicast, 2–3 %
 slower than this kernel), the last wave's leftover tiles as column pieces (level), tiles from an atomic counter
-(3–8 % slower; per W_c row block 3–4 %; the static order keeps each program on one row block, worth 2–3 %).
+(3–8 % slower; per W_c row block 3–4 %; the static order keeps each program on one row block, worth 2–3 %),
+tiles ordered by %smid instead of the program id (within noise, 1–2 % slower).
 Reached through `PackedLinearCompress(..., variant="s6")`, and with no variant from B = WS_MIN_CANDIDATES
 (`linear_compress.default_variant`); the served model tries it as a tuning
 candidate of every LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
@@ -103,7 +104,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    smid_order: bool = False  # diagnostic: tiles by %smid instead of the program id (`_first_tile`)
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -131,20 +131,9 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _first_tile(SMID_ORDER: gl.constexpr):
-    """The program's first tile: its pid, or (SMID_ORDER, diagnostic: one program on each of all SMs, %smid dense)
-    the SM's id, so that the 4 programs sharing a candidate's tiles are SMs with neighbouring ids."""
-    if SMID_ORDER:
-        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
-    else:
-        return gl.program_id(0)
-
-
-@gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
               num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              SMID_ORDER: gl.constexpr):
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
@@ -153,7 +142,7 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
     BLOCK_D: gl.constexpr = x_desc.block_type.shape[2]
     step = 0
     i = 0
-    for tile in range(_first_tile(SMID_ORDER), num_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_USER:
             user = gl.load(m_ptr + b).to(gl.int32)
@@ -239,7 +228,7 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, SMID_ORDER: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
     through the epilogue buffer and the tile's last ring step)."""
@@ -252,7 +241,7 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
     bias = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
     step = 0
     i = 0
-    for tile in range(_first_tile(SMID_ORDER), num_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         b, off_m, off_d = _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M, BLOCK_D)
         if HAS_BIAS:  # loaded before the K loop: its latency hides under the MMAs
             rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -291,7 +280,6 @@ def _lce_ws_kernel(
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
     EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
-    SMID_ORDER: gl.constexpr = False,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
@@ -329,10 +317,9 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
-                     SMID_ORDER)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT, SMID_ORDER)),
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -420,7 +407,7 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
         EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, SMID_ORDER=cfg.smid_order and grid == _device_info(out.device)[1],
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -473,7 +460,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
         HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, SMID_ORDER=cfg.smid_order,
+        num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
 

@@ -160,9 +160,8 @@ CONFIGS = [
     WSConfig(block_d=128, stages=0),
     WSConfig(stages=2),
     WSConfig(stages=3),
-    WSConfig(stages=0, smid_order=True),
 ]
-CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3", "smid"]
+CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
