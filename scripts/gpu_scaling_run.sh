@@ -1,66 +1,135 @@
 #!/usr/bin/env bash
-# Issue 8, one run on a machine with 2+ GPUs: candidates/s of $MODELS on one GPU, then on two, side by
-# side (same machine, same repository copy, same request mix), through Triton instance groups
-# (`scripts/serve --gpus 0` then `--gpus 0,1`: configs/<config>_gpus_<ids>.pbtxt, the same count per
-# GPU). The repository copy holds only $MODELS (faster load; the other models do not change the
-# measured one). Per point: perf_analyzer (scripts/perf_sweep.py, gRPC, $MIX) inside
-# scripts/gpu_throughput.py (candidates/s per GPU from the metrics port).
+# Issue 8, one run on a machine with 2+ GPUs: candidates/s of $MODELS in several serving layouts, side
+# by side (same machine, same repository copy, same request mix). A layout is BACKEND:GPUS[:servers]:
+#   inprocess:0      one tritonserver, instances on GPU 0, the backend the configs name (python_inprocess)
+#   inprocess:0,1    one tritonserver, Triton instance groups over GPUs 0 and 1 (`scripts/serve --gpus 0,1`:
+#                    configs/<config>_gpus_<ids>.pbtxt, the same count per GPU)
+#   stub:0,1         the same with `backend: "python"` (one python-backend stub process per instance)
+#   inprocess:0,1:servers   one tritonserver per GPU (CUDA_VISIBLE_DEVICES), ports 8000+ and 9000+, each
+#                    loaded with half the concurrency at the same time; candidates/s summed
+# The repository copy holds only $MODELS (faster load). Per point: perf_analyzer (scripts/perf_sweep.py,
+# gRPC, $MIX) inside scripts/gpu_throughput.py (candidates/s per GPU from the metrics port), and the
+# server processes' CPU use (top, 3 s, with tritonserver's busiest threads) during the window.
 #
 #   OUT=out/scale scripts/gpu_scaling_run.sh      # → $OUT/summary.md, $OUT/run.tgz
 #
-# Knobs: CONFIG (large), PROFILE (large), MODELS (ikbo_ranker), MIX (u15_b1024), CONCURRENCY per GPU
-# count ("4 8 16"), WINDOW (perf_analyzer ms).
+# Knobs: LAYOUTS ("inprocess:0 inprocess:0,1"), CONFIG (large), PROFILE (large), MODELS (ikbo_ranker),
+# MIX (u15_b1024), CONCURRENCY (total requests in flight, "4 8 16"), WINDOW (perf_analyzer ms).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/scale}; CONFIG=${CONFIG:-large}; PROFILE=${PROFILE:-large}; MODELS=${MODELS:-ikbo_ranker}
 MIX=${MIX:-u15_b1024}; CONCURRENCY=${CONCURRENCY:-4 8 16}; WINDOW=${WINDOW:-2000}
+LAYOUTS=${LAYOUTS:-inprocess:0 inprocess:0,1}
 W=$(mktemp -d); mkdir -p "$OUT"; S="$OUT/summary.md"
 log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
 . scripts/triton_bundle_env.sh
 { echo "# GPU scaling run $(date -u +%FT%TZ)"; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$S" 2>/dev/null
-python3 - "$W/copy" $MODELS <<'PY'
-import shutil, sys
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; echo "CPUs $(nproc)"; } >"$S" 2>/dev/null
+copy_repository() {  # $1: directory, $2: backend ("inprocess": as configured; "stub": python)
+  python3 - "$1" "$2" $MODELS <<'PY'
+import re, shutil, sys
 from pathlib import Path
 sys.path.insert(0, ".")
 from ikbo_backend.serving import MODEL_REPOSITORY, REPO_ROOT
-root = Path(sys.argv[1]); repo = root / "model_repository"; repo.mkdir(parents=True)
+root, backend = Path(sys.argv[1]), sys.argv[2]; repo = root / "model_repository"; repo.mkdir(parents=True)
 for package in ("ikbo_backend", "kernels"):  # model.py finds the packages next to the repository
     (root / package).symlink_to(REPO_ROOT / package)
 shutil.copy2(MODEL_REPOSITORY / "shape_ranges.json", repo)
-for name in sys.argv[2:]:
+for name in sys.argv[3:]:
     shutil.copytree(MODEL_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    if backend == "stub":
+        for config in (repo / name / "configs").glob("*.pbtxt"):
+            config.write_text(re.sub(r'backend: "python_inprocess"', 'backend: "python"', config.read_text()))
 PY
-for gpus in 0 0,1; do
-  log "serve --config $CONFIG --gpus $gpus"
-  start=$(date +%s)
-  python3 scripts/serve --config "$CONFIG" --gpus "$gpus" --model-repository "$W/copy/model_repository" >"$W/serve_$gpus.log" 2>&1 &
-  SERVE=$!
-  for _ in $(seq 400); do curl -sf localhost:8000/v2/health/ready >/dev/null && break; kill -0 $SERVE 2>/dev/null || break; sleep 1; done
-  if ! curl -sf localhost:8000/v2/health/ready >/dev/null; then log "not ready: $(tail -5 "$W/serve_$gpus.log")"; kill $SERVE; wait $SERVE; continue; fi
-  echo -e "\n## GPUs $gpus (ready after $(( $(date +%s) - start )) s)\n" >>"$S"
-  for c in $CONCURRENCY; do
-    log "gpus $gpus concurrency $c"
-    timeout 200 python3 scripts/gpu_throughput.py --url localhost:8002 --json "$W/gpus_${gpus}_c$c.json" -- \
-      python3 scripts/perf_sweep.py --url localhost:8000 --grpc-url localhost:8001 --profile "$PROFILE" --rankers $MODELS \
-        --mixes "$MIX" --protocols grpc --concurrency "$c" --window-ms "$WINDOW" --out "$W/gpus_${gpus}_c$c" >>"$S" 2>>"$W/steps.log"
+}
+wait_ready() {  # $1: HTTP port, $2: server pid
+  for _ in $(seq 400); do curl -sf "localhost:$1/v2/health/ready" >/dev/null && return 0; kill -0 "$2" 2>/dev/null || return 1; sleep 1; done
+  return 1
+}
+cpu_sample() {  # $1: file; CPU % of the servers and stubs over 3 s (top), then tritonserver's busiest threads
+  sleep $(( WINDOW / 1000 * 3 ))
+  top -b -d 3 -n 2 -w 200 | awk '/^top -/{n++} n==2' | grep -E "tritonserver|triton_python" >"$1"
+  for pid in $(pgrep -x tritonserver); do
+    echo "threads of $pid:" >>"$1"; top -H -b -d 3 -n 2 -w 200 -p "$pid" | awk '/^top -/{n++} n==2' | sed -n '7,14p' >>"$1"
   done
-  kill -TERM $SERVE; wait $SERVE
+}
+sweep() {  # $1: tag, $2: HTTP port, $3: concurrency, $4: metrics port → $W/<tag>/sweep.csv
+  timeout 200 python3 scripts/gpu_throughput.py --url "localhost:$4" --json "$W/$1.json" -- \
+    python3 scripts/perf_sweep.py --url "localhost:$2" --grpc-url "localhost:$(( $2 + 1 ))" --profile "$PROFILE" --rankers $MODELS \
+      --mixes "$MIX" --protocols grpc --concurrency "$3" --window-ms "$WINDOW" --out "$W/$1" >>"$W/$1.md" 2>>"$W/steps.log"
+}
+for layout in $LAYOUTS; do
+  IFS=: read -r backend gpus servers <<<"$layout"; name=${layout//[:,]/_}
+  copy_repository "$W/copy_$name" "$backend"
+  repo="$W/copy_$name/model_repository"; start=$(date +%s); pids=()
+  if [ "$servers" = servers ]; then
+    i=0
+    for gpu in ${gpus//,/ }; do
+      port=$(( 8000 + 1000 * i ))
+      CUDA_VISIBLE_DEVICES=$gpu python3 scripts/serve --config "$CONFIG" --model-repository "$repo" \
+        --http-port $port --grpc-port $(( port + 1 )) --metrics-port $(( port + 2 )) >"$W/serve_${name}_$i.log" 2>&1 &
+      pids+=($!); i=$(( i + 1 ))
+    done
+  else
+    python3 scripts/serve --config "$CONFIG" --gpus "$gpus" --model-repository "$repo" >"$W/serve_$name.log" 2>&1 &
+    pids+=($!)
+  fi
+  log "layout $layout: ${#pids[@]} server(s)"
+  ready=1; i=0
+  for pid in "${pids[@]}"; do wait_ready $(( 8000 + 1000 * i )) "$pid" || ready=0; i=$(( i + 1 )); done
+  if [ $ready = 0 ]; then log "$layout not ready: $(tail -3 "$W"/serve_${name}*.log)"; kill "${pids[@]}"; wait; continue; fi
+  echo -e "\n## $layout (ready after $(( $(date +%s) - start )) s)\n" >>"$S"
+  for c in $CONCURRENCY; do
+    log "$layout concurrency $c"
+    cpu_sample "$W/cpu_${name}_c$c.txt" &
+    if [ ${#pids[@]} -gt 1 ]; then
+      share=$(( c / ${#pids[@]} )); jobs=()
+      for i in $(seq 0 $(( ${#pids[@]} - 1 ))); do
+        port=$(( 8000 + 1000 * i )); sweep "${name}_c${c}_s$i" $port $share $(( port + 2 )) & jobs+=($!)
+      done
+      wait "${jobs[@]}"
+    else
+      sweep "${name}_c$c" 8000 "$c" 8002
+    fi
+    wait  # the CPU sample
+    cat "$W/${name}_c$c"*.md >>"$S"
+  done
+  kill -TERM "${pids[@]}"; wait "${pids[@]}"
 done
-python3 - "$W" $CONCURRENCY >>"$S" <<'PY'
+python3 - "$W" "$LAYOUTS" $CONCURRENCY >>"$S" <<'PY'
 import csv, sys
 from pathlib import Path
-work, levels = Path(sys.argv[1]), sys.argv[2:]
-def row(gpus, c):
-    path = work / f"gpus_{gpus}_c{c}" / "sweep.csv"
-    return next(csv.DictReader(path.open()), None) if path.exists() else None
-print("\n## One GPU vs two (perf_analyzer, client side)\n")
-print("| concurrency per GPU count | 1 GPU candidates/s | 2 GPUs candidates/s | 2 / 1 | 1 GPU p50 / p99 ms | 2 GPUs p50 / p99 ms |\n|---:|---:|---:|---:|---:|---:|")
-for c in levels:
-    one, two = row("0", c), row("0,1", c)
-    if one and two:
-        a, b = float(one["candidates_per_s"]), float(two["candidates_per_s"])
-        print(f"| {c} | {a:,.0f} | {b:,.0f} | **{b / a:.2f}×** | {float(one['p50_ms']):.1f} / {float(one['p99_ms']):.1f} | {float(two['p50_ms']):.1f} / {float(two['p99_ms']):.1f} |")
+work, layouts, levels = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3:]
+def rows(layout, c):
+    """perf_analyzer rows of one point: one per server (the servers layout: one per GPU, half the load each)."""
+    name = layout.replace(":", "_").replace(",", "_")
+    paths = sorted(work.glob(f"{name}_c{c}_s*/sweep.csv")) or [work / f"{name}_c{c}" / "sweep.csv"]
+    found = [next(csv.DictReader(p.open()), None) for p in paths if p.exists()]
+    return [r for r in found if r] if len(found) == len(paths) else []
+def cpu(layout, c):
+    """CPU % (top, 3 s) of the tritonserver processes and of the python-backend stubs, summed per kind."""
+    path = work / f"cpu_{layout.replace(':', '_').replace(',', '_')}_c{c}.txt"
+    if not path.exists():
+        return "–"
+    use = {"tritonserver": 0.0, "triton_python": 0.0}
+    for line in path.read_text().split("threads of")[0].splitlines():
+        fields = line.split()
+        for kind in use:
+            if len(fields) > 9 and fields[-1].startswith(kind):
+                use[kind] += float(fields[8])
+    return f"{use['tritonserver']:.0f} / {use['triton_python']:.0f}"
+print("\n## Layouts side by side (perf_analyzer, client side; concurrency = requests in flight in all)\n")
+print("| layout | concurrency | candidates/s | vs the first layout | p50 / p99 ms | CPU %: tritonserver / stubs (top) |\n|---|---:|---:|---:|---:|---|")
+first = {}
+for layout in layouts:
+    for c in levels:
+        found = rows(layout, c)
+        if not found:
+            print(f"| {layout} | {c} | not run | | | |"); continue
+        total = sum(float(r["candidates_per_s"]) for r in found)
+        first.setdefault(c, total)
+        p50 = max(float(r["p50_ms"]) for r in found); p99 = max(float(r["p99_ms"]) for r in found)
+        print(f"| {layout} | {c} | {total:,.0f} | **{total / first[c]:.2f}×** | {p50:.1f} / {p99:.1f} | {cpu(layout, c)} |")
 PY
-tar czf "$OUT/run.tgz" -C "$W" --exclude=copy . && log "wrote $OUT"
+tar czf "$OUT/run.tgz" -C "$W" --exclude='copy_*' . && log "wrote $OUT"
 cat "$S"

@@ -213,7 +213,8 @@ def test_an_instance_on_gpu_1_keeps_its_weights_and_work_there(tmp_path):
             on_0 = first(first.example(request))["scores"].cpu()
         second = instance(1)
         assert torch.cuda.current_device() == 1, "the instance did not make its GPU current"
-        assert {{p.device for p in second.interaction.parameters()}} == {{torch.device("cuda:1")}}
+        weights = [*second.interaction.w.values(), second.interaction.lce.cand_weight, second.interaction.lce.user_weight]
+        assert {{w.device for w in weights}} == {{torch.device("cuda:1")}}
         with torch.inference_mode():
             on_1 = second(second.example(request))["scores"]
         torch.cuda.synchronize(1)

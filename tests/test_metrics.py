@@ -210,10 +210,14 @@ def test_metrics_after_known_requests(server):
         if all(change[key] == pytest.approx(value, rel=1e-6) for key, value in want.items()) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    for model in (batch_model, "ikbo_ranker_online"):  # GPU: the warm-up compiled; CPU: Triton never runs
-        warm_up, requests = (got[(f"ikbo_triton_compilations_total{{{phase}}}", model)] for phase in ("warmup", "request"))
+    warm_up = {}
+    for model in (batch_model, "ikbo_ranker_online"):
+        warm_up[model], requests = (got[(f"ikbo_triton_compilations_total{{{phase}}}", model)] for phase in ("warmup", "request"))
         assert requests == 0, f"{model}: {requests} Triton compilations on the request path"
-        assert (warm_up > 0) == has_gpu(), f"{model}: {warm_up} Triton compilations during the warm-up"
+    # GPU: the warm-ups compiled. Both rankers load into tritonserver's own process (python_inprocess) and
+    # share its Triton kernel cache, so the one loaded second may find every kernel compiled: the sum
+    # counts. CPU: Triton never runs.
+    assert (sum(warm_up.values()) > 0) == has_gpu(), f"Triton compilations during the warm-ups: {warm_up}"
     for key, value in want.items():
         assert key in got, f"{key} not on the metrics port"
         assert change[key] == pytest.approx(value, rel=1e-6), f"{key}: {change[key]} != {value} (seed {SEED})"
