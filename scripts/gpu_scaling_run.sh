@@ -81,7 +81,7 @@ for layout in $LAYOUTS; do
   echo -e "\n## $layout (ready after $(( $(date +%s) - start )) s)\n" >>"$S"
   for c in $CONCURRENCY; do
     log "$layout concurrency $c"
-    cpu_sample "$W/cpu_${name}_c$c.txt" &
+    cpu_sample "$W/cpu_${name}_c$c.txt" & sampler=$!
     if [ ${#pids[@]} -gt 1 ]; then
       share=$(( c / ${#pids[@]} )); jobs=()
       for i in $(seq 0 $(( ${#pids[@]} - 1 ))); do
@@ -91,7 +91,7 @@ for layout in $LAYOUTS; do
     else
       sweep "${name}_c$c" 8000 "$c" 8002
     fi
-    wait  # the CPU sample
+    wait $sampler
     cat "$W/${name}_c$c"*.md >>"$S"
   done
   kill -TERM "${pids[@]}"; wait "${pids[@]}"
