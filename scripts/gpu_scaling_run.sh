@@ -92,7 +92,7 @@ for layout in $LAYOUTS; do
       sweep "${name}_c$c" 8000 "$c" 8002
     fi
     wait $sampler
-    cat "$W/${name}_c$c"*.md >>"$S"
+    { cat "$W/${name}_c$c"*.md; echo -e "\nCPU (top, 3 s):\n\n\`\`\`"; cat "$W/cpu_${name}_c$c.txt"; echo "\`\`\`"; } >>"$S"
   done
   kill -TERM "${pids[@]}"; wait "${pids[@]}"
 done
