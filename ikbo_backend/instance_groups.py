@@ -9,6 +9,13 @@ does under `--model-config-name=<base>`, so the served set differs from the base
 placement. Models whose base file has no KIND_GPU group (the ensembles of a profile such as "large")
 get an unchanged copy, so they do not fall back to config.pbtxt.
 
+Models on the `python_inprocess` backend (the GPU rankers and online endpoints) get `backend: "python"`
+when spread over more than one GPU: in process every instance runs its Python under the one GIL of
+tritonserver's process, so a second GPU added 18-26 % (two H200s, 2026-11-30, docs/perf.md); as python
+backend stubs (a process per instance) the same instances scaled 1.89-1.95x from one GPU to two.
+Faster still on a multi-GPU host: one tritonserver per GPU, in process (2.02-2.16x one GPU,
+docs/scale-out.md).
+
 Why explicit lists: a KIND_GPU group without `gpus` puts `count` instances on *every* GPU the server
 sees ("By default, a single execution instance of the model is created for each GPU available",
 Triton's model_configuration.md, Instance Groups), so the plain gpu.pbtxt cannot restrict a server
@@ -40,6 +47,7 @@ from .serving import MODEL_REPOSITORY
 ModelConfig = model_config_pb2.ModelConfig
 KIND_GPU = model_config_pb2.ModelInstanceGroup.KIND_GPU
 GENERATED_GLOB = "*_gpus_*.pbtxt"  # under <model>/configs/; in .gitignore
+INPROCESS_BACKEND = "python_inprocess"  # one interpreter in tritonserver's process (ikbo_backend/inprocess)
 
 
 def visible_gpu_count() -> int:
@@ -88,16 +96,21 @@ def read_config(path) -> ModelConfig:
 
 
 def spread(config: ModelConfig, gpus: list[int]) -> ModelConfig:
-    """A copy of `config` whose KIND_GPU instance groups list `gpus` (their `count` is per GPU);
+    """A copy of `config` whose KIND_GPU instance groups list `gpus` (their `count` is per GPU), and,
+    over more than one GPU, the `python_inprocess` backend replaced by `python` (SEPARATE_PROCESSES);
     every other field, other groups included, unchanged."""
     if not gpus:
         raise ValueError("gpus: expected at least one GPU id, got []")
     spread_config = ModelConfig()
     spread_config.CopyFrom(config)
+    on_gpus = False
     for group in spread_config.instance_group:
         if group.kind == KIND_GPU:
             del group.gpus[:]
             group.gpus.extend(gpus)
+            on_gpus = True
+    if on_gpus and len(gpus) > 1 and spread_config.backend == INPROCESS_BACKEND:
+        spread_config.backend = "python"
     return spread_config
 
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 8, one run on a machine with 2+ GPUs: candidates/s of $MODELS in several serving layouts, side
 # by side (same machine, same repository copy, same request mix). A layout is BACKEND:GPUS[:servers]:
-#   inprocess:0      one tritonserver, instances on GPU 0, the backend the configs name (python_inprocess)
-#   inprocess:0,1    one tritonserver, Triton instance groups over GPUs 0 and 1 (`scripts/serve --gpus 0,1`:
-#                    configs/<config>_gpus_<ids>.pbtxt, the same count per GPU)
-#   stub:0,1         the same with `backend: "python"` (one python-backend stub process per instance)
-#   inprocess:0,1:servers   one tritonserver per GPU (CUDA_VISIBLE_DEVICES), ports 8000+ and 9000+, each
+#   configs:0        one tritonserver, instances on GPU 0, the backends the configs name (python_inprocess
+#                    for the GPU rankers)
+#   configs:0,1      one tritonserver, Triton instance groups over GPUs 0 and 1 (`scripts/serve --gpus 0,1`:
+#                    configs/<config>_gpus_<ids>.pbtxt, the same count per GPU; there the in-process
+#                    models take the python backend, ikbo_backend/instance_groups.py)
+#   stub:0           the configs with `backend: "python"` everywhere (a python-backend stub per instance)
+#   configs:0,1:servers   one tritonserver per GPU (CUDA_VISIBLE_DEVICES), ports 8000+ and 9000+, each
 #                    loaded with half the concurrency at the same time; candidates/s summed
 # The repository copy holds only $MODELS (faster load). Per point: perf_analyzer (scripts/perf_sweep.py,
 # gRPC, $MIX) inside scripts/gpu_throughput.py (candidates/s per GPU from the metrics port), and the
@@ -13,19 +15,19 @@
 #
 #   OUT=out/scale scripts/gpu_scaling_run.sh      # → $OUT/summary.md, $OUT/run.tgz
 #
-# Knobs: LAYOUTS ("inprocess:0 inprocess:0,1"), CONFIG (large), PROFILE (large), MODELS (ikbo_ranker),
+# Knobs: LAYOUTS ("configs:0 configs:0,1 configs:0,1:servers"), CONFIG (large), PROFILE (large), MODELS (ikbo_ranker),
 # MIX (u15_b1024), CONCURRENCY (total requests in flight, "4 8 16"), WINDOW (perf_analyzer ms).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/scale}; CONFIG=${CONFIG:-large}; PROFILE=${PROFILE:-large}; MODELS=${MODELS:-ikbo_ranker}
 MIX=${MIX:-u15_b1024}; CONCURRENCY=${CONCURRENCY:-4 8 16}; WINDOW=${WINDOW:-2000}
-LAYOUTS=${LAYOUTS:-inprocess:0 inprocess:0,1}
+LAYOUTS=${LAYOUTS:-configs:0 configs:0,1 configs:0,1:servers}
 W=$(mktemp -d); mkdir -p "$OUT"; S="$OUT/summary.md"
 log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
 . scripts/triton_bundle_env.sh
 { echo "# GPU scaling run $(date -u +%FT%TZ)"; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; echo "CPUs $(nproc)"; } >"$S" 2>/dev/null
-copy_repository() {  # $1: directory, $2: backend ("inprocess": as configured; "stub": python)
+copy_repository() {  # $1: directory, $2: backend ("configs": as configured; "stub": python)
   python3 - "$1" "$2" $MODELS <<'PY'
 import re, shutil, sys
 from pathlib import Path

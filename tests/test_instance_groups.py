@@ -1,6 +1,6 @@
 """GPU configurations spread over a list of GPUs (ikbo_backend/instance_groups.py, `scripts/serve
 --gpus`): generated through protobuf, identical to configs/gpu.pbtxt except the GPU list of the
-instance groups, ensembles left to config.pbtxt (checked on the real tritonserver), bad `--gpus`
+instance groups (and, over several GPUs, the python backend for in-process models), ensembles left to config.pbtxt (checked on the real tritonserver), bad `--gpus`
 refused with a message that names it. Without a GPU, except the last test (two GPUs): an instance on
 GPU 1 keeps its weights and work there."""
 
@@ -34,8 +34,11 @@ def repository(tmp_path):
 
 
 def without_placement(config):
+    """The config without its instance groups and backend (spread over several GPUs, python_inprocess
+    becomes python: one GIL per instance)."""
     config = type(config).FromString(config.SerializeToString())
     config.ClearField("instance_group")
+    config.ClearField("backend")
     return config
 
 
@@ -57,6 +60,8 @@ def test_generated_configs_differ_from_gpu_pbtxt_only_in_the_gpu_list(repository
         generated = read_config(repository / model / "configs" / f"{name}.pbtxt")  # parses back as a ModelConfig
         assert [list(g.gpus) for g in generated.instance_group] == [gpus] * len(base.instance_group), model
         assert [(g.kind, g.count) for g in generated.instance_group] == [(KIND_GPU, g.count) for g in base.instance_group]
+        in_process = base.backend == "python_inprocess"
+        assert generated.backend == ("python" if in_process and len(gpus) > 1 else base.backend), model
         assert without_placement(generated) == without_placement(base), model
         assert generated == spread(base, gpus)
 
@@ -106,6 +111,23 @@ def test_other_instance_groups_are_kept():
     assert list(config.instance_group[1].gpus) == [3]  # a copy: the input is unchanged
     with pytest.raises(ValueError, match="gpus"):
         spread(config, [])
+
+
+@pytest.mark.parametrize("gpus, backend", [([0], "python_inprocess"), ([1], "python_inprocess"), ([0, 1], "python"), ([0, 1, 2, 3], "python")])
+def test_in_process_models_get_a_process_per_instance_over_several_gpus(gpus, backend):
+    """python_inprocess runs every instance under tritonserver's one GIL: over several GPUs the spread
+    config takes the python backend (a stub process per instance). Other backends, and in-process
+    models without a GPU group, stay as they are."""
+    config = model_config_pb2.ModelConfig(name="m", backend="python_inprocess")
+    config.instance_group.add(kind=KIND_GPU, count=1)
+    assert spread(config, gpus).backend == backend
+    assert config.backend == "python_inprocess"  # a copy
+    on_cpu = model_config_pb2.ModelConfig(name="m", backend="python_inprocess")
+    on_cpu.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_CPU, count=1)
+    assert spread(on_cpu, gpus).backend == "python_inprocess"
+    other = model_config_pb2.ModelConfig(name="m", backend="python")
+    other.instance_group.add(kind=KIND_GPU, count=1)
+    assert spread(other, gpus).backend == "python"
 
 
 def test_serve_config_name_from_the_gpus_present(repository):
