@@ -97,7 +97,7 @@ def read_config(path) -> ModelConfig:
 
 def spread(config: ModelConfig, gpus: list[int]) -> ModelConfig:
     """A copy of `config` whose KIND_GPU instance groups list `gpus` (their `count` is per GPU), and,
-    over more than one GPU, the `python_inprocess` backend replaced by `python` (SEPARATE_PROCESSES);
+    over more than one GPU, the `python_inprocess` backend replaced by `python` (a stub process per instance);
     every other field, other groups included, unchanged."""
     if not gpus:
         raise ValueError("gpus: expected at least one GPU id, got []")
