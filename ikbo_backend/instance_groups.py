@@ -13,7 +13,7 @@ Models on the `python_inprocess` backend (the GPU rankers and online endpoints) 
 when spread over more than one GPU: in process every instance runs its Python under the one GIL of
 tritonserver's process, so a second GPU added 18-26 % (two H200s, 2026-11-30, docs/perf.md); as python
 backend stubs (a process per instance) the same instances scaled 1.89-1.95x from one GPU to two.
-Faster still on a multi-GPU host: one tritonserver per GPU, in process (2.02-2.16x one GPU,
+Faster still on a multi-GPU host: one tritonserver per GPU, in process (1.85-2.16x one GPU,
 docs/scale-out.md).
 
 Why explicit lists: a KIND_GPU group without `gpus` puts `count` instances on *every* GPU the server

@@ -29,9 +29,11 @@ log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; echo "CPUs $(nproc)"; } >"$S" 2>/dev/null
 copy_repository() {  # $1: directory, $2: backend ("configs": as configured; "stub": python)
   python3 - "$1" "$2" $MODELS <<'PY'
-import re, shutil, sys
+import shutil, sys
 from pathlib import Path
 sys.path.insert(0, ".")
+from google.protobuf import text_format
+from ikbo_backend.instance_groups import INPROCESS_BACKEND, read_config
 from ikbo_backend.serving import MODEL_REPOSITORY, REPO_ROOT
 root, backend = Path(sys.argv[1]), sys.argv[2]; repo = root / "model_repository"; repo.mkdir(parents=True)
 for package in ("ikbo_backend", "kernels"):  # model.py finds the packages next to the repository
@@ -39,9 +41,11 @@ for package in ("ikbo_backend", "kernels"):  # model.py finds the packages next 
 shutil.copy2(MODEL_REPOSITORY / "shape_ranges.json", repo)
 for name in sys.argv[3:]:
     shutil.copytree(MODEL_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    if backend == "stub":
-        for config in (repo / name / "configs").glob("*.pbtxt"):
-            config.write_text(re.sub(r'backend: "python_inprocess"', 'backend: "python"', config.read_text()))
+    for path in (repo / name / "configs").glob("*.pbtxt") if backend == "stub" else ():
+        config = read_config(path)
+        if config.backend == INPROCESS_BACKEND:
+            config.backend = "python"
+            path.write_text(text_format.MessageToString(config))
 PY
 }
 wait_ready() {  # $1: HTTP port, $2: server pid

@@ -1,8 +1,8 @@
 """GPU configurations spread over a list of GPUs (ikbo_backend/instance_groups.py, `scripts/serve
 --gpus`): generated through protobuf, identical to configs/gpu.pbtxt except the GPU list of the
-instance groups (and, over several GPUs, the python backend for in-process models), ensembles left to config.pbtxt (checked on the real tritonserver), bad `--gpus`
-refused with a message that names it. Without a GPU, except the last test (two GPUs): an instance on
-GPU 1 keeps its weights and work there."""
+instance groups (and, over several GPUs, the python backend for in-process models), ensembles left to
+config.pbtxt (checked on the real tritonserver), bad `--gpus` refused with a message that names it.
+Without a GPU, except the last test (two GPUs): an instance on GPU 1 keeps its weights and work there."""
 
 import json
 import shutil
