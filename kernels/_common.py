@@ -16,6 +16,27 @@ BACKENDS = ("auto", "torch", "triton")
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
 
 
+def fix_interpreter_scalar_index() -> None:
+    """Under TRITON_INTERPRET=1: triton 3.6's interpreter turns a scalar tensor into a Python int with
+    `int(array)`, which numpy >= 2.4 refuses for 1-element arrays ("only 0-dimensional arrays can be
+    converted to Python scalars", triton-lang/triton#9171, fixed after 3.6 by #9172), so every `tl.range`
+    over a runtime bound fails. The project pins numpy < 2, but GPU machines' torch environments carry
+    numpy >= 2.4: this applies #9172's one-line change (idempotent). Under numpy < 2.4 it also silences
+    the DeprecationWarning of each such conversion."""
+    import triton.runtime.interpreter as interpreter
+
+    if getattr(interpreter, "_ikbo_index_fix", False):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_fixed(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_tensor_fixed
+    interpreter._ikbo_index_fix = True
+
+
 def check_tensor(name: str, t, rank: int, dtypes=None) -> None:
     """Raise ValueError unless `t` is a tensor of the given rank (and one of `dtypes`)."""
     if not isinstance(t, torch.Tensor):

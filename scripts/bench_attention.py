@@ -1004,6 +1004,8 @@ def main(argv):
     parser.add_argument("--ws-child", help=argparse.SUPPRESS)
     parser.add_argument("--ws-phase", choices=("check", "time", "ab"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if os.environ.get("OUT"):  # the tables land there: make it rather than lose a finished run
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
     if args.ws_child and args.ws_phase == "ab":
         ws_ab_child(args.ws_child.split("|"))
         return

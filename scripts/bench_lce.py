@@ -417,6 +417,8 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter (checks the script)")
     parser.add_argument("--ws-probe", action="store_true", help="only run s3 with Hopper warp specialization once (wrap in `timeout`)")
     args = parser.parse_args(argv)
+    if os.environ.get("OUT"):  # the tables land there: make it rather than lose a finished run
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
     if args.ws_probe:
         return ws_probe()
     global DEVICE, DTYPE, WITH_S6, ONLY

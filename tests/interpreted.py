@@ -10,13 +10,8 @@ arguments, else the launch fails naming the kernel source lines. On the CPU an o
 reads neighbouring heap memory (a wrong value or, rarely, a segfault); on a GPU it is garbage or an
 illegal-address error that kills the CUDA context. Patches triton 3.6's interpreter internals.
 
-`index_scalars_explicitly()` (called with it): triton 3.6's interpreter turns a scalar tensor into a
-Python int with `int(array)`, which numpy ≥ 2.4 refuses for 1-element arrays ("only 0-dimensional
-arrays can be converted to Python scalars", triton-lang/triton#9171, fixed after 3.6 by #9172); every
-`tl.range` over a runtime bound fails there. The project pins numpy < 2, but the H200 machines' torch
-environments have numpy ≥ 2.4 (2.5.2 seen): this applies #9172's one-line change so the interpreted
-tests run on both. Under numpy < 2.4 it also silences the DeprecationWarning of every such conversion
-(62 interpreted LCE tests: 58 s instead of 93 s on the CI machine).
+numpy ≥ 2.4 needs a fix of triton 3.6's interpreter: `kernels` applies it on import
+(`kernels._common.fix_interpreter_scalar_index`).
 """
 
 import os
@@ -58,21 +53,6 @@ def _check(ptrs, mask, itemsize: int, what: str) -> None:
     if not inside.all():
         where = [f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in traceback.extract_stack() if "/kernels/" in f.filename or "/tests/" in f.filename]
         raise AssertionError(f"memcheck: {int((~inside).sum())} of {addresses.size} {what} addresses outside every tensor argument at {where}")
-
-
-def index_scalars_explicitly() -> None:
-    import triton.runtime.interpreter as interpreter
-
-    if getattr(interpreter, "_ikbo_index_fix", False):
-        return
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_fixed(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patch_tensor_fixed
-    interpreter._ikbo_index_fix = True
 
 
 def enable_memcheck() -> None:
