@@ -2,6 +2,9 @@
 and in-bounds ones through."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,3 +37,16 @@ def test_interpreted_memcheck_flags_out_of_bounds():
         _copy_kernel[(1,)](src, dst, n, SHIFT=0, MASKED=False, BLOCK=16)  # reads src[n:16]
     with pytest.raises(Exception, match="memcheck"):
         _copy_kernel[(1,)](src, dst, n, SHIFT=-1, MASKED=True, BLOCK=16)  # reads src[-1]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="starts its own processes")
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_importing_kernels_fixes_the_interpreter_only_when_interpreting(interpret):
+    """Scripts that run the kernels under TRITON_INTERPRET=1 (the --smoke benchmarks) get the fix of triton 3.6's
+    interpreter for numpy >= 2.4 from `import kernels` alone, not from this suite's conftest; without the
+    interpreter nothing is patched."""
+    code = "import kernels, triton.runtime.interpreter as i; print(getattr(i, '_ikbo_index_fix', False))"
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": interpret},
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(interpret == "1")
