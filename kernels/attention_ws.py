@@ -98,8 +98,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    # the softmax row sums l by the tensor cores (P·1 as a [64, 8] wgmma beside each P·V) instead of FADD chains
-    rowsum_mma: bool = False
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -417,14 +415,12 @@ def _pass_turn(turns, WG: gl.constexpr):
 
 @gluon.jit
 def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready,
-           v_ready, k_empty, v_empty, turns, ones_smem, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
-           ROWSUM_MMA: gl.constexpr):
+           v_ready, k_empty, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr):
     """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
     softmax of block j, wait for P_{j-1}·V_{j-1}, rescale. Returns (acc, m_i, l_i, P_j). (ptxas puts
     that wait before the softmax, P_j taking P_{j-1}'s registers: the softmax runs under the other
     warpgroup's products, not its own.) Keys below dense_end are seen by every row; past it the block
-    is masked to keys < kv_len and, with HAS_SELF, keys ≤ the row's `row_limit` (causal self rows).
-    ROWSUM_MMA: l_i is a [64, 8] accumulator, l += P_{j-1}·1 issued beside P_{j-1}·V_{j-1}."""
+    is masked to keys < kv_len and, with HAS_SELF, keys ≤ the row's `row_limit` (causal self rows)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
@@ -437,25 +433,16 @@ def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p
                           use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
     acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-    if ROWSUM_MMA:
-        l_tok = warpgroup_mma(_rowsum_operand(p_op), ones_smem.permute((1, 0)), l_i, is_async=True)
-        _pass_turn(turns, WG)
-        s = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok,))
-    else:
-        _pass_turn(turns, WG)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+    _pass_turn(turns, WG)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(slot), count=1)
     if (j + 1) * BLOCK_N > dense_end:  # the last, partial block (or a causal self tile's diagonal)
         s = _mask_keys(s, j * BLOCK_N, kv_len, row_limit, HAS_SELF)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s * qk_scale - m_new[:, None])
-    if ROWSUM_MMA:
-        acc, l_i, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, l_tok, p))
-        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None]
-    else:
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(k_bufs.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
@@ -471,16 +458,6 @@ def _mask_keys(s, first_key, kv_len, row_limit, HAS_SELF: gl.constexpr):
     if HAS_SELF:
         ok = ok & (keys[None, :] <= row_limit[:, None])
     return gl.where(ok, s, float("-inf"))
-
-
-ROWSUM_N = gl.constexpr(8)  # columns of the ones operand (the smallest wgmma N)
-
-
-@gluon.jit
-def _rowsum_operand(p_op):
-    """P [64, BLOCK_N] as the A operand of the [64, ROWSUM_N] row-sum wgmma (the same registers: an A fragment does
-    not depend on N)."""
-    return gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=_mma_layout(ROWSUM_N), k_width=2))
 
 
 @gluon.jit
@@ -499,8 +476,7 @@ def _read_info(item_info, q_ready, i, WG: gl.constexpr):
 
 @gluon.jit
 def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              turns, ones_bufs, qk_scale, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
-              CAUSAL: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+              turns, qk_scale, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
     """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
     offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
     epilogue (see module doc), until the producer says there are no more. With HAS_SELF, causal self rows
@@ -513,12 +489,6 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    l_layout: gl.constexpr = _mma_layout(ROWSUM_N)
-    ones_smem = ones_bufs.index(WG)
-    if ROWSUM_MMA:  # this warpgroup's ones operand [ROWSUM_N, BLOCK_N], read by its wgmmas only
-        ones_smem.store(gl.full([ROWSUM_N, BLOCK_N], 1.0, dtype, gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])))
-        fence_async_shared()
-        gl.thread_barrier()
 
     it = 0  # K/V blocks consumed (ring position)
     turn = 0  # wgmma turns taken
@@ -536,10 +506,7 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
         qs = i % 2
         q_smem = q_bufs.index(2 * WG + qs)
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-        if ROWSUM_MMA:
-            l_i = gl.zeros([64, ROWSUM_N], gl.float32, l_layout)
-        else:
-            l_i = gl.full([64], 1.0, gl.float32, s_rows)
+        l_i = gl.full([64], 1.0, gl.float32, s_rows)
         if num_blocks > 0:
             # block 0: q·k_0ᵀ alone
             slot = it % STAGES
@@ -554,13 +521,12 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
                 s = _mask_keys(s, 0, kv_len, row_limit, HAS_SELF)
             m_i = gl.max(s, 1) * qk_scale
             p = gl.exp2(s * qk_scale - m_i[:, None])
-            if not ROWSUM_MMA:
-                l_i = gl.sum(p, 1)
+            l_i = gl.sum(p, 1)
             p_a = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, num_blocks):
                 acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_a,
-                                            q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, ones_smem,
-                                            STAGES, WG, HAS_SELF, ROWSUM_MMA)
+                                            q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG,
+                                            HAS_SELF)
             # the last block's P·V
             it += num_blocks - 1
             turn += num_blocks
@@ -568,22 +534,13 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             _take_turn(turns, turn, WG)
             mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
             acc_tok = warpgroup_mma(p_a, v_bufs.index(slot), acc, is_async=True)
-            if ROWSUM_MMA:
-                l_tok = warpgroup_mma(_rowsum_operand(p_a), ones_smem.permute((1, 0)), l_i, is_async=True)
-                _pass_turn(turns, WG)
-                acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, l_tok))
-            else:
-                _pass_turn(turns, WG)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+            _pass_turn(turns, WG)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
             mbarrier.arrive(v_empty.index(slot), count=1)
             it += 1
             turn += 1
         # out rows = acc / l (zeros without keys), scattered back to [B, H, S, d]
-        if ROWSUM_MMA:  # (every column of l_i holds the row sum; 0 only without keys, where acc is 0 too)
-            l_row = gl.max(l_i, 1)
-            out = acc / gl.convert_layout(gl.where(l_row > 0, l_row, 1.0), o_rows)[:, None]
-        else:
-            out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+        out = acc / gl.convert_layout(l_i, o_rows)[:, None]
         if HAS_SELF:  # self rows past the user's history are zeros
             rows_here = r0 + 64 * WG + gl.arange(0, 64, layout=o_rows)
             out = gl.where(((r0 < 0) | (rows_here < kv_len))[:, None], out, 0.0)
@@ -630,7 +587,7 @@ def _attention_ws_kernel(
     uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
     num_users, num_self_tiles,  # U, U · cdiv(L, 128) (0 without HAS_SELF)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -652,9 +609,6 @@ def _attention_ws_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ones_rows: gl.constexpr = ROWSUM_N if ROWSUM_MMA else 1  # (a stand-in of one row without ROWSUM_MMA)
-    ones_bufs = gl.allocate_shared_memory(dtype, [2, ones_rows, BLOCK_N],
-                                          gl.NVMMASharedLayout.get_default_for([ones_rows, BLOCK_N], dtype))
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -670,9 +624,9 @@ def _attention_ws_kernel(
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, ones_bufs, qk_scale, STAGES, WG0, HAS_SELF, CAUSAL, ROWSUM_MMA)),
+                     v_empty, turns, qk_scale, STAGES, WG0, HAS_SELF, CAUSAL)),
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, ones_bufs, qk_scale, STAGES, WG1, HAS_SELF, CAUSAL, ROWSUM_MMA)),
+                     v_empty, turns, qk_scale, STAGES, WG1, HAS_SELF, CAUSAL)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
@@ -812,7 +766,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
-        ROWSUM_MMA=cfg.rowsum_mma, num_warps=4, maxnreg=cfg.maxnreg,
+        num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:
         out.copy_(dest)
@@ -844,7 +798,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     )
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len,
-                      ROWSUM_MMA=cfg.rowsum_mma)
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -638,7 +638,6 @@ def sweep_section(points):
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws default (128 keys; static items here, no kv_len)": {},
     "ws 128, items from the atomic counter": dict(dynamic=True),
-    "ws 128, softmax row sums by wgmma (P·1)": dict(rowsum_mma=True),
 }
 WS_AB = list(WS_VARIANTS)  # --ws-ab: the first is the reference
 AB_ROUNDS = 3
