@@ -37,9 +37,9 @@ import triton
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TUNING_DIR_ENV = "IKBO_TUNING_CACHE"
 CACHE_FILE = "tuned_configs.json"
-FORMAT = 5  # of an entry and its candidates (3: the Gluon attention kernel; 4: its items from an atomic counter, so
-# its times with kv_len changed; 5: keys name how the model runs, eager or CUDA-graph replays); part of every
-# key, so a change tunes again
+FORMAT = 6  # of an entry and its candidates (3: the Gluon attention kernel; 4: its items from an atomic counter, so
+# its times with kv_len changed; 5: keys name how the model runs, eager or CUDA-graph replays; 6: the attention
+# TileConfig lost its loop options, which format-5 tiles name); part of every key, so a change tunes again
 WARMUP_MS, REP_MS = 10, 40  # triton.testing.do_bench per candidate: ≥ 40 runs of a ≤ 1 ms kernel
 ROUNDS = 2  # timings of each candidate (in alternating order); the best median counts
 

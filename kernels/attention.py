@@ -52,7 +52,6 @@ FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float16, torch.bfloat16)
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
-RESCALE_THRESHOLD = tl.constexpr(8.0)  # lazy rescaling: p ≤ 2^8 between rescales (fp32 sums, bf16/fp16 P: no overflow)
 _TUNED: dict = {}  # (device, dtype, H, L, S, d, with self-attention) → lookup(U, B) → TileConfig, WS_CHOICE or None
 # A tuned choice (`set_tuned_configs`, `_launch(config=...)`): the Gluon warp-specialized kernel of
 # kernels/attention_ws.py wherever it runs the inputs (not only at `prefer_ws`'s shapes), else `pick_config`.
@@ -68,15 +67,8 @@ WS_CHOICE = "gluon-ws"
 class TileConfig:
     """BLOCK_M query rows × BLOCK_N keys per step; warps, software-pipeline depth of the K/V loop,
     register cap per thread (128 lets two 8-warp programs share an SM), Triton's warp specialization.
-    Loop options (docs/notes/attention.md, "2026-11-29, evening: loop options"):
-    lazy_rescale   rescale acc / l only when some row's running max grew by more than
-                   RESCALE_THRESHOLD (base 2) since the last rescale (FlashAttention-4); exact, the
-                   final normalization uses the same stale max.
-    exp2_emu       0, 2 or 4: the last 1/exp2_emu of each unmasked key block's exponentials on the
-                   FMA units (Cody-Waite split + degree-3 polynomial, FlashAttention-4), the rest
-                   on the MUFU.
-    persistent     > 0: that many programs per SM, each looping over (tile, head) work items in the
-                   grid's order; 0: one program per work item."""
+    (The loop options lazy_rescale, exp2_emu and persistent, measured no faster on the H200, were removed on
+    2026-12-01: docs/notes/attention.md.)"""
 
     block_m: int
     block_n: int
@@ -84,9 +76,6 @@ class TileConfig:
     num_stages: int
     maxnreg: int | None = None
     warp_specialize: bool = False
-    lazy_rescale: bool = False
-    exp2_emu: int = 0
-    persistent: int = 0
 
 
 def pick_config(rows_per_user: float, interpret: bool) -> TileConfig:
@@ -191,36 +180,6 @@ def _plan_kernel(
 
 
 @triton.jit
-def _exp2_fma(x):
-    """2^x on the FMA/ALU pipes, not the MUFU (FlashAttention-4's partial emulation): x = j + f with
-    j = rint(x) by the 1.5·2^23 shift and f ∈ [-0.5, 0.5]; 2^f by a degree-3 polynomial (relative
-    error ≤ 1.2e-4, under half of bf16's 2^-8 rounding of P); j added to the exponent bits (the
-    shifted sum's low bits are j: (bits(t) << 23) = j << 23 mod 2^32). x is clamped to ≥ -126, so
-    every result is a normal number (2^-126 for any lower x: nothing next to a row max of ≥ 1)."""
-    x = tl.maximum(x, -126.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = 0.054592824741897084 * f + 0.24221783810118172
-    p = p * f + 0.6933686012593135
-    p = p * f + 1.0
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _halves(x, BLOCK_M: tl.constexpr, N: tl.constexpr):
-    """x [BLOCK_M, N] → (columns [0, N/2), columns [N/2, N)). In the wgmma accumulator layout a
-    thread holds columns of every 8-column group, so both halves stay in its registers."""
-    return tl.split(tl.permute(tl.reshape(x, [BLOCK_M, 2, N // 2]), (0, 2, 1)))
-
-
-@triton.jit
-def _join_halves(a, b, BLOCK_M: tl.constexpr, N: tl.constexpr):
-    """Inverse of `_halves`: [BLOCK_M, N/2] twice → [BLOCK_M, N]."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [BLOCK_M, N])
-
-
-@triton.jit
 def _attend(
     acc,
     m_i,
@@ -240,13 +199,8 @@ def _attend(
     MASKED: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
-    EXP2_EMU: tl.constexpr,
 ):
-    """Online softmax over key blocks [lo, hi) (FlashAttention-2, base 2). m_i is the max the
-    running sums are scaled by: the row max (eager), or with LAZY_RESCALE a max at most
-    RESCALE_THRESHOLD below it, moved only when some row of the tile passes that (one branch per
-    block for the whole tile; rows that have seen no key yet have m_i = -inf and always move it)."""
+    """Online softmax over key blocks [lo, hi) (FlashAttention-2, base 2): m_i is the running row max."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
         k = k_desc.load([kv_row + start_n, kv_col])  # [BLOCK_N, D]
@@ -258,39 +212,16 @@ def _attend(
             m_new = tl.maximum(m_i, tl.max(qk, 1))
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if LAZY_RESCALE:
-            grown = tl.where(m_new > m_i, m_new - m_i, 0.0)  # no -inf - -inf
-            if tl.max(grown, 0) > RESCALE_THRESHOLD:
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            m_ref = m_i
-        else:
-            m_ref = m_new
         if MASKED:
-            qk = qk - m_ref[:, None]
+            qk = qk - m_new[:, None]
         else:
-            qk = qk * qk_scale - m_ref[:, None]
-        if EXP2_EMU == 2 and not MASKED:  # key columns [N/2, N) on the FMA units
-            first, second = _halves(qk, BLOCK_M, BLOCK_N)
-            p = _join_halves(tl.math.exp2(first), _exp2_fma(second), BLOCK_M, BLOCK_N)
-        elif EXP2_EMU == 4 and not MASKED:  # key columns [3N/4, N) on the FMA units
-            first, second = _halves(qk, BLOCK_M, BLOCK_N)
-            third, fourth = _halves(second, BLOCK_M, BLOCK_N // 2)
-            p = _join_halves(tl.math.exp2(first), _join_halves(tl.math.exp2(third), _exp2_fma(fourth), BLOCK_M, BLOCK_N // 2),
-                             BLOCK_M, BLOCK_N)
-        else:
-            p = tl.math.exp2(qk)
+            qk = qk * qk_scale - m_new[:, None]
+        p = tl.math.exp2(qk)
         v = v_desc.load([kv_row + start_n, kv_col])  # [BLOCK_N, D]
-        if LAZY_RESCALE:
-            l_i = l_i + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        else:
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -311,8 +242,6 @@ def _softmax_pass(
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
-    EXP2_EMU: tl.constexpr,
 ):
     """softmax(q·Kᵀ)·V of one query tile over one (user, head) → [BLOCK_M, D] fp32 (0 for no keys)."""
     kv_row = (kv_offset // stride_kl).to(tl.int32)
@@ -321,9 +250,9 @@ def _softmax_pass(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row, kv_col, 0, full_end, kv_len, row_limit, qk_scale,
-                            BLOCK_M, BLOCK_N, False, NUM_STAGES, WARP_SPECIALIZE, LAZY_RESCALE, EXP2_EMU)
+                            BLOCK_M, BLOCK_N, False, NUM_STAGES, WARP_SPECIALIZE)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row, kv_col, full_end, hi, kv_len, row_limit, qk_scale,
-                            BLOCK_M, BLOCK_N, True, NUM_STAGES, False, LAZY_RESCALE, EXP2_EMU)
+                            BLOCK_M, BLOCK_N, True, NUM_STAGES, False)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 
@@ -341,7 +270,6 @@ def _self_tile(
     k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, EXP2_EMU: tl.constexpr,
 ):
     """One query tile of a user's own sequence; causal tiles are numbered longest first."""
     q_tiles = num_self_tiles // num_users
@@ -362,7 +290,7 @@ def _self_tile(
         full_end = (kv_len // BLOCK_N) * BLOCK_N
     kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
     out = _softmax_pass(q, k_desc, v_desc, kv_offset, stride_kl, full_end, hi, kv_len, row_limit, qk_scale,
-                        BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, LAZY_RESCALE, EXP2_EMU)
+                        BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE)
     out = tl.where((rows < kv_len)[:, None], out, 0.0)  # rows past the history are zeros
     o_rows = user.to(tl.int64) * stride_uou + head * stride_uoh + rows * stride_uol
     tl.store(uo_ptr + o_rows[:, None] + offs_d[None, :], out.to(uo_ptr.dtype.element_ty), mask=(rows < seq_len)[:, None])
@@ -374,7 +302,6 @@ def _target_tile(
     k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, EXP2_EMU: tl.constexpr,
 ):
     """BLOCK_M packed query rows of one user's candidates (virtual rows: candidate-major, S tokens)."""
     entry = tile_ptr + tile * 4
@@ -393,7 +320,7 @@ def _target_tile(
     row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
     kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
     out = _softmax_pass(q, k_desc, v_desc, kv_offset, stride_kl, (kv_len // BLOCK_N) * BLOCK_N, kv_len, kv_len,
-                        row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, LAZY_RESCALE, EXP2_EMU)
+                        row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE)
     o_rows = cand * stride_ob + head * stride_oh + token * stride_os
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -406,22 +333,19 @@ def _work_item(
     num_users, seq_len, num_queries, num_self_tiles, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, EXP2_EMU: tl.constexpr,
 ):
     """Query tile `tile` of the grid (self tiles first) at head `head`."""
     if HAS_SELF and tile < num_self_tiles:
         _self_tile(tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
                    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles,
-                   qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE,
-                   LAZY_RESCALE, EXP2_EMU)
+                   qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
     else:
         _target_tile(tile - num_self_tiles, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh,
                      stride_os, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
-                     seq_len, num_queries, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE,
-                     LAZY_RESCALE, EXP2_EMU)
+                     seq_len, num_queries, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
 
 
-@triton.jit(do_not_specialize=["num_users", "num_self_tiles", "num_tiles"])  # any U, B: one kernel per tile config
+@triton.jit(do_not_specialize=["num_users", "num_self_tiles"])  # any U, B: one kernel per tile config
 def _attention_kernel(
     q_ptr,  # [B, H, S, D] candidate queries
     stride_qb,
@@ -451,8 +375,6 @@ def _attention_kernel(
     seq_len,
     num_queries,
     num_self_tiles,  # U·cdiv(L, BLOCK_M) with HAS_SELF, else 0
-    num_tiles,  # self tiles + candidate tile slots (work items per head)
-    num_heads,
     qk_scale,  # scale · log2(e)
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -462,28 +384,16 @@ def _attention_kernel(
     HAS_KV_LEN: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
-    EXP2_EMU: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
-    """Grid (self tiles + candidate tiles, H), or with PERSISTENT (programs,): program p takes the
-    work items p, p + programs, … of that grid's order (tile fast, head slow). Each tile type is a
-    whole inlined function: values chosen in a branch and used after the K/V loop (output pointers,
+    """Grid (self tiles + candidate tiles, H): program (tile, head). Each tile type is a whole
+    inlined function: values chosen in a branch and used after the K/V loop (output pointers,
     row offsets) lose their alignment facts, get 64-per-thread layouts and spill."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0 or not (HAS_SELF and CAUSAL), "causal tiles need BLOCK_N | BLOCK_M")
-    if PERSISTENT:
-        for item in range(tl.program_id(0), num_tiles * num_heads, tl.num_programs(0)):
-            _work_item(item % num_tiles, item // num_tiles, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob,
-                       stride_oh, stride_os, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh,
-                       stride_uol, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
-                       num_users, seq_len, num_queries, num_self_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SELF,
-                       CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE, LAZY_RESCALE, EXP2_EMU)
-    else:
-        _work_item(tl.program_id(0), tl.program_id(1), q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob,
-                   stride_oh, stride_os, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh,
-                   stride_uol, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
-                   num_users, seq_len, num_queries, num_self_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SELF,
-                   CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE, LAZY_RESCALE, EXP2_EMU)
+    _work_item(tl.program_id(0), tl.program_id(1), q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob,
+               stride_oh, stride_os, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh,
+               stride_uol, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
+               num_users, seq_len, num_queries, num_self_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SELF,
+               CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,19 +476,6 @@ def _choose_backend(backend, k) -> str:
         if k.shape[3] not in TRITON_HEAD_DIMS:
             raise ValueError(f"k: backend 'triton' expects d in {TRITON_HEAD_DIMS}, got {k.shape[3]}")
     return chosen
-
-
-_SM_COUNT: dict = {}  # device → multiprocessors
-
-
-def _sm_count(device) -> int:
-    """Multiprocessors of `device` (cached); 1 under the interpreter, so that a persistent grid's
-    programs loop over several work items there too."""
-    if device.type != "cuda":
-        return 1
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
 
 
 def kv_2d_views(k, v):
@@ -691,10 +588,7 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
     num_self_tiles = 0 if user_q is None else num_users * triton.cdiv(seq_len, config.block_m)
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     num_tiles = num_self_tiles + num_target_tiles
-    if config.persistent:
-        grid = (min(num_tiles * heads, config.persistent * _sm_count(q.device)),)
-    else:
-        grid = (num_tiles, heads)
+    grid = (num_tiles, heads)
     uq, uo = (q, out) if user_q is None else (user_q, user_out)
     _attention_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
@@ -704,11 +598,10 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
         k_desc, v_desc, stride_ku, stride_kh, stride_kl,
         order if kv_len is None else kv_len, order, tiles,
         num_users, seq_len, num_queries,
-        num_self_tiles, num_tiles, heads, scale * LOG2E,
+        num_self_tiles, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HAS_SELF=user_q is not None, CAUSAL=causal, HAS_KV_LEN=kv_len is not None,
         NUM_STAGES=config.num_stages, WARP_SPECIALIZE=config.warp_specialize,
-        LAZY_RESCALE=config.lazy_rescale, EXP2_EMU=config.exp2_emu, PERSISTENT=config.persistent > 0,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
     )  # fmt: skip
     return out, user_out, flag

@@ -99,22 +99,16 @@ SWEEP = [
     for ratio in (1, 16, 70, 256)
 ]
 SWEEP_CANDIDATES = 1024
-# Loop options and tiles timed side by side with --variants (canonical shape; docs/notes/attention.md,
-# "Loop options"): each against the default, twice in alternation, kernel only and fused self+target.
+# Tiles of the Triton kernel timed side by side with --variants (canonical shape): each against the default, twice in
+# alternation, kernel only and fused self+target. (The loop options lazy rescale, exp2 emulation and persistent
+# programs were removed on 2026-12-01 after measuring no faster: docs/notes/attention.md.)
 DEFAULT_TILE = TileConfig(128, 64, 8, 2, maxnreg=128)
 VARIANTS = {
     "default 128×64 ≤128 regs": DEFAULT_TILE,
-    "lazy rescale": replace(DEFAULT_TILE, lazy_rescale=True),
-    "exp2 emu 1/2": replace(DEFAULT_TILE, exp2_emu=2),
-    "exp2 emu 1/4": replace(DEFAULT_TILE, exp2_emu=4),
-    "persistent 2/SM": replace(DEFAULT_TILE, persistent=2),
-    "persistent 2/SM + emu 1/4": replace(DEFAULT_TILE, persistent=2, exp2_emu=4),
     "no reg cap": replace(DEFAULT_TILE, maxnreg=None),
-    "no reg cap + lazy": replace(DEFAULT_TILE, maxnreg=None, lazy_rescale=True),
     "3 stages": replace(DEFAULT_TILE, num_stages=3),
     "128×32, 2 stages": replace(DEFAULT_TILE, block_n=32),
     "128×32, 3 stages": replace(DEFAULT_TILE, block_n=32, num_stages=3),
-    "128×32 + lazy": replace(DEFAULT_TILE, block_n=32, lazy_rescale=True),
     "128×128, no cap": replace(DEFAULT_TILE, block_n=128, maxnreg=None),
 }
 # Tile configurations timed beside the default with --tune (target attention, canonical shape).
@@ -494,7 +488,7 @@ def variants_section(shape, peak):
             times[name].append(timed(target))
     fused = {name: timed(run) for name, (_, run) in runs.items()}
     base = min(times[next(iter(VARIANTS))])
-    lines = [f"\nLoop options and tiles, {shape}, bf16; target kernel with the plan given (two alternating rounds), fused = plan + one launch of self (causal) + target\n"]
+    lines = [f"\nTiles of the Triton kernel, {shape}, bf16; target kernel with the plan given (two alternating rounds), fused = plan + one launch of self (causal) + target\n"]
     lines.append("| variant | target ms (round 1 / 2) | TFLOP/s | vs default | fused ms | fused TFLOP/s | regs/spill B | err target | err fused |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in VARIANTS:
@@ -556,7 +550,6 @@ def host_cpu(calls=3000):
             return lambda *args: None
 
     driver.set_active(StandIn())
-    attention._sm_count = lambda device: 132
     uninitialized = attention.plan_buffers
 
     def plan_buffers(num_candidates, max_tiles, device):  # the flag as a plan kernel that found nothing wrong leaves it
@@ -994,7 +987,7 @@ def main(argv):
     parser.add_argument("--sweep", choices=("full", "corners", "none"), default="full")
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--tune", action="store_true", help="also time the TUNE_CONFIGS at the canonical shape")
-    parser.add_argument("--variants", action="store_true", help="time the loop options and tiles of VARIANTS side by side")
+    parser.add_argument("--variants", action="store_true", help="time the Triton kernel's tiles of VARIANTS side by side")
     parser.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
     parser.add_argument("--host-cpu", action="store_true", help="host µs per call without a GPU (stand-in driver), then exit")
     parser.add_argument("--ws", action="store_true", help="the Gluon kernel's variants against the Triton kernel, then exit")

@@ -393,75 +393,6 @@ def test_interp_public_ops_dispatch():
                 ikbo_self_target_attention(bad["user_q"], bad["q"], bad["k"], bad["v"], bad["cand_to_user"], bad["kv_len"], backend="triton")
 
 
-# loop options of TileConfig at tiles of 16 (exp2_emu 4 splits a 16-key block into 12 + 4 columns);
-# persistent: under the interpreter one "SM", so 1 or 2 programs loop over every work item
-LOOP_OPTIONS = [
-    dict(lazy_rescale=True),
-    dict(exp2_emu=2),
-    dict(exp2_emu=4),
-    dict(persistent=1),
-    dict(persistent=2, lazy_rescale=True, exp2_emu=4),
-]
-
-
-@interpreted
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(p=small_problems, options=st.sampled_from(LOOP_OPTIONS), causal=st.booleans())
-def test_interp_loop_options(p, options, causal):
-    """Every loop option computes the same function as the default (fp64 reference, fresh inputs,
-    poisoned outputs), self and target tiles in one grid."""
-    q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, torch.float16)
-    config = attention.TileConfig(16, 16, 4, 1, **options)
-    cand_out, user_out = _triton(q, k, v, cand_to_user, kv_len, p["scale"], user_q, causal, config=config)
-    assert_rows_close(user_out, self_attention_reference(user_q, k, v, kv_len, causal, p["scale"]), rtol=HALF_TOL)
-    assert_rows_close(cand_out, attention_reference(q, k, v, cand_to_user, kv_len, p["scale"]), rtol=HALF_TOL)
-
-
-@interpreted
-def test_interp_lazy_rescale_rising_scores():
-    """Scores that rise from one 16-key block to the next by 3, 10, 2, 9, 1, 12, 4 (base 2): the
-    lazy max moves at the rises past 8 and stays stale at the others, so P reaches up to 2^8 in
-    between; the result is the softmax all the same (fp64 reference, fresh random inputs)."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
-    num_users, heads, seq_len, head_dim = 2, 2, 128, 16
-    q = torch.randn(5, heads, 3, head_dim, generator=gen) * 0.3
-    k, v = (torch.randn(num_users, heads, seq_len, head_dim, generator=gen) for _ in range(2))
-    k = k * 0.3
-    rises = torch.tensor([0.0, 3, 10, 2, 9, 1, 12, 4])  # per block of 16 keys, base 2
-    q[..., 0] = 4.0  # score of key n ≈ 4·k[n, 0]·scale·log2(e) + noise
-    k[..., 0] = torch.cumsum(rises, 0).repeat_interleave(16) / (4.0 * attention.LOG2E / math.sqrt(head_dim))
-    q, k, v = (t.half() for t in (q, k, v))
-    cand_to_user = torch.tensor([1, 0, 1, 1, 0])
-    kv_len = torch.tensor([seq_len, 77])
-    ref = attention_reference(q, k, v, cand_to_user, kv_len, None)
-    for options in (dict(lazy_rescale=True), dict(lazy_rescale=True, exp2_emu=4)):
-        out, _ = _triton(q, k, v, cand_to_user, kv_len, None, config=attention.TileConfig(16, 16, 4, 1, **options))
-        assert_rows_close(out, ref, rtol=HALF_TOL)
-
-
-@interpreted
-def test_interp_exp2_fma():
-    """The FMA-unit 2^x: relative error ≤ 1.5e-4 on fresh x over [-126, 10] (the degree-3 fit gives
-    1.2e-4), exact powers of two at integers, and 2^-126 for anything lower, -inf included."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _probe(x_ptr, y_ptr, N: tl.constexpr):
-        offs = tl.arange(0, N)
-        tl.store(y_ptr + offs, attention._exp2_fma(tl.load(x_ptr + offs)))
-
-    x = torch.cat([torch.rand(4000) * 136 - 126, torch.arange(-126, 11).float(), torch.tensor([-127.5, -300.0, float("-inf")])])
-    x = torch.cat([x, torch.zeros(8192 - x.numel())])
-    y = torch.empty_like(x)
-    _probe[(1,)](x, y, N=x.numel())
-    ref = torch.exp2(x.double().clamp(min=-126))
-    rel = ((y.double() - ref) / ref).abs()
-    assert rel.max() <= 1.5e-4, rel.max()
-    ints = (x == x.round()) & (x >= -126)
-    assert torch.equal(y[ints].double(), ref[ints])
-
-
 INTERP_TESTS = [name for name in dir() if name.startswith("test_interp_")]
 
 
@@ -525,14 +456,11 @@ def test_cuda_self_target_attention(case, dtype):
     assert_rows_close(out[sample], sub_ref, rtol=HALF_TOL, atol=0.0)
 
 
-# every loop option at the canonical shape's tiles (128 × 64, 8 warps, ≤ 128 registers), self + target
+# the canonical shape's tiles (128 × 64, 8 warps, ≤ 128 registers) with the register cap off and with 32-key blocks,
+# self + target
 GPU_OPTIONS = [
-    dict(lazy_rescale=True),
-    dict(exp2_emu=2),
-    dict(exp2_emu=4),
-    dict(persistent=2),
-    dict(persistent=2, lazy_rescale=True, exp2_emu=4),
-    dict(maxnreg=None, lazy_rescale=True),
+    dict(maxnreg=None),
+    dict(block_n=32),
 ]
 
 
