@@ -325,26 +325,6 @@ def _target_tile(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
-def _work_item(
-    tile, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-    uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
-    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
-    num_users, seq_len, num_queries, num_self_tiles, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-):
-    """Query tile `tile` of the grid (self tiles first) at head `head`."""
-    if HAS_SELF and tile < num_self_tiles:
-        _self_tile(tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
-                   k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles,
-                   qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
-    else:
-        _target_tile(tile - num_self_tiles, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh,
-                     stride_os, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
-                     seq_len, num_queries, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
-
-
 @triton.jit(do_not_specialize=["num_users", "num_self_tiles"])  # any U, B: one kernel per tile config
 def _attention_kernel(
     q_ptr,  # [B, H, S, D] candidate queries
@@ -385,15 +365,20 @@ def _attention_kernel(
     NUM_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
-    """Grid (self tiles + candidate tiles, H): program (tile, head). Each tile type is a whole
+    """Grid (self tiles + candidate tiles, H): program (tile, head), self tiles first. Each tile type is a whole
     inlined function: values chosen in a branch and used after the K/V loop (output pointers,
     row offsets) lose their alignment facts, get 64-per-thread layouts and spill."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0 or not (HAS_SELF and CAUSAL), "causal tiles need BLOCK_N | BLOCK_M")
-    _work_item(tl.program_id(0), tl.program_id(1), q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob,
-               stride_oh, stride_os, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh,
-               stride_uol, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
-               num_users, seq_len, num_queries, num_self_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SELF,
-               CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    if HAS_SELF and tile < num_self_tiles:
+        _self_tile(tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
+                   k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles,
+                   qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
+    else:
+        _target_tile(tile - num_self_tiles, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh,
+                     stride_os, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
+                     seq_len, num_queries, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -467,7 +467,7 @@ GPU_OPTIONS = [
 @cuda_only
 @pytest.mark.parametrize("options", GPU_OPTIONS, ids=str)
 @pytest.mark.parametrize("case", GPU_CASES[0:3:2], ids=lambda c: "U{}-B{}-S{}-L{}-H{}-d{}-{}-{}".format(*c))
-def test_cuda_loop_options(case, options):
+def test_cuda_tile_options(case, options):
     num_users, num_candidates, num_queries, seq_len, heads, head_dim, ragged, layout = case
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
     mapping = torch.randint(0, num_users, (num_candidates,), generator=gen)
