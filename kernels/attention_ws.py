@@ -98,9 +98,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    # an item's first turn issues q·k₀ᵀ and q·k₁ᵀ, the second P₀·V₀ alone (items of ≥ 2 blocks): 0 no,
-    # 1 both warpgroups, 2 warpgroup 1 only (experiment, docs/notes/attention.md)
-    two_first: int = 0
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -453,54 +450,6 @@ def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p
 
 
 @gluon.jit
-def _first_two_blocks(it, turn, kv_len, dense_end, row_limit, qk_scale, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                      k_empty, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr):
-    """Key blocks 0 and 1 of an item of ≥ 2 blocks at ring positions it, it + 1, in two turns: q·k₀ᵀ and
-    q·k₁ᵀ (async), the softmax of block 0 under both; then P₀·V₀ (async) and the softmax of block 1 under it.
-    Returns (acc, m_i, l_i, P_1) for `_block` from j = 2."""
-    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
-    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    slot0 = it % STAGES
-    slot1 = (it + 1) % STAGES
-    _take_turn(turns, turn, WG)
-    mbarrier.wait(k_ready.index(slot0), (it // STAGES) & 1)
-    s0_tok = warpgroup_mma(q_smem, k_bufs.index(slot0).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
-                           use_acc=False, is_async=True)
-    mbarrier.wait(k_ready.index(slot1), ((it + 1) // STAGES) & 1)
-    s1_tok = warpgroup_mma(q_smem, k_bufs.index(slot1).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
-                           use_acc=False, is_async=True)
-    _pass_turn(turns, WG)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s0_tok,))
-    mbarrier.arrive(k_empty.index(slot0), count=1)
-    if dense_end < BLOCK_N:
-        s = _mask_keys(s, 0, kv_len, row_limit, HAS_SELF)
-    m_i = gl.max(s, 1) * qk_scale
-    p = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = gl.sum(p, 1)
-    p_a = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
-    _take_turn(turns, turn + 1, WG)
-    mbarrier.wait(v_ready.index(slot0), (it // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_a, v_bufs.index(slot0), acc, use_acc=False, is_async=True)
-    _pass_turn(turns, WG)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s1_tok,))
-    mbarrier.arrive(k_empty.index(slot1), count=1)
-    if 2 * BLOCK_N > dense_end:
-        s = _mask_keys(s, BLOCK_N, kv_len, row_limit, HAS_SELF)
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
-    mbarrier.arrive(v_empty.index(slot0), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_a = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
-    return acc, m_new, l_i, p_a
-
-
-@gluon.jit
 def _mask_keys(s, first_key, kv_len, row_limit, HAS_SELF: gl.constexpr):
     """Scores s [64, BLOCK_N] of keys first_key + … → -inf where key ≥ kv_len (or, with HAS_SELF, key > row_limit)."""
     BLOCK_N: gl.constexpr = s.type.shape[1]
@@ -527,8 +476,7 @@ def _read_info(item_info, q_ready, i, WG: gl.constexpr):
 
 @gluon.jit
 def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              turns, qk_scale, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
-              TWO_FIRST: gl.constexpr):
+              turns, qk_scale, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
     """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
     offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
     epilogue (see module doc), until the producer says there are no more. With HAS_SELF, causal self rows
@@ -560,29 +508,22 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
         l_i = gl.full([64], 1.0, gl.float32, s_rows)
         if num_blocks > 0:
-            first_loop_block = 1
-            if (TWO_FIRST == 1 or (TWO_FIRST == 2 and WG == 1)) and num_blocks > 1:
-                acc, m_i, l_i, p_a = _first_two_blocks(it, turn, kv_len, dense_end, row_limit, qk_scale, acc, q_smem,
-                                                       k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES,
-                                                       WG, HAS_SELF)
-                first_loop_block = 2
-            else:
-                # block 0: q·k_0ᵀ alone
-                slot = it % STAGES
-                _take_turn(turns, turn, WG)
-                mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-                s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
-                                      gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                _pass_turn(turns, WG)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                if dense_end < BLOCK_N:
-                    s = _mask_keys(s, 0, kv_len, row_limit, HAS_SELF)
-                m_i = gl.max(s, 1) * qk_scale
-                p = gl.exp2(s * qk_scale - m_i[:, None])
-                l_i = gl.sum(p, 1)
-                p_a = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(first_loop_block, num_blocks):
+            # block 0: q·k_0ᵀ alone
+            slot = it % STAGES
+            _take_turn(turns, turn, WG)
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                                  use_acc=False, is_async=True)
+            _pass_turn(turns, WG)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            if dense_end < BLOCK_N:
+                s = _mask_keys(s, 0, kv_len, row_limit, HAS_SELF)
+            m_i = gl.max(s, 1) * qk_scale
+            p = gl.exp2(s * qk_scale - m_i[:, None])
+            l_i = gl.sum(p, 1)
+            p_a = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, num_blocks):
                 acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_a,
                                             q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG,
                                             HAS_SELF)
@@ -646,7 +587,7 @@ def _attention_ws_kernel(
     uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
     num_users, num_self_tiles,  # U, U · cdiv(L, 128) (0 without HAS_SELF)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, TWO_FIRST: gl.constexpr,
+    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -683,9 +624,9 @@ def _attention_ws_kernel(
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, STAGES, WG0, HAS_SELF, CAUSAL, TWO_FIRST)),
+                     v_empty, turns, qk_scale, STAGES, WG0, HAS_SELF, CAUSAL)),
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, STAGES, WG1, HAS_SELF, CAUSAL, TWO_FIRST)),
+                     v_empty, turns, qk_scale, STAGES, WG1, HAS_SELF, CAUSAL)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
@@ -825,7 +766,6 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
-        TWO_FIRST=cfg.two_first,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:
@@ -858,7 +798,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     )
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len,
-                      TWO_FIRST=cfg.two_first)
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -631,8 +631,6 @@ def sweep_section(points):
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws default (128 keys; static items here, no kv_len)": {},
     "ws 128, items from the atomic counter": dict(dynamic=True),
-    "ws two_first (q·k₀ᵀ + q·k₁ᵀ in an item's first turn)": dict(two_first=1),
-    "ws two_first, warpgroup 1 only": dict(two_first=2),
 }
 WS_AB = list(WS_VARIANTS)  # --ws-ab: the first is the reference
 AB_ROUNDS = 3
