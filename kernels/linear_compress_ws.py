@@ -75,7 +75,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -105,7 +104,6 @@ class WSConfig:
     producer_regs: int = 40  # registers per thread of the 1-warp producer partition
     maxnreg: int = 168  # kernel register cap: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     epi_free_at: int = 1  # the consumer's K step at which the last tile's TMA stores are waited for
-    w_lsu: bool = False  # W_c tiles by cp.async (the LSU path) instead of TMA (experiment, docs/notes/lce.md)
 
     def smem_bytes(self, elem: int) -> int:
         """stages × (W_c + cand_emb tile) + the [BLOCK_M, BLOCK_D / 2] epilogue buffer + 2 · stages + 2 mbarriers."""
@@ -133,31 +131,9 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _copy_w_tile(w_ptr, stride_wn, rows, cols, off_m, k0, w_buf, bar):
-    """W_LSU: cp.async of the W_c tile [BLOCK_M, BLOCK_K] at (off_m, k0) into w_buf, 16 rows at a time
-    (16-byte copies; rows ≥ rows and columns ≥ 8 · cols zero-filled), then an arrive on bar when they land
-    (counted: the barrier's phase waits for this warp's copies too)."""
-    BLOCK_M: gl.constexpr = w_buf.type.shape[0]
-    BLOCK_K: gl.constexpr = w_buf.type.shape[1]
-    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8], [gl.num_warps(), 1], [1, 0])
-    CHUNK_ROWS: gl.constexpr = 32 // (BLOCK_K // 8) * gl.num_warps()
-    r = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(1, chunk))
-    c = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk))
-    c = gl.max_contiguous(gl.multiple_of(c, 8), 8)
-    for i in gl.static_range(BLOCK_M // CHUNK_ROWS):
-        row = off_m + i * CHUNK_ROWS + r
-        row_offsets = gl.multiple_of(row.to(gl.int64) * stride_wn, 8)  # KW is a multiple of 8 (the packing's padding)
-        ptrs = w_ptr + row_offsets[:, None] + c[None, :]
-        mask = (row < rows)[:, None] & (c < cols * 8)[None, :]
-        async_copy.async_copy_global_to_shared(w_buf.slice(i * CHUNK_ROWS, CHUNK_ROWS), ptrs, mask)
-    async_copy.mbarrier_arrive(bar, increment_count=True)
-
-
-@gluon.jit
 def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-              num_tiles, num_m_tiles, tiles_per_row, w_ptr, stride_wn, N, KW8,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
-              W_LSU: gl.constexpr):
+              num_tiles, num_m_tiles, tiles_per_row,
+              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
@@ -175,12 +151,8 @@ def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, emp
             # Slots start free: the first pass waits on the phase before the barrier's first (phase 1).
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            if W_LSU:  # the copies' counted arrive comes before the expect's arrive, which could end the phase
-                _copy_w_tile(w_ptr, stride_wn, N, KW8, off_m, kt * BLOCK_K, w_bufs.index(slot), bar)
-                mbarrier.expect(bar, x_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
+            mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_m, kt * BLOCK_K], bar, w_bufs.index(slot))
             tma.async_copy_global_to_shared(x_desc, [b, kt * BLOCK_K, off_d], bar, x_bufs.index(slot))
             step += 1
             if HAS_USER:
@@ -256,7 +228,7 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
               num_tiles, num_m_tiles, tiles_per_row, N,
               K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr, W_LSU: gl.constexpr):
+              EPI_FREE_AT: gl.constexpr):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
     through the epilogue buffer and the tile's last ring step)."""
@@ -277,8 +249,6 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
         for kt in gl.static_range(K_TILES):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            if W_LSU:  # the W_c tile came by cp.async (generic proxy); wgmma reads through the async proxy
-                fence_async_shared()
             x_tile = x_bufs.index(slot).reshape([BLOCK_K, BLOCK_D])
             acc = warpgroup_mma(w_bufs.index(slot), x_tile, acc, use_acc=kt > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -307,9 +277,8 @@ def _lce_ws_kernel(
     out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D / 2]
     m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
     B, N, D,
-    w_ptr, stride_wn, KW8,  # W_c padded [N, 8 · KW8] (W_LSU)
     K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, W_LSU: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -348,11 +317,10 @@ def _lce_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT, W_LSU)),
+                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
         (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, w_ptr, stride_wn, N, KW8, K_TILES, STAGES, HAS_USER, Y_AT,
-                     W_LSU)),
-    ], [4 if W_LSU else 1], [PRODUCER_REGS])
+                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
+    ], [1], [PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -436,10 +404,9 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
         w_desc, x_desc, y_desc, out_desc,
         cand_to_user, out if bias is None else bias,
         num_candidates, rows, dim,
-        packed.cand_weight_padded, packed.cand_weight_padded.stride(0), packed.cand_weight_padded.shape[1] // 8,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
         HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, W_LSU=cfg.w_lsu,
+        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
@@ -492,7 +459,7 @@ def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, 
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs, W_LSU=cfg.w_lsu,
+        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps,
     )
     return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
@@ -512,7 +479,6 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
         w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
         m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
         B=num_candidates, N=rows, D=dim,
-        w_ptr=weight, stride_wn=weight.stride(0), KW8=weight.shape[1] // 8,
     )
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

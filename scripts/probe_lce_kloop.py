@@ -65,11 +65,10 @@ VARIANTS = {  # name → WSConfig (None: s6's default)
     "free2": WSConfig(epi_free_at=2),  # the last tile's stores waited for at K step 2
     "st3": WSConfig(stages=3),
     "bd128": WSConfig(block_d=128, stages=0),  # 128 × 128 tiles, 6 stages
-    "lsu": WSConfig(stages=0, w_lsu=True),  # W_c tiles by cp.async from a 4-warp producer, cand_emb by TMA
 }
 # --call: timed in this order (default and the variant twice: the run's noise)
-CALL_ORDER = ("default", "lsu", "default", "lsu")
-CALL_TESTS = "gpu and lsu"  # the GPU tests of the timed variant, run when no variant wins
+CALL_ORDER = ("default", "free2", "default", "free2")
+CALL_TESTS = "gpu and free-at-2"  # the GPU tests of the timed variant, run when no variant wins
 CALL_BUDGET_S = 140  # the whole --call run: the probe (≤ 70 s), then the GPU tests with what is left (≤ 65 s)
 K_SCALING = (500, 1024, 2048, 8192)
 LONG_K = 8192

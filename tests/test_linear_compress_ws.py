@@ -91,9 +91,8 @@ def _cuobjdump():
         dict(dtype=torch.float16, dim=200, num_cand_tokens=37, rows=130),
         dict(config=WSConfig(block_d=128, stages=0)),  # 6 stages
         dict(config=WSConfig(stages=2)),
-        dict(config=WSConfig(stages=0, w_lsu=True)),  # W_c tiles by cp.async
     ],
-    ids=["canonical", "fp16-odd-no-user", "fp16-odd", "bd128", "st2", "lsu"],
+    ids=["canonical", "fp16-odd-no-user", "fp16-odd", "bd128", "st2"],
 )
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
@@ -161,9 +160,8 @@ CONFIGS = [
     WSConfig(block_d=128, stages=0),
     WSConfig(stages=2),
     WSConfig(stages=3),
-    WSConfig(stages=0, w_lsu=True),
 ]
-CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3", "lsu"]
+CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3"]
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
@@ -181,17 +179,6 @@ def test_gpu_s6(shape, dtype):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
-def test_gpu_s6_lsu(shape, dtype):
-    """W_c tiles by cp.async (w_lsu) at every GPU shape: rows past N and columns past Kc' zero-filled."""
-    user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, hash((shape, str(dtype))) % 2**31)
-    out = torch.full_like(ref, float("nan"), dtype=dtype)
-    lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, config=WSConfig(stages=0, w_lsu=True))
-    _check(out, ref, dtype)
-
-
-@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("config", CONFIGS[1:], ids=CONFIG_IDS)
 def test_gpu_s6_configs(config):
     for shape in (GPU_SHAPES[0], GPU_SHAPES[2]):
@@ -205,8 +192,8 @@ def test_gpu_s6_configs(config):
 @pytest.mark.parametrize("num_programs", [1, 3])
 @pytest.mark.parametrize(
     "base",
-    [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2), WSConfig(stages=0, w_lsu=True)],
-    ids=["default", "bd128", "st2", "lsu"],
+    [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2)],
+    ids=["default", "bd128", "st2"],
 )
 def test_gpu_s6_few_programs(num_programs, base):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times
