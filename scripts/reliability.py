@@ -523,10 +523,6 @@ class Served:
                 continue
         return pids
 
-    def triton_pid(self) -> int | None:
-        pids = self.triton_pids()
-        return pids[0] if pids else None
-
     def all_up(self) -> bool:
         """serve runs `replicas` tritonservers and each one's metrics port answers (it has started its
         endpoints, after loading every model)."""

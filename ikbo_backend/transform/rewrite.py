@@ -476,7 +476,7 @@ class Rewriter(AttentionRewrites):
             return self.emit("get_attr", self.attach("weight", tensor))
         return self.emit("call_function", operator.getitem, (weight.node, index))
 
-    def _join(self, cand_sum, user_terms, rows_of, meta, name):
+    def _join(self, cand_sum, user_terms, meta):
         """cand_sum [B, ...] (or None) + Σ user_terms[mapping][m] through add_user_rows."""
         for mapping, terms in user_terms.items():
             total = terms[0]
@@ -513,7 +513,7 @@ class Rewriter(AttentionRewrites):
             f"`{name}`: linear over cat(user, candidate) split (Type I): user columns at U rows, "
             "candidate columns at B rows, joined by add_user_rows"
         )
-        return self._join(cand_sum, user_terms, None, meta, name)
+        return self._join(cand_sum, user_terms, meta)
 
     def split_compress(self, weight, c, meta, name):
         """matmul(W, cat(parts, dim=1)) over tokens: ikbo_linear_compress for [user, candidate]."""
@@ -537,7 +537,7 @@ class Rewriter(AttentionRewrites):
                 term = self.emit("call_function", torch.matmul, (w, self.materialize(p, name, "")))
                 cand_sum = term if cand_sum is None else self.emit("call_function", operator.add, (cand_sum, term))
         self.report.rewritten.append(f"`{name}`: matmul(W, cat over tokens) split (Type I): user tokens at U rows, joined by add_user_rows")
-        return self._join(cand_sum, user_terms, None, meta, name)
+        return self._join(cand_sum, user_terms, meta)
 
     # --- joins of user rows with candidate rows ------------------------------------------------
 
