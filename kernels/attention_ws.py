@@ -98,6 +98,9 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
+    # where every warpgroup's 64 q rows are one contiguous run (S % 64 == 0, contiguous q and out, target
+    # tiles only): q in by one TMA load and out by one TMA store per warpgroup (experiment, docs/notes/attention.md)
+    rows_tma: bool = False
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -290,6 +293,24 @@ def _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info
 
 
 @gluon.jit
+def _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase,
+                QS: gl.constexpr):
+    """ROWS_TMA producer: as `_gather_q`, but each warpgroup's 64 q rows (one contiguous run) come by one TMA
+    load of q_desc's [64, d] block, which completes q_ready itself (no wait here, no `_publish_q`)."""
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+    mbarrier.wait(q_empty.index(QS), phase)
+    mbarrier.wait(q_empty.index(2 + QS), phase)
+    item_info.index(QS).store(_item_info(kv_len, hi, r0))
+    row_bufs.slice(256 * QS + 128, 128).store(o_rows)
+    gl.thread_barrier()  # info and output rows in shared memory before the arrives that publish them
+    idx = gl.arange(0, 128, layout=_ROWS_LAYOUT)
+    for w in gl.static_range(2):
+        first = (gl.sum(gl.where(idx == 64 * w, q_rows, 0), 0) // HEAD_DIM).to(gl.int32)
+        mbarrier.expect(q_ready.index(2 * w + QS), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS))
+
+
+@gluon.jit
 def _publish_q(q_ready, qs):
     """Producer: wait for this item's q copies, make them visible to wgmma, signal both warpgroups."""
     async_copy.wait_group(0)
@@ -316,8 +337,9 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
                   kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh, stride_qs,
                   stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
                   uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                  num_users, num_self_tiles,
-                  HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
+                  num_users, num_self_tiles, q_desc,
+                  HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
+                  ROWS_TMA: gl.constexpr):
     """The producer's part of the i-th item of this program (ring position `it`): its q rows and info into
     q slot i % 2, then its K and V blocks into the ring. Returns the ring position after the item."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -338,7 +360,14 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
     else:
         q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
                                       tile_ptr, order_ptr, tile, head, num_queries, -8)
-    if qs == 0:  # slot qs, unrolled: shared-memory slices take constant offsets
+    if ROWS_TMA:
+        if qs == 0:
+            _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty,
+                        ((i // 2) & 1) ^ 1, 0)
+        else:
+            _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty,
+                        ((i // 2) & 1) ^ 1, 1)
+    elif qs == 0:  # slot qs, unrolled: shared-memory slices take constant offsets
         _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, ((i // 2) & 1) ^ 1, 0)
     else:
         _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, ((i // 2) & 1) ^ 1, 1)
@@ -351,11 +380,13 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
-        if j == 0:
-            _publish_q(q_ready, qs)
+        if not ROWS_TMA:
+            if j == 0:
+                _publish_q(q_ready, qs)
         it += 1
-    if num_blocks == 0:
-        _publish_q(q_ready, qs)
+    if not ROWS_TMA:
+        if num_blocks == 0:
+            _publish_q(q_ready, qs)
     return it
 
 
@@ -365,9 +396,9 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
               q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
               q_bufs, row_bufs, item_info, q_ready, q_empty,
               uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-              num_users, num_self_tiles, sched_ptr,
+              num_users, num_self_tiles, sched_ptr, q_desc,
               HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
-              DYNAMIC: gl.constexpr):
+              DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr):
     """1 warp: every work item of this program (`_produce_item`; slots start free), then 'no more items'.
     Items: with DYNAMIC by ticket (`_ticket_coords`) while tickets last, each ticket asked for an item ahead,
     else p, p + programs, …"""
@@ -388,8 +419,8 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
                            tile_ptr, kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh,
                            stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs,
                            item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta,
-                           stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN, STAGES, HAS_SELF,
-                           CAUSAL)
+                           stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, q_desc, HAS_KV_LEN, STAGES,
+                           HAS_SELF, CAUSAL, ROWS_TMA)
         if DYNAMIC:
             ticket = _ticket_value(answer)
             answer = _request_ticket(sched_ptr)
@@ -476,7 +507,8 @@ def _read_info(item_info, q_ready, i, WG: gl.constexpr):
 
 @gluon.jit
 def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              turns, qk_scale, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
+              turns, qk_scale, o_desc, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
+              CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr):
     """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
     offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
     epilogue (see module doc), until the producer says there are no more. With HAS_SELF, causal self rows
@@ -544,7 +576,10 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
         if HAS_SELF:  # self rows past the user's history are zeros
             rows_here = r0 + 64 * WG + gl.arange(0, 64, layout=o_rows)
             out = gl.where(((r0 < 0) | (rows_here < kv_len))[:, None], out, 0.0)
-        _store_rows(out.to(dtype), out_ptr, row_bufs, qs, WG, HAS_SELF)
+        if ROWS_TMA:
+            _store_rows_tma(out.to(dtype), o_desc, q_smem, row_bufs, qs, WG)
+        else:
+            _store_rows(out.to(dtype), out_ptr, row_bufs, qs, WG, HAS_SELF)
         mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows, output-row offsets and info read
         i += 1
         kv_len, hi, r0 = _read_info(item_info, q_ready, i, WG)
@@ -570,6 +605,24 @@ def _store_rows(out, out_ptr, row_bufs, qs, WG: gl.constexpr, HAS_SELF: gl.const
     gl.store(out_ptr + (rows[:, None] + cols[None, :]), out, mask=row_ok[:, None])
 
 
+@gluon.jit
+def _store_rows_tma(out, o_desc, q_smem, row_bufs, qs, WG: gl.constexpr):
+    """ROWS_TMA: warpgroup WG's output rows `out` [64, d] (one contiguous run, or all past the tile's end) through
+    its own q buffer (read by its last q·kᵀ, which has completed) and one TMA store; waited for before the slot
+    goes back to the producer."""
+    HEAD_DIM: gl.constexpr = out.type.shape[1]
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    q_smem.store(out)
+    fence_async_shared()
+    if qs == 0:
+        first = gl.max(row_bufs.slice(128 + 64 * WG, 1).load(one), 0)
+    else:
+        first = gl.max(row_bufs.slice(256 + 128 + 64 * WG, 1).load(one), 0)
+    if first >= 0:
+        tma.async_copy_shared_to_global(o_desc, [(first // HEAD_DIM).to(gl.int32), 0], q_smem)
+    tma.store_wait(0)
+
+
 # any U, B (and any addresses of user_q / user_out): one compiled kernel
 @gluon.jit(do_not_specialize=["num_items", "num_tiles", "num_users", "num_self_tiles", "uq_delta", "uo_delta"])
 def _attention_ws_kernel(
@@ -586,8 +639,9 @@ def _attention_ws_kernel(
     # HAS_SELF: user_q / user_out [U, H, L, d] lie uq_delta / uo_delta elements from q_ptr / out_ptr
     uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
     num_users, num_self_tiles,  # U, U · cdiv(L, 128) (0 without HAS_SELF)
+    q_desc, o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr,
+    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -624,15 +678,16 @@ def _attention_ws_kernel(
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, STAGES, WG0, HAS_SELF, CAUSAL)),
+                     v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, STAGES, WG1, HAS_SELF, CAUSAL)),
+                     v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
                      num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
                      uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                     num_users, num_self_tiles, sched_ptr, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC)),
+                     num_users, num_self_tiles, sched_ptr, q_desc, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC,
+                     ROWS_TMA)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -699,6 +754,21 @@ def _rows_aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
 
 
+def _rows_tma_ok(q: torch.Tensor, out: torch.Tensor) -> bool:
+    """ROWS_TMA: every 64-row half of a 128-row tile is one contiguous run of q and out rows (S a multiple of
+    64, both contiguous), with row numbers that fit TMA's int32 coordinates."""
+    num_candidates, heads, num_queries, _ = q.shape
+    return (num_queries % 64 == 0 and q.is_contiguous() and out.is_contiguous()
+            and num_candidates * heads * num_queries < 2**31)
+
+
+def _row_descriptors(q: torch.Tensor, out: torch.Tensor):
+    """[B·H·S, d] views of q and out with [64, d] blocks (the q buffers' layout)."""
+    head_dim = q.shape[3]
+    layout = _smem_layout((64, head_dim), q.dtype)
+    return [TensorDescriptor(t, [t.numel() // head_dim, head_dim], [head_dim, 1], [64, head_dim], layout) for t in (q, out)]
+
+
 def _for_self_tiles(cfg: WSAttentionConfig) -> WSAttentionConfig:
     """cfg fitted to self tiles: key blocks of TILE_M (one diagonal block per self tile; the default's
     ring depth where cfg had others)."""
@@ -753,6 +823,8 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
     uq, uo = (q, dest) if user_q is None else (user_q, user_out)
     elem = q.element_size()
+    rows_tma = cfg.rows_tma and user_q is None and _rows_tma_ok(q, dest)
+    q_desc, o_desc = _row_descriptors(q, dest) if rows_tma else (k_desc, k_desc)
     _attention_ws_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         dest, dest.stride(0), dest.stride(1), dest.stride(2),
@@ -761,11 +833,12 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         num_items, num_self_tiles + max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
         (uq.data_ptr() - q.data_ptr()) // elem, uq.stride(0), uq.stride(1), uq.stride(2),
         (uo.data_ptr() - dest.data_ptr()) // elem, uo.stride(0), uo.stride(1), uo.stride(2),
-        num_users, num_self_tiles,
+        num_users, num_self_tiles, q_desc, o_desc,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
+        ROWS_TMA=rows_tma,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:
@@ -796,8 +869,10 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         uo_delta=2**33, stride_uou=k.stride(0), stride_uoh=k.stride(1), stride_uol=k.stride(2),
         num_users=num_users, num_self_tiles=num_users * 8 if has_self else 0,
     )
+    rows_tma = cfg.rows_tma and not has_self
+    runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len)
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

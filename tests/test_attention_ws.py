@@ -38,8 +38,9 @@ from kernels.attention_ws import (
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DYNAMIC = WSAttentionConfig(dynamic=True)  # items from the atomic counter (the default's with kv_len or self tiles)
 STATIC = WSAttentionConfig(dynamic=False)  # program p takes items p, p + programs, … (the default's otherwise)
-CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4)]
-CONFIG_IDS = ["default", "dynamic", "static", "64-keys"]
+ROWS_TMA = WSAttentionConfig(rows_tma=True)
+CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4), ROWS_TMA]
+CONFIG_IDS = ["default", "dynamic", "static", "64-keys", "rows-tma"]
 
 
 def _cuobjdump():
@@ -161,10 +162,26 @@ def test_cuda_launch_ws_matches_fp64(case, dtype, config):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [
+    (9, 200, 128, 500, 2, 128, "ragged", 1),  # S = 128: one candidate a tile, a half per warpgroup
+    (6, 77, 192, 300, 3, 64, None, 2),  # S = 192: a candidate over 1.5 tiles; users without candidates
+    (3, 5, 64, 129, 1, 128, "ragged", 0),  # odd counts: tiles whose second half is past the end
+])
+@pytest.mark.parametrize("num_programs", [None, 2])
+def test_cuda_rows_tma(case, dtype, num_programs):
+    """rows_tma (q by TMA load, out by TMA store) where S is a multiple of 64, NaN-poisoned outputs."""
+    q, k, v, mapping, kv_len, ref = _problem(case, dtype, seed=11)
+    out = torch.full_like(q, float("nan"))
+    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), ROWS_TMA, out=out, num_programs=num_programs)
+    _check(out, ref)
+
+
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 def test_cuda_few_programs_many_items():
     """Two programs loop over every work item: the ring's and the turns' phases wrap many times."""
     q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[1], torch.bfloat16, seed=3)
-    for config in (DYNAMIC, STATIC):
+    for config in (DYNAMIC, STATIC, ROWS_TMA):
         out = torch.full_like(q, float("nan"))
         launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, num_programs=2)
         _check(out, ref)
