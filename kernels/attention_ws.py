@@ -17,8 +17,10 @@ tokens each). Items are handed out in one of two ways (`WSAttentionConfig.dynami
         ahead, so it never waits for the answer), target items first, then the self tiles longest first;
         the last program to finish sets the counter back to zero. The default with kv_len or self tiles.
     producer partition, 1 warp: for each work item, its 128 q-row and output-row offsets into shared
-        memory and the q rows themselves by cp.async (16-byte copies) into a 2-slot buffer per
-        warpgroup, with the item's (kv_len, keys to visit, first self row) for the consumers; then TMA
+        memory and the q rows themselves into a 2-slot buffer per warpgroup, with the item's (kv_len,
+        keys to visit, first self row) for the consumers. Where each warpgroup's 64 rows are one
+        contiguous run (ROWS_TMA: S a multiple of 64, q and out contiguous, no self tiles) they come by one
+        TMA load per warpgroup; else by cp.async (16-byte copies, gathered by pointer). Then TMA
         loads of the user's K and V blocks [BLOCK_N, d] into a STAGES-deep ring, K and V with their own
         ready/empty mbarriers, so a K slot is refilled as soon as both consumers' q·kᵀ has read it. After
         its last item it tells the consumers there are no more.
@@ -27,7 +29,8 @@ tokens each). Items are handed out in one of two ways (`WSAttentionConfig.dynami
         and P_{j-1}·V_{j-1} (async wgmma, P from registers), runs the online softmax of block j (base 2,
         fp32), waits for P_{j-1}·V_{j-1} and rescales. The two warpgroups take turns issuing their
         wgmmas (pingpong, an mbarrier per warpgroup), so one's softmax runs under the other's products.
-        The output rows are scattered back by pointer (16-byte stores).
+        The output rows go back by one TMA store from the warpgroup's own q buffer with ROWS_TMA (2–8 %
+        faster than the pointer path on the H200, 2026-12-01), else scattered by pointer (16-byte stores).
     Options measured on the H200 no faster than this default and removed on 2026-11-29 (fence,
         overlap, producer_store, pingpong off) and 2026-11-30 (offset, gather_ahead: both wrong on
         edge cases, gather_ahead at most 3 % faster; the q gather by the consumers, kept until then for
@@ -98,9 +101,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    # where every warpgroup's 64 q rows are one contiguous run (S % 64 == 0, contiguous q and out, target
-    # tiles only): q in by one TMA load and out by one TMA store per warpgroup (experiment, docs/notes/attention.md)
-    rows_tma: bool = False
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -754,9 +754,10 @@ def _rows_aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
 
 
-def _rows_tma_ok(q: torch.Tensor, out: torch.Tensor) -> bool:
-    """ROWS_TMA: every 64-row half of a 128-row tile is one contiguous run of q and out rows (S a multiple of
-    64, both contiguous), with row numbers that fit TMA's int32 coordinates."""
+def rows_by_tma(q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether launch_ws moves q and out rows by TMA (ROWS_TMA; target-only launches): every 64-row half of a
+    128-row tile is then one contiguous run of q and out rows (S a multiple of 64, both contiguous), and the
+    row numbers fit TMA's int32 coordinates."""
     num_candidates, heads, num_queries, _ = q.shape
     return (num_queries % 64 == 0 and q.is_contiguous() and out.is_contiguous()
             and num_candidates * heads * num_queries < 2**31)
@@ -823,7 +824,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
     uq, uo = (q, dest) if user_q is None else (user_q, user_out)
     elem = q.element_size()
-    rows_tma = cfg.rows_tma and user_q is None and _rows_tma_ok(q, dest)
+    rows_tma = user_q is None and rows_by_tma(q, dest)
     q_desc, o_desc = _row_descriptors(q, dest) if rows_tma else (k_desc, k_desc)
     _attention_ws_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
@@ -847,9 +848,11 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
 
 
 def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True,
-               config: WSAttentionConfig | None = None, capability: int = 90, has_self: bool = False, causal: bool = True):
+               config: WSAttentionConfig | None = None, capability: int = 90, has_self: bool = False, causal: bool = True,
+               rows_tma: bool = True):
     """Compile `_attention_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
-    arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
+    arguments; the JIT's own specialization rules give the signature); `rows_tma` as launch_ws takes it for
+    contiguous q and out with S a multiple of 64 (never with self tiles), else the gathered rows. Returns the CompiledKernel:
     `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
     cfg = config or DEFAULT_CONFIG
     cfg = _for_self_tiles(cfg) if has_self else cfg
@@ -869,7 +872,7 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         uo_delta=2**33, stride_uou=k.stride(0), stride_uoh=k.stride(1), stride_uol=k.stride(2),
         num_users=num_users, num_self_tiles=num_users * 8 if has_self else 0,
     )
-    rows_tma = cfg.rows_tma and not has_self
+    rows_tma = rows_tma and not has_self
     runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,

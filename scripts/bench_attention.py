@@ -631,7 +631,6 @@ def sweep_section(points):
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws default (128 keys; static items here, no kv_len)": {},
     "ws 128, items from the atomic counter": dict(dynamic=True),
-    "ws rows_tma (q and out rows by TMA where S % 64 == 0)": dict(rows_tma=True),
 }
 WS_AB = list(WS_VARIANTS)  # --ws-ab: the first is the reference
 AB_ROUNDS = 3

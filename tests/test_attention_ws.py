@@ -31,6 +31,7 @@ from kernels.attention_ws import (
     WSAttentionConfig,
     compile_ws,
     launch_ws,
+    rows_by_tma,
     self_target_ws_ok,
     ws_supported,
 )
@@ -38,9 +39,8 @@ from kernels.attention_ws import (
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DYNAMIC = WSAttentionConfig(dynamic=True)  # items from the atomic counter (the default's with kv_len or self tiles)
 STATIC = WSAttentionConfig(dynamic=False)  # program p takes items p, p + programs, … (the default's otherwise)
-ROWS_TMA = WSAttentionConfig(rows_tma=True)
-CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4), ROWS_TMA]
-CONFIG_IDS = ["default", "dynamic", "static", "64-keys", "rows-tma"]
+CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4)]
+CONFIG_IDS = ["default", "dynamic", "static", "64-keys"]
 
 
 def _cuobjdump():
@@ -59,8 +59,9 @@ def test_configs_fit_shared_memory():
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False), dict(has_self=True), dict(has_self=True, causal=False, head_dim=64)],
-    ids=["bf16-d128", "fp16-d64", "self-causal", "self-d64"],
+    [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False), dict(has_self=True), dict(has_self=True, causal=False, head_dim=64),
+     dict(rows_tma=False)],
+    ids=["bf16-d128", "fp16-d64", "self-causal", "self-d64", "gathered-rows"],
 )
 def test_compiles_for_sm90a(config, kwargs):
     """sm_90a without a GPU: producer + two consumer warpgroups with setmaxnreg, wgmma with P from
@@ -72,7 +73,10 @@ def test_compiles_for_sm90a(config, kwargs):
     ptx = kernel.asm["ptx"]
     assert kernel.metadata.shared <= SMEM_LIMIT
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
-    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # the TMA loads of K and V
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # the TMA loads of K and V (and q rows)
+    rows_tma = kwargs.get("rows_tma", True) and not kwargs.get("has_self", False)
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == rows_tma  # out rows by TMA store
+    assert ("cp.async.cg.shared.global" in ptx) != rows_tma  # q rows gathered by cp.async
     assert re.search(r"bar\.sync\s+0,\s*128", ptx)  # the default consumer's own barrier, not the CTA's
     tool = _cuobjdump()
     if tool is None:
@@ -169,11 +173,13 @@ def test_cuda_launch_ws_matches_fp64(case, dtype, config):
     (3, 5, 64, 129, 1, 128, "ragged", 0),  # odd counts: tiles whose second half is past the end
 ])
 @pytest.mark.parametrize("num_programs", [None, 2])
-def test_cuda_rows_tma(case, dtype, num_programs):
-    """rows_tma (q by TMA load, out by TMA store) where S is a multiple of 64, NaN-poisoned outputs."""
+def test_cuda_rows_by_tma(case, dtype, num_programs):
+    """q rows by TMA load and out rows by TMA store (S a multiple of 64, contiguous q and out), NaN-poisoned
+    outputs; the GPU_CASES with S = 64 take this path too, those with S = 1, 8, 100 the gathered rows."""
     q, k, v, mapping, kv_len, ref = _problem(case, dtype, seed=11)
+    assert rows_by_tma(q, q)
     out = torch.full_like(q, float("nan"))
-    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), ROWS_TMA, out=out, num_programs=num_programs)
+    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out, num_programs=num_programs)
     _check(out, ref)
 
 
@@ -181,7 +187,7 @@ def test_cuda_rows_tma(case, dtype, num_programs):
 def test_cuda_few_programs_many_items():
     """Two programs loop over every work item: the ring's and the turns' phases wrap many times."""
     q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[1], torch.bfloat16, seed=3)
-    for config in (DYNAMIC, STATIC, ROWS_TMA):
+    for config in (DYNAMIC, STATIC):
         out = torch.full_like(q, float("nan"))
         launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, num_programs=2)
         _check(out, ref)
