@@ -757,10 +757,10 @@ def _rows_aligned(t: torch.Tensor) -> bool:
 def rows_by_tma(q: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether launch_ws moves q and out rows by TMA (ROWS_TMA; target-only launches): every 64-row half of a
     128-row tile is then one contiguous run of q and out rows (S a multiple of 64, both contiguous), and the
-    row numbers fit TMA's int32 coordinates."""
+    row numbers fit TMA's int32 coordinates (and both are 16-byte aligned)."""
     num_candidates, heads, num_queries, _ = q.shape
-    return (num_queries % 64 == 0 and q.is_contiguous() and out.is_contiguous()
-            and num_candidates * heads * num_queries < 2**31)
+    return (num_queries % 64 == 0 and q.is_contiguous() and out.is_contiguous() and _rows_aligned(q)
+            and _rows_aligned(out) and num_candidates * heads * num_queries < 2**31)
 
 
 def _row_descriptors(q: torch.Tensor, out: torch.Tensor):

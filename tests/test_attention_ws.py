@@ -114,6 +114,17 @@ def test_not_supported_on_cpu():
     assert not ws_supported(q, torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16))
 
 
+def test_rows_by_tma_needs_contiguous_runs_of_64_rows():
+    """q and out rows go by TMA only where every 64-row half of a tile is one contiguous, aligned run."""
+    q = torch.randn(3, 2, 128, 64, dtype=torch.bfloat16)
+    assert rows_by_tma(q, torch.empty_like(q))
+    assert not rows_by_tma(q[:, :, :64], torch.empty_like(q[:, :, :64]))  # a strided view
+    short = torch.randn(3, 2, 8, 64, dtype=torch.bfloat16)
+    assert not rows_by_tma(short, torch.empty_like(short))  # S = 8: a half spans 8 candidates
+    shifted = torch.randn(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape)
+    assert shifted.is_contiguous() and not rows_by_tma(shifted, torch.empty_like(q))  # 2 bytes off 16-byte alignment
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates)
