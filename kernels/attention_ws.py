@@ -101,9 +101,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    # ROWS_TMA: wait for an item's output store and release its q slot after the next item's info arrives
-    # (experiment)
-    defer_release: bool = False
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -511,7 +508,7 @@ def _read_info(item_info, q_ready, i, WG: gl.constexpr):
 @gluon.jit
 def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               turns, qk_scale, o_desc, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
-              CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr, DEFER: gl.constexpr):
+              CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr):
     """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
     offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
     epilogue (see module doc), until the producer says there are no more. With HAS_SELF, causal self rows
@@ -583,15 +580,9 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             _store_rows_tma(out.to(dtype), o_desc, q_smem, row_bufs, qs, WG)
         else:
             _store_rows(out.to(dtype), out_ptr, row_bufs, qs, WG, HAS_SELF)
-        if not (ROWS_TMA and DEFER):
-            if ROWS_TMA:
-                tma.store_wait(0)  # the store has read the q buffer
-            mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows, output-row offsets and info read
+        mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows, output-row offsets and info read
         i += 1
         kv_len, hi, r0 = _read_info(item_info, q_ready, i, WG)
-        if ROWS_TMA and DEFER:  # the store has had the wait for the next item's q to read the buffer
-            tma.store_wait(0)
-            mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)
 
 
 @gluon.jit
@@ -617,8 +608,8 @@ def _store_rows(out, out_ptr, row_bufs, qs, WG: gl.constexpr, HAS_SELF: gl.const
 @gluon.jit
 def _store_rows_tma(out, o_desc, q_smem, row_bufs, qs, WG: gl.constexpr):
     """ROWS_TMA: warpgroup WG's output rows `out` [64, d] (one contiguous run, or all past the tile's end) through
-    its own q buffer (read by its last q·kᵀ, which has completed) and one TMA store, which the caller waits for
-    before the slot goes back to the producer."""
+    its own q buffer (read by its last q·kᵀ, which has completed) and one TMA store; waited for before the slot
+    goes back to the producer."""
     HEAD_DIM: gl.constexpr = out.type.shape[1]
     one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     q_smem.store(out)
@@ -629,6 +620,7 @@ def _store_rows_tma(out, o_desc, q_smem, row_bufs, qs, WG: gl.constexpr):
         first = gl.max(row_bufs.slice(256 + 128 + 64 * WG, 1).load(one), 0)
     if first >= 0:
         tma.async_copy_shared_to_global(o_desc, [(first // HEAD_DIM).to(gl.int32), 0], q_smem)
+    tma.store_wait(0)
 
 
 # any U, B (and any addresses of user_q / user_out): one compiled kernel
@@ -650,7 +642,6 @@ def _attention_ws_kernel(
     q_desc, o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
-    DEFER: gl.constexpr,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -687,9 +678,9 @@ def _attention_ws_kernel(
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA, DEFER)),
+                     v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA, DEFER)),
+                     v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
@@ -848,7 +839,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
-        ROWS_TMA=rows_tma, DEFER=cfg.defer_release,
+        ROWS_TMA=rows_tma,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:
@@ -885,7 +876,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma,
-                      DEFER=cfg.defer_release)
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -636,7 +636,6 @@ def sweep_section(points):
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws default (128 keys; static items here, no kv_len)": {},
     "ws 128, items from the atomic counter": dict(dynamic=True),
-    "ws defer_release (q slot released after the next item's info)": dict(defer_release=True),
 }
 WS_AB = list(WS_VARIANTS)  # --ws-ab: the first is the reference
 AB_ROUNDS = 3
