@@ -54,7 +54,8 @@ overlap nothing).
 Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}; the public ops take it where
 `prefer_ws` (self tiles: also `self_target_ws_ok`), the tuner where it times fastest (`attention.WS_CHOICE`).
 H200 (2026-11-29): canonical shape 0.255 ms plan + kernel (539 TFLOP/s, 67 % of the matmul rate)
-against 0.333 for the Triton kernel; L = 4096: 609 TFLOP/s. With the rows by TMA (2026-12-01): 0.246 ms (559). Measurements: docs/notes/attention.md.
+against 0.333 for the Triton kernel; L = 4096: 609 TFLOP/s. With the rows by TMA (2026-12-01): 0.246 ms
+(559 TFLOP/s). Measurements: docs/notes/attention.md.
 Patterns from kernels/linear_compress_ws.py (s6) and Triton's Gluon tutorials 05-wgmma,
 08-warp-specialization.
 """
@@ -852,8 +853,8 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
                rows_tma: bool = True):
     """Compile `_attention_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
     arguments; the JIT's own specialization rules give the signature); `rows_tma` as launch_ws takes it for
-    contiguous q and out with S a multiple of 64 (never with self tiles), else the gathered rows. Returns the CompiledKernel:
-    `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
+    contiguous q and out with S a multiple of 64 (never with self tiles), else the gathered rows. Returns the
+    CompiledKernel: `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
     cfg = config or DEFAULT_CONFIG
     cfg = _for_self_tiles(cfg) if has_self else cfg
     kernel = _attention_ws_kernel

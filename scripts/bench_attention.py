@@ -422,7 +422,7 @@ def self_target_section(shape, peak):
     triton_config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users + shape.seq_len, attention.interpreting())
     target_config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting())
 
-    def target_triton():  # config given: the Triton kernel itself (without one, _launch takes the Gluon kernel where prefer_ws)
+    def target_triton():  # config given: the Triton kernel itself (without one, _launch may take the Gluon kernel)
         return attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=target_config)[0]
 
     def fused_triton():  # the Triton kernel's fused grid, which the op ran before the Gluon kernel took self tiles
