@@ -13,8 +13,10 @@ load kernel), the Triton variants s1…s4 and s6 (Gluon, warp-specialized persis
 producer warp + wgmma consumer warpgroups, `kernels/linear_compress_ws.py`; Hopper only). (s5, the
 candidate GEMM with W_c resident in shared memory, was slower everywhere, and s7, s6 with two
 pingpong consumer warpgroups, was no faster than s6; both were removed on 2026-11-29:
-docs/notes/lce.md.) Metrics: median ms (`triton.testing.do_bench`),
-TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
+docs/notes/lce.md.) Metrics: median device ms of a call (the span of its GPU work, read by CUPTI
+through torch.profiler, L2 flushed before each call: scripts/device_time.py), beside it the median of
+`triton.testing.do_bench` ("do_bench ms", CUDA events around the call, which also counts the host's
+launch time wherever that is longer than the L2 flush), TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
 floor = max(FLOPs / bf16 matmul rate, minimum bytes / copy bandwidth), both ceilings measured in this
 run. Every provider's output is checked against an fp64 reference first (Triton outputs poisoned
 with NaN before the run). Prints a markdown table; with $OUT set, writes it to $OUT/lce_bench.md.
@@ -41,6 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
+from device_time import device_ms  # noqa: E402
 from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig  # noqa: E402
 from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, s6_supported, user_gemm, ws_config  # noqa: E402
 
@@ -243,12 +246,20 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def time_ms(fn) -> float:
+def event_ms(fn) -> float:
+    """do_bench's median ms between CUDA events (host launch time included where it outlasts the L2 flush)."""
     if DEVICE != "cuda":  # --smoke: wall clock, one run
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_ms(fn) -> float:
+    """Median device ms of a call (CUPTI span, L2 flushed before each call); wall clock under --smoke."""
+    if DEVICE != "cuda":
+        return event_ms(fn)
+    return device_ms(fn).span_ms
 
 
 # ----------------------------------------------------------------------------- ceilings
@@ -298,26 +309,29 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
     ref = reference(p)
     floor = floor_ms(p, flop_rate, copy_rate)
     rows = []
-    baseline_ms = None
+    baseline_ms = baseline_events = None
     for name, fn in providers(p, packed, with_compile, with_configs).items():
         try:
             err = check(name, fn, p, ref)
-            ms = time_ms(fn)
+            ms, events = time_ms(fn), event_ms(fn)
             host = host_us(fn) if name.startswith("Triton") and DEVICE == "cuda" else float("nan")
             graph = graph_ms(fn) if name.startswith(GRAPH_PROVIDERS) and DEVICE == "cuda" else float("nan")
         except Exception as exc:  # one provider's failure must not end the run
             log(f"  {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
             continue
         baseline_ms = baseline_ms or ms
-        rows.append((name, ms, p.flops() / (ms * 1e-3) / 1e12, 100 * floor / ms, baseline_ms / ms, err, host, graph))
-        log(f"  {name}: {ms:.4f} ms, rel err {err:.2e}, host {host:.0f} us/call, graph {graph:.4f} ms")
+        baseline_events = baseline_events or events
+        rows.append((name, ms, p.flops() / (ms * 1e-3) / 1e12, 100 * floor / ms, baseline_ms / ms, err, host, graph, events,
+                     baseline_events / events))
+        log(f"  {name}: {ms:.4f} ms, do_bench {events:.4f} ms, rel err {err:.2e}, host {host:.0f} us/call, graph {graph:.4f} ms")
     lines = calibration(p, packed, flop_rate, log) + [""] + [
-        "| provider | ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | host µs/call | CUDA-graph ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| provider | device ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | do_bench ms | × S0, do_bench "
+        "| host µs/call | CUDA-graph ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [
-        f"| {n} | {ms:.4f} | {tf:.0f} | {pf:.0f}% | {sp:.2f} | {e:.1e} | {h:.0f} | {g:.4f} |"
-        for n, ms, tf, pf, sp, e, h, g in rows
+        f"| {n} | {ms:.4f} | {tf:.0f} | {pf:.0f}% | {sp:.2f} | {e:.1e} | {ev:.4f} | {evs:.2f} | {h:.0f} | {g:.4f} |"
+        for n, ms, tf, pf, sp, e, h, g, ev, evs in rows
     ]
     return lines, rows, floor, p
 
@@ -331,8 +345,8 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
     graph_head = " S0 graph ms | s3 graph ms | s6 graph ms |" if with_graph else ""
     lines = [
         "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s6 ms | best Triton × S0 | floor ms "
-        "| best % of floor | rel err s3 / s4 / s6 | public op ms (default variant) |" + graph_head,
-        "|" + " ---: |" * 10 + " --- | ---: |" + " ---: |" * 3 * with_graph,
+        "| best % of floor | rel err s3 / s4 / s6 | public op ms (default variant) | best Triton × S0, do_bench |" + graph_head,
+        "|" + " ---: |" * 10 + " --- | ---: | ---: |" + " ---: |" * 3 * with_graph,
     ]
     raw = []
     shape = dict(base_shape)
@@ -347,7 +361,7 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
         head = slice(0, min(num_candidates, 256))
         ref = reference(p, head)
         args = (p.user_emb, p.cand_emb, p.cand_to_user)
-        times, errs = {}, {}
+        times, events, errs = {}, {}, {}
         for name, fn in [
             ("S0", lambda: s0_materialized(*args, p.weight, p.bias)),
             ("s3", lambda out=None, up=None: packed._triton(*args, "s3", out=out, user_part=up)),
@@ -356,17 +370,17 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
             ("op", lambda: packed(*args)),
         ]:
             if name == "s6" and not has_s6(p):
-                times[name] = float("nan")
+                times[name] = events[name] = float("nan")
                 continue
             try:
                 if name in ("s3", "s4", "s6"):
                     errs[name] = check("Triton " + name, fn, p, ref, head)
                 elif name == "op":
                     errs[name] = check(name, fn, p, ref, head)
-                times[name] = time_ms(fn)
+                times[name], events[name] = time_ms(fn), event_ms(fn)
             except Exception as exc:
                 log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
-                times[name] = float("nan")
+                times[name] = events[name] = float("nan")
         graph = " | | |" if with_graph else ""
         if with_graph and num_candidates <= 1024:  # host overhead matters only for small problems  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
             s0_fn = lambda: s0_materialized(*args, p.weight, p.bias)  # noqa: E731
@@ -374,15 +388,17 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
             s6_graph = graph_ms(lambda: lce_s6(packed, *args)) if has_s6(p) else float("nan")
             graph = f" {graph_ms(s0_fn):.4f} | {graph_ms(s3_fn):.4f} | {s6_graph:.4f} |"
         best = min(t for t in (times["s3"], times["s4"], times["s6"]) if t == t)
+        best_events = min(t for t in (events["s3"], events["s4"], events["s6"]) if t == t)
         floor = floor_ms(p, flop_rate, copy_rate)
-        raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()}, **{"err_" + k: v for k, v in errs.items()}))
+        raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()},
+                        **{k + "_do_bench_ms": v for k, v in events.items()}, **{"err_" + k: v for k, v in errs.items()}))
         lines.append(
             f"| {num_candidates} | {num_users} | {num_candidates / num_users:.0f} | {times['S0']:.4f} | "
             f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s6']:.4f} | {times['S0'] / best:.2f} | "
             f"{floor:.4f} | {100 * floor / best:.0f}% | "
             + " / ".join(f"{errs.get(k, float('nan')):.1e}" for k in ("s3", "s4", "s6"))
             + f" | {times['op']:.4f}" + (" (rel err {:.1e})".format(errs["op"]) if errs.get("op", 0) > 1e-2 else "")
-            + " |" + graph
+            + f" | {events['S0'] / best_events:.2f} |" + graph
         )
         log(lines[-1])
         del p, packed, ref
@@ -400,7 +416,7 @@ def ws_probe():
         print(f"ws probe {cfg}: launching", flush=True)
         fn = triton_provider(packed, (p.user_emb, p.cand_emb, p.cand_to_user), "s3", cfg)
         err = check("Triton s3 ws", fn, p, ref)
-        print(f"ws probe: rel err {err:.2e}, {time_ms(fn):.4f} ms", flush=True)
+        print(f"ws probe: rel err {err:.2e}, {time_ms(fn):.4f} ms (device)", flush=True)
 
 
 def main(argv=None):
