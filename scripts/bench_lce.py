@@ -13,10 +13,12 @@ load kernel), the Triton variants s1…s4 and s6 (Gluon, warp-specialized persis
 producer warp + wgmma consumer warpgroups, `kernels/linear_compress_ws.py`; Hopper only). (s5, the
 candidate GEMM with W_c resident in shared memory, was slower everywhere, and s7, s6 with two
 pingpong consumer warpgroups, was no faster than s6; both were removed on 2026-11-29:
-docs/notes/lce.md.) Metrics: median device ms of a call (the span of its GPU work, read by CUPTI
-through torch.profiler, L2 flushed before each call: scripts/device_time.py), beside it the median of
-`triton.testing.do_bench` ("do_bench ms", CUDA events around the call, which also counts the host's
-launch time wherever that is longer than the L2 flush), TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
+docs/notes/lce.md.) Metrics: median device ms of a call (the time the GPU is busy with the call's own
+kernels and copies, read by CUPTI through torch.profiler, L2 flushed before each call:
+scripts/device_time.py); in the canonical table beside it the call's device span (its first start to its
+last end, so with any wait for the host between its launches) and the median of `triton.testing.do_bench`
+("do_bench ms", CUDA events around the call, which also counts the host's launch time wherever that is
+longer than the L2 flush), TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
 floor = max(FLOPs / bf16 matmul rate, minimum bytes / copy bandwidth), both ceilings measured in this
 run. Every provider's output is checked against an fp64 reference first (Triton outputs poisoned
 with NaN before the run). Prints a markdown table; with $OUT set, writes it to $OUT/lce_bench.md.
@@ -255,11 +257,18 @@ def event_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def time_ms(fn) -> float:
-    """Median device ms of a call (CUPTI span, L2 flushed before each call); wall clock under --smoke."""
+def device_times(fn) -> tuple[float, float]:
+    """(busy, span): median device ms of a call (CUPTI, L2 flushed before each call); wall clock under --smoke."""
     if DEVICE != "cuda":
-        return event_ms(fn)
-    return device_ms(fn).span_ms
+        ms = event_ms(fn)
+        return ms, ms
+    measured = device_ms(fn)
+    return measured.busy_ms, measured.span_ms
+
+
+def time_ms(fn) -> float:
+    """Median device ms of a call: the GPU's busy time for its own work (see device_times)."""
+    return device_times(fn)[0]
 
 
 # ----------------------------------------------------------------------------- ceilings
@@ -313,7 +322,7 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
     for name, fn in providers(p, packed, with_compile, with_configs).items():
         try:
             err = check(name, fn, p, ref)
-            ms, events = time_ms(fn), event_ms(fn)
+            (ms, span), events = device_times(fn), event_ms(fn)
             host = host_us(fn) if name.startswith("Triton") and DEVICE == "cuda" else float("nan")
             graph = graph_ms(fn) if name.startswith(GRAPH_PROVIDERS) and DEVICE == "cuda" else float("nan")
         except Exception as exc:  # one provider's failure must not end the run
@@ -322,16 +331,16 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
         baseline_ms = baseline_ms or ms
         baseline_events = baseline_events or events
         rows.append((name, ms, p.flops() / (ms * 1e-3) / 1e12, 100 * floor / ms, baseline_ms / ms, err, host, graph, events,
-                     baseline_events / events))
-        log(f"  {name}: {ms:.4f} ms, do_bench {events:.4f} ms, rel err {err:.2e}, host {host:.0f} us/call, graph {graph:.4f} ms")
+                     baseline_events / events, span))
+        log(f"  {name}: {ms:.4f} ms, span {span:.4f} ms, do_bench {events:.4f} ms, rel err {err:.2e}, host {host:.0f} us/call, graph {graph:.4f} ms")
     lines = calibration(p, packed, flop_rate, log) + [""] + [
-        "| provider | device ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | do_bench ms | × S0, do_bench "
-        "| host µs/call | CUDA-graph ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| provider | device ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | device span ms | do_bench ms "
+        "| × S0, do_bench | host µs/call | CUDA-graph ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [
-        f"| {n} | {ms:.4f} | {tf:.0f} | {pf:.0f}% | {sp:.2f} | {e:.1e} | {ev:.4f} | {evs:.2f} | {h:.0f} | {g:.4f} |"
-        for n, ms, tf, pf, sp, e, h, g, ev, evs in rows
+        f"| {n} | {ms:.4f} | {tf:.0f} | {pf:.0f}% | {sp:.2f} | {e:.1e} | {span:.4f} | {ev:.4f} | {evs:.2f} | {h:.0f} | {g:.4f} |"
+        for n, ms, tf, pf, sp, e, h, g, ev, evs, span in rows
     ]
     return lines, rows, floor, p
 
