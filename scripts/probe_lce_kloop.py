@@ -14,7 +14,8 @@
 Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D=256, N=512, bf16).
 1. Ceilings measured in this run: bf16 matmul 8192³ (random), device copy (read + write).
 2. Variants (WSConfig), each checked against fp64 on fresh random inputs with NaN-poisoned out and
-   Y_u (bf16 rel err ≤ 1e-2), then timed on one shared input set: `do_bench` median, CUDA-graph
+   Y_u (bf16 rel err ≤ 1e-2), then timed on one shared input set: median device (busy) time from CUPTI
+   with L2 flushed before each call (scripts/device_time.py; do_bench would add the host's launch time), CUDA-graph
    replay median, the kernel alone (no Y_u, no bias) and the kernel with its fused epilogue (Y_u
    given). The default is timed first and again near the end (the spread of one config within the run,
    the run's noise); with --call the new variant (CALL_ORDER) too.
@@ -47,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+from device_time import device_ms  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from kernels.linear_compress import PackedLinearCompress  # noqa: E402
 from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, user_gemm, ws_config  # noqa: E402
@@ -144,8 +146,8 @@ def versions() -> str:
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
 
 
-def med(fn, rep=200) -> float:
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+def med(fn, calls=100) -> float:
+    return device_ms(fn, calls=calls).busy_ms
 
 
 def graph_med(fn) -> float:
@@ -330,14 +332,14 @@ def k_scaling_probe(dog, raw, workers, flop_rate, num_candidates, t_start, save)
         cfg = ws_config(DIM, 2)
         steps = triton.cdiv(kc, cfg.block_k)
         cand_flops = 2.0 * ROWS * DIM * kc * num_candidates
-        alone = med(lambda: _launch_ws(qp, q.cand_emb, qo, None, q.cand_to_user, None, cfg), rep=100)
+        alone = med(lambda: _launch_ws(qp, q.cand_emb, qo, None, q.cand_to_user, None, cfg), calls=50)
         row = dict(kc=kc, steps=steps, alone_ms=alone, alone_tflops=cand_flops / alone / 1e9,
                    us_per_tile=alone * 1e3 / tiles_busiest)
         if kc == LONG_K:
-            cublas = med(lambda: torch.matmul(qp.cand_weight, q.cand_emb), rep=100)
+            cublas = med(lambda: torch.matmul(qp.cand_weight, q.cand_emb), calls=50)
             row.update(cublas_ms=cublas, cublas_tflops=cand_flops / cublas / 1e9)
             for name in LONG_K_VARIANTS:
-                full_ms = med(lambda: lce_s6(qp, q.user_emb, q.cand_emb, q.cand_to_user, out=qo, config=VARIANTS[name]), rep=100)
+                full_ms = med(lambda: lce_s6(qp, q.user_emb, q.cand_emb, q.cand_to_user, out=qo, config=VARIANTS[name]), calls=50)
                 row[f"{name}_full_ms"] = full_ms
                 row[f"{name}_full_tflops"] = flops(*q.shape) / full_ms / 1e9
             del q, qp, qo
