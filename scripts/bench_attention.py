@@ -23,7 +23,7 @@ Sweep: S ∈ {1, 8, 64}, L ∈ {256, 1024, 4096}, d ∈ {64, 128}, B/U ∈ {1, 1
 Metrics: median device ms of a call (the time the GPU is busy with the call's own kernels and copies,
 read by CUPTI through torch.profiler, L2 flushed before each call: scripts/device_time.py; the canonical
 table also gives the call's device span, first start to last end, so with any wait for the host between
-its launches, and do_bench's median between CUDA events, which counts the host's launch time wherever it
+its launches, the SM clock just before the calls, and do_bench's median between CUDA events, which counts the host's launch time wherever it
 outlasts the L2 flush), TFLOP/s, % of the floor max(FLOPs / matmul rate, bytes / copy bandwidth), both ceilings measured in this run.
 --ws: the bf16 matmul ceiling, the baseline and the Triton kernel in this process, then each
 WS_VARIANTS entry in its own child process (a timeout, so that a hang costs one variant): fp64
@@ -247,12 +247,13 @@ def _wall_ms(fn):
 
 
 def device_times(fn, calls=50):
-    """(busy, span): median device ms of a call (CUPTI, L2 flushed before each call); wall clock (3 runs) under --smoke."""
+    """(busy ms, span ms, SM MHz): medians over calls (CUPTI, L2 flushed before each call; the SM clock just before
+    each call); wall clock (3 runs) and nan under --smoke."""
     if SMOKE:
         ms = _wall_ms(fn)
-        return ms, ms
+        return ms, ms, float("nan")
     measured = device_ms(fn, calls=calls)
-    return measured.busy_ms, measured.span_ms
+    return measured.busy_ms, measured.span_ms, measured.sm_mhz
 
 
 def timed(fn, calls=50):
@@ -378,14 +379,14 @@ def canonical_section(shape, peak, bandwidth, with_flex, tune):
                 packed(eq, backend)
                 add(f"{name} (equal counts {per_user}/user)", lambda b=backend: packed(eq, b), eq_flops, note=f"B'={per_user * shape.num_users}")
             except RuntimeError as exc:  # backend not available for this shape/device
-                rows.append((name, float("nan"), float("nan"), eq_flops, "", f"unavailable: {str(exc)[:60]}", float("nan")))
+                rows.append((name, float("nan"), float("nan"), float("nan"), eq_flops, "", f"unavailable: {str(exc)[:60]}", float("nan")))
         del eq
     if with_flex:
         try:
             run, unflatten = make_flex(p, shape)
             add("flex (block mask, ragged)", run, shape.target_flops, unflatten(run()))
         except Exception as exc:  # noqa: BLE001 (report and go on: a missing peer is not a failure of ours)
-            rows.append(("flex", float("nan"), float("nan"), shape.target_flops, "", f"failed: {type(exc).__name__}: {str(exc)[:60]}", float("nan")))
+            rows.append(("flex", float("nan"), float("nan"), float("nan"), shape.target_flops, "", f"failed: {type(exc).__name__}: {str(exc)[:60]}", float("nan")))
     config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting())
     from kernels import attention_ws
 
@@ -403,23 +404,23 @@ def canonical_section(shape, peak, bandwidth, with_flex, tune):
     add("ours: plan kernel only", lambda: attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m), shape.target_flops, note="FLOPs of the op")
     if not SMOKE:  # device time without the host's launches: both captured once, replayed
         base_graph, ours_graph = graph_ms(lambda: baseline(p)), graph_ms(lambda: ours(p))
-        rows.append(("baseline as a CUDA-graph replay", base_graph, float("nan"), shape.target_flops, "", "", float("nan")))
-        rows.append(("ours: public op as a CUDA-graph replay (as served)", ours_graph, float("nan"), shape.target_flops, "",
+        rows.append(("baseline as a CUDA-graph replay", base_graph, float("nan"), float("nan"), shape.target_flops, "", "", float("nan")))
+        rows.append(("ours: public op as a CUDA-graph replay (as served)", ours_graph, float("nan"), float("nan"), shape.target_flops, "",
                      f"{base_graph / ours_graph:.2f}× the baseline's replay", float("nan")))
     if tune:
         for config in TUNE_CONFIGS:
             add(f"ours {label(config)}", lambda c=config: ours(p, c), shape.target_flops, ours(p, config))
 
-    base_ms, base_events = rows[0][1], rows[0][6]
+    base_ms, base_events = rows[0][1], rows[0][7]
     lines.append(f"Target attention, {shape}, counts {p['counts'].tolist()}, bf16, non-causal")
     lines.append(f"floor {floor_ms:.3f} ms (FLOPs / {peak / 1e12:.0f} TFLOP/s; bytes / {bandwidth / 1e12:.2f} TB/s); ours rel err vs fp64 {err_ours:.1e} (poisoned output)\n")
     lines.append("ms: the GPU's busy time for a call's work (CUPTI); span: its first start to last end (with waits for the host between "
-                 "its launches); do_bench: CUDA events around the call (+ host launch time where it outlasts the L2 flush)\n")
-    lines.append("| provider | ms | TFLOP/s | × baseline | % of floor | err vs fp64 | span ms | do_bench ms | × baseline, do_bench | note |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for name, ms, span, flops, check, note, events in rows:
+                 "its launches); SM MHz: the SM clock just before each call (median); do_bench: CUDA events around the call (+ host launch time where it outlasts the L2 flush)\n")
+    lines.append("| provider | ms | TFLOP/s | × baseline | % of floor | err vs fp64 | span ms | SM MHz | do_bench ms | × baseline, do_bench | note |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, ms, span, mhz, flops, check, note, events in rows:
         lines.append(f"| {name} | {ms:.4f} | {flops / ms / 1e9:.0f} | {base_ms / ms:.2f} | {100 * floor_ms / ms * flops / shape.target_flops:.0f} | "
-                     f"{check} | {span:.4f} | {events:.4f} | {base_events / events:.2f} | {note} |")
+                     f"{check} | {span:.4f} | {mhz:.0f} | {events:.4f} | {base_events / events:.2f} | {note} |")
     return lines
 
 

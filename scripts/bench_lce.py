@@ -16,7 +16,7 @@ pingpong consumer warpgroups, was no faster than s6; both were removed on 2026-1
 docs/notes/lce.md.) Metrics: median device ms of a call (the time the GPU is busy with the call's own
 kernels and copies, read by CUPTI through torch.profiler, L2 flushed before each call:
 scripts/device_time.py); in the canonical table beside it the call's device span (its first start to its
-last end, so with any wait for the host between its launches) and the median of `triton.testing.do_bench`
+last end, so with any wait for the host between its launches), the SM clock just before the calls, and the median of `triton.testing.do_bench`
 ("do_bench ms", CUDA events around the call, which also counts the host's launch time wherever that is
 longer than the L2 flush), TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
 floor = max(FLOPs / bf16 matmul rate, minimum bytes / copy bandwidth), both ceilings measured in this
@@ -257,13 +257,14 @@ def event_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def device_times(fn) -> tuple[float, float]:
-    """(busy, span): median device ms of a call (CUPTI, L2 flushed before each call); wall clock under --smoke."""
+def device_times(fn) -> tuple[float, float, float]:
+    """(busy ms, span ms, SM MHz): medians over calls (CUPTI, L2 flushed before each call; the SM clock just
+    before each call); wall clock and nan under --smoke."""
     if DEVICE != "cuda":
         ms = event_ms(fn)
-        return ms, ms
+        return ms, ms, float("nan")
     measured = device_ms(fn)
-    return measured.busy_ms, measured.span_ms
+    return measured.busy_ms, measured.span_ms, measured.sm_mhz
 
 
 def time_ms(fn) -> float:
@@ -322,7 +323,7 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
     for name, fn in providers(p, packed, with_compile, with_configs).items():
         try:
             err = check(name, fn, p, ref)
-            (ms, span), events = device_times(fn), event_ms(fn)
+            (ms, span, mhz), events = device_times(fn), event_ms(fn)
             host = host_us(fn) if name.startswith("Triton") and DEVICE == "cuda" else float("nan")
             graph = graph_ms(fn) if name.startswith(GRAPH_PROVIDERS) and DEVICE == "cuda" else float("nan")
         except Exception as exc:  # one provider's failure must not end the run
@@ -331,16 +332,16 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
         baseline_ms = baseline_ms or ms
         baseline_events = baseline_events or events
         rows.append((name, ms, p.flops() / (ms * 1e-3) / 1e12, 100 * floor / ms, baseline_ms / ms, err, host, graph, events,
-                     baseline_events / events, span))
+                     baseline_events / events, span, mhz))
         log(f"  {name}: {ms:.4f} ms, span {span:.4f} ms, do_bench {events:.4f} ms, rel err {err:.2e}, host {host:.0f} us/call, graph {graph:.4f} ms")
     lines = calibration(p, packed, flop_rate, log) + [""] + [
-        "| provider | device ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | device span ms | do_bench ms "
+        "| provider | device ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | device span ms | SM MHz | do_bench ms "
         "| × S0, do_bench | host µs/call | CUDA-graph ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [
-        f"| {n} | {ms:.4f} | {tf:.0f} | {pf:.0f}% | {sp:.2f} | {e:.1e} | {span:.4f} | {ev:.4f} | {evs:.2f} | {h:.0f} | {g:.4f} |"
-        for n, ms, tf, pf, sp, e, h, g, ev, evs, span in rows
+        f"| {n} | {ms:.4f} | {tf:.0f} | {pf:.0f}% | {sp:.2f} | {e:.1e} | {span:.4f} | {mhz:.0f} | {ev:.4f} | {evs:.2f} | {h:.0f} | {g:.4f} |"
+        for n, ms, tf, pf, sp, e, h, g, ev, evs, span, mhz in rows
     ]
     return lines, rows, floor, p
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from device_time import MARKER, call_segments, device_ms, span_and_busy  # noqa: E402
+from device_time import MARKER, SPIN_CYCLES, call_segments, clock_mhz, device_ms, marker_durations, span_and_busy  # noqa: E402
 
 interval = st.tuples(st.integers(0, 200), st.integers(1, 50)).map(lambda t: (float(t[0]), float(t[0] + t[1])))
 
@@ -47,6 +47,19 @@ def test_call_segments_recover_each_call(calls, flush_count, rng):
     assert call_segments(trace, flush_count) == expected
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.floats(500, 2500), st.floats(0, 5), st.randoms())
+def test_clock_from_two_spin_lengths(mhz, fixed_us, rng):
+    """Spins of c and 2c cycles at `mhz` with a fixed cost: the fixed cost comes out, then the clock."""
+    spin = [fixed_us + cycles / mhz for cycles in (SPIN_CYCLES, 2 * SPIN_CYCLES, SPIN_CYCLES)]
+    trace = [(MARKER, float(i * 1000), dur) for i, dur in enumerate(spin)] + [("other", 500.0, 3.0)]
+    rng.shuffle(trace)
+    durations = marker_durations(trace)
+    assert durations == spin
+    fixed = 2 * durations[0] - durations[1]
+    assert abs(clock_mhz(durations[2], SPIN_CYCLES, fixed) - mhz) <= 1e-6 * mhz
+
+
 def test_call_segments_reject_a_short_segment():
     with pytest.raises(ValueError, match="fewer than the flush"):
         call_segments([(MARKER, 0.0, 1.0), (MARKER, 2.0, 1.0)], flush_count=1)
@@ -67,3 +80,6 @@ def test_cuda_device_ms_counts_the_call_not_the_host():
     result = device_ms(slow_host_call, calls=10)
     assert result.activities == 1
     assert 0 < result.busy_ms <= result.span_ms < 1.0  # far under the 2 ms host wait
+    props = torch.cuda.get_device_properties(0)
+    max_mhz = getattr(props, "clock_rate", 0) / 1e3 or 5000.0  # kHz when torch reports it
+    assert 100 < result.sm_mhz <= 1.05 * max_mhz
