@@ -23,7 +23,7 @@ Sweep: S ∈ {1, 8, 64}, L ∈ {256, 1024, 4096}, d ∈ {64, 128}, B/U ∈ {1, 1
 Metrics: median device ms of a call (the time the GPU is busy with the call's own kernels and copies,
 read by CUPTI through torch.profiler, L2 flushed before each call: scripts/device_time.py; the canonical
 table also gives the call's device span, first start to last end, so with any wait for the host between
-its launches, the SM clock just before the calls, and do_bench's median between CUDA events, which counts the host's launch time wherever it
+its launches, the SM clock right after the calls, and do_bench's median between CUDA events, which counts the host's launch time wherever it
 outlasts the L2 flush), TFLOP/s, % of the floor max(FLOPs / matmul rate, bytes / copy bandwidth), both ceilings measured in this run.
 --ws: the bf16 matmul ceiling, the baseline and the Triton kernel in this process, then each
 WS_VARIANTS entry in its own child process (a timeout, so that a hang costs one variant): fp64
@@ -247,7 +247,7 @@ def _wall_ms(fn):
 
 
 def device_times(fn, calls=50):
-    """(busy ms, span ms, SM MHz): medians over calls (CUPTI, L2 flushed before each call; the SM clock just before
+    """(busy ms, span ms, SM MHz): medians over calls (CUPTI, L2 flushed before each call; the SM clock right after
     each call); wall clock (3 runs) and nan under --smoke."""
     if SMOKE:
         ms = _wall_ms(fn)
@@ -415,7 +415,7 @@ def canonical_section(shape, peak, bandwidth, with_flex, tune):
     lines.append(f"Target attention, {shape}, counts {p['counts'].tolist()}, bf16, non-causal")
     lines.append(f"floor {floor_ms:.3f} ms (FLOPs / {peak / 1e12:.0f} TFLOP/s; bytes / {bandwidth / 1e12:.2f} TB/s); ours rel err vs fp64 {err_ours:.1e} (poisoned output)\n")
     lines.append("ms: the GPU's busy time for a call's work (CUPTI); span: its first start to last end (with waits for the host between "
-                 "its launches); SM MHz: the SM clock just before each call (median); do_bench: CUDA events around the call (+ host launch time where it outlasts the L2 flush)\n")
+                 "its launches); SM MHz: the SM clock right after each call (median); do_bench: CUDA events around the call (+ host launch time where it outlasts the L2 flush)\n")
     lines.append("| provider | ms | TFLOP/s | × baseline | % of floor | err vs fp64 | span ms | SM MHz | do_bench ms | × baseline, do_bench | note |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, ms, span, mhz, flops, check, note, events in rows:

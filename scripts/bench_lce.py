@@ -16,7 +16,7 @@ pingpong consumer warpgroups, was no faster than s6; both were removed on 2026-1
 docs/notes/lce.md.) Metrics: median device ms of a call (the time the GPU is busy with the call's own
 kernels and copies, read by CUPTI through torch.profiler, L2 flushed before each call:
 scripts/device_time.py); in the canonical table beside it the call's device span (its first start to its
-last end, so with any wait for the host between its launches), the SM clock just before the calls, and the median of `triton.testing.do_bench`
+last end, so with any wait for the host between its launches), the SM clock right after the calls, and the median of `triton.testing.do_bench`
 ("do_bench ms", CUDA events around the call, which also counts the host's launch time wherever that is
 longer than the L2 flush), TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
 floor = max(FLOPs / bf16 matmul rate, minimum bytes / copy bandwidth), both ceilings measured in this
@@ -258,7 +258,7 @@ def event_ms(fn) -> float:
 
 
 def device_times(fn) -> tuple[float, float, float]:
-    """(busy ms, span ms, SM MHz): medians over calls (CUPTI, L2 flushed before each call; the SM clock just
+    """(busy ms, span ms, SM MHz): medians over calls (CUPTI, L2 flushed before each call; the SM clock right
     before each call); wall clock and nan under --smoke."""
     if DEVICE != "cuda":
         ms = event_ms(fn)

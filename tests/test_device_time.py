@@ -1,5 +1,5 @@
-"""scripts/device_time.py: splitting a profiler trace into calls, and span / busy time per call, against a
-brute-force reference on hypothesis-drawn traces (CPU); the profiler itself on the GPU."""
+"""scripts/device_time.py: finding each call between its markers in a profiler trace, span / busy time, and the
+clock from spin lengths, against brute-force references on hypothesis-drawn traces (CPU); the profiler itself on the GPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from device_time import MARKER, SPIN_CYCLES, call_segments, clock_mhz, device_ms, marker_durations, span_and_busy  # noqa: E402
+from device_time import MARKER, SPIN_CYCLES, bracketed_calls, clock_mhz, device_ms, span_and_busy  # noqa: E402
 
 interval = st.tuples(st.integers(0, 200), st.integers(1, 50)).map(lambda t: (float(t[0]), float(t[0] + t[1])))
 
@@ -27,42 +27,41 @@ def test_span_and_busy_match_a_unit_grid(intervals):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.integers(1, 30), max_size=4), min_size=1, max_size=6), st.integers(1, 2), st.randoms())
-def test_call_segments_recover_each_call(calls, flush_count, rng):
-    """Build a trace: marker, then per call its activities, the flush's, a marker; shuffled."""
-    trace, expected, t = [(MARKER, 0.0, 1.0)], [], 2.0
-    for durations in calls:
+@given(st.lists(st.lists(st.integers(1, 30), max_size=4), min_size=1, max_size=6), st.integers(0, 3), st.randoms())
+def test_bracketed_calls_recover_each_call(calls, skipped, rng):
+    """Build a trace: `skipped` lone markers, then per call a flush, a marker, its activities, a marker; shuffled."""
+    trace, expected, t = [], [], 0.0
+    for _ in range(skipped):
+        trace += [("fill", t, 10.0), (MARKER, t + 11.0, 1.0)]
+        t += 13.0
+    for i, durations in enumerate(calls):
+        trace += [("fill", t, 10.0), (f"void at::{MARKER}(long)", t + 11.0, 1.0)]
+        t += 13.0
         mine = []
         for d in durations:
             trace.append(("ikbo_kernel", t, float(d)))
             mine.append((t, t + d))
             t += d + rng.randint(0, 5)
-        for _ in range(flush_count):
-            trace.append(("fill", t, 10.0))
-            t += 11.0
-        trace.append((f"void at::{MARKER}(long)", t, 1.0))
-        t += 2.0
-        expected.append(mine)
+        closing = 2.0 + i
+        trace.append((MARKER, t, closing))
+        t += closing + 1.0
+        expected.append((mine, closing))
     rng.shuffle(trace)
-    assert call_segments(trace, flush_count) == expected
+    assert bracketed_calls(trace, skip_markers=skipped) == expected
+
+
+def test_bracketed_calls_reject_an_odd_marker_count():
+    with pytest.raises(ValueError, match="not whole pairs"):
+        bracketed_calls([(MARKER, 0.0, 1.0), (MARKER, 2.0, 1.0), (MARKER, 4.0, 1.0)])
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.floats(500, 2500), st.floats(0, 5), st.randoms())
-def test_clock_from_two_spin_lengths(mhz, fixed_us, rng):
-    """Spins of c and 2c cycles at `mhz` with a fixed cost: the fixed cost comes out, then the clock."""
-    spin = [fixed_us + cycles / mhz for cycles in (SPIN_CYCLES, 2 * SPIN_CYCLES, SPIN_CYCLES)]
-    trace = [(MARKER, float(i * 1000), dur) for i, dur in enumerate(spin)] + [("other", 500.0, 3.0)]
-    rng.shuffle(trace)
-    durations = marker_durations(trace)
-    assert durations == spin
-    fixed = 2 * durations[0] - durations[1]
-    assert abs(clock_mhz(durations[2], SPIN_CYCLES, fixed) - mhz) <= 1e-6 * mhz
-
-
-def test_call_segments_reject_a_short_segment():
-    with pytest.raises(ValueError, match="fewer than the flush"):
-        call_segments([(MARKER, 0.0, 1.0), (MARKER, 2.0, 1.0)], flush_count=1)
+@given(st.floats(500, 2500), st.floats(0, 5))
+def test_clock_from_two_spin_lengths(mhz, fixed_us):
+    """Spins of c and 2c cycles at `mhz` with a fixed cost: the fixed cost comes out, then the clock of a third spin."""
+    one, two = (fixed_us + cycles / mhz for cycles in (SPIN_CYCLES, 2 * SPIN_CYCLES))
+    fixed = 2 * one - two
+    assert abs(clock_mhz(fixed_us + SPIN_CYCLES / mhz, SPIN_CYCLES, fixed) - mhz) <= 1e-6 * mhz
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
