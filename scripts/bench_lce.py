@@ -259,7 +259,7 @@ def event_ms(fn) -> float:
 
 def device_times(fn) -> tuple[float, float, float]:
     """(busy ms, span ms, SM MHz): medians over calls (CUPTI, L2 flushed before each call; the SM clock right
-    before each call); wall clock and nan under --smoke."""
+    after each call); wall clock and nan under --smoke."""
     if DEVICE != "cuda":
         ms = event_ms(fn)
         return ms, ms, float("nan")
