@@ -350,6 +350,19 @@ def warm_up(jobs, workers=12):
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Row:
+    """One provider of the canonical table: device busy ms, span ms and SM MHz (device_times), do_bench ms."""
+    name: str
+    ms: float
+    flops: float
+    check: str = ""
+    note: str = ""
+    span: float = float("nan")
+    mhz: float = float("nan")
+    events: float = float("nan")
+
+
 def canonical_section(shape, peak, bandwidth, with_flex, tune):
     lines = []
     p = make_problem(shape, seed=1)
@@ -358,11 +371,12 @@ def canonical_section(shape, peak, bandwidth, with_flex, tune):
     err_ours = rel_err(poisoned_ours(p)[0], ref)
     assert err_ours <= BF16_TOL, f"ours: relative error {err_ours:.2e} vs fp64"
     base_out = baseline(p)
-    rows = []  # (provider, ms, flops, check, note)
+    rows: list[Row] = []
 
     def add(name, fn, flops, out=None, note=""):
         check = "" if out is None else f"{rel_err(out, ref):.1e}"
-        rows.append((name, *device_times(fn), flops, check, note, event_timed(fn)))
+        ms, span, mhz = device_times(fn)
+        rows.append(Row(name, ms, flops, check, note, span, mhz, event_timed(fn)))
 
     add("baseline (index_select + SDPA)", lambda: baseline(p), shape.target_flops, base_out, "replication timed")
     k_rep, v_rep = (p[n].index_select(0, p["cand_to_user"]) for n in ("k", "v"))
@@ -379,14 +393,14 @@ def canonical_section(shape, peak, bandwidth, with_flex, tune):
                 packed(eq, backend)
                 add(f"{name} (equal counts {per_user}/user)", lambda b=backend: packed(eq, b), eq_flops, note=f"B'={per_user * shape.num_users}")
             except RuntimeError as exc:  # backend not available for this shape/device
-                rows.append((name, float("nan"), float("nan"), float("nan"), eq_flops, "", f"unavailable: {str(exc)[:60]}", float("nan")))
+                rows.append(Row(name, float("nan"), eq_flops, note=f"unavailable: {str(exc)[:60]}"))
         del eq
     if with_flex:
         try:
             run, unflatten = make_flex(p, shape)
             add("flex (block mask, ragged)", run, shape.target_flops, unflatten(run()))
         except Exception as exc:  # noqa: BLE001 (report and go on: a missing peer is not a failure of ours)
-            rows.append(("flex", float("nan"), float("nan"), float("nan"), shape.target_flops, "", f"failed: {type(exc).__name__}: {str(exc)[:60]}", float("nan")))
+            rows.append(Row("flex", float("nan"), shape.target_flops, note=f"failed: {type(exc).__name__}: {str(exc)[:60]}"))
     config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting())
     from kernels import attention_ws
 
@@ -404,23 +418,23 @@ def canonical_section(shape, peak, bandwidth, with_flex, tune):
     add("ours: plan kernel only", lambda: attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m), shape.target_flops, note="FLOPs of the op")
     if not SMOKE:  # device time without the host's launches: both captured once, replayed
         base_graph, ours_graph = graph_ms(lambda: baseline(p)), graph_ms(lambda: ours(p))
-        rows.append(("baseline as a CUDA-graph replay", base_graph, float("nan"), float("nan"), shape.target_flops, "", "", float("nan")))
-        rows.append(("ours: public op as a CUDA-graph replay (as served)", ours_graph, float("nan"), float("nan"), shape.target_flops, "",
-                     f"{base_graph / ours_graph:.2f}× the baseline's replay", float("nan")))
+        rows.append(Row("baseline as a CUDA-graph replay", base_graph, shape.target_flops))
+        rows.append(Row("ours: public op as a CUDA-graph replay (as served)", ours_graph, shape.target_flops,
+                        note=f"{base_graph / ours_graph:.2f}× the baseline's replay"))
     if tune:
         for config in TUNE_CONFIGS:
             add(f"ours {label(config)}", lambda c=config: ours(p, c), shape.target_flops, ours(p, config))
 
-    base_ms, base_events = rows[0][1], rows[0][7]
+    base_ms, base_events = rows[0].ms, rows[0].events
     lines.append(f"Target attention, {shape}, counts {p['counts'].tolist()}, bf16, non-causal")
     lines.append(f"floor {floor_ms:.3f} ms (FLOPs / {peak / 1e12:.0f} TFLOP/s; bytes / {bandwidth / 1e12:.2f} TB/s); ours rel err vs fp64 {err_ours:.1e} (poisoned output)\n")
     lines.append("ms: the GPU's busy time for a call's work (CUPTI); span: its first start to last end (with waits for the host between "
                  "its launches); SM MHz: the SM clock right after each call (median); do_bench: CUDA events around the call (+ host launch time where it outlasts the L2 flush)\n")
     lines.append("| provider | ms | TFLOP/s | × baseline | % of floor | err vs fp64 | span ms | SM MHz | do_bench ms | × baseline, do_bench | note |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for name, ms, span, mhz, flops, check, note, events in rows:
-        lines.append(f"| {name} | {ms:.4f} | {flops / ms / 1e9:.0f} | {base_ms / ms:.2f} | {100 * floor_ms / ms * flops / shape.target_flops:.0f} | "
-                     f"{check} | {span:.4f} | {mhz:.0f} | {events:.4f} | {base_events / events:.2f} | {note} |")
+    for r in rows:
+        lines.append(f"| {r.name} | {r.ms:.4f} | {r.flops / r.ms / 1e9:.0f} | {base_ms / r.ms:.2f} | {100 * floor_ms / r.ms * r.flops / shape.target_flops:.0f} | "
+                     f"{r.check} | {r.span:.4f} | {r.mhz:.0f} | {r.events:.4f} | {base_events / r.events:.2f} | {r.note} |")
     return lines
 
 
