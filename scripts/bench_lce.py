@@ -331,8 +331,9 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
             continue
         baseline_ms = baseline_ms or ms
         baseline_events = baseline_events or events
-        rows.append((name, ms, p.flops() / (ms * 1e-3) / 1e12, 100 * floor / ms, baseline_ms / ms, err, host, graph, events,
-                     baseline_events / events, span, mhz))
+        rows.append(dict(name=name, ms=ms, tflops=p.flops() / (ms * 1e-3) / 1e12, pct_floor=100 * floor / ms,
+                         speedup=baseline_ms / ms, rel_err=err, span_ms=span, sm_mhz=mhz, do_bench_ms=events,
+                         speedup_do_bench=baseline_events / events, host_us=host, graph_ms=graph))
         log(f"  {name}: {ms:.4f} ms, span {span:.4f} ms, do_bench {events:.4f} ms, rel err {err:.2e}, host {host:.0f} us/call, graph {graph:.4f} ms")
     lines = calibration(p, packed, flop_rate, log) + [""] + [
         "| provider | device ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | device span ms | SM MHz | do_bench ms "
@@ -340,8 +341,9 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [
-        f"| {n} | {ms:.4f} | {tf:.0f} | {pf:.0f}% | {sp:.2f} | {e:.1e} | {span:.4f} | {mhz:.0f} | {ev:.4f} | {evs:.2f} | {h:.0f} | {g:.4f} |"
-        for n, ms, tf, pf, sp, e, h, g, ev, evs, span, mhz in rows
+        "| {name} | {ms:.4f} | {tflops:.0f} | {pct_floor:.0f}% | {speedup:.2f} | {rel_err:.1e} | {span_ms:.4f} | {sm_mhz:.0f} | "
+        "{do_bench_ms:.4f} | {speedup_do_bench:.2f} | {host_us:.0f} | {graph_ms:.4f} |".format(**row)
+        for row in rows
     ]
     return lines, rows, floor, p
 
