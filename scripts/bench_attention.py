@@ -62,7 +62,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from device_time import device_ms  # noqa: E402
+from device_time import device_times, event_ms  # noqa: E402
 from kernels import attention  # noqa: E402
 from kernels.attention import TileConfig, ikbo_attention, ikbo_self_target_attention  # noqa: E402
 
@@ -237,35 +237,9 @@ def make_flex(p, shape):
 # ---------------------------------------------------------------------------------------------
 
 
-def _wall_ms(fn):
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[1]
-
-
-def device_times(fn, calls=50):
-    """(busy ms, span ms, SM MHz): medians over calls (CUPTI, L2 flushed before each call; the SM clock right after
-    each call); wall clock (3 runs) and nan under --smoke."""
-    if SMOKE:
-        ms = _wall_ms(fn)
-        return ms, ms, float("nan")
-    measured = device_ms(fn, calls=calls)
-    return measured.busy_ms, measured.span_ms, measured.sm_mhz
-
-
 def timed(fn, calls=50):
-    """Median device ms of a call: the GPU's busy time for its own work (see device_times)."""
-    return device_times(fn, calls)[0]
-
-
-def event_timed(fn):
-    """triton.testing.do_bench's median ms between CUDA events (host launch time included where it outlasts the L2 flush)."""
-    if SMOKE:
-        return _wall_ms(fn)
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    """Median device ms of a call: the GPU's busy time for its own work (device_time.device_ms); wall clock under --smoke."""
+    return device_times(fn, not SMOKE, calls)[0]
 
 
 def ceilings():
@@ -375,8 +349,8 @@ def canonical_section(shape, peak, bandwidth, with_flex, tune):
 
     def add(name, fn, flops, out=None, note=""):
         check = "" if out is None else f"{rel_err(out, ref):.1e}"
-        ms, span, mhz = device_times(fn)
-        rows.append(Row(name, ms, flops, check, note, span, mhz, event_timed(fn)))
+        ms, span, mhz = device_times(fn, not SMOKE)
+        rows.append(Row(name, ms, flops, check, note, span, mhz, event_ms(fn, not SMOKE)))
 
     add("baseline (index_select + SDPA)", lambda: baseline(p), shape.target_flops, base_out, "replication timed")
     k_rep, v_rep = (p[n].index_select(0, p["cand_to_user"]) for n in ("k", "v"))
@@ -656,7 +630,7 @@ def sweep_section(points):
         err = max(rel_err(our_out, base_out), rel_err(kernels(), base_out))
         base_ms, op_ms, kernels_ms = timed(lambda: baseline(p), 30), timed(lambda: ours(p), 30), timed(kernels, 30)
         base_graph, op_graph = graph_ms(lambda: baseline(p)), graph_ms(lambda: ours(p))
-        events_speedup = event_timed(lambda: baseline(p)) / event_timed(kernels)
+        events_speedup = event_ms(lambda: baseline(p), not SMOKE) / event_ms(kernels, not SMOKE)
         slowest_events = min(slowest_events, events_speedup)
         slowest_op, slowest_kernels = min(slowest_op, base_ms / op_ms), min(slowest_kernels, base_ms / kernels_ms)
         slowest_graph = min(slowest_graph, base_graph / op_graph) if not SMOKE else slowest_graph

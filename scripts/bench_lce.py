@@ -43,9 +43,9 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
 
-from device_time import device_ms  # noqa: E402
+from device_time import device_times, event_ms  # noqa: E402
 from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig  # noqa: E402
 from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, s6_supported, user_gemm, ws_config  # noqa: E402
 
@@ -248,28 +248,10 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def event_ms(fn) -> float:
-    """do_bench's median ms between CUDA events (host launch time included where it outlasts the L2 flush)."""
-    if DEVICE != "cuda":  # --smoke: wall clock, one run
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def device_times(fn) -> tuple[float, float, float]:
-    """(busy ms, span ms, SM MHz): medians over calls (CUPTI, L2 flushed before each call; the SM clock right
-    after each call); wall clock and nan under --smoke."""
-    if DEVICE != "cuda":
-        ms = event_ms(fn)
-        return ms, ms, float("nan")
-    measured = device_ms(fn)
-    return measured.busy_ms, measured.span_ms, measured.sm_mhz
-
-
 def time_ms(fn) -> float:
-    """Median device ms of a call: the GPU's busy time for its own work (see device_times)."""
-    return device_times(fn)[0]
+    """Median device ms of a call: the GPU's busy time for its own work (device_time.device_ms); one wall-clock run
+    under --smoke."""
+    return device_times(fn, DEVICE == "cuda")[0]
 
 
 # ----------------------------------------------------------------------------- ceilings
@@ -323,7 +305,7 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
     for name, fn in providers(p, packed, with_compile, with_configs).items():
         try:
             err = check(name, fn, p, ref)
-            (ms, span, mhz), events = device_times(fn), event_ms(fn)
+            (ms, span, mhz), events = device_times(fn, DEVICE == "cuda"), event_ms(fn, DEVICE == "cuda")
             host = host_us(fn) if name.startswith("Triton") and DEVICE == "cuda" else float("nan")
             graph = graph_ms(fn) if name.startswith(GRAPH_PROVIDERS) and DEVICE == "cuda" else float("nan")
         except Exception as exc:  # one provider's failure must not end the run
@@ -389,7 +371,7 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
                     errs[name] = check("Triton " + name, fn, p, ref, head)
                 elif name == "op":
                     errs[name] = check(name, fn, p, ref, head)
-                times[name], events[name] = time_ms(fn), event_ms(fn)
+                times[name], events[name] = time_ms(fn), event_ms(fn, DEVICE == "cuda")
             except Exception as exc:
                 log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                 times[name] = events[name] = float("nan")

@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 
 MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: never launched by the code under test
@@ -113,3 +114,33 @@ def device_ms(fn, calls: int = 50, warmup: int = 5) -> DeviceTime:
     counts = sorted(len(intervals) for intervals, _ in per_call)
     return DeviceTime(statistics.median(s for s, _ in times) / 1e3, statistics.median(b for _, b in times) / 1e3,
                       counts[len(counts) // 2], statistics.median(clock_mhz(spin, SPIN_CYCLES, fixed_us) for _, spin in per_call))
+
+
+def wall_ms(fn, runs: int = 3) -> float:
+    """Median wall-clock ms of `runs` calls: the stand-in of the timings below on a machine without a GPU (benchmarks'
+    --smoke runs), not a measurement."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def device_times(fn, on_gpu: bool = True, calls: int = 50) -> tuple[float, float, float]:
+    """(busy ms, span ms, SM MHz) of `device_ms`; wall_ms twice and nan without a GPU."""
+    if not on_gpu:
+        ms = wall_ms(fn)
+        return ms, ms, float("nan")
+    measured = device_ms(fn, calls=calls)
+    return measured.busy_ms, measured.span_ms, measured.sm_mhz
+
+
+def event_ms(fn, on_gpu: bool = True) -> float:
+    """`triton.testing.do_bench`'s median ms between CUDA events (with the host's launch time wherever it outlasts
+    the L2 flush); wall_ms without a GPU."""
+    if not on_gpu:
+        return wall_ms(fn)
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
