@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +44,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
-from device_time import device_times, event_ms  # noqa: E402
+from device_time import device_times, event_ms, host_us  # noqa: E402
 from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig  # noqa: E402
 from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, s6_supported, user_gemm, ws_config  # noqa: E402
 
@@ -249,8 +248,8 @@ def _sync():
 
 
 def time_ms(fn) -> float:
-    """Median device ms of a call: the GPU's busy time for its own work (device_time.device_ms); one wall-clock run
-    under --smoke."""
+    """Median device ms of a call: the GPU's busy time for its own work (device_time.device_ms); wall clock
+    (median of 3 runs) under --smoke."""
     return device_times(fn, DEVICE == "cuda")[0]
 
 
@@ -277,19 +276,6 @@ def floor_ms(p: Problem, flop_rate, copy_rate) -> float:
 
 
 # ----------------------------------------------------------------------------- runs
-
-
-def host_us(fn, calls: int = 50) -> float:
-    """Host time per call (µs): `calls` calls enqueued back to back without a sync (the GPU queue
-    does not fill at these sizes), so the wall time over them is the host's launch path."""
-    fn()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    _sync()
-    return elapsed / calls * 1e6
 
 
 GRAPH_PROVIDERS = ("Triton s3", "Triton s6")  # graph-safe (s4 takes s3 inside a capture)

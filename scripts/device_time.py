@@ -144,3 +144,20 @@ def event_ms(fn, on_gpu: bool = True) -> float:
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def host_us(fn, on_gpu: bool = True, calls: int = 50) -> float:
+    """Host (CPU) µs per call: `calls` calls enqueued back to back without a sync (the GPU queue does not fill
+    at these sizes), so the wall time over them is the host's launch path; nan without a GPU."""
+    if not on_gpu:
+        return float("nan")
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
