@@ -2,7 +2,7 @@
 
 `run_interpreted(test_file)`: run that file's `interpreted_*` tests in a child pytest with
 TRITON_INTERPRET=1 (the variable must be set before Triton compiles anything, so those tests cannot
-run in the parent process).
+run in the parent process); `run_child_tests` is the same for any keyword and environment.
 
 `enable_memcheck()` (tests/conftest.py calls it whenever TRITON_INTERPRET=1): every unmasked address
 an interpreted kernel loads or stores must lie inside the storage of one of the kernel's tensor
@@ -24,8 +24,13 @@ import numpy as np
 
 
 def run_interpreted(test_file: str, timeout: float = 600) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file, "-k", "interpreted_"]
+    run_child_tests(test_file, "interpreted_", {"TRITON_INTERPRET": "1"}, timeout)
+
+
+def run_child_tests(test_file: str, keyword: str, env: dict, timeout: float = 600) -> None:
+    """Run `test_file`'s tests matching `keyword` in a child pytest with `env` added; all must pass, none skip."""
+    env = dict(os.environ, **env)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file, "-k", keyword]
     done = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]

@@ -47,11 +47,24 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def ragged_mapping(num_users: int, num_candidates: int, empty_users: int, index_dtype, gen) -> torch.Tensor:
+def ragged_mapping(num_users: int, num_candidates: int, empty_users: int, index_dtype, gen, device="cuda") -> torch.Tensor:
     """Unsorted, unequal counts; the last `empty_users` users get no candidate."""
     weights = torch.rand(num_users - empty_users, generator=gen) ** 2 + 0.05
     users = torch.multinomial(weights, num_candidates, replacement=True, generator=gen)
-    return users.to("cuda", index_dtype)
+    return users.to(device, index_dtype)
+
+
+def filler(device, seed: int, dtype, random: bool):
+    """make(*shape, scale=1) → a [shape] tensor of `dtype` on `device`: standard normal draws from `seed` (on the
+    device), or uninitialized when not `random`."""
+    gen = torch.Generator(device=device).manual_seed(seed) if random else None
+
+    def make(*shape, scale=1.0):
+        if not random:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return (torch.randn(shape, device=device, generator=gen) * scale).to(dtype)
+
+    return make
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,20 +92,24 @@ class LCESpec:
     num_programs: int | None  # s6's persistent grid (None: one program per SM)
     seed: int
 
-    def tensors(self):
-        """user_emb, cand_emb, cand_to_user, weight, bias, and the fp64 reference out [B, N, D]."""
+    def tensors(self, device="cuda", random=True):
+        """user_emb [U, Ku, D], cand_emb [B, Kc, D], cand_to_user [B], weight [N, Ku + Kc], bias [N] or None; random=False:
+        uninitialized (tests/test_gpu_compile.py only compiles)."""
         gen = torch.Generator().manual_seed(self.seed)
-        cand_to_user = ragged_mapping(self.num_users, self.num_candidates, self.empty_users, INDEX_DTYPES[self.index_dtype], gen)
-        cuda_gen, dtype = torch.Generator(device="cuda").manual_seed(self.seed), DTYPES[self.dtype]
+        cand_to_user = ragged_mapping(self.num_users, self.num_candidates, self.empty_users, INDEX_DTYPES[self.index_dtype], gen,
+                                      device)  # fmt: skip
+        make = filler(device, self.seed, DTYPES[self.dtype], random)
         ku, kc = self.num_user_tokens, self.num_cand_tokens
-        user_emb = torch.randn(self.num_users, ku, self.dim, device="cuda", generator=cuda_gen).to(dtype)
-        cand_emb = torch.randn(self.num_candidates, kc, self.dim, device="cuda", generator=cuda_gen).to(dtype)
-        weight = (torch.randn(self.rows, ku + kc, device="cuda", generator=cuda_gen) / (ku + kc) ** 0.5).to(dtype)
-        bias = torch.randn(self.rows, device="cuda", generator=cuda_gen).to(dtype) if self.with_bias else None
-        # the reference replicates user rows, as the baseline does: test code only
-        tokens = torch.cat([user_emb.double()[cand_to_user.long()], cand_emb.double()], dim=1)
-        ref = torch.matmul(weight.double(), tokens) + (0 if bias is None else bias.double()[:, None])
-        return user_emb, cand_emb, cand_to_user, weight, bias, ref
+        user_emb, cand_emb = make(self.num_users, ku, self.dim), make(self.num_candidates, kc, self.dim)
+        weight = make(self.rows, ku + kc, scale=(ku + kc) ** -0.5)
+        bias = make(self.rows) if self.with_bias else None
+        return user_emb, cand_emb, cand_to_user, weight, bias
+
+
+def lce_reference(user_emb, cand_emb, cand_to_user, weight, bias):
+    """out [B, N, D] in fp64; it replicates user rows, as the baseline does (test code only)."""
+    tokens = torch.cat([user_emb.double()[cand_to_user.long()], cand_emb.double()], dim=1)
+    return torch.matmul(weight.double(), tokens) + (0 if bias is None else bias.double()[:, None])
 
 
 @st.composite
@@ -119,7 +136,8 @@ def lce_specs(draw):
 def test_drawn_lce_s6_and_public_op(spec):
     """s6 (its two launches, out and Y_u NaN-poisoned; the full grid or a few programs) and the public op's
     own variant choice (s6 or s3/s4 by shape), both against fp64."""
-    user_emb, cand_emb, cand_to_user, weight, bias, ref = spec.tensors()
+    user_emb, cand_emb, cand_to_user, weight, bias = spec.tensors()
+    ref = lce_reference(user_emb, cand_emb, cand_to_user, weight, bias)
     tol = TOLERANCE[cand_emb.dtype]
     assert s6_supported(user_emb, cand_emb)
     packed = PackedLinearCompress.from_weight(weight, spec.num_user_tokens, bias)
@@ -162,26 +180,27 @@ class AttentionSpec:
     num_programs: int | None
     seed: int
 
-    def tensors(self):
-        """q [B, H, S, d], user_q / k / v [U, H, L, d], cand_to_user, kv_len."""
+    def tensors(self, device="cuda", random=True):
+        """q [B, H, S, d], user_q / k / v [U, H, L, d], cand_to_user [B], kv_len [U] or None; random=False:
+        uninitialized (tests/test_gpu_compile.py only compiles)."""
         gen = torch.Generator().manual_seed(self.seed)
-        cand_to_user = ragged_mapping(self.num_users, self.num_candidates, self.empty_users, INDEX_DTYPES[self.index_dtype], gen)
+        cand_to_user = ragged_mapping(self.num_users, self.num_candidates, self.empty_users, INDEX_DTYPES[self.index_dtype], gen,
+                                      device)  # fmt: skip
         kv_len = None
         if self.kv_len is not None:
             kv_len = torch.randint(0, self.seq_len + 1, (self.num_users,), generator=gen)
             kv_len[torch.randint(0, self.num_users, (2,), generator=gen)] = torch.tensor([0, self.seq_len])
-            kv_len = kv_len.to("cuda", INDEX_DTYPES[self.kv_len])
-        cuda_gen, dtype = torch.Generator(device="cuda").manual_seed(self.seed), DTYPES[self.dtype]
+            kv_len = kv_len.to(device, INDEX_DTYPES[self.kv_len])
+        make = filler(device, self.seed, DTYPES[self.dtype], random)
         users, heads, seq_len, head_dim = self.num_users, self.heads, self.seq_len, self.head_dim
         if self.layout == "fused":
-            qkv = torch.randn(users, seq_len, 3 * heads * head_dim, device="cuda", generator=cuda_gen).to(dtype)
+            qkv = make(users, seq_len, 3 * heads * head_dim)
             user_q, k, v = (p.unflatten(2, (heads, head_dim)).transpose(1, 2) for p in qkv.split(heads * head_dim, dim=2))
         elif self.layout == "ULHd":
-            user_q, k, v = (torch.randn(users, seq_len, heads, head_dim, device="cuda", generator=cuda_gen).to(dtype).transpose(1, 2)
-                            for _ in range(3))  # fmt: skip
+            user_q, k, v = (make(users, seq_len, heads, head_dim).transpose(1, 2) for _ in range(3))
         else:
-            user_q, k, v = (torch.randn(users, heads, seq_len, head_dim, device="cuda", generator=cuda_gen).to(dtype) for _ in range(3))
-        q = torch.randn(self.num_candidates, heads, self.num_queries, head_dim, device="cuda", generator=cuda_gen).to(dtype)
+            user_q, k, v = (make(users, heads, seq_len, head_dim) for _ in range(3))
+        q = make(self.num_candidates, heads, self.num_queries, head_dim)
         return q, user_q, k, v, cand_to_user, kv_len
 
 

@@ -1,0 +1,116 @@
+"""The GPU launch paths compiled on the CPU, as an H200 would compile them (skipped where CUDA is present: the GPU
+tests compile for real there).
+
+The real host code of `attention_ws.launch_ws` (the Gluon kernel, with and without self tiles), `attention._launch`
+(the Triton kernel, both of `pick_config`'s tile configs) and the LCE variants (s6's `run_fused`, s3 and s4) runs on
+CPU tensors under a stand-in Triton driver whose launcher does nothing: the descriptors, Triton's binder and its
+specialization of every argument (an integer equal to 1 becomes a constant, multiples of 16 are marked), the
+compile, and the wheel's ptxas for sm_90a. The problems are tests/test_gpu_drawn.py's drawn specs, so the
+specializations that requests reach get compiled in CI. That class of failure is real: at L = 1 ptxas died
+with SIGSEGV on the Triton attention kernel (found by the drawn GPU tests on the H200, 2026-12-01). Nothing runs,
+so no result is checked here. The stand-in must not leak into other tests: these run in a child pytest.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+
+from interpreted import run_child_tests
+from test_gpu_drawn import AttentionSpec, LCESpec, attention_specs, lce_specs
+
+STANDIN = os.environ.get("IKBO_STANDIN_DRIVER") == "1"
+COMPILES = settings(max_examples=int(os.environ.get("IKBO_COMPILE_EXAMPLES", "8")), deadline=None,
+                    suppress_health_check=list(HealthCheck), print_blob=True)  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile these kernels for real")
+def test_gpu_paths_compile_on_cpu():
+    try:
+        from kernels.attention_ws import compile_ws
+
+        compile_ws(has_kv_len=False)
+    except Exception as exc:  # noqa: BLE001 - any failure here means this Triton cannot target sm_90a on this machine
+        pytest.skip(f"cannot compile for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
+    run_child_tests(__file__, "standin_", {"IKBO_STANDIN_DRIVER": "1"}, timeout=1500)
+
+
+@pytest.fixture(scope="module")
+def standin_driver():
+    """Triton's active driver replaced by one for an sm_90 device whose launcher does nothing; the kernels'
+    device queries answer for an H200 (132 SMs). The driver stays replaced: its child process ends with the
+    module (without a GPU, Triton's default driver cannot be made again)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from kernels import attention_ws, linear_compress_ws
+
+    class Utils:
+        def load_binary(self, name, kernel, shared, device):
+            return 1, 1, 128, 0, 1024  # module, function, registers, spills, max threads
+
+        def get_device_properties(self, device):
+            return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+    class StandIn:
+        utils = Utils()
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def launcher_cls(self, src, metadata):
+            return lambda *args: None
+
+    driver.set_active(StandIn())
+    for module in (attention_ws, linear_compress_ws):
+        module._device_info = lambda device: ((9, 0), 132)
+
+
+L1 = AttentionSpec(2, 3, 1, 1, 1, 64, None, "contiguous", "bf16", "int32", 0, "default", None, 0)  # ptxas SIGSEGV before 2026-12-01
+
+
+@pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
+@COMPILES
+@given(spec=attention_specs())
+@example(spec=L1)
+def test_standin_attention_compiles(standin_driver, spec):
+    from kernels import attention
+    from kernels.attention_ws import launch_ws
+
+    q, user_q, k, v, cand_to_user, kv_len = spec.tensors("cpu", random=False)
+    scale = 1 / math.sqrt(spec.head_dim)
+    launch_ws(q, k, v, cand_to_user, kv_len, scale, out=torch.empty_like(q), num_programs=spec.num_programs)
+    launch_ws(q, k, v, cand_to_user, kv_len, scale, out=torch.empty_like(q), user_q=user_q,
+              user_out=torch.empty(user_q.shape, dtype=q.dtype), causal=spec.seed % 2 == 0)  # fmt: skip
+    for rows_per_user in (64, 65):  # pick_config's two tile configs
+        config = attention.pick_config(rows_per_user, False)
+        attention._launch(q, k, v, cand_to_user, kv_len, scale, config=config)
+        attention._launch(q, k, v, cand_to_user, kv_len, scale, user_q, spec.seed % 2 == 0, config=config)
+
+
+@pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
+@COMPILES
+@given(spec=lce_specs())
+@example(spec=LCESpec(1, 1, 1, 1, 8, 1, True, "bf16", "int32", 0, None, 0))
+def test_standin_lce_compiles(standin_driver, spec):
+    from kernels.linear_compress import PackedLinearCompress
+    from kernels.linear_compress_ws import lce_s6
+
+    user_emb, cand_emb, cand_to_user, weight, bias = spec.tensors("cpu", random=False)
+    packed = PackedLinearCompress.from_weight(weight, spec.num_user_tokens, bias)
+    lce_s6(packed, user_emb, cand_emb, cand_to_user)
+    for variant in ("s3", "s4"):
+        packed._triton(user_emb, cand_emb, cand_to_user, variant)
