@@ -325,7 +325,8 @@ def _target_tile(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_users", "seq_len", "num_self_tiles"])  # any U, B: one kernel per tile config; L = 1 as a constant crashed ptxas
+# any U, B: one kernel per tile config; seq_len too: at L = 1 Triton made it a constant and ptxas died (SIGSEGV)
+@triton.jit(do_not_specialize=["num_users", "seq_len", "num_self_tiles"])
 def _attention_kernel(
     q_ptr,  # [B, H, S, D] candidate queries
     stride_qb,
