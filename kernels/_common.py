@@ -193,3 +193,45 @@ def compile_gluon_without_gpu(kernel, runtime_args: dict, constexprs: dict, opti
             attrs[(index,)] = BaseBackend.parse_attr(key)
     source = (GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource)(kernel, signature, constants, attrs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def install_standin_driver(multiprocessors: int = 132, capability: int = 90) -> None:
+    """Make Triton's active driver a stand-in for an sm_<capability> GPU whose launcher does nothing, on a machine
+    without one. Kernels launched on CPU tensors then go through Triton's real binder, argument specialization and
+    compile (the wheel's ptxas included), and do not run. The Gluon kernels' device queries answer for that GPU.
+    For tools and tests only (tests/test_gpu_compile.py, scripts/bench_attention.py --host-cpu); it is not undone:
+    without a GPU, Triton's own driver cannot be made again."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from . import attention_ws, linear_compress_ws
+
+    class Utils:
+        def load_binary(self, name, kernel, shared, device):
+            return 1, 1, 128, 0, 1024  # module, function, registers, spills, max threads
+
+        def get_device_properties(self, device):
+            return {"max_shared_mem": 232448, "multiprocessor_count": multiprocessors}
+
+    class StandIn:
+        utils = Utils()
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", capability, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def launcher_cls(self, src, metadata):
+            return lambda *args: None
+
+    driver.set_active(StandIn())
+    for module in (attention_ws, linear_compress_ws):
+        module._device_info = lambda device: ((capability // 10, capability % 10), multiprocessors)

@@ -529,32 +529,9 @@ def host_cpu(calls=3000):
     (binder, specialization, cache lookup; kernels compiled for sm_90 here) under a stand-in driver
     whose launcher does nothing, on CPU tensors. Leaves out the C launcher (TMA descriptor encoding,
     cuLaunchKernelEx), CUDA allocations and the flag wait, which only a GPU run measures."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
+    from kernels._common import install_standin_driver
 
-    class Utils:
-        def load_binary(self, name, kernel, shared, device):
-            return 1, 1, 128, 0, 1024  # module, function, registers, spills, max threads
-
-        def get_device_properties(self, device):
-            return {"max_shared_mem": 232448, "multiprocessor_count": 132}
-
-    class StandIn:
-        utils = Utils()
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def launcher_cls(self, src, metadata):
-            return lambda *args: None
-
-    driver.set_active(StandIn())
+    install_standin_driver()
     uninitialized = attention.plan_buffers
 
     def plan_buffers(num_candidates, max_tiles, device):  # the flag as a plan kernel that found nothing wrong leaves it

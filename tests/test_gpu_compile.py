@@ -41,42 +41,10 @@ def test_gpu_paths_compile_on_cpu():
 
 @pytest.fixture(scope="module")
 def standin_driver():
-    """Triton's active driver replaced by one for an sm_90 device whose launcher does nothing; the kernels'
-    device queries answer for an H200 (132 SMs). The driver stays replaced: its child process ends with the
-    module (without a GPU, Triton's default driver cannot be made again)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
+    """Triton's driver replaced for this child process (`kernels._common.install_standin_driver`: an H200, sm_90)."""
+    from kernels._common import install_standin_driver
 
-    from kernels import attention_ws, linear_compress_ws
-
-    class Utils:
-        def load_binary(self, name, kernel, shared, device):
-            return 1, 1, 128, 0, 1024  # module, function, registers, spills, max threads
-
-        def get_device_properties(self, device):
-            return {"max_shared_mem": 232448, "multiprocessor_count": 132}
-
-    class StandIn:
-        utils = Utils()
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def launcher_cls(self, src, metadata):
-            return lambda *args: None
-
-    driver.set_active(StandIn())
-    for module in (attention_ws, linear_compress_ws):
-        module._device_info = lambda device: ((9, 0), 132)
+    install_standin_driver()
 
 
 L1 = AttentionSpec(2, 3, 1, 1, 1, 64, None, "contiguous", "bf16", "int32", 0, "default", None, 0)  # ptxas SIGSEGV before 2026-12-01

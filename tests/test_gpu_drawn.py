@@ -67,6 +67,13 @@ def filler(device, seed: int, dtype, random: bool):
     return make
 
 
+def drawn_inputs(spec, device, random: bool):
+    """(CPU generator from spec.seed, spec's ragged mapping on `device`, spec's `filler`)."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    cand_to_user = ragged_mapping(spec.num_users, spec.num_candidates, spec.empty_users, INDEX_DTYPES[spec.index_dtype], gen, device)
+    return gen, cand_to_user, filler(device, spec.seed, DTYPES[spec.dtype], random)
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 
@@ -95,10 +102,7 @@ class LCESpec:
     def tensors(self, device="cuda", random=True):
         """user_emb [U, Ku, D], cand_emb [B, Kc, D], cand_to_user [B], weight [N, Ku + Kc], bias [N] or None; random=False:
         uninitialized (tests/test_gpu_compile.py only compiles)."""
-        gen = torch.Generator().manual_seed(self.seed)
-        cand_to_user = ragged_mapping(self.num_users, self.num_candidates, self.empty_users, INDEX_DTYPES[self.index_dtype], gen,
-                                      device)  # fmt: skip
-        make = filler(device, self.seed, DTYPES[self.dtype], random)
+        _, cand_to_user, make = drawn_inputs(self, device, random)
         ku, kc = self.num_user_tokens, self.num_cand_tokens
         user_emb, cand_emb = make(self.num_users, ku, self.dim), make(self.num_candidates, kc, self.dim)
         weight = make(self.rows, ku + kc, scale=(ku + kc) ** -0.5)
@@ -183,15 +187,12 @@ class AttentionSpec:
     def tensors(self, device="cuda", random=True):
         """q [B, H, S, d], user_q / k / v [U, H, L, d], cand_to_user [B], kv_len [U] or None; random=False:
         uninitialized (tests/test_gpu_compile.py only compiles)."""
-        gen = torch.Generator().manual_seed(self.seed)
-        cand_to_user = ragged_mapping(self.num_users, self.num_candidates, self.empty_users, INDEX_DTYPES[self.index_dtype], gen,
-                                      device)  # fmt: skip
+        gen, cand_to_user, make = drawn_inputs(self, device, random)
         kv_len = None
         if self.kv_len is not None:
             kv_len = torch.randint(0, self.seq_len + 1, (self.num_users,), generator=gen)
             kv_len[torch.randint(0, self.num_users, (2,), generator=gen)] = torch.tensor([0, self.seq_len])
             kv_len = kv_len.to(device, INDEX_DTYPES[self.kv_len])
-        make = filler(device, self.seed, DTYPES[self.dtype], random)
         users, heads, seq_len, head_dim = self.num_users, self.heads, self.seq_len, self.head_dim
         if self.layout == "fused":
             qkv = make(users, seq_len, 3 * heads * head_dim)
