@@ -9,6 +9,7 @@ compile, and the wheel's ptxas for sm_90a. The problems are tests/test_gpu_drawn
 specializations that requests reach get compiled in CI. That class of failure is real: at L = 1 ptxas died
 with SIGSEGV on the Triton attention kernel (found by the drawn GPU tests on the H200, 2026-12-01). Nothing runs,
 so no result is checked here. The stand-in must not leak into other tests: these run in a child pytest.
+Drawn examples per path: $IKBO_COMPILE_EXAMPLES (default 8; 150 each compiled clean on the CPU machine on 2026-12-01).
 """
 
 from __future__ import annotations
