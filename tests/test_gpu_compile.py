@@ -83,3 +83,17 @@ def test_standin_lce_compiles(standin_driver, spec):
     lce_s6(packed, user_emb, cand_emb, cand_to_user)
     for variant in ("s3", "s4"):
         packed._triton(user_emb, cand_emb, cand_to_user, variant)
+
+
+@pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
+@COMPILES
+@given(spec=lce_specs(any_shape=True))
+@example(spec=LCESpec(2, 3, 5, 0, 1, 1, True, "fp16", "int64", 1, None, 0))  # Kc = 0, D = N = 1
+def test_standin_lce_any_shape_compiles(standin_driver, spec):
+    """The public op's Triton variants off s6's domain too: D not a multiple of 8 (pointer loads), Kc = 0."""
+    from kernels.linear_compress import PackedLinearCompress
+
+    user_emb, cand_emb, cand_to_user, weight, bias = spec.tensors("cpu", random=False)
+    packed = PackedLinearCompress.from_weight(weight, spec.num_user_tokens, bias)
+    for variant in ("s3", "s4", "s6"):  # s6 falls back to s3 where it does not run
+        packed._triton(user_emb, cand_emb, cand_to_user, variant)

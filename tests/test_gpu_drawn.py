@@ -105,7 +105,7 @@ class LCESpec:
         _, cand_to_user, make = drawn_inputs(self, device, random)
         ku, kc = self.num_user_tokens, self.num_cand_tokens
         user_emb, cand_emb = make(self.num_users, ku, self.dim), make(self.num_candidates, kc, self.dim)
-        weight = make(self.rows, ku + kc, scale=(ku + kc) ** -0.5)
+        weight = make(self.rows, ku + kc, scale=max(1, ku + kc) ** -0.5)
         bias = make(self.rows) if self.with_bias else None
         return user_emb, cand_emb, cand_to_user, weight, bias
 
@@ -117,14 +117,15 @@ def lce_reference(user_emb, cand_emb, cand_to_user, weight, bias):
 
 
 @st.composite
-def lce_specs(draw):
+def lce_specs(draw, any_shape: bool = False):
+    """In s6's domain; with `any_shape`, also D not a multiple of 8 and Kc = 0 (s3/s4 only: pointer loads)."""
     num_users = draw(st.integers(1, 40))
     return LCESpec(
         num_users=num_users,
         num_candidates=draw(st.integers(1, 1100)),
         num_user_tokens=draw(st.just(0) | st.integers(1, 300)),
-        num_cand_tokens=draw(st.integers(1, 600)),
-        dim=8 * draw(st.integers(1, 40)),
+        num_cand_tokens=draw(st.integers(0 if any_shape else 1, 600)),
+        dim=draw(st.integers(1, 320)) if any_shape else 8 * draw(st.integers(1, 40)),
         rows=draw(st.integers(1, 520)),
         with_bias=draw(st.booleans()),
         dtype=draw(st.sampled_from(sorted(DTYPES))),
