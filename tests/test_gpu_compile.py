@@ -72,6 +72,18 @@ def test_standin_attention_compiles(standin_driver, spec):
 
 @pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
 @COMPILES
+@given(spec=attention_specs(any_head_dim=True))
+def test_standin_triton_attention_compiles(standin_driver, spec):
+    """The Triton attention kernel at every head size it takes (16 and 32 too: the demo model's d = 32 on a GPU)."""
+    from kernels import attention
+
+    q, user_q, k, v, cand_to_user, kv_len = spec.tensors("cpu", random=False)
+    config = attention.pick_config(spec.num_candidates * spec.num_queries / spec.num_users, False)
+    attention._launch(q, k, v, cand_to_user, kv_len, 1 / math.sqrt(spec.head_dim), user_q, spec.seed % 2 == 0, config=config)
+
+
+@pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
+@COMPILES
 @given(spec=lce_specs())
 @example(spec=LCESpec(1, 1, 1, 1, 8, 1, True, "bf16", "int32", 0, None, 0))
 def test_standin_lce_compiles(standin_driver, spec):

@@ -207,8 +207,9 @@ class AttentionSpec:
 
 
 @st.composite
-def attention_specs(draw):
-    """B · S ≤ 40,000 query rows; S both on the TMA-row path (multiples of 64) and off it."""
+def attention_specs(draw, any_head_dim: bool = False):
+    """B · S ≤ 40,000 query rows; S both on the TMA-row path (multiples of 64) and off it. d ∈ {64, 128} (the Gluon
+    kernel's); with `any_head_dim` every d of the Triton kernel, {16, 32, 64, 128}."""
     num_users = draw(st.integers(1, 24))
     num_queries = draw(st.sampled_from([1, 8, 64, 128, 192]) | st.integers(1, 200))
     return AttentionSpec(
@@ -217,7 +218,7 @@ def attention_specs(draw):
         num_queries=num_queries,
         seq_len=draw(st.integers(1, 1100)),
         heads=draw(st.integers(1, 4)),
-        head_dim=draw(st.sampled_from([64, 128])),
+        head_dim=draw(st.sampled_from([16, 32, 64, 128] if any_head_dim else [64, 128])),
         kv_len=draw(st.none() | st.sampled_from(sorted(INDEX_DTYPES))),
         layout=draw(st.sampled_from(["contiguous", "ULHd", "fused"])),
         dtype=draw(st.sampled_from(sorted(DTYPES))),
