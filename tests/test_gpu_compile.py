@@ -54,9 +54,8 @@ L1 = AttentionSpec(2, 3, 1, 1, 1, 64, None, "contiguous", "bf16", "int32", 0, "d
 @pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
 @COMPILES
 @given(spec=attention_specs())
-@example(spec=L1)
-def test_standin_attention_compiles(standin_driver, spec):
-    from kernels import attention
+def test_standin_gluon_attention_compiles(standin_driver, spec):
+    """The Gluon kernel, target-only and with self tiles."""
     from kernels.attention_ws import launch_ws
 
     q, user_q, k, v, cand_to_user, kv_len = spec.tensors("cpu", random=False)
@@ -64,7 +63,20 @@ def test_standin_attention_compiles(standin_driver, spec):
     launch_ws(q, k, v, cand_to_user, kv_len, scale, out=torch.empty_like(q), num_programs=spec.num_programs)
     launch_ws(q, k, v, cand_to_user, kv_len, scale, out=torch.empty_like(q), user_q=user_q,
               user_out=torch.empty(user_q.shape, dtype=q.dtype), causal=spec.seed % 2 == 0)  # fmt: skip
-    for rows_per_user in (64, 65):  # pick_config's two tile configs
+
+
+@pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
+@COMPILES
+@given(spec=attention_specs(any_head_dim=True))
+@example(spec=L1)
+def test_standin_triton_attention_compiles(standin_driver, spec):
+    """The Triton attention kernel at both of `pick_config`'s tile configs and every head size it takes (16 and 32
+    too: the demo model's d = 32 on a GPU), target-only and with self tiles."""
+    from kernels import attention
+
+    q, user_q, k, v, cand_to_user, kv_len = spec.tensors("cpu", random=False)
+    scale = 1 / math.sqrt(spec.head_dim)
+    for rows_per_user in (64, 65):
         config = attention.pick_config(rows_per_user, False)
         attention._launch(q, k, v, cand_to_user, kv_len, scale, config=config)
         attention._launch(q, k, v, cand_to_user, kv_len, scale, user_q, spec.seed % 2 == 0, config=config)
@@ -72,40 +84,14 @@ def test_standin_attention_compiles(standin_driver, spec):
 
 @pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
 @COMPILES
-@given(spec=attention_specs(any_head_dim=True))
-def test_standin_triton_attention_compiles(standin_driver, spec):
-    """The Triton attention kernel at every head size it takes (16 and 32 too: the demo model's d = 32 on a GPU)."""
-    from kernels import attention
-
-    q, user_q, k, v, cand_to_user, kv_len = spec.tensors("cpu", random=False)
-    config = attention.pick_config(spec.num_candidates * spec.num_queries / spec.num_users, False)
-    attention._launch(q, k, v, cand_to_user, kv_len, 1 / math.sqrt(spec.head_dim), user_q, spec.seed % 2 == 0, config=config)
-
-
-@pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
-@COMPILES
-@given(spec=lce_specs())
+@given(spec=lce_specs() | lce_specs(any_shape=True))
 @example(spec=LCESpec(1, 1, 1, 1, 8, 1, True, "bf16", "int32", 0, None, 0))
-def test_standin_lce_compiles(standin_driver, spec):
-    from kernels.linear_compress import PackedLinearCompress
-    from kernels.linear_compress_ws import lce_s6
-
-    user_emb, cand_emb, cand_to_user, weight, bias = spec.tensors("cpu", random=False)
-    packed = PackedLinearCompress.from_weight(weight, spec.num_user_tokens, bias)
-    lce_s6(packed, user_emb, cand_emb, cand_to_user)
-    for variant in ("s3", "s4"):
-        packed._triton(user_emb, cand_emb, cand_to_user, variant)
-
-
-@pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
-@COMPILES
-@given(spec=lce_specs(any_shape=True))
 @example(spec=LCESpec(2, 3, 5, 0, 1, 1, True, "fp16", "int64", 1, None, 0))  # Kc = 0, D = N = 1
-def test_standin_lce_any_shape_compiles(standin_driver, spec):
-    """The public op's Triton variants off s6's domain too: D not a multiple of 8 (pointer loads), Kc = 0."""
+def test_standin_lce_compiles(standin_driver, spec):
+    """s6 (where it runs, else its s3 fallback), s3 and s4, in s6's domain and off it (D not a multiple of 8, Kc = 0)."""
     from kernels.linear_compress import PackedLinearCompress
 
     user_emb, cand_emb, cand_to_user, weight, bias = spec.tensors("cpu", random=False)
     packed = PackedLinearCompress.from_weight(weight, spec.num_user_tokens, bias)
-    for variant in ("s3", "s4", "s6"):  # s6 falls back to s3 where it does not run
+    for variant in ("s6", "s3", "s4"):
         packed._triton(user_emb, cand_emb, cand_to_user, variant)

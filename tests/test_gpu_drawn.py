@@ -83,8 +83,8 @@ INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 
 @dataclass(frozen=True)
 class LCESpec:
-    """A drawn LCE problem in s6's domain (fp16/bf16, Kc ≥ 1, D · 2 bytes a multiple of 16); its tensors come
-    from `seed` (printed as is when a test fails)."""
+    """A drawn LCE problem (fp16/bf16; `lce_specs` keeps it in s6's domain, Kc ≥ 1 and D · 2 bytes a multiple of
+    16, unless asked for any shape); its tensors come from `seed` (printed as is when a test fails)."""
 
     num_users: int
     num_candidates: int
