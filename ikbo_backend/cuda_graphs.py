@@ -26,11 +26,14 @@ on CUDA; on a CPU `replay_eagerly=True` runs the same padding without graphs (te
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import math
 import sys
 import time
 
+import numpy as np
 import torch
 
 from .ranker import Features, RankerConfig
@@ -238,6 +241,74 @@ class GraphedInteraction(_GraphedStage):
         return scores[: self._shape(vars(f))[1]].clone()
 
 
+_memmove = ctypes.PyDLL(None).memmove  # libc's, through PyDLL: the GIL stays with the caller
+_memmove.argtypes, _memmove.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_void_p
+_memset = ctypes.PyDLL(None).memset
+_memset.argtypes, _memset.restype = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t), ctypes.c_void_p
+
+
+class _CudaRuntime:
+    """A graph replay as four calls of the CUDA runtime that torch loaded, through ctypes: copy the
+    staged request in, launch the graph, copy the output back (these only enqueue, and keep the GIL),
+    then wait for the stream (the one call that releases the GIL).
+
+    Why not torch's `copy_`, `CUDAGraph.replay` and `Stream.synchronize`: each releases and retakes the
+    GIL, and so do numpy's larger copies. With several model instances in one interpreter (the
+    python_inprocess backend) every release hands the GIL to another instance's thread and every
+    retake waits for it: with 2 and 3 threads on one H200 the torch calls served 0.97-1.22x one thread's
+    requests (7-20 voluntary context switches per request), these calls 1.41-1.95x (about 1).
+    docs/perf.md, 2026-12-01 11:30 UTC."""
+
+    H2D, D2H = 1, 2  # cudaMemcpyKind
+
+    def __init__(self, path: str):
+        keep, release = ctypes.PyDLL(path), ctypes.CDLL(path)
+        self.memcpy_async, self.graph_launch = keep.cudaMemcpyAsync, keep.cudaGraphLaunch
+        self.memcpy_async.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+        self.graph_launch.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+        self.synchronize = release.cudaStreamSynchronize
+        self.synchronize.argtypes = (ctypes.c_void_p,)
+        self.error_string = keep.cudaGetErrorString
+        self.error_string.argtypes, self.error_string.restype = (ctypes.c_int,), ctypes.c_char_p
+
+    def check(self, status: int, call: str) -> None:
+        if status:
+            raise RuntimeError(f"{call}: CUDA error {status} ({self.error_string(status).decode()})")
+
+    def replay(self, stream: int, graph_exec: int, inputs: tuple[int, int, int], output: tuple[int, int, int]) -> None:
+        """inputs, output: (destination, source, bytes) of the copy in and the copy out."""
+        self.check(self.memcpy_async(*inputs, self.H2D, stream), "cudaMemcpyAsync (request in)")
+        self.check(self.graph_launch(graph_exec, stream), "cudaGraphLaunch")
+        self.check(self.memcpy_async(*output, self.D2H, stream), "cudaMemcpyAsync (scores out)")
+        self.check(self.synchronize(stream), "cudaStreamSynchronize")
+
+
+@functools.cache
+def _cuda_runtime() -> _CudaRuntime | None:
+    """The CUDA runtime library of this process's torch (found in /proc/self/maps), or None (torch's
+    calls are used then)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "/libcudart.so" in line), None)
+        return _CudaRuntime(path) if path else None
+    except (OSError, AttributeError) as e:
+        LOG.warning("CUDA runtime not bound through ctypes, graph replays use torch's calls: %s", e)
+        return None
+
+
+def _copy_rows(host: np.ndarray, t: torch.Tensor) -> None:
+    """host[:rows] = t and the rest of host zeroed, by libc with the GIL kept (numpy releases it for
+    larger copies). host: a C-contiguous view of the staging; t: host rows of the same dtype and
+    trailing dims (`check_request_shapes`), checked again here since memmove has no bounds."""
+    source = t.numpy(force=True)
+    if source.dtype != host.dtype or source.shape[1:] != host.shape[1:] or len(source) > len(host):
+        raise RuntimeError(f"rows {source.dtype}{list(source.shape)} do not fit the staging {host.dtype}{list(host.shape)}")
+    if not source.flags.c_contiguous:
+        source = np.ascontiguousarray(source)
+    _memmove(host.ctypes.data, source.ctypes.data, source.nbytes)
+    _memset(host.ctypes.data + source.nbytes, 0, host.nbytes - source.nbytes)
+
+
 class GraphedRanker(_GraphedStage):
     """`interaction(features(**request)) → scores [B, T]` from graphs: the embedding lookups and
     projections and the interaction in one graph, fed with the raw request (the 7 inputs of
@@ -249,7 +320,10 @@ class GraphedRanker(_GraphedStage):
     device buffer at that bucket's offsets. The graph checks the values itself (`check_values_on_device`:
     indices clamped before any gather, one flag for any failed check) and writes [flag, scores...]
     to one output, which returns in one device → host copy. The host reads no value of a valid
-    request; a flagged one is checked on the host (`check_request_values`), which names the input."""
+    request; a flagged one is checked on the host (`check_request_values`), which names the input.
+
+    On a GPU a replay runs on the stage's own stream (the capture stream) through `_CudaRuntime`: the
+    request path releases the GIL once, in the final wait."""
 
     USER_ROWS = USER_INPUTS
     CAND_ROWS = CAND_INPUTS
@@ -261,6 +335,13 @@ class GraphedRanker(_GraphedStage):
         self.row_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # name → (trailing dims, dtype)
         self.host_output: torch.Tensor | None = None
         self._io: dict[tuple[int, int], tuple] = {}  # bucket → `_bucket_io`
+        self._graph_execs: dict[tuple[int, int], int] = {}  # bucket → cudaGraphExec_t of its graph
+
+    def capture(self, users: int, cands: int, example: dict[str, torch.Tensor]) -> None:
+        super().capture(users, cands, example)
+        graph = self.graphs[users, cands][0]
+        if graph is not None:
+            self._graph_execs[users, cands] = graph.raw_cuda_graph_exec()
 
     def _layout(self, users: int, cands: int) -> tuple[dict[str, tuple[int, int, int]], int]:
         """({name: (byte offset, bytes, rows)}, total bytes) of bucket (users, cands); the header
@@ -302,17 +383,18 @@ class GraphedRanker(_GraphedStage):
     def _views(self, users, cands):
         return self._bucket_io(users, cands)[1]
 
-    def _load(self, inputs, users, cands):
-        """Pack the request into the staging buffer in bucket (users, cands)'s layout, zero its
-        padding rows, copy the bucket's bytes to the device (asynchronously: the staging is reused
-        only after the caller waited for the previous replay's output). numpy on the host: no torch
-        op per input."""
-        staged, views, device_bytes, host_bytes = self._bucket_io(users, cands)
+    def _pack(self, inputs, users, cands) -> None:
+        """Pack the request into the staging buffer in bucket (users, cands)'s layout, padding rows
+        zeroed (the staging is reused only after the caller waited for the previous replay's output)."""
+        staged = self._bucket_io(users, cands)[0]
         staged["last_user"][...] = self._shape(inputs)[0] - 1
         for name, t in inputs.items():
-            n, host = t.shape[0], staged[name]
-            host[:n] = t.numpy(force=True)
-            host[n:] = 0
+            _copy_rows(staged[name], t)
+
+    def _load(self, inputs, users, cands):
+        """`_pack`, then copy the bucket's bytes to the device (asynchronously) with torch."""
+        self._pack(inputs, users, cands)
+        _, views, device_bytes, host_bytes = self._bucket_io(users, cands)
         device_bytes.copy_(host_bytes, non_blocking=True)
         return views
 
@@ -328,18 +410,34 @@ class GraphedRanker(_GraphedStage):
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """scores [B, T] in host memory; InvalidRequest (naming the input) for a value the checks
         refuse. Shapes must have passed `check_request_shapes`."""
-        output = self._replay(inputs)
-        if output is None:  # no graph for this shape: the host checks, then the eager call
-            self.eager_calls += 1
-            check_request_values(self.cfg, inputs)
-            return self.interaction(self.features(**{name: t.to(self.device) for name, t in inputs.items()})).cpu()
-        num_candidates = self._shape(inputs)[1]
-        size = 1 + num_candidates * self.cfg.tasks
-        self.host_output[:size].copy_(output[:size], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        users, cands = self._shape(inputs)
+        bucket = self.bucket(users, cands)
+        size = 1 + cands * self.cfg.tasks
+        runtime = _cuda_runtime() if self.device.type == "cuda" else None
+        if runtime is not None and bucket in self.graphs and bucket in self._graph_execs:
+            self._pack(inputs, *bucket)
+            _, _, device_bytes, host_bytes = self._bucket_io(*bucket)
+            output = self.graphs[bucket][1]
+            self.replays += 1
+            runtime.replay(
+                self.stream.cuda_stream, self._graph_execs[bucket],
+                (device_bytes.data_ptr(), host_bytes.data_ptr(), host_bytes.numel()),
+                (self.host_output.data_ptr(), output.data_ptr(), size * 4),
+            )  # fmt: skip
+        else:
+            with torch.cuda.stream(self.stream):  # the capture stream (None on a CPU: no switch)
+                output = self._replay(inputs)
+                if output is None:  # no graph for this shape: the host checks, then the eager call
+                    self.eager_calls += 1
+                    check_request_values(self.cfg, inputs)
+                    return self.interaction(self.features(**{name: t.to(self.device) for name, t in inputs.items()})).cpu()
+                self.host_output[:size].copy_(output[:size], non_blocking=True)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
         host = self.host_output.numpy()
         if host[0] != 0:
             check_request_values(self.cfg, inputs)  # raises InvalidRequest naming the input
             raise RuntimeError("the device's value checks flagged a request that the host's checks pass")
-        return torch.from_numpy(host[1:size].reshape(num_candidates, self.cfg.tasks).copy())
+        scores = np.empty((cands, self.cfg.tasks), dtype=np.float32)
+        _memmove(scores.ctypes.data, host[1:].ctypes.data, scores.nbytes)
+        return torch.from_numpy(scores)

@@ -9,6 +9,8 @@
 #   stub:0           the configs with `backend: "python"` everywhere (a python-backend stub per instance)
 #   configs:0,1:servers   one tritonserver per GPU (CUDA_VISIBLE_DEVICES), ports 8000+ and 9000+, each
 #                    loaded with half the concurrency at the same time; candidates/s summed
+#   configs:0:x2     a last field xN sets every KIND_GPU instance group of the copied $CONFIG configs to
+#                    N instances (per GPU); e.g. "configs:0:x1 configs:0:x2" compares 1 and 2 on one GPU
 # The repository copy holds only $MODELS (faster load). Per point: perf_analyzer (scripts/perf_sweep.py,
 # gRPC, $MIX) inside scripts/gpu_throughput.py (candidates/s per GPU from the metrics port), and the
 # server processes' CPU use (top, 3 s, with tritonserver's busiest threads) during the window.
@@ -27,25 +29,29 @@ log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
 . scripts/triton_bundle_env.sh
 { echo "# GPU scaling run $(date -u +%FT%TZ)"; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; echo "CPUs $(nproc)"; } >"$S" 2>/dev/null
-copy_repository() {  # $1: directory, $2: backend ("configs": as configured; "stub": python)
-  python3 - "$1" "$2" $MODELS <<'PY'
-import shutil, sys
+copy_repository() {  # $1: directory, $2: backend ("configs": as configured; "stub": python), $3: instances per GPU ("": as configured)
+  python3 - "$1" "$2" "$3" $MODELS <<'PY'
+import os, shutil, sys
 from pathlib import Path
 sys.path.insert(0, ".")
 from google.protobuf import text_format
 from ikbo_backend.instance_groups import INPROCESS_BACKEND, read_config
 from ikbo_backend.serving import MODEL_REPOSITORY, REPO_ROOT
-root, backend = Path(sys.argv[1]), sys.argv[2]; repo = root / "model_repository"; repo.mkdir(parents=True)
+root, backend, count = Path(sys.argv[1]), sys.argv[2], sys.argv[3]; repo = root / "model_repository"; repo.mkdir(parents=True)
 for package in ("ikbo_backend", "kernels"):  # model.py finds the packages next to the repository
     (root / package).symlink_to(REPO_ROOT / package)
 shutil.copy2(MODEL_REPOSITORY / "shape_ranges.json", repo)
-for name in sys.argv[3:]:
+for name in sys.argv[4:]:
     shutil.copytree(MODEL_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for path in (repo / name / "configs").glob("*.pbtxt") if backend == "stub" else ():
+    for path in (repo / name / "configs").glob("*.pbtxt"):
         config = read_config(path)
-        if config.backend == INPROCESS_BACKEND:
+        if backend == "stub" and config.backend == INPROCESS_BACKEND:
             config.backend = "python"
-            path.write_text(text_format.MessageToString(config))
+        if count and path.stem == os.environ["CONFIG"]:
+            for group in config.instance_group:
+                if group.kind == group.KIND_GPU:
+                    group.count = int(count)
+        path.write_text(text_format.MessageToString(config))
 PY
 }
 wait_ready() {  # $1: HTTP port, $2: server pid
@@ -65,8 +71,9 @@ sweep() {  # $1: tag, $2: HTTP port, $3: concurrency, $4: metrics port → $W/<t
       --mixes "$MIX" --protocols grpc --concurrency "$3" --window-ms "$WINDOW" --out "$W/$1" >>"$W/$1.md" 2>>"$W/steps.log"
 }
 for layout in $LAYOUTS; do
-  IFS=: read -r backend gpus servers <<<"$layout"; name=${layout//[:,]/_}
-  copy_repository "$W/copy_$name" "$backend"
+  IFS=: read -r backend gpus rest <<<"$layout"; name=${layout//[:,]/_}; servers=; count=
+  for field in ${rest//:/ }; do case $field in servers) servers=servers ;; x[0-9]*) count=${field#x} ;; esac; done
+  CONFIG=$CONFIG copy_repository "$W/copy_$name" "$backend" "$count"
   repo="$W/copy_$name/model_repository"; start=$(date +%s); pids=()
   if [ "$servers" = servers ]; then
     i=0

@@ -1,12 +1,15 @@
 """ikbo_backend.cuda_graphs: shape buckets, and that padding a request to its bucket leaves its scores
 unchanged. On a CPU the padded call runs without a graph (`replay_eagerly`), on CUDA from real graphs."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ikbo_backend import cuda_graphs
 from ikbo_backend.cuda_graphs import GraphedInteraction, GraphedRanker, shape_buckets
 from ikbo_backend.ranker import Features, RankerConfig, build_ranker, make_demo_weights, profile_config
 from ikbo_backend.requests import (
@@ -97,6 +100,20 @@ def test_padded_replay_of_the_whole_ranker_gives_the_request_rows(variant):
             assert torch.equal(views[name][: t.shape[0]], t) and not views[name][t.shape[0] :].any()
             assert (views[name].data_ptr() - graphed.static.data_ptr()) % GraphedRanker.ALIGN == 0
     assert graphed.replays == len(shapes) and graphed.eager_calls == 0
+
+
+def test_rows_are_packed_only_where_they_fit_the_staging():
+    """cuda_graphs._copy_rows (libc memmove, no bounds of its own): rows of another dtype, width or
+    more rows than the staging view are refused; a strided source is packed like a contiguous one,
+    and the rows past it are zeroed."""
+    rng = np.random.default_rng()
+    host = rng.integers(1, 100, size=(6, 3)).astype(np.int64)  # stale rows of an earlier request
+    rows = torch.from_numpy(rng.integers(-50, 50, size=(3, 6)).astype(np.int64)).t()[:4]  # [4, 3], strided
+    cuda_graphs._copy_rows(host, rows)
+    assert np.array_equal(host[:4], rows.numpy()) and not host[4:].any()
+    for bad in (rows.float(), torch.zeros(7, 3, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64)):
+        with pytest.raises(RuntimeError, match="do not fit the staging"):
+            cuda_graphs._copy_rows(host, bad)
 
 
 def _bad_value(cfg, request, name, kind, rng):
@@ -248,6 +265,7 @@ def test_whole_ranker_graph_replays_match_eager_calls_on_cuda(variant):
         error = float((replayed - reference).norm() / reference.norm())
         assert error <= 2e-2, f"{(num_users, num_candidates)}: rel err {error:.2e} vs fp64"
     assert (model.graphed.replays - replays, model.graphed.eager_calls - eager_calls) == (5, 0)
+    assert cuda_graphs._cuda_runtime() is not None  # the replays went through the CUDA runtime's calls, not torch's
     for name in INPUT_NAMES:  # the graph's own value checks: refused by name, nothing gathered out of range
         request = make_request(cfg, 15, 1024, rng)
         _bad_value(cfg, request, name, str(rng.choice(["low", "high", "huge"])), rng)
@@ -256,3 +274,40 @@ def test_whole_ranker_graph_replays_match_eager_calls_on_cuda(variant):
     request = make_request(cfg, 15, 1024, rng)  # the device still answers
     error = float((model(model.example(request))["scores"] - reference_of(request)).norm() / reference_of(request).norm())
     assert error <= 2e-2, f"after the refusals: rel err {error:.2e} vs fp64"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_instances_replaying_from_threads_at_once_answer_their_own_requests():
+    """Three rankers on one GPU called from three threads at once (as python_inprocess instances are):
+    each replays on its own stream and staging, and every answer is its own request's (fp64 CPU
+    model, and the same scores as a lone call)."""
+    cfg, rng = profile_config("large"), np.random.default_rng()
+    weights = make_demo_weights(cfg, seed=int(rng.integers(1 << 30)))
+    ranges = ShapeRanges(users=(1, 16), candidates=(1, 1024))
+    models = [RankerModel(cfg, weights, ranges, "cuda", compute_dtype="bfloat16", cuda_graphs="yes") for _ in range(3)]
+    for model in models:
+        model.warm_up()
+    requests = [make_request(cfg, int(rng.integers(1, 17)), int(rng.integers(1, 1025)), rng) for _ in range(12)]
+    alone = [models[0](models[0].example(r))["scores"] for r in requests]
+    answers, errors = {}, []
+
+    def serve(k):
+        try:
+            torch.cuda.set_device(0)
+            for i in range(k, len(requests) * 4, len(models)):
+                answers.setdefault(i % len(requests), []).append(models[k](models[k].example(requests[i % len(requests)]))["scores"])
+        except Exception as e:  # noqa: BLE001 — reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(k,)) for k in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    reference_of = _fp64_scores(cfg, weights)
+    for i, request in enumerate(requests):
+        reference = reference_of(request)
+        for scores in answers[i]:
+            torch.testing.assert_close(scores, alone[i], rtol=0, atol=1e-2)
+            assert float((scores - reference).norm() / reference.norm()) <= 2e-2

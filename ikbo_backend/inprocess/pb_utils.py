@@ -152,8 +152,11 @@ def _raw_bytes(address: int | None, size: int) -> np.ndarray:
 
 
 def _host_tensor(name: str, data: np.ndarray, dtype: torch.dtype, shape) -> Tensor:
-    """The uint8 bytes `data` viewed as a `dtype` tensor of `shape` (bfloat16 through its uint16 bits)."""
-    return Tensor(name, torch.from_numpy(data.view(_NUMPY_VIEWS[dtype]).reshape(shape)).view(dtype))
+    """The uint8 bytes `data` viewed as a `dtype` tensor of `shape` (bfloat16 through its uint16 bits).
+    Only bfloat16 takes a torch `view`: like every torch op it releases the GIL, and a release hands
+    it to another instance's thread (cuda_graphs._CudaRuntime says what that costs)."""
+    tensor = torch.from_numpy(data.view(_NUMPY_VIEWS[dtype]).reshape(shape))
+    return Tensor(name, tensor.view(dtype) if dtype == torch.bfloat16 else tensor)
 
 
 def _read_all_inputs(request: InferenceRequest) -> dict[str, Tensor]:
