@@ -14,7 +14,9 @@ when spread over more than one GPU: in process every instance runs its Python un
 tritonserver's process, so a second GPU added 18-26 % (two H200s, 2026-11-30, docs/perf.md); as python
 backend stubs (a process per instance) the same instances scaled 1.89-1.95x from one GPU to two.
 Faster still on a multi-GPU host: one tritonserver per GPU, in process (1.85-2.16x one GPU,
-docs/scale-out.md).
+docs/scale-out.md). Since 2026-12-01 the graphed rankers' replays release the GIL once per request, and two
+in-process instances on one GPU serve 1.58x one; over two GPUs that is not measured yet, so stubs stay the
+default there and `keep_in_process` (`scripts/serve --keep-in-process`) serves the other way for that measurement.
 
 Why explicit lists: a KIND_GPU group without `gpus` puts `count` instances on *every* GPU the server
 sees ("By default, a single execution instance of the model is created for each GPU available",
@@ -95,10 +97,10 @@ def read_config(path) -> ModelConfig:
     return text_format.Parse(Path(path).read_text(), ModelConfig())
 
 
-def spread(config: ModelConfig, gpus: list[int]) -> ModelConfig:
+def spread(config: ModelConfig, gpus: list[int], keep_in_process: bool = False) -> ModelConfig:
     """A copy of `config` whose KIND_GPU instance groups list `gpus` (their `count` is per GPU), and,
-    over more than one GPU, the `python_inprocess` backend replaced by `python` (a stub process per instance);
-    every other field, other groups included, unchanged."""
+    over more than one GPU, the `python_inprocess` backend replaced by `python` (a stub process per instance)
+    unless `keep_in_process`; every other field, other groups included, unchanged."""
     if not gpus:
         raise ValueError("gpus: expected at least one GPU id, got []")
     spread_config = ModelConfig()
@@ -109,12 +111,12 @@ def spread(config: ModelConfig, gpus: list[int]) -> ModelConfig:
             del group.gpus[:]
             group.gpus.extend(gpus)
             on_gpus = True
-    if on_gpus and len(gpus) > 1 and spread_config.backend == INPROCESS_BACKEND:
+    if on_gpus and len(gpus) > 1 and spread_config.backend == INPROCESS_BACKEND and not keep_in_process:
         spread_config.backend = "python"
     return spread_config
 
 
-def write_gpu_configs(gpus: list[int], base: str = "gpu", model_repository=None) -> str:
+def write_gpu_configs(gpus: list[int], base: str = "gpu", model_repository=None, keep_in_process: bool = False) -> str:
     """Write configs/<base>_gpus_<ids>.pbtxt for every model with configs/<base>.pbtxt; return the
     name to pass as --model-config-name. ValueError when no model has a configs/<base>.pbtxt."""
     repository = Path(model_repository or MODEL_REPOSITORY)
@@ -124,7 +126,7 @@ def write_gpu_configs(gpus: list[int], base: str = "gpu", model_repository=None)
         raise ValueError(f"base: no model in {repository} has configs/{base}.pbtxt")
     for source in sources:
         header = f"# Generated from {base}.pbtxt by ikbo_backend/instance_groups.py for GPUs {gpus}: do not edit, not in git.\n"
-        text = header + text_format.MessageToString(spread(read_config(source), gpus))
+        text = header + text_format.MessageToString(spread(read_config(source), gpus, keep_in_process))
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=source.parent)
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -132,14 +134,14 @@ def write_gpu_configs(gpus: list[int], base: str = "gpu", model_repository=None)
     return name
 
 
-def serve_config_name(gpus: list[int] | None, available: int, base: str = "gpu", model_repository=None) -> str:
+def serve_config_name(gpus: list[int] | None, available: int, base: str = "gpu", model_repository=None, keep_in_process: bool = False) -> str:
     """The --model-config-name to serve with: `base` itself where at most one GPU is present and the
     list is the default (or [0]), else the configuration generated for `gpus` (default: every GPU
     present; check them first with parse_gpus(text, available))."""
     gpus = list(range(available)) if gpus is None else gpus
     if available <= 1 and gpus in ([], [0]):
         return base
-    return write_gpu_configs(gpus, base, model_repository)
+    return write_gpu_configs(gpus, base, model_repository, keep_in_process)
 
 
 def main(argv=None) -> None:

@@ -7,6 +7,8 @@
 #                    configs/<config>_gpus_<ids>.pbtxt, the same count per GPU; there the in-process
 #                    models take the python backend, ikbo_backend/instance_groups.py)
 #   stub:0           the configs with `backend: "python"` everywhere (a python-backend stub per instance)
+#   inprocess:0,1    as configs:0,1 but the in-process models stay in tritonserver's process over several GPUs
+#                    (`scripts/serve --keep-in-process`)
 #   configs:0,1:servers   one tritonserver per GPU (CUDA_VISIBLE_DEVICES), ports 8000+ and 9000+, each
 #                    loaded with half the concurrency at the same time; candidates/s summed
 #   configs:0:x2     a last field xN sets every KIND_GPU instance group of the copied $CONFIG configs to
@@ -84,7 +86,8 @@ for layout in $LAYOUTS; do
       pids+=($!); i=$(( i + 1 ))
     done
   else
-    python3 scripts/serve --config "$CONFIG" --gpus "$gpus" --model-repository "$repo" >"$W/serve_$name.log" 2>&1 &
+    keep=(); [ "$backend" = inprocess ] && keep=(--keep-in-process)
+    python3 scripts/serve --config "$CONFIG" --gpus "$gpus" "${keep[@]}" --model-repository "$repo" >"$W/serve_$name.log" 2>&1 &
     pids+=($!)
   fi
   log "layout $layout: ${#pids[@]} server(s)"

@@ -128,6 +128,7 @@ def test_in_process_models_get_a_process_per_instance_over_several_gpus(gpus, ba
     other = model_config_pb2.ModelConfig(name="m", backend="python")
     other.instance_group.add(kind=KIND_GPU, count=1)
     assert spread(other, gpus).backend == "python"
+    assert spread(config, gpus, keep_in_process=True).backend == "python_inprocess"  # scripts/serve --keep-in-process
 
 
 def test_serve_config_name_from_the_gpus_present(repository):
