@@ -30,6 +30,7 @@ import ctypes
 import functools
 import logging
 import math
+import os
 import sys
 import time
 
@@ -261,8 +262,9 @@ class _CudaRuntime:
 
     H2D, D2H = 1, 2  # cudaMemcpyKind
 
-    def __init__(self, path: str):
-        keep, release = ctypes.PyDLL(path), ctypes.CDLL(path)
+    def __init__(self, soname: str):
+        """soname: of a library already loaded (OSError if it is not): the one torch's CUDA code links."""
+        keep, release = ctypes.PyDLL(soname, mode=os.RTLD_NOLOAD), ctypes.CDLL(soname, mode=os.RTLD_NOLOAD)
         self.memcpy_async, self.graph_launch = keep.cudaMemcpyAsync, keep.cudaGraphLaunch
         self.memcpy_async.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
         self.graph_launch.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
@@ -285,12 +287,13 @@ class _CudaRuntime:
 
 @functools.cache
 def _cuda_runtime() -> _CudaRuntime | None:
-    """The CUDA runtime library of this process's torch (found in /proc/self/maps), or None (torch's
-    calls are used then)."""
+    """The CUDA runtime torch's CUDA code uses, found by the soname it links (libcudart.so.<major>; in
+    tritonserver's process its own runtime is loaded beside it under another name), or None: torch's
+    calls are used then (a CPU build, a statically linked runtime)."""
+    if not torch.version.cuda:
+        return None
     try:
-        with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "/libcudart.so" in line), None)
-        return _CudaRuntime(path) if path else None
+        return _CudaRuntime(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
     except (OSError, AttributeError) as e:
         LOG.warning("CUDA runtime not bound through ctypes, graph replays use torch's calls: %s", e)
         return None

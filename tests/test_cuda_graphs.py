@@ -116,6 +116,28 @@ def test_rows_are_packed_only_where_they_fit_the_staging():
             cuda_graphs._copy_rows(host, bad)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error path needs a machine without a CUDA driver")
+def test_cuda_runtime_binds_only_a_loaded_runtime_and_names_the_failing_call():
+    """cuda_graphs._CudaRuntime opens the runtime by soname without loading it (the one torch's CUDA
+    code already loaded), and a failing call raises with the call's name and CUDA's message. Here: the
+    pip runtime (requirements.txt, for perf_analyzer), loaded by path, on a machine without a driver."""
+    import ctypes
+    from pathlib import Path
+
+    cuda_runtime = pytest.importorskip("nvidia.cuda_runtime")
+    soname = "libcudart.so.12"
+    path = Path(cuda_runtime.__path__[0]) / "lib" / soname
+    if not any(soname in line for line in open("/proc/self/maps")):
+        with pytest.raises(OSError):
+            cuda_graphs._CudaRuntime(soname)
+    ctypes.CDLL(str(path))
+    runtime = cuda_graphs._CudaRuntime(soname)
+    with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync \(request in\): CUDA error \d+ \(.+\)"):
+        runtime.replay(0, 0, (0, 0, 0), (0, 0, 0))
+    if not torch.version.cuda:
+        assert cuda_graphs._cuda_runtime() is None  # a CPU build of torch: replays keep torch's calls
+
+
 def _bad_value(cfg, request, name, kind, rng):
     """Put one bad value of `kind` at a random position of input `name` (a host numpy request)."""
     array = request[name]
