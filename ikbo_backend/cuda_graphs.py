@@ -258,7 +258,9 @@ class _CudaRuntime:
     python_inprocess backend) every release hands the GIL to another instance's thread and every
     retake waits for it: with 2 and 3 threads on one H200 the torch calls served 0.97-1.22x one thread's
     requests (7-20 voluntary context switches per request), these calls 1.41-1.95x (about 1).
-    docs/perf.md, 2026-12-01 11:30 UTC."""
+    docs/perf.md, 2026-12-01 11:30 UTC. What `CUDAGraph.replay` does besides the launch, and this does
+    not: advance the offsets of random-number generators captured in the graph (the rankers' graphs
+    draw no random numbers) and set the device (the caller's thread is on the instance's device)."""
 
     H2D, D2H = 1, 2  # cudaMemcpyKind
 
