@@ -6,6 +6,7 @@ message says why) while the others keep serving, and Triton's per-model statisti
 The rankers under this backend are tested in tests/test_server.py (the GPU configs placed on the
 CPU) and tests/test_online.py (the online endpoints, both backends)."""
 
+import os
 import secrets
 import threading
 import time
@@ -287,3 +288,59 @@ def test_an_exclusive_hold_waits_for_shared_ones_and_keeps_new_ones_out():
     for thread in (first, writer, late):
         thread.join(5)
     assert events == ["first in", "first out", "exclusive in", "exclusive out", "late in", "late out"], events
+
+
+def test_the_ctypes_mirrors_match_backend_c_layouts(tmp_path):
+    """pb_utils._NativeInput, driver._Reply and driver._Execution are read and written over backend.c's
+    structs: every field at the same offset and the same sizes, as a library built from backend.c says
+    (loaded lazily: its Triton and Python symbols are never bound)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from ikbo_backend.inprocess import SOURCE
+    from ikbo_backend.inprocess.driver import _Execution, _Reply
+    from ikbo_backend.inprocess.pb_utils import _NativeInput
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    mirrors = {"ikbo_input": _NativeInput, "ikbo_reply": _Reply, "ikbo_execution": _Execution}
+    names = [(f"{c} {field}", f"offsetof({c}, {field})") for c, mirror in mirrors.items() for field, _ in mirror._fields_]
+    names += [(f"{c} sizeof", f"sizeof({c})") for c in mirrors]
+    program = tmp_path / "layout.c"
+    body = "\n".join(f'    length += snprintf(text + length, sizeof text - length, "{name}=%zu\\n", {value});' for name, value in names)
+    program.write_text(
+        f'#include "{SOURCE}"\n#include <stddef.h>\n'
+        f"const char *layout(void) {{\n    static char text[8192];\n    int length = 0;\n{body}\n    return text;\n}}\n"
+    )
+    library = tmp_path / "layout.so"
+    command = [compiler, "-shared", "-fPIC", '-DIKBO_LIBPYTHON="unused"', str(program), "-ldl", "-pthread", "-o", str(library)]
+    subprocess.run(command, check=True, capture_output=True)
+    layout = ctypes.CDLL(str(library), mode=os.RTLD_LAZY).layout
+    layout.restype = ctypes.c_char_p
+    printed = dict(line.split("=") for line in layout().decode().splitlines())
+    expected = {f"{c} {field}": str(getattr(mirror, field).offset) for c, mirror in mirrors.items() for field, _ in mirror._fields_}
+    expected |= {f"{c} sizeof": str(ctypes.sizeof(mirror)) for c, mirror in mirrors.items()}
+    assert printed == expected
+
+
+def test_the_backend_is_rebuilt_when_its_source_changes_and_only_then(tmp_path, monkeypatch):
+    """Checkouts that share a backend directory (one tritonserver install) each get a library built from
+    their own backend.c, older or newer: the stamp holds the source's hash, not its time."""
+    import shutil
+
+    from ikbo_backend import inprocess
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    source = tmp_path / "backend.c"
+    source.write_bytes(inprocess.SOURCE.read_bytes())
+    monkeypatch.setattr(inprocess, "SOURCE", source)
+    library = inprocess.build(tmp_path / "backends")
+    built = library.stat().st_mtime_ns
+    assert inprocess.build(tmp_path / "backends") == library and library.stat().st_mtime_ns == built  # same source: kept
+    source.write_text(source.read_text() + f"\n/* {secrets.token_hex(4)} */\n")
+    os.utime(source, ns=(built - 10**9, built - 10**9))  # older than the library, as a checkout of an older commit can be
+    inprocess.build(tmp_path / "backends")
+    assert library.stat().st_mtime_ns != built

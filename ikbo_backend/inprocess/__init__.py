@@ -14,6 +14,7 @@ library where tritonserver looks for it (`<backend directory>/python_inprocess/`
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -33,11 +34,13 @@ def libpython() -> str:
 
 def build(backend_dir: Path) -> Path:
     """Compile backend.c into `backend_dir`/python_inprocess/libtriton_python_inprocess.so unless it is
-    there, newer than the source and built for this libpython. Returns the library's path; raises
-    RuntimeError (with the compiler's output) if there is no C compiler or compiling fails."""
+    there, built from this very source for this libpython (a stamp beside it holds both: another
+    checkout sharing the backend directory, older or newer, gets its own). Returns the library's path;
+    raises RuntimeError (with the compiler's output) if there is no C compiler or compiling fails."""
     target = Path(backend_dir) / BACKEND / f"libtriton_{BACKEND}.so"
-    stamp = target.with_suffix(".libpython")
-    if target.exists() and target.stat().st_mtime >= SOURCE.stat().st_mtime and stamp.exists() and stamp.read_text() == libpython():
+    stamp = target.with_suffix(".stamp")
+    built_from = f"{libpython()}\n{hashlib.sha256(SOURCE.read_bytes()).hexdigest()}\n"
+    if target.exists() and stamp.exists() and stamp.read_text() == built_from:
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -49,5 +52,5 @@ def build(backend_dir: Path) -> Path:
     if result.returncode != 0:
         raise RuntimeError(f"building the {BACKEND} backend failed: {' '.join(command)}\n{result.stdout}{result.stderr}")
     os.replace(tmp, target)  # atomic: a server starting in parallel never loads half a library
-    stamp.write_text(libpython())
+    stamp.write_text(built_from)
     return target

@@ -4,8 +4,9 @@ built and called as the python backend would (same `args` keys, same `execute(re
 but in tritonserver's process: inputs are read from Triton's buffers, outputs written into Triton's,
 statistics reported per request as Triton's own backends (onnxruntime, TensorRT) do: compute input =
 wrapping the requests, compute infer = the model's `execute`, compute output = writing the outputs
-into Triton's response buffers; the statistics are reported and the responses handed to Triton after
-that (exec end).
+into Triton's response buffers. `execute` builds the responses and returns them to backend.c, which
+reports the statistics, sends the responses and releases the requests after it released the GIL
+(exec end): Triton's frontend serializes a response in the sending thread.
 
 Loading is exclusive: an `initialize` (warm-up, CUDA graph capture in global capture mode, Triton
 compilations) waits for running `execute` calls and holds new ones back (`_Exclusive`), as each
@@ -14,8 +15,8 @@ as request-path compilations of the models already loaded (`CompileCounter.loads
 After each load the objects alive are frozen out of the garbage collector (`_freeze_long_lived`).
 
 Each returns None, or for initialize/finalize an error message that Triton shows (the model then
-fails to load). `execute` never raises: a model that raises answers every request of the call with an
-INTERNAL error naming the model and the exception type; the traceback goes to the server log."""
+fails to load). A model that raises answers every request of the call with an INTERNAL error naming
+the model and the exception type; the traceback goes to the server log."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from ctypes import byref, c_char_p, c_int, c_int32, c_uint64, c_void_p
+from ctypes import POINTER, byref, c_char_p, c_int, c_int32, c_uint64, c_void_p
 from pathlib import Path
 
 from ..shape_spec import CompileCounter
@@ -102,6 +103,19 @@ class _SharedHold:
 _instances: dict[int, _Instance] = {}  # instance handle → its model
 _loading = _Exclusive()
 _thread = threading.local()  # .cuda_device: the device set in this (Triton instance) thread
+
+
+class _Reply(ctypes.Structure):
+    """backend.c's `ikbo_reply`: a request's built response (None: it could not be built), the error it
+    carries (None: a success) and the success flag of its statistics."""
+
+    _fields_ = [("response", c_void_p), ("error", c_void_p), ("success", c_int32), ("reserved", c_int32)]
+
+
+class _Execution(ctypes.Structure):
+    """backend.c's `ikbo_execution`, zeroed by it: what `execute` hands back."""
+
+    _fields_ = [("compute_start_ns", c_uint64), ("compute_end_ns", c_uint64), ("replies", POINTER(_Reply)), ("complete", c_int32), ("reserved", c_int32)]
 
 
 def set_native_reader(address: int) -> None:
@@ -188,19 +202,21 @@ def finalize(instance: int) -> str | None:
     return None
 
 
-def execute(instance: int, requests_address: int, count: int, exec_start_ns: int) -> None:
+def execute(instance: int, requests_address: int, count: int, execution_address: int) -> None:
+    """Run the model on the `count` requests at `requests_address` and put a reply per request into the
+    `_Execution` at `execution_address`; backend.c sends them and releases the requests."""
     with _loading.shared():
-        _execute(_instances[instance], requests_address, count, exec_start_ns)
+        _execute(_instances[instance], requests_address, count, _Execution.from_address(execution_address))
 
 
-def _execute(served: _Instance, requests_address: int, count: int, exec_start_ns: int) -> None:
+def _execute(served: _Instance, requests_address: int, count: int, execution: _Execution) -> None:
     if served.cuda_device is not None and getattr(_thread, "cuda_device", None) != served.cuda_device:
         import torch
 
         torch.cuda.set_device(served.cuda_device)  # per thread: Triton calls execute from its own threads
         _thread.cuda_device = served.cuda_device
     requests = [pb_utils.InferenceRequest(handle) for handle in (c_void_p * count).from_address(requests_address)]
-    compute_start_ns = time.monotonic_ns()
+    execution.compute_start_ns = time.monotonic_ns()
     try:
         responses = served.model.execute(requests)
         if len(responses) != count:
@@ -209,17 +225,13 @@ def _execute(served: _Instance, requests_address: int, count: int, exec_start_ns
         pb_utils.Logger.log_error(f"{served.name}: {traceback.format_exc()}")
         message = f"model '{served.name}': internal error ({type(e).__name__}); details are in the server log"
         responses = [pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))] * count
-    compute_end_ns = time.monotonic_ns()
-    built = [_build(served, request, response) for request, response in zip(requests, responses)]
-    exec_end_ns = time.monotonic_ns()
-    # statistics before the responses go: a client that has its answer finds its request counted
-    for request, response, handles in zip(requests, responses, built):
-        success = handles is not None and not handles[1] and not response.has_error()
-        api.TRITONBACKEND_ModelInstanceReportStatistics(served.handle, request.handle, success, exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns)
-    api.TRITONBACKEND_ModelInstanceReportBatchStatistics(served.handle, count, exec_start_ns, compute_start_ns, compute_end_ns, exec_end_ns)
-    for request, handles in zip(requests, built):
-        _send(served, handles)
-        api.TRITONBACKEND_RequestRelease(request.handle, C.REQUEST_RELEASE_ALL)
+    execution.compute_end_ns = time.monotonic_ns()
+    for index, (request, response) in enumerate(zip(requests, responses)):
+        built, reply = _build(served, request, response), execution.replies[index]
+        if built is not None:
+            reply.response, reply.error = built[0].value, built[1]
+        reply.success = built is not None and not built[1] and not response.has_error()
+    execution.complete = 1
 
 
 def _build(served: _Instance, request, response):
@@ -230,12 +242,3 @@ def _build(served: _Instance, request, response):
         pb_utils.Logger.log_error(f"{served.name}: creating a response failed: {traceback.format_exc()}")
         return None
 
-
-def _send(served: _Instance, built) -> None:
-    """Send one built response (None: it could not be built, already logged)."""
-    if built is None:
-        return
-    try:
-        pb_utils.send(*built)
-    except Exception:  # noqa: BLE001 — a response Triton refused: logged; the request is still released
-        pb_utils.Logger.log_error(f"{served.name}: sending a response failed: {traceback.format_exc()}")

@@ -226,7 +226,7 @@ class InferenceResponse:
 
 def build_response(request: InferenceRequest, response: InferenceResponse) -> tuple[c_void_p, int | None]:
     """Triton's response for `request`: its outputs copied into Triton's host buffers, or its error.
-    → (response handle, TRITONSERVER_Error or None), for `send`."""
+    → (response handle, TRITONSERVER_Error or None); backend.c sends it (driver.py)."""
     handle = c_void_p()
     api.TRITONBACKEND_ResponseNew(byref(handle), request.handle)
     error = None
@@ -238,13 +238,6 @@ def build_response(request: InferenceRequest, response: InferenceResponse) -> tu
     except Exception as e:  # noqa: BLE001 — the response still goes, as an error
         error = api.TRITONSERVER_ErrorNew(C.ERROR_INTERNAL, f"output {getattr(tensor, '_name', '?')}: {e}".encode())
     return handle, error
-
-
-def send(handle: c_void_p, error: int | None) -> None:
-    """Hand a built response to Triton (which owns it from then on)."""
-    api.TRITONBACKEND_ResponseSend(handle, C.RESPONSE_COMPLETE_FINAL, error)
-    if error:
-        api.TRITONSERVER_ErrorDelete(error)  # the caller keeps ownership of a sent error
 
 
 _memmove = ctypes.PyDLL(None).memmove  # libc's, keeping the GIL (ctypes.memmove releases it: a waiting thread would take it mid-response)

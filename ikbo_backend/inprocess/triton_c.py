@@ -24,8 +24,6 @@ LOG_INFO, LOG_WARN, LOG_ERROR, LOG_VERBOSE = range(4)
 PARAMETER_STRING, PARAMETER_INT, PARAMETER_BOOL, PARAMETER_DOUBLE, PARAMETER_BYTES = range(5)
 # TRITONSERVER_MetricKind
 METRIC_COUNTER, METRIC_GAUGE, METRIC_HISTOGRAM = range(3)
-RESPONSE_COMPLETE_FINAL = 1  # TRITONSERVER_ResponseCompleteFlag
-REQUEST_RELEASE_ALL = 1  # TRITONSERVER_RequestReleaseFlag
 # TRITONSERVER_DataType → torch dtype (BYTES and the unsigned types beyond uint8 are not served here)
 DTYPES = {1: torch.bool, 2: torch.uint8, 6: torch.int8, 7: torch.int16, 8: torch.int32, 9: torch.int64, 10: torch.float16, 11: torch.float32, 12: torch.float64, 14: torch.bfloat16}
 TRITON_DTYPES = {dtype: code for code, dtype in DTYPES.items()}
@@ -59,8 +57,6 @@ _SIGNATURES = {  # name: argument types (all return TRITONSERVER_Error* but the 
     "TRITONBACKEND_ModelInstanceName": (c_void_p, POINTER(c_char_p)),
     "TRITONBACKEND_ModelInstanceKind": (c_void_p, POINTER(c_int)),
     "TRITONBACKEND_ModelInstanceDeviceId": (c_void_p, POINTER(c_int32)),
-    "TRITONBACKEND_ModelInstanceReportStatistics": (c_void_p, c_void_p, c_bool, c_uint64, c_uint64, c_uint64, c_uint64),
-    "TRITONBACKEND_ModelInstanceReportBatchStatistics": (c_void_p, c_uint64, c_uint64, c_uint64, c_uint64, c_uint64),
     "TRITONBACKEND_ModelName": (c_void_p, POINTER(c_char_p)),
     "TRITONBACKEND_ModelVersion": (c_void_p, POINTER(c_uint64)),
     "TRITONBACKEND_ModelRepository": (c_void_p, POINTER(c_int), POINTER(c_char_p)),
@@ -68,7 +64,6 @@ _SIGNATURES = {  # name: argument types (all return TRITONSERVER_Error* but the 
     "TRITONBACKEND_RequestInput": (c_void_p, c_char_p, POINTER(c_void_p)),
     "TRITONBACKEND_RequestParameterCount": (c_void_p, POINTER(c_uint32)),
     "TRITONBACKEND_RequestParameter": (c_void_p, c_uint32, POINTER(c_char_p), POINTER(c_int), POINTER(c_void_p)),
-    "TRITONBACKEND_RequestRelease": (c_void_p, c_uint32),
     "TRITONBACKEND_InputProperties": (
         c_void_p, POINTER(c_char_p), POINTER(c_int), POINTER(POINTER(c_int64)), POINTER(c_uint32), POINTER(c_uint64), POINTER(c_uint32),
     ),
@@ -76,7 +71,6 @@ _SIGNATURES = {  # name: argument types (all return TRITONSERVER_Error* but the 
     "TRITONBACKEND_ResponseNew": (POINTER(c_void_p), c_void_p),
     "TRITONBACKEND_ResponseOutput": (c_void_p, POINTER(c_void_p), c_char_p, c_int, POINTER(c_int64), c_uint32),
     "TRITONBACKEND_OutputBuffer": (c_void_p, POINTER(c_void_p), c_uint64, POINTER(c_int), POINTER(c_int64)),
-    "TRITONBACKEND_ResponseSend": (c_void_p, c_uint32, c_void_p),
 }
 
 
