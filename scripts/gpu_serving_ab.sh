@@ -7,8 +7,9 @@
 #
 # The knobs of gpu_serving_run.sh come from the environment; FIRST_ONLY names those that only the first
 # tree gets (default: GPU_TESTS and the call in process), so the later trees time the server alone.
-# Each tree builds its own python_inprocess shim (its backend.c is touched first: the backend
-# directory is shared) and no server outlives its tree's time: after each tree it kills every process
+# Each tree builds its own python_inprocess shim (the backend directory is shared: its backend.c is
+# touched first, which trees from before 2026-12-01 need; later ones rebuild on any other source or
+# library) and no server outlives its tree's time: after each tree it kills every process
 # whose command line holds "bin/tritonserver" (a calling shell whose own command line holds that text too).
 set -uo pipefail
 BASE=${OUT:?set OUT}; mkdir -p "$BASE"

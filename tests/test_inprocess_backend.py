@@ -344,3 +344,9 @@ def test_the_backend_is_rebuilt_when_its_source_changes_and_only_then(tmp_path, 
     os.utime(source, ns=(built - 10**9, built - 10**9))  # older than the library, as a checkout of an older commit can be
     inprocess.build(tmp_path / "backends")
     assert library.stat().st_mtime_ns != built
+    rebuilt = library.read_bytes()
+    library.write_bytes(b"another checkout's library")  # replaced by a build that does not write this stamp
+    stamp = library.with_suffix(".stamp")
+    os.utime(stamp, ns=(stamp.stat().st_mtime_ns - 10**9,) * 2)  # written before the replacement
+    inprocess.build(tmp_path / "backends")
+    assert library.read_bytes() == rebuilt

@@ -34,13 +34,18 @@ def libpython() -> str:
 
 def build(backend_dir: Path) -> Path:
     """Compile backend.c into `backend_dir`/python_inprocess/libtriton_python_inprocess.so unless it is
-    there, built from this very source for this libpython (a stamp beside it holds both: another
-    checkout sharing the backend directory, older or newer, gets its own). Returns the library's path;
-    raises RuntimeError (with the compiler's output) if there is no C compiler or compiling fails."""
+    there, built from this very source for this libpython: a stamp written after the library holds
+    both, so another checkout sharing the backend directory, older or newer, gets its own library, and
+    one that replaced it (without writing this stamp) is found out by being newer than the stamp.
+    Returns the library's path; raises RuntimeError (with the compiler's output) if there is no C
+    compiler or compiling fails."""
     target = Path(backend_dir) / BACKEND / f"libtriton_{BACKEND}.so"
     stamp = target.with_suffix(".stamp")
     built_from = f"{libpython()}\n{hashlib.sha256(SOURCE.read_bytes()).hexdigest()}\n"
-    if target.exists() and stamp.exists() and stamp.read_text() == built_from:
+    if (
+        target.exists() and stamp.exists() and stamp.read_text() == built_from
+        and stamp.stat().st_mtime_ns >= target.stat().st_mtime_ns
+    ):  # fmt: skip
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
