@@ -242,10 +242,13 @@ class GraphedInteraction(_GraphedStage):
         return scores[: self._shape(vars(f))[1]].clone()
 
 
-_memmove = ctypes.PyDLL(None).memmove  # libc's, through PyDLL: the GIL stays with the caller
-_memmove.argtypes, _memmove.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_void_p
-_memset = ctypes.PyDLL(None).memset
-_memset.argtypes, _memset.restype = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t), ctypes.c_void_p
+# libc's memmove and memset through PyDLL: the GIL stays with the caller (ctypes.memmove and numpy's
+# larger copies release it, and a waiting instance thread would take it mid-request). Also used by
+# the python_inprocess backend to write outputs (inprocess/pb_utils.py).
+libc_memmove = ctypes.PyDLL(None).memmove
+libc_memmove.argtypes, libc_memmove.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_void_p
+libc_memset = ctypes.PyDLL(None).memset
+libc_memset.argtypes, libc_memset.restype = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t), ctypes.c_void_p
 
 
 class _CudaRuntime:
@@ -310,8 +313,8 @@ def _copy_rows(host: np.ndarray, t: torch.Tensor) -> None:
         raise RuntimeError(f"rows {source.dtype}{list(source.shape)} do not fit the staging {host.dtype}{list(host.shape)}")
     if not source.flags.c_contiguous:
         source = np.ascontiguousarray(source)
-    _memmove(host.ctypes.data, source.ctypes.data, source.nbytes)
-    _memset(host.ctypes.data + source.nbytes, 0, host.nbytes - source.nbytes)
+    libc_memmove(host.ctypes.data, source.ctypes.data, source.nbytes)
+    libc_memset(host.ctypes.data + source.nbytes, 0, host.nbytes - source.nbytes)
 
 
 class GraphedRanker(_GraphedStage):
@@ -444,5 +447,5 @@ class GraphedRanker(_GraphedStage):
             check_request_values(self.cfg, inputs)  # raises InvalidRequest naming the input
             raise RuntimeError("the device's value checks flagged a request that the host's checks pass")
         scores = np.empty((cands, self.cfg.tasks), dtype=np.float32)
-        _memmove(scores.ctypes.data, host[1:].ctypes.data, scores.nbytes)
+        libc_memmove(scores.ctypes.data, host[1:].ctypes.data, scores.nbytes)
         return torch.from_numpy(scores)

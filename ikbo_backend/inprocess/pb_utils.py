@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
+from ..cuda_graphs import libc_memmove
 from . import triton_c as C
 from .triton_c import api
 
@@ -240,10 +241,6 @@ def build_response(request: InferenceRequest, response: InferenceResponse) -> tu
     return handle, error
 
 
-_memmove = ctypes.PyDLL(None).memmove  # libc's, keeping the GIL (ctypes.memmove releases it: a waiting thread would take it mid-response)
-_memmove.argtypes, _memmove.restype = (c_void_p, c_void_p, c_uint64), c_void_p
-
-
 def _write_output(response, tensor: Tensor) -> None:
     value = tensor._tensor
     if value.device.type != "cpu" or not value.is_contiguous():
@@ -256,7 +253,7 @@ def _write_output(response, tensor: Tensor) -> None:
     if memory.value == C.MEMORY_GPU:
         raise RuntimeError("Triton gave a GPU output buffer; this backend writes host memory")
     if size:
-        _memmove(pointer.value, value.data_ptr(), size)
+        libc_memmove(pointer.value, value.data_ptr(), size)  # the GIL kept
 
 
 class Logger:
