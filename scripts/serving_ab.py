@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Serving A/B of several trees, point by point: one tritonserver start per point, the trees alternated in
+the order given, so that every ratio compares runs of one machine start (docs/perf.md's A/B tables).
+
+A point is TREE:INSTANCES:CONCURRENCY. For each point the model's directory (and shape_ranges.json) is
+copied from that tree's model_repository, every instance_group count of the served config set to
+INSTANCES, and served by the tree's own `scripts/serve` on free ports: the tree's own code, its
+python_inprocess library rebuilt from its backend.c (touched first: trees before 2026-12-01 rebuild on
+mtime only). Then this tree's `scripts/perf_sweep.py` measures one cell: the model, one mix, one
+protocol, concurrency C. The copy's root links every other top-level entry of the tree (ikbo_backend,
+kernels, weights, ...), as model.py puts the repository's parent on sys.path.
+
+    git archive 46d7fe7 | tar -x -C out/old                       # the other tree
+    python scripts/serving_ab.py --tree old=out/old --tree new=. --config large \\
+        --points old:1:1 new:1:1 new:3:12 old:3:12 --out out/ab
+
+Writes into --out: summary.md (a row per point as run; then per instances and concurrency the median
+candidates/s of each tree and its ratio to the first tree named), points.csv, and per point
+<i>_<tree>_n<instances>_c<c>/ with the server's log and the sweep's files. Points that would start after
+--budget-s are skipped and listed. Exit status 1 when a point failed (its row says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from google.protobuf import text_format  # noqa: E402
+
+from ikbo_backend.instance_groups import read_config  # noqa: E402
+from ikbo_backend.tritonserver import TritonServerError, free_port, stop, wait_until_ready  # noqa: E402
+
+SERVER_TIMES = ("queue", "compute input", "compute infer", "compute output")  # perf_analyzer's server-side µs
+
+
+@dataclass(frozen=True)
+class Point:
+    tree: str
+    instances: int
+    concurrency: int
+
+    @classmethod
+    def parse(cls, text: str, trees: dict[str, Path]) -> Point:
+        parts = text.split(":")
+        if len(parts) != 3 or parts[0] not in trees or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
+            raise ValueError(f"point {text!r}: expected TREE:INSTANCES:CONCURRENCY with TREE one of {sorted(trees)} and positive counts")
+        return cls(parts[0], int(parts[1]), int(parts[2]))
+
+
+@dataclass
+class Result:
+    index: int
+    tree: str
+    instances: int
+    concurrency: int
+    status: str  # "ok", else what failed
+    candidates_per_s: float = float("nan")
+    p50_ms: float = float("nan")
+    p99_ms: float = float("nan")
+    ready_s: float = float("nan")
+    queue_us: float = float("nan")
+    compute_input_us: float = float("nan")
+    compute_infer_us: float = float("nan")
+    compute_output_us: float = float("nan")
+
+
+def served_config(model_dir: Path, config: str | None) -> Path:
+    path = model_dir / ("config.pbtxt" if config is None else f"configs/{config}.pbtxt")
+    return path if path.exists() or config is None else model_dir / "config.pbtxt"  # Triton's fallback
+
+
+def copy_model(tree: Path, model: str, config: str | None, instances: int, root: Path) -> Path:
+    """`root`/model_repository with `model` of `tree` (and, for an ensemble, its step models) whose served
+    config has `instances` per instance group. A config without instance groups (an ensemble) takes 1 only."""
+    repository = root / "model_repository"
+    source = tree / "model_repository"
+    pending, copied = [model], set()
+    while pending:
+        name = pending.pop()
+        if name in copied:
+            continue
+        if not (source / name).is_dir():
+            raise FileNotFoundError(f"{source}: no model {name!r}")
+        shutil.copytree(source / name, repository / name, ignore=shutil.ignore_patterns("__pycache__"))
+        copied.add(name)
+        pending += [step.model_name for step in read_config(served_config(repository / name, config)).ensemble_scheduling.step]
+    if (source / "shape_ranges.json").exists():
+        shutil.copy2(source / "shape_ranges.json", repository)
+    path = served_config(repository / model, config)
+    served = read_config(path)
+    if not served.instance_group and instances != 1:
+        raise ValueError(f"{path.relative_to(repository)}: no instance_group to set to {instances}")
+    for group in served.instance_group:
+        group.count = instances
+    path.write_text(text_format.MessageToString(served))
+    for entry in tree.resolve().iterdir():
+        if entry.name != "model_repository" and not (root / entry.name).exists():
+            (root / entry.name).symlink_to(entry)
+    return repository
+
+
+def server_times(log: str) -> dict[str, float]:
+    """perf_analyzer's server-side averages per request, µs (its 'Server:' block)."""
+    found = {}
+    for name in SERVER_TIMES:
+        match = re.search(rf"{name} (\d+) usec", log)
+        if match:
+            found[name.replace(" ", "_") + "_us"] = float(match.group(1))
+    return found
+
+
+def run_point(index: int, point: Point, tree: Path, args, out: Path) -> Result:
+    result = Result(index, point.tree, point.instances, point.concurrency, "ok")
+    work = out / f"{index}_{point.tree}_n{point.instances}_c{point.concurrency}"
+    work.mkdir(parents=True)
+    try:
+        repository = copy_model(tree, args.model, args.config, point.instances, work / "copy")
+    except (OSError, ValueError) as e:
+        result.status = f"copy failed: {e}"
+        return result
+    backend_source = tree / "ikbo_backend" / "inprocess" / "backend.c"
+    if backend_source.exists():
+        backend_source.touch()
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    while len({http, grpc, metrics}) < 3:
+        grpc, metrics = free_port(), free_port()
+    command = [sys.executable, "scripts/serve", "--model-repository", str(repository)]
+    command += ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    command += [] if args.config is None else ["--config", args.config]
+    log_path = work / "server.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(command, cwd=tree, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        start = time.monotonic()
+        wait_until_ready(server, f"localhost:{http}", args.ready_timeout, lambda: log_path.read_text(errors="replace")[-3000:])
+        result.ready_s = time.monotonic() - start
+        sweep = [sys.executable, str(ROOT / "scripts" / "perf_sweep.py"), "--url", f"localhost:{http}", "--grpc-url", f"localhost:{grpc}"]
+        sweep += ["--profile", args.profile, "--rankers", args.model, "--mixes", args.mix, "--protocols", args.protocol]
+        sweep += ["--concurrency", str(point.concurrency), "--window-ms", str(args.window_ms), "--out", str(work / "sweep")]
+        with open(work / "sweep.txt", "wb") as sweep_log:
+            subprocess.run(sweep, stdout=sweep_log, stderr=subprocess.STDOUT, timeout=args.point_timeout, check=False)
+        rows = list(csv.DictReader(open(work / "sweep" / "sweep.csv"))) if (work / "sweep" / "sweep.csv").exists() else []
+        if not rows or rows[0]["status"] != "ok":
+            result.status = f"perf_analyzer: {rows[0]['status'] if rows else 'no result'} (see {work / 'sweep.txt'})"
+            return result
+        result.candidates_per_s, result.p50_ms, result.p99_ms = (float(rows[0][k]) for k in ("candidates_per_s", "p50_ms", "p99_ms"))
+        for run_log in (work / "sweep" / "runs").glob("*.log"):
+            for name, value in server_times(run_log.read_text(errors="replace")).items():
+                setattr(result, name, value)
+    except TritonServerError as e:
+        result.status = f"server: {str(e).splitlines()[0]} (see {log_path})"
+    except subprocess.TimeoutExpired:
+        result.status = f"perf_sweep over {args.point_timeout} s"
+    finally:
+        stop(server)
+    return result
+
+
+def summary(results: list[Result], tree_names: list[str]) -> str:
+    lines = ["| # | tree | instances | c | candidates/s | p50 / p99 ms | server: queue / compute input / infer / output µs | ready s |"]
+    lines.append("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        if r.status != "ok":
+            lines.append(f"| {r.index} | {r.tree} | {r.instances} | {r.concurrency} | {r.status} | | | |")
+            continue
+        server = " / ".join(f"{v:.0f}" for v in (r.queue_us, r.compute_input_us, r.compute_infer_us, r.compute_output_us))
+        lines.append(
+            f"| {r.index} | {r.tree} | {r.instances} | {r.concurrency} | {r.candidates_per_s:,.0f} | {r.p50_ms:.1f} / {r.p99_ms:.1f} | {server} | {r.ready_s:.0f} |"
+        )
+    reference = tree_names[0]
+    lines += ["", f"| instances | c | {' | '.join(f'{t}: median candidates/s (runs)' for t in tree_names)} | {' | '.join(f'{t} / {reference}' for t in tree_names[1:])} |"]
+    lines.append("|---:|---:|" + "---:|" * (2 * len(tree_names) - 1))
+    for instances, concurrency in sorted({(r.instances, r.concurrency) for r in results}):
+        medians = {}
+        for tree in tree_names:
+            values = [r.candidates_per_s for r in results if (r.tree, r.instances, r.concurrency) == (tree, instances, concurrency) and r.status == "ok"]
+            medians[tree] = (statistics.median(values), len(values)) if values else None
+        cells = [f"{m[0]:,.0f} ({m[1]})" if m else "–" for m in medians.values()]
+        ratios = [f"{medians[t][0] / medians[reference][0]:.2f}×" if medians[t] and medians[reference] else "–" for t in tree_names[1:]]
+        lines.append(f"| {instances} | {concurrency} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", action="append", required=True, metavar="NAME=PATH", help="a tree to serve from (repeat; the first is the reference)")
+    parser.add_argument("--points", nargs="+", required=True, metavar="TREE:INSTANCES:C", help="in the order run")
+    parser.add_argument("--model", default="ikbo_ranker")
+    parser.add_argument("--config", help="served config: configs/<name>.pbtxt (default: config.pbtxt, the CPU one)")
+    parser.add_argument("--profile", help="model dims of the config, for the request files (default: --config if it names a profile, else demo)")
+    parser.add_argument("--mix", default="u15_b1024")
+    parser.add_argument("--protocol", default="grpc", choices=("grpc", "http"))
+    parser.add_argument("--window-ms", type=int, default=3000)
+    parser.add_argument("--ready-timeout", type=float, default=400, help="seconds a server gets to be ready")
+    parser.add_argument("--point-timeout", type=float, default=300, help="seconds a point's perf_sweep gets")
+    parser.add_argument("--budget-s", type=float, help="start no point after this many seconds")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "serving_ab")
+    args = parser.parse_args(argv)
+    from ikbo_backend.ranker import PROFILES
+
+    args.profile = args.profile or (args.config if args.config in PROFILES else "demo")
+    trees = {}
+    for spec in args.tree:
+        name, _, path = spec.partition("=")
+        if not name or not path or not (Path(path) / "scripts" / "serve").exists():
+            parser.error(f"--tree {spec!r}: expected NAME=PATH of a tree with scripts/serve")
+        trees[name] = Path(path).resolve()
+    args.trees = trees
+    try:
+        args.points = [Point.parse(p, trees) for p in args.points]
+    except ValueError as e:
+        parser.error(str(e))
+    if args.out.exists() and any(args.out.iterdir()):
+        parser.error(f"--out {args.out}: not empty")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started, results, skipped = time.monotonic(), [], []
+    for index, point in enumerate(args.points, 1):
+        if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+            skipped.append(f"{point.tree}:{point.instances}:{point.concurrency}")
+            continue
+        result = run_point(index, point, args.trees[point.tree], args, args.out)
+        results.append(result)
+        print(f"[{time.strftime('%H:%M:%S', time.gmtime())}] {result.tree} n{result.instances} c{result.concurrency}: {result.status}, "
+              f"{result.candidates_per_s:,.0f} candidates/s", flush=True)
+    with open(args.out / "points.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0]))) if results else None
+        if writer:
+            writer.writeheader()
+            writer.writerows(asdict(r) for r in results)
+    header = f"# Serving A/B, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.model}, config {args.config or 'config.pbtxt'}, "
+    header += f"mix {args.mix}, {args.protocol}, {args.window_ms} ms windows\n\n" + "".join(f"- {n}: {p}\n" for n, p in args.trees.items())
+    text = header + "\n" + summary(results, list(args.trees)) + (f"\nSkipped (budget): {' '.join(skipped)}\n" if skipped else "")
+    (args.out / "summary.md").write_text(text)
+    print(text)
+    return 0 if results and all(r.status == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
