@@ -10,7 +10,7 @@ mtime only). Then this tree's `scripts/perf_sweep.py` measures one cell: the mod
 protocol, concurrency C. The copy's root links every other top-level entry of the tree (ikbo_backend,
 kernels, weights, ...), as model.py puts the repository's parent on sys.path.
 
-    git archive 46d7fe7 | tar -x -C out/old                       # the other tree
+    mkdir -p out/old && git archive 46d7fe7 | tar -x -C out/old   # the other tree
     python scripts/serving_ab.py --tree old=out/old --tree new=. --config large \\
         --points old:1:1 new:1:1 new:3:12 old:3:12 --out out/ab
 
