@@ -12,12 +12,13 @@ kernels, weights, ...), as model.py puts the repository's parent on sys.path.
 
     mkdir -p out/old && git archive 46d7fe7 | tar -x -C out/old   # the other tree
     python scripts/serving_ab.py --tree old=out/old --tree new=. --config large \\
-        --points old:1:1 new:1:1 new:3:12 old:3:12 --out out/ab
+        --points old:1:1 new:1:1 new:3:12 old:3:12 --rounds 2 --out out/ab
 
 Writes into --out: summary.md (a row per point as run; then per instances and concurrency the median
 candidates/s of each tree and its ratio to the first tree named), points.csv, and per point
-<i>_<tree>_n<instances>_c<c>/ with the server's log and the sweep's files. Points that would start after
---budget-s are skipped and listed. Exit status 1 when a point failed (its row says why).
+<i>_<tree>_n<instances>_c<c>/ with the server's log and the sweep's files. --rounds N runs the points N
+times, every second round in reverse (ABBA: a drift of the machine over the run favours no tree). Points
+that would start after --budget-s are skipped and listed. Exit status 1 when a point failed (its row says why).
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def run_point(index: int, point: Point, tree: Path, args, out: Path) -> Result:
     return result
 
 
+def run_order(points: list[Point], rounds: int) -> list[Point]:
+    """The points `rounds` times, every second round reversed: A B, B A, A B, ..."""
+    return [point for r in range(rounds) for point in (points if r % 2 == 0 else points[::-1])]
+
+
 def summary(results: list[Result], tree_names: list[str]) -> str:
     lines = ["| # | tree | instances | c | candidates/s | p50 / p99 ms | server: queue / compute input / infer / output µs | ready s |"]
     lines.append("|---:|---|---:|---:|---:|---:|---:|---:|")
@@ -196,6 +202,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", action="append", required=True, metavar="NAME=PATH", help="a tree to serve from (repeat; the first is the reference)")
     parser.add_argument("--points", nargs="+", required=True, metavar="TREE:INSTANCES:C", help="in the order run")
+    parser.add_argument("--rounds", type=int, default=1, help="run the points this many times, every second round reversed")
     parser.add_argument("--model", default="ikbo_ranker")
     parser.add_argument("--config", help="served config: configs/<name>.pbtxt (default: config.pbtxt, the CPU one)")
     parser.add_argument("--profile", help="model dims of the config, for the request files (default: --config if it names a profile, else demo)")
@@ -221,6 +228,8 @@ def parse_args(argv=None):
         args.points = [Point.parse(p, trees) for p in args.points]
     except ValueError as e:
         parser.error(str(e))
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected at least 1")
     if args.out.exists() and any(args.out.iterdir()):
         parser.error(f"--out {args.out}: not empty")
     return args
@@ -230,7 +239,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     started, results, skipped = time.monotonic(), [], []
-    for index, point in enumerate(args.points, 1):
+    for index, point in enumerate(run_order(args.points, args.rounds), 1):
         if args.budget_s is not None and time.monotonic() - started > args.budget_s:
             skipped.append(f"{point.tree}:{point.instances}:{point.concurrency}")
             continue

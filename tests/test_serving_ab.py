@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from serving_ab import Point, Result, copy_model, main, summary  # noqa: E402
+from serving_ab import Point, Result, copy_model, main, run_order, summary  # noqa: E402
 
 from ikbo_backend.instance_groups import read_config  # noqa: E402
 from ikbo_backend.serving import REPO_ROOT  # noqa: E402
@@ -46,6 +46,12 @@ def test_points_parse_or_say_what_is_wrong():
     for bad in ("other:1:1", "new:0:1", "new:1", "new:1:x"):
         with pytest.raises(ValueError, match="TREE:INSTANCES:CONCURRENCY"):
             Point.parse(bad, trees)
+
+
+def test_rounds_alternate_the_order():
+    a, b, c = Point("a", 1, 1), Point("b", 1, 1), Point("b", 2, 8)
+    assert run_order([a, b, c], 1) == [a, b, c]
+    assert run_order([a, b, c], 3) == [a, b, c, c, b, a, a, b, c]
 
 
 def test_summary_medians_and_ratios():
