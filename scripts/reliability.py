@@ -814,8 +814,11 @@ def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: 
         if unclear:
             failures.append(f"kill at {t_kill:.1f}: unclear errors {unclear[:3]}")
         if several and len(sent) > len(window):
-            late = len(sent) - len(window)
-            failures.append(f"{round_['stub']}: {late} request(s) sent after its replica went down failed: {round_['errors']}")
+            late = [(round(e[0] - t_kill, 2), round(e[1] - t_kill, 2)) for e in sent if e[0] > t_down]
+            failures.append(
+                f"{round_['stub']}: {len(late)} request(s) sent after its replica went down failed: {round_['errors']}; "
+                f"(sent, failed) s after the kill: {late[:6]}, replica down at {round_['down_s']} s, replaced at {round_['replaced_s']} s"
+            )
     before_first = [e for e in log if times and e[1] < times[0][0]]
     if before_first:
         failures.append(f"{len(before_first)} request(s) failed before the first kill: {[e[2][:160] for e in before_first[:3]]}")

@@ -7,6 +7,7 @@ killed and replaced while the other serves: only requests in flight at the kill 
 Long forms: scripts/reliability.py harden|kill|shutdown [--replicas N].
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,12 @@ SERVE = [sys.executable, str(REPO_ROOT / "scripts" / "serve"), "--cpu"]
 pytestmark = pytest.mark.timeout(600)
 
 
+def shown(result: dict, served=None) -> str:
+    """The whole result for a failed assertion (pytest shortens a dict's repr to 240 characters), and the end of
+    serve's log when given."""
+    return json.dumps(result, default=str) + (f"\nserve's log:\n{served.log_tail(60)}" if served else "")
+
+
 @pytest.fixture(scope="module")
 def served():
     with reliability.rankers_repository() as repo, reliability.serving(EXIT_TIMEOUT, repo) as running:
@@ -39,7 +46,7 @@ def test_restricted_apis_need_the_admin_header(served):
 
 def test_stub_kill_under_load_recovers_within_30_s_without_shm_leaks(served):
     result = reliability.kill_stubs(served, kills=1, recover_timeout=30)
-    assert result["kills"] == 1 and not result["failures"], result
+    assert result["kills"] == 1 and not result["failures"], shown(result)
 
 
 def test_a_tritonserver_killed_by_a_signal_is_started_again(served):
@@ -62,7 +69,7 @@ def test_a_tritonserver_killed_by_a_signal_is_started_again(served):
 
 def test_sigterm_under_load_finishes_in_flight_requests_and_exits_0(served):
     result = reliability.graceful_shutdown(served, EXIT_TIMEOUT)
-    assert not result["failures"], result
+    assert not result["failures"], shown(result)
 
 
 def test_readiness_probes_treat_a_port_that_echoes_the_request_as_not_up():
@@ -114,11 +121,11 @@ def served_replicas():
 
 def test_stub_kills_with_two_replicas_fail_only_in_flight_requests(served_replicas):
     result = reliability.kill_stubs(served_replicas, kills=2, recover_timeout=30)
-    assert result["kills"] == 2 and not result["failures"], result
-    assert result["failed_sent_after_down"] == 0 and result["continuity_probes_ok"] == 4, result
-    assert result["down_s_max"] <= 2.0 and not result["shm_leaked"] and result["orphan_stubs"] == 0, result
+    assert result["kills"] == 2 and not result["failures"], shown(result, served_replicas)
+    assert result["failed_sent_after_down"] == 0 and result["continuity_probes_ok"] == 4, shown(result)
+    assert result["down_s_max"] <= 2.0 and not result["shm_leaked"] and result["orphan_stubs"] == 0, shown(result)
 
 
 def test_sigterm_stops_every_replica_gracefully(served_replicas):
     result = reliability.graceful_shutdown(served_replicas, EXIT_TIMEOUT)
-    assert not result["failures"], result
+    assert not result["failures"], shown(result)
