@@ -195,6 +195,27 @@ def compile_gluon_without_gpu(kernel, runtime_args: dict, constexprs: dict, opti
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
+def disassemble(compiled) -> tuple[str, str] | None:
+    """(SASS, resource usage) of a CompiledKernel's cubin from cuobjdump (the Triton wheel's, else one on PATH);
+    None where there is none."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if tool is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp, "kernel.cubin")
+        cubin.write_bytes(compiled.asm["cubin"])
+        return tuple(subprocess.run([tool, flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+                     for flag in ("-sass", "-res-usage"))
+
+
 def install_standin_driver(multiprocessors: int = 132, capability: int = 90) -> None:
     """Make Triton's active driver a stand-in for an sm_<capability> GPU whose launcher does nothing, on a machine
     without one. Kernels launched on CPU tensors then go through Triton's real binder, argument specialization and

@@ -16,15 +16,12 @@ from __future__ import annotations
 import functools
 import math
 import re
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import attention
+from kernels._common import disassemble
 from kernels.attention_ws import (
     DEFAULT_CONFIG,
     SMEM_LIMIT,
@@ -41,13 +38,6 @@ DYNAMIC = WSAttentionConfig(dynamic=True)  # items from the atomic counter (the 
 STATIC = WSAttentionConfig(dynamic=False)  # program p takes items p, p + programs, … (the default's otherwise)
 CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4)]
 CONFIG_IDS = ["default", "dynamic", "static", "64-keys"]
-
-
-def _cuobjdump():
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(tool) if tool.exists() else shutil.which("cuobjdump")
 
 
 def test_configs_fit_shared_memory():
@@ -78,14 +68,10 @@ def test_compiles_for_sm90a(config, kwargs):
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == rows_tma  # out rows by TMA store
     assert ("cp.async.cg.shared.global" in ptx) != rows_tma  # q rows gathered by cp.async
     assert re.search(r"bar\.sync\s+0,\s*128", ptx)  # the default consumer's own barrier, not the CTA's
-    tool = _cuobjdump()
-    if tool is None:
+    disassembled = disassemble(kernel)
+    if disassembled is None:
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp, "ws.cubin")
-        cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass, usage = disassembled
     assert "HGMMA.64x" in sass and "UTMALDG" in sass
     assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass)  # P·V with P from registers
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 import kernels.linear_compress_ws as ws
+from kernels._common import disassemble
 from kernels.linear_compress import PackedLinearCompress
 from kernels.linear_compress_ws import (
     SMEM_LIMIT,
@@ -76,13 +73,6 @@ def test_default_override_parser():
     assert _parse_config("") == WSConfig()
 
 
-def _cuobjdump():
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(tool) if tool.exists() else shutil.which("cuobjdump")
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -106,14 +96,10 @@ def test_compiles_for_sm90a(kwargs):
     assert "cp.async.bulk.tensor.3d.global.shared::cta" in ptx  # the TMA store of the output tile
     counts = set(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx))
     assert counts == {"1"}, counts  # one arrive per barrier phase (one consumer partition)
-    tool = _cuobjdump()
-    if tool is None:
+    disassembled = disassemble(kernel)
+    if disassembled is None:
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp, "s6.cubin")
-        cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass, usage = disassembled
     assert "HGMMA.64x" in sass and "UTMASTG" in sass
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert "LDL" not in sass and "STL" not in sass
