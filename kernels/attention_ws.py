@@ -548,6 +548,8 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
             _pass_turn(turns, WG)
+            if ROWS_TMA:  # the previous item's output store reads its q slot under this q·k₀ᵀ
+                _release_previous_slot(q_empty, i, WG)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(slot), count=1)
             if dense_end < BLOCK_N:
@@ -572,8 +574,10 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             mbarrier.arrive(v_empty.index(slot), count=1)
             it += 1
             turn += 1
-        # out rows = acc / l (zeros without keys), scattered back to [B, H, S, d]
-        out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+        elif ROWS_TMA:
+            _release_previous_slot(q_empty, i, WG)
+        # out rows = acc / l (zeros without keys; two divisions a thread, not one per element), back to [B, H, S, d]
+        out = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
         if HAS_SELF:  # self rows past the user's history are zeros
             rows_here = r0 + 64 * WG + gl.arange(0, 64, layout=o_rows)
             out = gl.where(((r0 < 0) | (rows_here < kv_len))[:, None], out, 0.0)
@@ -581,9 +585,19 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             _store_rows_tma(out.to(dtype), o_desc, q_smem, row_bufs, qs, WG)
         else:
             _store_rows(out.to(dtype), out_ptr, row_bufs, qs, WG, HAS_SELF)
-        mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows, output-row offsets and info read
+            mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows, output-row offsets and info read
         i += 1
         kv_len, hi, r0 = _read_info(item_info, q_ready, i, WG)
+    if ROWS_TMA:
+        tma.store_wait(0)  # the last item's store has read its q slot
+
+
+@gluon.jit
+def _release_previous_slot(q_empty, i, WG: gl.constexpr):
+    """ROWS_TMA: once item i-1's output store has read its q slot, hand the slot (and its info) back to the producer."""
+    if i > 0:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(2 * WG + (i - 1) % 2), count=1)
 
 
 @gluon.jit
@@ -610,7 +624,7 @@ def _store_rows(out, out_ptr, row_bufs, qs, WG: gl.constexpr, HAS_SELF: gl.const
 def _store_rows_tma(out, o_desc, q_smem, row_bufs, qs, WG: gl.constexpr):
     """ROWS_TMA: warpgroup WG's output rows `out` [64, d] (one contiguous run, or all past the tile's end) through
     its own q buffer (read by its last q·kᵀ, which has completed) and one TMA store; waited for before the slot
-    goes back to the producer."""
+    goes back to the producer, under the next item's first q·kᵀ (`_release_previous_slot`)."""
     HEAD_DIM: gl.constexpr = out.type.shape[1]
     one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     q_smem.store(out)
@@ -621,7 +635,6 @@ def _store_rows_tma(out, o_desc, q_smem, row_bufs, qs, WG: gl.constexpr):
         first = gl.max(row_bufs.slice(256 + 128 + 64 * WG, 1).load(one), 0)
     if first >= 0:
         tma.async_copy_shared_to_global(o_desc, [(first // HEAD_DIM).to(gl.int32), 0], q_smem)
-    tma.store_wait(0)
 
 
 # any U, B (and any addresses of user_q / user_out): one compiled kernel

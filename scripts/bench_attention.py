@@ -618,7 +618,7 @@ WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws 128, items from the atomic counter": dict(dynamic=True),
 }
 WS_AB = list(WS_VARIANTS)  # --ws-ab: the first is the reference
-AB_ROUNDS = 3
+AB_ROUNDS = int(os.environ.get("AB_ROUNDS", 3))  # alternations of every variant per shape
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [
     (15, 1024, 64, 1024, 4, 128, None, 0, torch.bfloat16),  # canonical
