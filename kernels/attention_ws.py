@@ -102,7 +102,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    overlap: bool = False  # experiment: `_consumer_overlap` (an item's last P·V in the next item's first turn)
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -448,15 +447,12 @@ def _pass_turn(turns, WG: gl.constexpr):
 
 @gluon.jit
 def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready,
-           v_ready, k_empty, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
-           q_empty=None, release_slot=-1, RELEASE: gl.constexpr = False):
+           v_ready, k_empty, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr):
     """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
     softmax of block j, wait for P_{j-1}·V_{j-1}, rescale. Returns (acc, m_i, l_i, P_j). (ptxas puts
     that wait before the softmax, P_j taking P_{j-1}'s registers: the softmax runs under the other
     warpgroup's products, not its own.) Keys below dense_end are seen by every row; past it the block
-    is masked to keys < kv_len and, with HAS_SELF, keys ≤ the row's `row_limit` (causal self rows). RELEASE (the
-    `overlap` loop): at j = 1, under q·k₁ᵀ, the previous item's output store has read q slot `release_slot` (≥ 0),
-    which goes back to the producer."""
+    is masked to keys < kv_len and, with HAS_SELF, keys ≤ the row's `row_limit` (causal self rows)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
@@ -470,10 +466,6 @@ def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p
     mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
     acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
     _pass_turn(turns, WG)
-    if RELEASE:
-        if j == 1 and release_slot >= 0:
-            tma.store_wait(0)
-            mbarrier.arrive(q_empty.index(2 * WG + release_slot), count=1)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(slot), count=1)
     if (j + 1) * BLOCK_N > dense_end:  # the last, partial block (or a causal self tile's diagonal)
@@ -601,160 +593,6 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
 
 
 @gluon.jit
-def _first_turn(it, turn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, acc, p_prev,
-                STAGES: gl.constexpr, WG: gl.constexpr, WITH_PV: gl.constexpr):
-    """`overlap`: an item's first turn, q·k₀ᵀ (ring position `it`), with WITH_PV the previous item's last P·V
-    (P_prev · V at ring position it − 1) in the same turn; both waited here. Returns (s₀, acc)."""
-    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    slot = it % STAGES
-    _take_turn(turns, turn, WG)
-    mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-    if WITH_PV:
-        prev = (it - 1) % STAGES
-        mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-        acc_tok = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
-        _pass_turn(turns, WG)
-        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, acc_tok))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-    else:
-        _pass_turn(turns, WG)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    mbarrier.arrive(k_empty.index(slot), count=1)
-    return s, acc
-
-
-@gluon.jit
-def _last_pv_alone(it, turn, acc, p_prev, v_bufs, v_ready, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr):
-    """`overlap`: the pending item's last P·V in a turn of its own (V at ring position it − 1)."""
-    prev = (it - 1) % STAGES
-    _take_turn(turns, turn, WG)
-    mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
-    _pass_turn(turns, WG)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-    mbarrier.arrive(v_empty.index(prev), count=1)
-    return acc
-
-
-@gluon.jit
-def _finish_item(acc, l_i, kv_len, r0, ps, out_ptr, o_desc, q_bufs, row_bufs, q_empty, WG: gl.constexpr,
-                 HAS_SELF: gl.constexpr, ROWS_TMA: gl.constexpr):
-    """`overlap`: the epilogue of the item in q slot ps (acc / l, zeros past a self tile's history), stored; without
-    ROWS_TMA the slot goes back to the producer at once, with it once the TMA store has read it (`_block`'s RELEASE)."""
-    HEAD_DIM: gl.constexpr = acc.type.shape[1]
-    o_rows: gl.constexpr = gl.SliceLayout(1, _mma_layout(HEAD_DIM))
-    out = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
-    if HAS_SELF:
-        rows_here = r0 + 64 * WG + gl.arange(0, 64, layout=o_rows)
-        out = gl.where(((r0 < 0) | (rows_here < kv_len))[:, None], out, 0.0)
-    if ROWS_TMA:
-        _store_rows_tma(out.to(q_bufs.dtype), o_desc, q_bufs.index(2 * WG + ps), row_bufs, ps, WG)
-    else:
-        _store_rows(out.to(q_bufs.dtype), out_ptr, row_bufs, ps, WG, HAS_SELF)
-        mbarrier.arrive(q_empty.index(2 * WG + ps), count=1)
-
-
-@gluon.jit
-def _consumer_overlap(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                      v_empty, turns, qk_scale, o_desc, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
-                      CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr):
-    """`overlap` (experiment): as `_consumer`, but an item's last P·V waits for the next item's first turn, where it
-    runs beside q·k₀ᵀ, and its epilogue follows the next item's block-0 softmax; so the tensor pipe has both products
-    to run while the two warpgroups start an item. Items without keys, and the end, take the pending P·V alone."""
-    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
-    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
-    dtype: gl.constexpr = k_bufs.dtype
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    it = 0  # K/V blocks consumed (ring position)
-    turn = 0  # wgmma turns taken
-    i = 0  # work items started (q slot i % 2)
-    pending = 0  # 1: the previous item's last P·V and epilogue are still to do
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-    l_i = gl.full([64], 1.0, gl.float32, s_rows)
-    p_a = gl.convert_layout(gl.zeros([64, BLOCK_N], dtype, s_layout), p_layout)
-    kv_prev = 0
-    r0_prev = -1
-    kv_len, hi, r0 = _read_info(item_info, q_ready, i, WG)
-    while hi >= 0:
-        num_blocks = gl.cdiv(hi, BLOCK_N)
-        dense_end = kv_len
-        row_limit = gl.full([64], 2147483647, gl.int32, s_rows)
-        if HAS_SELF:
-            if CAUSAL:
-                own_rows = r0 + 64 * WG + gl.arange(0, 64, layout=s_rows)
-                row_limit = gl.where(r0 >= 0, own_rows, 2147483647)
-                dense_end = gl.where(r0 >= 0, gl.minimum(kv_len, r0 + 64 * WG + 1), kv_len)
-        qs = i % 2
-        q_smem = q_bufs.index(2 * WG + qs)
-        release = -1
-        if num_blocks > 0:
-            if pending != 0:
-                s, acc = _first_turn(it, turn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, acc,
-                                     p_a, STAGES, WG, True)
-            else:
-                s, acc = _first_turn(it, turn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, acc,
-                                     p_a, STAGES, WG, False)
-            if dense_end < BLOCK_N:
-                s = _mask_keys(s, 0, kv_len, row_limit, HAS_SELF)
-            m_i = gl.max(s, 1) * qk_scale
-            p = gl.exp2(s * qk_scale - m_i[:, None])
-            l_new = gl.sum(p, 1)
-            p_new = gl.convert_layout(p.to(dtype), p_layout)
-            if pending != 0:
-                _finish_item(acc, l_i, kv_prev, r0_prev, 1 - qs, out_ptr, o_desc, q_bufs, row_bufs, q_empty, WG,
-                             HAS_SELF, ROWS_TMA)
-                if ROWS_TMA:
-                    release = 1 - qs
-            acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-            l_i = l_new
-            p_a = p_new
-            for j in range(1, num_blocks):
-                acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i,
-                                            p_a, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
-                                            STAGES, WG, HAS_SELF, q_empty, release, True)
-            if ROWS_TMA:
-                if num_blocks == 1:
-                    if release >= 0:  # no block 1 to release it under
-                        tma.store_wait(0)
-                        mbarrier.arrive(q_empty.index(2 * WG + release), count=1)
-            it += num_blocks
-            turn += num_blocks
-            pending = 1
-        else:  # no keys: the pending item ends alone, then this item's rows are zeros
-            if pending != 0:
-                acc = _last_pv_alone(it, turn, acc, p_a, v_bufs, v_ready, v_empty, turns, STAGES, WG)
-                turn += 1
-                _finish_item(acc, l_i, kv_prev, r0_prev, 1 - qs, out_ptr, o_desc, q_bufs, row_bufs, q_empty, WG,
-                             HAS_SELF, ROWS_TMA)
-                if ROWS_TMA:
-                    tma.store_wait(0)
-                    mbarrier.arrive(q_empty.index(2 * WG + 1 - qs), count=1)
-            _finish_item(gl.zeros([64, HEAD_DIM], gl.float32, o_layout), gl.full([64], 1.0, gl.float32, s_rows), kv_len,
-                         r0, qs, out_ptr, o_desc, q_bufs, row_bufs, q_empty, WG, HAS_SELF, ROWS_TMA)
-            if ROWS_TMA:
-                tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)
-            pending = 0
-        kv_prev = kv_len
-        r0_prev = r0
-        i += 1
-        kv_len, hi, r0 = _read_info(item_info, q_ready, i, WG)
-    if pending != 0:
-        acc = _last_pv_alone(it, turn, acc, p_a, v_bufs, v_ready, v_empty, turns, STAGES, WG)
-        _finish_item(acc, l_i, kv_prev, r0_prev, (i - 1) % 2, out_ptr, o_desc, q_bufs, row_bufs, q_empty, WG, HAS_SELF,
-                     ROWS_TMA)
-    if ROWS_TMA:
-        tma.store_wait(0)
-
-
-@gluon.jit
 def _release_previous_slot(q_empty, i, WG: gl.constexpr):
     """ROWS_TMA: once item i-1's output store has read its q slot, hand the slot (and its info) back to the producer."""
     if i > 0:
@@ -818,7 +656,6 @@ def _attention_ws_kernel(
     q_desc, o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
-    OVERLAP: gl.constexpr = False,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -853,34 +690,19 @@ def _attention_ws_kernel(
 
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    if OVERLAP:
-        gl.warp_specialize([
-            (_consumer_overlap, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
-            (_consumer_overlap, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
-                         num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-                         q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
-                         num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                         uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                         num_users, num_self_tiles, sched_ptr, q_desc, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC,
-                         ROWS_TMA)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
-                         num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-                         q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
-                         num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                         uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                         num_users, num_self_tiles, sched_ptr, q_desc, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC,
-                         ROWS_TMA)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
+        (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
+        (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+                     num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
+                     q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
+                     num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
+                     uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
+                     num_users, num_self_tiles, sched_ptr, q_desc, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC,
+                     ROWS_TMA)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -1031,7 +853,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
-        ROWS_TMA=rows_tma, OVERLAP=cfg.overlap,
+        ROWS_TMA=rows_tma,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:
@@ -1068,7 +890,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma,
-                      OVERLAP=cfg.overlap)
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
