@@ -102,8 +102,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    # experiment: a never-arrived mbarrier wait keeps ptxas from hoisting the P·V wait above the loop's softmax
-    intra_overlap: bool = False
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -449,8 +447,7 @@ def _pass_turn(turns, WG: gl.constexpr):
 
 @gluon.jit
 def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready,
-           v_ready, k_empty, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
-           fence_bar=None, INTRA: gl.constexpr = False):
+           v_ready, k_empty, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr):
     """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
     softmax of block j, wait for P_{j-1}·V_{j-1}, rescale. Returns (acc, m_i, l_i, P_j). (ptxas puts
     that wait before the softmax, P_j taking P_{j-1}'s registers: the softmax runs under the other
@@ -477,8 +474,6 @@ def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
-    if INTRA:  # a branch ptxas does not schedule across: the P·V wait stays after the softmax
-        mbarrier.wait(fence_bar, 1)
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p))
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -514,7 +509,7 @@ def _read_info(item_info, q_ready, i, WG: gl.constexpr):
 @gluon.jit
 def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               turns, qk_scale, o_desc, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
-              CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr, fence_bar=None, INTRA: gl.constexpr = False):
+              CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr):
     """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
     offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
     epilogue (see module doc), until the producer says there are no more. With HAS_SELF, causal self rows
@@ -566,7 +561,7 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             for j in range(1, num_blocks):
                 acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_a,
                                             q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG,
-                                            HAS_SELF, fence_bar, INTRA)
+                                            HAS_SELF)
             # the last block's P·V
             it += num_blocks - 1
             turn += num_blocks
@@ -661,7 +656,6 @@ def _attention_ws_kernel(
     q_desc, o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
-    INTRA: gl.constexpr = False,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -683,10 +677,6 @@ def _attention_ws_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    fence_bar = turns.index(0)
-    if INTRA:
-        fence_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # never arrived on
-        mbarrier.init(fence_bar, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -702,11 +692,9 @@ def _attention_ws_kernel(
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA, fence_bar,
-                     INTRA)),
+                     v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
         (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA, fence_bar,
-                     INTRA)),
+                     v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
@@ -865,7 +853,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
-        ROWS_TMA=rows_tma, INTRA=cfg.intra_overlap,
+        ROWS_TMA=rows_tma,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:
@@ -902,7 +890,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma,
-                      INTRA=cfg.intra_overlap)
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
