@@ -102,6 +102,7 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
+    q_ahead: bool = False  # experiment (ROWS_TMA target launches): the next item's q loaded during this item's block 2
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -435,6 +436,83 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
 
 
 @gluon.jit
+def _q_next(q_desc, q_rows, o_rows, kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, n):
+    """`_producer_q_ahead`: item n's q rows (TMA) and info into q slot n % 2."""
+    phase = ((n // 2) & 1) ^ 1
+    if n % 2 == 0:
+        _load_q_tma(q_desc, q_rows, o_rows, kv_len, kv_len, -1, q_bufs, row_bufs, item_info, q_ready, q_empty, phase, 0)
+    else:
+        _load_q_tma(q_desc, q_rows, o_rows, kv_len, kv_len, -1, q_bufs, row_bufs, item_info, q_ready, q_empty, phase, 1)
+
+
+@gluon.jit
+def _producer_q_ahead(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
+                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
+                      q_bufs, row_bufs, item_info, q_ready, q_empty,
+                      uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
+                      num_users, num_self_tiles, sched_ptr, q_desc,
+                      HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
+                      DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr):
+    """Experiment (`q_ahead`, ROWS_TMA target launches): as `_producer`, but item i+1's tile entry and row offsets
+    are read at the start of item i, and its q rows are loaded right after item i's K/V block 2 (after its last
+    block when it has fewer), instead of after all of item i's K/V blocks."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    it = 0
+    i = 0
+    if DYNAMIC:
+        ticket = _ticket_value(_request_ticket(sched_ptr))
+        answer = _request_ticket(sched_ptr)
+    else:
+        ticket = gl.program_id(0)
+    tile, head = _item_coords(gl.minimum(ticket, num_items - 1), num_tiles)
+    user, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
+    q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
+                                  order_ptr, tile, head, num_queries, -8)
+    if ticket < num_items:
+        _q_next(q_desc, q_rows, o_rows, kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, 0)
+    while ticket < num_items:
+        if DYNAMIC:
+            next_ticket = _ticket_value(answer)
+            answer = _request_ticket(sched_ptr)
+        else:
+            next_ticket = ticket + gl.num_programs(0)
+        next_tile, next_head = _item_coords(gl.minimum(next_ticket, num_items - 1), num_tiles)
+        next_user, next_kv_len = _user_keys(tile_ptr, kv_len_ptr, next_tile, seq_len, HAS_KV_LEN)
+        q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
+                                      order_ptr, next_tile, next_head, num_queries, -8)
+        kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
+        kv_row = (kv_offset // stride_kl).to(gl.int32)
+        kv_col = (kv_offset % stride_kl).to(gl.int32)
+        num_blocks = gl.cdiv(kv_len, BLOCK_N)
+        for j in range(0, num_blocks):
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_bufs.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
+            if j == 2:
+                if next_ticket < num_items:
+                    _q_next(q_desc, q_rows, o_rows, next_kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, i + 1)
+            it += 1
+        if num_blocks < 3:
+            if next_ticket < num_items:
+                _q_next(q_desc, q_rows, o_rows, next_kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, i + 1)
+        ticket = next_ticket
+        head = next_head
+        user = next_user
+        kv_len = next_kv_len
+        i += 1
+    _stop_consumers(item_info, q_ready, q_empty, i)
+    if DYNAMIC:
+        if _ticket_value(answer) >= 0:
+            _finish_tickets(sched_ptr)
+
+
+@gluon.jit
 def _take_turn(turns, turn, WG: gl.constexpr):
     """Wait until it is this warpgroup's turn to issue wgmmas (warpgroup 0 goes first)."""
     mbarrier.wait(turns.index(WG), (turn & 1) ^ (1 - WG))
@@ -656,6 +734,7 @@ def _attention_ws_kernel(
     q_desc, o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
+    Q_AHEAD: gl.constexpr = False,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -690,19 +769,34 @@ def _attention_ws_kernel(
 
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    gl.warp_specialize([
-        (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
-        (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
-        (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
-                     num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-                     q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
-                     num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                     uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                     num_users, num_self_tiles, sched_ptr, q_desc, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC,
-                     ROWS_TMA)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if Q_AHEAD:
+        gl.warp_specialize([
+            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
+            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
+            (_producer_q_ahead, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+                         num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
+                         q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
+                         num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
+                         uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
+                         num_users, num_self_tiles, sched_ptr, q_desc, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC,
+                         ROWS_TMA)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
+            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+                         num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
+                         q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
+                         num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
+                         uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
+                         num_users, num_self_tiles, sched_ptr, q_desc, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC,
+                         ROWS_TMA)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -853,7 +947,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
-        ROWS_TMA=rows_tma,
+        ROWS_TMA=rows_tma, Q_AHEAD=cfg.q_ahead and rows_tma,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:
@@ -890,6 +984,7 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma)
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma,
+                      Q_AHEAD=cfg.q_ahead and rows_tma)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
