@@ -20,7 +20,8 @@ tokens each). Items are handed out in one of two ways (`WSAttentionConfig.dynami
         memory and the q rows themselves into a 2-slot buffer per warpgroup, with the item's (kv_len,
         keys to visit, first self row) for the consumers. Where each warpgroup's 64 rows are one
         contiguous run (ROWS_TMA: S a multiple of 64, q and out contiguous, no self tiles) they come by one
-        TMA load per warpgroup; else by cp.async (16-byte copies, gathered by pointer). Then TMA
+        TMA load per warpgroup, an item ahead: item i+1's during item i's K/V block 2 (`_producer_rows_tma`);
+        else by cp.async (16-byte copies, gathered by pointer) before the item's first K/V block. Then TMA
         loads of the user's K and V blocks [BLOCK_N, d] into a STAGES-deep ring, K and V with their own
         ready/empty mbarriers, so a K slot is refilled as soon as both consumers' q·kᵀ has read it. After
         its last item it tells the consumers there are no more.
@@ -29,12 +30,14 @@ tokens each). Items are handed out in one of two ways (`WSAttentionConfig.dynami
         and P_{j-1}·V_{j-1} (async wgmma, P from registers), runs the online softmax of block j (base 2,
         fp32), waits for P_{j-1}·V_{j-1} and rescales. The two warpgroups take turns issuing their
         wgmmas (pingpong, an mbarrier per warpgroup), so one's softmax runs under the other's products.
-        The output rows go back by one TMA store from the warpgroup's own q buffer with ROWS_TMA (2–8 %
-        faster than the pointer path on the H200, 2026-12-01), else scattered by pointer (16-byte stores).
+        The output rows (acc · 1/l) go back by one TMA store from the warpgroup's own q buffer with ROWS_TMA
+        (2–8 % faster than the pointer path on the H200, 2026-12-01), whose reading of the buffer is waited for
+        under the next item's q·k₀ᵀ; else scattered by pointer (16-byte stores).
     Options measured on the H200 no faster than this default and removed on 2026-11-29 (fence,
         overlap, producer_store, pingpong off) and 2026-11-30 (offset, gather_ahead: both wrong on
         edge cases, gather_ahead at most 3 % faster; the q gather by the consumers, kept until then for
-        unaligned rows: launch_ws copies those now): docs/notes/attention.md.
+        unaligned rows: launch_ws copies those now) and 2026-12-01 (overlap again, intra_overlap: 4 % and
+        2–7 % slower in device time): docs/notes/attention.md.
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
 
@@ -54,8 +57,9 @@ overlap nothing).
 Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}; the public ops take it where
 `prefer_ws` (self tiles: also `self_target_ws_ok`), the tuner where it times fastest (`attention.WS_CHOICE`).
 H200 (2026-11-29): canonical shape 0.255 ms plan + kernel (539 TFLOP/s, 67 % of the matmul rate)
-against 0.333 for the Triton kernel; L = 4096: 609 TFLOP/s. With the rows by TMA (2026-12-01): 0.246 ms
-(559 TFLOP/s). Measurements: docs/notes/attention.md.
+against 0.333 for the Triton kernel; L = 4096: 609 TFLOP/s (do_bench). With the rows by TMA (2026-12-01): 0.246 ms
+(559 TFLOP/s). In device time (CUPTI) on 2026-12-01 16:49 UTC, with the store wait, 1/l and q an item ahead: plan +
+kernel 0.2220–0.2232 ms (616–619 TFLOP/s). Measurements: docs/perf.md, docs/notes/attention.md.
 Patterns from kernels/linear_compress_ws.py (s6) and Triton's Gluon tutorials 05-wgmma,
 08-warp-specialization.
 """
@@ -102,7 +106,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    q_ahead: bool = False  # experiment (ROWS_TMA target launches): the next item's q loaded during this item's block 2
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -339,9 +342,8 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
                   kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh, stride_qs,
                   stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
                   uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                  num_users, num_self_tiles, q_desc,
-                  HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
-                  ROWS_TMA: gl.constexpr):
+                  num_users, num_self_tiles,
+                  HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
     """The producer's part of the i-th item of this program (ring position `it`): its q rows and info into
     q slot i % 2, then its K and V blocks into the ring. Returns the ring position after the item."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -362,14 +364,7 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
     else:
         q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
                                       tile_ptr, order_ptr, tile, head, num_queries, -8)
-    if ROWS_TMA:
-        if qs == 0:
-            _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                        ((i // 2) & 1) ^ 1, 0)
-        else:
-            _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                        ((i // 2) & 1) ^ 1, 1)
-    elif qs == 0:  # slot qs, unrolled: shared-memory slices take constant offsets
+    if qs == 0:  # slot qs, unrolled: shared-memory slices take constant offsets
         _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, ((i // 2) & 1) ^ 1, 0)
     else:
         _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, ((i // 2) & 1) ^ 1, 1)
@@ -382,13 +377,11 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
-        if not ROWS_TMA:
-            if j == 0:
-                _publish_q(q_ready, qs)
-        it += 1
-    if not ROWS_TMA:
-        if num_blocks == 0:
+        if j == 0:
             _publish_q(q_ready, qs)
+        it += 1
+    if num_blocks == 0:
+        _publish_q(q_ready, qs)
     return it
 
 
@@ -398,9 +391,9 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
               q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
               q_bufs, row_bufs, item_info, q_ready, q_empty,
               uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-              num_users, num_self_tiles, sched_ptr, q_desc,
+              num_users, num_self_tiles, sched_ptr,
               HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
-              DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr):
+              DYNAMIC: gl.constexpr):
     """1 warp: every work item of this program (`_produce_item`; slots start free), then 'no more items'.
     Items: with DYNAMIC by ticket (`_ticket_coords`) while tickets last, each ticket asked for an item ahead,
     else p, p + programs, …"""
@@ -421,8 +414,8 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
                            tile_ptr, kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh,
                            stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs,
                            item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta,
-                           stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, q_desc, HAS_KV_LEN, STAGES,
-                           HAS_SELF, CAUSAL, ROWS_TMA)
+                           stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN, STAGES,
+                           HAS_SELF, CAUSAL)
         if DYNAMIC:
             ticket = _ticket_value(answer)
             answer = _request_ticket(sched_ptr)
@@ -436,8 +429,8 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
 
 
 @gluon.jit
-def _q_next(q_desc, q_rows, o_rows, kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, n):
-    """`_producer_q_ahead`: item n's q rows (TMA) and info into q slot n % 2."""
+def _load_item_q(q_desc, q_rows, o_rows, kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, n):
+    """`_producer_rows_tma`: the n-th item's q rows (TMA), output-row offsets and info into q slot n % 2."""
     phase = ((n // 2) & 1) ^ 1
     if n % 2 == 0:
         _load_q_tma(q_desc, q_rows, o_rows, kv_len, kv_len, -1, q_bufs, row_bufs, item_info, q_ready, q_empty, phase, 0)
@@ -446,17 +439,15 @@ def _q_next(q_desc, q_rows, o_rows, kv_len, q_bufs, row_bufs, item_info, q_ready
 
 
 @gluon.jit
-def _producer_q_ahead(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
-                      num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-                      q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
-                      q_bufs, row_bufs, item_info, q_ready, q_empty,
-                      uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                      num_users, num_self_tiles, sched_ptr, q_desc,
-                      HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
-                      DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr):
-    """Experiment (`q_ahead`, ROWS_TMA target launches): as `_producer`, but item i+1's tile entry and row offsets
-    are read at the start of item i, and its q rows are loaded right after item i's K/V block 2 (after its last
-    block when it has fewer), instead of after all of item i's K/V blocks."""
+def _producer_rows_tma(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+                       num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
+                       stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
+                       q_bufs, row_bufs, item_info, q_ready, q_empty, sched_ptr, q_desc,
+                       HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
+    """ROWS_TMA (target tiles only), 1 warp: as `_producer`, with q rows by TMA and a work item ahead: item i+1's
+    tile entry and row offsets are read as item i starts, and its q rows are loaded right after item i's K/V block 2
+    (after its last block when it has fewer), where the slot is free again (`_release_previous_slot`); 2 % faster at
+    the canonical shape than loading them after all of item i's blocks (H200, 2026-12-01)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     it = 0
     i = 0
@@ -470,7 +461,7 @@ def _producer_q_ahead(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty,
     q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
                                   order_ptr, tile, head, num_queries, -8)
     if ticket < num_items:
-        _q_next(q_desc, q_rows, o_rows, kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, 0)
+        _load_item_q(q_desc, q_rows, o_rows, kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, 0)
     while ticket < num_items:
         if DYNAMIC:
             next_ticket = _ticket_value(answer)
@@ -496,11 +487,12 @@ def _producer_q_ahead(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty,
             tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
             if j == 2:
                 if next_ticket < num_items:
-                    _q_next(q_desc, q_rows, o_rows, next_kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, i + 1)
+                    _load_item_q(q_desc, q_rows, o_rows, next_kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty,
+                                 i + 1)
             it += 1
         if num_blocks < 3:
             if next_ticket < num_items:
-                _q_next(q_desc, q_rows, o_rows, next_kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, i + 1)
+                _load_item_q(q_desc, q_rows, o_rows, next_kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, i + 1)
         ticket = next_ticket
         head = next_head
         user = next_user
@@ -734,7 +726,6 @@ def _attention_ws_kernel(
     q_desc, o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
-    Q_AHEAD: gl.constexpr = False,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -769,33 +760,31 @@ def _attention_ws_kernel(
 
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    if Q_AHEAD:
+    # (the partitions written out twice: Gluon takes no list of them built in the kernel)
+    if ROWS_TMA:
         gl.warp_specialize([
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
-            (_producer_q_ahead, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
-                         num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-                         q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
-                         num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                         uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                         num_users, num_self_tiles, sched_ptr, q_desc, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC,
-                         ROWS_TMA)),
+            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
+            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
+            (_producer_rows_tma, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr,
+                                  kv_len_ptr, num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
+                                  stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
+                                  q_bufs, row_bufs, item_info, q_ready, q_empty, sched_ptr, q_desc, HAS_KV_LEN, STAGES,
+                                  DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
+            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
+            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                          num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                          q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
                          num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
                          uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                         num_users, num_self_tiles, sched_ptr, q_desc, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC,
-                         ROWS_TMA)),
+                         num_users, num_self_tiles, sched_ptr, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -947,7 +936,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
-        ROWS_TMA=rows_tma, Q_AHEAD=cfg.q_ahead and rows_tma,
+        ROWS_TMA=rows_tma,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:
@@ -984,7 +973,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma,
-                      Q_AHEAD=cfg.q_ahead and rows_tma)
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
