@@ -106,7 +106,6 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
-    v_stages: int = 0  # experiment: V ring depth where the rows come by TMA (0: `stages`)
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -307,8 +306,7 @@ def _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_i
     mbarrier.wait(q_empty.index(QS), phase)
     mbarrier.wait(q_empty.index(2 + QS), phase)
     item_info.index(QS).store(_item_info(kv_len, hi, r0))
-    ROW_SLOT: gl.constexpr = row_bufs.type.shape[0] // 2  # q-row offsets (unused here) then output-row offsets
-    row_bufs.slice(ROW_SLOT * QS + ROW_SLOT - 128, 128).store(o_rows)
+    row_bufs.slice(256 * QS + 128, 128).store(o_rows)
     gl.thread_barrier()  # info and output rows in shared memory before the arrives that publish them
     idx = gl.arange(0, 128, layout=_ROWS_LAYOUT)
     for w in gl.static_range(2):
@@ -376,11 +374,9 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_bufs.index(slot))
-        VSTAGES: gl.constexpr = v_bufs.type.shape[0]
-        vslot = it % VSTAGES
-        mbarrier.wait(v_empty.index(vslot), ((it // VSTAGES) & 1) ^ 1)
-        mbarrier.expect(v_ready.index(vslot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(vslot), v_bufs.index(vslot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
         if j == 0:
             _publish_q(q_ready, qs)
         it += 1
@@ -486,12 +482,9 @@ def _producer_rows_tma(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_bufs.index(slot))
-            VSTAGES: gl.constexpr = v_bufs.type.shape[0]
-            vslot = it % VSTAGES
-            mbarrier.wait(v_empty.index(vslot), ((it // VSTAGES) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(vslot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(vslot),
-                                            v_bufs.index(vslot))
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
             if j == 2:
                 if next_ticket < num_items:
                     _load_item_q(q_desc, q_rows, o_rows, next_kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty,
@@ -534,14 +527,13 @@ def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    VSTAGES: gl.constexpr = v_bufs.type.shape[0]
     slot = it % STAGES
-    prev = (it - 1) % VSTAGES
+    prev = (it - 1) % STAGES
     _take_turn(turns, turn, WG)
     mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
     s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(prev), ((it - 1) // VSTAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
     acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
     _pass_turn(turns, WG)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
@@ -643,10 +635,9 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             # the last block's P·V
             it += num_blocks - 1
             turn += num_blocks
-            VSTAGES: gl.constexpr = v_bufs.type.shape[0]
-            slot = it % VSTAGES
+            slot = it % STAGES
             _take_turn(turns, turn, WG)
-            mbarrier.wait(v_ready.index(slot), (it // VSTAGES) & 1)
+            mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
             acc_tok = warpgroup_mma(p_a, v_bufs.index(slot), acc, is_async=True)
             _pass_turn(turns, WG)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
@@ -708,11 +699,10 @@ def _store_rows_tma(out, o_desc, q_smem, row_bufs, qs, WG: gl.constexpr):
     one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     q_smem.store(out)
     fence_async_shared()
-    ROW_SLOT: gl.constexpr = row_bufs.type.shape[0] // 2
     if qs == 0:
-        first = gl.max(row_bufs.slice(ROW_SLOT - 128 + 64 * WG, 1).load(one), 0)
+        first = gl.max(row_bufs.slice(128 + 64 * WG, 1).load(one), 0)
     else:
-        first = gl.max(row_bufs.slice(2 * ROW_SLOT - 128 + 64 * WG, 1).load(one), 0)
+        first = gl.max(row_bufs.slice(256 + 128 + 64 * WG, 1).load(one), 0)
     if first >= 0:
         tma.async_copy_shared_to_global(o_desc, [(first // HEAD_DIM).to(gl.int32), 0], q_smem)
 
@@ -736,7 +726,6 @@ def _attention_ws_kernel(
     q_desc, o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
-    VSTAGES: gl.constexpr = 0,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -745,30 +734,23 @@ def _attention_ws_kernel(
     gl.static_assert(BLOCK_N == 128 or not HAS_SELF, "self tiles of 128 rows: one diagonal key block per tile")
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    V_STAGES: gl.constexpr = VSTAGES if VSTAGES > 0 else STAGES
-    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     # q rows of warpgroup w in slot 2·w + s (s: the item's parity); row offsets of slot s: q rows at
     # row_bufs[256·s …], output rows at [256·s + 128 …]; the item's (kv_len, hi, r0) at item_info[s]
     q_bufs = gl.allocate_shared_memory(dtype, [4, 64, HEAD_DIM], k_desc.layout)
-    if V_STAGES > STAGES:  # ROWS_TMA: output-row offsets only, 128 a slot (room for the deeper V ring)
-        row_bufs = gl.allocate_shared_memory(gl.int64, [256], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        row_bufs = gl.allocate_shared_memory(gl.int64, [512], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    row_bufs = gl.allocate_shared_memory(gl.int64, [512], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     item_info = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(s), count=2)
-    for s in gl.static_range(STAGES, V_STAGES):
-        mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(v_empty.index(s), count=2)
     for w in gl.static_range(2):
         mbarrier.init(turns.index(w), count=1)
@@ -954,7 +936,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
-        ROWS_TMA=rows_tma, VSTAGES=cfg.v_stages if rows_tma else 0,
+        ROWS_TMA=rows_tma,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:
@@ -991,7 +973,6 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma,
-                      VSTAGES=cfg.v_stages if rows_tma else 0)
+                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma)
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

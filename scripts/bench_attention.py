@@ -616,9 +616,8 @@ def sweep_section(points):
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws default (128 keys; static items here, no kv_len)": {},
     "ws 128, items from the atomic counter": dict(dynamic=True),
-    "ws V ring 3 deep": dict(v_stages=3),
 }
-WS_AB = [name for name in WS_VARIANTS if "counter" not in name]  # --ws-ab: the first is the reference
+WS_AB = list(WS_VARIANTS)  # --ws-ab: the first is the reference
 AB_ROUNDS = int(os.environ.get("AB_ROUNDS", 3))  # alternations of every variant per shape
 # (U, B, S, L, H, d, kv_len: None | "ragged", users without candidates, dtype)
 WS_CHECKS = [

@@ -36,9 +36,8 @@ from kernels.attention_ws import (
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DYNAMIC = WSAttentionConfig(dynamic=True)  # items from the atomic counter (the default's with kv_len or self tiles)
 STATIC = WSAttentionConfig(dynamic=False)  # program p takes items p, p + programs, … (the default's otherwise)
-V3 = WSAttentionConfig(v_stages=3)  # experiment: a 3-deep V ring where the rows come by TMA
-CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4), V3]
-CONFIG_IDS = ["default", "dynamic", "static", "64-keys", "v3"]
+CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4)]
+CONFIG_IDS = ["default", "dynamic", "static", "64-keys"]
 
 
 def test_configs_fit_shared_memory():
@@ -171,8 +170,7 @@ def test_cuda_launch_ws_matches_fp64(case, dtype, config):
     (3, 5, 64, 129, 1, 128, "ragged", 0),  # odd counts: tiles whose second half is past the end
 ])
 @pytest.mark.parametrize("num_programs", [None, 2])
-@pytest.mark.parametrize("config", [DEFAULT_CONFIG, DYNAMIC, STATIC, V3, WSAttentionConfig(v_stages=3, dynamic=True)],
-                         ids=["default", "dynamic", "static", "v3", "v3-dynamic"])
+@pytest.mark.parametrize("config", [DEFAULT_CONFIG, DYNAMIC, STATIC], ids=["default", "dynamic", "static"])
 def test_cuda_rows_by_tma(case, dtype, num_programs, config):
     """q rows by TMA load (an item ahead, `_producer_rows_tma`) and out rows by TMA store (S a multiple of 64,
     contiguous q and out), NaN-poisoned outputs, items in both orders; the GPU_CASES with S = 64 take this path too,
@@ -188,7 +186,7 @@ def test_cuda_rows_by_tma(case, dtype, num_programs, config):
 def test_cuda_few_programs_many_items():
     """Two programs loop over every work item: the ring's and the turns' phases wrap many times."""
     q, k, v, mapping, kv_len, ref = _problem(GPU_CASES[1], torch.bfloat16, seed=3)
-    for config in (DYNAMIC, STATIC, V3):
+    for config in (DYNAMIC, STATIC):
         out = torch.full_like(q, float("nan"))
         launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, num_programs=2)
         _check(out, ref)
