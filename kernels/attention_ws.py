@@ -106,6 +106,7 @@ class WSAttentionConfig:
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
+    self_rows_tma: bool = False  # experiment: self + target launches move rows by TMA too (`self_rows_by_tma`)
 
     def smem_bytes(self, head_dim: int, elem: int) -> int:
         """Shared memory of the buffers and barriers (the epilogue's layout conversion adds scratch)."""
@@ -299,7 +300,7 @@ def _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info
 
 @gluon.jit
 def _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase,
-                QS: gl.constexpr):
+                QS: gl.constexpr, uq_desc=None, HAS_SELF: gl.constexpr = False):
     """ROWS_TMA producer: as `_gather_q`, but each warpgroup's 64 q rows (one contiguous run) come by one TMA
     load of q_desc's [64, d] block, which completes q_ready itself (no wait here, no `_publish_q`)."""
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
@@ -312,7 +313,13 @@ def _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_i
     for w in gl.static_range(2):
         first = (gl.sum(gl.where(idx == 64 * w, q_rows, 0), 0) // HEAD_DIM).to(gl.int32)
         mbarrier.expect(q_ready.index(2 * w + QS), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS))
+        if HAS_SELF:  # a self tile's rows (r0 ≥ 0) are rows of user_q
+            if r0 >= 0:
+                tma.async_copy_global_to_shared(uq_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS))
+            else:
+                tma.async_copy_global_to_shared(q_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS))
+        else:
+            tma.async_copy_global_to_shared(q_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS))
 
 
 @gluon.jit
@@ -429,22 +436,53 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
 
 
 @gluon.jit
-def _load_item_q(q_desc, q_rows, o_rows, kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, n):
+def _load_item_q(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, n,
+                 HAS_SELF: gl.constexpr):
     """`_producer_rows_tma`: the n-th item's q rows (TMA), output-row offsets and info into q slot n % 2."""
     phase = ((n // 2) & 1) ^ 1
     if n % 2 == 0:
-        _load_q_tma(q_desc, q_rows, o_rows, kv_len, kv_len, -1, q_bufs, row_bufs, item_info, q_ready, q_empty, phase, 0)
+        _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase, 0,
+                    uq_desc, HAS_SELF)
     else:
-        _load_q_tma(q_desc, q_rows, o_rows, kv_len, kv_len, -1, q_bufs, row_bufs, item_info, q_ready, q_empty, phase, 1)
+        _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase, 1,
+                    uq_desc, HAS_SELF)
+
+
+@gluon.jit
+def _rows_tma_item(ticket, num_items, num_tiles, tile_ptr, kv_len_ptr, seq_len, stride_qb, stride_qh, stride_qs,
+                   stride_ob, stride_oh, stride_os, order_ptr, num_queries, stride_uqu, stride_uqh, stride_uql,
+                   stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN: gl.constexpr,
+                   HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr):
+    """`_producer_rows_tma`: the item of `ticket` (clamped to a valid one) → (head, user, kv_len, keys to visit, first
+    self row or -1, q-row and output-row offsets): a self tile's from user_q / user_out's own bases."""
+    if HAS_SELF and DYNAMIC:
+        tile, head = _ticket_coords(gl.minimum(ticket, num_items - 1), num_tiles, num_self_tiles, num_items // num_tiles)
+    else:
+        tile, head = _item_coords(gl.minimum(ticket, num_items - 1), num_tiles)
+    user, kv_len, hi, r0 = _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles, HAS_KV_LEN,
+                                      HAS_SELF, CAUSAL)
+    if HAS_SELF:
+        if r0 >= 0:
+            q_rows, o_rows = _self_rows(0, stride_uqu, stride_uqh, stride_uql, 0, stride_uou, stride_uoh, stride_uol,
+                                        user, head, r0, seq_len)
+        else:
+            q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
+                                          order_ptr, tile - num_self_tiles, head, num_queries, NO_ROW)
+    else:
+        q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
+                                      order_ptr, tile, head, num_queries, -8)
+    return head, user, kv_len, hi, r0, q_rows, o_rows
 
 
 @gluon.jit
 def _producer_rows_tma(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
                        num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                        stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
-                       q_bufs, row_bufs, item_info, q_ready, q_empty, sched_ptr, q_desc,
-                       HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
-    """ROWS_TMA (target tiles only), 1 warp: as `_producer`, with q rows by TMA and a work item ahead: item i+1's
+                       q_bufs, row_bufs, item_info, q_ready, q_empty, sched_ptr, q_desc, uq_desc,
+                       stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles,
+                       HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr, HAS_SELF: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+    """ROWS_TMA, 1 warp: as `_producer`, with q rows by TMA (a self tile's from user_q) and a work item ahead: item i+1's
     tile entry and row offsets are read as item i starts, and its q rows are loaded right after item i's K/V block 2
     (after its last block when it has fewer), where the slot is free again (`_release_previous_slot`); 2 % faster at
     the canonical shape than loading them after all of item i's blocks (H200, 2026-12-01)."""
@@ -456,26 +494,27 @@ def _producer_rows_tma(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty
         answer = _request_ticket(sched_ptr)
     else:
         ticket = gl.program_id(0)
-    tile, head = _item_coords(gl.minimum(ticket, num_items - 1), num_tiles)
-    user, kv_len = _user_keys(tile_ptr, kv_len_ptr, tile, seq_len, HAS_KV_LEN)
-    q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
-                                  order_ptr, tile, head, num_queries, -8)
+    head, user, kv_len, hi, r0, q_rows, o_rows = _rows_tma_item(
+        ticket, num_items, num_tiles, tile_ptr, kv_len_ptr, seq_len, stride_qb, stride_qh, stride_qs, stride_ob,
+        stride_oh, stride_os, order_ptr, num_queries, stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh,
+        stride_uol, num_users, num_self_tiles, HAS_KV_LEN, HAS_SELF, CAUSAL, DYNAMIC)
     if ticket < num_items:
-        _load_item_q(q_desc, q_rows, o_rows, kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, 0)
+        _load_item_q(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, 0,
+                     HAS_SELF)
     while ticket < num_items:
         if DYNAMIC:
             next_ticket = _ticket_value(answer)
             answer = _request_ticket(sched_ptr)
         else:
             next_ticket = ticket + gl.num_programs(0)
-        next_tile, next_head = _item_coords(gl.minimum(next_ticket, num_items - 1), num_tiles)
-        next_user, next_kv_len = _user_keys(tile_ptr, kv_len_ptr, next_tile, seq_len, HAS_KV_LEN)
-        q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
-                                      order_ptr, next_tile, next_head, num_queries, -8)
+        next_head, next_user, next_kv_len, next_hi, next_r0, q_rows, o_rows = _rows_tma_item(
+            next_ticket, num_items, num_tiles, tile_ptr, kv_len_ptr, seq_len, stride_qb, stride_qh, stride_qs, stride_ob,
+            stride_oh, stride_os, order_ptr, num_queries, stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh,
+            stride_uol, num_users, num_self_tiles, HAS_KV_LEN, HAS_SELF, CAUSAL, DYNAMIC)
         kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
         kv_row = (kv_offset // stride_kl).to(gl.int32)
         kv_col = (kv_offset % stride_kl).to(gl.int32)
-        num_blocks = gl.cdiv(kv_len, BLOCK_N)
+        num_blocks = gl.cdiv(hi, BLOCK_N)
         for j in range(0, num_blocks):
             slot = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1
@@ -487,16 +526,17 @@ def _producer_rows_tma(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty
             tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
             if j == 2:
                 if next_ticket < num_items:
-                    _load_item_q(q_desc, q_rows, o_rows, next_kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                                 i + 1)
+                    _load_item_q(q_desc, uq_desc, q_rows, o_rows, next_kv_len, next_hi, next_r0, q_bufs, row_bufs,
+                                 item_info, q_ready, q_empty, i + 1, HAS_SELF)
             it += 1
         if num_blocks < 3:
             if next_ticket < num_items:
-                _load_item_q(q_desc, q_rows, o_rows, next_kv_len, q_bufs, row_bufs, item_info, q_ready, q_empty, i + 1)
+                _load_item_q(q_desc, uq_desc, q_rows, o_rows, next_kv_len, next_hi, next_r0, q_bufs, row_bufs, item_info,
+                             q_ready, q_empty, i + 1, HAS_SELF)
         ticket = next_ticket
         head = next_head
         user = next_user
-        kv_len = next_kv_len
+        hi = next_hi
         i += 1
     _stop_consumers(item_info, q_ready, q_empty, i)
     if DYNAMIC:
@@ -579,7 +619,7 @@ def _read_info(item_info, q_ready, i, WG: gl.constexpr):
 @gluon.jit
 def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               turns, qk_scale, o_desc, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
-              CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr):
+              CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr, uo_desc=None):
     """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
     offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
     epilogue (see module doc), until the producer says there are no more. With HAS_SELF, causal self rows
@@ -652,7 +692,13 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             rows_here = r0 + 64 * WG + gl.arange(0, 64, layout=o_rows)
             out = gl.where(((r0 < 0) | (rows_here < kv_len))[:, None], out, 0.0)
         if ROWS_TMA:
-            _store_rows_tma(out.to(dtype), o_desc, q_smem, row_bufs, qs, WG)
+            if HAS_SELF:  # a self tile's rows go to user_out
+                if r0 >= 0:
+                    _store_rows_tma(out.to(dtype), uo_desc, q_smem, row_bufs, qs, WG)
+                else:
+                    _store_rows_tma(out.to(dtype), o_desc, q_smem, row_bufs, qs, WG)
+            else:
+                _store_rows_tma(out.to(dtype), o_desc, q_smem, row_bufs, qs, WG)
         else:
             _store_rows(out.to(dtype), out_ptr, row_bufs, qs, WG, HAS_SELF)
             mbarrier.arrive(q_empty.index(2 * WG + qs), count=1)  # q rows, output-row offsets and info read
@@ -724,6 +770,7 @@ def _attention_ws_kernel(
     uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
     num_users, num_self_tiles,  # U, U · cdiv(L, 128) (0 without HAS_SELF)
     q_desc, o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
+    uq_desc, uo_desc,  # ROWS_TMA with HAS_SELF: 2-D [U·H·L, d] views of user_q and user_out (else any descriptors)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
 ):
@@ -764,14 +811,17 @@ def _attention_ws_kernel(
     if ROWS_TMA:
         gl.warp_specialize([
             (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
+                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA,
+                         uo_desc)),
             (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
+                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA,
+                         uo_desc)),
             (_producer_rows_tma, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr,
                                   kv_len_ptr, num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
                                   stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
-                                  q_bufs, row_bufs, item_info, q_ready, q_empty, sched_ptr, q_desc, HAS_KV_LEN, STAGES,
-                                  DYNAMIC)),
+                                  q_bufs, row_bufs, item_info, q_ready, q_empty, sched_ptr, q_desc, uq_desc,
+                                  stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh, stride_uol, num_users,
+                                  num_self_tiles, HAS_KV_LEN, STAGES, DYNAMIC, HAS_SELF, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -860,6 +910,15 @@ def rows_by_tma(q: torch.Tensor, out: torch.Tensor) -> bool:
             and _rows_aligned(out) and num_candidates * heads * num_queries < 2**31)
 
 
+def self_rows_by_tma(user_q: torch.Tensor, user_out: torch.Tensor) -> bool:
+    """Whether the self tiles' rows can come and go by TMA beside the target rows (`rows_by_tma`): user_q and user_out
+    contiguous and 16-byte aligned, L a multiple of 64 (so no 64-row half of a self tile crosses into the next
+    (user, head)), and the row numbers within TMA's int32 coordinates."""
+    num_users, heads, seq_len, _ = user_q.shape
+    return (seq_len % 64 == 0 and user_q.is_contiguous() and user_out.is_contiguous() and _rows_aligned(user_q)
+            and _rows_aligned(user_out) and num_users * heads * seq_len < 2**31)
+
+
 def _row_descriptors(q: torch.Tensor, out: torch.Tensor):
     """[B·H·S, d] views of q and out with [64, d] blocks (the q buffers' layout)."""
     head_dim = q.shape[3]
@@ -921,8 +980,9 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
     uq, uo = (q, dest) if user_q is None else (user_q, user_out)
     elem = q.element_size()
-    rows_tma = user_q is None and rows_by_tma(q, dest)
+    rows_tma = rows_by_tma(q, dest) and (user_q is None or (cfg.self_rows_tma and self_rows_by_tma(user_q, user_out)))
     q_desc, o_desc = _row_descriptors(q, dest) if rows_tma else (k_desc, k_desc)
+    uq_desc, uo_desc = _row_descriptors(user_q, user_out) if rows_tma and user_q is not None else (q_desc, o_desc)
     _attention_ws_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         dest, dest.stride(0), dest.stride(1), dest.stride(2),
@@ -931,7 +991,7 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
         num_items, num_self_tiles + max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
         (uq.data_ptr() - q.data_ptr()) // elem, uq.stride(0), uq.stride(1), uq.stride(2),
         (uo.data_ptr() - dest.data_ptr()) // elem, uo.stride(0), uo.stride(1), uo.stride(2),
-        num_users, num_self_tiles, q_desc, o_desc,
+        num_users, num_self_tiles, q_desc, o_desc, uq_desc, uo_desc,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
@@ -969,8 +1029,10 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
         uo_delta=2**33, stride_uou=k.stride(0), stride_uoh=k.stride(1), stride_uol=k.stride(2),
         num_users=num_users, num_self_tiles=num_users * 8 if has_self else 0,
     )
-    rows_tma = rows_tma and not has_self
+    rows_tma = rows_tma and (not has_self or cfg.self_rows_tma)
     runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
+    runtime_args["uq_desc"], runtime_args["uo_desc"] = (_row_descriptors(k, k) if rows_tma and has_self
+                                                        else (runtime_args["q_desc"], runtime_args["o_desc"]))
     constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
                       DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma)

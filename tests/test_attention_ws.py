@@ -36,8 +36,9 @@ from kernels.attention_ws import (
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DYNAMIC = WSAttentionConfig(dynamic=True)  # items from the atomic counter (the default's with kv_len or self tiles)
 STATIC = WSAttentionConfig(dynamic=False)  # program p takes items p, p + programs, … (the default's otherwise)
-CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4)]
-CONFIG_IDS = ["default", "dynamic", "static", "64-keys"]
+SELF_TMA = WSAttentionConfig(self_rows_tma=True)  # experiment: self + target launches move rows by TMA too
+CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4), SELF_TMA]
+CONFIG_IDS = ["default", "dynamic", "static", "64-keys", "self-tma"]
 
 
 def test_configs_fit_shared_memory():
@@ -64,7 +65,7 @@ def test_compiles_for_sm90a(config, kwargs):
     assert kernel.metadata.shared <= SMEM_LIMIT
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # the TMA loads of K and V (and q rows)
-    rows_tma = kwargs.get("rows_tma", True) and not kwargs.get("has_self", False)
+    rows_tma = kwargs.get("rows_tma", True) and (not kwargs.get("has_self", False) or config.self_rows_tma)
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == rows_tma  # out rows by TMA store
     assert ("cp.async.cg.shared.global" in ptx) != rows_tma  # q rows gathered by cp.async
     assert re.search(r"bar\.sync\s+0,\s*128", ptx)  # the default consumer's own barrier, not the CTA's
@@ -311,6 +312,8 @@ SELF_CASES = [
     (15, 600, 64, 1000, 4, 128, "ragged", 2, True),  # kv_len 0, 5, L and random; L not a tile multiple; empty users
     (6, 90, 64, 777, 2, 64, "ragged", 0, True),  # d = 64; the last self tile past L
     (4, 70, 64, 520, 2, 128, "ragged", 1, False),  # non-causal self-attention
+    (9, 300, 64, 576, 2, 128, "ragged", 1, True),  # L = 4.5 self tiles, a multiple of 64: rows by TMA with SELF_TMA
+    (5, 77, 64, 576, 3, 64, "ragged", 0, False),  # the same, non-causal, d = 64
 ]
 
 
@@ -328,7 +331,8 @@ def _self_problem(case, dtype, seed):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", [DEFAULT_CONFIG, STATIC], ids=["default", "static"])
+@pytest.mark.parametrize("config", [DEFAULT_CONFIG, STATIC, SELF_TMA, WSAttentionConfig(self_rows_tma=True, dynamic=False)],
+                         ids=["default", "static", "self-tma", "self-tma-static"])
 @pytest.mark.parametrize("num_programs", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", SELF_CASES)
