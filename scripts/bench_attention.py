@@ -616,7 +616,6 @@ def sweep_section(points):
 WS_VARIANTS = {  # name → WSAttentionConfig keyword arguments
     "ws default (128 keys; static items here, no kv_len)": {},
     "ws 128, items from the atomic counter": dict(dynamic=True),
-    "ws self + target rows by TMA": dict(self_rows_tma=True),
 }
 WS_AB = list(WS_VARIANTS)  # --ws-ab: the first is the reference
 AB_ROUNDS = int(os.environ.get("AB_ROUNDS", 3))  # alternations of every variant per shape

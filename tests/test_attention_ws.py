@@ -29,6 +29,7 @@ from kernels.attention_ws import (
     compile_ws,
     launch_ws,
     rows_by_tma,
+    self_rows_by_tma,
     self_target_ws_ok,
     ws_supported,
 )
@@ -36,9 +37,8 @@ from kernels.attention_ws import (
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DYNAMIC = WSAttentionConfig(dynamic=True)  # items from the atomic counter (the default's with kv_len or self tiles)
 STATIC = WSAttentionConfig(dynamic=False)  # program p takes items p, p + programs, … (the default's otherwise)
-SELF_TMA = WSAttentionConfig(self_rows_tma=True)  # experiment: self + target launches move rows by TMA too
-CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4), SELF_TMA]
-CONFIG_IDS = ["default", "dynamic", "static", "64-keys", "self-tma"]
+CONFIGS = [DEFAULT_CONFIG, DYNAMIC, STATIC, WSAttentionConfig(block_n=64, stages=4)]
+CONFIG_IDS = ["default", "dynamic", "static", "64-keys"]
 
 
 def test_configs_fit_shared_memory():
@@ -65,7 +65,7 @@ def test_compiles_for_sm90a(config, kwargs):
     assert kernel.metadata.shared <= SMEM_LIMIT
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # the TMA loads of K and V (and q rows)
-    rows_tma = kwargs.get("rows_tma", True) and (not kwargs.get("has_self", False) or config.self_rows_tma)
+    rows_tma = kwargs.get("rows_tma", True)
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == rows_tma  # out rows by TMA store
     assert ("cp.async.cg.shared.global" in ptx) != rows_tma  # q rows gathered by cp.async
     assert re.search(r"bar\.sync\s+0,\s*128", ptx)  # the default consumer's own barrier, not the CTA's
@@ -110,6 +110,17 @@ def test_rows_by_tma_needs_contiguous_runs_of_64_rows():
     assert not rows_by_tma(short, torch.empty_like(short))  # S = 8: a half spans 8 candidates
     shifted = torch.randn(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape)
     assert shifted.is_contiguous() and not rows_by_tma(shifted, torch.empty_like(q))  # 2 bytes off 16-byte alignment
+
+
+def test_self_rows_by_tma_needs_whole_64_row_halves():
+    """Self tiles' rows go by TMA only where no 64-row half of a 128-row self tile crosses into the next (user, head):
+    L a multiple of 64, user_q and user_out contiguous and aligned."""
+    user_q = torch.randn(3, 2, 576, 64, dtype=torch.bfloat16)
+    assert self_rows_by_tma(user_q, torch.empty_like(user_q))
+    odd = torch.randn(3, 2, 520, 64, dtype=torch.bfloat16)
+    assert not self_rows_by_tma(odd, torch.empty_like(odd))  # a half of the last tile would straddle L
+    swapped = user_q.transpose(1, 2).contiguous().transpose(1, 2)  # [U, L, H, d] memory
+    assert not self_rows_by_tma(swapped, torch.empty_like(user_q))
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -312,7 +323,7 @@ SELF_CASES = [
     (15, 600, 64, 1000, 4, 128, "ragged", 2, True),  # kv_len 0, 5, L and random; L not a tile multiple; empty users
     (6, 90, 64, 777, 2, 64, "ragged", 0, True),  # d = 64; the last self tile past L
     (4, 70, 64, 520, 2, 128, "ragged", 1, False),  # non-causal self-attention
-    (9, 300, 64, 576, 2, 128, "ragged", 1, True),  # L = 4.5 self tiles, a multiple of 64: rows by TMA with SELF_TMA
+    (9, 300, 64, 576, 2, 128, "ragged", 1, True),  # L = 4.5 self tiles, a multiple of 64: rows by TMA
     (5, 77, 64, 576, 3, 64, "ragged", 0, False),  # the same, non-causal, d = 64
 ]
 
@@ -331,8 +342,7 @@ def _self_problem(case, dtype, seed):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", [DEFAULT_CONFIG, STATIC, SELF_TMA, WSAttentionConfig(self_rows_tma=True, dynamic=False)],
-                         ids=["default", "static", "self-tma", "self-tma-static"])
+@pytest.mark.parametrize("config", [DEFAULT_CONFIG, STATIC], ids=["default", "static"])
 @pytest.mark.parametrize("num_programs", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", SELF_CASES)
