@@ -345,6 +345,21 @@ def _stop_consumers(item_info, q_ready, q_empty, i):
 
 
 @gluon.jit
+def _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, it, row, col,
+                   STAGES: gl.constexpr):
+    """Producer: K and V block rows [row, row + BLOCK_N) (columns from col) into ring position `it` by TMA, each once
+    both consumers have released its slot."""
+    slot = it % STAGES
+    phase = ((it // STAGES) & 1) ^ 1
+    mbarrier.wait(k_empty.index(slot), phase)
+    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(slot), k_bufs.index(slot))
+    mbarrier.wait(v_empty.index(slot), phase)
+    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit
 def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr,
                   kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh, stride_qs,
                   stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
@@ -376,14 +391,8 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
     else:
         _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, ((i // 2) & 1) ^ 1, 1)
     for j in range(0, num_blocks):
-        slot = it % STAGES
-        phase = ((it // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_bufs.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
+        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, it, kv_row + j * BLOCK_N,
+                       kv_col, STAGES)
         if j == 0:
             _publish_q(q_ready, qs)
         it += 1
@@ -516,14 +525,8 @@ def _producer_rows_tma(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty
         kv_col = (kv_offset % stride_kl).to(gl.int32)
         num_blocks = gl.cdiv(hi, BLOCK_N)
         for j in range(0, num_blocks):
-            slot = it % STAGES
-            phase = ((it // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_bufs.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_bufs.index(slot))
+            _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, it, kv_row + j * BLOCK_N,
+                           kv_col, STAGES)
             if j == 2:
                 if next_ticket < num_items:
                     _load_item_q(q_desc, uq_desc, q_rows, o_rows, next_kv_len, next_hi, next_r0, q_bufs, row_bufs,
