@@ -51,8 +51,8 @@ def test_configs_fit_shared_memory():
 @pytest.mark.parametrize(
     "kwargs",
     [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False), dict(has_self=True), dict(has_self=True, causal=False, head_dim=64),
-     dict(rows_tma=False)],
-    ids=["bf16-d128", "fp16-d64", "self-causal", "self-d64", "gathered-rows"],
+     dict(rows_tma=False), dict(has_self=True, rows_tma=False)],
+    ids=["bf16-d128", "fp16-d64", "self-causal", "self-d64", "gathered-rows", "self-gathered-rows"],
 )
 def test_compiles_for_sm90a(config, kwargs):
     """sm_90a without a GPU: producer + two consumer warpgroups with setmaxnreg, wgmma with P from
