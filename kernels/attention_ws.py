@@ -37,7 +37,7 @@ tokens each). Items are handed out in one of two ways (`WSAttentionConfig.dynami
         overlap, producer_store, pingpong off) and 2026-11-30 (offset, gather_ahead: both wrong on
         edge cases, gather_ahead at most 3 % faster; the q gather by the consumers, kept until then for
         unaligned rows: launch_ws copies those now) and 2026-12-01 (overlap again, intra_overlap: 4 % and
-        2–7 % slower in device time): docs/notes/attention.md.
+        2–7 % slower in device time; a 3-deep V ring: level): docs/notes/attention.md.
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
 
