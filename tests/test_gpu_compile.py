@@ -51,11 +51,16 @@ def standin_driver():
 L1 = AttentionSpec(2, 3, 1, 1, 1, 64, None, "contiguous", "bf16", "int32", 0, "default", None, 0)  # ptxas SIGSEGV before 2026-12-01
 
 
+# S and L multiples of 64, contiguous: q, out, user_q and user_out rows by TMA (`rows_by_tma`, `self_rows_by_tma`)
+ROWS_TMA = AttentionSpec(3, 5, 64, 128, 2, 128, "int32", "contiguous", "bf16", "int32", 0, "default", None, 1)
+
+
 @pytest.mark.skipif(not STANDIN, reason="runs in test_gpu_paths_compile_on_cpu's child process")
 @COMPILES
 @given(spec=attention_specs())
+@example(spec=ROWS_TMA)
 def test_standin_gluon_attention_compiles(standin_driver, spec):
-    """The Gluon kernel, target-only and with self tiles."""
+    """The Gluon kernel, target-only and with self tiles (rows gathered, and by TMA where they can be)."""
     from kernels.attention_ws import launch_ws
 
     q, user_q, k, v, cand_to_user, kv_len = spec.tensors("cpu", random=False)
