@@ -299,10 +299,11 @@ def _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info
 
 
 @gluon.jit
-def _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase,
-                QS: gl.constexpr, uq_desc=None, HAS_SELF: gl.constexpr = False):
+def _load_q_tma(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase,
+                QS: gl.constexpr, HAS_SELF: gl.constexpr):
     """ROWS_TMA producer: as `_gather_q`, but each warpgroup's 64 q rows (one contiguous run) come by one TMA
-    load of q_desc's [64, d] block, which completes q_ready itself (no wait here, no `_publish_q`)."""
+    load of a [64, d] block of q_desc (of uq_desc for a self tile), which completes q_ready itself (no wait here,
+    no `_publish_q`)."""
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
     mbarrier.wait(q_empty.index(QS), phase)
     mbarrier.wait(q_empty.index(2 + QS), phase)
@@ -450,11 +451,11 @@ def _load_item_q(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bu
     """`_producer_rows_tma`: the n-th item's q rows (TMA), output-row offsets and info into q slot n % 2."""
     phase = ((n // 2) & 1) ^ 1
     if n % 2 == 0:
-        _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase, 0,
-                    uq_desc, HAS_SELF)
+        _load_q_tma(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty,
+                    phase, 0, HAS_SELF)
     else:
-        _load_q_tma(q_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase, 1,
-                    uq_desc, HAS_SELF)
+        _load_q_tma(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty,
+                    phase, 1, HAS_SELF)
 
 
 @gluon.jit
