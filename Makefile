@@ -5,11 +5,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup serve test perf perf-configs bench
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	@dpkg -s libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libb64-0d; }
 	@command -v cc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq gcc libc6-dev; }  # builds the python_inprocess backend
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .  # kernels, ikbo_backend importable from anywhere
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -18,6 +19,8 @@ serve: setup
 	$(PY) scripts/serve $(SERVE_ARGS)
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q tests
 
 perf-configs: setup

@@ -31,7 +31,9 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """F.linear, x [..., K] @ weight[N, K]ᵀ (+ bias [N]) → [..., N], in GEMM calls of `ROWS` rows
     of the flattened x (the last chunk zero-padded): row r's result is the same in any batch."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = torch.empty(rows.shape[0] + -rows.shape[0] % ROWS, weight.shape[0], dtype=x.dtype, device=x.device)  # [⌈M / ROWS⌉ · ROWS, N]
+    out = torch.empty(
+        rows.shape[0] + -rows.shape[0] % ROWS, weight.shape[0], dtype=x.dtype, device=x.device
+    )  # [⌈M / ROWS⌉ · ROWS, N]
     for start in range(0, rows.shape[0], ROWS):
         chunk = rows[start : start + ROWS]
         chunk = F.pad(chunk, (0, 0, 0, ROWS - chunk.shape[0])) if chunk.shape[0] < ROWS else chunk  # [ROWS, K]
@@ -47,5 +49,9 @@ def vectorized_elementwise(op, x: torch.Tensor) -> torch.Tensor:
     flattened x is zero-padded to a multiple of `VECTOR_ELEMENTS` and fed in slices of ≤ `GRAIN`."""
     flat = x.reshape(-1)
     padded = F.pad(flat, (0, -flat.shape[0] % VECTOR_ELEMENTS))
-    out = torch.cat([op(padded[start : start + GRAIN]) for start in range(0, padded.shape[0], GRAIN)]) if padded.numel() else padded
+    out = (
+        torch.cat([op(padded[start : start + GRAIN]) for start in range(0, padded.shape[0], GRAIN)])
+        if padded.numel()
+        else padded
+    )
     return out[: flat.shape[0]].view(x.shape)

@@ -151,15 +151,23 @@ class _GraphedStage:
                 for cands in reversed(self.cand_sizes):
                     if (users, cands) not in self.graphs:
                         self.capture(users, cands, example)
-        except Exception as e:  # noqa: BLE001 — serve eagerly rather than not at all
+        except Exception as e:
             self.graphs.clear()
             self.capture_error = f"{type(e).__name__}: {e}"
             LOG.warning("CUDA graph capture failed, the stage runs eagerly: %s", self.capture_error)
-            print(f"ikbo_backend.cuda_graphs: capture failed, running eagerly: {self.capture_error}", file=sys.stderr, flush=True)
+            print(
+                f"ikbo_backend.cuda_graphs: capture failed, running eagerly: {self.capture_error}",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             reserved = torch.cuda.memory_reserved(self.device) / 2**20 if not self.replay_eagerly else 0.0
-            print(f"ikbo_backend.cuda_graphs: {len(self.graphs)} graphs captured in {time.perf_counter() - start:.1f} s "
-                  f"({reserved:,.0f} MiB reserved by torch in this process)", file=sys.stderr, flush=True)
+            print(
+                f"ikbo_backend.cuda_graphs: {len(self.graphs)} graphs captured in {time.perf_counter() - start:.1f} s "
+                f"({reserved:,.0f} MiB reserved by torch in this process)",
+                file=sys.stderr,
+                flush=True,
+            )
         return len(self.graphs)
 
     def _replay(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -199,9 +207,14 @@ class GraphedInteraction(_GraphedStage):
 
     def _allocate(self, example: dict[str, torch.Tensor]) -> None:
         rows = self._rows(self.user_sizes[-1], self.cand_sizes[-1])
-        self.static = {name: torch.zeros((rows[name], *t.shape[1:]), dtype=t.dtype, device=self.device) for name, t in example.items()}
+        self.static = {
+            name: torch.zeros((rows[name], *t.shape[1:]), dtype=t.dtype, device=self.device)
+            for name, t in example.items()
+        }
         if self.device.type == "cuda":
-            self.staging = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self.static.items()}
+            self.staging = {
+                name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self.static.items()
+            }
 
     def _views(self, users: int, cands: int) -> dict[str, torch.Tensor]:
         """Bucket (users, cands)'s leading slices of the static inputs."""
@@ -310,7 +323,9 @@ def _copy_rows(host: np.ndarray, t: torch.Tensor) -> None:
     trailing dims (`check_request_shapes`), checked again here since memmove has no bounds."""
     source = t.numpy(force=True)
     if source.dtype != host.dtype or source.shape[1:] != host.shape[1:] or len(source) > len(host):
-        raise RuntimeError(f"rows {source.dtype}{list(source.shape)} do not fit the staging {host.dtype}{list(host.shape)}")
+        raise RuntimeError(
+            f"rows {source.dtype}{list(source.shape)} do not fit the staging {host.dtype}{list(host.shape)}"
+        )
     if not source.flags.c_contiguous:
         source = np.ascontiguousarray(source)
     libc_memmove(host.ctypes.data, source.ctypes.data, source.nbytes)
@@ -337,7 +352,9 @@ class GraphedRanker(_GraphedStage):
     CAND_ROWS = CAND_INPUTS
     ALIGN = 256  # bytes: every input view starts on a 256-byte boundary
 
-    def __init__(self, features, interaction, cfg: RankerConfig, ranges: ShapeRanges, device, replay_eagerly: bool = False):
+    def __init__(
+        self, features, interaction, cfg: RankerConfig, ranges: ShapeRanges, device, replay_eagerly: bool = False
+    ):
         super().__init__(ranges, device, replay_eagerly)
         self.features, self.interaction, self.cfg = features, interaction, cfg
         self.row_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # name → (trailing dims, dtype)
@@ -385,7 +402,12 @@ class GraphedRanker(_GraphedStage):
         if io is None:
             staged = {name: t.numpy() for name, t in self._typed(self.staging, users, cands).items()}
             total = self._layout(users, cands)[1]
-            io = self._io[users, cands] = (staged, self._typed(self.static, users, cands), self.static[:total], self.staging[:total])
+            io = self._io[users, cands] = (
+                staged,
+                self._typed(self.static, users, cands),
+                self.static[:total],
+                self.staging[:total],
+            )
         return io
 
     def _views(self, users, cands):
@@ -409,7 +431,10 @@ class GraphedRanker(_GraphedStage):
     def _call(self, inputs):
         """[flag, scores [B, T] flattened] (float32) of the bucket's views; the views' indices are
         clamped in place first."""
-        request, flag = {name: inputs[name] for name in INPUT_NAMES}, torch.zeros(1, dtype=torch.float32, device=self.device)
+        request, flag = (
+            {name: inputs[name] for name in INPUT_NAMES},
+            torch.zeros(1, dtype=torch.float32, device=self.device),
+        )
         check_values_on_device(self.cfg, request, inputs["last_user"], flag)
         scores = self.interaction(self.features(**request))
         return torch.cat([flag, scores.to(torch.float32).flatten()])
@@ -438,7 +463,9 @@ class GraphedRanker(_GraphedStage):
                 if output is None:  # no graph for this shape: the host checks, then the eager call
                     self.eager_calls += 1
                     check_request_values(self.cfg, inputs)
-                    return self.interaction(self.features(**{name: t.to(self.device) for name, t in inputs.items()})).cpu()
+                    return self.interaction(
+                        self.features(**{name: t.to(self.device) for name, t in inputs.items()})
+                    ).cpu()
                 self.host_output[:size].copy_(output[:size], non_blocking=True)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()

@@ -72,7 +72,7 @@ def visible_gpu_count() -> int:
 
 
 def parse_gpus(text: str, available: int | None = None) -> list[int]:
-    """"0,1" → [0, 1]. ValueError naming `--gpus` for anything but distinct non-negative integers, and,
+    """ "0,1" → [0, 1]. ValueError naming `--gpus` for anything but distinct non-negative integers, and,
     when `available` is given, for an id that is not below it."""
     items = [item.strip() for item in text.split(",")]
     if not text.strip() or not all(item.isdigit() for item in items):
@@ -134,7 +134,9 @@ def write_gpu_configs(gpus: list[int], base: str = "gpu", model_repository=None,
     return name
 
 
-def serve_config_name(gpus: list[int] | None, available: int, base: str = "gpu", model_repository=None, keep_in_process: bool = False) -> str:
+def serve_config_name(
+    gpus: list[int] | None, available: int, base: str = "gpu", model_repository=None, keep_in_process: bool = False
+) -> str:
     """The --model-config-name to serve with: `base` itself where at most one GPU is present and the
     list is the default (or [0]), else the configuration generated for `gpus` (default: every GPU
     present; check them first with parse_gpus(text, available))."""
@@ -149,7 +151,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gpus", help="comma-separated GPU ids (default: every GPU present)")
     parser.add_argument("--base", default="gpu", help="configuration to spread (configs/<base>.pbtxt)")
     parser.add_argument("--model-repository", type=Path, default=MODEL_REPOSITORY)
-    parser.add_argument("--no-check", action="store_true", help="write for ids this machine does not have (e.g. on a CPU host)")
+    parser.add_argument(
+        "--no-check", action="store_true", help="write for ids this machine does not have (e.g. on a CPU host)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.no_check:

@@ -61,7 +61,9 @@ class RankerMetrics:
     """The metric families above, for one model instance (labels `model`, `device`). `record(U, B)`
     once per batch; `close()` when the model is finalized."""
 
-    def __init__(self, pb_utils, model_name: str, row_bytes: int, compilations=None, device=None, background: bool | None = None):
+    def __init__(
+        self, pb_utils, model_name: str, row_bytes: int, compilations=None, device=None, background: bool | None = None
+    ):
         """`compilations`: a shape_spec.CompileCounter installed before the model was built; `device`:
         the instance's torch device (label `device`; none when None). Instances of one model on
         different devices then count apart; with the same labels they share one counter.
@@ -72,13 +74,21 @@ class RankerMetrics:
         self._families = [  # keep the families alive as long as their metrics
             family(name="ikbo_candidates_scored_total", description="Candidates scored", kind=family.COUNTER),
             family(name="ikbo_users_scored_total", description="Users scored", kind=family.COUNTER),
-            family(name="ikbo_candidates_per_user", description="Candidates per user (B/U) of each batch", kind=family.HISTOGRAM),
+            family(
+                name="ikbo_candidates_per_user",
+                description="Candidates per user (B/U) of each batch",
+                kind=family.HISTOGRAM,
+            ),
             family(
                 name="ikbo_broadcast_bytes_avoided_total",
                 description="Bytes of user rows a broadcasting (baseline) model would have replicated: (B - U) * bytes per user row",
                 kind=family.COUNTER,
             ),
-            family(name="ikbo_execute_seconds_total", description="Wall time inside the python model's execute", kind=family.COUNTER),
+            family(
+                name="ikbo_execute_seconds_total",
+                description="Wall time inside the python model's execute",
+                kind=family.COUNTER,
+            ),
         ]
         candidates, users, ratio, avoided, execute = self._families
         self.candidates = candidates.Metric(labels=labels)
@@ -88,13 +98,19 @@ class RankerMetrics:
         self.execute_seconds = execute.Metric(labels=labels)
         self.compilations, self._compiled = compilations, {"warmup": 0, "request": 0}
         if compilations is not None:
-            compiled = family(name="ikbo_triton_compilations_total", description="Triton kernel compilations", kind=family.COUNTER)
+            compiled = family(
+                name="ikbo_triton_compilations_total", description="Triton kernel compilations", kind=family.COUNTER
+            )
             self._families.append(compiled)
-            self._compiled_metrics = {phase: compiled.Metric(labels={**labels, "phase": phase}) for phase in self._compiled}
+            self._compiled_metrics = {
+                phase: compiled.Metric(labels={**labels, "phase": phase}) for phase in self._compiled
+            }
             self.sync_compilations()
         if background is None:
             background = getattr(pb_utils, "IN_SERVER_PROCESS", False)
-        self._pending: deque[tuple] = deque()  # (U, B) of a batch, or (None, seconds) of an execute (append, popleft: atomic)
+        self._pending: deque[tuple] = (
+            deque()
+        )  # (U, B) of a batch, or (None, seconds) of an execute (append, popleft: atomic)
         self._push_lock = threading.Lock()
         self._worker = None
         if background:
@@ -150,7 +166,9 @@ class RankerMetrics:
                 metric.increment(float(new))
                 self._compiled[phase] += new
 
-    def record_responses(self, pb_utils, requests, responses, users_input="user_tokens", candidates_input="cand_tokens") -> None:
+    def record_responses(
+        self, pb_utils, requests, responses, users_input="user_tokens", candidates_input="cand_tokens"
+    ) -> None:
         """`record` for each answered request of a batch model (U, B = rows of these two inputs)."""
         for request, response in zip(requests, responses):
             if not response.has_error():

@@ -36,7 +36,14 @@ import torch
 
 from .ranker import RankerConfig
 from .requests import (
-    CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest, check_request_shapes, check_request_values, input_widths, make_request,
+    CAND_INPUTS,
+    INPUT_NAMES,
+    USER_INPUTS,
+    InvalidRequest,
+    check_request_shapes,
+    check_request_values,
+    input_widths,
+    make_request,
 )
 from .serving import RankerModel, _to_torch, from_torch, score_dims
 
@@ -66,7 +73,9 @@ def split_by_user(request: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]
     return online
 
 
-def make_online_batch(cfg: RankerConfig, num_users: int, num_candidates: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def make_online_batch(
+    cfg: RankerConfig, num_users: int, num_candidates: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     """A random batch request (`make_request`) in which every user has at least one candidate (B ≥ U),
     so that `split_by_user` of it gives U valid online requests of B/U candidates on average."""
     if not 1 <= num_users <= num_candidates:
@@ -92,9 +101,13 @@ def unbatch(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name in ONLINE_INPUT_NAMES:
         t = inputs[name]
         if t.dim() == 0 or t.shape[0] != 1:
-            raise InvalidRequest(name, f"expected one user per request (leading dimension 1), got shape {list(t.shape)}")
+            raise InvalidRequest(
+                name, f"expected one user per request (leading dimension 1), got shape {list(t.shape)}"
+            )
         single[name] = t if name in USER_INPUTS else t[0]
-    single["cand_to_user"] = torch.zeros(single["cand_dense"].shape[0], dtype=torch.int32, device=single["cand_dense"].device)
+    single["cand_to_user"] = torch.zeros(
+        single["cand_dense"].shape[0], dtype=torch.int32, device=single["cand_dense"].device
+    )
     return single
 
 
@@ -136,7 +149,9 @@ class OnlineModel(RankerModel):
     ):  # fmt: skip
         if batch_invariant not in ("yes", "no"):
             raise ValueError(f"parameter batch_invariant: expected 'yes' or 'no', got {batch_invariant!r}")
-        super().__init__(cfg, weights, ranges, device, variant, compute_dtype, cuda_graphs, batch_invariant=batch_invariant == "yes")
+        super().__init__(
+            cfg, weights, ranges, device, variant, compute_dtype, cuda_graphs, batch_invariant=batch_invariant == "yes"
+        )
 
     @staticmethod
     def io_dims(cfg):
@@ -167,7 +182,9 @@ def execute_online(pb_utils, model: OnlineModel, requests, metrics=None) -> list
     shaped: list[tuple[int, dict[str, torch.Tensor]]] = []
     for index, request in enumerate(requests):
         try:
-            raw = {name: _to_torch(name, pb_utils.get_input_tensor_by_name(request, name)) for name in ONLINE_INPUT_NAMES}
+            raw = {
+                name: _to_torch(name, pb_utils.get_input_tensor_by_name(request, name)) for name in ONLINE_INPUT_NAMES
+            }
             single = unbatch(raw)
             check_request_shapes(model.cfg, model.ranges, single)  # InvalidRequest names the input
             shaped.append((index, single))
@@ -209,9 +226,12 @@ def _run_batches(pb_utils, model: OnlineModel, members: list[tuple[int, dict[str
             batches.append((len(chunk), sum(counts[group])))
         except InvalidRequest:
             raise
-        except Exception as e:  # noqa: BLE001 — answer every request of the chunk
+        except Exception as e:
             name = getattr(model, "name", type(model).__name__)
             pb_utils.Logger.log_error(f"{name}: {type(e).__name__}: {e}")  # details only in the server log
             message = f"model '{name}': internal error ({type(e).__name__}); details are in the server log"
-            answered += [(index, pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))) for index, _ in chunk]
+            answered += [
+                (index, pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)))
+                for index, _ in chunk
+            ]
     return answered, batches

@@ -161,7 +161,9 @@ def make_demo_weights(cfg: RankerConfig, seed: int = 0) -> dict[str, torch.Tenso
 def save_weights(path, cfg: RankerConfig, weights: dict[str, torch.Tensor]) -> None:
     """One safetensors file that carries its RankerConfig in the metadata."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata={"ranker_config": json.dumps(asdict(cfg))})
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()}, str(path), metadata={"ranker_config": json.dumps(asdict(cfg))}
+    )
 
 
 def load_weights(path) -> tuple[RankerConfig, dict[str, torch.Tensor]]:
@@ -196,20 +198,28 @@ class FeatureStage:
     """Embedding lookups and dense projections; users at U rows, candidates at B rows. With
     `batch_invariant`, the projections run in fixed-size row chunks (ikbo_backend/batch_invariant.py)."""
 
-    def __init__(self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu", batch_invariant: bool = False):
+    def __init__(
+        self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu", batch_invariant: bool = False
+    ):
         self.cfg = cfg
         self.linear = rowwise_linear if batch_invariant else F.linear
         self.w = {k: v.to(device) for k, v in weights.items() if not k.startswith(INTERACTION_WEIGHTS)}
         self.user_slot_offset = torch.arange(cfg.user_sparse_features, device=device) * cfg.user_vocab_size
         self.cand_slot_offset = torch.arange(cfg.cand_sparse_features, device=device) * cfg.cand_vocab_size
 
-    def __call__(self, user_dense, user_sparse_ids, user_history_ids, user_history_len, cand_dense, cand_sparse_ids, cand_to_user) -> Features:
+    def __call__(
+        self, user_dense, user_sparse_ids, user_history_ids, user_history_len, cand_dense, cand_sparse_ids, cand_to_user
+    ) -> Features:
         cfg, w = self.cfg, self.w
         dim = cfg.embedding_dim
         user_sparse = F.embedding(user_sparse_ids + self.user_slot_offset, w["user_table"])  # [U, Su, D]
-        user_dense_tok = self.linear(user_dense, w["user_dense.weight"], w["user_dense.bias"]).view(-1, cfg.user_dense_tokens, dim)
+        user_dense_tok = self.linear(user_dense, w["user_dense.weight"], w["user_dense.bias"]).view(
+            -1, cfg.user_dense_tokens, dim
+        )
         cand_sparse = F.embedding(cand_sparse_ids + self.cand_slot_offset, w["cand_table"])  # [B, Sc, D]
-        cand_dense_tok = self.linear(cand_dense, w["cand_dense.weight"], w["cand_dense.bias"]).view(-1, cfg.cand_dense_tokens, dim)
+        cand_dense_tok = self.linear(cand_dense, w["cand_dense.weight"], w["cand_dense.bias"]).view(
+            -1, cfg.cand_dense_tokens, dim
+        )
         history = F.embedding(user_history_ids, w["item_table"]) + w["history_position"]  # [U, L, D]
         return Features(
             torch.cat([user_sparse, user_dense_tok], dim=1),
@@ -225,7 +235,9 @@ class _Interaction:
     every row-wise linear runs in fixed-size row chunks and the final sigmoid in the vectorized body
     only, so a candidate's scores do not depend on the rest of its batch (ikbo_backend/batch_invariant.py)."""
 
-    def __init__(self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu", batch_invariant: bool = False):
+    def __init__(
+        self, cfg: RankerConfig, weights: dict[str, torch.Tensor], device="cpu", batch_invariant: bool = False
+    ):
         self.cfg = cfg
         self.linear = rowwise_linear if batch_invariant else F.linear
         self.sigmoid = functools.partial(vectorized_elementwise, torch.sigmoid) if batch_invariant else torch.sigmoid
@@ -274,10 +286,19 @@ class IkboRanker(_Interaction):
         compressed = self.lce(f.user_tokens, f.cand_tokens, f.cand_to_user, backend=self.backend)  # [B, N, D]
         user_q, k, v = self._history_qkv(f.history_tokens)  # [U, H, L, d]
         user_seq, cand_seq = ikbo_self_target_attention(
-            user_q, self._cand_queries(compressed), k, v, f.cand_to_user, f.history_len, causal=True, backend=self.backend
+            user_q,
+            self._cand_queries(compressed),
+            k,
+            v,
+            f.cand_to_user,
+            f.history_len,
+            causal=True,
+            backend=self.backend,
         )
         user_repr = self._sequence_summary(user_seq, f.history_len)  # [U, D]
-        cand_hidden = self.linear(self._cand_repr(compressed, cand_seq), self.mlp0_cand, self.w["mlp.0.bias"])  # [B, h1]
+        cand_hidden = self.linear(
+            self._cand_repr(compressed, cand_seq), self.mlp0_cand, self.w["mlp.0.bias"]
+        )  # [B, h1]
         hidden = add_user_rows(cand_hidden, self.linear(user_repr, self.mlp0_user), f.cand_to_user)  # Type I
         return self._mlp_tail(hidden)
 
@@ -306,7 +327,11 @@ class BaselineRanker(_Interaction):
         cand_seq = cand_seq.masked_fill((history_len == 0)[:, None, None, None], 0.0)
 
         user_repr = self._sequence_summary(user_seq, history_len)  # [B, D]
-        hidden = self.linear(torch.cat([user_repr, self._cand_repr(compressed, cand_seq)], dim=1), self.w["mlp.0.weight"], self.w["mlp.0.bias"])
+        hidden = self.linear(
+            torch.cat([user_repr, self._cand_repr(compressed, cand_seq)], dim=1),
+            self.w["mlp.0.weight"],
+            self.w["mlp.0.bias"],
+        )
         return self._mlp_tail(hidden)
 
 
@@ -330,7 +355,15 @@ class CastInteraction:
         return self.interaction(Features(**cast)).float()
 
 
-def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend: str = "auto", dtype=None, batch_invariant: bool = False):
+def build_ranker(
+    variant: str,
+    cfg: RankerConfig,
+    weights,
+    device="cpu",
+    backend: str = "auto",
+    dtype=None,
+    batch_invariant: bool = False,
+):
     """(FeatureStage, interaction) for variant "ikbo", "baseline" or "transformed" (BaselineRanker
     after the IKBO transformation, ikbo_backend.transform). With `dtype` (a torch dtype or a
     COMPUTE_DTYPES name) the interaction's weights are cast to it once and a 16-bit interaction
@@ -345,7 +378,9 @@ def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend
         raise ValueError("batch_invariant: supported for variants 'ikbo' and 'baseline', got 'transformed'")
     if batch_invariant and torch.device(device).type != "cpu":
         raise ValueError(f"batch_invariant: a CPU mode (torch's CPU kernels), got device {device}")
-    cast = {k: v.to(dtype) if dtype is not None and k.startswith(INTERACTION_WEIGHTS) else v for k, v in weights.items()}
+    cast = {
+        k: v.to(dtype) if dtype is not None and k.startswith(INTERACTION_WEIGHTS) else v for k, v in weights.items()
+    }
     if variant == "ikbo":
         interaction = IkboRanker(cfg, cast, device, backend, batch_invariant)
     elif variant == "baseline":
@@ -353,7 +388,9 @@ def build_ranker(variant: str, cfg: RankerConfig, weights, device="cpu", backend
     elif variant == "transformed":
         from .transform.serving import TransformedInteraction  # the pass imports this module
 
-        interaction = TransformedInteraction(cfg, cast, device, dtype or next(v.dtype for v in cast.values() if v.is_floating_point()))
+        interaction = TransformedInteraction(
+            cfg, cast, device, dtype or next(v.dtype for v in cast.values() if v.is_floating_point())
+        )
     else:
         raise ValueError(f"variant: expected 'ikbo', 'baseline' or 'transformed', got {variant!r}")
     if dtype in (torch.float16, torch.bfloat16):

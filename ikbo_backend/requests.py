@@ -70,11 +70,16 @@ class ShapeRanges:
     def __post_init__(self):
         object.__setattr__(self, "typical", tuple(tuple(int(n) for n in shape) for shape in self.typical))
         for num_users, num_candidates in self.typical:
-            if not (self.users[0] <= num_users <= self.users[1] and self.candidates[0] <= num_candidates <= self.candidates[1]):
-                raise ValueError(f"typical shape {(num_users, num_candidates)} lies outside users {self.users}, candidates {self.candidates}")
+            if not (
+                self.users[0] <= num_users <= self.users[1]
+                and self.candidates[0] <= num_candidates <= self.candidates[1]
+            ):
+                raise ValueError(
+                    f"typical shape {(num_users, num_candidates)} lies outside users {self.users}, candidates {self.candidates}"
+                )
 
     @classmethod
-    def from_json(cls, path) -> "ShapeRanges":
+    def from_json(cls, path) -> ShapeRanges:
         spec = json.loads(Path(path).read_text())
         return cls(tuple(spec["users"]), tuple(spec["candidates"]), tuple(map(tuple, spec.get("typical", ()))))
 
@@ -176,7 +181,9 @@ def check_request_values(cfg: RankerConfig, inputs: dict[str, torch.Tensor]) -> 
         too_large = inputs[name].abs() > DENSE_ABS_MAX
         if bool(too_large.any()):
             index = [int(i) for i in too_large.nonzero()[0]]
-            raise InvalidRequest(name, f"magnitude {float(inputs[name][tuple(index)]):.3g} at index {index} is above {DENSE_ABS_MAX:g}")
+            raise InvalidRequest(
+                name, f"magnitude {float(inputs[name][tuple(index)]):.3g} at index {index} is above {DENSE_ABS_MAX:g}"
+            )
     num_users = inputs["user_dense"].shape[0]
     tables = {
         "cand_to_user": f"[0, U={num_users})",
@@ -189,7 +196,9 @@ def check_request_values(cfg: RankerConfig, inputs: dict[str, torch.Tensor]) -> 
         _check_range(name, inputs[name], low, high + 1, tables[name])
 
 
-def check_values_on_device(cfg: RankerConfig, inputs: dict[str, torch.Tensor], last_user: torch.Tensor, flag: torch.Tensor) -> None:
+def check_values_on_device(
+    cfg: RankerConfig, inputs: dict[str, torch.Tensor], last_user: torch.Tensor, flag: torch.Tensor
+) -> None:
     """The device twin of `check_request_values`, with no host sync (a CUDA graph holds it): every
     index input clamped into its range in place (a bad index never reaches a gather), and flag[0]
     set to 1 if any value check fails (kernels.request_checks). `last_user`: U - 1 as a 0-d int32
@@ -207,7 +216,9 @@ def ragged_counts(num_users: int, num_candidates: int, rng: np.random.Generator)
     return rng.multinomial(num_candidates, shares)
 
 
-def make_request(cfg: RankerConfig, num_users: int, num_candidates: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def make_request(
+    cfg: RankerConfig, num_users: int, num_candidates: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     """A random valid request: ragged candidates per user, shuffled mapping, variable history lengths."""
     counts = ragged_counts(num_users, num_candidates, rng)
     cand_to_user = rng.permutation(np.repeat(np.arange(num_users), counts)).astype(np.int32)

@@ -32,12 +32,29 @@ import numpy as np
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from .ranker import COMPUTE_DTYPES, Features, FeatureStage, RankerConfig, build_ranker, load_weights, make_demo_weights, profile_config, save_weights
+from .cuda_graphs import GraphedInteraction, GraphedRanker
+from .ranker import (
+    COMPUTE_DTYPES,
+    Features,
+    FeatureStage,
+    RankerConfig,
+    build_ranker,
+    load_weights,
+    make_demo_weights,
+    profile_config,
+    save_weights,
+)
 from .requests import (
-    INPUT_NAMES, InvalidRequest, ShapeRanges, check_request_shapes, check_request_values, input_widths, make_request, to_tensors,
+    INPUT_NAMES,
+    InvalidRequest,
+    ShapeRanges,
+    check_request_shapes,
+    check_request_values,
+    input_widths,
+    make_request,
+    to_tensors,
     validate_request,
 )
-from .cuda_graphs import GraphedInteraction, GraphedRanker
 from .shape_spec import bucket_representatives
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +135,13 @@ def check_model_config(model_config: dict, inputs: dict[str, list[int]], outputs
             )
 
 
-TRITON_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_BF16": torch.bfloat16, "TYPE_FP16": torch.float16, "TYPE_INT32": torch.int32, "TYPE_INT64": torch.int64}
+TRITON_DTYPES = {
+    "TYPE_FP32": torch.float32,
+    "TYPE_BF16": torch.bfloat16,
+    "TYPE_FP16": torch.float16,
+    "TYPE_INT32": torch.int32,
+    "TYPE_INT64": torch.int64,
+}
 FLOAT_FEATURES = ("user_tokens", "cand_tokens", "history_tokens")  # the float tensors between the stages
 
 
@@ -129,7 +152,9 @@ def feature_dtype(model_config: dict, kind: str) -> torch.dtype:
     declared = {t["name"]: t["data_type"] for t in model_config.get(kind, [])}
     kinds = {declared.get(name) for name in FLOAT_FEATURES}
     if len(kinds) != 1 or next(iter(kinds)) not in ("TYPE_FP32", "TYPE_BF16", "TYPE_FP16"):
-        raise ValueError(f"{model_config.get('name')}: the {kind}s {list(FLOAT_FEATURES)} must share one float type, got {sorted(map(str, kinds))}")
+        raise ValueError(
+            f"{model_config.get('name')}: the {kind}s {list(FLOAT_FEATURES)} must share one float type, got {sorted(map(str, kinds))}"
+        )
     return TRITON_DTYPES[kinds.pop()]
 
 
@@ -167,14 +192,18 @@ class _ServedStage:
         ranges of the served repository, instance device), check the config, warm up."""
         model_config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        cfg, weights = load_weights(ensure_weights(weights_path(parameters.get("weights")), parameters.get("profile", "demo")))
+        cfg, weights = load_weights(
+            ensure_weights(weights_path(parameters.get("weights")), parameters.get("profile", "demo"))
+        )
         check_model_config(model_config, *cls.io_dims(cfg))
         ranges = load_shape_ranges(Path(args["model_repository"]).parent)
         set_torch_threads(parameters.get("torch_threads"))
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
         if device.type == "cuda":
             torch.cuda.set_device(device)  # Triton launches on the current device: make it this instance's GPU
-        options = {k: parameters[k] for k in cls.config_parameters if k in parameters} | cls.options_from_config(model_config)
+        options = {k: parameters[k] for k in cls.config_parameters if k in parameters} | cls.options_from_config(
+            model_config
+        )
         model = cls(cfg, weights, ranges, device, **options)
         model.name = args["model_name"]  # for error messages
         model.warm_up()
@@ -270,7 +299,9 @@ class InteractionModel(_ServedStage):
         super().__init__(cfg, ranges, device)
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
         self.feature_dtype = feature_dtype  # of the float inputs
-        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype)  # features: warm-up only
+        self.features, self.interaction = build_ranker(
+            variant, cfg, weights, self.device, dtype=compute_dtype
+        )  # features: warm-up only
         if use_cuda_graphs(cuda_graphs, self.device):
             self.interaction = GraphedInteraction(self.interaction, ranges, self.device)
 
@@ -292,7 +323,9 @@ class InteractionModel(_ServedStage):
     def capture_graphs(self, rng):
         if isinstance(self.interaction, GraphedInteraction):  # static inputs in the dtype the stage receives
             features = self.features(**to_tensors(self.graph_example(rng), self.device))
-            self.interaction.capture_all(Features(**{k: _as_feature(v, self.feature_dtype) for k, v in vars(features).items()}))
+            self.interaction.capture_all(
+                Features(**{k: _as_feature(v, self.feature_dtype) for k, v in vars(features).items()})
+            )
 
     def _check(self, inputs):
         """The joins must be in range: a bad index must not reach a (device-side) gather. One device
@@ -336,7 +369,9 @@ class RankerModel(_ServedStage):
         super().__init__(cfg, ranges, device)
         self.variant = variant
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
-        self.features, self.interaction = build_ranker(variant, cfg, weights, self.device, dtype=compute_dtype, batch_invariant=batch_invariant)
+        self.features, self.interaction = build_ranker(
+            variant, cfg, weights, self.device, dtype=compute_dtype, batch_invariant=batch_invariant
+        )
         graphed = use_cuda_graphs(cuda_graphs, self.device)
         self.graphed = GraphedRanker(self.features, self.interaction, cfg, ranges, self.device) if graphed else None
 
@@ -391,7 +426,9 @@ def ranker_python_model(pb_utils):
             start = time.perf_counter()
             responses = execute_requests(pb_utils, self.model, requests)
             if self.metrics is not None:
-                self.metrics.record_responses(pb_utils, requests, responses, users_input="user_dense", candidates_input="cand_dense")
+                self.metrics.record_responses(
+                    pb_utils, requests, responses, users_input="user_dense", candidates_input="cand_dense"
+                )
                 self.metrics.record_execute(time.perf_counter() - start)
             return responses
 
@@ -452,10 +489,14 @@ def execute_requests(pb_utils, model: _ServedStage, requests) -> list:
             tensors = [from_torch(pb_utils, name, t) for name, t in outputs.items()]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         except ValueError as e:
-            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
-        except Exception as e:  # noqa: BLE001 — one bad request must not fail the others
+            responses.append(
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+            )
+        except Exception as e:
             name = getattr(model, "name", type(model).__name__)
             pb_utils.Logger.log_error(f"{name}: {type(e).__name__}: {e}")
             message = f"model '{name}': internal error ({type(e).__name__}); details are in the server log"
-            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)))
+            responses.append(
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
+            )
     return responses

@@ -52,16 +52,25 @@ import torch
 from kernels import attention as attention_op
 from kernels import ikbo_linear_compress, ikbo_self_target_attention
 from kernels import linear_compress as lce_op
-from kernels.attention import TRITON_HEAD_DIMS
+from kernels.attention import TRITON_HEAD_DIMS, pick_config
 from kernels.attention import TRITON_TYPES as ATTENTION_TRITON_TYPES
-from kernels.attention import pick_config
 from kernels.linear_compress import TRITON_TYPES as LCE_TRITON_TYPES
 from kernels.linear_compress import PackedLinearCompress, default_variant, tile_configs
 
 from .ranker import RankerConfig
 from .requests import ShapeRanges
-from .tuning import FORMAT, Candidate, TuningCache, cached_entries, device_description, fastest, graph_median_ms, median_ms, rel_err
-from .tuning import use_persistent_triton_cache
+from .tuning import (
+    FORMAT,
+    Candidate,
+    TuningCache,
+    cached_entries,
+    device_description,
+    fastest,
+    graph_median_ms,
+    median_ms,
+    rel_err,
+    use_persistent_triton_cache,
+)
 
 OPS = ("lce", "attention")
 EXHAUSTIVE_CANDIDATES = 1024  # every B up to here; above, B ≡ -1, 0, 1 (mod 16) (see `candidate_counts`)
@@ -74,7 +83,9 @@ def lce_key(cfg: RankerConfig, num_users: int, num_candidates: int, dtype: torch
     return (default_variant(num_users, num_candidates),)
 
 
-def attention_key(cfg: RankerConfig, num_users: int, num_candidates: int, dtype: torch.dtype, num_sms: int | None) -> tuple:
+def attention_key(
+    cfg: RankerConfig, num_users: int, num_candidates: int, dtype: torch.dtype, num_sms: int | None
+) -> tuple:
     """What a (U, B) changes in the attention kernels' compilation key (self + target attention)."""
     if num_sms is None or dtype not in ATTENTION_TRITON_TYPES or cfg.head_dim not in TRITON_HEAD_DIMS:
         return ("torch",)
@@ -107,7 +118,7 @@ def candidate_counts(ranges: ShapeRanges) -> list[int]:
     return sorted(counts)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shape_buckets(
     cfg: RankerConfig, ranges: ShapeRanges, dtype: torch.dtype = torch.float32, num_sms: int | None = None
 ) -> dict[str, tuple[ShapeBucket, ...]]:
@@ -129,7 +140,8 @@ def shape_buckets(
                 entry[2] = max(entry[2], (num_candidates, num_users))
     return {
         op: tuple(
-            ShapeBucket(op, key, rep[::-1], n, top[::-1]) for key, (rep, n, top) in sorted(found[op].items(), key=lambda kv: kv[1][0])
+            ShapeBucket(op, key, rep[::-1], n, top[::-1])
+            for key, (rep, n, top) in sorted(found[op].items(), key=lambda kv: kv[1][0])
         )
         for op in OPS
     }
@@ -188,7 +200,9 @@ def _attention_label(tile) -> str:
     return f"{tile.block_m}x{tile.block_n} w{tile.num_warps} s{tile.num_stages}{regs}"
 
 
-def lce_candidates(cfg: RankerConfig, key: tuple, dtype: torch.dtype, hopper: bool = False, graphs: bool = False) -> list[tuple[str, object]]:
+def lce_candidates(
+    cfg: RankerConfig, key: tuple, dtype: torch.dtype, hopper: bool = False, graphs: bool = False
+) -> list[tuple[str, object]]:
     """(variant, tile) to try for the LCE bucket `key`: the s3 bucket s3's configs; the s4 bucket s4's
     and s3's (either compiles one kernel per config for any U, B), s3's only for a model that replays
     CUDA graphs (`graphs`: inside a capture s4 runs as s3); on a Hopper GPU in 16-bit also s6 (tile
@@ -196,7 +210,11 @@ def lce_candidates(cfg: RankerConfig, key: tuple, dtype: torch.dtype, hopper: bo
     variants = ("s4", "s3") if key[0] == "s4" else (key[0],)
     if graphs:
         variants = tuple(v for v in variants if v != "s4")
-    candidates = [(variant, tile) for variant in variants for tile in dict.fromkeys(tile_configs(variant, dtype, cfg.embedding_dim))]
+    candidates = [
+        (variant, tile)
+        for variant in variants
+        for tile in dict.fromkeys(tile_configs(variant, dtype, cfg.embedding_dim))
+    ]
     if hopper and dtype in (torch.float16, torch.bfloat16):
         candidates.append((lce_op.WS_VARIANT, None))
     return candidates
@@ -226,7 +244,9 @@ def _tune_lce(cfg: RankerConfig, key: tuple, shape, dtype, device, timer, graphs
     cand_to_user = torch.randint(0, num_users, (num_candidates,), dtype=torch.int32, device=device)  # as served
     weight = torch.randn(n, ku + kc, dtype=dtype, device=device) / math.sqrt(ku + kc)  # [N, Ku + Kc]
     bias = torch.randn(n, dtype=dtype, device=device)
-    ref = ikbo_linear_compress(user_emb.double(), cand_emb.double(), cand_to_user, weight.double(), bias.double(), backend="torch")
+    ref = ikbo_linear_compress(
+        user_emb.double(), cand_emb.double(), cand_to_user, weight.double(), bias.double(), backend="torch"
+    )
     packed = PackedLinearCompress.from_weight(weight, ku, bias)
     out = torch.empty(num_candidates, n, d, dtype=dtype, device=device)  # [B, N, D]
     user_part = torch.empty(num_users, n, d, dtype=dtype, device=device)  # Y_u [U, N, D]: no allocation per timed call
@@ -250,7 +270,9 @@ def _tune_attention(cfg: RankerConfig, key: tuple, shape, dtype, device, timer, 
     """(`graphs` leaves the candidates as they are: every attention candidate runs as itself in a capture.)"""
     num_users, num_candidates = shape
     heads, seq_len, queries, head_dim = cfg.heads, cfg.history_length, cfg.query_tokens, cfg.head_dim
-    user_q, k, v = (torch.randn(num_users, heads, seq_len, head_dim, dtype=dtype, device=device) for _ in range(3))  # [U, H, L, d]
+    user_q, k, v = (
+        torch.randn(num_users, heads, seq_len, head_dim, dtype=dtype, device=device) for _ in range(3)
+    )  # [U, H, L, d]
     cand_q = torch.randn(num_candidates, heads, queries, head_dim, dtype=dtype, device=device)  # [B, H, S, d]
     cand_to_user = torch.randint(0, num_users, (num_candidates,), dtype=torch.int32, device=device)
     kv_len = torch.randint(0, seq_len + 1, (num_users,), dtype=torch.int32, device=device)
@@ -263,7 +285,17 @@ def _tune_attention(cfg: RankerConfig, key: tuple, shape, dtype, device, timer, 
     def candidate(tile):
         def run():
             return attention_op._launch(
-                cand_q, k, v, cand_to_user, kv_len, 1 / math.sqrt(head_dim), user_q, True, config=tile, out=out, user_out=user_out
+                cand_q,
+                k,
+                v,
+                cand_to_user,
+                kv_len,
+                1 / math.sqrt(head_dim),
+                user_q,
+                True,
+                config=tile,
+                out=out,
+                user_out=user_out,
             )
 
         def check():
@@ -272,10 +304,14 @@ def _tune_attention(cfg: RankerConfig, key: tuple, shape, dtype, device, timer, 
             cand_got, user_got, _ = run()
             return max(rel_err(cand_got, ref_cand), rel_err(user_got, ref_user)) <= TOLERANCE[dtype]
 
-        choice = {"tile": None, "kernel": tile} if tile == attention_op.WS_CHOICE else {"tile": dataclasses.asdict(tile)}
+        choice = (
+            {"tile": None, "kernel": tile} if tile == attention_op.WS_CHOICE else {"tile": dataclasses.asdict(tile)}
+        )
         return Candidate(_attention_label(tile), choice, check, run)
 
-    return fastest([candidate(t) for t in attention_candidates(cfg, key, dtype, _is_hopper(torch.device(device)))], timer)
+    return fastest(
+        [candidate(t) for t in attention_candidates(cfg, key, dtype, _is_hopper(torch.device(device)))], timer
+    )
 
 
 TUNERS = {"lce": _tune_lce, "attention": _tune_attention}
@@ -385,7 +421,7 @@ class CompileCounter:
         self.kernels: list[tuple[str, str]] = []  # (phase, kernel name)
 
     @classmethod
-    def install(cls) -> "CompileCounter":
+    def install(cls) -> CompileCounter:
         from triton import knobs
 
         counter, previous = cls(), knobs.runtime.jit_post_compile_hook
@@ -396,7 +432,9 @@ class CompileCounter:
             counter.counts[counter.phase] += 1
             counter.kernels.append((counter.phase, kwargs["fn"].name))
             if counter.phase == "request":  # a bucket the warm-up missed: say which kernel and specialization
-                logging.getLogger("ikbo").warning("Triton compilation on the request path: %s %s", kwargs["fn"].name, kwargs.get("repr", ""))
+                logging.getLogger("ikbo").warning(
+                    "Triton compilation on the request path: %s %s", kwargs["fn"].name, kwargs.get("repr", "")
+                )
             return previous(**kwargs) if previous is not None else None
 
         knobs.runtime.jit_post_compile_hook = hook

@@ -42,14 +42,17 @@ def _python_env() -> dict[str, str]:
     The stub embeds an *isolated* interpreter (PYTHONPATH is ignored) that finds its prefix through
     `python3` on PATH: the running interpreter's bin/ goes first, so a venv's pyvenv.cfg and
     site-packages are used, and its libpython first on LD_LIBRARY_PATH, so the stub's libpython
-    matches that stdlib. model.py files put the repository root on sys.path themselves;
-    PYTHONPATH carries it too, for non-isolated stubs and child processes.
+    matches that stdlib. The project is installed (editable) in that site-packages, so model.py files
+    import `kernels` and `ikbo_backend` by name; PYTHONPATH carries site-packages too, for
+    non-isolated stubs and child processes.
     """
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
     if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")]))
-    paths = [str(REPO_ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], env.get("PYTHONPATH")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")])
+        )
+    paths = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], env.get("PYTHONPATH")]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, paths)))
     return env
 
@@ -87,7 +90,9 @@ def find_tritonserver() -> tuple[Path, Path, dict[str, str]]:
         try:
             import pytriton
         except ImportError as e:
-            raise TritonServerError("no $TRITONSERVER, no tritonserver on PATH and nvidia-pytriton is not installed") from e
+            raise TritonServerError(
+                "no $TRITONSERVER, no tritonserver on PATH and nvidia-pytriton is not installed"
+            ) from e
         binary = Path(pytriton.__file__).parent / "tritonserver" / "bin" / "tritonserver"
     if (binary.parent.parent / "python_backend_stubs").is_dir():
         backend_dir = _prepare_pytriton_layout(binary, env)
@@ -298,7 +303,9 @@ def busy_idle_cpus(cpus=None):
     they end with the context, and (Linux parent-death signal) when the thread that started them ends."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
     parent = str(os.getpid())
-    loops = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(cpu), parent], stdin=subprocess.DEVNULL) for cpu in cpus]
+    loops = [
+        subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(cpu), parent], stdin=subprocess.DEVNULL) for cpu in cpus
+    ]
     try:
         yield loops
     finally:

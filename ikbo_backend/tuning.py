@@ -27,9 +27,9 @@ import math
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import triton
@@ -108,7 +108,7 @@ def fastest(candidates, timer=median_ms, rounds: int = ROUNDS) -> dict:
     for candidate in candidates:
         try:
             passed = candidate.check()
-        except Exception as e:  # noqa: BLE001 — OutOfResources, CompilationError, an unsupported shape: not a choice
+        except Exception as e:
             ms[candidate.label] = f"dropped: {type(e).__name__}"
             continue
         if passed:
@@ -137,7 +137,9 @@ class TuningCache:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-            warnings.warn(f"tuning cache {self.path} ignored ({type(e).__name__}: {e}); it will be rewritten", stacklevel=2)
+            warnings.warn(
+                f"tuning cache {self.path} ignored ({type(e).__name__}: {e}); it will be rewritten", stacklevel=2
+            )
             return {}
         return data["entries"]
 
@@ -179,7 +181,9 @@ def cached_entries(cache: TuningCache, jobs: dict[str, Callable[[], dict]]) -> d
                 entries[key] = jobs[key]()
             cache.write(entries)
     except OSError as e:
-        warnings.warn(f"tuning cache {cache.path} not written ({e}); tuned choices kept in this process only", stacklevel=2)
+        warnings.warn(
+            f"tuning cache {cache.path} not written ({e}); tuned choices kept in this process only", stacklevel=2
+        )
         for key in jobs:
             if key not in entries:
                 entries[key] = jobs[key]()

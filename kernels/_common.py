@@ -111,7 +111,7 @@ def check_kv_len(kv_len, num_users: int, max_len: int, device: torch.device):
 
 
 def resolve_backend(backend: str, device: torch.device, triton_available: bool) -> str:
-    """"auto" → Triton on CUDA tensors when the op has a Triton path, else torch."""
+    """ "auto" → Triton on CUDA tensors when the op has a Triton path, else torch."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -191,7 +191,9 @@ def compile_gluon_without_gpu(kernel, runtime_args: dict, constexprs: dict, opti
         signature[name] = kind
         if isinstance(key, str):
             attrs[(index,)] = BaseBackend.parse_attr(key)
-    source = (GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource)(kernel, signature, constants, attrs)
+    source = (GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource)(
+        kernel, signature, constants, attrs
+    )
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
@@ -212,8 +214,10 @@ def disassemble(compiled) -> tuple[str, str] | None:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp, "kernel.cubin")
         cubin.write_bytes(compiled.asm["cubin"])
-        return tuple(subprocess.run([tool, flag, str(cubin)], capture_output=True, text=True, check=True).stdout
-                     for flag in ("-sass", "-res-usage"))
+        return tuple(
+            subprocess.run([tool, flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+            for flag in ("-sass", "-res-usage")
+        )
 
 
 def install_standin_driver(multiprocessors: int = 132, capability: int = 90) -> None:

@@ -92,7 +92,9 @@ def pick_config(rows_per_user: float, interpret: bool) -> TileConfig:
     return TileConfig(128, 64, 8, 2, maxnreg=128)
 
 
-def set_tuned_configs(device, dtype: torch.dtype, dims: tuple[int, int, int, int], lookup, self_attention: bool = True) -> None:
+def set_tuned_configs(
+    device, dtype: torch.dtype, dims: tuple[int, int, int, int], lookup, self_attention: bool = True
+) -> None:
     """Tuned configs for inputs on `device` (with its index, e.g. cuda:0) in `dtype` with dims
     (H, L, S, d), for `ikbo_self_target_attention` (`self_attention`) or `ikbo_attention`: the Triton
     path launches `lookup(U, B)`; where it returns None, or nothing is set, `pick_config`.
@@ -249,10 +251,46 @@ def _softmax_pass(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row, kv_col, 0, full_end, kv_len, row_limit, qk_scale,
-                            BLOCK_M, BLOCK_N, False, NUM_STAGES, WARP_SPECIALIZE)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row, kv_col, full_end, hi, kv_len, row_limit, qk_scale,
-                            BLOCK_M, BLOCK_N, True, NUM_STAGES, False)
+    acc, m_i, l_i = _attend(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_desc,
+        v_desc,
+        kv_row,
+        kv_col,
+        0,
+        full_end,
+        kv_len,
+        row_limit,
+        qk_scale,
+        BLOCK_M,
+        BLOCK_N,
+        False,
+        NUM_STAGES,
+        WARP_SPECIALIZE,
+    )
+    acc, m_i, l_i = _attend(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_desc,
+        v_desc,
+        kv_row,
+        kv_col,
+        full_end,
+        hi,
+        kv_len,
+        row_limit,
+        qk_scale,
+        BLOCK_M,
+        BLOCK_N,
+        True,
+        NUM_STAGES,
+        False,
+    )
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 
@@ -266,10 +304,33 @@ def _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN: tl.constexpr):
 
 @triton.jit
 def _self_tile(
-    tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
-    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    tile,
+    head,
+    uq_ptr,
+    stride_uqu,
+    stride_uqh,
+    stride_uql,
+    uo_ptr,
+    stride_uou,
+    stride_uoh,
+    stride_uol,
+    k_desc,
+    v_desc,
+    stride_ku,
+    stride_kh,
+    stride_kl,
+    kv_len_ptr,
+    num_users,
+    seq_len,
+    num_self_tiles,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """One query tile of a user's own sequence; causal tiles are numbered longest first."""
     q_tiles = num_self_tiles // num_users
@@ -289,19 +350,59 @@ def _self_tile(
         hi = kv_len
         full_end = (kv_len // BLOCK_N) * BLOCK_N
     kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
-    out = _softmax_pass(q, k_desc, v_desc, kv_offset, stride_kl, full_end, hi, kv_len, row_limit, qk_scale,
-                        BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE)
+    out = _softmax_pass(
+        q,
+        k_desc,
+        v_desc,
+        kv_offset,
+        stride_kl,
+        full_end,
+        hi,
+        kv_len,
+        row_limit,
+        qk_scale,
+        BLOCK_M,
+        HEAD_DIM,
+        BLOCK_N,
+        NUM_STAGES,
+        WARP_SPECIALIZE,
+    )
     out = tl.where((rows < kv_len)[:, None], out, 0.0)  # rows past the history are zeros
     o_rows = user.to(tl.int64) * stride_uou + head * stride_uoh + rows * stride_uol
-    tl.store(uo_ptr + o_rows[:, None] + offs_d[None, :], out.to(uo_ptr.dtype.element_ty), mask=(rows < seq_len)[:, None])
+    tl.store(
+        uo_ptr + o_rows[:, None] + offs_d[None, :], out.to(uo_ptr.dtype.element_ty), mask=(rows < seq_len)[:, None]
+    )
 
 
 @triton.jit
 def _target_tile(
-    tile, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os,
-    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    tile,
+    head,
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    k_desc,
+    v_desc,
+    stride_ku,
+    stride_kh,
+    stride_kl,
+    kv_len_ptr,
+    order_ptr,
+    tile_ptr,
+    seq_len,
+    num_queries,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """BLOCK_M packed query rows of one user's candidates (virtual rows: candidate-major, S tokens)."""
     entry = tile_ptr + tile * 4
@@ -319,8 +420,23 @@ def _target_tile(
     q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]))
     row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
     kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
-    out = _softmax_pass(q, k_desc, v_desc, kv_offset, stride_kl, (kv_len // BLOCK_N) * BLOCK_N, kv_len, kv_len,
-                        row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE)
+    out = _softmax_pass(
+        q,
+        k_desc,
+        v_desc,
+        kv_offset,
+        stride_kl,
+        (kv_len // BLOCK_N) * BLOCK_N,
+        kv_len,
+        kv_len,
+        row_limit,
+        qk_scale,
+        BLOCK_M,
+        HEAD_DIM,
+        BLOCK_N,
+        NUM_STAGES,
+        WARP_SPECIALIZE,
+    )
     o_rows = cand * stride_ob + head * stride_oh + token * stride_os
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -373,13 +489,65 @@ def _attention_kernel(
     tile = tl.program_id(0)
     head = tl.program_id(1)
     if HAS_SELF and tile < num_self_tiles:
-        _self_tile(tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol,
-                   k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles,
-                   qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
+        _self_tile(
+            tile,
+            head,
+            uq_ptr,
+            stride_uqu,
+            stride_uqh,
+            stride_uql,
+            uo_ptr,
+            stride_uou,
+            stride_uoh,
+            stride_uol,
+            k_desc,
+            v_desc,
+            stride_ku,
+            stride_kh,
+            stride_kl,
+            kv_len_ptr,
+            num_users,
+            seq_len,
+            num_self_tiles,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_KV_LEN,
+            NUM_STAGES,
+            WARP_SPECIALIZE,
+        )
     else:
-        _target_tile(tile - num_self_tiles, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh,
-                     stride_os, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr,
-                     seq_len, num_queries, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE)
+        _target_tile(
+            tile - num_self_tiles,
+            head,
+            q_ptr,
+            stride_qb,
+            stride_qh,
+            stride_qs,
+            out_ptr,
+            stride_ob,
+            stride_oh,
+            stride_os,
+            k_desc,
+            v_desc,
+            stride_ku,
+            stride_kh,
+            stride_kl,
+            kv_len_ptr,
+            order_ptr,
+            tile_ptr,
+            seq_len,
+            num_queries,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_N,
+            HAS_KV_LEN,
+            NUM_STAGES,
+            WARP_SPECIALIZE,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +596,9 @@ def _target_attention_torch(q, k, v, cand_to_user, kv_len, scale):
             continue
         # all S query tokens of all this user's candidates in one query block: [1, H, count·S, d]
         block = q[rows].permute(1, 0, 2, 3).reshape(1, heads, count * num_queries, head_dim)
-        attended = F.scaled_dot_product_attention(block, k[user : user + 1], v[user : user + 1], attn_mask=key_mask[user : user + 1], scale=scale)
+        attended = F.scaled_dot_product_attention(
+            block, k[user : user + 1], v[user : user + 1], attn_mask=key_mask[user : user + 1], scale=scale
+        )
         out[rows] = attended.reshape(heads, count, num_queries, head_dim).permute(1, 0, 2, 3)
     return out
 
@@ -449,7 +619,7 @@ def interpreting() -> bool:
 
 
 def _choose_backend(backend, k) -> str:
-    """"auto" → Triton for CUDA bf16/fp16 with d ∈ TRITON_HEAD_DIMS, else torch; "triton" insists."""
+    """ "auto" → Triton for CUDA bf16/fp16 with d ∈ TRITON_HEAD_DIMS, else torch; "triton" insists."""
     runnable = k.device.type == "cuda" or interpreting()
     chosen = resolve_backend(backend, k.device if runnable else torch.device("cpu"), triton_available=True)
     if backend == "auto" and chosen == "triton" and (k.dtype not in TRITON_TYPES or k.shape[3] not in TRITON_HEAD_DIMS):
@@ -458,7 +628,9 @@ def _choose_backend(backend, k) -> str:
         if not runnable:
             raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got k on {k.device}")
         if k.dtype not in TRITON_TYPES:
-            raise ValueError(f"k: backend 'triton' expects dtype float16 or bfloat16, got {str(k.dtype).replace('torch.', '')}")
+            raise ValueError(
+                f"k: backend 'triton' expects dtype float16 or bfloat16, got {str(k.dtype).replace('torch.', '')}"
+            )
         if k.shape[3] not in TRITON_HEAD_DIMS:
             raise ValueError(f"k: backend 'triton' expects d in {TRITON_HEAD_DIMS}, got {k.shape[3]}")
     return chosen
@@ -525,8 +697,21 @@ def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int, kv_
     return order, tiles, max_tiles, flag
 
 
-def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None, out=None, user_out=None, plan=None,
-            on_plan=None):
+def _launch(
+    q,
+    k,
+    v,
+    cand_to_user,
+    kv_len,
+    scale,
+    user_q=None,
+    causal=True,
+    config=None,
+    out=None,
+    user_out=None,
+    plan=None,
+    on_plan=None,
+):
     """Triton path. q [B, H, S, d] (B may be 0), k/v [U, H, L, d] (U ≥ 1), kv_len [U] int32/int64 or
     None; with user_q [U, H, L, d] the self-attention tiles run in the same grid. `out` / `user_out`
     may be given (the tests poison them), and `plan` (from `plan_tiles` with the same BLOCK_M) when
@@ -542,7 +727,12 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
         lookup = _TUNED.get((q.device, q.dtype, heads, seq_len, num_queries, head_dim, user_q is not None))
         config = lookup(num_users, num_candidates) if lookup is not None else None
     if (config is None or config == WS_CHOICE) and plan is None and not interpreting():
-        from .attention_ws import launch_ws, prefer_ws, self_target_ws_ok, ws_supported  # here: attention_ws imports this module
+        from .attention_ws import (  # here: attention_ws imports this module
+            launch_ws,
+            prefer_ws,
+            self_target_ws_ok,
+            ws_supported,
+        )
 
         # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it was measured faster (`prefer_ws`), or wherever
         # tuned; self tiles where rows align
@@ -551,8 +741,19 @@ def _launch(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
         else:
             takes_ws = ws_supported(q, k)
         if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
-            out, flag = launch_ws(q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan, user_q=user_q,
-                                  user_out=user_out, causal=causal)
+            out, flag = launch_ws(
+                q,
+                k,
+                v,
+                cand_to_user,
+                kv_len,
+                scale,
+                out=out,
+                on_plan=on_plan,
+                user_q=user_q,
+                user_out=user_out,
+                causal=causal,
+            )
             return out, user_out, flag
     if config == WS_CHOICE:
         config = None
@@ -645,7 +846,9 @@ def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str 
     return _target_attention_torch(q, k, v, cand_to_user, kv_len, scale)
 
 
-def ikbo_self_target_attention(user_q, cand_q, k, v, cand_to_user, kv_len=None, causal=True, scale=None, backend: str = "auto"):
+def ikbo_self_target_attention(
+    user_q, cand_q, k, v, cand_to_user, kv_len=None, causal=True, scale=None, backend: str = "auto"
+):
     """(user_out [U, H, L, d], cand_out [B, H, S, d]): self-attention of each user's sequence and
     target attention of its candidates, both over the same k/v [U, H, L, d] (see module doc)."""
     _check_kv(k, v)

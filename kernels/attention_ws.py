@@ -103,7 +103,9 @@ class WSAttentionConfig:
     # items handed out by an atomic counter (else program p takes p, p + programs, …); None: where items differ
     # in length (self tiles or kv_len), the only shapes where it measured faster (docs/notes/attention.md)
     dynamic: bool | None = None
-    consumer_regs: int = 224  # registers per thread of the worker consumer warpgroup (setmaxnreg; the default one gets the rest)
+    consumer_regs: int = (
+        224  # registers per thread of the worker consumer warpgroup (setmaxnreg; the default one gets the rest)
+    )
     producer_regs: int = 56  # registers per thread of the producer warp
     maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
     programs_per_sm: int = 1
@@ -200,8 +202,17 @@ def _entry_keys(entry_user, kv_len_ptr, seq_len, HAS_KV_LEN: gl.constexpr):
 
 
 @gluon.jit
-def _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles,
-               HAS_KV_LEN: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
+def _item_keys(
+    tile_ptr,
+    kv_len_ptr,
+    tile,
+    seq_len,
+    num_users,
+    num_self_tiles,
+    HAS_KV_LEN: gl.constexpr,
+    HAS_SELF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """A work item's tile → (user, valid keys kv_len, keys to visit, first self row or -1).
     Target tiles (after the self tiles): `_user_keys`, all valid keys, -1. Self tiles (HAS_SELF, tile <
     num_self_tiles): user tile % U, rows [r0, r0 + TILE_M) of its own sequence (the longest first when
@@ -236,12 +247,26 @@ _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))  # a tile's 1
 # arithmetic for LLVM to hoist into the kernel's entry, where it would be spilled across the register reallocation)
 _INFO_PRODUCER = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))
 _INFO_CONSUMER = gl.constexpr(gl.BlockedLayout([4], [32], [4], [0]))
-NO_ROW = gl.constexpr(-(2**62))  # output-row offset of a row that is not stored, with HAS_SELF (offsets may be negative)
+NO_ROW = gl.constexpr(
+    -(2**62)
+)  # output-row offset of a row that is not stored, with HAS_SELF (offsets may be negative)
 
 
 @gluon.jit
-def _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, tile, head,
-                 num_queries, no_row):
+def _target_rows(
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    tile_ptr,
+    order_ptr,
+    tile,
+    head,
+    num_queries,
+    no_row,
+):
     """A target tile's 128 q-row and output-row offsets (int64, from q_ptr / out_ptr); `no_row` past its end."""
     entry = tile_ptr + tile * 4
     first_slot = gl.load(entry + 1)
@@ -256,8 +281,9 @@ def _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_o
 
 
 @gluon.jit
-def _self_rows(uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol, user, head, r0,
-               seq_len):
+def _self_rows(
+    uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol, user, head, r0, seq_len
+):
     """A self tile's 128 q-row and output-row offsets, from q_ptr / out_ptr (user_q and user_out lie
     uq_delta / uo_delta elements from them); rows past L read row L - 1 and are not stored (NO_ROW)."""
     rows = r0 + gl.arange(0, 128, layout=_ROWS_LAYOUT)
@@ -293,14 +319,30 @@ def _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info
         for c in gl.static_range(8):
             offs = row_bufs.slice(256 * QS + 64 * w + 8 * c, 8).load(gl.SliceLayout(1, chunk))
             offs = gl.multiple_of(offs, 8)  # q's strides are multiples of 8 elements (launch_ws)
-            async_copy.async_copy_global_to_shared(q_bufs.index(2 * w + QS).slice(8 * c, 8),
-                                                   q_ptr + (offs[:, None] + cols[None, :]))
+            async_copy.async_copy_global_to_shared(
+                q_bufs.index(2 * w + QS).slice(8 * c, 8), q_ptr + (offs[:, None] + cols[None, :])
+            )
     async_copy.commit_group()
 
 
 @gluon.jit
-def _load_q_tma(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase,
-                QS: gl.constexpr, HAS_SELF: gl.constexpr):
+def _load_q_tma(
+    q_desc,
+    uq_desc,
+    q_rows,
+    o_rows,
+    kv_len,
+    hi,
+    r0,
+    q_bufs,
+    row_bufs,
+    item_info,
+    q_ready,
+    q_empty,
+    phase,
+    QS: gl.constexpr,
+    HAS_SELF: gl.constexpr,
+):
     """ROWS_TMA producer: as `_gather_q`, but each warpgroup's 64 q rows (one contiguous run) come by one TMA
     load of a [64, d] block of q_desc (of uq_desc for a self tile), which completes q_ready itself (no wait here,
     no `_publish_q`)."""
@@ -316,7 +358,9 @@ def _load_q_tma(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_buf
         mbarrier.expect(q_ready.index(2 * w + QS), q_desc.block_type.nbytes)
         if HAS_SELF:  # a self tile's rows (r0 ≥ 0) are rows of user_q
             if r0 >= 0:
-                tma.async_copy_global_to_shared(uq_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS))
+                tma.async_copy_global_to_shared(
+                    uq_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS)
+                )
             else:
                 tma.async_copy_global_to_shared(q_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS))
         else:
@@ -346,8 +390,9 @@ def _stop_consumers(item_info, q_ready, q_empty, i):
 
 
 @gluon.jit
-def _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, it, row, col,
-                   STAGES: gl.constexpr):
+def _load_kv_block(
+    k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, it, row, col, STAGES: gl.constexpr
+):
     """Producer: K and V block rows [row, row + BLOCK_N) (columns from col) into ring position `it` by TMA, each once
     both consumers have released its slot."""
     slot = it % STAGES
@@ -361,17 +406,60 @@ def _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_
 
 
 @gluon.jit
-def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr,
-                  kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh, stride_qs,
-                  stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                  uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                  num_users, num_self_tiles,
-                  HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr):
+def _produce_item(
+    tile,
+    head,
+    it,
+    i,
+    k_desc,
+    v_desc,
+    k_bufs,
+    v_bufs,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    tile_ptr,
+    kv_len_ptr,
+    stride_ku,
+    stride_kh,
+    stride_kl,
+    seq_len,
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    order_ptr,
+    num_queries,
+    q_bufs,
+    row_bufs,
+    item_info,
+    q_ready,
+    q_empty,
+    uq_delta,
+    stride_uqu,
+    stride_uqh,
+    stride_uql,
+    uo_delta,
+    stride_uou,
+    stride_uoh,
+    stride_uol,
+    num_users,
+    num_self_tiles,
+    HAS_KV_LEN: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_SELF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """The producer's part of the i-th item of this program (ring position `it`): its q rows and info into
     q slot i % 2, then its K and V blocks into the ring. Returns the ring position after the item."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    user, kv_len, hi, r0 = _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles,
-                                      HAS_KV_LEN, HAS_SELF, CAUSAL)
+    user, kv_len, hi, r0 = _item_keys(
+        tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles, HAS_KV_LEN, HAS_SELF, CAUSAL
+    )
     kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
     kv_row = (kv_offset // stride_kl).to(gl.int32)
     kv_col = (kv_offset % stride_kl).to(gl.int32)
@@ -379,21 +467,58 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
     qs = i % 2
     if HAS_SELF:
         if r0 >= 0:
-            q_rows, o_rows = _self_rows(uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou,
-                                        stride_uoh, stride_uol, user, head, r0, seq_len)
+            q_rows, o_rows = _self_rows(
+                uq_delta,
+                stride_uqu,
+                stride_uqh,
+                stride_uql,
+                uo_delta,
+                stride_uou,
+                stride_uoh,
+                stride_uol,
+                user,
+                head,
+                r0,
+                seq_len,
+            )
         else:
-            q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
-                                          tile_ptr, order_ptr, tile - num_self_tiles, head, num_queries, NO_ROW)
+            q_rows, o_rows = _target_rows(
+                stride_qb,
+                stride_qh,
+                stride_qs,
+                stride_ob,
+                stride_oh,
+                stride_os,
+                tile_ptr,
+                order_ptr,
+                tile - num_self_tiles,
+                head,
+                num_queries,
+                NO_ROW,
+            )
     else:
-        q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
-                                      tile_ptr, order_ptr, tile, head, num_queries, -8)
+        q_rows, o_rows = _target_rows(
+            stride_qb,
+            stride_qh,
+            stride_qs,
+            stride_ob,
+            stride_oh,
+            stride_os,
+            tile_ptr,
+            order_ptr,
+            tile,
+            head,
+            num_queries,
+            -8,
+        )
     if qs == 0:  # slot qs, unrolled: shared-memory slices take constant offsets
         _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, ((i // 2) & 1) ^ 1, 0)
     else:
         _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_empty, ((i // 2) & 1) ^ 1, 1)
     for j in range(0, num_blocks):
-        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, it, kv_row + j * BLOCK_N,
-                       kv_col, STAGES)
+        _load_kv_block(
+            k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, it, kv_row + j * BLOCK_N, kv_col, STAGES
+        )
         if j == 0:
             _publish_q(q_ready, qs)
         it += 1
@@ -403,14 +528,54 @@ def _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
-              num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-              q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
-              q_bufs, row_bufs, item_info, q_ready, q_empty,
-              uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-              num_users, num_self_tiles, sched_ptr,
-              HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
-              DYNAMIC: gl.constexpr):
+def _producer(
+    k_desc,
+    v_desc,
+    k_bufs,
+    v_bufs,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    tile_ptr,
+    kv_len_ptr,
+    num_items,
+    num_tiles,
+    stride_ku,
+    stride_kh,
+    stride_kl,
+    seq_len,
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    order_ptr,
+    num_queries,
+    q_bufs,
+    row_bufs,
+    item_info,
+    q_ready,
+    q_empty,
+    uq_delta,
+    stride_uqu,
+    stride_uqh,
+    stride_uql,
+    uo_delta,
+    stride_uou,
+    stride_uoh,
+    stride_uol,
+    num_users,
+    num_self_tiles,
+    sched_ptr,
+    HAS_KV_LEN: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_SELF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    DYNAMIC: gl.constexpr,
+):
     """1 warp: every work item of this program (`_produce_item`; slots start free), then 'no more items'.
     Items: with DYNAMIC by ticket (`_ticket_coords`) while tickets last, each ticket asked for an item ahead,
     else p, p + programs, …"""
@@ -427,12 +592,54 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
             tile, head = _ticket_coords(ticket, num_tiles, num_self_tiles, heads)
         else:
             tile, head = _item_coords(ticket, num_tiles)
-        it = _produce_item(tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                           tile_ptr, kv_len_ptr, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh,
-                           stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs,
-                           item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta,
-                           stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN, STAGES,
-                           HAS_SELF, CAUSAL)
+        it = _produce_item(
+            tile,
+            head,
+            it,
+            i,
+            k_desc,
+            v_desc,
+            k_bufs,
+            v_bufs,
+            k_ready,
+            v_ready,
+            k_empty,
+            v_empty,
+            tile_ptr,
+            kv_len_ptr,
+            stride_ku,
+            stride_kh,
+            stride_kl,
+            seq_len,
+            q_ptr,
+            stride_qb,
+            stride_qh,
+            stride_qs,
+            stride_ob,
+            stride_oh,
+            stride_os,
+            order_ptr,
+            num_queries,
+            q_bufs,
+            row_bufs,
+            item_info,
+            q_ready,
+            q_empty,
+            uq_delta,
+            stride_uqu,
+            stride_uqh,
+            stride_uql,
+            uo_delta,
+            stride_uou,
+            stride_uoh,
+            stride_uol,
+            num_users,
+            num_self_tiles,
+            HAS_KV_LEN,
+            STAGES,
+            HAS_SELF,
+            CAUSAL,
+        )
         if DYNAMIC:
             ticket = _ticket_value(answer)
             answer = _request_ticket(sched_ptr)
@@ -446,52 +653,188 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
 
 
 @gluon.jit
-def _load_item_q(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, n,
-                 HAS_SELF: gl.constexpr):
+def _load_item_q(
+    q_desc,
+    uq_desc,
+    q_rows,
+    o_rows,
+    kv_len,
+    hi,
+    r0,
+    q_bufs,
+    row_bufs,
+    item_info,
+    q_ready,
+    q_empty,
+    n,
+    HAS_SELF: gl.constexpr,
+):
     """`_producer_rows_tma`: the n-th item's q rows (TMA), output-row offsets and info into q slot n % 2."""
     phase = ((n // 2) & 1) ^ 1
     if n % 2 == 0:
-        _load_q_tma(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                    phase, 0, HAS_SELF)
+        _load_q_tma(
+            q_desc,
+            uq_desc,
+            q_rows,
+            o_rows,
+            kv_len,
+            hi,
+            r0,
+            q_bufs,
+            row_bufs,
+            item_info,
+            q_ready,
+            q_empty,
+            phase,
+            0,
+            HAS_SELF,
+        )
     else:
-        _load_q_tma(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                    phase, 1, HAS_SELF)
+        _load_q_tma(
+            q_desc,
+            uq_desc,
+            q_rows,
+            o_rows,
+            kv_len,
+            hi,
+            r0,
+            q_bufs,
+            row_bufs,
+            item_info,
+            q_ready,
+            q_empty,
+            phase,
+            1,
+            HAS_SELF,
+        )
 
 
 @gluon.jit
-def _rows_tma_item(ticket, num_items, num_tiles, tile_ptr, kv_len_ptr, seq_len, stride_qb, stride_qh, stride_qs,
-                   stride_ob, stride_oh, stride_os, order_ptr, num_queries, stride_uqu, stride_uqh, stride_uql,
-                   stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN: gl.constexpr,
-                   HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr):
+def _rows_tma_item(
+    ticket,
+    num_items,
+    num_tiles,
+    tile_ptr,
+    kv_len_ptr,
+    seq_len,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    order_ptr,
+    num_queries,
+    stride_uqu,
+    stride_uqh,
+    stride_uql,
+    stride_uou,
+    stride_uoh,
+    stride_uol,
+    num_users,
+    num_self_tiles,
+    HAS_KV_LEN: gl.constexpr,
+    HAS_SELF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    DYNAMIC: gl.constexpr,
+):
     """`_producer_rows_tma`: the item of `ticket` (clamped to a valid one) → (head, user, kv_len, keys to visit, first
     self row or -1, q-row and output-row offsets): a self tile's from user_q / user_out's own bases."""
     if HAS_SELF and DYNAMIC:
-        tile, head = _ticket_coords(gl.minimum(ticket, num_items - 1), num_tiles, num_self_tiles, num_items // num_tiles)
+        tile, head = _ticket_coords(
+            gl.minimum(ticket, num_items - 1), num_tiles, num_self_tiles, num_items // num_tiles
+        )
     else:
         tile, head = _item_coords(gl.minimum(ticket, num_items - 1), num_tiles)
-    user, kv_len, hi, r0 = _item_keys(tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles, HAS_KV_LEN,
-                                      HAS_SELF, CAUSAL)
+    user, kv_len, hi, r0 = _item_keys(
+        tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles, HAS_KV_LEN, HAS_SELF, CAUSAL
+    )
     if HAS_SELF:
         if r0 >= 0:
-            q_rows, o_rows = _self_rows(0, stride_uqu, stride_uqh, stride_uql, 0, stride_uou, stride_uoh, stride_uol,
-                                        user, head, r0, seq_len)
+            q_rows, o_rows = _self_rows(
+                0, stride_uqu, stride_uqh, stride_uql, 0, stride_uou, stride_uoh, stride_uol, user, head, r0, seq_len
+            )
         else:
-            q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
-                                          order_ptr, tile - num_self_tiles, head, num_queries, NO_ROW)
+            q_rows, o_rows = _target_rows(
+                stride_qb,
+                stride_qh,
+                stride_qs,
+                stride_ob,
+                stride_oh,
+                stride_os,
+                tile_ptr,
+                order_ptr,
+                tile - num_self_tiles,
+                head,
+                num_queries,
+                NO_ROW,
+            )
     else:
-        q_rows, o_rows = _target_rows(stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr,
-                                      order_ptr, tile, head, num_queries, -8)
+        q_rows, o_rows = _target_rows(
+            stride_qb,
+            stride_qh,
+            stride_qs,
+            stride_ob,
+            stride_oh,
+            stride_os,
+            tile_ptr,
+            order_ptr,
+            tile,
+            head,
+            num_queries,
+            -8,
+        )
     return head, user, kv_len, hi, r0, q_rows, o_rows
 
 
 @gluon.jit
-def _producer_rows_tma(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
-                       num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-                       stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
-                       q_bufs, row_bufs, item_info, q_ready, q_empty, sched_ptr, q_desc, uq_desc,
-                       stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles,
-                       HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr, HAS_SELF: gl.constexpr,
-                       CAUSAL: gl.constexpr):
+def _producer_rows_tma(
+    k_desc,
+    v_desc,
+    k_bufs,
+    v_bufs,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    tile_ptr,
+    kv_len_ptr,
+    num_items,
+    num_tiles,
+    stride_ku,
+    stride_kh,
+    stride_kl,
+    seq_len,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    order_ptr,
+    num_queries,
+    q_bufs,
+    row_bufs,
+    item_info,
+    q_ready,
+    q_empty,
+    sched_ptr,
+    q_desc,
+    uq_desc,
+    stride_uqu,
+    stride_uqh,
+    stride_uql,
+    stride_uou,
+    stride_uoh,
+    stride_uol,
+    num_users,
+    num_self_tiles,
+    HAS_KV_LEN: gl.constexpr,
+    STAGES: gl.constexpr,
+    DYNAMIC: gl.constexpr,
+    HAS_SELF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """ROWS_TMA, 1 warp: as `_producer`, with q rows by TMA (a self tile's from user_q) and a work item ahead: item i+1's
     tile entry and row offsets are read as item i starts, and its q rows are loaded right after item i's K/V block 2
     (after its last block when it has fewer), where the slot is free again (`_release_previous_slot`); 2 % faster at
@@ -505,12 +848,37 @@ def _producer_rows_tma(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty
     else:
         ticket = gl.program_id(0)
     head, user, kv_len, hi, r0, q_rows, o_rows = _rows_tma_item(
-        ticket, num_items, num_tiles, tile_ptr, kv_len_ptr, seq_len, stride_qb, stride_qh, stride_qs, stride_ob,
-        stride_oh, stride_os, order_ptr, num_queries, stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh,
-        stride_uol, num_users, num_self_tiles, HAS_KV_LEN, HAS_SELF, CAUSAL, DYNAMIC)
+        ticket,
+        num_items,
+        num_tiles,
+        tile_ptr,
+        kv_len_ptr,
+        seq_len,
+        stride_qb,
+        stride_qh,
+        stride_qs,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        order_ptr,
+        num_queries,
+        stride_uqu,
+        stride_uqh,
+        stride_uql,
+        stride_uou,
+        stride_uoh,
+        stride_uol,
+        num_users,
+        num_self_tiles,
+        HAS_KV_LEN,
+        HAS_SELF,
+        CAUSAL,
+        DYNAMIC,
+    )
     if ticket < num_items:
-        _load_item_q(q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, 0,
-                     HAS_SELF)
+        _load_item_q(
+            q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, 0, HAS_SELF
+        )
     while ticket < num_items:
         if DYNAMIC:
             next_ticket = _ticket_value(answer)
@@ -518,25 +886,89 @@ def _producer_rows_tma(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty
         else:
             next_ticket = ticket + gl.num_programs(0)
         next_head, next_user, next_kv_len, next_hi, next_r0, q_rows, o_rows = _rows_tma_item(
-            next_ticket, num_items, num_tiles, tile_ptr, kv_len_ptr, seq_len, stride_qb, stride_qh, stride_qs, stride_ob,
-            stride_oh, stride_os, order_ptr, num_queries, stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh,
-            stride_uol, num_users, num_self_tiles, HAS_KV_LEN, HAS_SELF, CAUSAL, DYNAMIC)
+            next_ticket,
+            num_items,
+            num_tiles,
+            tile_ptr,
+            kv_len_ptr,
+            seq_len,
+            stride_qb,
+            stride_qh,
+            stride_qs,
+            stride_ob,
+            stride_oh,
+            stride_os,
+            order_ptr,
+            num_queries,
+            stride_uqu,
+            stride_uqh,
+            stride_uql,
+            stride_uou,
+            stride_uoh,
+            stride_uol,
+            num_users,
+            num_self_tiles,
+            HAS_KV_LEN,
+            HAS_SELF,
+            CAUSAL,
+            DYNAMIC,
+        )
         kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
         kv_row = (kv_offset // stride_kl).to(gl.int32)
         kv_col = (kv_offset % stride_kl).to(gl.int32)
         num_blocks = gl.cdiv(hi, BLOCK_N)
         for j in range(0, num_blocks):
-            _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, it, kv_row + j * BLOCK_N,
-                           kv_col, STAGES)
+            _load_kv_block(
+                k_desc,
+                v_desc,
+                k_bufs,
+                v_bufs,
+                k_ready,
+                v_ready,
+                k_empty,
+                v_empty,
+                it,
+                kv_row + j * BLOCK_N,
+                kv_col,
+                STAGES,
+            )
             if j == 2:
                 if next_ticket < num_items:
-                    _load_item_q(q_desc, uq_desc, q_rows, o_rows, next_kv_len, next_hi, next_r0, q_bufs, row_bufs,
-                                 item_info, q_ready, q_empty, i + 1, HAS_SELF)
+                    _load_item_q(
+                        q_desc,
+                        uq_desc,
+                        q_rows,
+                        o_rows,
+                        next_kv_len,
+                        next_hi,
+                        next_r0,
+                        q_bufs,
+                        row_bufs,
+                        item_info,
+                        q_ready,
+                        q_empty,
+                        i + 1,
+                        HAS_SELF,
+                    )
             it += 1
         if num_blocks < 3:
             if next_ticket < num_items:
-                _load_item_q(q_desc, uq_desc, q_rows, o_rows, next_kv_len, next_hi, next_r0, q_bufs, row_bufs, item_info,
-                             q_ready, q_empty, i + 1, HAS_SELF)
+                _load_item_q(
+                    q_desc,
+                    uq_desc,
+                    q_rows,
+                    o_rows,
+                    next_kv_len,
+                    next_hi,
+                    next_r0,
+                    q_bufs,
+                    row_bufs,
+                    item_info,
+                    q_ready,
+                    q_empty,
+                    i + 1,
+                    HAS_SELF,
+                )
         ticket = next_ticket
         head = next_head
         user = next_user
@@ -560,8 +992,30 @@ def _pass_turn(turns, WG: gl.constexpr):
 
 
 @gluon.jit
-def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready,
-           v_ready, k_empty, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr):
+def _block(
+    j,
+    it,
+    turn,
+    kv_len,
+    dense_end,
+    row_limit,
+    qk_scale,
+    acc,
+    m_i,
+    l_i,
+    p_op,
+    q_smem,
+    k_bufs,
+    v_bufs,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    turns,
+    STAGES: gl.constexpr,
+    WG: gl.constexpr,
+    HAS_SELF: gl.constexpr,
+):
     """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
     softmax of block j, wait for P_{j-1}·V_{j-1}, rescale. Returns (acc, m_i, l_i, P_j). (ptxas puts
     that wait before the softmax, P_j taking P_{j-1}'s registers: the softmax runs under the other
@@ -575,8 +1029,13 @@ def _block(j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p
     prev = (it - 1) % STAGES
     _take_turn(turns, turn, WG)
     mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(
+        q_smem,
+        k_bufs.index(slot).permute((1, 0)),
+        gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+        use_acc=False,
+        is_async=True,
+    )
     mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
     acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
     _pass_turn(turns, WG)
@@ -621,9 +1080,29 @@ def _read_info(item_info, q_ready, i, WG: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              turns, qk_scale, o_desc, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
-              CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr, uo_desc=None):
+def _consumer(
+    out_ptr,
+    k_bufs,
+    v_bufs,
+    q_bufs,
+    row_bufs,
+    item_info,
+    q_ready,
+    q_empty,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    turns,
+    qk_scale,
+    o_desc,
+    STAGES: gl.constexpr,
+    WG: gl.constexpr,
+    HAS_SELF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    ROWS_TMA: gl.constexpr,
+    uo_desc=None,
+):
     """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
     offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
     epilogue (see module doc), until the producer says there are no more. With HAS_SELF, causal self rows
@@ -659,8 +1138,13 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             slot = it % STAGES
             _take_turn(turns, turn, WG)
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-            s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
-                                  use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(
+                q_smem,
+                k_bufs.index(slot).permute((1, 0)),
+                gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                use_acc=False,
+                is_async=True,
+            )
             _pass_turn(turns, WG)
             if ROWS_TMA:  # the previous item's output store reads its q slot under this q·k₀ᵀ
                 _release_previous_slot(q_empty, i, WG)
@@ -673,9 +1157,30 @@ def _consumer(out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_e
             l_i = gl.sum(p, 1)
             p_a = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, num_blocks):
-                acc, m_i, l_i, p_a = _block(j, it + j, turn + j, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_a,
-                                            q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, STAGES, WG,
-                                            HAS_SELF)
+                acc, m_i, l_i, p_a = _block(
+                    j,
+                    it + j,
+                    turn + j,
+                    kv_len,
+                    dense_end,
+                    row_limit,
+                    qk_scale,
+                    acc,
+                    m_i,
+                    l_i,
+                    p_a,
+                    q_smem,
+                    k_bufs,
+                    v_bufs,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    turns,
+                    STAGES,
+                    WG,
+                    HAS_SELF,
+                )
             # the last block's P·V
             it += num_blocks - 1
             turn += num_blocks
@@ -760,23 +1265,51 @@ def _store_rows_tma(out, o_desc, q_smem, row_bufs, qs, WG: gl.constexpr):
 # any U, B (and any addresses of user_q / user_out): one compiled kernel
 @gluon.jit(do_not_specialize=["num_items", "num_tiles", "num_users", "num_self_tiles", "uq_delta", "uo_delta"])
 def _attention_ws_kernel(
-    q_ptr, stride_qb, stride_qh, stride_qs,  # q [B, H, S, d]
-    out_ptr, stride_ob, stride_oh, stride_os,  # out [B, H, S, d]
-    k_desc, v_desc,  # 2-D [rows, stride_kl] views of k / v (attention.kv_2d_views), blocks [BLOCK_N, d]
-    stride_ku, stride_kh, stride_kl,
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qs,  # q [B, H, S, d]
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_os,  # out [B, H, S, d]
+    k_desc,
+    v_desc,  # 2-D [rows, stride_kl] views of k / v (attention.kv_2d_views), blocks [BLOCK_N, d]
+    stride_ku,
+    stride_kh,
+    stride_kl,
     kv_len_ptr,  # [U] int32/int64 (unused without HAS_KV_LEN)
-    order_ptr, tile_ptr,  # from attention._plan_kernel at BLOCK_M = 128
+    order_ptr,
+    tile_ptr,  # from attention._plan_kernel at BLOCK_M = 128
     sched_ptr,  # the plan's int32 words [flag, next ticket, programs done]: the last two zero, and left zero (DYNAMIC)
     num_items,  # tile slots × H
     num_tiles,  # tile slots (self tiles first)
-    seq_len, num_queries, qk_scale,  # L, S, scale · log2(e)
+    seq_len,
+    num_queries,
+    qk_scale,  # L, S, scale · log2(e)
     # HAS_SELF: user_q / user_out [U, H, L, d] lie uq_delta / uo_delta elements from q_ptr / out_ptr
-    uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-    num_users, num_self_tiles,  # U, U · cdiv(L, 128) (0 without HAS_SELF)
-    q_desc, o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
-    uq_desc, uo_desc,  # ROWS_TMA with HAS_SELF: 2-D [U·H·L, d] views of user_q and user_out (else any descriptors)
-    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
+    uq_delta,
+    stride_uqu,
+    stride_uqh,
+    stride_uql,
+    uo_delta,
+    stride_uou,
+    stride_uoh,
+    stride_uol,
+    num_users,
+    num_self_tiles,  # U, U · cdiv(L, 128) (0 without HAS_SELF)
+    q_desc,
+    o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
+    uq_desc,
+    uo_desc,  # ROWS_TMA with HAS_SELF: 2-D [U·H·L, d] views of user_q and user_out (else any descriptors)
+    HAS_KV_LEN: gl.constexpr,
+    STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    HAS_SELF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    DYNAMIC: gl.constexpr,
+    ROWS_TMA: gl.constexpr,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -813,39 +1346,228 @@ def _attention_ws_kernel(
     WG1: gl.constexpr = 1
     # (the partitions written out twice: Gluon takes no list of them built in the kernel)
     if ROWS_TMA:
-        gl.warp_specialize([
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA,
-                         uo_desc)),
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA,
-                         uo_desc)),
-            (_producer_rows_tma, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr,
-                                  kv_len_ptr, num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-                                  stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries,
-                                  q_bufs, row_bufs, item_info, q_ready, q_empty, sched_ptr, q_desc, uq_desc,
-                                  stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh, stride_uol, num_users,
-                                  num_self_tiles, HAS_KV_LEN, STAGES, DYNAMIC, HAS_SELF, CAUSAL)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        out_ptr,
+                        k_bufs,
+                        v_bufs,
+                        q_bufs,
+                        row_bufs,
+                        item_info,
+                        q_ready,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        turns,
+                        qk_scale,
+                        o_desc,
+                        STAGES,
+                        WG0,
+                        HAS_SELF,
+                        CAUSAL,
+                        ROWS_TMA,
+                        uo_desc,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        out_ptr,
+                        k_bufs,
+                        v_bufs,
+                        q_bufs,
+                        row_bufs,
+                        item_info,
+                        q_ready,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        turns,
+                        qk_scale,
+                        o_desc,
+                        STAGES,
+                        WG1,
+                        HAS_SELF,
+                        CAUSAL,
+                        ROWS_TMA,
+                        uo_desc,
+                    ),
+                ),
+                (
+                    _producer_rows_tma,
+                    (
+                        k_desc,
+                        v_desc,
+                        k_bufs,
+                        v_bufs,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        tile_ptr,
+                        kv_len_ptr,
+                        num_items,
+                        num_tiles,
+                        stride_ku,
+                        stride_kh,
+                        stride_kl,
+                        seq_len,
+                        stride_qb,
+                        stride_qh,
+                        stride_qs,
+                        stride_ob,
+                        stride_oh,
+                        stride_os,
+                        order_ptr,
+                        num_queries,
+                        q_bufs,
+                        row_bufs,
+                        item_info,
+                        q_ready,
+                        q_empty,
+                        sched_ptr,
+                        q_desc,
+                        uq_desc,
+                        stride_uqu,
+                        stride_uqh,
+                        stride_uql,
+                        stride_uou,
+                        stride_uoh,
+                        stride_uol,
+                        num_users,
+                        num_self_tiles,
+                        HAS_KV_LEN,
+                        STAGES,
+                        DYNAMIC,
+                        HAS_SELF,
+                        CAUSAL,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
     else:
-        gl.warp_specialize([
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA)),
-            (_consumer, (out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
-                         num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len,
-                         q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, order_ptr,
-                         num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty,
-                         uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol,
-                         num_users, num_self_tiles, sched_ptr, HAS_KV_LEN, STAGES, HAS_SELF, CAUSAL, DYNAMIC)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        out_ptr,
+                        k_bufs,
+                        v_bufs,
+                        q_bufs,
+                        row_bufs,
+                        item_info,
+                        q_ready,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        turns,
+                        qk_scale,
+                        o_desc,
+                        STAGES,
+                        WG0,
+                        HAS_SELF,
+                        CAUSAL,
+                        ROWS_TMA,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        out_ptr,
+                        k_bufs,
+                        v_bufs,
+                        q_bufs,
+                        row_bufs,
+                        item_info,
+                        q_ready,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        turns,
+                        qk_scale,
+                        o_desc,
+                        STAGES,
+                        WG1,
+                        HAS_SELF,
+                        CAUSAL,
+                        ROWS_TMA,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        k_desc,
+                        v_desc,
+                        k_bufs,
+                        v_bufs,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        tile_ptr,
+                        kv_len_ptr,
+                        num_items,
+                        num_tiles,
+                        stride_ku,
+                        stride_kh,
+                        stride_kl,
+                        seq_len,
+                        q_ptr,
+                        stride_qb,
+                        stride_qh,
+                        stride_qs,
+                        stride_ob,
+                        stride_oh,
+                        stride_os,
+                        order_ptr,
+                        num_queries,
+                        q_bufs,
+                        row_bufs,
+                        item_info,
+                        q_ready,
+                        q_empty,
+                        uq_delta,
+                        stride_uqu,
+                        stride_uqh,
+                        stride_uql,
+                        uo_delta,
+                        stride_uou,
+                        stride_uoh,
+                        stride_uol,
+                        num_users,
+                        num_self_tiles,
+                        sched_ptr,
+                        HAS_KV_LEN,
+                        STAGES,
+                        HAS_SELF,
+                        CAUSAL,
+                        DYNAMIC,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
 
 
 # ----------------------------------------------------------------------------- host side
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_info(device: torch.device):
     props = torch.cuda.get_device_properties(device)
     return (props.major, props.minor), props.multi_processor_count
@@ -885,7 +1607,7 @@ def prefer_ws(q: torch.Tensor, k: torch.Tensor, kv_len: torch.Tensor | None = No
     return ws_supported(q, k) and preferred_shape(q.shape[0], k.shape[0], q.shape[2], k.shape[2])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
@@ -910,8 +1632,14 @@ def rows_by_tma(q: torch.Tensor, out: torch.Tensor) -> bool:
     128-row tile is then one contiguous run of q and out rows (S a multiple of 64, both contiguous), and the
     row numbers fit TMA's int32 coordinates (and both are 16-byte aligned)."""
     num_candidates, heads, num_queries, _ = q.shape
-    return (num_queries % 64 == 0 and q.is_contiguous() and out.is_contiguous() and _rows_aligned(q)
-            and _rows_aligned(out) and num_candidates * heads * num_queries < 2**31)
+    return (
+        num_queries % 64 == 0
+        and q.is_contiguous()
+        and out.is_contiguous()
+        and _rows_aligned(q)
+        and _rows_aligned(out)
+        and num_candidates * heads * num_queries < 2**31
+    )
 
 
 def self_rows_by_tma(user_q: torch.Tensor, user_out: torch.Tensor) -> bool:
@@ -919,15 +1647,23 @@ def self_rows_by_tma(user_q: torch.Tensor, user_out: torch.Tensor) -> bool:
     contiguous and 16-byte aligned, L a multiple of 64 (so no 64-row half of a self tile crosses into the next
     (user, head)), and the row numbers within TMA's int32 coordinates."""
     num_users, heads, seq_len, _ = user_q.shape
-    return (seq_len % 64 == 0 and user_q.is_contiguous() and user_out.is_contiguous() and _rows_aligned(user_q)
-            and _rows_aligned(user_out) and num_users * heads * seq_len < 2**31)
+    return (
+        seq_len % 64 == 0
+        and user_q.is_contiguous()
+        and user_out.is_contiguous()
+        and _rows_aligned(user_q)
+        and _rows_aligned(user_out)
+        and num_users * heads * seq_len < 2**31
+    )
 
 
 def _row_descriptors(q: torch.Tensor, out: torch.Tensor):
     """[B·H·S, d] views of q and out with [64, d] blocks (the q buffers' layout)."""
     head_dim = q.shape[3]
     layout = _smem_layout((64, head_dim), q.dtype)
-    return [TensorDescriptor(t, [t.numel() // head_dim, head_dim], [head_dim, 1], [64, head_dim], layout) for t in (q, out)]
+    return [
+        TensorDescriptor(t, [t.numel() // head_dim, head_dim], [head_dim, 1], [64, head_dim], layout) for t in (q, out)
+    ]
 
 
 def _for_self_tiles(cfg: WSAttentionConfig) -> WSAttentionConfig:
@@ -945,8 +1681,22 @@ def self_target_ws_ok(q, out, user_q, user_out) -> bool:
     return q.shape[0] * q.shape[2] > 0 and all(_rows_aligned(t) for t in (q, out, user_q, user_out))
 
 
-def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | None = None, out=None, plan=None,
-              on_plan=None, num_programs: int | None = None, user_q=None, user_out=None, causal: bool = True):
+def launch_ws(
+    q,
+    k,
+    v,
+    cand_to_user,
+    kv_len,
+    scale,
+    config: WSAttentionConfig | None = None,
+    out=None,
+    plan=None,
+    on_plan=None,
+    num_programs: int | None = None,
+    user_q=None,
+    user_out=None,
+    causal: bool = True,
+):
     """Target attention through `_attention_ws_kernel` for inputs that passed ikbo_attention's checks
     and `ws_supported`. q [B, H, S, d], k/v [U, H, L, d] (U ≥ 1); `plan` from
     `attention.plan_tiles(..., block_m=TILE_M)` when one batch's grouping serves several calls (not by
@@ -1008,9 +1758,16 @@ def launch_ws(q, k, v, cand_to_user, kv_len, scale, config: WSAttentionConfig | 
     return out, flag
 
 
-def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True,
-               config: WSAttentionConfig | None = None, capability: int = 90, has_self: bool = False, causal: bool = True,
-               rows_tma: bool = True):
+def compile_ws(
+    dtype: torch.dtype = torch.bfloat16,
+    head_dim: int = 128,
+    has_kv_len: bool = True,
+    config: WSAttentionConfig | None = None,
+    capability: int = 90,
+    has_self: bool = False,
+    causal: bool = True,
+    rows_tma: bool = True,
+):
     """Compile `_attention_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
     arguments; the JIT's own specialization rules give the signature); `rows_tma` as launch_ws takes it where
     `rows_by_tma` (and with self tiles `self_rows_by_tma`) hold, else the gathered rows. Returns the
@@ -1024,20 +1781,52 @@ def compile_ws(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_
     k_desc, v_desc, (s_u, s_h, s_l) = _kv_descriptors(k, k, cfg.block_n)
     ints = torch.zeros(64, dtype=torch.int32)
     runtime_args = dict(
-        q_ptr=q, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
-        out_ptr=q, stride_ob=q.stride(0), stride_oh=q.stride(1), stride_os=q.stride(2),
-        k_desc=k_desc, v_desc=v_desc, stride_ku=s_u, stride_kh=s_h, stride_kl=s_l,
-        kv_len_ptr=ints, order_ptr=ints, tile_ptr=ints, sched_ptr=ints, num_items=2108, num_tiles=527,
-        seq_len=seq_len, num_queries=num_queries, qk_scale=0.12,
-        uq_delta=-(2**33), stride_uqu=k.stride(0), stride_uqh=k.stride(1), stride_uql=k.stride(2),
-        uo_delta=2**33, stride_uou=k.stride(0), stride_uoh=k.stride(1), stride_uol=k.stride(2),
-        num_users=num_users, num_self_tiles=num_users * 8 if has_self else 0,
+        q_ptr=q,
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_qs=q.stride(2),
+        out_ptr=q,
+        stride_ob=q.stride(0),
+        stride_oh=q.stride(1),
+        stride_os=q.stride(2),
+        k_desc=k_desc,
+        v_desc=v_desc,
+        stride_ku=s_u,
+        stride_kh=s_h,
+        stride_kl=s_l,
+        kv_len_ptr=ints,
+        order_ptr=ints,
+        tile_ptr=ints,
+        sched_ptr=ints,
+        num_items=2108,
+        num_tiles=527,
+        seq_len=seq_len,
+        num_queries=num_queries,
+        qk_scale=0.12,
+        uq_delta=-(2**33),
+        stride_uqu=k.stride(0),
+        stride_uqh=k.stride(1),
+        stride_uql=k.stride(2),
+        uo_delta=2**33,
+        stride_uou=k.stride(0),
+        stride_uoh=k.stride(1),
+        stride_uol=k.stride(2),
+        num_users=num_users,
+        num_self_tiles=num_users * 8 if has_self else 0,
     )
     runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
-    runtime_args["uq_desc"], runtime_args["uo_desc"] = (_row_descriptors(k, k) if rows_tma and has_self
-                                                        else (runtime_args["q_desc"], runtime_args["o_desc"]))
-    constexprs = dict(HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs,
-                      PRODUCER_REGS=cfg.producer_regs, HAS_SELF=has_self, CAUSAL=causal,
-                      DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len, ROWS_TMA=rows_tma)
+    runtime_args["uq_desc"], runtime_args["uo_desc"] = (
+        _row_descriptors(k, k) if rows_tma and has_self else (runtime_args["q_desc"], runtime_args["o_desc"])
+    )
+    constexprs = dict(
+        HAS_KV_LEN=has_kv_len,
+        STAGES=cfg.stages,
+        CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs,
+        HAS_SELF=has_self,
+        CAUSAL=causal,
+        DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len,
+        ROWS_TMA=rows_tma,
+    )
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

@@ -53,7 +53,15 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import HostReadback, add_user_rows, check_mapping, check_mapping_shape, check_same, check_tensor, resolve_backend
+from ._common import (
+    HostReadback,
+    add_user_rows,
+    check_mapping,
+    check_mapping_shape,
+    check_same,
+    check_tensor,
+    resolve_backend,
+)
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -134,11 +142,26 @@ def _tile_coords(tile, num_n_tiles, num_d_tiles, BLOCK_M: tl.constexpr, BLOCK_D:
 
 @triton.jit
 def _tile_mainloop(
-    w_ptr, w_desc, stride_wn,
-    x_ptr, x_desc, stride_xg, stride_xk, stride_xd,
-    g, off_n, off_d, N, D, K,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_TMA: tl.constexpr, X_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    w_ptr,
+    w_desc,
+    stride_wn,
+    x_ptr,
+    x_desc,
+    stride_xg,
+    stride_xk,
+    stride_xd,
+    g,
+    off_n,
+    off_d,
+    N,
+    D,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+    X_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """acc[BLOCK_M, BLOCK_D] = W[off_n:, :K] @ X[g, :K, off_d:] in fp32; out-of-range entries are zeros."""
     rn = off_n + tl.arange(0, BLOCK_M)
@@ -163,10 +186,23 @@ def _tile_mainloop(
 
 @triton.jit
 def _epilogue_part(
-    acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
-    g, off_n, off_d, N, D, U,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_TMA: tl.constexpr,
+    acc,
+    out_ptr,
+    out_desc,
+    y_ptr,
+    m_ptr,
+    bias_ptr,
+    g,
+    off_n,
+    off_d,
+    N,
+    D,
+    U,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FUSE_USER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    OUT_TMA: tl.constexpr,
 ):
     """out[g] tile = acc (+ Y_u[m[g]] tile) (+ bias); out and Y_u are contiguous [*, N, D]. m[g] is
     clamped to [0, U): a bad mapping reads no memory out of bounds (the op raises after the launch)."""
@@ -189,61 +225,177 @@ def _epilogue_part(
 
 @triton.jit
 def _tile_epilogue(
-    acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
-    g, off_n, off_d, N, D, U,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr,
+    acc,
+    out_ptr,
+    out_desc,
+    y_ptr,
+    m_ptr,
+    bias_ptr,
+    g,
+    off_n,
+    off_d,
+    N,
+    D,
+    U,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FUSE_USER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    OUT_TMA: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """The epilogue in one piece, or (SPLIT) in two [BLOCK_M, BLOCK_D / 2] halves: half the shared
     memory for the output staging and the layout conversions (after tutorial 09's EPILOGUE_SUBTILE)."""
     if SPLIT:
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_D // 2).permute(0, 2, 1).split()
         _epilogue_part(
-            left, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D, U,
-            BLOCK_M, BLOCK_D // 2, FUSE_USER, HAS_BIAS, OUT_TMA,
+            left,
+            out_ptr,
+            out_desc,
+            y_ptr,
+            m_ptr,
+            bias_ptr,
+            g,
+            off_n,
+            off_d,
+            N,
+            D,
+            U,
+            BLOCK_M,
+            BLOCK_D // 2,
+            FUSE_USER,
+            HAS_BIAS,
+            OUT_TMA,
         )
         _epilogue_part(
-            right, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d + BLOCK_D // 2, N, D, U,
-            BLOCK_M, BLOCK_D // 2, FUSE_USER, HAS_BIAS, OUT_TMA,
+            right,
+            out_ptr,
+            out_desc,
+            y_ptr,
+            m_ptr,
+            bias_ptr,
+            g,
+            off_n,
+            off_d + BLOCK_D // 2,
+            N,
+            D,
+            U,
+            BLOCK_M,
+            BLOCK_D // 2,
+            FUSE_USER,
+            HAS_BIAS,
+            OUT_TMA,
         )
     else:
         _epilogue_part(
-            acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D, U,
-            BLOCK_M, BLOCK_D, FUSE_USER, HAS_BIAS, OUT_TMA,
+            acc,
+            out_ptr,
+            out_desc,
+            y_ptr,
+            m_ptr,
+            bias_ptr,
+            g,
+            off_n,
+            off_d,
+            N,
+            D,
+            U,
+            BLOCK_M,
+            BLOCK_D,
+            FUSE_USER,
+            HAS_BIAS,
+            OUT_TMA,
         )
 
 
 @triton.jit(do_not_specialize=["U"])
 def _lce_tile_kernel(
-    w_ptr, w_desc, stride_wn,  # weight [N, K] (s1: unpadded, pointers; s2+: padded copy, descriptor)
-    x_ptr, x_desc, stride_xg, stride_xk, stride_xd,  # activations [G, K, D]
-    out_ptr, out_desc,  # out [G, N, D], contiguous
-    y_ptr, m_ptr, bias_ptr,  # FUSE_USER: Y_u [U, N, D] contiguous, cand_to_user [G]; bias [N]
-    N, D, K, U,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_TMA: tl.constexpr, X_TMA: tl.constexpr, OUT_TMA: tl.constexpr,
-    FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT: tl.constexpr,
+    w_ptr,
+    w_desc,
+    stride_wn,  # weight [N, K] (s1: unpadded, pointers; s2+: padded copy, descriptor)
+    x_ptr,
+    x_desc,
+    stride_xg,
+    stride_xk,
+    stride_xd,  # activations [G, K, D]
+    out_ptr,
+    out_desc,  # out [G, N, D], contiguous
+    y_ptr,
+    m_ptr,
+    bias_ptr,  # FUSE_USER: Y_u [U, N, D] contiguous, cand_to_user [G]; bias [N]
+    N,
+    D,
+    K,
+    U,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+    X_TMA: tl.constexpr,
+    OUT_TMA: tl.constexpr,
+    FUSE_USER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """One output tile per program: out[g] = W @ X[g] (s1, s2), + Y_u[m[g]] + bias in the epilogue (s3)."""
     g, off_n, off_d = _tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), BLOCK_M, BLOCK_D)
     acc = _tile_mainloop(
-        w_ptr, w_desc, stride_wn,
-        x_ptr, x_desc, stride_xg, stride_xk, stride_xd,
-        g, off_n, off_d, N, D, K,
-        BLOCK_M, BLOCK_D, BLOCK_K, W_TMA, X_TMA, WARP_SPECIALIZE,
+        w_ptr,
+        w_desc,
+        stride_wn,
+        x_ptr,
+        x_desc,
+        stride_xg,
+        stride_xk,
+        stride_xd,
+        g,
+        off_n,
+        off_d,
+        N,
+        D,
+        K,
+        BLOCK_M,
+        BLOCK_D,
+        BLOCK_K,
+        W_TMA,
+        X_TMA,
+        WARP_SPECIALIZE,
     )
     _tile_epilogue(
-        acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
-        g, off_n, off_d, N, D, U,
-        BLOCK_M, BLOCK_D, FUSE_USER, HAS_BIAS, OUT_TMA, SPLIT,
+        acc,
+        out_ptr,
+        out_desc,
+        y_ptr,
+        m_ptr,
+        bias_ptr,
+        g,
+        off_n,
+        off_d,
+        N,
+        D,
+        U,
+        BLOCK_M,
+        BLOCK_D,
+        FUSE_USER,
+        HAS_BIAS,
+        OUT_TMA,
+        SPLIT,
     )
 
 
 @triton.jit(do_not_specialize=["U"])
 def _lce_add_user_kernel(
-    out_ptr, y_ptr, m_ptr, bias_ptr,  # out [B, N, D] (updated in place), Y_u [U, N, D], m [B], bias [N]
-    N, D, U,
-    HAS_USER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr,
+    y_ptr,
+    m_ptr,
+    bias_ptr,  # out [B, N, D] (updated in place), Y_u [U, N, D], m [B], bias [N]
+    N,
+    D,
+    U,
+    HAS_USER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """s1 / s2 gather-add: out[b] += Y_u[m[b]] (+ bias[:, None]), one [N·D] row chunk per program
     (m[b] clamped to [0, U))."""
@@ -291,14 +443,42 @@ def _wait_at_least(ptr, target, SPIN_ASM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["epoch", "U", "B", "NUM_PROGRAMS"])  # any U, B: one kernel per tile config
 def _lce_persistent_kernel(
-    wu_desc, xu_ptr, xu_desc, stride_xu_g, stride_xu_k, stride_xu_d,  # user side: W_u (padded), user_emb
-    wc_desc, xc_ptr, xc_desc, stride_xc_g, stride_xc_k, stride_xc_d,  # candidate side: W_c (padded), cand_emb
-    y_ptr, out_ptr, out_desc, m_ptr, bias_ptr,  # Y_u [U, N, D] scratch, out [B, N, D], m [B], bias [N]
-    flag_ptr, epoch,  # int64 flag[user tile] ≥ epoch once that Y_u tile is stored
-    U, B, N, D, KU, KC, NUM_PROGRAMS,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    XU_TMA: tl.constexpr, XC_TMA: tl.constexpr, OUT_TMA: tl.constexpr,
-    HAS_USER: tl.constexpr, HAS_BIAS: tl.constexpr, SPIN_ASM: tl.constexpr, SPLIT: tl.constexpr,
+    wu_desc,
+    xu_ptr,
+    xu_desc,
+    stride_xu_g,
+    stride_xu_k,
+    stride_xu_d,  # user side: W_u (padded), user_emb
+    wc_desc,
+    xc_ptr,
+    xc_desc,
+    stride_xc_g,
+    stride_xc_k,
+    stride_xc_d,  # candidate side: W_c (padded), cand_emb
+    y_ptr,
+    out_ptr,
+    out_desc,
+    m_ptr,
+    bias_ptr,  # Y_u [U, N, D] scratch, out [B, N, D], m [B], bias [N]
+    flag_ptr,
+    epoch,  # int64 flag[user tile] ≥ epoch once that Y_u tile is stored
+    U,
+    B,
+    N,
+    D,
+    KU,
+    KC,
+    NUM_PROGRAMS,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    XU_TMA: tl.constexpr,
+    XC_TMA: tl.constexpr,
+    OUT_TMA: tl.constexpr,
+    HAS_USER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPIN_ASM: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """s4: user tiles, then candidate tiles, in one persistent launch (grid ≤ number of SMs, all resident).
 
@@ -313,15 +493,46 @@ def _lce_persistent_kernel(
         for tile in tl.range(pid, U * tiles_per_row, NUM_PROGRAMS, flatten=True):
             user, off_n, off_d = _tile_coords(tile, num_n_tiles, num_d_tiles, BLOCK_M, BLOCK_D)
             acc = _tile_mainloop(
-                wu_desc, wu_desc, 0,
-                xu_ptr, xu_desc, stride_xu_g, stride_xu_k, stride_xu_d,
-                user, off_n, off_d, N, D, KU,
-                BLOCK_M, BLOCK_D, BLOCK_K, True, XU_TMA, False,
+                wu_desc,
+                wu_desc,
+                0,
+                xu_ptr,
+                xu_desc,
+                stride_xu_g,
+                stride_xu_k,
+                stride_xu_d,
+                user,
+                off_n,
+                off_d,
+                N,
+                D,
+                KU,
+                BLOCK_M,
+                BLOCK_D,
+                BLOCK_K,
+                True,
+                XU_TMA,
+                False,
             )
             _tile_epilogue(
-                acc, y_ptr, y_ptr, y_ptr, m_ptr, bias_ptr,
-                user, off_n, off_d, N, D, U,
-                BLOCK_M, BLOCK_D, False, False, False, SPLIT,
+                acc,
+                y_ptr,
+                y_ptr,
+                y_ptr,
+                m_ptr,
+                bias_ptr,
+                user,
+                off_n,
+                off_d,
+                N,
+                D,
+                U,
+                BLOCK_M,
+                BLOCK_D,
+                False,
+                False,
+                False,
+                SPLIT,
             )
             tl.debug_barrier()  # every thread's Y_u stores precede the flag's release
             tl.atomic_xchg(flag_ptr + tile, epoch, sem="release", scope="gpu")
@@ -331,18 +542,49 @@ def _lce_persistent_kernel(
     for tile in tl.range(first, B * tiles_per_row, NUM_PROGRAMS, flatten=True):
         cand, off_n, off_d = _tile_coords(tile, num_n_tiles, num_d_tiles, BLOCK_M, BLOCK_D)
         acc = _tile_mainloop(
-            wc_desc, wc_desc, 0,
-            xc_ptr, xc_desc, stride_xc_g, stride_xc_k, stride_xc_d,
-            cand, off_n, off_d, N, D, KC,
-            BLOCK_M, BLOCK_D, BLOCK_K, True, XC_TMA, False,
+            wc_desc,
+            wc_desc,
+            0,
+            xc_ptr,
+            xc_desc,
+            stride_xc_g,
+            stride_xc_k,
+            stride_xc_d,
+            cand,
+            off_n,
+            off_d,
+            N,
+            D,
+            KC,
+            BLOCK_M,
+            BLOCK_D,
+            BLOCK_K,
+            True,
+            XC_TMA,
+            False,
         )
         if HAS_USER:
             user = tl.minimum(tl.maximum(tl.load(m_ptr + cand), 0), U - 1)  # a bad value waits on no missing flag
             _wait_at_least(flag_ptr + user * tiles_per_row + tile % tiles_per_row, epoch, SPIN_ASM)
         _tile_epilogue(
-            acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr,
-            cand, off_n, off_d, N, D, U,
-            BLOCK_M, BLOCK_D, HAS_USER, HAS_BIAS, OUT_TMA, SPLIT,
+            acc,
+            out_ptr,
+            out_desc,
+            y_ptr,
+            m_ptr,
+            bias_ptr,
+            cand,
+            off_n,
+            off_d,
+            N,
+            D,
+            U,
+            BLOCK_M,
+            BLOCK_D,
+            HAS_USER,
+            HAS_BIAS,
+            OUT_TMA,
+            SPLIT,
         )
 
 
@@ -382,7 +624,7 @@ def _out_desc(out: torch.Tensor, cfg: TileConfig):
     return TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, block_d])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_programs(device: torch.device) -> int:
     # The interpreter runs programs one after another: a single persistent program keeps s4's
     # flag waits trivially satisfied there.
@@ -455,16 +697,24 @@ class PackedLinearCompress:
         check_same("cand_emb", num_cand_tokens, "Kc (candidate columns of weight)", self.cand_weight.shape[1])
         for name, t in (("cand_emb", cand_emb), ("weight", self.user_weight), ("bias", self.bias)):
             if t is not None and (t.dtype != user_emb.dtype or t.device != user_emb.device):
-                raise ValueError(f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}")
+                raise ValueError(
+                    f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}"
+                )
         check_mapping_shape(cand_to_user, num_candidates, user_emb.device)
         tuned = None  # (variant, TileConfig) from set_tuned_configs
         if variant is None and _TUNED:
-            lookup = _TUNED.get((user_emb.device, user_emb.dtype, num_user_tokens, num_cand_tokens, self.cand_weight.shape[0], dim))
+            lookup = _TUNED.get(
+                (user_emb.device, user_emb.dtype, num_user_tokens, num_cand_tokens, self.cand_weight.shape[0], dim)
+            )
             tuned = lookup(num_users, num_candidates) if lookup is not None else None
         if tuned is not None:
             variant, config = tuned
         else:
-            variant = default_variant(num_users, num_candidates, self._s6_runs(user_emb, cand_emb)) if variant is None else variant
+            variant = (
+                default_variant(num_users, num_candidates, self._s6_runs(user_emb, cand_emb))
+                if variant is None
+                else variant
+            )
             config = None
         if variant not in VARIANTS + (WS_VARIANT,):
             raise ValueError(f"variant: expected one of {VARIANTS + (WS_VARIANT,)}, got {variant!r}")
@@ -475,7 +725,9 @@ class PackedLinearCompress:
             if user_emb.dtype not in TRITON_TYPES:
                 raise ValueError(f"user_emb: the Triton path takes float32/float16/bfloat16, got {user_emb.dtype}")
             if user_emb.device.type != "cuda" and not _interpreting():
-                raise ValueError(f"user_emb: the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {user_emb.device}")
+                raise ValueError(
+                    f"user_emb: the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {user_emb.device}"
+                )
             # Launch first, then wait for the mapping's min and max (copied to the host ahead of the
             # kernels, which clamp bad values), so the device is not idle while the host launches.
             # Not while a CUDA graph is captured (no wait allowed) or without users (no value is valid).
@@ -502,7 +754,9 @@ class PackedLinearCompress:
 
         return s6_supported(user_emb, cand_emb)
 
-    def _triton(self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None):
+    def _triton(
+        self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None
+    ):
         """The Triton path for checked inputs.
 
         `config` fixes the tile config (benchmarks, tuned configs); `out` [B, N, D] and `user_part`
@@ -517,7 +771,9 @@ class PackedLinearCompress:
             return out
         if variant == WS_VARIANT:
             if config is not None:
-                raise ValueError("config: a TileConfig applies to s1…s4, not s6 (kernels/linear_compress_ws.py has WSConfig)")
+                raise ValueError(
+                    "config: a TileConfig applies to s1…s4, not s6 (kernels/linear_compress_ws.py has WSConfig)"
+                )
             from .linear_compress_ws import lce_s6, s6_supported  # Gluon (Hopper); imported on first use
 
             if not _interpreting() and s6_supported(user_emb, cand_emb):
@@ -526,7 +782,9 @@ class PackedLinearCompress:
         if config is not None and config.warp_specialize and variant in ("s1", "s4"):
             raise ValueError(f"config: warp specialization applies to s2 and s3, not {variant}")
         if user_part is None:
-            user_part = torch.empty(num_users if num_user_tokens else 0, rows, dim, dtype=out.dtype, device=out.device)  # Y_u
+            user_part = torch.empty(
+                num_users if num_user_tokens else 0, rows, dim, dtype=out.dtype, device=out.device
+            )  # Y_u
         if variant == "s4" and out.is_cuda and torch.cuda.is_current_stream_capturing():
             variant = "s3"  # s4's per-call epoch would be frozen into a CUDA graph: take the graph-safe s3
         key = (variant, user_emb.dtype, dim, user_emb.device)
@@ -554,15 +812,26 @@ class PackedLinearCompress:
         padded = variant != "s1"
         fuse = variant == "s3"
         if has_user:
-            self._launch_tile(self.user_weight_padded if padded else self.user_weight, user_emb, user_part, None, False, padded, cfg)
+            self._launch_tile(
+                self.user_weight_padded if padded else self.user_weight, user_emb, user_part, None, False, padded, cfg
+            )
         cand_weight = self.cand_weight_padded if padded else self.cand_weight
-        self._launch_tile(cand_weight, cand_emb, out, (user_part, cand_to_user) if fuse and has_user else None, fuse, padded, cfg)
+        self._launch_tile(
+            cand_weight, cand_emb, out, (user_part, cand_to_user) if fuse and has_user else None, fuse, padded, cfg
+        )
         if not fuse and (has_user or self.bias is not None):
             block = min(4096, triton.next_power_of_2(rows * dim))
             _lce_add_user_kernel[(num_candidates, triton.cdiv(rows * dim, block))](
-                out, user_part, cand_to_user, self.bias,
-                rows, dim, max(user_part.shape[0], 1),
-                HAS_USER=has_user, HAS_BIAS=self.bias is not None, BLOCK=block,
+                out,
+                user_part,
+                cand_to_user,
+                self.bias,
+                rows,
+                dim,
+                max(user_part.shape[0], 1),
+                HAS_USER=has_user,
+                HAS_BIAS=self.bias is not None,
+                BLOCK=block,
             )
 
     def _launch_tile(self, weight, x, out, fused_user, with_bias, tma, cfg: TileConfig):
@@ -570,21 +839,42 @@ class PackedLinearCompress:
         rows, dim, depth = out.shape[1], out.shape[2], x.shape[1]
         w_desc = self._weight_desc(weight, cfg) if tma else None
         x_desc = _activation_desc(x, cfg) if tma else None
-        out_desc = _out_desc(out, cfg) if tma and not cfg.warp_specialize else None  # WS splits the tile: pointer stores
+        out_desc = (
+            _out_desc(out, cfg) if tma and not cfg.warp_specialize else None
+        )  # WS splits the tile: pointer stores
         user_part, mapping = fused_user if fused_user is not None else (None, None)
         bias = self.bias if with_bias else None
         grid = (out.shape[0] * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d),)
         _lce_tile_kernel[grid](
-            weight, w_desc, weight.stride(0),
-            x, x_desc, x.stride(0), x.stride(1), x.stride(2),
-            out, out_desc,
-            user_part, mapping, bias,
-            rows, dim, depth, max(user_part.shape[0], 1) if user_part is not None else 1,
-            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_k,
-            W_TMA=tma, X_TMA=x_desc is not None, OUT_TMA=out_desc is not None,
-            FUSE_USER=fused_user is not None, HAS_BIAS=bias is not None, WARP_SPECIALIZE=cfg.warp_specialize,
+            weight,
+            w_desc,
+            weight.stride(0),
+            x,
+            x_desc,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            out,
+            out_desc,
+            user_part,
+            mapping,
+            bias,
+            rows,
+            dim,
+            depth,
+            max(user_part.shape[0], 1) if user_part is not None else 1,
+            BLOCK_M=cfg.block_m,
+            BLOCK_D=cfg.block_d,
+            BLOCK_K=cfg.block_k,
+            W_TMA=tma,
+            X_TMA=x_desc is not None,
+            OUT_TMA=out_desc is not None,
+            FUSE_USER=fused_user is not None,
+            HAS_BIAS=bias is not None,
+            WARP_SPECIALIZE=cfg.warp_specialize,
             SPLIT=cfg.epilogue_split,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
     def _weight_desc(self, weight: torch.Tensor, cfg: TileConfig) -> TensorDescriptor:
@@ -623,15 +913,44 @@ class PackedLinearCompress:
         num_tiles = (num_users * has_user + num_candidates) * tiles_per_row
         num_programs = min(_num_programs(out.device), num_tiles)
         _lce_persistent_kernel[(num_programs,)](
-            wu_desc, user_emb, xu_desc, user_emb.stride(0), user_emb.stride(1), user_emb.stride(2),
-            wc_desc, cand_emb, xc_desc, cand_emb.stride(0), cand_emb.stride(1), cand_emb.stride(2),
-            user_part, out, out_desc, cand_to_user, self.bias,
-            flags, epoch,
-            num_users, num_candidates, rows, dim, num_user_tokens, num_cand_tokens, num_programs,
-            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_k,
-            XU_TMA=xu_desc is not None, XC_TMA=xc_desc is not None, OUT_TMA=out_desc is not None,
-            HAS_USER=has_user, HAS_BIAS=self.bias is not None, SPIN_ASM=not _interpreting(), SPLIT=cfg.epilogue_split,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            wu_desc,
+            user_emb,
+            xu_desc,
+            user_emb.stride(0),
+            user_emb.stride(1),
+            user_emb.stride(2),
+            wc_desc,
+            cand_emb,
+            xc_desc,
+            cand_emb.stride(0),
+            cand_emb.stride(1),
+            cand_emb.stride(2),
+            user_part,
+            out,
+            out_desc,
+            cand_to_user,
+            self.bias,
+            flags,
+            epoch,
+            num_users,
+            num_candidates,
+            rows,
+            dim,
+            num_user_tokens,
+            num_cand_tokens,
+            num_programs,
+            BLOCK_M=cfg.block_m,
+            BLOCK_D=cfg.block_d,
+            BLOCK_K=cfg.block_k,
+            XU_TMA=xu_desc is not None,
+            XC_TMA=xc_desc is not None,
+            OUT_TMA=out_desc is not None,
+            HAS_USER=has_user,
+            HAS_BIAS=self.bias is not None,
+            SPIN_ASM=not _interpreting(),
+            SPLIT=cfg.epilogue_split,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
 

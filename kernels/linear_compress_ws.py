@@ -131,9 +131,26 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-              num_tiles, num_m_tiles, tiles_per_row,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr):
+def _producer(
+    w_desc,
+    x_desc,
+    y_desc,
+    m_ptr,
+    w_bufs,
+    x_bufs,
+    epi_buf,
+    ready,
+    empty,
+    epi_ready,
+    epi_free,
+    num_tiles,
+    num_m_tiles,
+    tiles_per_row,
+    K_TILES: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_USER: gl.constexpr,
+    Y_AT: gl.constexpr,
+):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
     slot (without a user part that step loads nothing and only hands the slot to the consumer)."""
@@ -191,8 +208,9 @@ def _epilogue_half(part, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_U
 
 
 @gluon.jit
-def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES: gl.constexpr,
-                        HAS_USER: gl.constexpr):
+def _ring_epilogue_half(
+    part, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES: gl.constexpr, HAS_USER: gl.constexpr
+):
     """Column half 1 of the tile: cast(part (+ the Y_u half the producer put in ring step `step`'s slot)),
     written over that slot and stored by TMA to out[b, off_m:, off_d + BLOCK_D / 2:]."""
     HALF: gl.constexpr = out_desc.block_type.shape[2]
@@ -209,8 +227,23 @@ def _ring_epilogue_half(part, x_bufs, ready, out_desc, b, off_m, off_d, step, ST
 
 
 @gluon.jit
-def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-              STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr):
+def _epilogue(
+    acc,
+    bias,
+    epi_buf,
+    epi_ready,
+    x_bufs,
+    ready,
+    out_desc,
+    b,
+    off_m,
+    off_d,
+    step,
+    i,
+    STAGES: gl.constexpr,
+    HAS_USER: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+):
     """out[b] tile = cast(acc (+ bias) (+ Y_u[m[b]] block)) in two column halves: the first through the
     epilogue buffer, the second through ring step `step`'s slot; both released at the next tile's
     EPI_FREE_AT step. The halves lie in each thread's registers (wgmma layout): splitting moves no data."""
@@ -225,10 +258,27 @@ def _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, 
 
 
 @gluon.jit
-def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-              num_tiles, num_m_tiles, tiles_per_row, N,
-              K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-              EPI_FREE_AT: gl.constexpr):
+def _consumer(
+    num_warps: gl.constexpr,
+    w_bufs,
+    x_bufs,
+    epi_buf,
+    ready,
+    empty,
+    epi_ready,
+    epi_free,
+    out_desc,
+    bias_ptr,
+    num_tiles,
+    num_m_tiles,
+    tiles_per_row,
+    N,
+    K_TILES: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_USER: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr,
+):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
     through the epilogue buffer and the tile's last ring step)."""
@@ -262,8 +312,9 @@ def _consumer(num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, ep
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)  # the tile's last slot
-        _epilogue(acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i,
-                  STAGES, HAS_USER, HAS_BIAS)
+        _epilogue(
+            acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i, STAGES, HAS_USER, HAS_BIAS
+        )
         step += 1
         i += 1
     tma.store_wait(0)
@@ -275,10 +326,17 @@ def _lce_ws_kernel(
     x_desc,  # cand_emb [B, Kc, D], blocks [1, BLOCK_K, BLOCK_D]
     y_desc,  # Y_u [U, N, D], blocks [1, BLOCK_M, BLOCK_D / 2] (any descriptor of that block when not HAS_USER)
     out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D / 2]
-    m_ptr, bias_ptr,  # cand_to_user [B], bias [N]
-    B, N, D,
-    K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    m_ptr,
+    bias_ptr,  # cand_to_user [B], bias [N]
+    B,
+    N,
+    D,
+    K_TILES: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_USER: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
@@ -315,31 +373,80 @@ def _lce_ws_kernel(
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_free, count=1)
 
-    gl.warp_specialize([
-        (_consumer, (num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
-                     num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT)),
-        (_producer, (w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
-                     num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT)),
-    ], [1], [PRODUCER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    num_warps,
+                    w_bufs,
+                    x_bufs,
+                    epi_buf,
+                    ready,
+                    empty,
+                    epi_ready,
+                    epi_free,
+                    out_desc,
+                    bias_ptr,
+                    num_tiles,
+                    num_m_tiles,
+                    tiles_per_row,
+                    N,
+                    K_TILES,
+                    STAGES,
+                    HAS_USER,
+                    HAS_BIAS,
+                    FREE_AT,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    w_desc,
+                    x_desc,
+                    y_desc,
+                    m_ptr,
+                    w_bufs,
+                    x_bufs,
+                    epi_buf,
+                    ready,
+                    empty,
+                    epi_ready,
+                    epi_free,
+                    num_tiles,
+                    num_m_tiles,
+                    tiles_per_row,
+                    K_TILES,
+                    STAGES,
+                    HAS_USER,
+                    Y_AT,
+                ),
+            ),
+        ],
+        [1],
+        [PRODUCER_REGS],
+    )
 
 
 # ----------------------------------------------------------------------------- host side
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_info(device: torch.device):
     props = torch.cuda.get_device_properties(device)
     return (props.major, props.minor), props.multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
     """`base` with BLOCK_D fitted to D and, where base.stages is 0, the deepest ring (≤ MAX_STAGES)
     that fits one SM's shared memory; a fixed base.stages is kept (the launch fails if it does not fit)."""
     base = base or DEFAULT_CONFIG
     if base.block_m != 2 * base.block_k:
-        raise ValueError(f"WSConfig: block_m ({base.block_m}) must be 2 · block_k ({base.block_k}): the epilogue's "
-                         "second half block [block_m, block_d / 2] fills one [block_k, block_d] cand_emb slot")
+        raise ValueError(
+            f"WSConfig: block_m ({base.block_m}) must be 2 · block_k ({base.block_k}): the epilogue's "
+            "second half block [block_m, block_d / 2] fills one [block_k, block_d] cand_emb slot"
+        )
     block_d = max(16, min(base.block_d, triton.next_power_of_2(dim)))
     cfg = replace(base, block_d=block_d, stages=max(base.stages, 2))
     if base.stages == 0:
@@ -369,7 +476,7 @@ def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
 
@@ -392,8 +499,16 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     return w_desc, x_desc, y_desc, out_desc
 
 
-def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
-               num_programs: int | None = None):
+def _launch_ws(
+    packed: PackedLinearCompress,
+    cand_emb,
+    out,
+    user_part,
+    cand_to_user,
+    bias,
+    cfg: WSConfig,
+    num_programs: int | None = None,
+):
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
@@ -401,18 +516,35 @@ def _launch_ws(packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_u
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
     grid = min(num_programs or _device_info(out.device)[1], num_tiles)
     _lce_ws_kernel[(grid,)](
-        w_desc, x_desc, y_desc, out_desc,
-        cand_to_user, out if bias is None else bias,
-        num_candidates, rows, dim,
-        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages,
-        HAS_USER=user_part is not None, HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        w_desc,
+        x_desc,
+        y_desc,
+        out_desc,
+        cand_to_user,
+        out if bias is None else bias,
+        num_candidates,
+        rows,
+        dim,
+        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k),
+        STAGES=cfg.stages,
+        HAS_USER=user_part is not None,
+        HAS_BIAS=bias is not None,
+        EPI_FREE_AT=cfg.epi_free_at,
+        PRODUCER_REGS=cfg.producer_regs,
+        num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg,
     )
 
 
-def lce_s6(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
-           config: WSConfig | None = None) -> torch.Tensor:
+def lce_s6(
+    packed: PackedLinearCompress,
+    user_emb,
+    cand_emb,
+    cand_to_user,
+    out=None,
+    user_part=None,
+    config: WSConfig | None = None,
+) -> torch.Tensor:
     """out [B, N, D] = packed(user_emb, cand_emb, cand_to_user) through s6, for inputs that passed
     PackedLinearCompress's checks and `s6_supported`. Two launches: the user GEMM (`user_gemm`,
     Y_u [U, N, D]) and `_lce_ws_kernel`. `config` overrides the tile config (benchmarks; stages 0
@@ -429,7 +561,9 @@ def user_gemm(packed: PackedLinearCompress, user_emb, user_part) -> None:
     torch.matmul(packed.user_weight, user_emb, out=user_part)
 
 
-def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out, user_part, cfg, launch) -> torch.Tensor:
+def run_fused(
+    packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out, user_part, cfg, launch
+) -> torch.Tensor:
     """The two launches of s6: the user GEMM Y_u = W_u @ user_emb (`user_gemm`, skipped
     at Ku = 0), then `launch(packed, cand_emb, out, Y_u or None, cand_to_user, bias, cfg)`, the
     candidate GEMM with Y_u[m[b]] + bias fused into its epilogue."""
@@ -450,23 +584,47 @@ def run_fused(packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, ou
     return out
 
 
-def compile_s6(dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, rows: int = 512, dim: int = 256,
-               num_cand_tokens: int = 500, config: WSConfig | None = None, has_user: bool = True,
-               has_bias: bool = True, capability: int = 90):
+def compile_s6(
+    dtype: torch.dtype = torch.bfloat16,
+    num_candidates: int = 1024,
+    rows: int = 512,
+    dim: int = 256,
+    num_cand_tokens: int = 500,
+    config: WSConfig | None = None,
+    has_user: bool = True,
+    has_bias: bool = True,
+    capability: int = 90,
+):
     """Compile `_lce_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
     arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
     `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
     cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
     constexprs = dict(
-        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k), STAGES=cfg.stages, HAS_USER=has_user,
-        HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at, PRODUCER_REGS=cfg.producer_regs,
+        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k),
+        STAGES=cfg.stages,
+        HAS_USER=has_user,
+        HAS_BIAS=has_bias,
+        EPI_FREE_AT=cfg.epi_free_at,
+        PRODUCER_REGS=cfg.producer_regs,
         num_warps=cfg.num_warps,
     )
-    return compile_cpu(_lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability)
+    return compile_cpu(
+        _lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability
+    )
 
 
-def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidates: int, rows: int, dim: int,
-                num_cand_tokens: int, has_user: bool, capability: int):
+def compile_cpu(
+    kernel,
+    cfg,
+    constexprs: dict,
+    dtype: torch.dtype,
+    num_candidates: int,
+    rows: int,
+    dim: int,
+    num_cand_tokens: int,
+    has_user: bool,
+    capability: int,
+):
     """Compile a Gluon kernel with s6's runtime arguments (w_desc, x_desc, y_desc, out_desc, m_ptr,
     bias_ptr, B, N, D) for a CUDA target without a GPU: CPU tensors stand in for the arguments, the
     JIT's own specialization rules give the signature. `constexprs` holds the rest (with num_warps)."""
@@ -476,9 +634,15 @@ def compile_cpu(kernel, cfg, constexprs: dict, dtype: torch.dtype, num_candidate
     out = torch.zeros(2, rows, dim, dtype=dtype)
     w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, out if has_user else None, cfg)
     runtime_args = dict(
-        w_desc=w_desc, x_desc=x_desc, y_desc=y_desc, out_desc=out_desc,
-        m_ptr=torch.zeros(16, dtype=torch.int32), bias_ptr=torch.zeros(16, dtype=dtype),
-        B=num_candidates, N=rows, D=dim,
+        w_desc=w_desc,
+        x_desc=x_desc,
+        y_desc=y_desc,
+        out_desc=out_desc,
+        m_ptr=torch.zeros(16, dtype=torch.int32),
+        bias_ptr=torch.zeros(16, dtype=dtype),
+        B=num_candidates,
+        N=rows,
+        D=dim,
     )
     options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

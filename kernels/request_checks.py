@@ -52,11 +52,15 @@ def _flag_unbounded_kernel(x_ptr, n, abs_max, flag_ptr, BLOCK: tl.constexpr):
 
 def _check_args(x: torch.Tensor, flag: torch.Tensor, dtypes) -> None:
     if x.dtype not in dtypes:
-        raise ValueError(f"x: expected dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {str(x.dtype).replace('torch.', '')}")
+        raise ValueError(
+            f"x: expected dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {str(x.dtype).replace('torch.', '')}"
+        )
     if not x.is_contiguous():
         raise ValueError("x: expected a contiguous tensor (clamped in place)")
     if flag.dtype != torch.float32 or flag.shape != (1,) or flag.device != x.device:
-        raise ValueError(f"flag: expected float32 [1] on {x.device}, got {str(flag.dtype).replace('torch.', '')} {list(flag.shape)} on {flag.device}")
+        raise ValueError(
+            f"flag: expected float32 [1] on {x.device}, got {str(flag.dtype).replace('torch.', '')} {list(flag.shape)} on {flag.device}"
+        )
 
 
 def _use_triton(backend: str, x: torch.Tensor) -> bool:
@@ -69,7 +73,9 @@ def clamp_flagged_(x: torch.Tensor, low: int, high, flag: torch.Tensor, backend:
     _check_args(x, flag, (torch.int32, torch.int64))
     on_device = isinstance(high, torch.Tensor)
     if on_device and (high.dim() != 0 or high.device != x.device):
-        raise ValueError(f"high: expected an int or a 0-d tensor on {x.device}, got shape {list(high.shape)} on {high.device}")
+        raise ValueError(
+            f"high: expected an int or a 0-d tensor on {x.device}, got shape {list(high.shape)} on {high.device}"
+        )
     if not _use_triton(backend, x):
         high = high.to(x.dtype) if on_device else high
         outside = (x < low) | (x > high)

@@ -57,14 +57,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton builds the kernels
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+import torch
+import torch.nn.functional as F
+import triton
+from device_time import device_times, event_ms, host_us
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from device_time import device_times, event_ms, host_us  # noqa: E402
-from kernels import attention  # noqa: E402
-from kernels.attention import TileConfig, ikbo_attention, ikbo_self_target_attention  # noqa: E402
+from kernels import attention
+from kernels.attention import TileConfig, ikbo_attention, ikbo_self_target_attention
 
 SMOKE = "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE or "--host-cpu" in sys.argv else "cuda"
@@ -90,7 +90,12 @@ class Shape:
         return 4 * self.num_users * self.heads * self.seq_len * (self.seq_len + 1) // 2 * self.head_dim
 
     def target_bytes(self, itemsize=2):  # q and out once, K/V once per user
-        return itemsize * self.heads * self.head_dim * (2 * self.num_candidates * self.num_queries + 2 * self.num_users * self.seq_len)
+        return (
+            itemsize
+            * self.heads
+            * self.head_dim
+            * (2 * self.num_candidates * self.num_queries + 2 * self.num_users * self.seq_len)
+        )
 
 
 CANONICAL = Shape(15, 1024, 64, 1024, 4, 128)
@@ -142,7 +147,9 @@ def make_problem(shape: Shape, seed: int = 0, counts=None, with_user_q=False):
     cpu_gen = torch.Generator().manual_seed(seed)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     counts = ragged_counts(shape.num_users, shape.num_candidates) if counts is None else counts
-    mapping = torch.repeat_interleave(torch.arange(shape.num_users), counts)[torch.randperm(int(counts.sum()), generator=cpu_gen)]
+    mapping = torch.repeat_interleave(torch.arange(shape.num_users), counts)[
+        torch.randperm(int(counts.sum()), generator=cpu_gen)
+    ]
 
     def rand(*size):
         return torch.randn(*size, generator=gen, device=DEVICE, dtype=DTYPE)
@@ -176,7 +183,9 @@ def baseline(p):
 def ours(p, config=None):
     if config is None:
         return ikbo_attention(p["q"], p["k"], p["v"], p["cand_to_user"], backend="triton")
-    return attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, 1 / math.sqrt(p["k"].shape[3]), config=config)[0]
+    return attention._launch(
+        p["q"], p["k"], p["v"], p["cand_to_user"], None, 1 / math.sqrt(p["k"].shape[3]), config=config
+    )[0]
 
 
 def dispatched_kernels(p, plan=None):
@@ -194,8 +203,13 @@ def dispatched_kernels(p, plan=None):
 def dispatched_plan(p, shape):
     from kernels import attention_ws
 
-    block_m = attention_ws.TILE_M if attention_ws.prefer_ws(p["q"], p["k"]) else attention.pick_config(
-        shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting()).block_m
+    block_m = (
+        attention_ws.TILE_M
+        if attention_ws.prefer_ws(p["q"], p["k"])
+        else attention.pick_config(
+            shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting()
+        ).block_m
+    )
     return attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, block_m)
 
 
@@ -276,7 +290,18 @@ def fp64_target(p):
 def poisoned_ours(p, user_q=None):
     out = torch.full_like(p["q"], float("nan"))
     user_out = None if user_q is None else torch.full_like(user_q, float("nan"))
-    return attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, 1 / math.sqrt(p["k"].shape[3]), user_q, True, out=out, user_out=user_out)
+    return attention._launch(
+        p["q"],
+        p["k"],
+        p["v"],
+        p["cand_to_user"],
+        None,
+        1 / math.sqrt(p["k"].shape[3]),
+        user_q,
+        True,
+        out=out,
+        user_out=user_out,
+    )
 
 
 def _warm(job):
@@ -313,6 +338,7 @@ def warm_up(jobs, workers=12):
 @dataclass
 class Row:
     """One provider of the canonical table: device busy ms, span ms and SM MHz (device_times), do_bench ms."""
+
     name: str
     ms: float
     flops: float
@@ -340,18 +366,39 @@ def canonical_section(shape, peak, bandwidth, with_flex, tune):
 
     add("baseline (index_select + SDPA)", lambda: baseline(p), shape.target_flops, base_out, "replication timed")
     k_rep, v_rep = (p[n].index_select(0, p["cand_to_user"]) for n in ("k", "v"))
-    add("sdpa_replicated (kernel only)", lambda: F.scaled_dot_product_attention(p["q"], k_rep, v_rep), shape.target_flops)
+    add(
+        "sdpa_replicated (kernel only)",
+        lambda: F.scaled_dot_product_attention(p["q"], k_rep, v_rep),
+        shape.target_flops,
+    )
     del k_rep, v_rep
     if not SMOKE:
         per_user = round(shape.num_candidates / shape.num_users)
-        eq = make_problem(replace(shape, num_candidates=per_user * shape.num_users), seed=2, counts=torch.full((shape.num_users,), per_user))
+        eq = make_problem(
+            replace(shape, num_candidates=per_user * shape.num_users),
+            seed=2,
+            counts=torch.full((shape.num_users,), per_user),
+        )
         order = torch.argsort(eq["cand_to_user"], stable=True)
-        eq["q_packed"] = eq["q"][order].view(shape.num_users, per_user, shape.heads, shape.num_queries, shape.head_dim).transpose(1, 2).reshape(shape.num_users, shape.heads, per_user * shape.num_queries, shape.head_dim)
+        eq["q_packed"] = (
+            eq["q"][order]
+            .view(shape.num_users, per_user, shape.heads, shape.num_queries, shape.head_dim)
+            .transpose(1, 2)
+            .reshape(shape.num_users, shape.heads, per_user * shape.num_queries, shape.head_dim)
+        )
         eq_flops = replace(shape, num_candidates=per_user * shape.num_users).target_flops
-        for name, backend in (("packed_flash", SDPBackend.FLASH_ATTENTION), ("packed_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        for name, backend in (
+            ("packed_flash", SDPBackend.FLASH_ATTENTION),
+            ("packed_cudnn", SDPBackend.CUDNN_ATTENTION),
+        ):
             try:
                 packed(eq, backend)
-                add(f"{name} (equal counts {per_user}/user)", lambda b=backend: packed(eq, b), eq_flops, note=f"B'={per_user * shape.num_users}")
+                add(
+                    f"{name} (equal counts {per_user}/user)",
+                    lambda b=backend: packed(eq, b),
+                    eq_flops,
+                    note=f"B'={per_user * shape.num_users}",
+                )
             except RuntimeError as exc:  # backend not available for this shape/device
                 rows.append(Row(name, float("nan"), eq_flops, note=f"unavailable: {str(exc)[:60]}"))
         del eq
@@ -359,42 +406,86 @@ def canonical_section(shape, peak, bandwidth, with_flex, tune):
         try:
             run, unflatten = make_flex(p, shape)
             add("flex (block mask, ragged)", run, shape.target_flops, unflatten(run()))
-        except Exception as exc:  # noqa: BLE001 (report and go on: a missing peer is not a failure of ours)
-            rows.append(Row("flex", float("nan"), shape.target_flops, note=f"failed: {type(exc).__name__}: {str(exc)[:60]}"))
+        except Exception as exc:
+            rows.append(
+                Row("flex", float("nan"), shape.target_flops, note=f"failed: {type(exc).__name__}: {str(exc)[:60]}")
+            )
     config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting())
     from kernels import attention_ws
 
-    runs = "the Gluon kernel (attention_ws)" if attention_ws.prefer_ws(p["q"], p["k"]) else "the Triton kernel, " + label(config)
-    add("**ours** (ikbo_attention, backend triton)", lambda: ours(p), shape.target_flops, ours(p), "public op, one device sync (input checks); runs " + runs)
+    runs = (
+        "the Gluon kernel (attention_ws)"
+        if attention_ws.prefer_ws(p["q"], p["k"])
+        else "the Triton kernel, " + label(config)
+    )
+    add(
+        "**ours** (ikbo_attention, backend triton)",
+        lambda: ours(p),
+        shape.target_flops,
+        ours(p),
+        "public op, one device sync (input checks); runs " + runs,
+    )
     plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m)
     scale = 1 / math.sqrt(shape.head_dim)
     ws_plan = dispatched_plan(p, shape)
-    add("ours: plan + kernel as dispatched (no input checks)", lambda: dispatched_kernels(p), shape.target_flops,
-        dispatched_kernels(p), "the Gluon kernel where prefer_ws, else the Triton kernel")
+    add(
+        "ours: plan + kernel as dispatched (no input checks)",
+        lambda: dispatched_kernels(p),
+        shape.target_flops,
+        dispatched_kernels(p),
+        "the Gluon kernel where prefer_ws, else the Triton kernel",
+    )
     add("ours: kernel as dispatched, plan given", lambda: dispatched_kernels(p, ws_plan), shape.target_flops)
     # config given: the Triton kernel itself (without one, _launch takes the Gluon kernel where prefer_ws)
-    add("ours: plan + Triton kernel (no input checks)", lambda: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=config), shape.target_flops)
-    add("ours: Triton kernel only (plan given)", lambda: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, plan=plan), shape.target_flops)
-    add("ours: plan kernel only", lambda: attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m), shape.target_flops, note="FLOPs of the op")
+    add(
+        "ours: plan + Triton kernel (no input checks)",
+        lambda: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=config),
+        shape.target_flops,
+    )
+    add(
+        "ours: Triton kernel only (plan given)",
+        lambda: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, plan=plan),
+        shape.target_flops,
+    )
+    add(
+        "ours: plan kernel only",
+        lambda: attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m),
+        shape.target_flops,
+        note="FLOPs of the op",
+    )
     if not SMOKE:  # device time without the host's launches: both captured once, replayed
         base_graph, ours_graph = graph_ms(lambda: baseline(p)), graph_ms(lambda: ours(p))
         rows.append(Row("baseline as a CUDA-graph replay", base_graph, shape.target_flops))
-        rows.append(Row("ours: public op as a CUDA-graph replay (as served)", ours_graph, shape.target_flops,
-                        note=f"{base_graph / ours_graph:.2f}× the baseline's replay"))
+        rows.append(
+            Row(
+                "ours: public op as a CUDA-graph replay (as served)",
+                ours_graph,
+                shape.target_flops,
+                note=f"{base_graph / ours_graph:.2f}× the baseline's replay",
+            )
+        )
     if tune:
         for config in TUNE_CONFIGS:
             add(f"ours {label(config)}", lambda c=config: ours(p, c), shape.target_flops, ours(p, config))
 
     base_ms, base_events = rows[0].ms, rows[0].events
     lines.append(f"Target attention, {shape}, counts {p['counts'].tolist()}, bf16, non-causal")
-    lines.append(f"floor {floor_ms:.3f} ms (FLOPs / {peak / 1e12:.0f} TFLOP/s; bytes / {bandwidth / 1e12:.2f} TB/s); ours rel err vs fp64 {err_ours:.1e} (poisoned output)\n")
-    lines.append("ms: the GPU's busy time for a call's work (CUPTI); span: its first start to last end (with waits for the host between "
-                 "its launches); SM MHz: the SM clock right after each call (median); do_bench: CUDA events around the call (+ host launch time where it outlasts the L2 flush)\n")
-    lines.append("| provider | ms | TFLOP/s | × baseline | % of floor | err vs fp64 | span ms | SM MHz | do_bench ms | × baseline, do_bench | note |")
+    lines.append(
+        f"floor {floor_ms:.3f} ms (FLOPs / {peak / 1e12:.0f} TFLOP/s; bytes / {bandwidth / 1e12:.2f} TB/s); ours rel err vs fp64 {err_ours:.1e} (poisoned output)\n"
+    )
+    lines.append(
+        "ms: the GPU's busy time for a call's work (CUPTI); span: its first start to last end (with waits for the host between "
+        "its launches); SM MHz: the SM clock right after each call (median); do_bench: CUDA events around the call (+ host launch time where it outlasts the L2 flush)\n"
+    )
+    lines.append(
+        "| provider | ms | TFLOP/s | × baseline | % of floor | err vs fp64 | span ms | SM MHz | do_bench ms | × baseline, do_bench | note |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        lines.append(f"| {r.name} | {r.ms:.4f} | {r.flops / r.ms / 1e9:.0f} | {base_ms / r.ms:.2f} | {100 * floor_ms / r.ms * r.flops / shape.target_flops:.0f} | "
-                     f"{r.check} | {r.span:.4f} | {r.mhz:.0f} | {r.events:.4f} | {base_events / r.events:.2f} | {r.note} |")
+        lines.append(
+            f"| {r.name} | {r.ms:.4f} | {r.flops / r.ms / 1e9:.0f} | {base_ms / r.ms:.2f} | {100 * floor_ms / r.ms * r.flops / shape.target_flops:.0f} | "
+            f"{r.check} | {r.span:.4f} | {r.mhz:.0f} | {r.events:.4f} | {base_events / r.events:.2f} | {r.note} |"
+        )
     return lines
 
 
@@ -402,7 +493,9 @@ def self_target_section(shape, peak):
     lines = []
     p = make_problem(shape, seed=3, with_user_q=True)
     cand_out, user_out, _ = poisoned_ours(p, p["user_q"])
-    fp64 = ikbo_self_target_attention(*(p[n].double() for n in ("user_q", "q", "k", "v")), p["cand_to_user"], backend="torch")
+    fp64 = ikbo_self_target_attention(
+        *(p[n].double() for n in ("user_q", "q", "k", "v")), p["cand_to_user"], backend="torch"
+    )
     err = max(rel_err(user_out, fp64[0]), rel_err(cand_out, fp64[1]))
     assert err <= BF16_TOL, f"fused: relative error {err:.2e} vs fp64"
     scale = 1 / math.sqrt(shape.head_dim)
@@ -419,14 +512,20 @@ def self_target_section(shape, peak):
     def fused_ours():
         return attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, p["user_q"])
 
-    triton_config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users + shape.seq_len, attention.interpreting())
-    target_config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting())
+    triton_config = attention.pick_config(
+        shape.num_candidates * shape.num_queries / shape.num_users + shape.seq_len, attention.interpreting()
+    )
+    target_config = attention.pick_config(
+        shape.num_candidates * shape.num_queries / shape.num_users, attention.interpreting()
+    )
 
     def target_triton():  # config given: the Triton kernel itself (without one, _launch may take the Gluon kernel)
         return attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=target_config)[0]
 
     def fused_triton():  # the Triton kernel's fused grid, which the op ran before the Gluon kernel took self tiles
-        return attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, p["user_q"], config=triton_config)
+        return attention._launch(
+            p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, p["user_q"], config=triton_config
+        )
 
     rows = [
         ("self: SDPA is_causal (flash)", timed(self_sdpa), shape.self_flops),
@@ -437,24 +536,40 @@ def self_target_section(shape, peak):
     apart = min(rows[0][1], rows[1][1]) + min(rows[2][1], rows[3][1])
     fused = timed(fused_ours)
     total = shape.self_flops + shape.target_flops
-    public = timed(lambda: ikbo_self_target_attention(p["user_q"], p["q"], p["k"], p["v"], p["cand_to_user"], backend="triton"))
-    rows += [("apart (best self + target)", apart, total), ("**fused** (plan + one launch, as dispatched)", fused, total),
-             ("fused, public op (one device sync)", public, total), ("fused, Triton kernel (plan + one launch)", timed(fused_triton), total)]
+    public = timed(
+        lambda: ikbo_self_target_attention(p["user_q"], p["q"], p["k"], p["v"], p["cand_to_user"], backend="triton")
+    )
+    rows += [
+        ("apart (best self + target)", apart, total),
+        ("**fused** (plan + one launch, as dispatched)", fused, total),
+        ("fused, public op (one device sync)", public, total),
+        ("fused, Triton kernel (plan + one launch)", timed(fused_triton), total),
+    ]
     graph_ratio = ""
     if not SMOKE:  # device time without the host's launches (which bound the eager rows on a slow host)
-        rows += [("apart as one CUDA-graph replay (SDPA self + target as dispatched)", graph_ms(lambda: (self_sdpa(), dispatched_kernels(p))), total),
-                 ("**fused** as a CUDA-graph replay (as dispatched)", graph_ms(fused_ours), total),
-                 ("fused, Triton kernel, as a CUDA-graph replay", graph_ms(fused_triton), total)]
+        rows += [
+            (
+                "apart as one CUDA-graph replay (SDPA self + target as dispatched)",
+                graph_ms(lambda: (self_sdpa(), dispatched_kernels(p))),
+                total,
+            ),
+            ("**fused** as a CUDA-graph replay (as dispatched)", graph_ms(fused_ours), total),
+            ("fused, Triton kernel, as a CUDA-graph replay", graph_ms(fused_triton), total),
+        ]
         graph_ratio = f"; in CUDA-graph replays {rows[-2][1] / rows[-3][1]:.3f}"
     host = {
         "baseline": host_us(lambda: baseline(p), not SMOKE),
         "ours public op (ends with the flag sync)": host_us(lambda: ours(p), not SMOKE),
         "ours plan + kernel launches": host_us(target_ours, not SMOKE),
-        "plan launch alone": host_us(lambda: attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, 128), not SMOKE),
+        "plan launch alone": host_us(
+            lambda: attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, 128), not SMOKE
+        ),
         "self-only launches": host_us(self_ours, not SMOKE),
     }
     lines.append("\nHost time per call (µs, CPU side, 50 calls): " + ", ".join(f"{k} {v:.0f}" for k, v in host.items()))
-    lines.append(f"\nSelf (causal, U×L) + target attention, {shape}; fused rel err vs fp64 {err:.1e}; fused / apart = {fused / apart:.3f}{graph_ratio}\n")
+    lines.append(
+        f"\nSelf (causal, U×L) + target attention, {shape}; fused rel err vs fp64 {err:.1e}; fused / apart = {fused / apart:.3f}{graph_ratio}\n"
+    )
     lines.append("| part | ms | TFLOP/s |")
     lines.append("|---|---:|---:|")
     lines += [f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |" for name, ms, flops in rows]
@@ -468,7 +583,9 @@ def variants_section(shape, peak):
     p = make_problem(shape, seed=5, with_user_q=True)
     scale = 1 / math.sqrt(shape.head_dim)
     ref = fp64_target(p)
-    fused_ref = ikbo_self_target_attention(*(p[n].double() for n in ("user_q", "q", "k", "v")), p["cand_to_user"], backend="torch")
+    fused_ref = ikbo_self_target_attention(
+        *(p[n].double() for n in ("user_q", "q", "k", "v")), p["cand_to_user"], backend="torch"
+    )
     rows, runs = {}, {}
     for name, config in VARIANTS.items():
         if SMOKE:  # the same options on tiles the interpreter runs in seconds
@@ -482,25 +599,48 @@ def variants_section(shape, peak):
         regs = f"{compiled[0].n_regs}/{compiled[0].n_spills}" if compiled else ""
         err = rel_err(out, ref)
         out.fill_(float("nan"))
-        attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, p["user_q"], config=config, out=out, user_out=user_out)
+        attention._launch(
+            p["q"],
+            p["k"],
+            p["v"],
+            p["cand_to_user"],
+            None,
+            scale,
+            p["user_q"],
+            config=config,
+            out=out,
+            user_out=user_out,
+        )
         fused_err = max(rel_err(out, fused_ref[1]), rel_err(user_out, fused_ref[0]))
         rows[name] = [err, fused_err, regs]
-        runs[name] = (lambda c=config, pl=plan: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=c, plan=pl),
-                      lambda c=config: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, p["user_q"], config=c))
+        runs[name] = (
+            lambda c=config, pl=plan: attention._launch(
+                p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=c, plan=pl
+            ),
+            lambda c=config: attention._launch(
+                p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, p["user_q"], config=c
+            ),
+        )
     times = {name: [] for name in VARIANTS}
     for _ in range(2):  # alternating rounds: the spread between them is the noise
         for name, (target, _) in runs.items():
             times[name].append(timed(target))
     fused = {name: timed(run) for name, (_, run) in runs.items()}
     base = min(times[next(iter(VARIANTS))])
-    lines = [f"\nTiles of the Triton kernel, {shape}, bf16; target kernel with the plan given (two alternating rounds), fused = plan + one launch of self (causal) + target\n"]
-    lines.append("| variant | target ms (round 1 / 2) | TFLOP/s | vs default | fused ms | fused TFLOP/s | regs/spill B | err target | err fused |")
+    lines = [
+        f"\nTiles of the Triton kernel, {shape}, bf16; target kernel with the plan given (two alternating rounds), fused = plan + one launch of self (causal) + target\n"
+    ]
+    lines.append(
+        "| variant | target ms (round 1 / 2) | TFLOP/s | vs default | fused ms | fused TFLOP/s | regs/spill B | err target | err fused |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in VARIANTS:
         best = min(times[name])
         err, fused_err, regs = rows[name]
-        lines.append(f"| {name} | {times[name][0]:.3f} / {times[name][1]:.3f} | {shape.target_flops / best / 1e9:.0f} | {base / best:.3f} | "
-                     f"{fused[name]:.3f} | {(shape.target_flops + shape.self_flops) / fused[name] / 1e9:.0f} | {regs} | {err:.1e} | {fused_err:.1e} |")
+        lines.append(
+            f"| {name} | {times[name][0]:.3f} / {times[name][1]:.3f} | {shape.target_flops / best / 1e9:.0f} | {base / best:.3f} | "
+            f"{fused[name]:.3f} | {(shape.target_flops + shape.self_flops) / fused[name] / 1e9:.0f} | {regs} | {err:.1e} | {fused_err:.1e} |"
+        )
     return lines
 
 
@@ -540,7 +680,10 @@ def host_cpu(calls=3000):
 
     attention.plan_buffers = plan_buffers
     attention._choose_backend = lambda backend, k: "triton"  # CPU tensors stand in for CUDA ones
-    lines = ["| shape | plan_tiles | _launch, plan given | _launch | public op (flag read on the CPU) |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| shape | plan_tiles | _launch, plan given | _launch | public op (flag read on the CPU) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for shape in (Shape(15, 64, 1, 256, 4, 64), CANONICAL):
         p = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in make_problem(shape, seed=7).items()}
         config = attention.pick_config(shape.num_candidates * shape.num_queries / shape.num_users, False)
@@ -559,27 +702,46 @@ def host_cpu(calls=3000):
                     fn()
                 best = min(best, (time.perf_counter() - start) / calls * 1e6)
             row.append(f"{best:.1f}")
-        lines.append(f"| U={shape.num_users} B={shape.num_candidates} S={shape.num_queries} L={shape.seq_len} d={shape.head_dim} | " + " | ".join(row) + " |")
+        lines.append(
+            f"| U={shape.num_users} B={shape.num_candidates} S={shape.num_queries} L={shape.seq_len} d={shape.head_dim} | "
+            + " | ".join(row)
+            + " |"
+        )
     return lines
 
 
 # the sweep's extremes and its slowest points (2026-11-29 run), for a short run (--sweep corners)
-CORNERS = [(1, 256, 64, 256), (8, 256, 64, 1), (8, 256, 64, 16), (64, 256, 64, 256), (1, 4096, 128, 1), (64, 4096, 128, 70)]
+CORNERS = [
+    (1, 256, 64, 256),
+    (8, 256, 64, 1),
+    (8, 256, 64, 16),
+    (64, 256, 64, 256),
+    (1, 4096, 128, 1),
+    (64, 4096, 128, 70),
+]
 
 
 def sweep_shapes(points):
     if SMOKE:
-        return [Shape(max(1, 8 // ratio), 8, s, length, 2, d) for s, length, d, ratio in [(1, 40, 16, 1), (8, 20, 32, 4)]]
+        return [
+            Shape(max(1, 8 // ratio), 8, s, length, 2, d) for s, length, d, ratio in [(1, 40, 16, 1), (8, 20, 32, 4)]
+        ]
     return [Shape(SWEEP_CANDIDATES // ratio, SWEEP_CANDIDATES, s, length, 4, d) for s, length, d, ratio in points]
 
 
 def sweep_section(points):
     lines = ["\nSweep (bf16, non-causal target, H=4, B=1024, ragged counts): baseline vs ours, as the public op"]
     lines.append("(input checks: one device sync after its launches) and as plan + the kernel it")
-    lines.append("dispatches to; ms columns: device time of a call (the GPU's busy time, CUPTI); graph columns: both as CUDA-graph replays (back to back,")
-    lines.append("the op captured as served, without its wait); last speedup: plan + kernel by do_bench (host launch time included)\n")
-    lines.append("| S | L | d | B/U | U | baseline ms | ours op ms | ours kernels ms | speedup op | speedup kernels | kernels TFLOP/s "
-                 "| baseline graph ms | ours graph ms | speedup graph | err vs baseline | speedup kernels, do_bench |")
+    lines.append(
+        "dispatches to; ms columns: device time of a call (the GPU's busy time, CUPTI); graph columns: both as CUDA-graph replays (back to back,"
+    )
+    lines.append(
+        "the op captured as served, without its wait); last speedup: plan + kernel by do_bench (host launch time included)\n"
+    )
+    lines.append(
+        "| S | L | d | B/U | U | baseline ms | ours op ms | ours kernels ms | speedup op | speedup kernels | kernels TFLOP/s "
+        "| baseline graph ms | ours graph ms | speedup graph | err vs baseline | speedup kernels, do_bench |"
+    )
     lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     slowest_op = slowest_kernels = slowest_graph = slowest_events = math.inf
     for shape in sweep_shapes(points):
@@ -604,8 +766,10 @@ def sweep_section(points):
             f"{base_graph:.3f} | {op_graph:.3f} | {base_graph / op_graph:.2f} | {err:.1e} | {events_speedup:.2f} |"
         )
         del p, base_out, our_out
-    lines.append(f"\nsmallest speedup over the baseline in the sweep: public op {slowest_op:.2f}×, kernels {slowest_kernels:.2f}×, "
-                 f"CUDA graphs {slowest_graph:.2f}×, kernels by do_bench {slowest_events:.2f}×")
+    lines.append(
+        f"\nsmallest speedup over the baseline in the sweep: public op {slowest_op:.2f}×, kernels {slowest_kernels:.2f}×, "
+        f"CUDA graphs {slowest_graph:.2f}×, kernels by do_bench {slowest_events:.2f}×"
+    )
     return lines
 
 
@@ -636,7 +800,12 @@ WS_SHAPES = [  # timed, bf16, no kv_len
     Shape(64, 1024, 64, 512, 2, 128),  # B/U = 16, L = 512
 ]
 PROFILE_RUNS = [(CANONICAL, WS_AB[0]), (Shape(4, 1024, 64, 4096, 4, 128), WS_AB[0])]
-AB_SHAPES = [CANONICAL, Shape(4, 1024, 64, 4096, 4, 128), Shape(15, 1024, 64, 1024, 4, 64), Shape(64, 1024, 64, 512, 2, 128)]
+AB_SHAPES = [
+    CANONICAL,
+    Shape(4, 1024, 64, 4096, 4, 128),
+    Shape(15, 1024, 64, 1024, 4, 64),
+    Shape(64, 1024, 64, 512, 2, 128),
+]
 
 
 def _ws_problem(check, seed):
@@ -684,9 +853,29 @@ def ws_child(name, phase):
         plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, attention_ws.TILE_M)
         times = []
         for _ in range(2):
-            times.append(timed(lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out, plan=plan)))
-        full = timed(lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out))
-        print(json.dumps(dict(kind="time", variant=name, shape=list(shape.__dict__.values()), kernel_ms=times, plan_kernel_ms=full, err=err)), flush=True)
+            times.append(
+                timed(
+                    lambda: attention_ws.launch_ws(
+                        p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out, plan=plan
+                    )
+                )
+            )
+        full = timed(
+            lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out)
+        )
+        print(
+            json.dumps(
+                dict(
+                    kind="time",
+                    variant=name,
+                    shape=list(shape.__dict__.values()),
+                    kernel_ms=times,
+                    plan_kernel_ms=full,
+                    err=err,
+                )
+            ),
+            flush=True,
+        )
         del p, out, ref
 
 
@@ -708,17 +897,43 @@ def ws_ab_child(names):
             attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=outs[name])
         for name in cfgs:
             errs[name] = rel_err(outs[name], ref if ref is not None else outs[names[0]])
-        print(json.dumps(dict(kind="ab_check", shape=list(shape.__dict__.values()), vs="fp64" if ref is not None else names[0],
-                              err=errs)), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    kind="ab_check",
+                    shape=list(shape.__dict__.values()),
+                    vs="fp64" if ref is not None else names[0],
+                    err=errs,
+                )
+            ),
+            flush=True,
+        )
         del ref
         plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, attention_ws.TILE_M)
         out = outs[names[0]]
         for r in range(AB_ROUNDS):
             for name, cfg in cfgs.items():
-                kernel = timed(lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out, plan=plan))
-                full = timed(lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out))
-                print(json.dumps(dict(kind="ab_time", shape=list(shape.__dict__.values()), round=r, variant=name,
-                                      kernel_ms=kernel, plan_kernel_ms=full)), flush=True)
+                kernel = timed(
+                    lambda: attention_ws.launch_ws(
+                        p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out, plan=plan
+                    )
+                )
+                full = timed(
+                    lambda: attention_ws.launch_ws(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, cfg, out=out)
+                )
+                print(
+                    json.dumps(
+                        dict(
+                            kind="ab_time",
+                            shape=list(shape.__dict__.values()),
+                            round=r,
+                            variant=name,
+                            kernel_ms=kernel,
+                            plan_kernel_ms=full,
+                        )
+                    ),
+                    flush=True,
+                )
         del p, outs, out
 
 
@@ -728,8 +943,15 @@ def _ws_checks(names, timeout_s: float) -> dict[str, tuple[str, str, str]]:
     import subprocess
 
     start = time.perf_counter()
-    procs = {name: subprocess.Popen([sys.executable, __file__, "--ws-child", name, "--ws-phase", "check"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in names}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, __file__, "--ws-child", name, "--ws-phase", "check"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in names
+    }
     done = {}
     for name, proc in procs.items():
         try:
@@ -745,10 +967,12 @@ def _ws_checks(names, timeout_s: float) -> dict[str, tuple[str, str, str]]:
 def _ws_header(title: str, ceilings_line: str) -> list[str]:
     """The first lines of a --ws / --ws-ab table: title and time, device and versions, the ceilings."""
     props = torch.cuda.get_device_properties(0)
-    return [f"# {title}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-            f"device {props.name} ({props.multi_processor_count} SMs), driver {_driver_version()}, "
-            f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}",
-            f"{ceilings_line}\n"]
+    return [
+        f"# {title}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"device {props.name} ({props.multi_processor_count} SMs), driver {_driver_version()}, "
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}",
+        f"{ceilings_line}\n",
+    ]
 
 
 def ws_ab_section(check_timeout_s=100, time_timeout_s=150):
@@ -757,7 +981,10 @@ def ws_ab_section(check_timeout_s=100, time_timeout_s=150):
     import subprocess
 
     peak, _ = ceilings()
-    lines = _ws_header("Gluon FA3-style kernel: WS_AB variants against the default", f"bf16 matmul measured here: {peak / 1e12:.0f} TFLOP/s")
+    lines = _ws_header(
+        "Gluon FA3-style kernel: WS_AB variants against the default",
+        f"bf16 matmul measured here: {peak / 1e12:.0f} TFLOP/s",
+    )
     results, log = [], []
     start = time.perf_counter()
     passed = []
@@ -767,31 +994,43 @@ def ws_ab_section(check_timeout_s=100, time_timeout_s=150):
         results += checks
         errs = [c["err"] for c in checks]
         ok = status == "exit 0" and len(errs) == len(WS_CHECKS) and all(e <= BF16_TOL for e in errs)
-        lines.append(f"- checks {name}: {status}; rel err vs fp64 {', '.join(f'{e:.1e}' for e in errs)}{'' if ok else '; FAILED'}")
+        lines.append(
+            f"- checks {name}: {status}; rel err vs fp64 {', '.join(f'{e:.1e}' for e in errs)}{'' if ok else '; FAILED'}"
+        )
         if ok:
             passed.append(name)
     lines.append(f"(checks: {time.perf_counter() - start:.0f} s)\n")
     if passed and passed[0] == WS_AB[0]:
         start = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--ws-child", "|".join(passed), "--ws-phase", "ab"],
-                                  capture_output=True, text=True, timeout=time_timeout_s)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--ws-child", "|".join(passed), "--ws-phase", "ab"],
+                capture_output=True,
+                text=True,
+                timeout=time_timeout_s,
+            )
             stdout, status = proc.stdout, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
         except subprocess.TimeoutExpired as exc:
             stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             status = f"timeout {time_timeout_s} s"
         log.append(f"== timing: {status}\n{stdout}")
         results += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-        lines.append(f"timing child: {status.splitlines()[0] if status else ''} ({time.perf_counter() - start:.0f} s)\n")
+        lines.append(
+            f"timing child: {status.splitlines()[0] if status else ''} ({time.perf_counter() - start:.0f} s)\n"
+        )
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "attention_ws_ab.json").write_text(json.dumps(dict(peak=peak, results=results), indent=1))
+        Path(os.environ["OUT"], "attention_ws_ab.json").write_text(
+            json.dumps(dict(peak=peak, results=results), indent=1)
+        )
         Path(os.environ["OUT"], "attention_ws_ab_log.txt").write_text("\n".join(log))
     return lines + ws_ab_table(results)
 
 
 def ws_ab_table(results):
     """The --ws-ab table from the timing child's JSON lines."""
-    lines = ["| shape (U, B, S, L, H, d) | variant | round | kernel ms | plan + kernel ms | TFLOP/s (plan + kernel) | err |"]
+    lines = [
+        "| shape (U, B, S, L, H, d) | variant | round | kernel ms | plan + kernel ms | TFLOP/s (plan + kernel) | err |"
+    ]
     lines.append("|---|---|---:|---:|---:|---:|---:|")
     for shape in AB_SHAPES:
         key = list(shape.__dict__.values())
@@ -799,8 +1038,10 @@ def ws_ab_table(results):
         for r in results:
             if r["kind"] == "ab_time" and r["shape"] == key:
                 err = check["err"].get(r["variant"], float("nan"))
-                lines.append(f"| {tuple(key)} | {r['variant']} | {r['round'] + 1} | {r['kernel_ms']:.4f} | {r['plan_kernel_ms']:.4f} | "
-                             f"{shape.target_flops / r['plan_kernel_ms'] / 1e9:.0f} | {err:.1e} vs {check['vs'][:10]} |")
+                lines.append(
+                    f"| {tuple(key)} | {r['variant']} | {r['round'] + 1} | {r['kernel_ms']:.4f} | {r['plan_kernel_ms']:.4f} | "
+                    f"{shape.target_flops / r['plan_kernel_ms'] / 1e9:.0f} | {err:.1e} vs {check['vs'][:10]} |"
+                )
     return lines
 
 
@@ -826,8 +1067,13 @@ def ws_profile():
     print("profiled (in order):", [f"{name} at {shape}" for shape, name in PROFILE_RUNS], flush=True)
 
 
-SCHED_GRID = [(op, length, d, ratio) for op in ("target", "self+target") for length in (512, 1024) for d in (64, 128)
-              for ratio in (16, 70)]  # --ws-sched: S = 64, H = 4, B = 1024, ragged kv_len
+SCHED_GRID = [
+    (op, length, d, ratio)
+    for op in ("target", "self+target")
+    for length in (512, 1024)
+    for d in (64, 128)
+    for ratio in (16, 70)
+]  # --ws-sched: S = 64, H = 4, B = 1024, ragged kv_len
 
 
 def ws_sched_section():
@@ -836,10 +1082,17 @@ def ws_sched_section():
     plan + kernel; the dynamic outputs checked against fp64 first. Returns the table lines."""
     from kernels import attention_ws
 
-    configs = {"dynamic": attention_ws.WSAttentionConfig(dynamic=True), "static": attention_ws.WSAttentionConfig(dynamic=False)}
-    lines = _ws_header("Gluon kernel: items from the atomic counter vs the static order vs the Triton kernel, ragged kv_len", "")
-    lines += ["| op | L | d | B/U | dynamic ms | static ms | Triton ms | Triton / dynamic | Triton / static | rel err (dynamic) |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    configs = {
+        "dynamic": attention_ws.WSAttentionConfig(dynamic=True),
+        "static": attention_ws.WSAttentionConfig(dynamic=False),
+    }
+    lines = _ws_header(
+        "Gluon kernel: items from the atomic counter vs the static order vs the Triton kernel, ragged kv_len", ""
+    )
+    lines += [
+        "| op | L | d | B/U | dynamic ms | static ms | Triton ms | Triton / dynamic | Triton / static | rel err (dynamic) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for op, length, head_dim, ratio in SCHED_GRID:
         shape = Shape(round(SWEEP_CANDIDATES / ratio), SWEEP_CANDIDATES, 64, length, 4, head_dim)
         p = make_problem(shape, seed=length + head_dim + ratio, with_user_q=op != "target")
@@ -848,20 +1101,28 @@ def ws_sched_section():
         out = torch.full_like(p["q"], float("nan"))
         user_out = None if p["user_q"] is None else torch.full_like(p["user_q"], float("nan"))
         extra = {} if user_out is None else dict(user_q=p["user_q"], user_out=user_out)
-        tile = attention.pick_config(shape.num_candidates * 64 / shape.num_users + (length if user_out is not None else 0), False)
-        runs = {name: (lambda cfg=cfg: attention_ws.launch_ws(*args, cfg, out=out, **extra)) for name, cfg in configs.items()}
+        tile = attention.pick_config(
+            shape.num_candidates * 64 / shape.num_users + (length if user_out is not None else 0), False
+        )
+        runs = {
+            name: (lambda cfg=cfg: attention_ws.launch_ws(*args, cfg, out=out, **extra))
+            for name, cfg in configs.items()
+        }
         runs["Triton"] = lambda: attention._launch(*args, p["user_q"], True, config=tile, out=out, user_out=user_out)
         runs["dynamic"]()
         if user_out is None:
             err = f"{rel_err(out, ikbo_attention(*(t.double() for t in args[:3]), p['cand_to_user'], kv_len, backend='torch')):.1e}"
         else:
-            ref_user, ref_cand = ikbo_self_target_attention(p["user_q"].double(), *(t.double() for t in args[:3]), p["cand_to_user"],
-                                                            kv_len, backend="torch")
+            ref_user, ref_cand = ikbo_self_target_attention(
+                p["user_q"].double(), *(t.double() for t in args[:3]), p["cand_to_user"], kv_len, backend="torch"
+            )
             err = f"user {rel_err(user_out, ref_user):.1e}, cand {rel_err(out, ref_cand):.1e}"
             del ref_user, ref_cand
         ms = {name: graph_ms(fn) for name, fn in runs.items()}
-        lines.append(f"| {op} | {length} | {head_dim} | {ratio} | {ms['dynamic']:.4f} | {ms['static']:.4f} | {ms['Triton']:.4f} | "
-                     f"{ms['Triton'] / ms['dynamic']:.2f} | {ms['Triton'] / ms['static']:.2f} | {err} |")
+        lines.append(
+            f"| {op} | {length} | {head_dim} | {ratio} | {ms['dynamic']:.4f} | {ms['static']:.4f} | {ms['Triton']:.4f} | "
+            f"{ms['Triton'] / ms['dynamic']:.2f} | {ms['Triton'] / ms['static']:.2f} | {err} |"
+        )
         print(lines[-1], flush=True)
         del p, out, user_out
         torch.cuda.empty_cache()
@@ -872,8 +1133,16 @@ def _driver_version() -> str:
     import subprocess
 
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=20).stdout.strip().splitlines()[0]
+        return (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
     except (OSError, IndexError, subprocess.SubprocessError):
         return "?"
 
@@ -884,8 +1153,10 @@ def ws_section(check_timeout_s=110, time_timeout_s=60):
     import subprocess
 
     peak, bandwidth = ceilings()
-    lines = _ws_header("Gluon FA3-style kernel vs the Triton kernel",
-                       f"ceilings measured here: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s")
+    lines = _ws_header(
+        "Gluon FA3-style kernel vs the Triton kernel",
+        f"ceilings measured here: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s",
+    )
     results = {"peak": peak, "bandwidth": bandwidth, "triton": {}, "ws": []}
     for shape in WS_SHAPES:  # the Triton kernel (default config) and, at the canonical shape, the baseline
         p = make_problem(shape, seed=7)
@@ -896,14 +1167,22 @@ def ws_section(check_timeout_s=110, time_timeout_s=60):
         attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=config, out=out)
         err = rel_err(out, ref)
         plan = attention.plan_tiles(p["cand_to_user"], shape.num_users, shape.num_queries, config.block_m)
-        kernel = [timed(lambda: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=config, plan=plan)) for _ in range(2)]
+        kernel = [
+            timed(
+                lambda: attention._launch(
+                    p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=config, plan=plan
+                )
+            )
+            for _ in range(2)
+        ]
         full = timed(lambda: attention._launch(p["q"], p["k"], p["v"], p["cand_to_user"], None, scale, config=config))
         base = timed(lambda: baseline(p)) if shape == CANONICAL else float("nan")
         # the public op as served: input checks, plan + (dispatched) kernel, the flag readback
         public = timed(lambda: ikbo_attention(p["q"], p["k"], p["v"], p["cand_to_user"], backend="triton"))
         public_err = rel_err(ikbo_attention(p["q"], p["k"], p["v"], p["cand_to_user"], backend="triton"), ref)
-        results["triton"][str(shape)] = dict(kernel_ms=kernel, plan_kernel_ms=full, err=err, baseline_ms=base,
-                                             public_ms=public, public_err=public_err)
+        results["triton"][str(shape)] = dict(
+            kernel_ms=kernel, plan_kernel_ms=full, err=err, baseline_ms=base, public_ms=public, public_err=public_err
+        )
         del p, out, ref
     torch.cuda.empty_cache()
     log = []
@@ -924,8 +1203,12 @@ def ws_section(check_timeout_s=110, time_timeout_s=60):
             continue  # a variant that failed or hung in its checks is not timed
         start = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--ws-child", name, "--ws-phase", "time"], capture_output=True,
-                                  text=True, timeout=time_timeout_s)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--ws-child", name, "--ws-phase", "time"],
+                capture_output=True,
+                text=True,
+                timeout=time_timeout_s,
+            )
             collect(name, "time", proc.stdout, proc.stderr, f"exit {proc.returncode}", time.perf_counter() - start)
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -939,7 +1222,9 @@ def ws_section(check_timeout_s=110, time_timeout_s=60):
 def ws_table(results):
     """The --ws table from its results (see ws_section)."""
     peak = results["peak"]
-    lines = ["| shape (U, B, S, L, H, d) | provider | kernel ms (round 1 / 2) | plan + kernel ms | TFLOP/s (plan + kernel) | % of matmul | err vs fp64 |"]
+    lines = [
+        "| shape (U, B, S, L, H, d) | provider | kernel ms (round 1 / 2) | plan + kernel ms | TFLOP/s (plan + kernel) | % of matmul | err vs fp64 |"
+    ]
     lines.append("|---|---|---:|---:|---:|---:|---:|")
     for shape in WS_SHAPES:
         key = tuple(shape.__dict__.values())
@@ -948,21 +1233,32 @@ def ws_table(results):
         rows = [("Triton kernel (default)", tri)]
         rows += [(r["variant"], r) for r in results["ws"] if r["kind"] == "time" and tuple(r["shape"]) == key]
         if shape == CANONICAL:
-            lines.append(f"| {key} | baseline (index_select + SDPA) | | {tri['baseline_ms']:.3f} | {flops / tri['baseline_ms'] / 1e9:.0f} | "
-                         f"{100 * flops / tri['baseline_ms'] / 1e-3 / peak:.0f} | |")
+            lines.append(
+                f"| {key} | baseline (index_select + SDPA) | | {tri['baseline_ms']:.3f} | {flops / tri['baseline_ms'] / 1e9:.0f} | "
+                f"{100 * flops / tri['baseline_ms'] / 1e-3 / peak:.0f} | |"
+            )
         if "public_ms" in tri:
-            lines.append(f"| {key} | public op ikbo_attention (dispatch, checks, readback) | | {tri['public_ms']:.3f} | "
-                         f"{flops / tri['public_ms'] / 1e9:.0f} | {100 * flops / tri['public_ms'] / 1e-3 / peak:.0f} | {tri['public_err']:.1e} |")
+            lines.append(
+                f"| {key} | public op ikbo_attention (dispatch, checks, readback) | | {tri['public_ms']:.3f} | "
+                f"{flops / tri['public_ms'] / 1e9:.0f} | {100 * flops / tri['public_ms'] / 1e-3 / peak:.0f} | {tri['public_err']:.1e} |"
+            )
         for name, r in rows:
             ms = r["plan_kernel_ms"]
-            lines.append(f"| {key} | {name} | {r['kernel_ms'][0]:.3f} / {r['kernel_ms'][1]:.3f} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
-                         f"{100 * flops / (ms * 1e-3) / peak:.0f} | {r['err']:.1e} |")
+            lines.append(
+                f"| {key} | {name} | {r['kernel_ms'][0]:.3f} / {r['kernel_ms'][1]:.3f} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
+                f"{100 * flops / (ms * 1e-3) / peak:.0f} | {r['err']:.1e} |"
+            )
     lines.append("\nChecks (rel err vs fp64, NaN-poisoned outputs; WS_CHECKS order) and status per variant:")
     for name in WS_VARIANTS:
         errs = [f"{r['err']:.1e}" for r in results["ws"] if r["kind"] == "check" and r["variant"] == name]
-        status = "; ".join(f"{r['phase']} {r['status']} ({r['seconds']:.0f} s)" for r in results["ws"]
-                           if r["kind"] == "status" and r["variant"] == name)
-        bad = sum(1 for r in results["ws"] if r["kind"] == "check" and r["variant"] == name and not r["err"] <= BF16_TOL)
+        status = "; ".join(
+            f"{r['phase']} {r['status']} ({r['seconds']:.0f} s)"
+            for r in results["ws"]
+            if r["kind"] == "status" and r["variant"] == name
+        )
+        bad = sum(
+            1 for r in results["ws"] if r["kind"] == "check" and r["variant"] == name and not r["err"] <= BF16_TOL
+        )
         lines.append(f"- {name}: {status}; checks {', '.join(errs) or 'none'}{f'; {bad} FAILED' if bad else ''}")
     return lines
 
@@ -972,13 +1268,23 @@ def main(argv):
     parser.add_argument("--sweep", choices=("full", "corners", "none"), default="full")
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--tune", action="store_true", help="also time the TUNE_CONFIGS at the canonical shape")
-    parser.add_argument("--variants", action="store_true", help="time the Triton kernel's tiles of VARIANTS side by side")
+    parser.add_argument(
+        "--variants", action="store_true", help="time the Triton kernel's tiles of VARIANTS side by side"
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
-    parser.add_argument("--host-cpu", action="store_true", help="host µs per call without a GPU (stand-in driver), then exit")
-    parser.add_argument("--ws", action="store_true", help="the Gluon kernel's variants against the Triton kernel, then exit")
-    parser.add_argument("--ws-ab", action="store_true", help="the Gluon kernel's WS_AB variants in alternation, then exit")
+    parser.add_argument(
+        "--host-cpu", action="store_true", help="host µs per call without a GPU (stand-in driver), then exit"
+    )
+    parser.add_argument(
+        "--ws", action="store_true", help="the Gluon kernel's variants against the Triton kernel, then exit"
+    )
+    parser.add_argument(
+        "--ws-ab", action="store_true", help="the Gluon kernel's WS_AB variants in alternation, then exit"
+    )
     parser.add_argument("--ws-profile", action="store_true", help="PROFILE_RUNS once each for ncu, then exit")
-    parser.add_argument("--ws-sched", action="store_true", help="the Gluon kernel's item scheduling with ragged kv_len, then exit")
+    parser.add_argument(
+        "--ws-sched", action="store_true", help="the Gluon kernel's item scheduling with ragged kv_len, then exit"
+    )
     parser.add_argument("--ws-child", help=argparse.SUPPRESS)
     parser.add_argument("--ws-phase", choices=("check", "time", "ab"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1010,10 +1316,14 @@ def main(argv):
     header = [f"# IKBO attention benchmark, {datetime.date.today()}"]
     if not SMOKE:
         props = torch.cuda.get_device_properties(0)
-        header.append(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}")
+        header.append(
+            f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}"
+        )
         jobs = [("target", canonical, None), ("fused", canonical, None), ("self", canonical, None)]
         jobs += [("target", canonical, c) for c in TUNE_CONFIGS] if args.tune else []
-        jobs += [(kind, canonical, c) for c in VARIANTS.values() for kind in ("target", "fused")] if args.variants else []
+        jobs += (
+            [(kind, canonical, c) for c in VARIANTS.values() for kind in ("target", "fused")] if args.variants else []
+        )
         jobs += [("flex", canonical, None)] if not args.no_flex else []
         jobs += [("target", s, None) for s in sweep_shapes(points)]
         header.append(f"compiled {len(jobs)} kernel variants in worker processes: {warm_up(jobs):.0f} s")
@@ -1021,7 +1331,7 @@ def main(argv):
     header.append(f"ceilings measured here: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s\n")
     print("\n".join(header), flush=True)
     lines = header + canonical_section(canonical, peak, bandwidth, not (args.no_flex or SMOKE), args.tune)
-    print("\n".join(lines[len(header):]), flush=True)
+    print("\n".join(lines[len(header) :]), flush=True)
     more = self_target_section(canonical, peak)
     print("\n".join(more), flush=True)
     lines += more

@@ -27,12 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_model import environment  # noqa: E402
+from bench_model import environment
 
-from ikbo_backend.online import OnlineModel, coalesce, make_online_batch, split_by_user, unbatch  # noqa: E402
-from ikbo_backend.ranker import load_weights  # noqa: E402
-from ikbo_backend.requests import to_tensors  # noqa: E402
-from ikbo_backend.serving import ensure_weights, load_shape_ranges, weights_path  # noqa: E402
+from ikbo_backend.online import OnlineModel, coalesce, make_online_batch, split_by_user, unbatch
+from ikbo_backend.ranker import load_weights
+from ikbo_backend.requests import to_tensors
+from ikbo_backend.serving import ensure_weights, load_shape_ranges, weights_path
 
 VARIANTS = ("ikbo", "baseline")
 PROVIDERS = ("default", "invariant")  # default first: the reference of the ratio
@@ -66,7 +66,9 @@ def bench(models: dict, batches: list, runs: int, warmup: int) -> dict[str, floa
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", type=shape, default=[(15, 1020), (64, 4096)], help="UxB: users (= requests) x candidates")
+    parser.add_argument(
+        "--shapes", nargs="+", type=shape, default=[(15, 1020), (64, 4096)], help="UxB: users (= requests) x candidates"
+    )
     parser.add_argument("--runs", type=int, default=50, help="timed calls per provider and shape")
     parser.add_argument("--pool", type=int, default=4, help="distinct fixed batches per shape")
     parser.add_argument("--warmup", type=int, default=3)
@@ -80,7 +82,10 @@ def main(argv=None) -> None:
         rng = np.random.default_rng([args.seed, num_users, num_candidates])
         batches = [online_batch(cfg, num_users, num_candidates, rng) for _ in range(args.pool)]
         for variant in VARIANTS:
-            models = {name: OnlineModel(cfg, weights, ranges, variant=variant, batch_invariant=MODE[name]) for name in PROVIDERS}
+            models = {
+                name: OnlineModel(cfg, weights, ranges, variant=variant, batch_invariant=MODE[name])
+                for name in PROVIDERS
+            }
             medians = bench(models, batches, args.runs, args.warmup)
             default, invariant = medians["default"], medians["invariant"]
             row = f"| {variant} | {num_users}:{num_candidates} | {default:.2f} | {invariant:.2f} | **{invariant / default:.2f}×** |"

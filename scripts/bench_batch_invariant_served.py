@@ -63,7 +63,9 @@ def parse_args(argv=None):
     parser.add_argument("--concurrency", nargs="+", default=["1", "2", "4"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--window-ms", type=int, help="perf_sweep's --window-ms (default: its own)")
-    parser.add_argument("--report-only", action="store_true", help="no measurement: the table of the sweeps already in --out")
+    parser.add_argument(
+        "--report-only", action="store_true", help="no measurement: the table of the sweeps already in --out"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "perf" / "batch_invariant_served")
     return parser.parse_args(argv)
 
@@ -97,10 +99,15 @@ def measure(args) -> None:
                         *(["--window-ms", str(args.window_ms)] if args.window_ms else []),
                         "--out", str(out),
                     ]  # fmt: skip
-                    print(f"# round {rnd}, batch_invariant {modes}, repository {repos[mode]}\n{shlex.join(cmd)}", flush=True)
+                    print(
+                        f"# round {rnd}, batch_invariant {modes}, repository {repos[mode]}\n{shlex.join(cmd)}",
+                        flush=True,
+                    )
                     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
                     (out / "perf_sweep.out").write_text(proc.stdout + proc.stderr)
-                    print(proc.stdout.strip().splitlines()[2] if proc.stdout.strip() else "", flush=True)  # environment line
+                    print(
+                        proc.stdout.strip().splitlines()[2] if proc.stdout.strip() else "", flush=True
+                    )  # environment line
                     if proc.returncode:
                         print(f"perf_sweep exit {proc.returncode}, see {out / 'perf_sweep.out'}", flush=True)
 
@@ -132,7 +139,9 @@ def report(args) -> None:
                     continue
                 best[mode] = max(mine, key=lambda x: x[4])
                 per_round = " / ".join(
-                    f"{max(x[4] for x in mine if x[1] == rnd):,.0f}" for rnd in range(args.rounds) if any(x[1] == rnd for x in mine)
+                    f"{max(x[4] for x in mine if x[1] == rnd):,.0f}"
+                    for rnd in range(args.rounds)
+                    if any(x[1] == rnd for x in mine)
                 )
                 b = best[mode]
                 ratio = ""
@@ -143,7 +152,11 @@ def report(args) -> None:
                         for rnd in range(args.rounds)
                         if any(x[1] == rnd for x in on) and any(x[1] == rnd for x in mine)
                     ]
-                    ratio = f"**{best['on'][4] / best['off'][4]:.2f}×** (per round " + " / ".join(f"{v:.2f}" for v in pairs) + ")"
+                    ratio = (
+                        f"**{best['on'][4] / best['off'][4]:.2f}×** (per round "
+                        + " / ".join(f"{v:.2f}" for v in pairs)
+                        + ")"
+                    )
                 dagger = "†" if "count" in b[8] else ""
                 print(
                     f"| {ranker} | {c} | {'yes' if mode == 'on' else 'no'} | {b[4]:,.0f}{dagger} | {per_round} "

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ikbo_backend import cuda_graphs  # noqa: E402
-from ikbo_backend.ranker import PROFILES, load_weights  # noqa: E402
-from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
-from ikbo_backend.serving import REPO_ROOT, RankerModel, ensure_weights, load_shape_ranges, weights_path  # noqa: E402
+from ikbo_backend import cuda_graphs
+from ikbo_backend.ranker import PROFILES, load_weights
+from ikbo_backend.requests import make_request
+from ikbo_backend.serving import REPO_ROOT, RankerModel, ensure_weights, load_shape_ranges, weights_path
 
 RUNTIME = cuda_graphs._cuda_runtime
 
@@ -100,8 +100,10 @@ def main(argv=None) -> None:
             assert torch.equal(by_torch, models[0](inputs)["scores"])
 
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU (eager, no graphs)"
-    print(f"{device}, torch {torch.__version__}, Python {sys.version.split()[0]}; profile {args.profile!r}, "
-          f"bf16, {'CUDA graphs' if args.device.startswith('cuda') else 'eager'}, U={args.users} B={args.candidates} (make_request, seeded), {args.seconds:g} s per point\n")
+    print(
+        f"{device}, torch {torch.__version__}, Python {sys.version.split()[0]}; profile {args.profile!r}, "
+        f"bf16, {'CUDA graphs' if args.device.startswith('cuda') else 'eager'}, U={args.users} B={args.candidates} (make_request, seeded), {args.seconds:g} s per point\n"
+    )
     print("| replay | threads | requests/s in all | × 1 thread | candidates/s | voluntary context switches / request |")
     print("|---|---:|---:|---:|---:|---:|")
     for round_ in range(1, args.rounds + 1):
@@ -111,7 +113,10 @@ def main(argv=None) -> None:
             for threads in args.threads:
                 rate, switches = point(models, pool, threads, args.seconds)
                 one = one or rate
-                print(f"| {replay} (round {round_}) | {threads} | {rate:,.0f} | {rate / one:.2f} | {rate * args.candidates:,.0f} | {switches:.1f} |", flush=True)
+                print(
+                    f"| {replay} (round {round_}) | {threads} | {rate:,.0f} | {rate / one:.2f} | {rate * args.candidates:,.0f} | {switches:.1f} |",
+                    flush=True,
+                )
     cuda_graphs._cuda_runtime = RUNTIME
 
 

@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton compiles anything
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
+import torch
+import triton
+from device_time import device_times, event_ms, host_us
+from triton.testing import do_bench_cudagraph
 
-from device_time import device_times, event_ms, host_us  # noqa: E402
-from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig  # noqa: E402
-from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, s6_supported, user_gemm, ws_config  # noqa: E402
+from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig
+from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, s6_supported, user_gemm, ws_config
 
 CANONICAL = dict(num_users=15, num_candidates=1024, ku=1024, kc=500, dim=256, rows=512)
 SWEEP_RATIOS = (1, 4, 16, 70, 256, 1024)
@@ -130,7 +130,9 @@ def s0_materialized(user_emb, cand_emb, cand_to_user, weight, bias):
     """S0: user_emb replicated to B rows, concatenated along K, one batched matmul (bias fused)."""
     tokens = torch.cat([user_emb.index_select(0, cand_to_user), cand_emb], dim=1)  # [B, Ku + Kc, D]
     num_candidates, _, dim = tokens.shape
-    return torch.baddbmm(bias[None, :, None].expand(num_candidates, -1, dim), weight.expand(num_candidates, -1, -1), tokens)
+    return torch.baddbmm(
+        bias[None, :, None].expand(num_candidates, -1, dim), weight.expand(num_candidates, -1, -1), tokens
+    )
 
 
 def s1_gather(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias):
@@ -196,21 +198,28 @@ def calibration(p: Problem, packed: PackedLinearCompress, flop_rate, log):
     entries = {
         "cuBLAS: W_c @ cand_emb (torch.matmul)": (lambda: torch.matmul(packed.cand_weight, p.cand_emb), flops),
         "Triton s2 kernel: W_c @ cand_emb": (
-            lambda: packed._launch_tile(packed.cand_weight_padded, p.cand_emb, out, None, False, True, cfg), flops),
+            lambda: packed._launch_tile(packed.cand_weight_padded, p.cand_emb, out, None, False, True, cfg),
+            flops,
+        ),
     }
     if has_s6(p):
         user_part = torch.empty(num_users, rows, dim, dtype=out.dtype, device=DEVICE)
         entries["s6's user GEMM alone: W_u @ user_emb (cuBLAS batched)"] = (
             lambda: user_gemm(packed, p.user_emb, user_part),
-            2.0 * num_users * rows * dim * ku)
+            2.0 * num_users * rows * dim * ku,
+        )
         s6_cfg = ws_config(dim, p.cand_emb.element_size())
         entries["Gluon s6 kernel: W_c @ cand_emb (warp-specialized, no Y_u, no bias)"] = (
-            lambda: _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, s6_cfg), flops)
+            lambda: _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, s6_cfg),
+            flops,
+        )
         if ku:
             user_part6 = torch.empty(num_users, rows, dim, dtype=out.dtype, device=DEVICE)
             user_gemm(packed, p.user_emb, user_part6)
             entries["Gluon s6 kernel with the fused epilogue (+ Y_u[m[b]] + bias; Y_u given)"] = (
-                lambda: _launch_ws(packed, p.cand_emb, out, user_part6, p.cand_to_user, packed.bias, s6_cfg), flops)
+                lambda: _launch_ws(packed, p.cand_emb, out, user_part6, p.cand_to_user, packed.bias, s6_cfg),
+                flops,
+            )
     lines = ["| GEMM alone | ms | TFLOP/s | % of bf16 matmul rate |", "| --- | ---: | ---: | ---: |"]
     for name, (fn, flops) in entries.items():
         ms = time_ms(fn)
@@ -299,15 +308,34 @@ def canonical(shape, flop_rate, copy_rate, with_compile, with_configs, log):
             continue
         baseline_ms = baseline_ms or ms
         baseline_events = baseline_events or events
-        rows.append(dict(name=name, ms=ms, tflops=p.flops() / (ms * 1e-3) / 1e12, pct_floor=100 * floor / ms,
-                         speedup=baseline_ms / ms, rel_err=err, span_ms=span, sm_mhz=mhz, do_bench_ms=events,
-                         speedup_do_bench=baseline_events / events, host_us=host, graph_ms=graph))
-        log(f"  {name}: {ms:.4f} ms, span {span:.4f} ms, do_bench {events:.4f} ms, rel err {err:.2e}, host {host:.0f} us/call, graph {graph:.4f} ms")
-    lines = calibration(p, packed, flop_rate, log) + [""] + [
-        "| provider | device ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | device span ms | SM MHz | do_bench ms "
-        "| × S0, do_bench | host µs/call | CUDA-graph ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+        rows.append(
+            dict(
+                name=name,
+                ms=ms,
+                tflops=p.flops() / (ms * 1e-3) / 1e12,
+                pct_floor=100 * floor / ms,
+                speedup=baseline_ms / ms,
+                rel_err=err,
+                span_ms=span,
+                sm_mhz=mhz,
+                do_bench_ms=events,
+                speedup_do_bench=baseline_events / events,
+                host_us=host,
+                graph_ms=graph,
+            )
+        )
+        log(
+            f"  {name}: {ms:.4f} ms, span {span:.4f} ms, do_bench {events:.4f} ms, rel err {err:.2e}, host {host:.0f} us/call, graph {graph:.4f} ms"
+        )
+    lines = (
+        calibration(p, packed, flop_rate, log)
+        + [""]
+        + [
+            "| provider | device ms | TFLOP/s | % of floor | × S0 eager | rel err (fp64) | device span ms | SM MHz | do_bench ms "
+            "| × S0, do_bench | host µs/call | CUDA-graph ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+    )
     lines += [
         "| {name} | {ms:.4f} | {tflops:.0f} | {pct_floor:.0f}% | {speedup:.2f} | {rel_err:.1e} | {span_ms:.4f} | {sm_mhz:.0f} | "
         "{do_bench_ms:.4f} | {speedup_do_bench:.2f} | {host_us:.0f} | {graph_ms:.4f} |".format(**row)
@@ -325,7 +353,8 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
     graph_head = " S0 graph ms | s3 graph ms | s6 graph ms |" if with_graph else ""
     lines = [
         "| B | U | B/U | S0 eager ms | Triton s3 ms | Triton s4 ms | Gluon s6 ms | best Triton × S0 | floor ms "
-        "| best % of floor | rel err s3 / s4 / s6 | public op ms (default variant) | best Triton × S0, do_bench |" + graph_head,
+        "| best % of floor | rel err s3 / s4 / s6 | public op ms (default variant) | best Triton × S0, do_bench |"
+        + graph_head,
         "|" + " ---: |" * 10 + " --- | ---: | ---: |" + " ---: |" * 3 * with_graph,
     ]
     raw = []
@@ -362,7 +391,9 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
                 log(f"  sweep B={num_candidates} U={num_users} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                 times[name] = events[name] = float("nan")
         graph = " | | |" if with_graph else ""
-        if with_graph and num_candidates <= 1024:  # host overhead matters only for small problems  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
+        if (
+            with_graph and num_candidates <= 1024
+        ):  # host overhead matters only for small problems  # s4 is not captured: inside a graph the op takes s3 (see PackedLinearCompress._triton)
             s0_fn = lambda: s0_materialized(*args, p.weight, p.bias)  # noqa: E731
             s3_fn = lambda: packed._triton(*args, "s3")  # noqa: E731
             s6_graph = graph_ms(lambda: lce_s6(packed, *args)) if has_s6(p) else float("nan")
@@ -370,15 +401,26 @@ def sweep(base_shape, candidate_counts, flop_rate, copy_rate, log, with_graph=Fa
         best = min(t for t in (times["s3"], times["s4"], times["s6"]) if t == t)
         best_events = min(t for t in (events["s3"], events["s4"], events["s6"]) if t == t)
         floor = floor_ms(p, flop_rate, copy_rate)
-        raw.append(dict(B=num_candidates, U=num_users, ratio=ratio, floor_ms=floor, **{k + "_ms": v for k, v in times.items()},
-                        **{k + "_do_bench_ms": v for k, v in events.items()}, **{"err_" + k: v for k, v in errs.items()}))
+        raw.append(
+            dict(
+                B=num_candidates,
+                U=num_users,
+                ratio=ratio,
+                floor_ms=floor,
+                **{k + "_ms": v for k, v in times.items()},
+                **{k + "_do_bench_ms": v for k, v in events.items()},
+                **{"err_" + k: v for k, v in errs.items()},
+            )
+        )
         lines.append(
             f"| {num_candidates} | {num_users} | {num_candidates / num_users:.0f} | {times['S0']:.4f} | "
             f"{times['s3']:.4f} | {times['s4']:.4f} | {times['s6']:.4f} | {times['S0'] / best:.2f} | "
             f"{floor:.4f} | {100 * floor / best:.0f}% | "
             + " / ".join(f"{errs.get(k, float('nan')):.1e}" for k in ("s3", "s4", "s6"))
-            + f" | {times['op']:.4f}" + (" (rel err {:.1e})".format(errs["op"]) if errs.get("op", 0) > 1e-2 else "")
-            + f" | {events['S0'] / best_events:.2f} |" + graph
+            + f" | {times['op']:.4f}"
+            + (" (rel err {:.1e})".format(errs["op"]) if errs.get("op", 0) > 1e-2 else "")
+            + f" | {events['S0'] / best_events:.2f} |"
+            + graph
         )
         log(lines[-1])
         del p, packed, ref
@@ -392,7 +434,10 @@ def ws_probe():
     p = make_problem(**CANONICAL, seed=3)
     packed = PackedLinearCompress.from_weight(p.weight, CANONICAL["ku"], p.bias)
     ref = reference(p)
-    for cfg in (TileConfig(128, 256, 64, 4, 3, warp_specialize=True), TileConfig(128, 128, 64, 4, 3, warp_specialize=True)):
+    for cfg in (
+        TileConfig(128, 256, 64, 4, 3, warp_specialize=True),
+        TileConfig(128, 128, 64, 4, 3, warp_specialize=True),
+    ):
         print(f"ws probe {cfg}: launching", flush=True)
         fn = triton_provider(packed, (p.user_emb, p.cand_emb, p.cand_to_user), "s3", cfg)
         err = check("Triton s3 ws", fn, p, ref)
@@ -403,15 +448,30 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true", help="canonical shape only")
     parser.add_argument("--no-s6", action="store_true", help="leave out s6 (Gluon, warp-specialized)")
-    parser.add_argument("--only", default="", help="canonical: only providers whose names start with one of these (comma-separated)")
-    parser.add_argument("--candidates", default="", help="sweep: candidate counts B (comma-separated; default 64,1024,16384)")
-    parser.add_argument("--ratios", default=",".join(map(str, SWEEP_RATIOS)), help="sweep: B/U ratios (comma-separated)")
+    parser.add_argument(
+        "--only", default="", help="canonical: only providers whose names start with one of these (comma-separated)"
+    )
+    parser.add_argument(
+        "--candidates", default="", help="sweep: candidate counts B (comma-separated; default 64,1024,16384)"
+    )
+    parser.add_argument(
+        "--ratios", default=",".join(map(str, SWEEP_RATIOS)), help="sweep: B/U ratios (comma-separated)"
+    )
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile providers")
-    parser.add_argument("--configs", nargs="?", const="all", choices=("all", "s6"),
-                        help="also time alternative tile configs of s3 / s4 / s6 (all) or of s6 only")
+    parser.add_argument(
+        "--configs",
+        nargs="?",
+        const="all",
+        choices=("all", "s6"),
+        help="also time alternative tile configs of s3 / s4 / s6 (all) or of s6 only",
+    )
     parser.add_argument("--graph", action="store_true", help="sweep: also time S0, s3 and s6 as CUDA-graph replays")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter (checks the script)")
-    parser.add_argument("--ws-probe", action="store_true", help="only run s3 with Hopper warp specialization once (wrap in `timeout`)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter (checks the script)"
+    )
+    parser.add_argument(
+        "--ws-probe", action="store_true", help="only run s3 with Hopper warp specialization once (wrap in `timeout`)"
+    )
     args = parser.parse_args(argv)
     if os.environ.get("OUT"):  # the tables land there: make it rather than lose a finished run
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
@@ -445,7 +505,9 @@ def main(argv=None):
     ceilings = f"ceilings (this run): bf16 matmul 8192³ {flop_rate / 1e12:.0f} TFLOP/s, device copy {copy_rate / 1e12:.2f} TB/s (read + write)"
     log(ceilings)
     lines, rows, floor, p = canonical(shape, flop_rate, copy_rate, not args.no_compile, args.configs, log)
-    shape_line = "canonical: B={num_candidates}, U={num_users} (ragged, unsorted), Ku={ku}, Kc={kc}, D={dim}, N={rows}, {dtype}".format(**shape, dtype=str(DTYPE).replace("torch.", ""))
+    shape_line = "canonical: B={num_candidates}, U={num_users} (ragged, unsorted), Ku={ku}, Kc={kc}, D={dim}, N={rows}, {dtype}".format(
+        **shape, dtype=str(DTYPE).replace("torch.", "")
+    )
     floor_line = (
         f"floor {floor:.4f} ms = max(FLOPs {p.flops() / 1e9:.1f} G / rate = {p.flops() / flop_rate * 1e3:.4f} ms, "
         f"min bytes {p.min_bytes() / 1e6:.0f} MB / copy bw = {p.min_bytes() / copy_rate * 1e3:.4f} ms)"
@@ -458,7 +520,12 @@ def main(argv=None):
     if not args.no_sweep:
         ratios = tuple(int(r) for r in args.ratios.split(","))
         sweep_lines, raw["sweep"] = sweep(shape, candidate_counts, flop_rate, copy_rate, log, args.graph, ratios)
-        report += ["", "sweep (Ku={ku}, Kc={kc}, D={dim}, N={rows}; U = round(B / ratio), at least 1):".format(**shape), "", *sweep_lines]
+        report += [
+            "",
+            "sweep (Ku={ku}, Kc={kc}, D={dim}, N={rows}; U = round(B / ratio), at least 1):".format(**shape),
+            "",
+            *sweep_lines,
+        ]
     text = "\n".join(report)
     print("\n" + text, flush=True)
     if os.environ.get("OUT"):

@@ -42,12 +42,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from make_perf_configs import mix_shape  # noqa: E402
+from make_perf_configs import mix_shape
 
-from ikbo_backend.cuda_graphs import GraphedInteraction  # noqa: E402
-from ikbo_backend.ranker import COMPUTE_DTYPES, PROFILES, build_ranker, load_weights  # noqa: E402
-from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
-from ikbo_backend.serving import REPO_ROOT, ensure_weights, load_shape_ranges, weights_path  # noqa: E402
+from ikbo_backend.cuda_graphs import GraphedInteraction
+from ikbo_backend.ranker import COMPUTE_DTYPES, PROFILES, build_ranker, load_weights
+from ikbo_backend.requests import make_request, to_tensors
+from ikbo_backend.serving import REPO_ROOT, ensure_weights, load_shape_ranges, weights_path
 
 PROVIDERS = ("baseline", "ikbo")  # baseline first: the reference of every ratio
 AGREEMENT = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}  # max |ikbo − baseline| / max |baseline|
@@ -113,7 +113,17 @@ def host_profile(fn, arg, device: torch.device, title: str, rows: int = 30) -> N
     print(f"\n## host profile: {title}\n{table}", file=sys.stderr)
 
 
-def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: int, device=torch.device("cpu"), kernels: bool = False) -> dict:
+def bench_mix(
+    cfg,
+    models,
+    mix: str,
+    runs: int,
+    pool: int,
+    warmup: int,
+    seed: int,
+    device=torch.device("cpu"),
+    kernels: bool = False,
+) -> dict:
     """Median ms per (provider, stage) over `runs` calls, cycling through `pool` fixed requests;
     with `kernels`, also (provider, "kernels"): the kernel-time sum of one interaction call."""
     num_users, num_candidates = mix_shape(mix)
@@ -138,20 +148,26 @@ def bench_mix(cfg, models, mix: str, runs: int, pool: int, warmup: int, seed: in
         for name in models:
             error = float((scores[name] - scores["baseline"]).abs().max() / scores["baseline"].abs().max())
             if not error <= tolerance:
-                raise RuntimeError(f"{mix}: {name} and baseline disagree (max relative error {error:.2e} > {tolerance})")
+                raise RuntimeError(
+                    f"{mix}: {name} and baseline disagree (max relative error {error:.2e} > {tolerance})"
+                )
         for step in range(warmup + runs):
             k = step % pool
             # each provider runs its stages as a block; the block order alternates, so every provider
             # follows itself half the time and the other half the time (symmetric cache/allocator state)
             for name in models if step % 2 else reversed(models):
                 for stage in STAGES:
-                    elapsed = _time_ms(calls[name, stage], features_of[k] if stage == "interaction" else requests[k], device)
+                    elapsed = _time_ms(
+                        calls[name, stage], features_of[k] if stage == "interaction" else requests[k], device
+                    )
                     if step >= warmup:
                         times[name, stage].append(elapsed)
         medians = {key: statistics.median(values) for key, values in times.items()}
         if kernels:
             for name in models:
-                medians[name, "kernels"] = statistics.median(kernel_ms(calls[name, "interaction"], features_of[k], device) for k in range(pool))
+                medians[name, "kernels"] = statistics.median(
+                    kernel_ms(calls[name, "interaction"], features_of[k], device) for k in range(pool)
+                )
             host_profile(calls["ikbo", "interaction"], features_of[0], device, f"{mix} ikbo interaction")
     return medians
 
@@ -188,13 +204,24 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--append", type=Path, default=None, help="append the section to this markdown file")
-    parser.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="model dims (weights/ranker_<profile>.safetensors unless demo)")
+    parser.add_argument(
+        "--profile",
+        default="demo",
+        choices=sorted(PROFILES),
+        help="model dims (weights/ranker_<profile>.safetensors unless demo)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    parser.add_argument("--dtype", default="float32", choices=sorted(COMPUTE_DTYPES), help="compute dtype of the interaction")
+    parser.add_argument(
+        "--dtype", default="float32", choices=sorted(COMPUTE_DTYPES), help="compute dtype of the interaction"
+    )
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS) + ["transformed"])
     parser.add_argument("--backend", default=None, help="kernel backend (default: torch on a CPU, auto on a GPU)")
-    parser.add_argument("--profile-kernels", action="store_true", help="also the kernel-time sum of one interaction call (GPU)")
-    parser.add_argument("--cuda-graphs", action="store_true", help="interactions replayed from CUDA graphs per shape bucket, as served")
+    parser.add_argument(
+        "--profile-kernels", action="store_true", help="also the kernel-time sum of one interaction call (GPU)"
+    )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="interactions replayed from CUDA graphs per shape bucket, as served"
+    )
     args = parser.parse_args(argv)
     for mix in args.mixes:
         mix_shape(mix)  # fail early on an unknown name
@@ -209,11 +236,27 @@ def main(argv=None) -> None:
     models = {name: build_ranker(name, cfg, weights, device, backend=backend, dtype=dtype) for name in providers}
     if args.cuda_graphs:
         ranges = load_shape_ranges()
-        models = {name: (f, GraphedInteraction(i, ranges, device, replay_eagerly=device.type != "cuda")) for name, (f, i) in models.items()}
+        models = {
+            name: (f, GraphedInteraction(i, ranges, device, replay_eagerly=device.type != "cuda"))
+            for name, (f, i) in models.items()
+        }
     results = {}
     for mix in args.mixes:
-        results[mix] = bench_mix(cfg, models, mix, args.runs, args.pool, args.warmup, args.seed, device, args.profile_kernels and device.type == "cuda")
-        print(f"{mix}: whole baseline {results[mix]['baseline', 'whole']:.2f} ms, ikbo {results[mix]['ikbo', 'whole']:.2f} ms", file=sys.stderr)
+        results[mix] = bench_mix(
+            cfg,
+            models,
+            mix,
+            args.runs,
+            args.pool,
+            args.warmup,
+            args.seed,
+            device,
+            args.profile_kernels and device.type == "cuda",
+        )
+        print(
+            f"{mix}: whole baseline {results[mix]['baseline', 'whole']:.2f} ms, ikbo {results[mix]['ikbo', 'whole']:.2f} ms",
+            file=sys.stderr,
+        )
 
     section = (
         "### Model forward, in process (`scripts/bench_model.py`)\n\n"

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights  # noqa: E402
-from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
+from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights
+from ikbo_backend.requests import make_request, to_tensors
 
 
 def take(request: dict[str, np.ndarray], candidates: np.ndarray, users: np.ndarray) -> dict[str, np.ndarray]:

@@ -48,8 +48,10 @@ def bracketed_calls(activities: list[tuple[str, float, float]], skip_markers: in
     markers = [i for i, (name, _, _) in enumerate(ordered) if MARKER in name][skip_markers:]
     if len(markers) % 2:
         raise ValueError(f"{len(markers)} markers after the first {skip_markers}: not whole pairs")
-    return [([(start, start + dur) for _, start, dur in ordered[opening + 1:closing]], ordered[closing][2])
-            for opening, closing in zip(markers[::2], markers[1::2])]
+    return [
+        ([(start, start + dur) for _, start, dur in ordered[opening + 1 : closing]], ordered[closing][2])
+        for opening, closing in zip(markers[::2], markers[1::2])
+    ]
 
 
 def span_and_busy(intervals: list[tuple[float, float]]) -> tuple[float, float]:
@@ -79,8 +81,11 @@ def _trace_activities(prof) -> list[tuple[str, float, float]]:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-            if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    return [
+        (e["name"], float(e["ts"]), float(e["dur"]))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES
+    ]
 
 
 def device_ms(fn, calls: int = 50, warmup: int = 5) -> DeviceTime:
@@ -112,8 +117,12 @@ def device_ms(fn, calls: int = 50, warmup: int = 5) -> DeviceTime:
         raise RuntimeError(f"{len(per_call)} bracketed calls in the trace for {calls} calls")
     times = [span_and_busy(intervals) for intervals, _ in per_call]
     counts = sorted(len(intervals) for intervals, _ in per_call)
-    return DeviceTime(statistics.median(s for s, _ in times) / 1e3, statistics.median(b for _, b in times) / 1e3,
-                      counts[len(counts) // 2], statistics.median(clock_mhz(spin, SPIN_CYCLES, fixed_us) for _, spin in per_call))
+    return DeviceTime(
+        statistics.median(s for s, _ in times) / 1e3,
+        statistics.median(b for _, b in times) / 1e3,
+        counts[len(counts) // 2],
+        statistics.median(clock_mhz(spin, SPIN_CYCLES, fixed_us) for _, spin in per_call),
+    )
 
 
 def wall_ms(fn, runs: int = 3) -> float:

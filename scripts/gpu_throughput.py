@@ -70,7 +70,9 @@ def scrape(url: str) -> dict[Series, float]:
 
 def increments(before: dict[Series, float], after: dict[Series, float]) -> dict[Series, float]:
     """after − before per series (a series new in `after`, or one that went down, counts from 0)."""
-    return {key: value - before.get(key, 0.0) if value >= before.get(key, 0.0) else value for key, value in after.items()}
+    return {
+        key: value - before.get(key, 0.0) if value >= before.get(key, 0.0) else value for key, value in after.items()
+    }
 
 
 @dataclass
@@ -126,7 +128,10 @@ class Report:
         for device, rate in self.per_device().items():
             lines.append(f"| {device} | {rate:,.0f} | {rate / total:.0%} |" if total else f"| {device} | 0 | – |")
         lines += [f"| **total** | **{total:,.0f}** | |", ""]
-        lines += ["| model | gpu_uuid | successes | inferences | executions | inferences/s |", "|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "| model | gpu_uuid | successes | inferences | executions | inferences/s |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for r in self.triton:
             lines.append(
                 f"| {r.model} | {r.gpu_uuid or '–'} | {r.successes:,.0f} | {r.inferences:,.0f} | {r.executions:,.0f} "
@@ -152,9 +157,22 @@ def report(before: dict[Series, float], after: dict[Series, float], seconds: flo
         if not any(counts.values()):
             continue
         if kind == "ikbo":
-            devices.append(DeviceRow(model, where or "-", counts[CANDIDATES], counts[USERS], counts[BATCHES], counts[CANDIDATES] / seconds))
+            devices.append(
+                DeviceRow(
+                    model,
+                    where or "-",
+                    counts[CANDIDATES],
+                    counts[USERS],
+                    counts[BATCHES],
+                    counts[CANDIDATES] / seconds,
+                )
+            )
         else:
-            triton.append(TritonRow(model, where, counts[SUCCESS], counts[INFERENCES], counts[EXECUTIONS], counts[INFERENCES] / seconds))
+            triton.append(
+                TritonRow(
+                    model, where, counts[SUCCESS], counts[INFERENCES], counts[EXECUTIONS], counts[INFERENCES] / seconds
+                )
+            )
     return Report(seconds, devices, triton)
 
 
@@ -162,7 +180,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage="%(prog)s [options] [-- COMMAND ...]")
-    parser.add_argument("--url", default="localhost:8002", help="HOST:PORT of the server's metrics endpoint (default localhost:8002)")
+    parser.add_argument(
+        "--url", default="localhost:8002", help="HOST:PORT of the server's metrics endpoint (default localhost:8002)"
+    )
     parser.add_argument("--duration", type=float, default=30, help="window in seconds when no command is given")
     parser.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)

@@ -32,8 +32,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ikbo_backend.ranker import PROFILES, RankerConfig  # noqa: E402
 from ikbo_backend.online import ONLINE_INPUT_NAMES, make_online_batch, split_by_user  # noqa: E402
+from ikbo_backend.ranker import PROFILES, RankerConfig  # noqa: E402
 from ikbo_backend.requests import INPUT_NAMES, input_widths, make_request  # noqa: E402
 
 DEFAULT_DIR = ROOT / "perf_configs"
@@ -111,7 +111,13 @@ def ensure_online_config(name: str, out_dir=DEFAULT_DIR, cfg: RankerConfig | Non
     return path
 
 
-def write_config(name: str, out_dir=DEFAULT_DIR, num_requests: int = REQUESTS_PER_FILE, seed: int = 0, cfg: RankerConfig | None = None) -> Path:
+def write_config(
+    name: str,
+    out_dir=DEFAULT_DIR,
+    num_requests: int = REQUESTS_PER_FILE,
+    seed: int = 0,
+    cfg: RankerConfig | None = None,
+) -> Path:
     path = Path(out_dir) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     document = perf_data(cfg or RankerConfig(), name, num_requests, seed)
@@ -149,7 +155,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--requests", type=int, default=REQUESTS_PER_FILE, help="requests per file")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="model dims (ikbo_backend.ranker.PROFILES)")
+    parser.add_argument(
+        "--profile", default="demo", choices=sorted(PROFILES), help="model dims (ikbo_backend.ranker.PROFILES)"
+    )
     args = parser.parse_args(argv)
     for name in args.mixes:
         path = write_config(name, args.out, args.requests, args.seed, cfg=PROFILES[args.profile])

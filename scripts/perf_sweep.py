@@ -49,8 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
 from make_perf_configs import DEFAULT_DIR as CONFIG_DIR  # noqa: E402
-from ikbo_backend.ranker import PROFILES  # noqa: E402
 from make_perf_configs import MIXES, candidates_per_request, ensure_config, ensure_online_config, mix_shape  # noqa: E402
+
+from ikbo_backend.ranker import PROFILES  # noqa: E402
 
 RANKERS = ("baseline_ranker", "ikbo_ranker")  # baseline first: the reference of every ratio
 ONLINE_RANKERS = ("baseline_ranker_online", "ikbo_ranker_online")  # one user per request
@@ -167,13 +168,17 @@ def run_perf_analyzer(
     ]  # fmt: skip
     csv_path.unlink(missing_ok=True)
     output = ""
-    for attempt in range(2):  # a perf_analyzer that stalls (seen in request-rate count mode on a loaded 2-core machine, with the server idle) is run once more
+    for attempt in range(
+        2
+    ):  # a perf_analyzer that stalls (seen in request-rate count mode on a loaded 2-core machine, with the server idle) is run once more
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit)
             output, returncode = output + proc.stdout + proc.stderr, proc.returncode
             break
         except subprocess.TimeoutExpired as exc:
-            output += "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (exc.stdout or "", exc.stderr or ""))
+            output += "".join(
+                x.decode(errors="replace") if isinstance(x, bytes) else x for x in (exc.stdout or "", exc.stderr or "")
+            )
             output, returncode = f"{output}\ntimed out after {limit:.0f} s (attempt {attempt + 1} of 2)\n", -1
     with log_path.open("a" if profile.request_count else "w") as log:
         log.write(" ".join(argv) + "\n\n" + output + "\n")
@@ -181,19 +186,25 @@ def run_perf_analyzer(
     rows = []
     if csv_path.exists():
         column = "Request Rate" if request_rate else "Concurrency"
-        rows = [r for r in csv.DictReader(csv_path.open()) if (r.get(column) or "").strip().replace(".", "", 1).isdigit()]
+        rows = [
+            r for r in csv.DictReader(csv_path.open()) if (r.get(column) or "").strip().replace(".", "", 1).isdigit()
+        ]
     if returncode == 0 and rows:
         return rows[-1], mode, "ok"
     rates = [float(m) for m in re.findall(r"Pass \[\d+\] throughput: ([0-9.]+) infer/sec", output)]
     if "failed to obtain stable measurement" in output.lower() and not profile.request_count and rates:
         count = max(5 * concurrency, round(statistics.median(rates) * 3 * profile.window_ms / 1e3))
         fallback = replace(profile, request_count=count)
-        return run_perf_analyzer(model, url, protocol, input_data, concurrency, fallback, csv_path, log_path, timeout_s, request_rate)
+        return run_perf_analyzer(
+            model, url, protocol, input_data, concurrency, fallback, csv_path, log_path, timeout_s, request_rate
+        )
     problem = next((line.strip() for line in output.splitlines() if "error" in line.lower()), None)
     return None, mode, f"error: {problem or f'exit code {returncode}, see {log_path}'}"
 
 
-def to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status, per_request: float | None = None) -> Result:
+def to_result(
+    ranker, mix, protocol, concurrency, repeat, row, mode, status, per_request: float | None = None
+) -> Result:
     """`per_request`: candidates per request (online endpoints), default B of the mix."""
     users, candidates = mix_shape(mix)
     result = Result(ranker, mix, users, candidates, protocol, concurrency, repeat, mode=mode, status=status)
@@ -290,7 +301,10 @@ def transformed_table(results: list[Result]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for mix, protocol, concurrency in dict.fromkeys((r.mix, r.protocol, r.concurrency) for r in results):
-        ikbo, moved = by_key.get((mix, protocol, concurrency, "ikbo_ranker")), by_key.get((mix, protocol, concurrency, TRANSFORMED))
+        ikbo, moved = (
+            by_key.get((mix, protocol, concurrency, "ikbo_ranker")),
+            by_key.get((mix, protocol, concurrency, TRANSFORMED)),
+        )
         if ikbo and moved:
             lines.append(
                 f"| {mix} | {protocol} | {concurrency} | {ikbo.candidates_per_s:,.0f} | {moved.candidates_per_s:,.0f} "
@@ -323,20 +337,37 @@ def plot(results: list[Result], out_dir: Path) -> list[Path]:
         for ax, mix in zip(axes[0], mixes):
             for ranker in RANKERS + ONLINE_RANKERS + (TRANSFORMED,):
                 for protocol, marker in zip(PROTOCOLS, ("o", "s")):
-                    rs = sorted((r for r in good if (r.mix, r.ranker, r.protocol) == (mix, ranker, protocol)), key=lambda r: r.concurrency)
+                    rs = sorted(
+                        (r for r in good if (r.mix, r.ranker, r.protocol) == (mix, ranker, protocol)),
+                        key=lambda r: r.concurrency,
+                    )
                     if not rs:
                         continue
                     label = f"{ranker.replace('_ranker', '')} {protocol}"
                     color = styles[ranker]
                     if name == "throughput":
-                        ax.plot([r.concurrency for r in rs], [r.candidates_per_s for r in rs], marker=marker, color=color, label=label)
+                        ax.plot(
+                            [r.concurrency for r in rs],
+                            [r.candidates_per_s for r in rs],
+                            marker=marker,
+                            color=color,
+                            label=label,
+                        )
                         ax.set_xlabel("concurrency")
                         ax.set_xscale("log", base=2)
                         ax.set_xticks([r.concurrency for r in rs], [str(r.concurrency) for r in rs])
                     else:
                         x = [r.candidates_per_s for r in rs]
                         ax.plot(x, [r.p50_ms for r in rs], marker=marker, color=color, label=f"{label} p50")
-                        ax.plot(x, [r.p99_ms for r in rs], marker=marker, color=color, linestyle="--", alpha=0.6, label=f"{label} p99")
+                        ax.plot(
+                            x,
+                            [r.p99_ms for r in rs],
+                            marker=marker,
+                            color=color,
+                            linestyle="--",
+                            alpha=0.6,
+                            label=f"{label} p99",
+                        )
                         ax.set_xlabel("candidates/s")
             ax.set_ylim(bottom=0)  # after every line: an earlier set_ylim would freeze the top at the first line's
             users, candidates = mix_shape(mix)
@@ -375,7 +406,9 @@ def _measure(plan, results, inputs, online_inputs, per_request, profile, runs_di
     for mix, protocol, concurrency, repeat, ranker in (bar := tqdm(plan, desc="perf_analyzer", unit="run")):
         online = ranker in ONLINE_RANKERS
         in_flight = concurrency * mix_shape(mix)[0] if online else concurrency
-        bar.set_postfix_str(f"{ranker} {mix} {protocol} c={concurrency}" + (f" ({in_flight} in flight)" if online else ""))
+        bar.set_postfix_str(
+            f"{ranker} {mix} {protocol} c={concurrency}" + (f" ({in_flight} in flight)" if online else "")
+        )
         name = f"{ranker}.{mix}.{protocol}.c{concurrency}.r{repeat}"
         row, mode, status = run_perf_analyzer(
             ranker,
@@ -387,7 +420,11 @@ def _measure(plan, results, inputs, online_inputs, per_request, profile, runs_di
             runs_dir / f"{name}.csv",
             runs_dir / f"{name}.log",
         )
-        results.append(to_result(ranker, mix, protocol, concurrency, repeat, row, mode, status, per_request[mix] if online else None))
+        results.append(
+            to_result(
+                ranker, mix, protocol, concurrency, repeat, row, mode, status, per_request[mix] if online else None
+            )
+        )
         results[-1].load1, results[-1].in_flight = os.getloadavg()[0], in_flight
         if status != "ok":
             tqdm.write(f"{name}: {status}, see {runs_dir / name}.log")
@@ -398,21 +435,37 @@ def _interrupt(signum, frame):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--full", action="store_true", help=f"long sweep: {FULL}")
     parser.add_argument("--mixes", nargs="+", choices=list(MIXES), help="override the profile's mixes")
     parser.add_argument("--concurrency", nargs="+", type=int, help="override the profile's concurrency levels")
     parser.add_argument("--window-ms", type=int, help="override the profile's measurement window")
     parser.add_argument("--repeats", type=int, default=1, help="measure every point this many times")
     parser.add_argument("--aggregate", choices=("median", "best"), default="median", help="how repeats are combined")
-    parser.add_argument("--rankers", nargs="+", default=list(RANKERS + ONLINE_RANKERS), choices=list(RANKERS + ONLINE_RANKERS) + [TRANSFORMED])
-    parser.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="model dims of the served config (ikbo_backend.ranker.PROFILES)")
+    parser.add_argument(
+        "--rankers",
+        nargs="+",
+        default=list(RANKERS + ONLINE_RANKERS),
+        choices=list(RANKERS + ONLINE_RANKERS) + [TRANSFORMED],
+    )
+    parser.add_argument(
+        "--profile",
+        default="demo",
+        choices=sorted(PROFILES),
+        help="model dims of the served config (ikbo_backend.ranker.PROFILES)",
+    )
     parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=list(PROTOCOLS))
     parser.add_argument("--url", help="HOST:PORT of a running server's HTTP endpoint (no server is started)")
     parser.add_argument("--grpc-url", help="HOST:PORT of its gRPC endpoint (default: the HTTP port + 1)")
     parser.add_argument("--model-repository", type=Path, help="for the started server (default: the project's)")
     parser.add_argument("--config-name", help="for the started server: --model-config-name (e.g. a GPU config)")
-    parser.add_argument("--configs", type=Path, help="directory of the --input-data files (default perf_configs/, perf_configs/<profile>/)")
+    parser.add_argument(
+        "--configs",
+        type=Path,
+        help="directory of the --input-data files (default perf_configs/, perf_configs/<profile>/)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "perf")
     return parser.parse_args(argv)
 
@@ -431,7 +484,9 @@ def environment(version: str, profile: Profile, repeats: int, how: str) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     base = FULL if args.full else SHORT
-    profile = replace(base, mixes=tuple(args.mixes or base.mixes), concurrency=tuple(args.concurrency or base.concurrency))
+    profile = replace(
+        base, mixes=tuple(args.mixes or base.mixes), concurrency=tuple(args.concurrency or base.concurrency)
+    )
     profile = replace(profile, window_ms=args.window_ms or base.window_ms)
     runs_dir = args.out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -446,7 +501,7 @@ def main(argv=None) -> None:
         from tqdm import tqdm
     except ImportError:  # progress on stderr without tqdm (a bare GPU machine's Python)
 
-        class tqdm(list):  # noqa: N801
+        class tqdm(list):
             def __init__(self, items, **_):
                 super().__init__(items)
 
@@ -495,7 +550,9 @@ def main(argv=None) -> None:
     if args.repeats > 1:
         write_csv(summary, args.out / f"sweep_{args.aggregate}.csv")
     plots = plot(summary, args.out)
-    print(f"\n### Server throughput (`scripts/perf_sweep.py`)\n\n{environment(version, profile, args.repeats, args.aggregate)}; model profile {args.profile!r}.\n\n{markdown_table(summary)}\n")
+    print(
+        f"\n### Server throughput (`scripts/perf_sweep.py`)\n\n{environment(version, profile, args.repeats, args.aggregate)}; model profile {args.profile!r}.\n\n{markdown_table(summary)}\n"
+    )
     if any(r.ranker == TRANSFORMED for r in summary):
         print(f"{transformed_table(summary)}\n")
     print(f"wrote {args.out / 'sweep.csv'}" + "".join(f", {p}" for p in plots))

@@ -33,7 +33,9 @@ SMI = Path("/tmp/smi_logs")
 
 def smi_fields():
     for fields in (FIELDS, FIELDS.replace("clocks_event_reasons", "clocks_throttle_reasons")):
-        r = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        r = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"], capture_output=True, text=True
+        )
         if r.returncode == 0:
             return fields
     return "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"
@@ -46,8 +48,11 @@ def run_phase(name, fn, fields, flops=None):
     SMI.mkdir(exist_ok=True)
     log = SMI / ("".join(c if c.isalnum() else "_" for c in name) + ".csv")
     with open(log, "w") as sink:
-        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50"],
-                               stdout=sink, stderr=subprocess.DEVNULL)
+        smi = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50"],
+            stdout=sink,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(0.3)
         start = time.perf_counter()
         n = 0
@@ -65,7 +70,7 @@ def run_phase(name, fn, fields, flops=None):
         smi.wait()
     ms = ev0.elapsed_time(ev1) / n
     rows = [line.split(", ") for line in log.read_text().splitlines() if line.strip()]
-    rows = rows[len(rows) // 5:]  # drop the ramp
+    rows = rows[len(rows) // 5 :]  # drop the ramp
     sm, mem, power, temp = (_median_range(_column(rows, i)) for i in (1, 2, 3, 4))
     reasons = " ".join(sorted({r[5] for r in rows if len(r) > 5}))
     rate = f"{flops / ms / 1e9:.0f}" if flops else ""
@@ -96,17 +101,34 @@ def _gemm_phase(name, fields):
 
 def main():
     from bench_lce import CANONICAL, make_problem
+
     from kernels.linear_compress import PackedLinearCompress
     from kernels.linear_compress_ws import _launch_ws, lce_s6, ws_config
 
     OUT.mkdir(parents=True, exist_ok=True)
     fields = smi_fields()
-    info = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,power.limit,power.default_limit,clocks.max.sm,"
-                           "clocks.applications.graphics,temperature.gpu", "--format=csv"], capture_output=True, text=True).stdout
-    lines = [f"# Clock / power probe, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", "", "```", info.strip(), "```", "",
-             f"torch {torch.__version__}, nvidia-smi fields: {fields}", "",
-             "| phase | ms / launch | TFLOP/s | SM MHz median (min–max) | mem MHz | power W | temp C | throttle reasons (hex) | samples |",
-             "|---|---:|---:|---|---|---|---|---|---:|"]
+    info = subprocess.run(
+        [
+            "nvidia-smi",
+            "--query-gpu=name,driver_version,power.limit,power.default_limit,clocks.max.sm,"
+            "clocks.applications.graphics,temperature.gpu",
+            "--format=csv",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout
+    lines = [
+        f"# Clock / power probe, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+        "",
+        "```",
+        info.strip(),
+        "```",
+        "",
+        f"torch {torch.__version__}, nvidia-smi fields: {fields}",
+        "",
+        "| phase | ms / launch | TFLOP/s | SM MHz median (min–max) | mem MHz | power W | temp C | throttle reasons (hex) | samples |",
+        "|---|---:|---:|---|---|---|---|---|---:|",
+    ]
     lines.append(run_phase("idle (sleep)", lambda: time.sleep(0.01), fields))
     lines.append(_gemm_phase("cuBLAS bf16 8192^3", fields))
     p = make_problem(**CANONICAL, seed=7)
@@ -114,20 +136,44 @@ def main():
     num_users, num_candidates, ku, kc, dim, rows = p.shape
     lce_flops = 2 * rows * dim * (num_users * ku + num_candidates * kc)
     out = torch.empty(num_candidates, rows, dim, device="cuda", dtype=p.cand_emb.dtype)
-    lines.append(run_phase("LCE s6 op (canonical)", lambda: lce_s6(packed, p.user_emb, p.cand_emb, p.cand_to_user, out=out),
-                           fields, lce_flops))
+    lines.append(
+        run_phase(
+            "LCE s6 op (canonical)",
+            lambda: lce_s6(packed, p.user_emb, p.cand_emb, p.cand_to_user, out=out),
+            fields,
+            lce_flops,
+        )
+    )
     cfg = ws_config(dim, p.cand_emb.element_size())
-    lines.append(run_phase("LCE s6 kernel alone", lambda: _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, cfg),
-                           fields, 2 * rows * dim * num_candidates * kc))
+    lines.append(
+        run_phase(
+            "LCE s6 kernel alone",
+            lambda: _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, cfg),
+            fields,
+            2 * rows * dim * num_candidates * kc,
+        )
+    )
     del p, packed, out
-    from bench_attention import CANONICAL as ACANON, dispatched_kernels, dispatched_plan, make_problem as amake
+    from bench_attention import CANONICAL as ACANON
+    from bench_attention import dispatched_kernels, dispatched_plan
+    from bench_attention import make_problem as amake
+
     ap = amake(ACANON, seed=3)
     plan = dispatched_plan(ap, ACANON)
-    lines.append(run_phase("attention kernels as dispatched (plan given)", lambda: dispatched_kernels(ap, plan), fields,
-                           ACANON.target_flops))
+    lines.append(
+        run_phase(
+            "attention kernels as dispatched (plan given)",
+            lambda: dispatched_kernels(ap, plan),
+            fields,
+            ACANON.target_flops,
+        )
+    )
     lines.append(_gemm_phase("cuBLAS bf16 8192^3 (again)", fields))
-    lines += ["", "Throttle reason bits (nvidia-smi): 0x1 GPU idle, 0x4 SW power cap, 0x8 HW slowdown, 0x20 SW thermal, "
-              "0x40 HW thermal, 0x80 HW power brake; 0x0 none."]
+    lines += [
+        "",
+        "Throttle reason bits (nvidia-smi): 0x1 GPU idle, 0x4 SW power cap, 0x8 HW slowdown, 0x20 SW thermal, "
+        "0x40 HW thermal, 0x80 HW power brake; 0x0 none.",
+    ]
     (OUT / "clock_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -46,14 +46,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from device_time import device_ms  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
+import torch
+import triton
+from device_time import device_ms
+from triton.testing import do_bench_cudagraph
 
-from kernels.linear_compress import PackedLinearCompress  # noqa: E402
-from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, user_gemm, ws_config  # noqa: E402
-from scripts.bench_lce import CANONICAL, make_problem, measure_ceilings, reference, rel_err  # noqa: E402
+from kernels.linear_compress import PackedLinearCompress
+from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, user_gemm, ws_config
+from scripts.bench_lce import CANONICAL, make_problem, measure_ceilings, reference, rel_err
 
 STEP_LIMIT_S = 90
 WARM_LIMIT_S = 40  # --no-k-scaling: the warm workers' compiles and tiny runs (~10 s at Kc = 500)
@@ -105,8 +105,15 @@ def warm(index: int):
     """Compile one job's kernels by running it once on a tiny problem (B = 2) with the same specialization."""
     name, kc, with_user = warm_jobs()[index]
     num_candidates = 2
-    p = make_problem(num_users=1, num_candidates=num_candidates, ku=CANONICAL["ku"] if with_user else 0, kc=kc, dim=DIM,
-                     rows=ROWS, seed=0)
+    p = make_problem(
+        num_users=1,
+        num_candidates=num_candidates,
+        ku=CANONICAL["ku"] if with_user else 0,
+        kc=kc,
+        dim=DIM,
+        rows=ROWS,
+        seed=0,
+    )
     packed = PackedLinearCompress.from_weight(p.weight, p.user_emb.shape[1], p.bias if with_user else None)
     out = torch.empty(num_candidates, ROWS, DIM, dtype=p.cand_emb.dtype, device="cuda")
     if with_user:
@@ -137,13 +144,19 @@ class Watchdog:
 
 def versions() -> str:
     try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception as exc:  # noqa: BLE001
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+    except Exception as exc:
         driver = f"? ({type(exc).__name__})"
-    return (f"device {torch.cuda.get_device_name()}, driver {driver}, torch {torch.__version__}, "
-            f"triton {triton.__version__}, python {sys.version.split()[0]}, "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    return (
+        f"device {torch.cuda.get_device_name()}, driver {driver}, torch {torch.__version__}, "
+        f"triton {triton.__version__}, python {sys.version.split()[0]}, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    )
 
 
 def med(fn, calls=100) -> float:
@@ -183,16 +196,25 @@ def main():
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     t_start = time.monotonic()
     order, k_scaling = run_options()
-    workers = [subprocess.Popen([sys.executable, __file__, "--warm", str(i), *option_args()]) for i in range(len(warm_jobs()))]
+    workers = [
+        subprocess.Popen([sys.executable, __file__, "--warm", str(i), *option_args()]) for i in range(len(warm_jobs()))
+    ]
     header = versions()
     rows, notes, raw = [], [], {"header": header}
 
     def table():
-        lines = [header, *notes, "",
-                 "| variant | ms | CUDA-graph ms | TFLOP/s | % of ceiling | rel err | kernel alone ms | kernel + fused epilogue ms |",
-                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {r['name']} | {r['ms']:.4f} | {r['graph_ms']:.4f} | {r['tflops']:.0f} | {r['pct']:.0f}% | "
-                  f"{r['err']:.1e} | {r['alone_ms']:.4f} | {r['fused_ms']:.4f} |" for r in rows]
+        lines = [
+            header,
+            *notes,
+            "",
+            "| variant | ms | CUDA-graph ms | TFLOP/s | % of ceiling | rel err | kernel alone ms | kernel + fused epilogue ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {r['name']} | {r['ms']:.4f} | {r['graph_ms']:.4f} | {r['tflops']:.0f} | {r['pct']:.0f}% | "
+            f"{r['err']:.1e} | {r['alone_ms']:.4f} | {r['fused_ms']:.4f} |"
+            for r in rows
+        ]
         lines += raw.get("k_lines", [])
         return "\n".join(lines)
 
@@ -224,8 +246,10 @@ def main():
     if not k_scaling:  # nothing compiles beside the timings (the long-K compile is not in this run)
         dog.step("warm workers' compiles")
         failed = wait_warm(workers, time.monotonic() + WARM_LIMIT_S)
-        notes.append(f"warm compiles done at {time.monotonic() - t_start:.0f} s"
-                     + (f"; not timed (warm run failed or hung): {sorted(failed)}" if failed else ""))
+        notes.append(
+            f"warm compiles done at {time.monotonic() - t_start:.0f} s"
+            + (f"; not timed (warm run failed or hung): {sorted(failed)}" if failed else "")
+        )
         print(notes[-1], flush=True)
     for n, name in enumerate(order):
         if name in failed:
@@ -240,11 +264,23 @@ def main():
             graph = graph_med(lambda: lce_s6(packed, *args, config=VARIANTS[name]))
             alone = med(lambda: _launch_ws(packed, p.cand_emb, out, None, p.cand_to_user, None, cfg))
             fused = med(lambda: _launch_ws(packed, p.cand_emb, out, y_u, p.cand_to_user, packed.bias, cfg))
-        except Exception as exc:  # noqa: BLE001  one variant's failure must not end the run
+        except Exception as exc:
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
-        rows.append(dict(name=label, variant=name, config=asdict(cfg), ms=ms, graph_ms=graph, tflops=work / ms / 1e9,
-                         pct=100 * work / flop_rate / (ms * 1e-3), err=err, alone_ms=alone, fused_ms=fused))
+        rows.append(
+            dict(
+                name=label,
+                variant=name,
+                config=asdict(cfg),
+                ms=ms,
+                graph_ms=graph,
+                tflops=work / ms / 1e9,
+                pct=100 * work / flop_rate / (ms * 1e-3),
+                err=err,
+                alone_ms=alone,
+                fused_ms=fused,
+            )
+        )
         print(rows[-1], f"t={time.monotonic() - t_start:.0f}s", flush=True)
         save()
     del p, packed, y_u, out
@@ -285,6 +321,7 @@ def pick_winner(rows, notes) -> str:
     CUDA graphs (each name's best timing against the default's best); its WSConfig fields that differ
     from WSConfig() as "name=value,…", or "" where none does. Noise: the larger of 1 % and the relative
     spread between two timings of one name (the default's, and the variant's where it ran twice)."""
+
     def best(name, key):
         return min(r[key] for r in rows if r["variant"] == name)
 
@@ -300,8 +337,10 @@ def pick_winner(rows, notes) -> str:
             continue
         noise = {key: max(0.01, spread("default", key), spread(name, key)) for key in ("ms", "graph_ms")}
         gains = {key: 1 - best(name, key) / best("default", key) for key in ("ms", "graph_ms")}
-        notes.append(f"{name}: eager {100 * gains['ms']:+.1f} % (noise {100 * noise['ms']:.1f} %), "
-                     f"graph {100 * gains['graph_ms']:+.1f} % (noise {100 * noise['graph_ms']:.1f} %) against the default")
+        notes.append(
+            f"{name}: eager {100 * gains['ms']:+.1f} % (noise {100 * noise['ms']:.1f} %), "
+            f"graph {100 * gains['graph_ms']:+.1f} % (noise {100 * noise['graph_ms']:.1f} %) against the default"
+        )
         if all(gains[key] > noise[key] for key in gains):
             good.append(name)
     if not good:
@@ -319,12 +358,14 @@ def k_scaling_probe(dog, raw, workers, flop_rate, num_candidates, t_start, save)
     """K scaling, the kernel alone (no Y_u, no bias), default config, Kc = K_SCALING; fit a + b · steps."""
     # K scaling: the kernel alone (no Y_u, no bias) at 8 … 128 K steps per tile; the busiest SM runs
     # ceil(4096 / 132) = 32 tiles of 128 × 256.
-    tiles_busiest = triton.cdiv(num_candidates * (ROWS // 128) * (DIM // 256), torch.cuda.get_device_properties(0).multi_processor_count)
+    tiles_busiest = triton.cdiv(
+        num_candidates * (ROWS // 128) * (DIM // 256), torch.cuda.get_device_properties(0).multi_processor_count
+    )
     k_rows = []
     for kc in K_SCALING:
         dog.step(f"K scaling Kc={kc}", limit=120 if kc == LONG_K else STEP_LIMIT_S)
         if kc == LONG_K:  # wait for the workers' compiles (jobs 0, 1): a second compile here doubles the time
-            for w in workers[:2 * len(LONG_K_VARIANTS)]:
+            for w in workers[: 2 * len(LONG_K_VARIANTS)]:
                 w.wait()
         q = make_problem(**dict(CANONICAL, kc=kc), seed=kc)
         qp = PackedLinearCompress.from_weight(q.weight, CANONICAL["ku"], q.bias)
@@ -333,13 +374,20 @@ def k_scaling_probe(dog, raw, workers, flop_rate, num_candidates, t_start, save)
         steps = triton.cdiv(kc, cfg.block_k)
         cand_flops = 2.0 * ROWS * DIM * kc * num_candidates
         alone = med(lambda: _launch_ws(qp, q.cand_emb, qo, None, q.cand_to_user, None, cfg), calls=50)
-        row = dict(kc=kc, steps=steps, alone_ms=alone, alone_tflops=cand_flops / alone / 1e9,
-                   us_per_tile=alone * 1e3 / tiles_busiest)
+        row = dict(
+            kc=kc,
+            steps=steps,
+            alone_ms=alone,
+            alone_tflops=cand_flops / alone / 1e9,
+            us_per_tile=alone * 1e3 / tiles_busiest,
+        )
         if kc == LONG_K:
             cublas = med(lambda: torch.matmul(qp.cand_weight, q.cand_emb), calls=50)
             row.update(cublas_ms=cublas, cublas_tflops=cand_flops / cublas / 1e9)
             for name in LONG_K_VARIANTS:
-                full_ms = med(lambda: lce_s6(qp, q.user_emb, q.cand_emb, q.cand_to_user, out=qo, config=VARIANTS[name]), calls=50)
+                full_ms = med(
+                    lambda: lce_s6(qp, q.user_emb, q.cand_emb, q.cand_to_user, out=qo, config=VARIANTS[name]), calls=50
+                )
                 row[f"{name}_full_ms"] = full_ms
                 row[f"{name}_full_tflops"] = flops(*q.shape) / full_ms / 1e9
             del q, qp, qo
@@ -350,24 +398,40 @@ def k_scaling_probe(dog, raw, workers, flop_rate, num_candidates, t_start, save)
         print(row, f"t={time.monotonic() - t_start:.0f}s", flush=True)
         save()
     raw["k_scaling"] = k_rows
-    step_ceiling_us = 2.0 * 128 * 256 * 64 / (flop_rate / torch.cuda.get_device_properties(0).multi_processor_count) * 1e6
+    step_ceiling_us = (
+        2.0 * 128 * 256 * 64 / (flop_rate / torch.cuda.get_device_properties(0).multi_processor_count) * 1e6
+    )
     xs = [r["steps"] for r in k_rows]
     ys = [r["us_per_tile"] for r in k_rows]
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
     intercept = mean_y - slope * mean_x
     raw.update(step_ceiling_us=step_ceiling_us, per_step_us=slope, per_tile_us=intercept)
-    k_lines = ["", f"K scaling, kernel alone (no Y_u, no bias), default config; {tiles_busiest} tiles of 128 × 256 on the busiest SM; "
-               f"one 64-deep step at the ceiling = {step_ceiling_us:.3f} µs per SM",
-               "| Kc | K steps | ms | TFLOP/s | % of ceiling | µs per tile |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-    k_lines += [f"| {r['kc']} | {r['steps']} | {r['alone_ms']:.4f} | {r['alone_tflops']:.0f} | "
-                f"{100 * r['alone_tflops'] * 1e12 / flop_rate:.0f}% | {r['us_per_tile']:.2f} |" for r in k_rows]
-    k_lines.append(f"fit: µs per tile = {intercept:.2f} + {slope:.3f} · steps (per step {100 * step_ceiling_us / slope:.0f}% of the ceiling's rate)")
+    k_lines = [
+        "",
+        f"K scaling, kernel alone (no Y_u, no bias), default config; {tiles_busiest} tiles of 128 × 256 on the busiest SM; "
+        f"one 64-deep step at the ceiling = {step_ceiling_us:.3f} µs per SM",
+        "| Kc | K steps | ms | TFLOP/s | % of ceiling | µs per tile |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    k_lines += [
+        f"| {r['kc']} | {r['steps']} | {r['alone_ms']:.4f} | {r['alone_tflops']:.0f} | "
+        f"{100 * r['alone_tflops'] * 1e12 / flop_rate:.0f}% | {r['us_per_tile']:.2f} |"
+        for r in k_rows
+    ]
+    k_lines.append(
+        f"fit: µs per tile = {intercept:.2f} + {slope:.3f} · steps (per step {100 * step_ceiling_us / slope:.0f}% of the ceiling's rate)"
+    )
     long_row = k_rows[-1]
     if "cublas_ms" in long_row:
-        k_lines.append(f"Kc = {LONG_K}: cuBLAS W_c @ cand_emb {long_row['cublas_ms']:.4f} ms ({long_row['cublas_tflops']:.0f} TFLOP/s); "
-                       + ", ".join(f"{n} whole op {long_row[f'{n}_full_ms']:.4f} ms ({long_row[f'{n}_full_tflops']:.0f} TFLOP/s)" for n in LONG_K_VARIANTS)
-                       + f"; rel err (first 64 candidates) {long_row['err_first64']:.1e}")
+        k_lines.append(
+            f"Kc = {LONG_K}: cuBLAS W_c @ cand_emb {long_row['cublas_ms']:.4f} ms ({long_row['cublas_tflops']:.0f} TFLOP/s); "
+            + ", ".join(
+                f"{n} whole op {long_row[f'{n}_full_ms']:.4f} ms ({long_row[f'{n}_full_tflops']:.0f} TFLOP/s)"
+                for n in LONG_K_VARIANTS
+            )
+            + f"; rel err (first 64 candidates) {long_row['err_first64']:.1e}"
+        )
     raw["k_lines"] = k_lines
     save()
 
@@ -381,8 +445,15 @@ def ncu_target():
     torch.cuda.synchronize()
 
 
-NCU_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
-                "WarpStateStats", "SchedulerStats", "SourceCounters")
+NCU_SECTIONS = (
+    "SpeedOfLight",
+    "ComputeWorkloadAnalysis",
+    "MemoryWorkloadAnalysis",
+    "MemoryWorkloadAnalysis_Tables",
+    "WarpStateStats",
+    "SchedulerStats",
+    "SourceCounters",
+)
 ALL_BUDGET_S = 190  # the whole --all run; each stage gets what is left, up to its own limit
 
 
@@ -403,7 +474,9 @@ def _stages(budget_s: float):
             return None
         t = time.monotonic()
         try:
-            done = subprocess.run(cmd, env=env, timeout=timeout, stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
+            done = subprocess.run(
+                cmd, env=env, timeout=timeout, stdout=stdout, stderr=subprocess.STDOUT if stdout else None
+            )
             rc = done.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -423,8 +496,16 @@ def _pytest_args(selection: str) -> list[str]:
 
 
 def _summary(out_dir, log):
-    tail = (out_dir / "pytest_gpu.txt").read_text().strip().splitlines()[-3:] if (out_dir / "pytest_gpu.txt").exists() else []
-    table = (out_dir / "probe_lce_kloop.md").read_text() if (out_dir / "probe_lce_kloop.md").exists() else "(no probe table)"
+    tail = (
+        (out_dir / "pytest_gpu.txt").read_text().strip().splitlines()[-3:]
+        if (out_dir / "pytest_gpu.txt").exists()
+        else []
+    )
+    table = (
+        (out_dir / "probe_lce_kloop.md").read_text()
+        if (out_dir / "probe_lce_kloop.md").exists()
+        else "(no probe table)"
+    )
     print("\n" + "\n".join(log + tail) + "\n\n" + table, flush=True)
 
 
@@ -454,14 +535,37 @@ def run_all():
         rep = out_dir / "s6_canonical"
         sections = [arg for name in NCU_SECTIONS for arg in ("--section", name)]
         with open(out_dir / "ncu_log.txt", "w") as f:
-            rc = stage("ncu", [str(ncu), "--clock-control", "none", "-k", "regex:_lce_ws_kernel", "-s", "2", "-c", "1",
-                               *sections, "-f", "-o", str(rep), sys.executable, __file__, "--ncu"], 45, stdout=f)
+            rc = stage(
+                "ncu",
+                [
+                    str(ncu),
+                    "--clock-control",
+                    "none",
+                    "-k",
+                    "regex:_lce_ws_kernel",
+                    "-s",
+                    "2",
+                    "-c",
+                    "1",
+                    *sections,
+                    "-f",
+                    "-o",
+                    str(rep),
+                    sys.executable,
+                    __file__,
+                    "--ncu",
+                ],
+                45,
+                stdout=f,
+            )
         if rc == 0:
             for page, suffix in (("details", "txt"), ("raw", "csv"), ("source", "csv")):
                 extra = ["--csv"] if suffix == "csv" else []
                 extra += ["--print-source", "sass"] if page == "source" else []
                 with open(out_dir / f"ncu_{page}.{suffix}", "w") as f:
-                    stage(f"ncu --page {page}", [str(ncu), "-i", f"{rep}.ncu-rep", "--page", page, *extra], 20, stdout=f)
+                    stage(
+                        f"ncu --page {page}", [str(ncu), "-i", f"{rep}.ncu-rep", "--page", page, *extra], 20, stdout=f
+                    )
     else:
         log.append("ncu: not found")
     winner_file = out_dir / "s6_winner.txt"

@@ -70,7 +70,10 @@ RANKERS = ("ikbo_ranker", "baseline_ranker")
 PROTOCOLS = ("http", "grpc")
 SERVED_STAGES = ("ranker_features", "ikbo_interaction", "baseline_interaction")  # the stubs behind RANKERS
 CLIENT_ERRORS = {"http": {"400"}, "grpc": {"StatusCode.INVALID_ARGUMENT"}}
-NOT_FOUND = {"http": {"404", "400"}, "grpc": {"StatusCode.NOT_FOUND", "StatusCode.INVALID_ARGUMENT", "StatusCode.UNAVAILABLE"}}
+NOT_FOUND = {
+    "http": {"404", "400"},
+    "grpc": {"StatusCode.NOT_FOUND", "StatusCode.INVALID_ARGUMENT", "StatusCode.UNAVAILABLE"},
+}
 TORCH_TO_NP = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64}
 NP_DTYPES = {name: TORCH_TO_NP[str(dtype).removeprefix("torch.")] for name, dtype in INPUT_DTYPES.items()}
 # What a leak in an error message looks like: a file path, a python-backend shared-memory key.
@@ -118,12 +121,20 @@ def _case_strategy(kind: str):
         pick = lambda names: draw(st.sampled_from(names))  # noqa: E731
         if kind == "dtype":
             name = pick(INPUT_NAMES)
-            wrong = draw(st.sampled_from([d for d in (np.float32, np.float64, np.int32, np.int64, np.float16) if d != NP_DTYPES[name]]))
+            wrong = draw(
+                st.sampled_from(
+                    [d for d in (np.float32, np.float64, np.int32, np.int64, np.float16) if d != NP_DTYPES[name]]
+                )
+            )
             r[name] = r[name].astype(wrong)
             return Case(kind, model, r, name, ("data-type", "datatype", "dtype"))
         if kind == "rank":
             name = pick(INPUT_NAMES)
-            r[name] = r[name][..., None] if draw(st.booleans()) else (r[name].reshape(-1) if r[name].ndim == 2 else r[name][None])
+            r[name] = (
+                r[name][..., None]
+                if draw(st.booleans())
+                else (r[name].reshape(-1) if r[name].ndim == 2 else r[name][None])
+            )
             return Case(kind, model, r, name, ("shape", "rank"))
         if kind == "width":
             name = pick([n for n in INPUT_NAMES if r[n].ndim == 2])
@@ -140,7 +151,9 @@ def _case_strategy(kind: str):
             return Case(kind, model, r, name, ("rows",))
         if kind in ("mapping >= U", "mapping negative"):
             i = draw(st.integers(0, num_candidates - 1))
-            r["cand_to_user"][i] = num_users + draw(st.integers(0, 1000)) if kind == "mapping >= U" else -draw(st.integers(1, 2**31 - 1))
+            r["cand_to_user"][i] = (
+                num_users + draw(st.integers(0, 1000)) if kind == "mapping >= U" else -draw(st.integers(1, 2**31 - 1))
+            )
             return Case(kind, model, r, "cand_to_user", ("outside",))
         if kind == "B = 0":
             r.update({n: r[n][:0] for n in CAND_INPUTS})
@@ -150,7 +163,15 @@ def _case_strategy(kind: str):
         if kind == "B above range":
             return Case(kind, model, r, "cand_dense", ("outside the served range",))
         if kind == "id outside table":
-            name, vocab = draw(st.sampled_from([("user_sparse_ids", CFG.user_vocab_size), ("cand_sparse_ids", CFG.cand_vocab_size), ("user_history_ids", CFG.item_vocab_size)]))
+            name, vocab = draw(
+                st.sampled_from(
+                    [
+                        ("user_sparse_ids", CFG.user_vocab_size),
+                        ("cand_sparse_ids", CFG.cand_vocab_size),
+                        ("user_history_ids", CFG.item_vocab_size),
+                    ]
+                )
+            )
             index = tuple(draw(st.integers(0, s - 1)) for s in r[name].shape)
             r[name][index] = draw(st.one_of(st.integers(vocab, 2**62), st.integers(-(2**62), -1)))
             return Case(kind, model, r, name, ("outside the table",))
@@ -161,7 +182,9 @@ def _case_strategy(kind: str):
             return Case(kind, model, r, name, ("nan or inf",))
         if kind == "history_len outside [0, L]":
             i = draw(st.integers(0, num_users - 1))
-            r["user_history_len"][i] = draw(st.one_of(st.integers(CFG.history_length + 1, 2**31 - 1), st.integers(-(2**31), -1)))
+            r["user_history_len"][i] = draw(
+                st.one_of(st.integers(CFG.history_length + 1, 2**31 - 1), st.integers(-(2**31), -1))
+            )
             return Case(kind, model, r, "user_history_len", ("outside",))
         if kind == "missing input":
             name = pick(INPUT_NAMES)
@@ -174,7 +197,14 @@ def _case_strategy(kind: str):
         if kind == "truncated binary payload":  # the body ends early: the last input (in a drawn order) is short
             order = draw(st.permutations(INPUT_NAMES))
             r, name = {n: r[n] for n in order}, order[-1]
-            return Case(kind, model, r, name, ("size", "byte", "unexpected", "expected"), truncate=draw(st.integers(1, r[name].nbytes)))
+            return Case(
+                kind,
+                model,
+                r,
+                name,
+                ("size", "byte", "unexpected", "expected"),
+                truncate=draw(st.integers(1, r[name].nbytes)),
+            )
         name = draw(st.sampled_from(["ikbo_rankr", "ranker", "ikbo_ranker_v2", "IKBO_RANKER"]))
         return Case(kind, name, r, name, ("unknown model", "not found"))
 
@@ -190,7 +220,13 @@ def malformed_cases(count: int, seed: int) -> list[Case]:
     for i, kind in enumerate(KINDS):  # every kind, count/len(KINDS) examples each
 
         @hypothesis_seed(seed + i)
-        @settings(max_examples=-(-count // len(KINDS)), database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=-(-count // len(KINDS)),
+            database=None,
+            deadline=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(_case_strategy(kind))
         def collect(case):
             drawn.append(case)
@@ -207,14 +243,28 @@ def _raw_http_truncated(url: str, case: Case) -> tuple[str, str]:
         data = np.ascontiguousarray(array).tobytes()
         from tritonclient.utils import np_to_triton_dtype
 
-        inputs.append({"name": name, "shape": list(array.shape), "datatype": np_to_triton_dtype(array.dtype), "parameters": {"binary_data_size": len(data)}})
+        inputs.append(
+            {
+                "name": name,
+                "shape": list(array.shape),
+                "datatype": np_to_triton_dtype(array.dtype),
+                "parameters": {"binary_data_size": len(data)},
+            }
+        )
         blobs.append(data[: len(data) - case.truncate] if name == case.name else data)
-    header = json.dumps({"inputs": inputs, "outputs": [{"name": "scores", "parameters": {"binary_data": True}}]}).encode()
+    header = json.dumps(
+        {"inputs": inputs, "outputs": [{"name": "scores", "parameters": {"binary_data": True}}]}
+    ).encode()
     body = header + b"".join(blobs)
     host, port = url.split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
-        connection.request("POST", f"/v2/models/{case.model}/infer", body, {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"})
+        connection.request(
+            "POST",
+            f"/v2/models/{case.model}/infer",
+            body,
+            {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
+        )
         response = connection.getresponse()
         text = response.read().decode(errors="replace")
     finally:
@@ -290,7 +340,12 @@ def storm(server, count: int, seed: int, protocols=PROTOCOLS) -> dict:
     """`count` hypothesis-drawn malformed requests per protocol; readiness and bit-identical valid
     answers before/after. Figures and failures in a dict (`failures` empty = pass)."""
     cases = malformed_cases(count, seed)
-    result = {"requests_per_protocol": len(cases), "kinds": sorted({c.kind for c in cases}), "failures": [], "per_kind": {}}
+    result = {
+        "requests_per_protocol": len(cases),
+        "kinds": sorted({c.kind for c in cases}),
+        "failures": [],
+        "per_kind": {},
+    }
     start = time.perf_counter()
     for protocol in protocols:
         module = client_module(protocol)
@@ -396,12 +451,18 @@ class Load:
                 n += 1
                 start, broken = time.monotonic(), False
                 try:
-                    result = connection.infer(self.model, infer_inputs(module, request), outputs=[module.InferRequestedOutput("scores")])
+                    result = connection.infer(
+                        self.model, infer_inputs(module, request), outputs=[module.InferRequestedOutput("scores")]
+                    )
                     scores = result.as_numpy("scores")
-                    error = None if scores.shape == (len(request["cand_dense"]), self.cfg.tasks) and np.isfinite(scores).all() else "bad scores"
+                    error = (
+                        None
+                        if scores.shape == (len(request["cand_dense"]), self.cfg.tasks) and np.isfinite(scores).all()
+                        else "bad scores"
+                    )
                 except InferenceServerException as e:
                     error = f"{e.status()}: {e.message()}"
-                except Exception as e:  # noqa: BLE001 — connection refused/reset while a server restarts
+                except Exception as e:
                     error, broken = f"{type(e).__name__}: {e}", True
                 self.log.append((start, time.monotonic(), error))
                 if broken or self.new_connection:
@@ -444,7 +505,12 @@ def gpu_memory_used_mib() -> int | None:
     """Device memory in use on the GPUs of CUDA_VISIBLE_DEVICES (all when unset), summed, from
     nvidia-smi (this process opens no CUDA context); None without nvidia-smi or a GPU."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    argv = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", *([f"--id={visible}"] if visible else [])]
+    argv = [
+        "nvidia-smi",
+        "--query-gpu=memory.used",
+        "--format=csv,noheader,nounits",
+        *([f"--id={visible}"] if visible else []),
+    ]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
@@ -471,7 +537,12 @@ def soak(server, seconds: float, fraction: float = 0.7, peak_seconds: float = 10
     gpu = {}
     if all(s[2] is not None for s in samples):
         gpu_growth = max(s[2] for s in second_half) - second_half[0][2]
-        gpu = {"gpu_mib_start": samples[0][2], "gpu_mib_mid": second_half[0][2], "gpu_mib_end": samples[-1][2], "gpu_growth_from_mid_mib": gpu_growth}
+        gpu = {
+            "gpu_mib_start": samples[0][2],
+            "gpu_mib_mid": second_half[0][2],
+            "gpu_mib_end": samples[-1][2],
+            "gpu_growth_from_mid_mib": gpu_growth,
+        }
     errors = load.errors()
     return {
         "seconds": seconds,
@@ -488,7 +559,11 @@ def soak(server, seconds: float, fraction: float = 0.7, peak_seconds: float = 10
         **gpu,
         "failures": ([f"{len(errors)} unexpected errors"] if errors else [])
         + ([f"RSS grew {growth / 2**20:.0f} MB from mid-run"] if growth >= 100 * 2**20 else [])
-        + ([f"GPU memory grew {gpu['gpu_growth_from_mid_mib']} MiB from mid-run"] if gpu and gpu["gpu_growth_from_mid_mib"] > 64 else []),
+        + (
+            [f"GPU memory grew {gpu['gpu_growth_from_mid_mib']} MiB from mid-run"]
+            if gpu and gpu["gpu_growth_from_mid_mib"] > 64
+            else []
+        ),
     }
 
 
@@ -544,7 +619,7 @@ def probe(url: str, model: str = "ikbo_ranker", timeout: float = 60) -> str | No
         return None
     except InferenceServerException as e:
         return f"{e.status()}: {e.message()}"
-    except Exception as e:  # noqa: BLE001 — refused, reset
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     finally:
         connection.close()
@@ -589,7 +664,9 @@ def serving(exit_timeout: int = 30, model_repository=None, env_extra=None, log_d
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     metrics_urls = tuple(f"localhost:{metrics_port + i}" for i in range(replicas))
-    served = Served(process, f"localhost:{http_port}", f"localhost:{grpc_port}", admin_key, log_path, metrics_urls, replicas)
+    served = Served(
+        process, f"localhost:{http_port}", f"localhost:{grpc_port}", admin_key, log_path, metrics_urls, replicas
+    )
     try:
         wait_ready(served)
         yield served
@@ -613,7 +690,9 @@ def restricted_calls(protocol: str, url: str, headers: dict | None) -> dict[str,
         "model-repository index": lambda: connection.get_model_repository_index(headers=headers),
         "model-repository load": lambda: connection.load_model("ikbo_ranker", headers=headers),
         "shared-memory status": lambda: connection.get_system_shared_memory_status(headers=headers),
-        "shared-memory register": lambda: connection.register_system_shared_memory("probe", "/triton_python_backend_shm_region_probe", 64, headers=headers),
+        "shared-memory register": lambda: connection.register_system_shared_memory(
+            "probe", "/triton_python_backend_shm_region_probe", 64, headers=headers
+        ),
         "logging": lambda: connection.get_log_settings(headers=headers),
         "trace": lambda: connection.get_trace_settings(headers=headers),
     }
@@ -637,7 +716,9 @@ def hardening(served: Served) -> dict:
     for protocol in PROTOCOLS:
         url = served.http_url if protocol == "http" else served.grpc_url
         without = restricted_calls(protocol, url, None)
-        with_key = restricted_calls(protocol, url, {ADMIN_HEADER if protocol == "http" else GRPC_ADMIN_HEADER: served.admin_key})
+        with_key = restricted_calls(
+            protocol, url, {ADMIN_HEADER if protocol == "http" else GRPC_ADMIN_HEADER: served.admin_key}
+        )
         seen[protocol] = {"without_header": without, "with_header": with_key}
         for name, answer in without.items():
             if "restricted" not in answer.lower() or ADMIN_HEADER not in answer:
@@ -709,10 +790,22 @@ def http_resends():
         client.HTTPSocketPoolResponse = original
 
 
-CLEAR_ERRORS = ("not healthy", "Connection", "connect", "Stub", "unavailable", "refused", "reset", "closed", "Broken pipe")
+CLEAR_ERRORS = (
+    "not healthy",
+    "Connection",
+    "connect",
+    "Stub",
+    "unavailable",
+    "refused",
+    "reset",
+    "closed",
+    "Broken pipe",
+)
 
 
-def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: float = 2.0, down_bound: float = 2.0) -> dict:
+def kill_stubs(
+    served: Served, kills: int, recover_timeout: float = 30, settle: float = 2.0, down_bound: float = 2.0
+) -> dict:
     """kill -9 a python backend stub `kills` times under load (2 clients on ikbo_ranker, one on
     baseline_ranker; with several replicas each request on a new connection, so that every replica
     gets some). Per kill: requests in flight at it; requests the HTTP client resent after a server
@@ -764,9 +857,13 @@ def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: 
             probed = time.monotonic() - t_kill
             after = t_down if t_down is not None else t_kill
             recovered = replaced = None
-            while time.monotonic() - t_kill < recover_timeout + 60:  # clients succeed again; serve runs every replica again
+            while (
+                time.monotonic() - t_kill < recover_timeout + 60
+            ):  # clients succeed again; serve runs every replica again
                 if recovered is None and all(any(e[0] >= after and e[2] is None for e in load.log) for load in loads):
-                    recovered = max(min(e[1] for e in load.log if e[0] >= after and e[2] is None) for load in loads) - t_kill
+                    recovered = (
+                        max(min(e[1] for e in load.log if e[0] >= after and e[2] is None) for load in loads) - t_kill
+                    )
                 if replaced is None and server not in served.triton_pids() and served.all_up():
                     replaced = time.monotonic() - t_kill
                 if recovered is not None and replaced is not None:
@@ -785,14 +882,18 @@ def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: 
             if t_down is None:
                 failures.append(f"kill {k} ({name}): its tritonserver {server} still up after {recover_timeout + 60} s")
             elif several and t_down - t_kill > down_bound:
-                failures.append(f"kill {k} ({name}): its replica went down {t_down - t_kill:.2f} s after the kill (bound {down_bound} s)")
+                failures.append(
+                    f"kill {k} ({name}): its replica went down {t_down - t_kill:.2f} s after the kill (bound {down_bound} s)"
+                )
             if recovered is None or recovered > recover_timeout:
                 failures.append(f"kill {k} ({name}): service not back within {recover_timeout} s")
             if replaced is None:
                 failures.append(f"kill {k} ({name}): serve did not run {served.replicas} ready tritonserver(s) again")
             bad_probes = {m: e for m, e in continuity.items() if e}
             if bad_probes:
-                failures.append(f"kill {k} ({name}): a request sent right after the replica went down failed: {bad_probes}")
+                failures.append(
+                    f"kill {k} ({name}): a request sent right after the replica went down failed: {bad_probes}"
+                )
         wait_ready(served)
         t_end = time.monotonic()
     # Every failed request belongs to one kill: in flight at it, or sent between it and the next one.
@@ -821,8 +922,13 @@ def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: 
             )
     before_first = [e for e in log if times and e[1] < times[0][0]]
     if before_first:
-        failures.append(f"{len(before_first)} request(s) failed before the first kill: {[e[2][:160] for e in before_first[:3]]}")
-    repo = next((a.split("=", 1)[1] for a in served.process.args if str(a).startswith("--model-repository=")), str(MODEL_REPOSITORY))
+        failures.append(
+            f"{len(before_first)} request(s) failed before the first kill: {[e[2][:160] for e in before_first[:3]]}"
+        )
+    repo = next(
+        (a.split("=", 1)[1] for a in served.process.args if str(a).startswith("--model-repository=")),
+        str(MODEL_REPOSITORY),
+    )
     orphans = orphan_stubs(repo)
     if orphans:
         failures.append(f"python backend stubs left without their tritonserver: {orphans}")
@@ -848,7 +954,9 @@ def kill_stubs(served: Served, kills: int, recover_timeout: float = 30, settle: 
         "failed_sent_before_down": sum(r["failed_sent_before_down"] for r in rounds),
         "failed_sent_after_down": sum(r["failed_sent_after_down"] for r in rounds),
         "failed_after_kill": sum(r["failed_sent_before_down"] + r["failed_sent_after_down"] for r in rounds),
-        "continuity_probes_ok": sum(v == "ok" for r in rounds for v in r.get("continuity_probe", {}).values()) if several else None,
+        "continuity_probes_ok": sum(v == "ok" for r in rounds for v in r.get("continuity_probe", {}).values())
+        if several
+        else None,
         "requests": len(ikbo.log) + len(baseline.log),
         "shm_segments_server_now": len(current),
         "shm_segments_seen": len(seen_segments),
@@ -871,7 +979,12 @@ def orphan_stubs(model_repository) -> list[int]:
         except OSError:
             continue
         comm, ppid = stat[stat.index("(") + 1 : stat.rindex(")")], int(stat[stat.rindex(")") + 2 :].split()[1])
-        if comm.startswith("triton_python_b") and ppid == 1 and len(argv) > 1 and argv[1].decode(errors="replace").startswith(str(model_repository)):
+        if (
+            comm.startswith("triton_python_b")
+            and ppid == 1
+            and len(argv) > 1
+            and argv[1].decode(errors="replace").startswith(str(model_repository))
+        ):
             found.append(int(proc.name))
     return found
 
@@ -926,7 +1039,11 @@ ONLINE_MODELS = ("ikbo_ranker_online", "baseline_ranker_online")
 def _bad_online(kind: str, one: dict) -> tuple[str, dict]:
     """(input the message must name, a bad version of the online request `one`)."""
     if kind == "NaN dense":
-        return "cand_dense", one | {"cand_dense": np.where(np.arange(one["cand_dense"].shape[1])[None, :, None] == 0, np.nan, one["cand_dense"]).astype(np.float32)}
+        return "cand_dense", one | {
+            "cand_dense": np.where(
+                np.arange(one["cand_dense"].shape[1])[None, :, None] == 0, np.nan, one["cand_dense"]
+            ).astype(np.float32)
+        }
     if kind == "id outside table":
         return "cand_sparse_ids", one | {"cand_sparse_ids": one["cand_sparse_ids"] + CFG.cand_vocab_size}
     if kind == "history_len > L":
@@ -954,11 +1071,15 @@ def _send_all(url_of, model, requests, protocol_of, workers=16):
         module = client_module(protocol)
         clients = local.__dict__.setdefault("clients", {})
         if protocol not in clients:
-            clients[protocol] = module.InferenceServerClient(url_of(protocol), **({"network_timeout": 120} if protocol == "http" else {}))
+            clients[protocol] = module.InferenceServerClient(
+                url_of(protocol), **({"network_timeout": 120} if protocol == "http" else {})
+            )
             opened.append(clients[protocol])
         start = time.monotonic()
         try:
-            result = clients[protocol].infer(model, infer_inputs(module, requests[index]), outputs=[module.InferRequestedOutput("scores")])
+            result = clients[protocol].infer(
+                model, infer_inputs(module, requests[index]), outputs=[module.InferRequestedOutput("scores")]
+            )
             return result.as_numpy("scores").tobytes(), "OK", "", time.monotonic() - start
         except InferenceServerException as e:
             return None, str(e.status()), e.message() or str(e), time.monotonic() - start
@@ -1014,10 +1135,14 @@ def batch_isolation(server, rounds: int, seed: int, users: int = 24) -> dict:
         before = _statistics(server, model)
         goods, identical, max_rel = 0, 0, 0.0
         for r in range(rounds):
-            items = [("good", i, one) for i, one in enumerate(good)] + [("bad", kind, (name, one)) for kind, name, one in bad]
+            items = [("good", i, one) for i, one in enumerate(good)] + [
+                ("bad", kind, (name, one)) for kind, name, one in bad
+            ]
             order = rng.permutation(len(items))
             items = [items[i] for i in order]
-            answers = _send_all(url_of, model, [it[2] if it[0] == "good" else it[2][1] for it in items], lambda i: PROTOCOLS[i % 2])
+            answers = _send_all(
+                url_of, model, [it[2] if it[0] == "good" else it[2][1] for it in items], lambda i: PROTOCOLS[i % 2]
+            )
             for (what, key, payload), (scores, status, message, _), index in zip(items, answers, range(len(items))):
                 sent += 1
                 protocol = PROTOCOLS[index % 2]
@@ -1031,7 +1156,9 @@ def batch_isolation(server, rounds: int, seed: int, users: int = 24) -> dict:
                     rel = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
                     max_rel = max(max_rel, rel)
                     if invariant and scores != solo[key]:
-                        failures.append(f"{model} round {r}: good request {key} not bit-identical to its solo answer (rel err {rel:.2e})")
+                        failures.append(
+                            f"{model} round {r}: good request {key} not bit-identical to its solo answer (rel err {rel:.2e})"
+                        )
                     elif rel > 1e-5:
                         failures.append(f"{model} round {r}: good request {key}: rel err {rel:.2e} to its solo answer")
                 if what == "bad" and (status not in CLIENT_ERRORS[protocol] or f"'{payload[0]}'" not in message):
@@ -1077,7 +1204,9 @@ def queue_full(server, bursts: int, burst: int = 48, candidates: int = 512, p99_
     if not rejected:
         failures.append("no request was rejected: the queue never overflowed")
     if wrong:
-        failures.append(f"{len(wrong)} rejections not 503 'Exceeds maximum queue size', e.g. {[(a[1], a[2][:150]) for a in wrong[:3]]}")
+        failures.append(
+            f"{len(wrong)} rejections not 503 'Exceeds maximum queue size', e.g. {[(a[1], a[2][:150]) for a in wrong[:3]]}"
+        )
     if p99 is None or p99 > p99_bound_s:
         failures.append(f"p99 of accepted requests {p99} s")
     return {
@@ -1145,12 +1274,23 @@ def broken(model: str = "ikbo_interaction") -> dict:
         try:
             with running_tritonserver(repo, timeout=120) as server:
                 ready = is_ready(server.http_url)
-                return {"refused": False, "ready": ready, "failures": [f"server became ready={ready} with broken {model}"]}
+                return {
+                    "refused": False,
+                    "ready": ready,
+                    "failures": [f"server became ready={ready} with broken {model}"],
+                }
         except TritonServerError as e:
             message = str(e)
-    lines = [line for line in message.splitlines() if model in line and ("fail" in line.lower() or "error" in line.lower())]
+    lines = [
+        line for line in message.splitlines() if model in line and ("fail" in line.lower() or "error" in line.lower())
+    ]
     failures = [] if lines else [f"no log line names {model}: {message[-1500:]}"]
-    return {"refused": True, "seconds": round(time.monotonic() - start, 1), "message": lines[0][:300] if lines else None, "failures": failures}
+    return {
+        "refused": True,
+        "seconds": round(time.monotonic() - start, 1),
+        "message": lines[0][:300] if lines else None,
+        "failures": failures,
+    }
 
 
 # --- command line ---
@@ -1169,7 +1309,9 @@ def fault_server(model_repository):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("row", choices=("storm", "fault", "kill", "shutdown", "broken", "soak", "harden", "online", "all"))
+    parser.add_argument(
+        "row", choices=("storm", "fault", "kill", "shutdown", "broken", "soak", "harden", "online", "all")
+    )
     parser.add_argument("--rounds", type=int, default=20, help="online: interleaved rounds per endpoint")
     parser.add_argument("--bursts", type=int, default=10, help="online: queue-full bursts")
     parser.add_argument("--queue-size", type=int, default=8, help="online: max_queue_size of the copy")
@@ -1179,20 +1321,30 @@ def main():
     parser.add_argument("--replicas", type=int, default=1, help="harden, kill, shutdown: scripts/serve --replicas N")
     parser.add_argument("--seconds", type=float, default=600, help="soak duration")
     parser.add_argument("--fraction", type=float, default=0.7, help="soak load as a fraction of the measured peak")
-    parser.add_argument("--attach", metavar="HTTP_URL", help="soak: a server already running (its rankers), e.g. the GPU run's")
+    parser.add_argument(
+        "--attach", metavar="HTTP_URL", help="soak: a server already running (its rankers), e.g. the GPU run's"
+    )
     parser.add_argument("--server-pid", type=int, help="with --attach: tritonserver's pid (RSS of it and its stubs)")
-    parser.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="with --attach: the served model's dims")
+    parser.add_argument(
+        "--profile", default="demo", choices=sorted(PROFILES), help="with --attach: the served model's dims"
+    )
     parser.add_argument("--exit-timeout", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None, help="append the JSON results here")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    rows = ("storm", "fault", "harden", "kill", "shutdown", "broken", "soak", "online") if args.row == "all" else (args.row,)
+    rows = (
+        ("storm", "fault", "harden", "kill", "shutdown", "broken", "soak", "online")
+        if args.row == "all"
+        else (args.row,)
+    )
     results = {}
     if args.attach:
         if rows != ("soak",) or args.server_pid is None:
             parser.error("--attach runs the soak row only, and needs --server-pid")
         server = SimpleNamespace(http_url=args.attach, process=SimpleNamespace(pid=args.server_pid))
-        results["soak"] = dict(soak(server, args.seconds, args.fraction, cfg=PROFILES[args.profile]), profile=args.profile)
+        results["soak"] = dict(
+            soak(server, args.seconds, args.fraction, cfg=PROFILES[args.profile]), profile=args.profile
+        )
         print(json.dumps({"soak": results["soak"]}), flush=True)
         rows = ()
     if {"storm", "fault", "soak"} & set(rows):

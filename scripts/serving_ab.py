@@ -55,7 +55,9 @@ class Point:
     def parse(cls, text: str, trees: dict[str, Path]) -> Point:
         parts = text.split(":")
         if len(parts) != 3 or parts[0] not in trees or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
-            raise ValueError(f"point {text!r}: expected TREE:INSTANCES:CONCURRENCY with TREE one of {sorted(trees)} and positive counts")
+            raise ValueError(
+                f"point {text!r}: expected TREE:INSTANCES:CONCURRENCY with TREE one of {sorted(trees)} and positive counts"
+            )
         return cls(parts[0], int(parts[1]), int(parts[2]))
 
 
@@ -95,7 +97,9 @@ def copy_model(tree: Path, model: str, config: str | None, instances: int, root:
             raise FileNotFoundError(f"{source}: no model {name!r}")
         shutil.copytree(source / name, repository / name, ignore=shutil.ignore_patterns("__pycache__"))
         copied.add(name)
-        pending += [step.model_name for step in read_config(served_config(repository / name, config)).ensemble_scheduling.step]
+        pending += [
+            step.model_name for step in read_config(served_config(repository / name, config)).ensemble_scheduling.step
+        ]
     if (source / "shape_ranges.json").exists():
         shutil.copy2(source / "shape_ranges.json", repository)
     path = served_config(repository / model, config)
@@ -144,18 +148,38 @@ def run_point(index: int, point: Point, tree: Path, args, out: Path) -> Result:
         server = subprocess.Popen(command, cwd=tree, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         start = time.monotonic()
-        wait_until_ready(server, f"localhost:{http}", args.ready_timeout, lambda: log_path.read_text(errors="replace")[-3000:])
+        wait_until_ready(
+            server, f"localhost:{http}", args.ready_timeout, lambda: log_path.read_text(errors="replace")[-3000:]
+        )
         result.ready_s = time.monotonic() - start
-        sweep = [sys.executable, str(ROOT / "scripts" / "perf_sweep.py"), "--url", f"localhost:{http}", "--grpc-url", f"localhost:{grpc}"]
+        sweep = [
+            sys.executable,
+            str(ROOT / "scripts" / "perf_sweep.py"),
+            "--url",
+            f"localhost:{http}",
+            "--grpc-url",
+            f"localhost:{grpc}",
+        ]
         sweep += ["--profile", args.profile, "--rankers", args.model, "--mixes", args.mix, "--protocols", args.protocol]
-        sweep += ["--concurrency", str(point.concurrency), "--window-ms", str(args.window_ms), "--out", str(work / "sweep")]
+        sweep += [
+            "--concurrency",
+            str(point.concurrency),
+            "--window-ms",
+            str(args.window_ms),
+            "--out",
+            str(work / "sweep"),
+        ]
         with open(work / "sweep.txt", "wb") as sweep_log:
             subprocess.run(sweep, stdout=sweep_log, stderr=subprocess.STDOUT, timeout=args.point_timeout, check=False)
-        rows = list(csv.DictReader(open(work / "sweep" / "sweep.csv"))) if (work / "sweep" / "sweep.csv").exists() else []
+        rows = (
+            list(csv.DictReader(open(work / "sweep" / "sweep.csv"))) if (work / "sweep" / "sweep.csv").exists() else []
+        )
         if not rows or rows[0]["status"] != "ok":
             result.status = f"perf_analyzer: {rows[0]['status'] if rows else 'no result'} (see {work / 'sweep.txt'})"
             return result
-        result.candidates_per_s, result.p50_ms, result.p99_ms = (float(rows[0][k]) for k in ("candidates_per_s", "p50_ms", "p99_ms"))
+        result.candidates_per_s, result.p50_ms, result.p99_ms = (
+            float(rows[0][k]) for k in ("candidates_per_s", "p50_ms", "p99_ms")
+        )
         for run_log in (work / "sweep" / "runs").glob("*.log"):
             for name, value in server_times(run_log.read_text(errors="replace")).items():
                 setattr(result, name, value)
@@ -174,38 +198,65 @@ def run_order(points: list[Point], rounds: int) -> list[Point]:
 
 
 def summary(results: list[Result], tree_names: list[str]) -> str:
-    lines = ["| # | tree | instances | c | candidates/s | p50 / p99 ms | server: queue / compute input / infer / output µs | ready s |"]
+    lines = [
+        "| # | tree | instances | c | candidates/s | p50 / p99 ms | server: queue / compute input / infer / output µs | ready s |"
+    ]
     lines.append("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if r.status != "ok":
             lines.append(f"| {r.index} | {r.tree} | {r.instances} | {r.concurrency} | {r.status} | | | |")
             continue
-        server = " / ".join(f"{v:.0f}" for v in (r.queue_us, r.compute_input_us, r.compute_infer_us, r.compute_output_us))
+        server = " / ".join(
+            f"{v:.0f}" for v in (r.queue_us, r.compute_input_us, r.compute_infer_us, r.compute_output_us)
+        )
         lines.append(
             f"| {r.index} | {r.tree} | {r.instances} | {r.concurrency} | {r.candidates_per_s:,.0f} | {r.p50_ms:.1f} / {r.p99_ms:.1f} | {server} | {r.ready_s:.0f} |"
         )
     reference = tree_names[0]
-    lines += ["", f"| instances | c | {' | '.join(f'{t}: median candidates/s (runs)' for t in tree_names)} | {' | '.join(f'{t} / {reference}' for t in tree_names[1:])} |"]
+    lines += [
+        "",
+        f"| instances | c | {' | '.join(f'{t}: median candidates/s (runs)' for t in tree_names)} | {' | '.join(f'{t} / {reference}' for t in tree_names[1:])} |",
+    ]
     lines.append("|---:|---:|" + "---:|" * (2 * len(tree_names) - 1))
     for instances, concurrency in sorted({(r.instances, r.concurrency) for r in results}):
         medians = {}
         for tree in tree_names:
-            values = [r.candidates_per_s for r in results if (r.tree, r.instances, r.concurrency) == (tree, instances, concurrency) and r.status == "ok"]
+            values = [
+                r.candidates_per_s
+                for r in results
+                if (r.tree, r.instances, r.concurrency) == (tree, instances, concurrency) and r.status == "ok"
+            ]
             medians[tree] = (statistics.median(values), len(values)) if values else None
         cells = [f"{m[0]:,.0f} ({m[1]})" if m else "–" for m in medians.values()]
-        ratios = [f"{medians[t][0] / medians[reference][0]:.2f}×" if medians[t] and medians[reference] else "–" for t in tree_names[1:]]
+        ratios = [
+            f"{medians[t][0] / medians[reference][0]:.2f}×" if medians[t] and medians[reference] else "–"
+            for t in tree_names[1:]
+        ]
         lines.append(f"| {instances} | {concurrency} | {' | '.join(cells)} | {' | '.join(ratios)} |")
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="append", required=True, metavar="NAME=PATH", help="a tree to serve from (repeat; the first is the reference)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        required=True,
+        metavar="NAME=PATH",
+        help="a tree to serve from (repeat; the first is the reference)",
+    )
     parser.add_argument("--points", nargs="+", required=True, metavar="TREE:INSTANCES:C", help="in the order run")
-    parser.add_argument("--rounds", type=int, default=1, help="run the points this many times, every second round reversed")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the points this many times, every second round reversed"
+    )
     parser.add_argument("--model", default="ikbo_ranker")
     parser.add_argument("--config", help="served config: configs/<name>.pbtxt (default: config.pbtxt, the CPU one)")
-    parser.add_argument("--profile", help="model dims of the config, for the request files (default: --config if it names a profile, else demo)")
+    parser.add_argument(
+        "--profile",
+        help="model dims of the config, for the request files (default: --config if it names a profile, else demo)",
+    )
     parser.add_argument("--mix", default="u15_b1024")
     parser.add_argument("--protocol", default="grpc", choices=("grpc", "http"))
     parser.add_argument("--window-ms", type=int, default=3000)
@@ -245,16 +296,26 @@ def main(argv=None) -> int:
             continue
         result = run_point(index, point, args.trees[point.tree], args, args.out)
         results.append(result)
-        print(f"[{time.strftime('%H:%M:%S', time.gmtime())}] {result.tree} n{result.instances} c{result.concurrency}: {result.status}, "
-              f"{result.candidates_per_s:,.0f} candidates/s", flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S', time.gmtime())}] {result.tree} n{result.instances} c{result.concurrency}: {result.status}, "
+            f"{result.candidates_per_s:,.0f} candidates/s",
+            flush=True,
+        )
     with open(args.out / "points.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(results[0]))) if results else None
         if writer:
             writer.writeheader()
             writer.writerows(asdict(r) for r in results)
     header = f"# Serving A/B, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.model}, config {args.config or 'config.pbtxt'}, "
-    header += f"mix {args.mix}, {args.protocol}, {args.window_ms} ms windows\n\n" + "".join(f"- {n}: {p}\n" for n, p in args.trees.items())
-    text = header + "\n" + summary(results, list(args.trees)) + (f"\nSkipped (budget): {' '.join(skipped)}\n" if skipped else "")
+    header += f"mix {args.mix}, {args.protocol}, {args.window_ms} ms windows\n\n" + "".join(
+        f"- {n}: {p}\n" for n, p in args.trees.items()
+    )
+    text = (
+        header
+        + "\n"
+        + summary(results, list(args.trees))
+        + (f"\nSkipped (budget): {' '.join(skipped)}\n" if skipped else "")
+    )
     (args.out / "summary.md").write_text(text)
     print(text)
     return 0 if results and all(r.status == "ok" for r in results) else 1

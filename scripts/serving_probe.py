@@ -43,9 +43,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ikbo_backend.metrics import PUSH_PERIOD_S  # noqa: E402
-from ikbo_backend.ranker import PROFILES  # noqa: E402
-from ikbo_backend.requests import make_request  # noqa: E402
+from ikbo_backend.metrics import PUSH_PERIOD_S
+from ikbo_backend.ranker import PROFILES
+from ikbo_backend.requests import make_request
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
 
@@ -146,7 +146,9 @@ def load_served(model: str, config: str):
     return RankerModel.from_triton_args(args)
 
 
-def in_process(model: str, config: str, users: int, candidates: int, repeats: int, seed: int | None, gap_ms: float = 0.0) -> dict:
+def in_process(
+    model: str, config: str, users: int, candidates: int, repeats: int, seed: int | None, gap_ms: float = 0.0
+) -> dict:
     """Wall ms of `model`'s python-model call in this process (see the module docstring), with
     `gap_ms` of sleep between calls (a server's cadence: on the H200 host the call's host work ran
     2-3x slower with 3-10 ms gaps than back to back, docs/perf.md)."""
@@ -173,7 +175,14 @@ def in_process(model: str, config: str, users: int, candidates: int, repeats: in
                 time.sleep(gap_ms / 1e3)
     if scores.shape != (candidates, served.cfg.tasks) or not torch.isfinite(scores).all():
         raise RuntimeError(f"{model}: bad scores {tuple(scores.shape)}")
-    return {"model": model, "p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "load_s": load_s, "load_mib": load_mib, "repeats": repeats}
+    return {
+        "model": model,
+        "p50_ms": statistics.median(times),
+        "mean_ms": statistics.fmean(times),
+        "load_s": load_s,
+        "load_mib": load_mib,
+        "repeats": repeats,
+    }
 
 
 METRICS_SETTLE_S = 2 * PUSH_PERIOD_S  # in process, metric updates reach /metrics within one push period
@@ -205,7 +214,9 @@ def server_times(before: dict, after: dict, model: str) -> dict:
     times["compute_ms"] = times["compute_input_ms"] + times["compute_infer_ms"] + times["compute_output_ms"]
     executions = a["executions"] - b.get("executions", 0)
     exported = a["execute_s"] is not None and executions  # ikbo_execute_seconds_total: python models of this repo
-    times["execute_ms"] = (a["execute_s"] - (b.get("execute_s") or 0.0)) * 1e3 / executions if exported else float("nan")
+    times["execute_ms"] = (
+        (a["execute_s"] - (b.get("execute_s") or 0.0)) * 1e3 / executions if exported else float("nan")
+    )
     return times
 
 
@@ -246,7 +257,17 @@ def idle_cost(gaps_ms: list[float], repeats: int, profile: str, seed: int | None
     return rows
 
 
-def equal_load(url: str, profile: str, mix: str, rates: list[float], models: list[str], window_ms: int, out: Path, http_url: str | None = None, metrics_url: str | None = None) -> list[dict]:
+def equal_load(
+    url: str,
+    profile: str,
+    mix: str,
+    rates: list[float],
+    models: list[str],
+    window_ms: int,
+    out: Path,
+    http_url: str | None = None,
+    metrics_url: str | None = None,
+) -> list[dict]:
     """perf_analyzer at each offered load (requests/s) for each model, back to back; with `http_url`
     also the server's stage times of that model during each step (`metrics_url`: default the HTTP port + 2)."""
     from make_perf_configs import DEFAULT_DIR, ensure_config
@@ -264,12 +285,28 @@ def equal_load(url: str, profile: str, mix: str, rates: list[float], models: lis
         for model in models:
             name = f"{model}.{mix}.rate{rate:g}"
             before = server_snapshot(http_url, metrics_url) if http_url else {}
-            row, mode, status = run_perf_analyzer(model, url, "grpc", input_data, 8, settings, out / f"{name}.csv", out / f"{name}.log", request_rate=rate)
+            row, mode, status = run_perf_analyzer(
+                model, url, "grpc", input_data, 8, settings, out / f"{name}.csv", out / f"{name}.log", request_rate=rate
+            )
             time.sleep(METRICS_SETTLE_S)
             server = server_times(before, server_snapshot(http_url, metrics_url), model) if http_url else {}
             result: Result = to_result(model, mix, "grpc", 0, 0, row, mode, status)
-            rows.append({"rate": rate, "model": model, "achieved": result.infer_per_s, "p50": result.p50_ms, "p99": result.p99_ms, "status": status, "server": server})
-            print(f"{name}: {result.infer_per_s:.1f} req/s p50 {result.p50_ms:.1f} p99 {result.p99_ms:.1f} ms ({status})", file=sys.stderr, flush=True)
+            rows.append(
+                {
+                    "rate": rate,
+                    "model": model,
+                    "achieved": result.infer_per_s,
+                    "p50": result.p50_ms,
+                    "p99": result.p99_ms,
+                    "status": status,
+                    "server": server,
+                }
+            )
+            print(
+                f"{name}: {result.infer_per_s:.1f} req/s p50 {result.p50_ms:.1f} p99 {result.p99_ms:.1f} ms ({status})",
+                file=sys.stderr,
+                flush=True,
+            )
     return rows
 
 
@@ -292,7 +329,12 @@ def main(argv=None) -> None:
     load.add_argument("--profile", default="demo", choices=sorted(PROFILES))
     load.add_argument("--mix", default="u15_b1024")
     load.add_argument("--rates", nargs="+", type=float, required=True, help="offered requests/s")
-    load.add_argument("--models", nargs="+", default=["baseline_ranker", "ikbo_ranker"], help="the first is the reference of the ratio")
+    load.add_argument(
+        "--models",
+        nargs="+",
+        default=["baseline_ranker", "ikbo_ranker"],
+        help="the first is the reference of the ratio",
+    )
     load.add_argument("--window-ms", type=int, default=3000)
     load.add_argument("--http-url", help="HTTP host:port: also the server's compute time per model and step")
     load.add_argument("--metrics-url", help="metrics host:port (default: the HTTP port + 2)")
@@ -319,26 +361,50 @@ def main(argv=None) -> None:
         return
 
     if args.command == "in-process":
-        print(f"| model (configs/{args.config}.pbtxt, in process) | U | B | gap ms | p50 ms | mean ms | load + warm-up s | GPU MiB reserved by the load |")
+        print(
+            f"| model (configs/{args.config}.pbtxt, in process) | U | B | gap ms | p50 ms | mean ms | load + warm-up s | GPU MiB reserved by the load |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for model in args.model:
             for gap in args.gap_ms:
                 r = in_process(model, args.config, args.users, args.candidates, args.repeats, args.seed, gap)
-                print(f"| {model} | {args.users} | {args.candidates} | {gap:g} | {r['p50_ms']:.3f} | {r['mean_ms']:.3f} | {r['load_s']:.1f} | {r['load_mib']:,.0f} |", flush=True)
+                print(
+                    f"| {model} | {args.users} | {args.candidates} | {gap:g} | {r['p50_ms']:.3f} | {r['mean_ms']:.3f} | {r['load_s']:.1f} | {r['load_mib']:,.0f} |",
+                    flush=True,
+                )
         return
 
     if args.command == "equal-load":
-        rows = equal_load(args.url, args.profile, args.mix, args.rates, args.models, args.window_ms, args.out, args.http_url, args.metrics_url)
+        rows = equal_load(
+            args.url,
+            args.profile,
+            args.mix,
+            args.rates,
+            args.models,
+            args.window_ms,
+            args.out,
+            args.http_url,
+            args.metrics_url,
+        )
         reference = args.models[0]
-        print(f"| offered req/s | model | achieved req/s | p50 ms | p99 ms | p99 / {reference} p99 | server compute ms (input / infer / output) | inside execute ms |")
+        print(
+            f"| offered req/s | model | achieved req/s | p50 ms | p99 ms | p99 / {reference} p99 | server compute ms (input / infer / output) | inside execute ms |"
+        )
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             base = next(b for b in rows if b["rate"] == r["rate"] and b["model"] == reference)
             server = r["server"]
             stages = "/".join(f"{server[f'compute_{stage}_ms']:.3f}" for stage in ("input", "infer", "output"))
-            compute = f"{server['compute_ms']:.3f} ({stages}) | " + ("–" if server["execute_ms"] != server["execute_ms"] else f"{server['execute_ms']:.3f}") if server else "– | –"
-            print(f"| {r['rate']:g} | {r['model']} | {r['achieved']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['p99'] / base['p99']:.2f} | {compute} |"
-                  + ("" if r["status"] == "ok" else f" {r['status']}"))
+            compute = (
+                f"{server['compute_ms']:.3f} ({stages}) | "
+                + ("–" if server["execute_ms"] != server["execute_ms"] else f"{server['execute_ms']:.3f}")
+                if server
+                else "– | –"
+            )
+            print(
+                f"| {r['rate']:g} | {r['model']} | {r['achieved']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['p99'] / base['p99']:.2f} | {compute} |"
+                + ("" if r["status"] == "ok" else f" {r['status']}")
+            )
         return
     if args.command == "first":
         print("| model | first request ms | steady p50 ms | first / p50 |\n|---|---:|---:|---:|")
@@ -349,17 +415,24 @@ def main(argv=None) -> None:
     host, port = args.url.rsplit(":", 1)
     metrics_url = args.metrics_url or f"{host}:{int(port) + 2}"
     inside = execute_seconds(metrics_url)
-    print("| model | requests | executions | queue ms | compute input ms | compute infer ms | compute output ms | inside execute ms |")
+    print(
+        "| model | requests | executions | queue ms | compute input ms | compute infer ms | compute output ms | inside execute ms |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in model_stats(args.url):
-        execute = f"{inside[r['model']] * 1e3 / r['executions']:.3f}" if r["model"] in inside and r["executions"] else "–"
+        execute = (
+            f"{inside[r['model']] * 1e3 / r['executions']:.3f}" if r["model"] in inside and r["executions"] else "–"
+        )
         print(
             f"| {r['model']} | {r['requests']} | {r['executions']} | {r['queue_ms']:.3f} | {r['compute_input_ms']:.3f} "
             f"| {r['compute_infer_ms']:.3f} | {r['compute_output_ms']:.3f} | {execute} |"
         )
     print("\n(compute times: mean per request; inside execute: mean per execution, from ikbo_execute_seconds_total)")
     counts = compilations(metrics_url)
-    print("\nikbo_triton_compilations_total: " + (", ".join(f"{k} = {v:g}" for k, v in sorted(counts.items())) or "none exported"))
+    print(
+        "\nikbo_triton_compilations_total: "
+        + (", ".join(f"{k} = {v:g}" for k, v in sorted(counts.items())) or "none exported")
+    )
 
 
 if __name__ == "__main__":

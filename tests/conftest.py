@@ -9,8 +9,9 @@ import sys
 import pytest
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    import kernels  # noqa: F401  (kernels/__init__.py fixes the interpreter for numpy >= 2.4)
     from interpreted import enable_memcheck
+
+    import kernels  # noqa: F401  (kernels/__init__.py fixes the interpreter for numpy >= 2.4)
 
     enable_memcheck()
 

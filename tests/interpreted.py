@@ -31,7 +31,9 @@ def run_child_tests(test_file: str, keyword: str, env: dict, timeout: float = 60
     """Run `test_file`'s tests matching `keyword` in a child pytest with `env` added; all must pass, none skip."""
     env = dict(os.environ, **env)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file, "-k", keyword]
-    done = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
 
@@ -56,8 +58,14 @@ def _check(ptrs, mask, itemsize: int, what: str) -> None:
     for start, end in _RANGES:
         inside |= (addresses >= start) & (addresses + itemsize <= end)
     if not inside.all():
-        where = [f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in traceback.extract_stack() if "/kernels/" in f.filename or "/tests/" in f.filename]
-        raise AssertionError(f"memcheck: {int((~inside).sum())} of {addresses.size} {what} addresses outside every tensor argument at {where}")
+        where = [
+            f"{Path(f.filename).name}:{f.lineno} {f.line}"
+            for f in traceback.extract_stack()
+            if "/kernels/" in f.filename or "/tests/" in f.filename
+        ]
+        raise AssertionError(
+            f"memcheck: {int((~inside).sum())} of {addresses.size} {what} addresses outside every tensor argument at {where}"
+        )
 
 
 def enable_memcheck() -> None:

@@ -109,7 +109,9 @@ def make_inputs(p, dtype=torch.float32, device="cpu"):
     return q, k, v, user_q, cand_to_user, kv_len
 
 
-def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float = 1e-6, floor: float = 0.0) -> None:
+def assert_rows_close(
+    out: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float = 1e-6, floor: float = 0.0
+) -> None:
     """‖out − ref‖ ≤ rtol·max(‖ref‖, floor·√n) over the n elements of the rows whose reference is
     nonzero, and the rows whose reference is all zeros (no valid key, query row past kv_len) zeros
     within `atol`, element-wise. `floor` keeps a handful of cancelling elements (d = 1, say) from
@@ -146,7 +148,9 @@ def test_target_attention_torch(p):
 @given(p=problems(), causal=st.booleans())
 def test_self_target_attention_torch(p, causal):
     q, k, v, user_q, cand_to_user, kv_len = make_inputs(p)
-    user_out, cand_out = ikbo_self_target_attention(user_q, q, k, v, cand_to_user, kv_len, causal=causal, scale=p["scale"], backend="torch")
+    user_out, cand_out = ikbo_self_target_attention(
+        user_q, q, k, v, cand_to_user, kv_len, causal=causal, scale=p["scale"], backend="torch"
+    )
     assert_rows_close(user_out, self_attention_reference(user_q, k, v, kv_len, causal, p["scale"]), rtol=1e-5)
     assert_rows_close(cand_out, attention_reference(q, k, v, cand_to_user, kv_len, p["scale"]), rtol=1e-5)
 
@@ -155,11 +159,17 @@ def test_self_target_attention_torch(p, causal):
 @given(p=problems(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_half_precision_torch(p, dtype):
     q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, dtype)
-    user_out, cand_out = ikbo_self_target_attention(user_q, q, k, v, cand_to_user, kv_len, scale=p["scale"], backend="auto")
+    user_out, cand_out = ikbo_self_target_attention(
+        user_q, q, k, v, cand_to_user, kv_len, scale=p["scale"], backend="auto"
+    )
     assert cand_out.dtype == dtype and user_out.dtype == dtype
     # CPU half SDPA rounds its intermediates to half: tiny cancelling outputs compare at 1e-1 scale
-    assert_rows_close(cand_out, attention_reference(q, k, v, cand_to_user, kv_len, p["scale"]), rtol=2e-2, atol=1e-3, floor=0.1)
-    assert_rows_close(user_out, self_attention_reference(user_q, k, v, kv_len, True, p["scale"]), rtol=2e-2, atol=1e-3, floor=0.1)
+    assert_rows_close(
+        cand_out, attention_reference(q, k, v, cand_to_user, kv_len, p["scale"]), rtol=2e-2, atol=1e-3, floor=0.1
+    )
+    assert_rows_close(
+        user_out, self_attention_reference(user_q, k, v, kv_len, True, p["scale"]), rtol=2e-2, atol=1e-3, floor=0.1
+    )
 
 
 def test_no_users_no_candidates():
@@ -214,7 +224,9 @@ BAD_INPUTS = [
 def test_target_attention_rejects(name, change):
     args = {**_good(), **change}
     with pytest.raises(ValueError, match=rf"^{name}:"):
-        ikbo_attention(args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"], backend=args.get("backend", "auto"))
+        ikbo_attention(
+            args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"], backend=args.get("backend", "auto")
+        )
 
 
 SELF_BAD_INPUTS = [
@@ -236,7 +248,9 @@ SELF_BAD_INPUTS = [
 def test_self_target_attention_rejects(name, change):
     args = {**_good(), **change}
     with pytest.raises(ValueError, match=rf"^{name}:"):
-        ikbo_self_target_attention(args["user_q"], args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"])
+        ikbo_self_target_attention(
+            args["user_q"], args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"]
+        )
 
 
 @pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="the Triton path runs here")
@@ -262,7 +276,9 @@ if INTERPRETED:
     def _widen(h):
         if h.dtype.scalar != tl.bfloat16:
             return h
-        return _interp.TensorHandle(_interp._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+        return _interp.TensorHandle(
+            _interp._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32
+        )
 
     _interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _dot(self, _widen(a), _widen(b), d, *rest)
 
@@ -281,8 +297,9 @@ def _triton(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, conf
     """The Triton path with NaN-poisoned outputs: every element must be written. → (out, user_out)"""
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else scale
     user_out = None if user_q is None else _poisoned(user_q)
-    out, user_out, flag = attention._launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, config=config, out=_poisoned(q),
-                                            user_out=user_out)
+    out, user_out, flag = attention._launch(
+        q, k, v, cand_to_user, kv_len, scale, user_q, causal, config=config, out=_poisoned(q), user_out=user_out
+    )
     assert flag.item() == 0
     return out, user_out
 
@@ -366,7 +383,9 @@ def test_interp_plan(monkeypatch, num_users, data, num_queries, block_m):
     bad = data.draw(st.sampled_from(["mapping_low", "mapping_high", "kv_len_low", "kv_len_high"]))
     if bad.startswith("mapping") and mapping:
         for _ in range(data.draw(st.integers(1, 3))):
-            cand_to_user[data.draw(st.integers(0, len(mapping) - 1))] = -data.draw(st.integers(1, 5)) if bad.endswith("low") else num_users + data.draw(st.integers(0, 5))
+            cand_to_user[data.draw(st.integers(0, len(mapping) - 1))] = (
+                -data.draw(st.integers(1, 5)) if bad.endswith("low") else num_users + data.draw(st.integers(0, 5))
+            )
     else:
         kv_len = torch.randint(0, seq_len + 1, (num_users,))
         kv_len[data.draw(st.integers(0, num_users - 1))] = -1 if bad.endswith("low") else seq_len + 1
@@ -379,9 +398,15 @@ def test_interp_plan(monkeypatch, num_users, data, num_queries, block_m):
 def test_interp_public_ops_dispatch():
     """backend='triton' runs the kernels (here: the interpreter), 'auto' stays on torch on CPU."""
     args = {name: t.to(torch.float16) if t.is_floating_point() else t for name, t in _good().items()}
-    args["q"], args["k"], args["v"], args["user_q"] = (torch.randn(*args[n].shape[:3], 16).half() for n in ("q", "k", "v", "user_q"))
-    triton_out = ikbo_self_target_attention(args["user_q"], args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"], backend="triton")
-    torch_out = ikbo_self_target_attention(args["user_q"], args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"], backend="auto")
+    args["q"], args["k"], args["v"], args["user_q"] = (
+        torch.randn(*args[n].shape[:3], 16).half() for n in ("q", "k", "v", "user_q")
+    )
+    triton_out = ikbo_self_target_attention(
+        args["user_q"], args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"], backend="triton"
+    )
+    torch_out = ikbo_self_target_attention(
+        args["user_q"], args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"], backend="auto"
+    )
     for got, want in zip(triton_out, torch_out):
         assert_rows_close(got, want.double(), rtol=HALF_TOL, atol=1e-3)
     with pytest.raises(ValueError, match=r"^k:"):
@@ -390,7 +415,9 @@ def test_interp_public_ops_dispatch():
         if name in ("cand_to_user", "kv_len"):
             bad = {**args, **change}
             with pytest.raises(ValueError, match=rf"^{name}:"):
-                ikbo_self_target_attention(bad["user_q"], bad["q"], bad["k"], bad["v"], bad["cand_to_user"], bad["kv_len"], backend="triton")
+                ikbo_self_target_attention(
+                    bad["user_q"], bad["q"], bad["k"], bad["v"], bad["cand_to_user"], bad["kv_len"], backend="triton"
+                )
 
 
 INTERP_TESTS = [name for name in dir() if name.startswith("test_interp_")]
@@ -420,7 +447,9 @@ def _fp64_on_device(q, k, v, cand_to_user, kv_len, user_q=None, causal=True):
     up = [t.double() for t in (q, k, v)]
     if user_q is None:
         return ikbo_attention(*up, cand_to_user, kv_len, backend="torch"), None
-    user_out, cand_out = ikbo_self_target_attention(user_q.double(), up[0], up[1], up[2], cand_to_user, kv_len, causal=causal, backend="torch")
+    user_out, cand_out = ikbo_self_target_attention(
+        user_q.double(), up[0], up[1], up[2], cand_to_user, kv_len, causal=causal, backend="torch"
+    )
     return cand_out, user_out
 
 
@@ -484,17 +513,26 @@ def test_cuda_tile_options(case, options):
 
 
 @cuda_only
-@pytest.mark.parametrize("name, change", [(n, c) for n, c in BAD_INPUTS if n in ("cand_to_user", "kv_len")], ids=lambda x: str(x)[:40])
+@pytest.mark.parametrize(
+    "name, change", [(n, c) for n, c in BAD_INPUTS if n in ("cand_to_user", "kv_len")], ids=lambda x: str(x)[:40]
+)
 def test_cuda_bad_index_values_raise(name, change):
     """On CUDA the op waits for the plan's flag only (its pinned copy, not the attention kernel),
     then raises the ValueError naming the argument; the next valid call is unaffected."""
     args = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in {**_good(), **change}.items()}
-    args["q"], args["k"], args["v"] = (torch.randn(*args[n].shape[:3], 64, device="cuda", dtype=torch.bfloat16) for n in ("q", "k", "v"))
+    args["q"], args["k"], args["v"] = (
+        torch.randn(*args[n].shape[:3], 64, device="cuda", dtype=torch.bfloat16) for n in ("q", "k", "v")
+    )
     with pytest.raises(ValueError, match=rf"^{name}:"):
         ikbo_attention(args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"])
     good = {n: t.cuda() for n, t in _good().items()}
     out = ikbo_attention(args["q"], args["k"], args["v"], good["cand_to_user"], good["kv_len"])
-    assert_rows_close(out, _fp64_on_device(args["q"], args["k"], args["v"], good["cand_to_user"], good["kv_len"])[0], rtol=HALF_TOL, atol=0.0)
+    assert_rows_close(
+        out,
+        _fp64_on_device(args["q"], args["k"], args["v"], good["cand_to_user"], good["kv_len"])[0],
+        rtol=HALF_TOL,
+        atol=0.0,
+    )
 
 
 @cuda_only

@@ -50,8 +50,14 @@ def test_configs_fit_shared_memory():
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False), dict(has_self=True), dict(has_self=True, causal=False, head_dim=64),
-     dict(rows_tma=False), dict(has_self=True, rows_tma=False)],
+    [
+        {},
+        dict(dtype=torch.float16, head_dim=64, has_kv_len=False),
+        dict(has_self=True),
+        dict(has_self=True, causal=False, head_dim=64),
+        dict(rows_tma=False),
+        dict(has_self=True, rows_tma=False),
+    ],
     ids=["bf16-d128", "fp16-d64", "self-causal", "self-d64", "gathered-rows", "self-gathered-rows"],
 )
 def test_compiles_for_sm90a(config, kwargs):
@@ -136,7 +142,7 @@ GPU_CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _problem(case, dtype, seed):
     """Inputs and the fp64 reference of one case, drawn once (every config runs the same problem)."""
     num_users, num_candidates, num_queries, seq_len, heads, head_dim, kv_mode, empty = case
@@ -176,11 +182,14 @@ def test_cuda_launch_ws_matches_fp64(case, dtype, config):
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [
-    (9, 200, 128, 500, 2, 128, "ragged", 1),  # S = 128: one candidate a tile, a half per warpgroup
-    (6, 77, 192, 300, 3, 64, None, 2),  # S = 192: a candidate over 1.5 tiles; users without candidates
-    (3, 5, 64, 129, 1, 128, "ragged", 0),  # odd counts: tiles whose second half is past the end
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (9, 200, 128, 500, 2, 128, "ragged", 1),  # S = 128: one candidate a tile, a half per warpgroup
+        (6, 77, 192, 300, 3, 64, None, 2),  # S = 192: a candidate over 1.5 tiles; users without candidates
+        (3, 5, 64, 129, 1, 128, "ragged", 0),  # odd counts: tiles whose second half is past the end
+    ],
+)
 @pytest.mark.parametrize("num_programs", [None, 2])
 @pytest.mark.parametrize("config", [DEFAULT_CONFIG, DYNAMIC, STATIC], ids=["default", "dynamic", "static"])
 def test_cuda_rows_by_tma(case, dtype, num_programs, config):
@@ -204,7 +213,7 @@ def test_cuda_few_programs_many_items():
         _check(out, ref)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _growing_scores_problem(head_dim, dtype):
     """Scores that grow along the keys (key j scaled by 1 + 3·j/128) for half of the query rows and stay
     small for the other half (q scaled by 0.05): the running max of some rows of a thread jumps by far
@@ -268,8 +277,20 @@ def test_cuda_item_counter_left_zero_for_the_next_launch():
         launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out, plan=plan, num_programs=num_programs)
         _check(out, ref_cand)
         out.fill_(float("nan"))
-        launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), out=out, plan=plan, num_programs=num_programs,
-                  user_q=user_q, user_out=user_out, causal=causal)
+        launch_ws(
+            q,
+            k,
+            v,
+            mapping,
+            kv_len,
+            1 / math.sqrt(q.shape[3]),
+            out=out,
+            plan=plan,
+            num_programs=num_programs,
+            user_q=user_q,
+            user_out=user_out,
+            causal=causal,
+        )
         _check(out, ref_cand)
         _check(user_out, ref_user)
         assert words[1:].tolist() == [0, 0]
@@ -292,7 +313,9 @@ def test_public_op_dispatch_rule():
     assert not prefer_ws(q, torch.zeros(1, 1, 1024, 128, dtype=torch.bfloat16))  # CPU tensors
     assert preferred_shape(1024, 15, 64, 1024)  # canonical: 4369 rows a user
     assert not preferred_shape(1024, 1024, 64, 1024)  # B/U = 1: 64 rows a user
-    assert preferred_shape(MIN_ROWS_PER_USER // 64, 1, 64, 512) and not preferred_shape(MIN_ROWS_PER_USER // 64 - 1, 1, 64, 512)
+    assert preferred_shape(MIN_ROWS_PER_USER // 64, 1, 64, 512) and not preferred_shape(
+        MIN_ROWS_PER_USER // 64 - 1, 1, 64, 512
+    )
     assert not preferred_shape(1024, 15, 8, 1024) and not preferred_shape(1024, 15, 64, 256)
     # self + target with kv_len below MIN_RAGGED_SELF_SEQ: the Triton kernel, whatever the device
     from kernels.attention_ws import MIN_RAGGED_SELF_SEQ
@@ -328,7 +351,7 @@ SELF_CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _self_problem(case, dtype, seed):
     """Inputs and the fp64 references (user_out, cand_out) of one self + target case."""
     *target, causal = case
@@ -337,7 +360,8 @@ def _self_problem(case, dtype, seed):
     gen = torch.Generator().manual_seed(seed + 1)
     user_q = torch.randn(num_users, heads, seq_len, head_dim, generator=gen).to("cuda", dtype)
     ref_user, ref_cand = attention.ikbo_self_target_attention(
-        user_q.double(), q.double(), k.double(), v.double(), mapping, kv_len, causal=causal, backend="torch")
+        user_q.double(), q.double(), k.double(), v.double(), mapping, kv_len, causal=causal, backend="torch"
+    )
     return user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand
 
 
@@ -354,8 +378,20 @@ def test_cuda_self_target_matches_fp64(case, dtype, num_programs, config):
     user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand = _self_problem(case, dtype, seed=hash(case) % 1000)
     out, user_out = torch.full_like(q, float("nan")), torch.full_like(user_q, float("nan"))
     assert self_target_ws_ok(q, out, user_q, user_out)
-    launch_ws(q, k, v, mapping, kv_len, 1 / math.sqrt(q.shape[3]), config, out=out, user_q=user_q, user_out=user_out,
-              causal=causal, num_programs=num_programs)
+    launch_ws(
+        q,
+        k,
+        v,
+        mapping,
+        kv_len,
+        1 / math.sqrt(q.shape[3]),
+        config,
+        out=out,
+        user_q=user_q,
+        user_out=user_out,
+        causal=causal,
+        num_programs=num_programs,
+    )
     _check(user_out, ref_user)
     _check(out, ref_cand)
 
@@ -370,10 +406,14 @@ def test_cuda_public_self_target_dispatches_here(monkeypatch):
 
     calls = []
     original = attention_ws.launch_ws
-    monkeypatch.setattr(attention_ws, "launch_ws", lambda *a, **kw: calls.append(kw.get("user_q") is not None) or original(*a, **kw))
+    monkeypatch.setattr(
+        attention_ws, "launch_ws", lambda *a, **kw: calls.append(kw.get("user_q") is not None) or original(*a, **kw)
+    )
     user_q, q, k, v, mapping, kv_len, causal, ref_user, ref_cand = _self_problem(SELF_CASES[0], torch.bfloat16, seed=3)
     assert kv_len is None
-    user_out, cand_out = attention.ikbo_self_target_attention(user_q, q, k, v, mapping, kv_len, causal=causal, backend="triton")
+    user_out, cand_out = attention.ikbo_self_target_attention(
+        user_q, q, k, v, mapping, kv_len, causal=causal, backend="triton"
+    )
     assert calls == [True]
     _check(user_out, ref_user)
     _check(cand_out, ref_cand)
@@ -394,7 +434,9 @@ def test_cuda_public_self_target_dispatches_here(monkeypatch):
     unaligned = wide[..., 2 : 2 + user_q.shape[3]]  # rows start 4 bytes in: not 16-byte aligned
     unaligned.copy_(user_q)
     assert not self_target_ws_ok(q, q, unaligned, user_q)
-    user_out, cand_out = attention.ikbo_self_target_attention(unaligned, q, k, v, mapping, kv_len, causal=causal, backend="triton")
+    user_out, cand_out = attention.ikbo_self_target_attention(
+        unaligned, q, k, v, mapping, kv_len, causal=causal, backend="triton"
+    )
     assert calls == [True, True]
     _check(user_out, ref_user)
     _check(cand_out, ref_cand)
@@ -410,7 +452,9 @@ def test_cuda_self_target_graph_replays(ragged):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
 
     def fresh():
-        user_q, k, v = (torch.randn(num_users, heads, seq_len, head_dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+        user_q, k, v = (
+            torch.randn(num_users, heads, seq_len, head_dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)
+        )
         q = torch.randn(num_candidates, heads, num_queries, head_dim, generator=gen).to("cuda", torch.bfloat16)
         mapping = torch.randint(0, num_users, (num_candidates,), generator=gen).cuda()
         kv_len = torch.randint(0, seq_len + 1, (num_users,), generator=gen).cuda() if ragged else None
@@ -422,7 +466,9 @@ def test_cuda_self_target_graph_replays(ragged):
 
     def call():
         if ragged:  # a tuned choice: the Gluon kernel with kv_len
-            cand_out, user_out, _ = attention._launch(q, k, v, mapping, kv_len, scale, user_q, True, config=attention.WS_CHOICE)
+            cand_out, user_out, _ = attention._launch(
+                q, k, v, mapping, kv_len, scale, user_q, True, config=attention.WS_CHOICE
+            )
             return user_out, cand_out
         return attention.ikbo_self_target_attention(user_q, q, k, v, mapping, backend="triton")
 
@@ -444,6 +490,7 @@ def test_cuda_self_target_graph_replays(ragged):
         cand_out.fill_(float("nan"))
         graph.replay()
         ref_user, ref_cand = attention.ikbo_self_target_attention(
-            user_q.double(), q.double(), k.double(), v.double(), mapping, kv_len, backend="torch")
+            user_q.double(), q.double(), k.double(), v.double(), mapping, kv_len, backend="torch"
+        )
         _check(user_out, ref_user)
         _check(cand_out, ref_cand)

@@ -18,7 +18,12 @@ def linear_weights(k, n):
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(0, 3 * ROWS + 5), shape=st.sampled_from(LINEAR_SHAPES), with_bias=st.booleans(), split=st.booleans())
+@given(
+    rows=st.integers(0, 3 * ROWS + 5),
+    shape=st.sampled_from(LINEAR_SHAPES),
+    with_bias=st.booleans(),
+    split=st.booleans(),
+)
 def test_rowwise_linear_matches_fp64(rows, shape, with_bias, split):
     weight, bias = linear_weights(*shape)
     bias = bias if with_bias else None
@@ -38,11 +43,15 @@ def test_a_rows_linear_does_not_depend_on_its_batch(total, data, shape):
     n = data.draw(st.integers(1, total - start), label="n")
     weight, bias = linear_weights(*shape)
     x = torch.randn(total, shape[0])
-    assert torch.equal(rowwise_linear(x, weight, bias)[start : start + n], rowwise_linear(x[start : start + n], weight, bias))
+    assert torch.equal(
+        rowwise_linear(x, weight, bias)[start : start + n], rowwise_linear(x[start : start + n], weight, bias)
+    )
 
 
 @settings(max_examples=30, deadline=None)
-@given(numel=st.one_of(st.integers(0, 300), st.integers(GRAIN - 40, 3 * GRAIN)), scale=st.sampled_from([1.0, 8.0, 60.0]))
+@given(
+    numel=st.one_of(st.integers(0, 300), st.integers(GRAIN - 40, 3 * GRAIN)), scale=st.sampled_from([1.0, 8.0, 60.0])
+)
 def test_vectorized_sigmoid_matches_fp64(numel, scale):
     x = torch.randn(numel) * scale
     got = vectorized_elementwise(torch.sigmoid, x.view(-1, 1) if numel % 3 else x)
@@ -58,5 +67,7 @@ def test_an_elements_sigmoid_does_not_depend_on_its_offset(total, data):
     start = data.draw(st.integers(0, total - 1), label="start")
     n = data.draw(st.integers(1, total - start), label="n")
     x = torch.randn(total) * 8
-    assert torch.equal(vectorized_elementwise(torch.sigmoid, x)[start : start + n], vectorized_elementwise(torch.sigmoid, x[start : start + n]))
-
+    assert torch.equal(
+        vectorized_elementwise(torch.sigmoid, x)[start : start + n],
+        vectorized_elementwise(torch.sigmoid, x[start : start + n]),
+    )

@@ -13,11 +13,20 @@ from ikbo_backend import cuda_graphs
 from ikbo_backend.cuda_graphs import GraphedInteraction, GraphedRanker, shape_buckets
 from ikbo_backend.ranker import Features, RankerConfig, build_ranker, make_demo_weights, profile_config
 from ikbo_backend.requests import (
-    INPUT_NAMES, InvalidRequest, ShapeRanges, check_request_values, check_values_on_device, index_bounds, make_request, to_tensors,
+    INPUT_NAMES,
+    InvalidRequest,
+    ShapeRanges,
+    check_request_values,
+    check_values_on_device,
+    index_bounds,
+    make_request,
+    to_tensors,
 )
 from ikbo_backend.serving import InteractionModel, RankerModel, use_cuda_graphs
 
-SMALL = RankerConfig(user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,))
+SMALL = RankerConfig(
+    user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,)
+)
 RANGES = ShapeRanges(users=(1, 8), candidates=(1, 40))
 
 
@@ -230,7 +239,9 @@ def _fp64_scores(cfg, weights):
 
     def scores(request):
         f = features(**to_tensors(request))
-        return interaction64(Features(**{k: v.double() if v.is_floating_point() else v for k, v in vars(f).items()})).float()
+        return interaction64(
+            Features(**{k: v.double() if v.is_floating_point() else v for k, v in vars(f).items()})
+        ).float()
 
     return scores
 
@@ -245,7 +256,9 @@ def test_graph_replays_match_eager_calls_on_cuda(variant):
     ranges = ShapeRanges(users=(1, 16), candidates=(1, 1024))
     model = InteractionModel(cfg, weights, ranges, "cuda", variant=variant, compute_dtype="bfloat16", cuda_graphs="yes")
     model.warm_up()
-    assert isinstance(model.interaction, GraphedInteraction) and all(g is not None for g, _ in model.interaction.graphs.values())
+    assert isinstance(model.interaction, GraphedInteraction) and all(
+        g is not None for g, _ in model.interaction.graphs.values()
+    )
     reference_of = _fp64_scores(cfg, weights)
     replays, eager_calls = model.interaction.replays, model.interaction.eager_calls  # the warm-up ran eagerly
     for num_users, num_candidates in [(15, 1024), (1, 1000), (16, 64), (3, 37), (16, 5)]:
@@ -294,7 +307,9 @@ def test_whole_ranker_graph_replays_match_eager_calls_on_cuda(variant):
         with pytest.raises(InvalidRequest, match=f"input '{name}'"):
             model(model.example(request))
     request = make_request(cfg, 15, 1024, rng)  # the device still answers
-    error = float((model(model.example(request))["scores"] - reference_of(request)).norm() / reference_of(request).norm())
+    error = float(
+        (model(model.example(request))["scores"] - reference_of(request)).norm() / reference_of(request).norm()
+    )
     assert error <= 2e-2, f"after the refusals: rel err {error:.2e} vs fp64"
 
 
@@ -317,8 +332,10 @@ def test_instances_replaying_from_threads_at_once_answer_their_own_requests():
         try:
             torch.cuda.set_device(0)
             for i in range(k, len(requests) * 4, len(models)):
-                answers.setdefault(i % len(requests), []).append(models[k](models[k].example(requests[i % len(requests)]))["scores"])
-        except Exception as e:  # noqa: BLE001 — reported below
+                answers.setdefault(i % len(requests), []).append(
+                    models[k](models[k].example(requests[i % len(requests)]))["scores"]
+                )
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=serve, args=(k,)) for k in range(len(models))]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from device_time import MARKER, SPIN_CYCLES, bracketed_calls, clock_mhz, device_ms, span_and_busy  # noqa: E402
+from device_time import MARKER, SPIN_CYCLES, bracketed_calls, clock_mhz, device_ms, span_and_busy
 
 interval = st.tuples(st.integers(0, 200), st.integers(1, 50)).map(lambda t: (float(t[0]), float(t[0] + t[1])))
 

@@ -20,7 +20,6 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
-
 from interpreted import run_child_tests
 from test_gpu_drawn import AttentionSpec, LCESpec, attention_specs, lce_specs
 
@@ -35,7 +34,7 @@ def test_gpu_paths_compile_on_cpu():
         from kernels.attention_ws import compile_ws
 
         compile_ws(has_kv_len=False)
-    except Exception as exc:  # noqa: BLE001 - any failure here means this Triton cannot target sm_90a on this machine
+    except Exception as exc:
         pytest.skip(f"cannot compile for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
     run_child_tests(__file__, "standin_", {"IKBO_STANDIN_DRIVER": "1"}, timeout=1500)
 
@@ -48,7 +47,9 @@ def standin_driver():
     install_standin_driver()
 
 
-L1 = AttentionSpec(2, 3, 1, 1, 1, 64, None, "contiguous", "bf16", "int32", 0, "default", None, 0)  # ptxas SIGSEGV before 2026-12-01
+L1 = AttentionSpec(
+    2, 3, 1, 1, 1, 64, None, "contiguous", "bf16", "int32", 0, "default", None, 0
+)  # ptxas SIGSEGV before 2026-12-01
 
 
 # S and L multiples of 64, contiguous: q, out, user_q and user_out rows by TMA (`rows_by_tma`, `self_rows_by_tma`)

@@ -47,7 +47,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def ragged_mapping(num_users: int, num_candidates: int, empty_users: int, index_dtype, gen, device="cuda") -> torch.Tensor:
+def ragged_mapping(
+    num_users: int, num_candidates: int, empty_users: int, index_dtype, gen, device="cuda"
+) -> torch.Tensor:
     """Unsorted, unequal counts; the last `empty_users` users get no candidate."""
     weights = torch.rand(num_users - empty_users, generator=gen) ** 2 + 0.05
     users = torch.multinomial(weights, num_candidates, replacement=True, generator=gen)
@@ -70,7 +72,9 @@ def filler(device, seed: int, dtype, random: bool):
 def drawn_inputs(spec, device, random: bool):
     """(CPU generator from spec.seed, spec's ragged mapping on `device`, spec's `filler`)."""
     gen = torch.Generator().manual_seed(spec.seed)
-    cand_to_user = ragged_mapping(spec.num_users, spec.num_candidates, spec.empty_users, INDEX_DTYPES[spec.index_dtype], gen, device)
+    cand_to_user = ragged_mapping(
+        spec.num_users, spec.num_candidates, spec.empty_users, INDEX_DTYPES[spec.index_dtype], gen, device
+    )
     return gen, cand_to_user, filler(device, spec.seed, DTYPES[spec.dtype], random)
 
 
@@ -161,7 +165,11 @@ def test_drawn_lce_s6_and_public_op(spec):
 
 # ---------------------------------------------------------------------------------------- attention
 
-CONFIGS = {"default": DEFAULT_CONFIG, "dynamic": WSAttentionConfig(dynamic=True), "static": WSAttentionConfig(dynamic=False)}
+CONFIGS = {
+    "default": DEFAULT_CONFIG,
+    "dynamic": WSAttentionConfig(dynamic=True),
+    "static": WSAttentionConfig(dynamic=False),
+}
 
 
 @dataclass(frozen=True)
@@ -197,7 +205,9 @@ class AttentionSpec:
         users, heads, seq_len, head_dim = self.num_users, self.heads, self.seq_len, self.head_dim
         if self.layout == "fused":
             qkv = make(users, seq_len, 3 * heads * head_dim)
-            user_q, k, v = (p.unflatten(2, (heads, head_dim)).transpose(1, 2) for p in qkv.split(heads * head_dim, dim=2))
+            user_q, k, v = (
+                p.unflatten(2, (heads, head_dim)).transpose(1, 2) for p in qkv.split(heads * head_dim, dim=2)
+            )
         elif self.layout == "ULHd":
             user_q, k, v = (make(users, seq_len, heads, head_dim).transpose(1, 2) for _ in range(3))
         else:
@@ -259,13 +269,21 @@ def test_drawn_self_target_attention(spec, causal):
     q, user_q, k, v, cand_to_user, kv_len = spec.tensors()
     ref_user, ref_cand = attention.ikbo_self_target_attention(*_fp64(user_q, q, k, v), cand_to_user, kv_len, causal=causal,
                                                               backend="torch")  # fmt: skip
-    out, user_out = torch.full_like(q, float("nan")), torch.full(user_q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    out, user_out = (
+        torch.full_like(q, float("nan")),
+        torch.full(user_q.shape, float("nan"), dtype=q.dtype, device="cuda"),
+    )
     assert self_target_ws_ok(q, out, user_q, user_out)
     launch_ws(q, k, v, cand_to_user, kv_len, 1 / math.sqrt(spec.head_dim), CONFIGS[spec.config], out=out,
               num_programs=spec.num_programs, user_q=user_q, user_out=user_out, causal=causal)  # fmt: skip
     torch.cuda.synchronize()
     assert rel_err(user_out, ref_user) <= ATTENTION_TOLERANCE, ("launch_ws user", rel_err(user_out, ref_user))
     assert rel_err(out, ref_cand) <= ATTENTION_TOLERANCE, ("launch_ws candidates", rel_err(out, ref_cand))
-    user_public, cand_public = attention.ikbo_self_target_attention(user_q, q, k, v, cand_to_user, kv_len, causal=causal)
+    user_public, cand_public = attention.ikbo_self_target_attention(
+        user_q, q, k, v, cand_to_user, kv_len, causal=causal
+    )
     assert rel_err(user_public, ref_user) <= ATTENTION_TOLERANCE, ("public op user", rel_err(user_public, ref_user))
-    assert rel_err(cand_public, ref_cand) <= ATTENTION_TOLERANCE, ("public op candidates", rel_err(cand_public, ref_cand))
+    assert rel_err(cand_public, ref_cand) <= ATTENTION_TOLERANCE, (
+        "public op candidates",
+        rel_err(cand_public, ref_cand),
+    )

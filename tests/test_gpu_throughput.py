@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import gpu_throughput  # noqa: E402
-from gpu_throughput import increments, parse_prometheus, report  # noqa: E402
+import gpu_throughput
+from gpu_throughput import increments, parse_prometheus, report
 
 GPU0, GPU1 = "GPU-0aa1b2c3-0000-1111-2222-333344445555", "GPU-9ff1b2c3-0000-1111-2222-333344445555"
 
@@ -55,8 +55,15 @@ ikbo_triton_compilations_total{{device="cuda:1",model="ikbo_interaction",phase="
 
 
 def test_parse_prometheus_text():
-    samples = parse_prometheus(metrics_text(2048, 1024, inferences=(2, 1)) + 'odd{path="a \\"quoted\\", b"} NaN 1700000000000\n')
-    assert samples[("nv_inference_count", frozenset({("gpu_uuid", GPU1), ("model", "ikbo_interaction"), ("version", "1")}))] == 1
+    samples = parse_prometheus(
+        metrics_text(2048, 1024, inferences=(2, 1)) + 'odd{path="a \\"quoted\\", b"} NaN 1700000000000\n'
+    )
+    assert (
+        samples[
+            ("nv_inference_count", frozenset({("gpu_uuid", GPU1), ("model", "ikbo_interaction"), ("version", "1")}))
+        ]
+        == 1
+    )
     assert samples[("nv_cpu_memory_used_bytes", frozenset())] == 123456789
     bucket = frozenset({("device", "cuda:0"), ("le", "+Inf"), ("model", "ikbo_interaction")})
     assert samples[("ikbo_candidates_per_user_bucket", bucket)] == 2
@@ -70,8 +77,15 @@ def test_per_gpu_and_total_candidates_per_second():
     after = parse_prometheus(metrics_text(110 * 1024, 98 * 1024, online=6400, inferences=(110, 98)))
     result = report(before, after, seconds=10.0)
     rows = {(r.model, r.device): r for r in result.devices}
-    assert set(rows) == {("ikbo_interaction", "cuda:0"), ("ikbo_interaction", "cuda:1"), ("ikbo_ranker_online", "cuda:0")}
-    assert rows["ikbo_interaction", "cuda:0"].candidates == 100 * 1024 and rows["ikbo_interaction", "cuda:0"].batches == 100
+    assert set(rows) == {
+        ("ikbo_interaction", "cuda:0"),
+        ("ikbo_interaction", "cuda:1"),
+        ("ikbo_ranker_online", "cuda:0"),
+    }
+    assert (
+        rows["ikbo_interaction", "cuda:0"].candidates == 100 * 1024
+        and rows["ikbo_interaction", "cuda:0"].batches == 100
+    )
     assert rows["ikbo_interaction", "cuda:1"].candidates_per_s == pytest.approx(90 * 1024 / 10)
     assert rows["ikbo_interaction", "cuda:1"].users == pytest.approx(90 * 15)
     assert result.per_device() == pytest.approx({"cuda:0": (100 * 1024 + 5760) / 10, "cuda:1": 90 * 1024 / 10})
@@ -101,7 +115,7 @@ def metrics_endpoint():
     state = {"text": metrics_text(1024, 1024, inferences=(1, 1))}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 — the http.server name
+        def do_GET(self):
             if self.path == "/advance":
                 state["text"] = metrics_text(41 * 1024, 21 * 1024, inferences=(41, 21))
             body = state["text"].encode()

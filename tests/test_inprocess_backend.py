@@ -82,15 +82,15 @@ class TritonPythonModel:
             ] + [pb_utils.Tensor(f"{t.name()}_TWICE", t.as_torch() * 2) for t in halves if t is not None]))
         return responses
 '''
-BROKEN_MODEL = '''
+BROKEN_MODEL = """
 class TritonPythonModel:
     def initialize(self, args):
         raise ValueError("this model cannot load: weights missing")
 
     def execute(self, requests):
         return []
-'''
-CONFIG = '''
+"""
+CONFIG = """
 name: "{name}"
 backend: "python_inprocess"
 max_batch_size: 0
@@ -101,7 +101,7 @@ output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1, 3 ] }}, {{ name: "IDS_PLU
          {{ name: "READ_PATHS" data_type: TYPE_INT64 dims: [ 2 ] }},
          {{ name: "F16_TWICE" data_type: TYPE_FP16 dims: [ -1 ] }}, {{ name: "BF16_TWICE" data_type: TYPE_BF16 dims: [ -1 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: 2 }} ]
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,9 @@ def server(tmp_path_factory):
         (repo / name / "1" / "model.py").write_text(source)
         (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name))
     log_path = tmp_path_factory.mktemp("server") / "tritonserver.log"
-    with running_tritonserver(repo, log_path=log_path, extra_args=["--model-control-mode=explicit", "--load-model=scale"]) as running:
+    with running_tritonserver(
+        repo, log_path=log_path, extra_args=["--model-control-mode=explicit", "--load-model=scale"]
+    ) as running:
         yield running
 
 
@@ -143,7 +145,9 @@ def test_answers_equal_the_fp64_reference(server):
             ids = rng.integers(-(2**40), 2**40, rows)
             y, ids_plus_one = infer(module, client, x, ids, {"scale": scale} if scale is not None else None)
             want = x.astype(np.float64) * (2 if scale is None else scale)
-            assert y.shape == want.shape and np.allclose(y, want, rtol=1e-7, atol=0), f"{module.__name__} rows {rows} (seed {SEED})"
+            assert y.shape == want.shape and np.allclose(y, want, rtol=1e-7, atol=0), (
+                f"{module.__name__} rows {rows} (seed {SEED})"
+            )
             assert np.array_equal(ids_plus_one, ids + 1), f"{module.__name__} rows {rows} (seed {SEED})"
         client.close()
 
@@ -161,7 +165,9 @@ def test_16_bit_inputs_and_outputs(server):
             tensor.set_data_from_numpy(value)
         result = client.infer("scale", inputs)
         assert np.array_equal(result.as_numpy("F16_TWICE"), f16 * 2), f"{module.__name__} (seed {SEED})"
-        assert np.array_equal(result.as_numpy("BF16_TWICE").astype(np.float32), bf16 * 2), f"{module.__name__} (seed {SEED})"
+        assert np.array_equal(result.as_numpy("BF16_TWICE").astype(np.float32), bf16 * 2), (
+            f"{module.__name__} (seed {SEED})"
+        )
         client.close()
 
 
@@ -189,7 +195,9 @@ def test_a_raising_model_answers_500_without_details_and_the_next_request_is_ans
         bad = -rng.uniform(1, 2, (4, 3)).astype(np.float32)
         with pytest.raises(InferenceServerException) as error:
             infer(module, client, bad, np.arange(4))
-        assert "internal error (RuntimeError)" in error.value.message() and "secret" not in error.value.message(), str(error.value)
+        assert "internal error (RuntimeError)" in error.value.message() and "secret" not in error.value.message(), str(
+            error.value
+        )
         good = rng.uniform(1, 2, (5, 3)).astype(np.float32)
         y, _ = infer(module, client, good, np.arange(5))
         assert np.allclose(y, good.astype(np.float64) * 2, rtol=1e-7, atol=0)
@@ -306,21 +314,40 @@ def test_the_ctypes_mirrors_match_backend_c_layouts(tmp_path):
     if compiler is None:
         pytest.skip("no C compiler")
     mirrors = {"ikbo_input": _NativeInput, "ikbo_reply": _Reply, "ikbo_execution": _Execution}
-    names = [(f"{c} {field}", f"offsetof({c}, {field})") for c, mirror in mirrors.items() for field, _ in mirror._fields_]
+    names = [
+        (f"{c} {field}", f"offsetof({c}, {field})") for c, mirror in mirrors.items() for field, _ in mirror._fields_
+    ]
     names += [(f"{c} sizeof", f"sizeof({c})") for c in mirrors]
     program = tmp_path / "layout.c"
-    body = "\n".join(f'    length += snprintf(text + length, sizeof text - length, "{name}=%zu\\n", {value});' for name, value in names)
+    body = "\n".join(
+        f'    length += snprintf(text + length, sizeof text - length, "{name}=%zu\\n", {value});'
+        for name, value in names
+    )
     program.write_text(
         f'#include "{SOURCE}"\n#include <stddef.h>\n'
         f"const char *layout(void) {{\n    static char text[8192];\n    int length = 0;\n{body}\n    return text;\n}}\n"
     )
     library = tmp_path / "layout.so"
-    command = [compiler, "-shared", "-fPIC", '-DIKBO_LIBPYTHON="unused"', str(program), "-ldl", "-pthread", "-o", str(library)]
+    command = [
+        compiler,
+        "-shared",
+        "-fPIC",
+        '-DIKBO_LIBPYTHON="unused"',
+        str(program),
+        "-ldl",
+        "-pthread",
+        "-o",
+        str(library),
+    ]
     subprocess.run(command, check=True, capture_output=True)
     layout = ctypes.CDLL(str(library), mode=os.RTLD_LAZY).layout
     layout.restype = ctypes.c_char_p
     printed = dict(line.split("=") for line in layout().decode().splitlines())
-    expected = {f"{c} {field}": str(getattr(mirror, field).offset) for c, mirror in mirrors.items() for field, _ in mirror._fields_}
+    expected = {
+        f"{c} {field}": str(getattr(mirror, field).offset)
+        for c, mirror in mirrors.items()
+        for field, _ in mirror._fields_
+    }
     expected |= {f"{c} sizeof": str(ctypes.sizeof(mirror)) for c, mirror in mirrors.items()}
     assert printed == expected
 
@@ -339,9 +366,13 @@ def test_the_backend_is_rebuilt_when_its_source_changes_and_only_then(tmp_path, 
     monkeypatch.setattr(inprocess, "SOURCE", source)
     library = inprocess.build(tmp_path / "backends")
     built = library.stat().st_mtime_ns
-    assert inprocess.build(tmp_path / "backends") == library and library.stat().st_mtime_ns == built  # same source: kept
+    assert (
+        inprocess.build(tmp_path / "backends") == library and library.stat().st_mtime_ns == built
+    )  # same source: kept
     source.write_text(source.read_text() + f"\n/* {secrets.token_hex(4)} */\n")
-    os.utime(source, ns=(built - 10**9, built - 10**9))  # older than the library, as a checkout of an older commit can be
+    os.utime(
+        source, ns=(built - 10**9, built - 10**9)
+    )  # older than the library, as a checkout of an older commit can be
     inprocess.build(tmp_path / "backends")
     assert library.stat().st_mtime_ns != built
     rebuilt = library.read_bytes()

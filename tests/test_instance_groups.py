@@ -10,13 +10,20 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 from tritonclient.grpc import model_config_pb2
 
-from ikbo_backend.instance_groups import GENERATED_GLOB, config_name, parse_gpus, read_config, serve_config_name, spread, write_gpu_configs
+from ikbo_backend.instance_groups import (
+    GENERATED_GLOB,
+    config_name,
+    parse_gpus,
+    read_config,
+    serve_config_name,
+    spread,
+    write_gpu_configs,
+)
 from ikbo_backend.serving import MODEL_REPOSITORY, REPO_ROOT
 from ikbo_backend.tritonserver import running_tritonserver
 
@@ -59,7 +66,9 @@ def test_generated_configs_differ_from_gpu_pbtxt_only_in_the_gpu_list(repository
         base = read_config(repository / model / "configs" / "gpu.pbtxt")
         generated = read_config(repository / model / "configs" / f"{name}.pbtxt")  # parses back as a ModelConfig
         assert [list(g.gpus) for g in generated.instance_group] == [gpus] * len(base.instance_group), model
-        assert [(g.kind, g.count) for g in generated.instance_group] == [(KIND_GPU, g.count) for g in base.instance_group]
+        assert [(g.kind, g.count) for g in generated.instance_group] == [
+            (KIND_GPU, g.count) for g in base.instance_group
+        ]
         in_process = base.backend == "python_inprocess"
         assert generated.backend == ("python" if in_process and len(gpus) > 1 else base.backend), model
         assert without_placement(generated) == without_placement(base), model
@@ -86,7 +95,9 @@ def test_a_base_whose_ensembles_have_configs_copies_them_unchanged(repository):
     name = write_gpu_configs([0, 1], "alt", repository)
     ensemble = repository / "ikbo_ranker" / "configs"
     assert read_config(ensemble / f"{name}.pbtxt") == read_config(ensemble / "alt.pbtxt")
-    assert [list(g.gpus) for g in read_config(repository / "ikbo_interaction" / "configs" / f"{name}.pbtxt").instance_group] == [[0, 1]]
+    assert [
+        list(g.gpus) for g in read_config(repository / "ikbo_interaction" / "configs" / f"{name}.pbtxt").instance_group
+    ] == [[0, 1]]
 
 
 def test_regenerated_from_whatever_gpu_pbtxt_holds(repository):
@@ -107,13 +118,19 @@ def test_other_instance_groups_are_kept():
     config.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_CPU, count=1)
     config.instance_group.add(kind=KIND_GPU, count=2, gpus=[3])
     cpu_kind = config.instance_group[0].kind
-    assert [(g.kind, list(g.gpus)) for g in spread(config, [0, 1]).instance_group] == [(cpu_kind, []), (KIND_GPU, [0, 1])]
+    assert [(g.kind, list(g.gpus)) for g in spread(config, [0, 1]).instance_group] == [
+        (cpu_kind, []),
+        (KIND_GPU, [0, 1]),
+    ]
     assert list(config.instance_group[1].gpus) == [3]  # a copy: the input is unchanged
     with pytest.raises(ValueError, match="gpus"):
         spread(config, [])
 
 
-@pytest.mark.parametrize("gpus, backend", [([0], "python_inprocess"), ([1], "python_inprocess"), ([0, 1], "python"), ([0, 1, 2, 3], "python")])
+@pytest.mark.parametrize(
+    "gpus, backend",
+    [([0], "python_inprocess"), ([1], "python_inprocess"), ([0, 1], "python"), ([0, 1, 2, 3], "python")],
+)
 def test_in_process_models_get_a_process_per_instance_over_several_gpus(gpus, backend):
     """python_inprocess runs every instance under tritonserver's one GIL: over several GPUs the spread
     config takes the python backend (a stub process per instance). Other backends, and in-process
@@ -166,10 +183,16 @@ def test_good_gpus_values():
 
 @pytest.mark.parametrize(
     "flags, message",
-    [(["--gpus", "0,x"], "--gpus: expected"), (["--gpus", "0,0"], "distinct"), (["--gpus", "0", "--cpu"], "not allowed with")],
+    [
+        (["--gpus", "0,x"], "--gpus: expected"),
+        (["--gpus", "0,0"], "distinct"),
+        (["--gpus", "0", "--cpu"], "not allowed with"),
+    ],
 )
 def test_serve_refuses_a_bad_gpus_flag_before_starting(flags, message):
-    run = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "serve"), *flags], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "serve"), *flags], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 2 and message in run.stderr, run.stderr
 
 
@@ -199,14 +222,19 @@ def test_tritonserver_takes_configs_name_where_present_else_config_pbtxt(tmp_pat
             (repository / model / "configs").mkdir()
             (repository / model / "configs" / "check.pbtxt").write_text(str(config))
     load = ["--model-control-mode=explicit", "--load-model=ikbo_ranker"]
-    with running_tritonserver(repository, config_name="check", extra_args=load, log_path=tmp_path / "tritonserver.log") as server:
+    with running_tritonserver(
+        repository, config_name="check", extra_args=load, log_path=tmp_path / "tritonserver.log"
+    ) as server:
         configs = {
             model: json.load(urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/config", timeout=10))
             for model in ("ranker_features", "ikbo_interaction", "ikbo_ranker")
         }
     assert [g["count"] for g in configs["ranker_features"]["instance_group"]] == [2]
     assert [g["count"] for g in configs["ikbo_interaction"]["instance_group"]] == [2]
-    assert configs["ikbo_ranker"]["platform"] == "ensemble" and len(configs["ikbo_ranker"]["ensemble_scheduling"]["step"]) == 2
+    assert (
+        configs["ikbo_ranker"]["platform"] == "ensemble"
+        and len(configs["ikbo_ranker"]["ensemble_scheduling"]["step"]) == 2
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -216,7 +244,7 @@ def test_an_instance_on_gpu_1_keeps_its_weights_and_work_there(tmp_path):
     (Triton launches on torch's current device, triton/runtime/jit.py), scores as on cuda:0.
     A fresh process: a kernel launched on the wrong device may leave the CUDA context unusable."""
     code = textwrap.dedent(
-        f"""
+        """
         import json
         import numpy as np, torch
         from google.protobuf import json_format
@@ -226,9 +254,9 @@ def test_an_instance_on_gpu_1_keeps_its_weights_and_work_there(tmp_path):
 
         config = spread(read_config(MODEL_REPOSITORY / "ikbo_interaction/configs/gpu.pbtxt"), [0, 1])
         def instance(device_id):
-            args = {{"model_config": json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True)),
+            args = {"model_config": json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True)),
                     "model_repository": str(MODEL_REPOSITORY / "ikbo_interaction"), "model_name": "ikbo_interaction",
-                    "model_instance_kind": "GPU", "model_instance_device_id": str(device_id)}}
+                    "model_instance_kind": "GPU", "model_instance_device_id": str(device_id)}
             return InteractionModel.from_triton_args(args)
         first = instance(0)  # one instance per stub process: each in turn here
         request = make_request(first.cfg, 15, 1024, np.random.default_rng(0))
@@ -237,7 +265,7 @@ def test_an_instance_on_gpu_1_keeps_its_weights_and_work_there(tmp_path):
         second = instance(1)
         assert torch.cuda.current_device() == 1, "the instance did not make its GPU current"
         weights = [*second.interaction.w.values(), second.interaction.lce.cand_weight, second.interaction.lce.user_weight]
-        assert {{w.device for w in weights}} == {{torch.device("cuda:1")}}
+        assert {w.device for w in weights} == {torch.device("cuda:1")}
         with torch.inference_mode():
             on_1 = second(second.example(request))["scores"]
         torch.cuda.synchronize(1)

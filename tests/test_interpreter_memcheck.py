@@ -46,7 +46,13 @@ def test_importing_kernels_fixes_the_interpreter_only_when_interpreting(interpre
     interpreter for numpy >= 2.4 from `import kernels` alone, not from this suite's conftest; without the
     interpreter nothing is patched."""
     code = "import kernels, triton.runtime.interpreter as i; print(getattr(i, '_ikbo_index_fix', False))"
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": interpret},
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TRITON_INTERPRET": interpret},
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(interpret == "1")

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from interpreted import run_interpreted
 
 from kernels import PackedLinearCompress, ikbo_linear_compress
 from kernels.linear_compress import VARIANTS, TileConfig
 from kernels.reference import linear_compress_reference
-from interpreted import run_interpreted
 
 FP32_TOL = 1e-5
 FP16_TOL = 2e-3
@@ -118,7 +118,9 @@ def _check_torch_path(case: Case) -> None:
     assert rel_err(out_packed, ref) <= FP32_TOL, case
 
 
-@pytest.mark.parametrize("case", CORNERS, ids=lambda c: f"U{c.num_users}-B{len(c.mapping)}-Ku{c.num_user_tokens}-Kc{c.num_cand_tokens}")
+@pytest.mark.parametrize(
+    "case", CORNERS, ids=lambda c: f"U{c.num_users}-B{len(c.mapping)}-Ku{c.num_user_tokens}-Kc{c.num_cand_tokens}"
+)
 def test_torch_path_corners(case):
     _check_torch_path(case)
 
@@ -136,6 +138,7 @@ def test_torch_path_drawn_larger(case):
 
 
 # ---------------------------------------------------------------- input checks (ValueError names the argument)
+
 
 def _valid(seed=0):
     return make_inputs(Case(3, 4, 5, 6, 3, (2, 0, 1, 0), True, torch.int64, seed))
@@ -206,6 +209,7 @@ def test_triton_path_rejects_what_it_cannot_run():
 
 # ---------------------------------------------------------------- Triton kernels under the interpreter
 
+
 @pytest.mark.skipif(INTERPRETING, reason="already interpreting: the interpreted tests run directly")
 def test_triton_interpreted():
     """Run the `interpreted` tests below in a child process with TRITON_INTERPRET=1."""
@@ -246,7 +250,11 @@ INTERPRETED_CORNERS = [
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("case", INTERPRETED_CORNERS, ids=lambda c: f"U{c.num_users}-B{len(c.mapping)}-Ku{c.num_user_tokens}-Kc{c.num_cand_tokens}-D{c.dim}")
+@pytest.mark.parametrize(
+    "case",
+    INTERPRETED_CORNERS,
+    ids=lambda c: f"U{c.num_users}-B{len(c.mapping)}-Ku{c.num_user_tokens}-Kc{c.num_cand_tokens}-D{c.dim}",
+)
 @pytest.mark.parametrize("config", INTERPRETED_CONFIGS, ids=["default", "split"])
 def test_interpreted_corners(case, variant, config):
     _check_triton(case, variant, torch.float32, FP32_TOL, config)
@@ -265,7 +273,9 @@ def test_interpreted_drawn(case, variant, config):
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
 @settings(max_examples=12, deadline=None)
-@given(case=cases(max_users=4, max_candidates=8, max_tokens=24, max_dim=24, max_rows=24), variant=st.sampled_from(VARIANTS))
+@given(
+    case=cases(max_users=4, max_candidates=8, max_tokens=24, max_dim=24, max_rows=24), variant=st.sampled_from(VARIANTS)
+)
 def test_interpreted_drawn_fp16(case, variant):
     _check_triton(case, variant, torch.float16, FP16_TOL)
 
@@ -287,6 +297,7 @@ def test_interpreted_bad_mapping_reads_in_bounds(variant):
 
 
 # ---------------------------------------------------------------- Triton kernels on CUDA, real sizes
+
 
 def _ragged_mapping(num_users: int, num_candidates: int, gen: torch.Generator) -> tuple:
     """Unsorted mapping with unequal counts per user (some users may get none)."""
@@ -311,7 +322,17 @@ GPU_SHAPES = [
 def test_gpu_bf16_real_sizes(shape, variant):
     num_users, num_candidates, ku, kc, dim, rows, with_bias = shape
     gen = torch.Generator().manual_seed(hash(shape) % 2**31)
-    case = Case(ku, kc, dim, rows, num_users, _ragged_mapping(num_users, num_candidates, gen), with_bias, torch.int32, int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    case = Case(
+        ku,
+        kc,
+        dim,
+        rows,
+        num_users,
+        _ragged_mapping(num_users, num_candidates, gen),
+        with_bias,
+        torch.int32,
+        int(torch.randint(0, 2**31 - 1, (1,), generator=gen)),
+    )
     user_emb, cand_emb, cand_to_user, weight, bias = make_inputs(case, torch.bfloat16, "cuda")
     tokens = torch.cat([user_emb.double()[cand_to_user.long()], cand_emb.double()], dim=1)  # test reference only
     ref = torch.matmul(weight.double(), tokens) + (0 if bias is None else bias.double()[:, None])

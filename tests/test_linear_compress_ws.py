@@ -42,7 +42,7 @@ DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
 
 
 def _parse_config(text: str) -> WSConfig:
-    """"name=value,…" (integer WSConfig fields) → WSConfig."""
+    """ "name=value,…" (integer WSConfig fields) → WSConfig."""
     return WSConfig(**{name: int(value) for name, value in (item.split("=") for item in filter(None, text.split(",")))})
 
 
@@ -264,13 +264,16 @@ def test_default_variant_takes_s6_where_it_runs():
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("dtype, num_candidates, dim, expect_s6", [
-    (torch.bfloat16, 1024, 256, True),
-    (torch.float16, 300, 128, True),
-    (torch.bfloat16, 200, 256, False),  # under WS_MIN_CANDIDATES
-    (torch.bfloat16, 600, 100, False),  # D·2 bytes not a multiple of 16: s6 does not run
-    (torch.float32, 600, 256, False),
-])
+@pytest.mark.parametrize(
+    "dtype, num_candidates, dim, expect_s6",
+    [
+        (torch.bfloat16, 1024, 256, True),
+        (torch.float16, 300, 128, True),
+        (torch.bfloat16, 200, 256, False),  # under WS_MIN_CANDIDATES
+        (torch.bfloat16, 600, 100, False),  # D·2 bytes not a multiple of 16: s6 does not run
+        (torch.float32, 600, 256, False),
+    ],
+)
 def test_gpu_public_default_dispatch(monkeypatch, dtype, num_candidates, dim, expect_s6):
     """With no variant and nothing tuned the public op launches s6 exactly where default_variant says so,
     and the result matches fp64 either way."""

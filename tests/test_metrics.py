@@ -19,14 +19,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from client import client_module, infer_inputs, infer_scores  # noqa: E402
+from client import client_module, infer_inputs, infer_scores
 
-from ikbo_backend.metrics import CANDIDATES_PER_USER_BUCKETS, RankerMetrics, broadcast_bytes_avoided, replicated_row_bytes  # noqa: E402
-from ikbo_backend.online import make_online_batch, split_by_user  # noqa: E402
-from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights  # noqa: E402
-from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
-from ikbo_backend.shape_spec import CompileCounter  # noqa: E402
-from ikbo_backend.tritonserver import has_gpu, running_tritonserver  # noqa: E402
+from ikbo_backend.metrics import (
+    CANDIDATES_PER_USER_BUCKETS,
+    RankerMetrics,
+    broadcast_bytes_avoided,
+    replicated_row_bytes,
+)
+from ikbo_backend.online import make_online_batch, split_by_user
+from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights
+from ikbo_backend.requests import make_request, to_tensors
+from ikbo_backend.shape_spec import CompileCounter
+from ikbo_backend.tritonserver import has_gpu, running_tritonserver
 
 SEED = secrets.randbits(32)
 CFG = RankerConfig()
@@ -36,9 +41,13 @@ pytestmark = pytest.mark.timeout(600)
 
 def test_row_bytes_are_what_the_baseline_replicates_per_candidate():
     """BaselineRanker index_selects user_tokens, history_tokens and history_len to B rows."""
-    features = build_ranker("baseline", CFG, make_demo_weights(CFG))[0](**to_tensors(make_request(CFG, 3, 10, np.random.default_rng(SEED))))
+    features = build_ranker("baseline", CFG, make_demo_weights(CFG))[0](
+        **to_tensors(make_request(CFG, 3, 10, np.random.default_rng(SEED)))
+    )
     replicated = (features.user_tokens, features.history_tokens, features.history_len)
-    assert replicated_row_bytes(CFG) == sum(t[0].numel() * t.element_size() for t in replicated) == (10 + 64) * 64 * 4 + 4
+    assert (
+        replicated_row_bytes(CFG) == sum(t[0].numel() * t.element_size() for t in replicated) == (10 + 64) * 64 * 4 + 4
+    )
     assert replicated_row_bytes(CFG, torch.bfloat16) == (10 + 64) * 64 * 2 + 4
     assert broadcast_bytes_avoided(15, 1024, 100) == 1009 * 100
     assert broadcast_bytes_avoided(4, 4, 100) == 0
@@ -63,7 +72,7 @@ class _Family:
     def __init__(self, name, description, kind):
         self.name, self.kind = name, kind
 
-    def Metric(self, labels, buckets=None):  # noqa: N802 — the pb_utils name
+    def Metric(self, labels, buckets=None):
         return _Metric(self, labels, buckets)
 
 
@@ -95,7 +104,10 @@ def test_background_updates_are_pushed_by_the_worker_and_nothing_is_lost():
         time.sleep(0.01)  # the worker pushes within a period
     assert sum(metrics.candidates.values) == sum(b for _, b in batches[:100])
     assert len(metrics.candidates.values) < 100 and metrics.candidates.threads == {"metrics m"}  # summed per period
-    threads = [threading.Thread(target=lambda part: [metrics.record(*batch) for batch in part], args=(batches[i::4],)) for i in range(100, 104)]
+    threads = [
+        threading.Thread(target=lambda part: [metrics.record(*batch) for batch in part], args=(batches[i::4],))
+        for i in range(100, 104)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -103,18 +115,32 @@ def test_background_updates_are_pushed_by_the_worker_and_nothing_is_lost():
     metrics.record_execute(0.125)
     metrics.close()
     assert not metrics._worker.is_alive()
-    assert sum(metrics.candidates.values) == sum(b for _, b in batches) and sum(metrics.users.values) == sum(u for u, _ in batches)
-    assert sorted(metrics.ratio.values) == sorted(b / u for u, b in batches) and metrics.ratio.values[:100] == [b / u for u, b in batches[:100]]
-    assert sum(metrics.avoided.values) == sum((b - u) * 7 for u, b in batches) and metrics.execute_seconds.values == [0.125]
-    inline = RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", row_bytes=7)  # the python backend's stub: in place
+    assert sum(metrics.candidates.values) == sum(b for _, b in batches) and sum(metrics.users.values) == sum(
+        u for u, _ in batches
+    )
+    assert sorted(metrics.ratio.values) == sorted(b / u for u, b in batches) and metrics.ratio.values[:100] == [
+        b / u for u, b in batches[:100]
+    ]
+    assert sum(metrics.avoided.values) == sum((b - u) * 7 for u, b in batches) and metrics.execute_seconds.values == [
+        0.125
+    ]
+    inline = RankerMetrics(
+        SimpleNamespace(MetricFamily=_Family), "m", row_bytes=7
+    )  # the python backend's stub: in place
     inline.record(2, 5)
     assert inline.candidates.values == [5.0] and inline.candidates.threads == {threading.current_thread().name}
 
 
 def test_instances_on_different_devices_count_apart():
     """Label `device`: two GPU instances of one model are two series (per-GPU rates, issue 8)."""
-    on = {d: RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", 10, device=torch.device(d)) for d in ("cuda:0", "cuda:1")}
-    assert [on[d].candidates.labels for d in on] == [{"model": "m", "device": "cuda:0"}, {"model": "m", "device": "cuda:1"}]
+    on = {
+        d: RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", 10, device=torch.device(d))
+        for d in ("cuda:0", "cuda:1")
+    }
+    assert [on[d].candidates.labels for d in on] == [
+        {"model": "m", "device": "cuda:0"},
+        {"model": "m", "device": "cuda:1"},
+    ]
     assert {m.labels["device"] for m in (on["cuda:1"].users, on["cuda:1"].ratio, on["cuda:1"].avoided)} == {"cuda:1"}
 
 
@@ -151,9 +177,11 @@ def ikbo_samples(server) -> list[tuple[str, dict[str, str], float]]:
     text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read().decode()
     samples = []
     for line in text.splitlines():
-        match = re.match(r'^(ikbo_\w+)\{([^}]*)\} (\S+)$', line)
+        match = re.match(r"^(ikbo_\w+)\{([^}]*)\} (\S+)$", line)
         if match:
-            samples.append((match.group(1), dict(re.findall(r'(\w+)="([^"]*)"', match.group(2))), float(match.group(3))))
+            samples.append(
+                (match.group(1), dict(re.findall(r'(\w+)="([^"]*)"', match.group(2))), float(match.group(3)))
+            )
     return samples
 
 
@@ -192,10 +220,17 @@ def test_metrics_after_known_requests(server):
     try:
         at_start = scrape(server)
         if not has_gpu():
-            assert not any(name.endswith("_total") and value for (name, _), value in at_start.items()), "warm-up was counted"
+            assert not any(name.endswith("_total") and value for (name, _), value in at_start.items()), (
+                "warm-up was counted"
+            )
         batch_mixes = [(3, 40), (15, 1024), (1, 1)]
         for users, candidates in batch_mixes:
-            infer_scores(connection, module, "ikbo_ranker", make_request(CFG, users, candidates, np.random.default_rng([SEED, users])))
+            infer_scores(
+                connection,
+                module,
+                "ikbo_ranker",
+                make_request(CFG, users, candidates, np.random.default_rng([SEED, users])),
+            )
         online = split_by_user(make_online_batch(CFG, 5, 300, np.random.default_rng(SEED)))
         for one in online:
             connection.infer("ikbo_ranker_online", infer_inputs(module, one))
@@ -207,12 +242,17 @@ def test_metrics_after_known_requests(server):
     while True:
         got = scrape(server)
         change = {key: got.get(key, 0.0) - at_start.get(key, 0.0) for key in want}
-        if all(change[key] == pytest.approx(value, rel=1e-6) for key, value in want.items()) or time.monotonic() > deadline:
+        if (
+            all(change[key] == pytest.approx(value, rel=1e-6) for key, value in want.items())
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.05)
     warm_up = {}
     for model in (batch_model, "ikbo_ranker_online"):
-        warm_up[model], requests = (got[(f"ikbo_triton_compilations_total{{{phase}}}", model)] for phase in ("warmup", "request"))
+        warm_up[model], requests = (
+            got[(f"ikbo_triton_compilations_total{{{phase}}}", model)] for phase in ("warmup", "request")
+        )
         assert requests == 0, f"{model}: {requests} Triton compilations on the request path"
     # GPU: the warm-ups compiled. Both rankers load into tritonserver's own process (python_inprocess) and
     # share its Triton kernel cache, so the one loaded second may find every kernel compiled: the sum

@@ -57,7 +57,10 @@ def test_config_parses(path):
 def test_ensemble_io_is_the_request_contract(model):
     parsed = config(model)
     assert parsed.platform == "ensemble"
-    expected = {name: (TRITON_DTYPE[str(INPUT_DTYPES[name]).removeprefix("torch.")], request_dims(CFG)[name]) for name in INPUT_NAMES}
+    expected = {
+        name: (TRITON_DTYPE[str(INPUT_DTYPES[name]).removeprefix("torch.")], request_dims(CFG)[name])
+        for name in INPUT_NAMES
+    }
     assert io(parsed.input) == expected
     assert [t.name for t in parsed.input] == list(INPUT_NAMES)
     assert io(parsed.output) == {"scores": ("TYPE_FP32", [-1, CFG.tasks])}
@@ -88,12 +91,16 @@ def test_gpu_rankers_are_one_python_model_with_the_ensemble_contract(model, name
     ensemble, parsed = config(model), config(model, name)
     assert parsed.backend == "python_inprocess" and not parsed.platform and parsed.max_batch_size == 0
     assert [t.name for t in parsed.input] == [t.name for t in ensemble.input]
-    assert [t.data_type for t in list(parsed.input) + list(parsed.output)] == [t.data_type for t in list(ensemble.input) + list(ensemble.output)]
+    assert [t.data_type for t in list(parsed.input) + list(parsed.output)] == [
+        t.data_type for t in list(ensemble.input) + list(ensemble.output)
+    ]
     if name == "gpu":
         assert io(parsed.input) == io(ensemble.input) and io(parsed.output) == io(ensemble.output)
     assert [g.kind for g in parsed.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
     parameters = {k: v.string_value for k, v in parsed.parameters.items()}
-    assert "FORCE_CPU_ONLY_INPUT_TENSORS" not in parameters and parameters["cuda_graphs"] == "yes"  # a python backend option
+    assert (
+        "FORCE_CPU_ONLY_INPUT_TENSORS" not in parameters and parameters["cuda_graphs"] == "yes"
+    )  # a python backend option
     assert parameters["variant"] == model.removesuffix("_ranker")
     assert (MODEL_REPOSITORY / model / "1" / "model.py").is_file()
 
@@ -166,7 +173,13 @@ def test_large_config_is_the_gpu_config_at_the_large_profile(model):
     assert [g.kind for g in large.instance_group] == [g.kind for g in base.instance_group]  # counts may differ
     # the float features between ranker_features and the interactions are bfloat16 in the large
     # profile (its interactions compute in bfloat16), float32 in the GPU config
-    between = list(large.output) if model == "ranker_features" else list(large.input) if model.endswith("_interaction") else []
+    between = (
+        list(large.output)
+        if model == "ranker_features"
+        else list(large.input)
+        if model.endswith("_interaction")
+        else []
+    )
     for t in between:
         if t.name in ("user_tokens", "cand_tokens", "history_tokens"):
             assert t.data_type == model_config_pb2.TYPE_BF16, t.name
@@ -206,7 +219,14 @@ def test_gpu_configs_warm_up_through_triton_at_the_typical_shape(model, name):
     num_users, num_candidates = load_shape_ranges().typical[0]
     for input_name, data in warmup.inputs.items():
         assert data.zero_data and data.data_type == declared[input_name].data_type
-        rows = 1 if parsed.max_batch_size > 0 else (num_users if input_name.startswith(("user", "history")) else num_candidates)
+        rows = (
+            1
+            if parsed.max_batch_size > 0
+            else (num_users if input_name.startswith(("user", "history")) else num_candidates)
+        )
         assert len(data.dims) == len(declared[input_name].dims)
         for got, want in zip(data.dims, declared[input_name].dims):
-            assert got == want or (want == -1 and (parsed.max_batch_size > 0 or got == rows)), (input_name, list(data.dims))
+            assert got == want or (want == -1 and (parsed.max_batch_size > 0 or got == rows)), (
+                input_name,
+                list(data.dims),
+            )

@@ -18,7 +18,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,10 +30,10 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from client import client_module, infer_inputs  # noqa: E402
-from test_serving import FAKE_PB_UTILS  # noqa: E402
+from client import client_module, infer_inputs
+from test_serving import FAKE_PB_UTILS
 
-from ikbo_backend.online import (  # noqa: E402
+from ikbo_backend.online import (
     ONLINE_INPUT_NAMES,
     OnlineModel,
     coalesce,
@@ -46,14 +45,16 @@ from ikbo_backend.online import (  # noqa: E402
     split_by_user,
     unbatch,
 )
-from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights  # noqa: E402
-from ikbo_backend.requests import ShapeRanges, make_request, to_tensors  # noqa: E402
-from ikbo_backend.serving import MODEL_REPOSITORY, score_dims  # noqa: E402
-from ikbo_backend.tritonserver import has_gpu, running_tritonserver  # noqa: E402
+from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
+from ikbo_backend.requests import ShapeRanges, make_request, to_tensors
+from ikbo_backend.serving import MODEL_REPOSITORY, score_dims
+from ikbo_backend.tritonserver import has_gpu, running_tritonserver
 
 SEED = secrets.randbits(32)
 CFG = RankerConfig()
-SMALL = RankerConfig(user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,))
+SMALL = RankerConfig(
+    user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,)
+)
 VARIANTS = ("ikbo", "baseline")
 CLIENT_ERROR = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
 GPU = has_gpu()
@@ -101,11 +102,15 @@ def test_online_configs(variant):
     assert {t.name for t in cpu.input if t.allow_ragged_batch} == {"cand_dense", "cand_sparse_ids"}
     assert list(next(t for t in cpu.input if t.name == "user_history_len").reshape.shape) == []
     assert cpu.dynamic_batching.max_queue_delay_microseconds > 0
-    assert not cpu.dynamic_batching.HasField("default_queue_policy")  # 2.51 stalls requests with one: docs/reliability.md
+    assert not cpu.dynamic_batching.HasField(
+        "default_queue_policy"
+    )  # 2.51 stalls requests with one: docs/reliability.md
     assert cpu.parameters["variant"].string_value == variant
     assert cpu.parameters["batch_invariant"].string_value == "yes"  # CPU only: the GPU configs keep the default "no"
     assert "batch_invariant" not in gpu.parameters
-    assert gpu.backend == "python_inprocess" and "FORCE_CPU_ONLY_INPUT_TENSORS" not in gpu.parameters  # host-memory inputs
+    assert (
+        gpu.backend == "python_inprocess" and "FORCE_CPU_ONLY_INPUT_TENSORS" not in gpu.parameters
+    )  # host-memory inputs
     assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
     assert gpu.parameters["cuda_graphs"].string_value == "yes"
     for parsed in (cpu, gpu):
@@ -126,7 +131,10 @@ def test_split_by_user_round_trip():
         assert one["user_history_len"].shape == (1, 1)
         assert one["cand_dense"].shape == (1, n, CFG.cand_dense_features)
         assert one["cand_sparse_ids"].shape == (1, n, CFG.cand_sparse_features)
-    fake_scores = [np.arange(one["cand_dense"].shape[1], dtype=np.float32)[None, :, None] + 1000 * u for u, one in enumerate(online)]
+    fake_scores = [
+        np.arange(one["cand_dense"].shape[1], dtype=np.float32)[None, :, None] + 1000 * u
+        for u, one in enumerate(online)
+    ]
     merged = merge_scores(request, fake_scores)
     for user in range(5):
         np.testing.assert_array_equal(merged[request["cand_to_user"] == user, 0], fake_scores[user][0, :, 0])
@@ -179,7 +187,9 @@ def test_bad_request_fails_alone_and_the_batch_is_unchanged(small_weights, varia
     two_users = dict(good[2], user_dense=good[2]["user_dense"].repeat(2, 1))
     too_many = {k: v.repeat(1, 41, 1) if k.startswith("cand") else v for k, v in good[0].items()}  # n = 41 > 40
     recorder = _Recorder()
-    mixed = execute_online(FAKE_PB_UTILS, model, [good[0], bad_id, good[1], two_users, good[2], too_many, good[3]], recorder)
+    mixed = execute_online(
+        FAKE_PB_UTILS, model, [good[0], bad_id, good[1], two_users, good[2], too_many, good[3]], recorder
+    )
     clean = execute_online(FAKE_PB_UTILS, model, good, None)
 
     for response, name in ((mixed[1], "cand_sparse_ids"), (mixed[3], "user_dense"), (mixed[5], "cand_dense")):
@@ -221,8 +231,12 @@ def test_values_are_checked_once_per_batch_and_request_by_request_only_after_a_b
     calls.clear()
     bad = dict(good[2], user_history_len=good[2]["user_history_len"].clone().fill_(SMALL.history_length + 1))
     responses = execute_online(FAKE_PB_UTILS, model, [good[0], good[1], bad, good[3]])
-    assert [r.error is None for r in responses] == [True, True, False, True] and "'user_history_len'" in responses[2].error.message
-    assert [module for module, _ in calls] == ["ikbo_backend.serving"] + ["ikbo_backend.online"] * 4 + ["ikbo_backend.serving"]
+    assert [r.error is None for r in responses] == [True, True, False, True] and "'user_history_len'" in responses[
+        2
+    ].error.message
+    assert [module for module, _ in calls] == ["ikbo_backend.serving"] + ["ikbo_backend.online"] * 4 + [
+        "ikbo_backend.serving"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +244,9 @@ def invariant_models():
     """(weights, variant → OnlineModel in the batch-invariant mode), demo dims, fresh weights."""
     weights = make_demo_weights(CFG, seed=SEED % 1000)
     ranges = ShapeRanges((1, 64), (1, 8192))
-    return weights, {variant: OnlineModel(CFG, weights, ranges, variant=variant, batch_invariant="yes") for variant in VARIANTS}
+    return weights, {
+        variant: OnlineModel(CFG, weights, ranges, variant=variant, batch_invariant="yes") for variant in VARIANTS
+    }
 
 
 def online_requests(counts: list[int], seed: int) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
@@ -256,7 +272,11 @@ def answers(model, online, recorder=None) -> list[torch.Tensor]:
 
 
 @settings(max_examples=20, deadline=None)
-@given(variant=st.sampled_from(VARIANTS), counts=st.lists(st.integers(1, 200), min_size=1, max_size=16), seed=st.integers(0, 2**32 - 1))
+@given(
+    variant=st.sampled_from(VARIANTS),
+    counts=st.lists(st.integers(1, 200), min_size=1, max_size=16),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_batch_invariant_mode_answers_each_request_as_if_alone(invariant_models, variant, counts, seed):
     """Requests coalesced into ONE batch: each answer bit-identical (torch.equal) to the same request
     sent alone, and the scores within 1e-5 of the fp64 reference."""
@@ -268,7 +288,9 @@ def test_batch_invariant_mode_answers_each_request_as_if_alone(invariant_models,
     for index, (one, got) in enumerate(zip(online, batched)):
         solo = answers(models[variant], [one])[0]
         difference = float((got - solo).abs().max())
-        assert torch.equal(got, solo), f"{variant}: request {index} of {counts}: max |batched - solo| {difference:.2e} (seed {seed})"
+        assert torch.equal(got, solo), (
+            f"{variant}: request {index} of {counts}: max |batched - solo| {difference:.2e} (seed {seed})"
+        )
     scores = merge_scores(request, [a.numpy() for a in batched])
     assert rel_err(scores, fp64_scores(weights, request)) <= 1e-5, f"{variant} (seed {seed})"
 
@@ -295,7 +317,9 @@ def test_batches_are_cut_at_the_candidate_range(small_weights):
     online = split_by_user(request)
     recorder = _Recorder()
     responses = execute_online(FAKE_PB_UTILS, model, [as_served(one) for one in online], recorder)
-    assert all(u <= 3 and b <= 40 for u, b in recorder.batches) and sum(u for u, _ in recorder.batches) == 7, recorder.batches
+    assert all(u <= 3 and b <= 40 for u, b in recorder.batches) and sum(u for u, _ in recorder.batches) == 7, (
+        recorder.batches
+    )
     features, interaction = build_ranker("ikbo", SMALL, small_weights)
     want = interaction(features(**to_tensors(request))).numpy()
     got = merge_scores(request, [r.outputs["scores"].numpy() for r in responses])
@@ -322,7 +346,9 @@ def test_an_internal_error_fails_its_batch_only_and_hides_details(small_weights,
     assert calls == [2, 2]
     assert all(r.error is None for r in responses[:2])
     for r in responses[2:]:
-        assert r.error.code == "INTERNAL" and "RuntimeError" in r.error.message and "ikbo_ranker_online" in r.error.message
+        assert (
+            r.error.code == "INTERNAL" and "RuntimeError" in r.error.message and "ikbo_ranker_online" in r.error.message
+        )
         assert "secret" not in r.error.message
 
 
@@ -362,7 +388,10 @@ def server(weights_file, tmp_path_factory, request):
                     config.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
                     config.backend = request.param
                     connection.load_model(model, config=json_format.MessageToJson(config))
-                    assert connection.get_model_config(model)["dynamic_batching"]["max_queue_delay_microseconds"] == QUEUE_DELAY_US
+                    assert (
+                        connection.get_model_config(model)["dynamic_batching"]["max_queue_delay_microseconds"]
+                        == QUEUE_DELAY_US
+                    )
             finally:
                 connection.close()
             yield running
@@ -392,7 +421,9 @@ def send_concurrently(server, model, requests, protocol_of):
     def send(index):
         module, connection = connect(server, protocol_of(index))
         try:
-            result = connection.infer(model, infer_inputs(module, requests[index]), outputs=[module.InferRequestedOutput("scores")])
+            result = connection.infer(
+                model, infer_inputs(module, requests[index]), outputs=[module.InferRequestedOutput("scores")]
+            )
             return result.as_numpy("scores")
         except InferenceServerException as e:
             return e
@@ -425,9 +456,13 @@ def test_concurrent_requests_are_coalesced_and_answered_alone_correctly(server, 
         assert not isinstance(scores, Exception), f"request {index}: {scores} (seed {SEED})"
         want = solo_scores(reference, model, one)
         assert scores.shape == (1, *want.shape), f"request {index}: {scores.shape} (seed {SEED})"
-        assert rel_err(scores[0], want) <= 1e-5, f"{model} request {index}: rel err {rel_err(scores[0], want):.2e} (seed {SEED})"
+        assert rel_err(scores[0], want) <= 1e-5, (
+            f"{model} request {index}: rel err {rel_err(scores[0], want):.2e} (seed {SEED})"
+        )
         if not GPU:  # batch-invariant mode: bit-identical to the request scored alone
-            assert np.array_equal(scores[0], want), f"{model} request {index}: rel err {rel_err(scores[0], want):.2e} (seed {SEED})"
+            assert np.array_equal(scores[0], want), (
+                f"{model} request {index}: rel err {rel_err(scores[0], want):.2e} (seed {SEED})"
+            )
     assert inferences == len(online)
     assert executions < inferences, f"{model}: {executions} executes for {inferences} requests: nothing was coalesced"
 
@@ -455,12 +490,18 @@ def test_bad_requests_interleaved_with_good_ones_fail_alone(server, reference, p
         if want is None:
             assert not isinstance(answer, Exception), f"good request {index} failed: {answer} (seed {SEED})"
             solo = solo_scores(reference, model, requests[index])
-            assert rel_err(answer[0], solo) <= 1e-5, f"request {index}: rel err {rel_err(answer[0], solo):.2e} (seed {SEED})"
-            assert GPU or np.array_equal(answer[0], solo), f"request {index}: rel err {rel_err(answer[0], solo):.2e} (seed {SEED})"
+            assert rel_err(answer[0], solo) <= 1e-5, (
+                f"request {index}: rel err {rel_err(answer[0], solo):.2e} (seed {SEED})"
+            )
+            assert GPU or np.array_equal(answer[0], solo), (
+                f"request {index}: rel err {rel_err(answer[0], solo):.2e} (seed {SEED})"
+            )
         else:
             kind, name = want
             assert isinstance(answer, InferenceServerException), f"{kind}: answered (seed {SEED})"
-            assert str(answer.status()) == CLIENT_ERROR[protocol] and f"'{name}'" in answer.message(), f"{kind}: {answer}"
+            assert str(answer.status()) == CLIENT_ERROR[protocol] and f"'{name}'" in answer.message(), (
+                f"{kind}: {answer}"
+            )
 
 
 def test_client_cannot_send_the_mapping(server):
@@ -468,7 +509,9 @@ def test_client_cannot_send_the_mapping(server):
     try:
         one = split_by_user(make_online_batch(CFG, 1, 5, rng(7)))[0]
         with pytest.raises(InferenceServerException, match="cand_to_user"):
-            connection.infer("ikbo_ranker_online", infer_inputs(module, one | {"cand_to_user": np.zeros((1, 5), np.int32)}))
+            connection.infer(
+                "ikbo_ranker_online", infer_inputs(module, one | {"cand_to_user": np.zeros((1, 5), np.int32)})
+            )
     finally:
         connection.close()
 
@@ -485,7 +528,9 @@ def test_perf_analyzer_drives_the_online_endpoint(server, tmp_path):
     assert candidates_per_request(data) == pytest.approx(1024 / 15)
     quick = Profile(("u15_b1024",), (1,), window_ms=1000, stability_pct=50, max_trials=4, request_count=60)
     before = statistics(server, model)
-    row, _, status = run_perf_analyzer(model, server.grpc_url, "grpc", data, 15, quick, tmp_path / "run.csv", tmp_path / "run.log", 120)
+    row, _, status = run_perf_analyzer(
+        model, server.grpc_url, "grpc", data, 15, quick, tmp_path / "run.csv", tmp_path / "run.log", 120
+    )
     assert status == "ok" and float(row["Inferences/Second"]) > 0, (tmp_path / "run.log").read_text()[-3000:]
     inferences, executions = (a - b for a, b in zip(statistics(server, model), before))
     assert inferences >= 60 and executions < inferences, (inferences, executions)

@@ -15,10 +15,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from make_perf_configs import ensure_config  # noqa: E402
-from perf_sweep import Profile, run_perf_analyzer  # noqa: E402
+from make_perf_configs import ensure_config
+from perf_sweep import Profile, run_perf_analyzer
 
-from ikbo_backend.tritonserver import is_ready, running_tritonserver  # noqa: E402
+from ikbo_backend.tritonserver import is_ready, running_tritonserver
 
 MODEL = "ikbo_ranker"
 MIX = "u15_b1024"
@@ -82,12 +82,15 @@ def test_an_interrupted_sweep_reports_the_runs_it_finished(monkeypatch, tmp_path
     monkeypatch.setattr(perf_sweep, "run_perf_analyzer", fake_run)
     argv = ["--url", "localhost:1", "--mixes", "u1_b64", "--protocols", "grpc", "--concurrency", "1", "2",
             "--rankers", "baseline_ranker", "ikbo_ranker", "--configs", str(tmp_path / "configs"), "--out", str(tmp_path)]  # fmt: skip
-    with pytest.raises((SystemExit, KeyboardInterrupt)) as exit_info:  # an escaping interrupt fails here, not the session
+    with pytest.raises(
+        (SystemExit, KeyboardInterrupt)
+    ) as exit_info:  # an escaping interrupt fails here, not the session
         perf_sweep.main(argv)
     assert exit_info.type is SystemExit and exit_info.value.code == 1 and len(calls) == 2
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
     assert [(r["ranker"], r["concurrency"]) for r in rows] == [("baseline_ranker", "1")]
     assert float(rows[0]["candidates_per_s"]) == 12.5 * 64
+
 
 FAKE_PERF_ANALYZER = """#!{python}
 import sys, time
@@ -108,7 +111,9 @@ def test_a_stalled_perf_analyzer_is_run_once_more(monkeypatch, tmp_path, stalls)
     costs one limit and the measurement stands; two stalls are an error that says so."""
     fake = tmp_path / "perf_analyzer"
     rate = 12.5 + stalls
-    fake.write_text(FAKE_PERF_ANALYZER.format(python=sys.executable, marker=str(tmp_path / "runs"), stalls=stalls, rate=rate))
+    fake.write_text(
+        FAKE_PERF_ANALYZER.format(python=sys.executable, marker=str(tmp_path / "runs"), stalls=stalls, rate=rate)
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PERF_ANALYZER", str(fake))
     start = time.monotonic()
@@ -123,7 +128,6 @@ def test_a_stalled_perf_analyzer_is_run_once_more(monkeypatch, tmp_path, stalls)
         assert status == "ok" and float(row["Inferences/Second"]) == rate, log
     else:
         assert row is None and status.startswith("error") and "timed out after 2 s (attempt 2 of 2)" in log, status
-
 
 
 @pytest.mark.timeout(120)
@@ -166,12 +170,17 @@ def test_server_times_between_snapshots_count_only_that_step(server):
     deadline = time.monotonic() + 10  # the python backend reports a step's statistics after sending its response
     while True:
         after = serving_probe.server_snapshot(server.http_url, metrics_url)
-        if after["ikbo_interaction"]["requests"] - before.get("ikbo_interaction", {}).get("requests", 0) >= 3 or time.monotonic() > deadline:
+        if (
+            after["ikbo_interaction"]["requests"] - before.get("ikbo_interaction", {}).get("requests", 0) >= 3
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.05)
     assert after["ikbo_interaction"]["requests"] - before.get("ikbo_interaction", {}).get("requests", 0) == 3
     times = serving_probe.server_times(before, after, "ikbo_interaction")
-    assert times["compute_ms"] == pytest.approx(times["compute_input_ms"] + times["compute_infer_ms"] + times["compute_output_ms"])
+    assert times["compute_ms"] == pytest.approx(
+        times["compute_input_ms"] + times["compute_infer_ms"] + times["compute_output_ms"]
+    )
     assert 0 < times["execute_ms"] < times["compute_ms"] * 3  # one request per execution here
     assert serving_probe.server_times(after, after, "ikbo_interaction") == {}
     ensemble = serving_probe.server_times(before, after, MODEL)  # no execute of its own

@@ -6,7 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, profile_config, save_weights, weight_shapes
+from ikbo_backend.ranker import (
+    RankerConfig,
+    build_ranker,
+    load_weights,
+    make_demo_weights,
+    profile_config,
+    save_weights,
+    weight_shapes,
+)
 from ikbo_backend.requests import make_request, to_tensors
 from ikbo_backend.transform import ReplicationDetector
 

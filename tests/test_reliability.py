@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import reliability  # noqa: E402
+import reliability
 
 SEED = secrets.randbits(31)
 pytestmark = pytest.mark.timeout(600)
@@ -28,7 +28,9 @@ def test_malformed_requests_are_client_errors_naming_the_input(server):
     """20 requests of each of the 17 kinds per protocol; ready after; valid answers bit-identical."""
     result = reliability.storm(server, count=20 * len(reliability.KINDS), seed=SEED)
     assert set(result["kinds"]) == set(reliability.KINDS)
-    assert not result["failures"], f"seed {SEED}: {len(result['failures'])} wrong answers, e.g. {result['failures'][:5]}"
+    assert not result["failures"], (
+        f"seed {SEED}: {len(result['failures'])} wrong answers, e.g. {result['failures'][:5]}"
+    )
     assert result["http_bit_identical_after"] and result["grpc_bit_identical_after"]
 
 
@@ -51,7 +53,9 @@ def test_soak_reports_gpu_memory_growth(server, monkeypatch):
     assert result["requests"] > 0 and result["gpu_mib_start"] == 1000
     assert result["gpu_growth_from_mid_mib"] == result["gpu_mib_end"] - result["gpu_mib_mid"] >= 50
     assert [f for f in result["failures"] if f.startswith("GPU memory grew")] == (
-        [f"GPU memory grew {result['gpu_growth_from_mid_mib']} MiB from mid-run"] if result["gpu_growth_from_mid_mib"] > 64 else []
+        [f"GPU memory grew {result['gpu_growth_from_mid_mib']} MiB from mid-run"]
+        if result["gpu_growth_from_mid_mib"] > 64
+        else []
     )
 
 
@@ -60,12 +64,27 @@ def test_soak_attaches_to_a_running_server(server):
     import json
     import subprocess
 
-    argv = [sys.executable, str(Path(reliability.__file__)), "soak", "--attach", server.http_url, "--server-pid", str(server.process.pid), "--seconds", "4"]
+    argv = [
+        sys.executable,
+        str(Path(reliability.__file__)),
+        "soak",
+        "--attach",
+        server.http_url,
+        "--server-pid",
+        str(server.process.pid),
+        "--seconds",
+        "4",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]
     result = json.loads(line)["soak"]
-    assert result["requests"] > 0 and result["errors"] == 0 and result["rss_start_mb"] > 100 and result["profile"] == "demo"
+    assert (
+        result["requests"] > 0
+        and result["errors"] == 0
+        and result["rss_start_mb"] > 100
+        and result["profile"] == "demo"
+    )
 
 
 def test_a_broken_model_stops_the_server_with_a_message_naming_it():

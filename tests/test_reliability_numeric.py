@@ -36,7 +36,11 @@ def extreme_request(num_users, num_candidates, seed, magnitude, id_end, history_
         signs = rng.choice(np.array([-1.0, 1.0], np.float32), size=r[name].shape)
         r[name] = (signs * np.float32(magnitude)).astype(np.float32)
     if id_end is not None:  # every id at the first or last row of its table
-        for name, vocab in (("user_sparse_ids", CFG.user_vocab_size), ("cand_sparse_ids", CFG.cand_vocab_size), ("user_history_ids", CFG.item_vocab_size)):
+        for name, vocab in (
+            ("user_sparse_ids", CFG.user_vocab_size),
+            ("cand_sparse_ids", CFG.cand_vocab_size),
+            ("user_history_ids", CFG.item_vocab_size),
+        ):
             r[name][:] = 0 if id_end == "first" else vocab - 1
     if history_end is not None:
         r["user_history_len"][:] = 0 if history_end == "empty" else CFG.history_length
@@ -65,11 +69,20 @@ def assert_finite(rankers, request):
     history_end=st.sampled_from([None, "empty", "full"]),
     one_user=st.booleans(),
 )
-def test_scores_finite_for_extreme_valid_requests(rankers, num_users, num_candidates, seed, magnitude, id_end, history_end, one_user):
+def test_scores_finite_for_extreme_valid_requests(
+    rankers, num_users, num_candidates, seed, magnitude, id_end, history_end, one_user
+):
     assert_finite(rankers, extreme_request(num_users, num_candidates, seed, magnitude, id_end, history_end, one_user))
 
 
-@pytest.mark.parametrize("num_users,num_candidates", [(RANGES.users[0], RANGES.candidates[0]), (RANGES.users[1], RANGES.candidates[1]), (RANGES.users[1], RANGES.users[1])])
+@pytest.mark.parametrize(
+    "num_users,num_candidates",
+    [
+        (RANGES.users[0], RANGES.candidates[0]),
+        (RANGES.users[1], RANGES.candidates[1]),
+        (RANGES.users[1], RANGES.users[1]),
+    ],
+)
 def test_scores_finite_at_the_ends_of_the_declared_ranges(rankers, num_users, num_candidates):
     assert_finite(rankers, extreme_request(num_users, num_candidates, 0, DENSE_ABS_MAX, "last", "full", False))
 

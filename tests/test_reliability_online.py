@@ -14,9 +14,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import reliability  # noqa: E402
+import reliability
 
-from ikbo_backend.tritonserver import running_tritonserver  # noqa: E402
+from ikbo_backend.tritonserver import running_tritonserver
 
 SEED = secrets.randbits(31)
 pytestmark = pytest.mark.timeout(600)

@@ -58,7 +58,12 @@ def test_a_tritonserver_killed_by_a_signal_is_started_again(served):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         pids = served.triton_pids()
-        if pids and server not in pids and served.all_up() and all(reliability.probe(served.http_url, m) is None for m in reliability.RANKERS):
+        if (
+            pids
+            and server not in pids
+            and served.all_up()
+            and all(reliability.probe(served.http_url, m) is None for m in reliability.RANKERS)
+        ):
             break
         assert served.process.poll() is None, f"serve exited with {served.process.returncode}\n{served.log_tail()}"
         time.sleep(0.5)
@@ -106,7 +111,9 @@ def test_serve_refuses_fewer_than_one_replica(value):
 def test_serve_refuses_replicas_with_a_tritonserver_without_reuse_port(tmp_path):
     fake = tmp_path / "bin" / "tritonserver"  # lists the options of an older server: no --reuse-*-port
     fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\necho 'Usage: tritonserver [options]\n  --http-port <integer>\n  --grpc-port <integer>'\nexit 1\n")
+    fake.write_text(
+        "#!/bin/sh\necho 'Usage: tritonserver [options]\n  --http-port <integer>\n  --grpc-port <integer>'\nexit 1\n"
+    )
     fake.chmod(0o755)
     env = {**os.environ, "TRITONSERVER": str(fake)}
     run = subprocess.run([*SERVE, "--replicas", "2"], capture_output=True, text=True, timeout=120, env=env)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from interpreted import run_interpreted
+
 from kernels.request_checks import BLOCK, clamp_flagged_, flag_unbounded
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -110,7 +110,9 @@ def test_interpreted_flag_unbounded(dtype, shape, bad, seed):
 @pytest.mark.parametrize("bad", [0, 1, 5])
 def test_cuda_clamp_flagged(dtype, bad):
     for seed, shape in enumerate([(1,), (BLOCK + 1,), (1024, 24), (16, 512), (100_003,)]):
-        _check_clamp("auto", "cuda", shape, dtype, seed % 2 == 0, bad, seed + int(np.random.default_rng().integers(1 << 30)))
+        _check_clamp(
+            "auto", "cuda", shape, dtype, seed % 2 == 0, bad, seed + int(np.random.default_rng().integers(1 << 30))
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -19,12 +19,12 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from client import client_module, infer_inputs, infer_scores  # noqa: E402
+from client import client_module, infer_inputs, infer_scores
 
-from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights  # noqa: E402
-from ikbo_backend.requests import make_request, to_tensors  # noqa: E402
-from ikbo_backend.serving import load_shape_ranges  # noqa: E402
-from ikbo_backend.tritonserver import has_gpu, running_tritonserver  # noqa: E402
+from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
+from ikbo_backend.requests import make_request, to_tensors
+from ikbo_backend.serving import load_shape_ranges
+from ikbo_backend.tritonserver import has_gpu, running_tritonserver
 
 SEED = secrets.randbits(32)
 CFG = RankerConfig()
@@ -103,7 +103,9 @@ def test_rankers_agree_with_in_process_model(client, reference, mix):
     request = request_at(*mix)
     ikbo = assert_answers(client, reference, "ikbo_ranker", request)
     baseline = assert_answers(client, reference, "baseline_ranker", request)
-    assert rel_err(ikbo, baseline) <= VARIANT_RTOL, f"ikbo vs baseline: rel err {rel_err(ikbo, baseline):.2e} (seed {SEED})"
+    assert rel_err(ikbo, baseline) <= VARIANT_RTOL, (
+        f"ikbo vs baseline: rel err {rel_err(ikbo, baseline):.2e} (seed {SEED})"
+    )
 
 
 def test_user_without_candidates(client, reference):
@@ -191,7 +193,10 @@ def test_bad_mapping_sent_straight_to_an_interaction_model(client, reference):
     features, _ = reference["ikbo"]
     with torch.inference_mode():
         f = features(**to_tensors(request_at(4, 32), DEVICE))
-    inputs = {name: getattr(f, name).cpu().numpy() for name in ("user_tokens", "cand_tokens", "history_tokens", "history_len", "cand_to_user")}
+    inputs = {
+        name: getattr(f, name).cpu().numpy()
+        for name in ("user_tokens", "cand_tokens", "history_tokens", "history_len", "cand_to_user")
+    }
     inputs["cand_to_user"][3] = 4
     for model in ("ikbo_interaction", "baseline_interaction"):
         error = error_of(client, model, inputs)
@@ -214,7 +219,9 @@ def test_serving_probe_reads_latency_statistics_and_compilations(server):
     before = {r["model"]: r["requests"] for r in serving_probe.model_stats(server.http_url)}
     result = serving_probe.first_request(server.grpc_url, "ikbo_ranker", "demo", 3, 40, repeats=3, seed=None)
     assert result["first_ms"] > 0 and result["p50_ms"] > 0 and result["ratio"] == result["first_ms"] / result["p50_ms"]
-    models = ("ikbo_ranker",) if GPU else ("ikbo_ranker", "ranker_features", "ikbo_interaction")  # GPU: one python model
+    models = (
+        ("ikbo_ranker",) if GPU else ("ikbo_ranker", "ranker_features", "ikbo_interaction")
+    )  # GPU: one python model
     for _ in range(50):  # Triton updates its statistics just after the response goes out
         after = {r["model"]: r for r in serving_probe.model_stats(server.http_url)}
         if all(after[m]["requests"] >= before.get(m, 0) + 4 for m in models):
@@ -242,9 +249,14 @@ def test_bfloat16_features_cross_the_ensemble(tmp_path, monkeypatch):
     weights = make_demo_weights(CFG, seed=SEED)
     save_weights(weights_path, CFG, weights)
     with repository_copy(["ranker_features", "ikbo_interaction", "ikbo_ranker"], "bf16-features-") as repo:
-        for name, parameters in (("ranker_features", ""), ("ikbo_interaction", 'parameters { key: "compute_dtype" value: { string_value: "bfloat16" } }\n')):
+        for name, parameters in (
+            ("ranker_features", ""),
+            ("ikbo_interaction", 'parameters { key: "compute_dtype" value: { string_value: "bfloat16" } }\n'),
+        ):
             config = repo / name / "config.pbtxt"
-            text = re.sub(r'(name: "(?:user|cand|history)_tokens" +data_type: )TYPE_FP32', r"\1TYPE_BF16", config.read_text())
+            text = re.sub(
+                r'(name: "(?:user|cand|history)_tokens" +data_type: )TYPE_FP32', r"\1TYPE_BF16", config.read_text()
+            )
             config.write_text(text + parameters)
         rng = np.random.default_rng(SEED)
         features = FeatureModel(CFG, weights, RANGES, feature_dtype=torch.bfloat16)
@@ -261,7 +273,9 @@ def test_bfloat16_features_cross_the_ensemble(tmp_path, monkeypatch):
                 with torch.inference_mode():
                     chain = interaction(features(to_tensors(request)))["scores"].numpy()
                     f32 = FeatureModel(CFG, weights, RANGES)(to_tensors(request))
-                    expected = exact(Features(**{k: v.double() if v.is_floating_point() else v for k, v in f32.items()})).numpy()
+                    expected = exact(
+                        Features(**{k: v.double() if v.is_floating_point() else v for k, v in f32.items()})
+                    ).numpy()
                 np.testing.assert_allclose(got, chain, rtol=1e-5, atol=1e-6, err_msg=f"seed {SEED}")
                 assert np.linalg.norm(got - expected) / np.linalg.norm(expected) <= 2e-2, f"seed {SEED}"
 
@@ -282,7 +296,9 @@ def test_one_model_rankers_of_the_gpu_configs(tmp_path, monkeypatch):
     with repository_copy(RANKERS, "one-model-") as repo:
         for name in RANKERS:
             text = (repo / name / "configs" / "gpu.pbtxt").read_text().replace("KIND_GPU", "KIND_CPU")
-            (repo / name / "config.pbtxt").write_text(re.sub(r"(?s)\nmodel_warmup \[.*", "\n", text))  # CPU: no warm-up needed
+            (repo / name / "config.pbtxt").write_text(
+                re.sub(r"(?s)\nmodel_warmup \[.*", "\n", text)
+            )  # CPU: no warm-up needed
         monkeypatch.setenv("IKBO_WEIGHTS", str(weights_path))  # read by every model at load
         with running_tritonserver(model_repository=repo, log_path=tmp_path / "tritonserver.log") as server:
             for protocol in PROTOCOLS:
@@ -296,11 +312,15 @@ def test_one_model_rankers_of_the_gpu_configs(tmp_path, monkeypatch):
                         got = infer_scores(connection, module, model, request)
                         with torch.inference_mode():
                             want = interaction(features(**to_tensors(request))).numpy()
-                        assert rel_err(got, want) <= 1e-5, f"{model} {mix}: rel err {rel_err(got, want):.2e} (seed {SEED})"
+                        assert rel_err(got, want) <= 1e-5, (
+                            f"{model} {mix}: rel err {rel_err(got, want):.2e} (seed {SEED})"
+                        )
                     bad = request_at(4, 32)
                     bad["cand_to_user"][5] = 4  # users 0..3
                     error = error_of(client, model, bad)
-                    assert str(error.status()) == CLIENT_ERROR[protocol] and "'cand_to_user'" in error.message(), str(error)
+                    assert str(error.status()) == CLIENT_ERROR[protocol] and "'cand_to_user'" in error.message(), str(
+                        error
+                    )
                     infer_scores(connection, module, model, request_at(4, 32))
                 connection.close()
             deadline = time.monotonic() + 5  # in process the metrics are updated by a worker, right after the responses

@@ -26,7 +26,9 @@ from ikbo_backend.serving import (
     weights_path,
 )
 
-SMALL = RankerConfig(user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,))
+SMALL = RankerConfig(
+    user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,)
+)
 RANGES = ShapeRanges(users=(1, 8), candidates=(1, 40))
 
 
@@ -59,7 +61,12 @@ def test_ensure_weights_creates_demo_weights_once_even_in_parallel(tmp_path):
 def test_warmup_sizes_cover_the_declared_range():
     assert warmup_sizes(ShapeRanges((1, 256), (1, 8192))) == [(1, 1), (16, 91), (256, 8192)]
     assert warmup_sizes(ShapeRanges((4, 4), (9, 9))) == [(4, 9)]
-    assert warmup_sizes(ShapeRanges((1, 256), (1, 8192), ((15, 1024), (1, 1)))) == [(1, 1), (16, 91), (256, 8192), (15, 1024)]
+    assert warmup_sizes(ShapeRanges((1, 256), (1, 8192), ((15, 1024), (1, 1)))) == [
+        (1, 1),
+        (16, 91),
+        (256, 8192),
+        (15, 1024),
+    ]
     with pytest.raises(ValueError, match="typical shape"):
         ShapeRanges((1, 8), (1, 40), ((9, 10),))
 
@@ -103,7 +110,9 @@ class _Error:
 FAKE_PB_UTILS = SimpleNamespace(
     Tensor=_Tensor,
     TritonError=_Error,
-    InferenceResponse=lambda output_tensors=(), error=None: SimpleNamespace(outputs={t.name: t.tensor for t in output_tensors}, error=error),
+    InferenceResponse=lambda output_tensors=(), error=None: SimpleNamespace(
+        outputs={t.name: t.tensor for t in output_tensors}, error=error
+    ),
     get_input_tensor_by_name=lambda request, name: _Tensor(name, request[name]) if name in request else None,
     Logger=SimpleNamespace(log_error=lambda message: None),
 )
@@ -165,13 +174,22 @@ def test_torch_threads_parameter():
 
 
 def _io_config(kind_dtypes: dict[str, str], kind: str) -> dict:
-    return {"name": "m", kind: [{"name": name, "data_type": dtype, "dims": [-1]} for name, dtype in kind_dtypes.items()]}
+    return {
+        "name": "m",
+        kind: [{"name": name, "data_type": dtype, "dims": [-1]} for name, dtype in kind_dtypes.items()],
+    }
 
 
 def test_feature_dtype_comes_from_the_config():
     floats = ("user_tokens", "cand_tokens", "history_tokens")
-    for declared, expected in (("TYPE_FP32", torch.float32), ("TYPE_BF16", torch.bfloat16), ("TYPE_FP16", torch.float16)):
-        config = _io_config({**dict.fromkeys(floats, declared), "history_len": "TYPE_INT32", "cand_to_user": "TYPE_INT32"}, "output")
+    for declared, expected in (
+        ("TYPE_FP32", torch.float32),
+        ("TYPE_BF16", torch.bfloat16),
+        ("TYPE_FP16", torch.float16),
+    ):
+        config = _io_config(
+            {**dict.fromkeys(floats, declared), "history_len": "TYPE_INT32", "cand_to_user": "TYPE_INT32"}, "output"
+        )
         assert serving.feature_dtype(config, "output") == expected
     mixed = _io_config({"user_tokens": "TYPE_BF16", "cand_tokens": "TYPE_FP32", "history_tokens": "TYPE_BF16"}, "input")
     with pytest.raises(ValueError, match="must share one float type"):
@@ -198,7 +216,9 @@ def test_bfloat16_features_between_the_stages(small_weights):
     interaction = InteractionModel(cfg, weights, RANGES, compute_dtype="bfloat16", feature_dtype=torch.bfloat16)
     scores = interaction(features)["scores"]
     assert scores.dtype == torch.float32
-    torch.testing.assert_close(scores, InteractionModel(cfg, weights, RANGES, compute_dtype="bfloat16")(reference)["scores"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        scores, InteractionModel(cfg, weights, RANGES, compute_dtype="bfloat16")(reference)["scores"], rtol=0, atol=0
+    )
     exact = build_ranker("ikbo", cfg, {k: v.double() for k, v in weights.items()})[1]
     f64 = {k: v.double() if v.is_floating_point() else v for k, v in reference.items()}
     from ikbo_backend.ranker import Features

@@ -12,10 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from serving_ab import Point, Result, copy_model, main, run_order, summary  # noqa: E402
+from serving_ab import Point, Result, copy_model, main, run_order, summary
 
-from ikbo_backend.instance_groups import read_config  # noqa: E402
-from ikbo_backend.serving import REPO_ROOT  # noqa: E402
+from ikbo_backend.instance_groups import read_config
+from ikbo_backend.serving import REPO_ROOT
 
 
 def test_copy_sets_every_instance_group_and_links_the_tree(tmp_path):
@@ -34,7 +34,10 @@ def test_copy_sets_every_instance_group_and_links_the_tree(tmp_path):
 
 def test_an_ensemble_comes_with_its_steps_and_takes_one_instance_only(tmp_path):
     repository = copy_model(REPO_ROOT, "ikbo_ranker", None, 1, tmp_path / "one")
-    steps = {s.model_name for s in read_config(REPO_ROOT / "model_repository/ikbo_ranker/config.pbtxt").ensemble_scheduling.step}
+    steps = {
+        s.model_name
+        for s in read_config(REPO_ROOT / "model_repository/ikbo_ranker/config.pbtxt").ensemble_scheduling.step
+    }
     assert steps and {p.name for p in repository.iterdir()} == {"ikbo_ranker", "shape_ranges.json"} | steps
     with pytest.raises(ValueError, match="no instance_group to set to 2"):
         copy_model(REPO_ROOT, "ikbo_ranker", None, 2, tmp_path / "two")
@@ -55,7 +58,11 @@ def test_rounds_alternate_the_order():
 
 
 def test_summary_medians_and_ratios():
-    draws = {(tree, c): [random.uniform(1e5, 1e6) for _ in range(random.randint(1, 4))] for tree in ("old", "new") for c in (1, 8)}
+    draws = {
+        (tree, c): [random.uniform(1e5, 1e6) for _ in range(random.randint(1, 4))]
+        for tree in ("old", "new")
+        for c in (1, 8)
+    }
     results = [Result(0, tree, 1, c, "ok", value, 1.0, 2.0) for (tree, c), values in draws.items() for value in values]
     random.shuffle(results)
     results.append(Result(0, "new", 1, 8, "server: not ready"))
@@ -63,14 +70,32 @@ def test_summary_medians_and_ratios():
     for c in (1, 8):
         old, new = statistics.median(draws[("old", c)]), statistics.median(draws[("new", c)])
         row = next(line for line in lines if line.startswith(f"| 1 | {c} | "))
-        assert row == f"| 1 | {c} | {old:,.0f} ({len(draws[('old', c)])}) | {new:,.0f} ({len(draws[('new', c)])}) | {new / old:.2f}× |"
+        assert (
+            row
+            == f"| 1 | {c} | {old:,.0f} ({len(draws[('old', c)])}) | {new:,.0f} ({len(draws[('new', c)])}) | {new / old:.2f}× |"
+        )
     assert "| new | 1 | 8 | server: not ready |" in "\n".join(lines)
 
 
 @pytest.mark.timeout(400)
 def test_a_real_ab_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "ab"
-    status = main(["--tree", f"a={REPO_ROOT}", "--tree", f"b={REPO_ROOT}", "--points", "a:1:1", "b:1:1", "b:2:1", "--window-ms", "1000", "--out", str(out)])
+    status = main(
+        [
+            "--tree",
+            f"a={REPO_ROOT}",
+            "--tree",
+            f"b={REPO_ROOT}",
+            "--points",
+            "a:1:1",
+            "b:1:1",
+            "b:2:1",
+            "--window-ms",
+            "1000",
+            "--out",
+            str(out),
+        ]
+    )
     rows = list(csv.DictReader(open(out / "points.csv")))
     assert status == 1  # the third point cannot be served: an ensemble has no instance groups
     assert [(r["tree"], r["status"]) for r in rows[:2]] == [("a", "ok"), ("b", "ok")]
@@ -78,4 +103,6 @@ def test_a_real_ab_on_the_cpu(tmp_path, capsys):
     a, b = (float(r["candidates_per_s"]) for r in rows[:2])
     assert a > 0 and b > 0 and float(rows[0]["compute_infer_us"]) > 0
     assert f"| 1 | 1 | {a:,.0f} (1) | {b:,.0f} (1) | {b / a:.2f}× |" in (out / "summary.md").read_text()
-    assert all((out / f"{i}_{r['tree']}_n{r['instances']}_c1" / "server.log").exists() for i, r in enumerate(rows[:2], 1))
+    assert all(
+        (out / f"{i}_{r['tree']}_n{r['instances']}_c1" / "server.log").exists() for i, r in enumerate(rows[:2], 1)
+    )

@@ -75,8 +75,12 @@ def test_warm_up_runs_every_bucket_representative(monkeypatch):
     model = InteractionModel(CFG, make_demo_weights(CFG, seed=1), SERVED, variant="ikbo")
     seen = []
     make_request = serving.make_request
-    monkeypatch.setattr(serving, "make_request", lambda cfg, u, b, rng: seen.append((u, b)) or make_request(cfg, u, b, rng))
-    monkeypatch.setattr(serving, "warmup_sizes", lambda ranges: [(1, 1), (3, 40)])  # the range's far end is slow on a CPU
+    monkeypatch.setattr(
+        serving, "make_request", lambda cfg, u, b, rng: seen.append((u, b)) or make_request(cfg, u, b, rng)
+    )
+    monkeypatch.setattr(
+        serving, "warmup_sizes", lambda ranges: [(1, 1), (3, 40)]
+    )  # the range's far end is slow on a CPU
     model.warm_up()
     representatives = [b.representative for op in OPS for b in shape_buckets(CFG, SERVED, torch.float32, 132)[op]]
     assert set(seen) == {(1, 1), (3, 40)} | set(representatives) and len(seen) == len(set(seen))
@@ -100,7 +104,12 @@ def _compilations(variant_class: str, seed: int) -> tuple[int, list[str]]:
     model.warm_up()
     at_warm_up = len(compiled)
     rng = np.random.default_rng(seed)
-    shapes = [(u + du, b + db) for u, b in bucket_representatives(CFG, SERVED, "cuda") for du in (0, 1, 16) for db in (0, 1, 16, 17)]
+    shapes = [
+        (u + du, b + db)
+        for u, b in bucket_representatives(CFG, SERVED, "cuda")
+        for du in (0, 1, 16)
+        for db in (0, 1, 16, 17)
+    ]
     shapes += [(15, 1020), (1, 1), (1, 8192), (256, 8192), (256, 256), (64, 64), (48, 1536)]
     shapes += list(zip(rng.integers(1, 257, 60).tolist(), rng.integers(1, 8193, 60).tolist()))
     with torch.inference_mode():
@@ -111,7 +120,9 @@ def _compilations(variant_class: str, seed: int) -> tuple[int, list[str]]:
     return at_warm_up, compiled[at_warm_up:]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles kernels only for a GPU (CPU runs the torch path)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Triton compiles kernels only for a GPU (CPU runs the torch path)"
+)
 @pytest.mark.parametrize("variant_class", ["InteractionModel", "OnlineModel"])
 def test_no_triton_compilation_on_the_request_path(variant_class):
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -132,7 +143,9 @@ def test_gluon_attention_is_a_candidate_on_hopper_in_16_bit_and_its_choice_round
         assert attention_candidates(cfg, ("triton",), dtype, hopper=True)[-1] == attention_op.WS_CHOICE
         assert attention_op.WS_CHOICE not in attention_candidates(cfg, ("triton",), dtype, hopper=False)
     assert attention_op.WS_CHOICE not in attention_candidates(cfg, ("triton",), torch.float32, hopper=True)
-    assert attention_op.WS_CHOICE not in attention_candidates(RankerConfig(embedding_dim=96, heads=3), ("triton",), torch.bfloat16, hopper=True)
+    assert attention_op.WS_CHOICE not in attention_candidates(
+        RankerConfig(embedding_dim=96, heads=3), ("triton",), torch.bfloat16, hopper=True
+    )
     assert _decode("attention", {"tile": None, "kernel": attention_op.WS_CHOICE}) == attention_op.WS_CHOICE
     assert _attention_label(attention_op.WS_CHOICE) == "warp-specialized (Gluon)"
     tile = attention_candidates(cfg, ("triton",))[0]
@@ -142,8 +155,8 @@ def test_gluon_attention_is_a_candidate_on_hopper_in_16_bit_and_its_choice_round
 def test_s6_is_an_lce_candidate_on_hopper_in_16_bit_and_its_choice_round_trips():
     """s6 (Gluon) is tried only on a Hopper GPU for fp16/bf16; its cached choice (tile None) decodes
     to what `set_tuned_configs` hands the op: ("s6", None), launched with s6's own config."""
-    from ikbo_backend.shape_spec import _decode, _lce_label, lce_candidates
     from ikbo_backend.ranker import RankerConfig
+    from ikbo_backend.shape_spec import _decode, _lce_label, lce_candidates
 
     cfg = RankerConfig()
     for key in (("s3",), ("s4",)):
@@ -153,5 +166,7 @@ def test_s6_is_an_lce_candidate_on_hopper_in_16_bit_and_its_choice_round_trips()
         assert ("s6", None) not in lce_candidates(cfg, key, torch.float32, hopper=True)
     assert _decode("lce", {"variant": "s6", "tile": None}) == ("s6", None)
     assert _lce_label("s6", None) == "s6 warp-specialized (Gluon)"
-    variant, tile = _decode("lce", {"variant": "s3", "tile": dataclasses.asdict(lce_candidates(cfg, ("s3",), torch.float16)[0][1])})
+    variant, tile = _decode(
+        "lce", {"variant": "s3", "tile": dataclasses.asdict(lce_candidates(cfg, ("s3",), torch.float16)[0][1])}
+    )
     assert variant == "s3" and tile == lce_candidates(cfg, ("s3",), torch.float16)[0][1]

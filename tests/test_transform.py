@@ -203,12 +203,19 @@ def ranker_inputs(num_users, num_candidates, gen):
     features, _ = build_ranker("baseline", RANKER_CFG, RANKER_WEIGHTS)
     seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
     f = features(**to_tensors(make_request(RANKER_CFG, num_users, num_candidates, np.random.default_rng(seed))))
-    return {name: getattr(f, name) for name in ("user_tokens", "cand_tokens", "history_tokens", "history_len", "cand_to_user")}
+    return {
+        name: getattr(f, name)
+        for name in ("user_tokens", "cand_tokens", "history_tokens", "history_len", "cand_to_user")
+    }
 
 
 # name → (model factory, inputs(U, B, gen) → dict in forward's order, fully handled)
 MODELS = {
-    "baseline_ranker": (lambda: BaselineInteraction(build_ranker("baseline", RANKER_CFG, RANKER_WEIGHTS)[1]), ranker_inputs, True),
+    "baseline_ranker": (
+        lambda: BaselineInteraction(build_ranker("baseline", RANKER_CFG, RANKER_WEIGHTS)[1]),
+        ranker_inputs,
+        True,
+    ),
     "dlrm_dot": (DlrmDot, user_candidate_inputs, True),
     "dcn_cross": (DcnCross, user_candidate_inputs, True),
     "target_attention": (TargetAttention, user_candidate_inputs, True),
@@ -320,7 +327,9 @@ def test_rewrite_that_disagrees_is_not_served(monkeypatch):
     """The example check: a join that computes the wrong thing sends the model back unchanged."""
     from ikbo_backend.transform import ops
 
-    monkeypatch.setattr(ops, "add_user_rows_broadcast", lambda cand, user, mapping, **signs: cand)  # drops the user term
+    monkeypatch.setattr(
+        ops, "add_user_rows_broadcast", lambda cand, user, mapping, **signs: cand
+    )  # drops the user term
     model = ConcatMlp().eval()
     module, report = to_ikbo(model, args_for(model, user_candidate_inputs(*EXAMPLE, torch.Generator().manual_seed(3))))
     assert module is model and "disagrees" in str(report)
@@ -355,17 +364,23 @@ def test_served_transformed_ranker_matches_ikbo_ranker(tmp_path, monkeypatch):
     models = ("ranker_features", "ikbo_interaction", "transformed_interaction", "ikbo_ranker", "transformed_ranker")
     explicit = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)]
     gpu = has_gpu()
-    with running_tritonserver(config_name="gpu" if gpu else None, extra_args=explicit, log_path=tmp_path / "tritonserver.log") as server:
+    with running_tritonserver(
+        config_name="gpu" if gpu else None, extra_args=explicit, log_path=tmp_path / "tritonserver.log"
+    ) as server:
         client = http.InferenceServerClient(server.http_url)
         try:
             for num_users, num_candidates in [(1, 64), (15, 1024), (64, 64), (1, 1)]:
-                request = make_request(cfg, num_users, num_candidates, np.random.default_rng([seed, num_users, num_candidates]))
+                request = make_request(
+                    cfg, num_users, num_candidates, np.random.default_rng([seed, num_users, num_candidates])
+                )
                 ikbo = infer_scores(client, http, "ikbo_ranker", request)
                 transformed = infer_scores(client, http, "transformed_ranker", request)
                 assert transformed.shape == ikbo.shape == (num_candidates, cfg.tasks)
                 err = float(np.abs(transformed - ikbo).max() / np.abs(ikbo).max())
                 # same ops at the same places on CPU; on CUDA both run the same IKBO kernels (tf32 LCE)
-                assert err <= (2e-4 if gpu else RTOL), f"U={num_users} B={num_candidates}: rel err {err:.2e} (seed {seed})"
+                assert err <= (2e-4 if gpu else RTOL), (
+                    f"U={num_users} B={num_candidates}: rel err {err:.2e} (seed {seed})"
+                )
         finally:
             client.close()
         assert "no user tensor is replicated to B rows" in server.log_path.read_text(errors="replace")

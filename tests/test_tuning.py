@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import triton
+from interpreted import run_interpreted
 
 from ikbo_backend import shape_spec
 from ikbo_backend.ranker import RankerConfig
@@ -36,7 +37,6 @@ from ikbo_backend.tuning import ROUNDS, Candidate, TuningCache, cached_entries, 
 from kernels import attention as attention_op
 from kernels import ikbo_linear_compress, ikbo_self_target_attention
 from kernels import linear_compress as lce_op
-from interpreted import run_interpreted
 
 SEED = secrets.randbits(32)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -66,7 +66,11 @@ def _matmul_candidates(seed: int, wrong: tuple[str, ...] = ()) -> list[Candidate
     gen = torch.Generator().manual_seed(seed)
     x, w = torch.randn(33, 17, generator=gen), torch.randn(17, 9, generator=gen)
     ref = x.double() @ w.double()
-    ways = {"mm": lambda: x @ w, "einsum": lambda: torch.einsum("ik,kj->ij", x, w), "bmm": lambda: torch.bmm(x[None], w[None])[0]}
+    ways = {
+        "mm": lambda: x @ w,
+        "einsum": lambda: torch.einsum("ik,kj->ij", x, w),
+        "bmm": lambda: torch.bmm(x[None], w[None])[0],
+    }
 
     def candidate(label, way):
         def run():
@@ -117,7 +121,9 @@ def test_wrong_or_unlaunchable_candidates_never_win():
         raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
 
     candidates.append(Candidate("huge", {"way": "huge"}, too_big, too_big))
-    entry = fastest(candidates, lambda fn: 0.001 if fn is candidates[0].run else timer(fn))  # the wrong one is "fastest"
+    entry = fastest(
+        candidates, lambda fn: 0.001 if fn is candidates[0].run else timer(fn)
+    )  # the wrong one is "fastest"
     assert entry["ms"]["mm"] == "dropped: wrong result" and entry["ms"]["huge"] == "dropped: OutOfResources"
     assert entry["choice"]["way"] == min(("einsum", "bmm"), key=entry["ms"].get)
     assert fastest(_matmul_candidates(SEED, wrong=("mm", "einsum", "bmm")), timer)["choice"] is None
@@ -185,7 +191,9 @@ def test_candidates_per_bucket():
             candidates = shape_spec.lce_candidates(cfg, bucket.key, torch.bfloat16)
             assert {v for v, _ in candidates} == ({"s4", "s3"} if bucket.key[0] == "s4" else {"s3"}), bucket
             graphed = shape_spec.lce_candidates(cfg, bucket.key, torch.bfloat16, hopper=True, graphs=True)
-            assert graphed == [c for c in candidates if c[0] != "s4"] + [("s6", None)], bucket  # s4 runs as s3 in a graph
+            assert graphed == [c for c in candidates if c[0] != "s4"] + [("s6", None)], (
+                bucket
+            )  # s4 runs as s3 in a graph
         for bucket in shape_spec.shape_buckets(cfg, ranges, torch.bfloat16, 132)["attention"]:
             tiles = shape_spec.attention_candidates(cfg, bucket.key)
             assert tiles and all(t.block_m % t.block_n == 0 for t in tiles)
@@ -200,7 +208,9 @@ def test_graph_replayed_models_are_tuned_apart_with_the_graph_timer(tmp_path, mo
     def fake_tuner(op):
         def tune(cfg, key, shape, dtype, device, timer, graphs):
             seen.append((op, graphs, timer))
-            choice = {"variant": "s3", "tile": None} if op == "lce" else {"tile": None, "kernel": attention_op.WS_CHOICE}
+            choice = (
+                {"variant": "s3", "tile": None} if op == "lce" else {"tile": None, "kernel": attention_op.WS_CHOICE}
+            )
             return {"choice": choice, "ms": {"fake": float(timer(lambda: None))}}
 
         return tune
@@ -210,14 +220,19 @@ def test_graph_replayed_models_are_tuned_apart_with_the_graph_timer(tmp_path, mo
     monkeypatch.setattr(shape_spec, "graph_median_ms", graph_timer)
     monkeypatch.setattr(shape_spec, "median_ms", eager_timer)
     ranges, cache = ShapeRanges((1, 3), (1, 40)), TuningCache(tmp_path / "t.json")
-    tune = lambda graphs, **kw: shape_spec.tune_buckets(CFG, ranges, "cpu", torch.float16, num_sms=132, cache=cache, graphs=graphs, **kw)  # noqa: E731
+    tune = lambda graphs, **kw: shape_spec.tune_buckets(
+        CFG, ranges, "cpu", torch.float16, num_sms=132, cache=cache, graphs=graphs, **kw
+    )  # noqa: E731
     graphed = tune(True)
     assert seen and all(graphs and timer is graph_timer for _, graphs, timer in seen) and eager_timer.calls == 0
     seen.clear()
     eager = tune(False)
     assert seen and all(not graphs and timer is eager_timer for _, graphs, timer in seen)
     keys = list(json.loads(cache.path.read_text())["entries"])
-    assert len(keys) == 2 * sum(len(t) for t in graphed.values()) and {k.rsplit("|", 1)[1] for k in keys} == {"graphs", "eager"}
+    assert len(keys) == 2 * sum(len(t) for t in graphed.values()) and {k.rsplit("|", 1)[1] for k in keys} == {
+        "graphs",
+        "eager",
+    }
     assert tune(True, timer=_never_timed) == graphed and tune(False, timer=_never_timed) == eager
 
 
@@ -234,7 +249,14 @@ def test_request_shapes_do_not_specialize_the_kernels():
         attention._plan_kernel: {"num_candidates", "num_users"},
         attention._attention_kernel: {"num_users", "num_self_tiles"},
         # the Gluon kernels; user_q / user_out reach attention_ws as offsets from q / out (their addresses)
-        attention_ws._attention_ws_kernel: {"num_items", "num_tiles", "num_users", "num_self_tiles", "uq_delta", "uo_delta"},
+        attention_ws._attention_ws_kernel: {
+            "num_items",
+            "num_tiles",
+            "num_users",
+            "num_self_tiles",
+            "uq_delta",
+            "uo_delta",
+        },
         linear_compress._lce_persistent_kernel: {"U", "B", "NUM_PROGRAMS"},
         linear_compress_ws._lce_ws_kernel: {"B"},
     }
@@ -310,7 +332,9 @@ def _check_public_ops(cfg, shape, dtype, gen, tol, backend="auto", device="cpu")
     """Both public ops at (U, B) on fresh random inputs on `device` against the fp64 torch path (CPU)."""
     user_emb, cand_emb, cand_to_user, weight, bias = _lce_inputs(cfg, *shape, dtype, gen, device)
     out = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend=backend)
-    err = rel_err(out, ikbo_linear_compress(*_fp64_cpu((user_emb, cand_emb, cand_to_user, weight, bias)), backend="torch"))
+    err = rel_err(
+        out, ikbo_linear_compress(*_fp64_cpu((user_emb, cand_emb, cand_to_user, weight, bias)), backend="torch")
+    )
     assert err <= tol, ("lce", shape, err, SEED)
     inputs = _attention_inputs(cfg, *shape, dtype, gen, device)
     user_out, cand_out = ikbo_self_target_attention(*inputs, backend=backend)
@@ -375,7 +399,9 @@ def test_interpreted_tune_buckets(tmp_path, launches, clean_registry):
     timed = sum(isinstance(ms, float) for table in tables.values() for t in table.values() for ms in t.ms.values())
     assert timer.calls == ROUNDS * timed
 
-    restarted = shape_spec.tune_buckets(CFG, ranges, "cpu", dtype, num_sms=132, cache=TuningCache(cache_path), timer=_never_timed)
+    restarted = shape_spec.tune_buckets(
+        CFG, ranges, "cpu", dtype, num_sms=132, cache=TuningCache(cache_path), timer=_never_timed
+    )
     assert restarted == tables
     rng = np.random.default_rng(SEED)
     gen = torch.Generator().manual_seed(SEED)
@@ -401,7 +427,9 @@ def _tune_in_a_fresh_process(cache_dir: str, triton_dir: str, seed: int) -> dict
     from triton import knobs
 
     compiled = []
-    knobs.compilation.listener = lambda **kw: None if kw["cache_hit"] else compiled.append(getattr(kw["src"], "name", "?"))
+    knobs.compilation.listener = lambda **kw: (
+        None if kw["cache_hit"] else compiled.append(getattr(kw["src"], "name", "?"))
+    )
     timed = []
 
     def timer(fn):
@@ -421,12 +449,19 @@ def _tune_in_a_fresh_process(cache_dir: str, triton_dir: str, seed: int) -> dict
     torch.cuda.synchronize()
     table = [
         f"{op} {key} at (U, B) = {t.shape}: {shape_spec._lce_label(*t.choice) if op == 'lce' else shape_spec._attention_label(t.choice)}"
-        f" | " + ", ".join(f"{label} {ms:.4f}" if isinstance(ms, float) else f"{label} {ms}" for label, ms in t.ms.items())
+        f" | "
+        + ", ".join(f"{label} {ms:.4f}" if isinstance(ms, float) else f"{label} {ms}" for label, ms in t.ms.items())
         for op, rows in tables.items()
         for key, t in rows.items()
     ]
     choices = {f"{op} {key}": (t.choice, t.shape, t.ms) for op, rows in tables.items() for key, t in rows.items()}
-    return {"timed": len(timed), "compiled_tuning": at_tuning, "compiled_after": compiled[at_tuning:], "table": table, "choices": choices}
+    return {
+        "timed": len(timed),
+        "compiled_tuning": at_tuning,
+        "compiled_after": compiled[at_tuning:],
+        "table": table,
+        "choices": choices,
+    }
 
 
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs a CUDA GPU")
@@ -439,8 +474,14 @@ def test_gpu_tune_for_graph_replays(tmp_path, clean_registry):
     assert tables["lce"] and tables["attention"]
     for op, rows in tables.items():
         for key, tuned in rows.items():
-            assert tuned.choice is not None and all(isinstance(ms, float) for ms in tuned.ms.values()), (op, key, tuned.ms)
-            assert op != "lce" or (tuned.choice[0] != "s4" and not any(label.startswith("s4") for label in tuned.ms)), tuned
+            assert tuned.choice is not None and all(isinstance(ms, float) for ms in tuned.ms.values()), (
+                op,
+                key,
+                tuned.ms,
+            )
+            assert op != "lce" or (tuned.choice[0] != "s4" and not any(label.startswith("s4") for label in tuned.ms)), (
+                tuned
+            )
     gen = torch.Generator().manual_seed(SEED)
     buckets = shape_spec.shape_buckets(CFG, GPU_RANGES, torch.bfloat16, shape_spec.device_sms("cuda"))
     for shape in [b.largest for op in shape_spec.OPS for b in buckets[op]]:

@@ -52,10 +52,23 @@ def build(backend_dir: Path) -> Path:
         raise RuntimeError(f"no C compiler (cc, gcc or $CC) to build the {BACKEND} backend")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    command = [compiler, "-O2", "-shared", "-fPIC", f'-DIKBO_LIBPYTHON="{libpython()}"', str(SOURCE), "-ldl", "-pthread", "-o", str(tmp)]
+    command = [
+        compiler,
+        "-O2",
+        "-shared",
+        "-fPIC",
+        f'-DIKBO_LIBPYTHON="{libpython()}"',
+        str(SOURCE),
+        "-ldl",
+        "-pthread",
+        "-o",
+        str(tmp),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"building the {BACKEND} backend failed: {' '.join(command)}\n{result.stdout}{result.stderr}")
+        raise RuntimeError(
+            f"building the {BACKEND} backend failed: {' '.join(command)}\n{result.stdout}{result.stderr}"
+        )
     os.replace(tmp, target)  # atomic: a server starting in parallel never loads half a library
     stamp.write_text(built_from)
     return target

@@ -57,7 +57,7 @@ class _Exclusive:
         self._exclusive = self._waiting = False
         self._shared_hold = _SharedHold(self)
 
-    def shared(self) -> "_SharedHold":
+    def shared(self) -> _SharedHold:
         return self._shared_hold
 
     def _enter_shared(self) -> None:
@@ -115,7 +115,13 @@ class _Reply(ctypes.Structure):
 class _Execution(ctypes.Structure):
     """backend.c's `ikbo_execution`, zeroed by it: what `execute` hands back."""
 
-    _fields_ = [("compute_start_ns", c_uint64), ("compute_end_ns", c_uint64), ("replies", POINTER(_Reply)), ("complete", c_int32), ("reserved", c_int32)]
+    _fields_ = [
+        ("compute_start_ns", c_uint64),
+        ("compute_end_ns", c_uint64),
+        ("replies", POINTER(_Reply)),
+        ("complete", c_int32),
+        ("reserved", c_int32),
+    ]
 
 
 def set_native_reader(address: int) -> None:
@@ -166,7 +172,9 @@ def _initialize(instance: int) -> str | None:
         args = _model_args(instance)
         filename = json.loads(args["model_config"]).get("default_model_filename") or "model.py"
         path = Path(args["model_repository"]) / args["model_version"] / filename
-        spec = importlib.util.spec_from_file_location(f"_inprocess_{args['model_name']}_{args['model_version']}_{instance:x}", path)
+        spec = importlib.util.spec_from_file_location(
+            f"_inprocess_{args['model_name']}_{args['model_version']}_{instance:x}", path
+        )
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         model = module.TritonPythonModel()
@@ -175,7 +183,7 @@ def _initialize(instance: int) -> str | None:
         _instances[instance] = _Instance(instance, model, args)
         _freeze_long_lived()
         return None
-    except Exception:  # noqa: BLE001 — Triton shows the message and does not load the model
+    except Exception:
         return f"python_inprocess: initialize failed:\n{traceback.format_exc()}"
 
 
@@ -197,7 +205,7 @@ def finalize(instance: int) -> str | None:
             del served
             gc.unfreeze()  # the unloaded model's cycles become collectable again
             _freeze_long_lived()
-        except Exception:  # noqa: BLE001
+        except Exception:
             return f"python_inprocess: finalize failed:\n{traceback.format_exc()}"
     return None
 
@@ -221,10 +229,12 @@ def _execute(served: _Instance, requests_address: int, count: int, execution: _E
         responses = served.model.execute(requests)
         if len(responses) != count:
             raise RuntimeError(f"execute returned {len(responses)} responses for {count} requests")
-    except Exception as e:  # noqa: BLE001 — every request gets an error response; the server stays up
+    except Exception as e:
         pb_utils.Logger.log_error(f"{served.name}: {traceback.format_exc()}")
         message = f"model '{served.name}': internal error ({type(e).__name__}); details are in the server log"
-        responses = [pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))] * count
+        responses = [
+            pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
+        ] * count
     execution.compute_end_ns = time.monotonic_ns()
     for index, (request, response) in enumerate(zip(requests, responses)):
         built, reply = _build(served, request, response), execution.replies[index]
@@ -238,7 +248,6 @@ def _build(served: _Instance, request, response):
     """`pb_utils.build_response`, or None (logged) if Triton refused to create the response."""
     try:
         return pb_utils.build_response(request, response)
-    except Exception:  # noqa: BLE001 — the request is still released
+    except Exception:
         pb_utils.Logger.log_error(f"{served.name}: creating a response failed: {traceback.format_exc()}")
         return None
-

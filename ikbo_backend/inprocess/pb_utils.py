@@ -52,7 +52,7 @@ class Tensor:
         self._tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
 
     @classmethod
-    def from_dlpack(cls, name: str, capsule) -> "Tensor":
+    def from_dlpack(cls, name: str, capsule) -> Tensor:
         return cls(name, from_dlpack(capsule))
 
     def name(self) -> str:
@@ -77,7 +77,9 @@ class InferenceRequest:
 
     def __init__(self, handle: int):
         self.handle = handle
-        self.inputs: dict[str, Tensor | None] | None = None  # all read at the first access (the metrics read some again)
+        self.inputs: dict[str, Tensor | None] | None = (
+            None  # all read at the first access (the metrics read some again)
+        )
 
     def parameters(self) -> str:
         """The request's parameters as a JSON object string (the python backend's form)."""
@@ -143,13 +145,18 @@ class _OutParameters(threading.local):
 
 _out = _OutParameters()
 # numpy dtype of the same width per served torch dtype (numpy has no bfloat16: its bits as uint16)
-_NUMPY_VIEWS = {dtype: torch.empty(0, dtype=dtype).view(torch.uint16 if dtype == torch.bfloat16 else dtype).numpy().dtype for dtype in C.DTYPES.values()}
+_NUMPY_VIEWS = {
+    dtype: torch.empty(0, dtype=dtype).view(torch.uint16 if dtype == torch.bfloat16 else dtype).numpy().dtype
+    for dtype in C.DTYPES.values()
+}
 
 
 def _raw_bytes(address: int | None, size: int) -> np.ndarray:
     """`size` bytes of host memory at `address` as a uint8 array, no copy (numpy's wrapping of a raw
     buffer is the cheapest: on the H200 host torch.frombuffer cost ~30 µs more per 7-input request)."""
-    return np.frombuffer((ctypes.c_char * size).from_address(address), dtype=np.uint8) if size else np.empty(0, np.uint8)
+    return (
+        np.frombuffer((ctypes.c_char * size).from_address(address), dtype=np.uint8) if size else np.empty(0, np.uint8)
+    )
 
 
 def _host_tensor(name: str, data: np.ndarray, dtype: torch.dtype, shape) -> Tensor:
@@ -180,7 +187,10 @@ def _read_all_inputs(request: InferenceRequest) -> dict[str, Tensor]:
 @functools.cache
 def _input_api():
     """The per-input C calls as bare functions (errors checked inline), bound at the first request."""
-    return tuple(api.raw(name) for name in ("TRITONBACKEND_RequestInput", "TRITONBACKEND_InputProperties", "TRITONBACKEND_InputBuffer"))
+    return tuple(
+        api.raw(name)
+        for name in ("TRITONBACKEND_RequestInput", "TRITONBACKEND_InputProperties", "TRITONBACKEND_InputBuffer")
+    )
 
 
 def _read_input(request: InferenceRequest, name: str) -> Tensor | None:
@@ -192,7 +202,9 @@ def _read_input(request: InferenceRequest, name: str) -> Tensor | None:
     if error:  # no such input
         api.TRITONSERVER_ErrorDelete(error)
         return None
-    api.check(input_properties(out.input, None, ref["datatype"], ref["shape"], ref["dims"], ref["byte_size"], ref["buffers"]))
+    api.check(
+        input_properties(out.input, None, ref["datatype"], ref["shape"], ref["dims"], ref["byte_size"], ref["buffers"])
+    )
     dtype = C.DTYPES.get(out.datatype.value)
     if dtype is None:
         raise ValueError(f"input {name}: data type {out.datatype.value} is not served by this backend")
@@ -236,7 +248,7 @@ def build_response(request: InferenceRequest, response: InferenceResponse) -> tu
             error = api.TRITONSERVER_ErrorNew(response.error().code(), response.error().message().encode())
         for tensor in response.output_tensors():
             _write_output(handle, tensor)
-    except Exception as e:  # noqa: BLE001 — the response still goes, as an error
+    except Exception as e:
         error = api.TRITONSERVER_ErrorNew(C.ERROR_INTERNAL, f"output {getattr(tensor, '_name', '?')}: {e}".encode())
     return handle, error
 
@@ -247,7 +259,9 @@ def _write_output(response, tensor: Tensor) -> None:
         value = value.detach().contiguous().cpu()
     shape = (c_int64 * value.dim())(*value.shape)
     output, pointer, memory, memory_id = c_void_p(), c_void_p(), c_int(C.MEMORY_CPU), c_int64(0)
-    api.TRITONBACKEND_ResponseOutput(response, byref(output), tensor.name().encode(), C.TRITON_DTYPES[value.dtype], shape, value.dim())
+    api.TRITONBACKEND_ResponseOutput(
+        response, byref(output), tensor.name().encode(), C.TRITON_DTYPES[value.dtype], shape, value.dim()
+    )
     size = value.numel() * value.element_size()
     api.TRITONBACKEND_OutputBuffer(output, byref(pointer), size, byref(memory), byref(memory_id))
     if memory.value == C.MEMORY_GPU:
@@ -285,7 +299,7 @@ class MetricFamily:
         self.kind, self.handle = kind, c_void_p()
         api.TRITONSERVER_MetricFamilyNew(byref(self.handle), kind, name.encode(), description.encode())
 
-    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> "Metric":  # noqa: N802 — pb_utils' name
+    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:
         return Metric(self, labels or {}, buckets)
 
     def __del__(self):
@@ -296,7 +310,10 @@ class MetricFamily:
 class Metric:
     def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None):
         self.family, self.handle = family, c_void_p()  # the family must outlive its metrics
-        parameters = [api.TRITONSERVER_ParameterNew(k.encode(), C.PARAMETER_STRING, c_char_p(str(v).encode())) for k, v in labels.items()]
+        parameters = [
+            api.TRITONSERVER_ParameterNew(k.encode(), C.PARAMETER_STRING, c_char_p(str(v).encode()))
+            for k, v in labels.items()
+        ]
         arguments = c_void_p()
         try:
             if family.kind == MetricFamily.HISTOGRAM:
@@ -305,7 +322,9 @@ class Metric:
                 api.TRITONSERVER_MetricArgsNew(byref(arguments))
                 api.TRITONSERVER_MetricArgsSetHistogram(arguments, (c_double * len(buckets))(*buckets), len(buckets))
             label_array = (c_void_p * max(len(parameters), 1))(*parameters)
-            api.TRITONSERVER_MetricNewWithArgs(byref(self.handle), family.handle, label_array, len(parameters), arguments)
+            api.TRITONSERVER_MetricNewWithArgs(
+                byref(self.handle), family.handle, label_array, len(parameters), arguments
+            )
         finally:
             for parameter in parameters:
                 api.TRITONSERVER_ParameterDelete(parameter)

@@ -13,7 +13,16 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_int32, c_int64, c_uint3
 import torch
 
 # TRITONSERVER_Error_Code
-ERROR_UNKNOWN, ERROR_INTERNAL, ERROR_NOT_FOUND, ERROR_INVALID_ARG, ERROR_UNAVAILABLE, ERROR_UNSUPPORTED, ERROR_ALREADY_EXISTS, ERROR_CANCELLED = range(8)
+(
+    ERROR_UNKNOWN,
+    ERROR_INTERNAL,
+    ERROR_NOT_FOUND,
+    ERROR_INVALID_ARG,
+    ERROR_UNAVAILABLE,
+    ERROR_UNSUPPORTED,
+    ERROR_ALREADY_EXISTS,
+    ERROR_CANCELLED,
+) = range(8)
 # TRITONSERVER_MemoryType
 MEMORY_CPU, MEMORY_CPU_PINNED, MEMORY_GPU = range(3)
 # TRITONSERVER_InstanceGroupKind
@@ -25,7 +34,18 @@ PARAMETER_STRING, PARAMETER_INT, PARAMETER_BOOL, PARAMETER_DOUBLE, PARAMETER_BYT
 # TRITONSERVER_MetricKind
 METRIC_COUNTER, METRIC_GAUGE, METRIC_HISTOGRAM = range(3)
 # TRITONSERVER_DataType → torch dtype (BYTES and the unsigned types beyond uint8 are not served here)
-DTYPES = {1: torch.bool, 2: torch.uint8, 6: torch.int8, 7: torch.int16, 8: torch.int32, 9: torch.int64, 10: torch.float16, 11: torch.float32, 12: torch.float64, 14: torch.bfloat16}
+DTYPES = {
+    1: torch.bool,
+    2: torch.uint8,
+    6: torch.int8,
+    7: torch.int16,
+    8: torch.int32,
+    9: torch.int64,
+    10: torch.float16,
+    11: torch.float32,
+    12: torch.float64,
+    14: torch.bfloat16,
+}
 TRITON_DTYPES = {dtype: code for code, dtype in DTYPES.items()}
 
 
@@ -33,7 +53,13 @@ class TritonCError(RuntimeError):
     """A TRITONSERVER_Error returned by the C API."""
 
 
-_ERROR_API = ("TRITONSERVER_ErrorNew", "TRITONSERVER_ErrorDelete", "TRITONSERVER_ErrorMessage", "TRITONSERVER_ParameterNew", "TRITONSERVER_ParameterDelete")
+_ERROR_API = (
+    "TRITONSERVER_ErrorNew",
+    "TRITONSERVER_ErrorDelete",
+    "TRITONSERVER_ErrorMessage",
+    "TRITONSERVER_ParameterNew",
+    "TRITONSERVER_ParameterDelete",
+)
 _SIGNATURES = {  # name: argument types (all return TRITONSERVER_Error* but the _ERROR_API ones)
     "TRITONSERVER_ErrorNew": (c_int, c_char_p),
     "TRITONSERVER_ErrorDelete": (c_void_p,),
@@ -65,9 +91,22 @@ _SIGNATURES = {  # name: argument types (all return TRITONSERVER_Error* but the 
     "TRITONBACKEND_RequestParameterCount": (c_void_p, POINTER(c_uint32)),
     "TRITONBACKEND_RequestParameter": (c_void_p, c_uint32, POINTER(c_char_p), POINTER(c_int), POINTER(c_void_p)),
     "TRITONBACKEND_InputProperties": (
-        c_void_p, POINTER(c_char_p), POINTER(c_int), POINTER(POINTER(c_int64)), POINTER(c_uint32), POINTER(c_uint64), POINTER(c_uint32),
+        c_void_p,
+        POINTER(c_char_p),
+        POINTER(c_int),
+        POINTER(POINTER(c_int64)),
+        POINTER(c_uint32),
+        POINTER(c_uint64),
+        POINTER(c_uint32),
     ),
-    "TRITONBACKEND_InputBuffer": (c_void_p, c_uint32, POINTER(c_void_p), POINTER(c_uint64), POINTER(c_int), POINTER(c_int64)),
+    "TRITONBACKEND_InputBuffer": (
+        c_void_p,
+        c_uint32,
+        POINTER(c_void_p),
+        POINTER(c_uint64),
+        POINTER(c_int),
+        POINTER(c_int64),
+    ),
     "TRITONBACKEND_ResponseNew": (POINTER(c_void_p), c_void_p),
     "TRITONBACKEND_ResponseOutput": (c_void_p, POINTER(c_void_p), c_char_p, c_int, POINTER(c_int64), c_uint32),
     "TRITONBACKEND_OutputBuffer": (c_void_p, POINTER(c_void_p), c_uint64, POINTER(c_int), POINTER(c_int64)),
@@ -100,8 +139,10 @@ class _CApi:
         if name in _ERROR_API:
             bound = function
         else:
+
             def bound(*args, _function=function):
                 self.check(_function(*args))
+
         setattr(self, name, bound)
         return bound
 

@@ -62,11 +62,13 @@ def to_ikbo(model: torch.nn.Module, example_inputs, mapping_name: str = MAPPING_
         raise ValueError(f"model: forward has no argument named {mapping_name!r} (arguments: {names})")
     try:
         traced = trace(model)
-    except Exception as e:  # noqa: BLE001 — any tracer failure: serve the model as it is
-        return model, Report(left=[f"the whole model: torch.fx could not trace it ({type(e).__name__}: {e}); served unchanged"])
+    except Exception as e:
+        return model, Report(
+            left=[f"the whole model: torch.fx could not trace it ({type(e).__name__}: {e}); served unchanged"]
+        )
     try:
         module, report = Rewriter(traced, example_inputs, mapping_name).run()
-    except Exception as e:  # noqa: BLE001 — a rewrite the pass cannot complete: serve the model as it is
+    except Exception as e:
         return model, Report(left=[f"the whole model: the rewrite failed ({type(e).__name__}: {e}); served unchanged"])
     error = _disagreement(model, module, example_inputs)
     if error > rtol:

@@ -24,7 +24,9 @@ class AttentionRewrites:
         mask = _arg(args, kwargs, 3, "attn_mask")
         dropout, causal = _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
         scale = _arg(args, kwargs, 6, "scale")
-        if not (isinstance(k, Rep) and isinstance(v, Rep) and k.mapping is v.mapping and isinstance(q, Plain) and q.batched):
+        if not (
+            isinstance(k, Rep) and isinstance(v, Rep) and k.mapping is v.mapping and isinstance(q, Plain) and q.batched
+        ):
             return None
         if dropout or causal or _arg(args, kwargs, 7, "enable_gqa", False) or q.meta.ndim != 4 or k.meta.ndim != 4:
             return None
@@ -37,15 +39,23 @@ class AttentionRewrites:
             kv_len = self.emit("call_function", ops.kv_len_from, (lengths, seq_len))
         node = self.emit("call_function", ikbo_attention, (q.node, k.user, v.user, k.mapping.node, kv_len, scale))
         masked = " (key-length mask)" if kv_len is not None else ""
-        self.report.rewritten.append(f"`{name}`: attention of candidate queries over replicated K/V → ikbo_attention{masked}")
+        self.report.rewritten.append(
+            f"`{name}`: attention of candidate queries over replicated K/V → ikbo_attention{masked}"
+        )
         return Plain(node, meta, True)
 
     def attention_chain(self, scores):
         """(q, kᵀ, scaled, probs, out, v, scale) if `scores` starts matmul(q, kᵀ) [· c | / c] →
         softmax(-1) → matmul(·, v) with single-use intermediates, q candidate rows [B, (H,) S, d],
         kᵀ and v replicated through one mapping (v computed before); else None."""
+
         def matmul(n):
-            return n.op == "call_function" and n.target in (torch.matmul, operator.matmul) or n.op == "call_method" and n.target == "matmul"
+            return (
+                n.op == "call_function"
+                and n.target in (torch.matmul, operator.matmul)
+                or n.op == "call_method"
+                and n.target == "matmul"
+            )
 
         if not (matmul(scores) and len(scores.args) == 2 and len(scores.users) == 1):
             return None
@@ -66,7 +76,9 @@ class AttentionRewrites:
         source = scaled or scores
         is_softmax = probs.target in (F.softmax, torch.softmax, "softmax") and probs.args[0] is source
         dim = _arg(probs.args, probs.kwargs, 1, "dim")
-        if not (is_softmax and dim in (-1, q.meta.ndim - 1) and not probs.kwargs.get("dtype") and len(probs.users) == 1):
+        if not (
+            is_softmax and dim in (-1, q.meta.ndim - 1) and not probs.kwargs.get("dtype") and len(probs.users) == 1
+        ):
             return None
         out = next(iter(probs.users))
         v = self.env.get(out.args[1]) if matmul(out) and len(out.args) == 2 and out.args[0] is probs else None
@@ -100,7 +112,11 @@ class AttentionRewrites:
         if mask.meta.shape[1:3] != (1, 1) or mask.meta.shape[3] != seq_len:
             return None
         user = mask.user
-        while user.op == "call_function" and user.target is operator.getitem or (user.op == "call_method" and user.target == "unsqueeze"):
+        while (
+            user.op == "call_function"
+            and user.target is operator.getitem
+            or (user.op == "call_method" and user.target == "unsqueeze")
+        ):
             if user.target is operator.getitem:
                 index = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
                 if not all(i is None or i == slice(None) for i in index):
@@ -110,14 +126,18 @@ class AttentionRewrites:
             return None
         a, b = user.args
         positions, column = (a, b) if user.target in (operator.lt, torch.lt) else (b, a)
-        if not (isinstance(positions, fx.Node) and positions.op == "call_function" and positions.target is torch.arange):
+        if not (
+            isinstance(positions, fx.Node) and positions.op == "call_function" and positions.target is torch.arange
+        ):
             return None
         bounds = [x for x in positions.args]
         if bounds not in ([seq_len], [0, seq_len]) or positions.kwargs.get("dtype") not in (None, torch.int64):
             return None
         if not isinstance(column, fx.Node):
             return None
-        indexed = column.op == "call_function" and column.target is operator.getitem and column.args[1] == (slice(None), None)
+        indexed = (
+            column.op == "call_function" and column.target is operator.getitem and column.args[1] == (slice(None), None)
+        )
         unsqueezed = column.op == "call_method" and column.target == "unsqueeze" and column.args[1] in (1, -1)
         if not (indexed or unsqueezed):
             return None
@@ -138,16 +158,28 @@ def _match_prefix(node, seq_len):
     if not (isinstance(less, fx.Node) and less.op == "call_function" and less.target in (operator.lt, torch.lt)):
         return None
     positions, column = less.args
-    if not (isinstance(positions, fx.Node) and positions.target is torch.arange and list(positions.args) in ([seq_len], [0, seq_len])):
+    if not (
+        isinstance(positions, fx.Node)
+        and positions.target is torch.arange
+        and list(positions.args) in ([seq_len], [0, seq_len])
+    ):
         return None
-    if not (isinstance(column, fx.Node) and column.target is operator.getitem and column.args[1] == (slice(None), None)):
+    if not (
+        isinstance(column, fx.Node) and column.target is operator.getitem and column.args[1] == (slice(None), None)
+    ):
         return None
     return column.args[0], index
 
 
 def _is_causal_mask(node, seq_len):
     """ones(L, L, dtype=bool).tril()"""
-    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "tril" and len(node.args) == 1 and not node.kwargs):
+    if not (
+        isinstance(node, fx.Node)
+        and node.op == "call_method"
+        and node.target == "tril"
+        and len(node.args) == 1
+        and not node.kwargs
+    ):
         return False
     ones = node.args[0]
     if not (isinstance(ones, fx.Node) and ones.target is torch.ones):
@@ -172,7 +204,12 @@ def _self_attention_form(sdpa, lengths, seq_len, scale):
     if _match_prefix(mask, seq_len) != (lengths, KEYS_INDEX):
         return None
     for reader in sdpa.users:
-        if not (reader.op == "call_method" and reader.target == "masked_fill" and reader.args[0] is sdpa and reader.args[2] in (0, 0.0)):
+        if not (
+            reader.op == "call_method"
+            and reader.target == "masked_fill"
+            and reader.args[0] is sdpa
+            and reader.args[2] in (0, 0.0)
+        ):
             return None
         inverted = reader.args[1]
         if not (isinstance(inverted, fx.Node) and inverted.target is operator.invert):
@@ -200,14 +237,18 @@ def fuse_self_target_attention(graph: fx.Graph, report: Report) -> None:
         if not (isinstance(kv_len, fx.Node) and kv_len.target is ops.kv_len_from):
             continue
         lengths, seq_len = kv_len.args
-        for sdpa in [u for u in k.users if u.op == "call_function" and u.target is SDPA and u.args[1] is k and u.args[2] is v]:
+        for sdpa in [
+            u for u in k.users if u.op == "call_function" and u.target is SDPA and u.args[1] is k and u.args[2] is v
+        ]:
             causal = _self_attention_form(sdpa, lengths, seq_len, scale)
             after = _downstream(sdpa)
             if causal is None or target in after:
                 continue
             with graph.inserting_before(target):
                 fused = graph.call_function(
-                    ikbo_self_target_attention, (sdpa.args[0], cand_q, k, v, mapping, kv_len), {"causal": causal, "scale": scale}
+                    ikbo_self_target_attention,
+                    (sdpa.args[0], cand_q, k, v, mapping, kv_len),
+                    {"causal": causal, "scale": scale},
                 )
                 user_out = graph.call_function(operator.getitem, (fused, 0))
                 cand_out = graph.call_function(operator.getitem, (fused, 1))

@@ -22,9 +22,17 @@ class ReplicationDetector(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()]
+        inputs = [
+            t
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()
+        ]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()]
         rows_in = {t.shape[0] for t in inputs}
-        if self.num_users in rows_in and self.num_candidates not in rows_in and any(t.shape[0] == self.num_candidates for t in outputs):
+        if (
+            self.num_users in rows_in
+            and self.num_candidates not in rows_in
+            and any(t.shape[0] == self.num_candidates for t in outputs)
+        ):
             self.replications.append(str(func))
         return out

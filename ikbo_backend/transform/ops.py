@@ -130,7 +130,9 @@ class GroupedOp(nn.Module):
             return self._call(tensors, lambda role, t: t[:0] if role == "user" else t)
         out = None
         for user, rows in _groups(cand_to_user, num_users):
-            result = self._call(tensors, lambda role, t: t[rows] if role == "cand" else t[user : user + 1] if role == "user" else t)
+            result = self._call(
+                tensors, lambda role, t: t[rows] if role == "cand" else t[user : user + 1] if role == "user" else t
+            )
             if out is None:
                 out = torch.empty((cand_to_user.shape[0], *result.shape[1:]), dtype=result.dtype, device=result.device)
             out[rows] = result

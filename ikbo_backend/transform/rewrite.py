@@ -27,9 +27,31 @@ from torch.utils._pytree import tree_flatten, tree_map
 from . import ops
 from .attention import AttentionRewrites, fuse_self_target_attention
 from .values import (
-    ADD_SUB, CONVERSIONS, ELEMENTWISE_FUNCTIONS, ELEMENTWISE_METHODS, MATMUL, REDUCTIONS, SDPA, SOFTMAX,
-    Concat, Mapping, Meta, Plain, Rep, RepShape, Report, Rows, _arg, _name, _norm, _off_rows, _tensors, is_value, to_meta,
+    ADD_SUB,
+    CONVERSIONS,
+    ELEMENTWISE_FUNCTIONS,
+    ELEMENTWISE_METHODS,
+    MATMUL,
+    REDUCTIONS,
+    SDPA,
+    SOFTMAX,
+    Concat,
+    Mapping,
+    Meta,
+    Plain,
+    Rep,
+    Report,
+    RepShape,
+    Rows,
+    _arg,
+    _name,
+    _norm,
+    _off_rows,
+    _tensors,
+    is_value,
+    to_meta,
 )  # fmt: skip
+
 # ----------------------------------------------------------------------------- the pass
 
 
@@ -116,7 +138,9 @@ class Rewriter(AttentionRewrites):
                 small = isinstance(x.meta, Meta) and not x.meta.is_float
                 entry = f"{x.source} replicated to B rows at `{consumer}`: {why}"
                 if small:
-                    self.report.notes.append(f"{entry} (non-float, {x.meta.dtype}: index/mask data, not counted as a replication)")
+                    self.report.notes.append(
+                        f"{entry} (non-float, {x.meta.dtype}: index/mask data, not counted as a replication)"
+                    )
                 else:
                     self.report.left.append(entry)
             return x.materialized
@@ -125,7 +149,10 @@ class Rewriter(AttentionRewrites):
     def plain(self, op, target, args, kwargs, meta, name, why):
         """Emit the op as in the original, materializing what it reads."""
         flat = tree_flatten((args, kwargs))[0]
-        batched = any(isinstance(v, (Rep, Concat, Rows, RepShape)) or (isinstance(v, Plain) and (v.batched or v.mapping)) for v in flat)
+        batched = any(
+            isinstance(v, (Rep, Concat, Rows, RepShape)) or (isinstance(v, Plain) and (v.batched or v.mapping))
+            for v in flat
+        )
         m = lambda v: self.materialize(v, name, why) if is_value(v) else v  # noqa: E731
         node = self.emit(op, target, tree_map(m, args, is_leaf=is_value), tree_map(m, kwargs, is_leaf=is_value))
         rows_b = isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
@@ -160,7 +187,9 @@ class Rewriter(AttentionRewrites):
                 self.env[node] = self.apply(node.op, node.target, args, kwargs, meta, node.name)
         if self.sunk:
             ops_run = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in self.sunk.most_common())
-            self.report.rewritten.append(f"{sum(self.sunk.values())} row-wise ops run at U rows instead of B rows: {ops_run}")
+            self.report.rewritten.append(
+                f"{sum(self.sunk.values())} row-wise ops run at U rows instead of B rows: {ops_run}"
+            )
         fuse_self_target_attention(self.graph, self.report)
         module = fx.GraphModule(self.traced, self.graph, class_name="IkboRewritten")
         module.graph.eliminate_dead_code()
@@ -197,7 +226,13 @@ class Rewriter(AttentionRewrites):
         return v.mapping if isinstance(v, Plain) else None
 
     def _user_tensor(self, v):
-        return isinstance(v, Plain) and not v.batched and v.mapping is None and isinstance(v.meta, Meta) and v.meta.ndim > 0
+        return (
+            isinstance(v, Plain)
+            and not v.batched
+            and v.mapping is None
+            and isinstance(v.meta, Meta)
+            and v.meta.ndim > 0
+        )
 
     def replication_site(self, key, args, kwargs, meta, name):
         if key is operator.getitem and len(args) == 2:
@@ -206,14 +241,20 @@ class Rewriter(AttentionRewrites):
                 return self.new_rep(src, self._mapping_of(index), meta, name, "x[cand_to_user]")
         if key in (torch.index_select, "index_select"):
             src, dim, index = args[0], _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "index")
-            if self._user_tensor(src) and dim in (0, -src.meta.ndim if isinstance(src.meta, Meta) else 0) and self._mapping_of(index):
+            if (
+                self._user_tensor(src)
+                and dim in (0, -src.meta.ndim if isinstance(src.meta, Meta) else 0)
+                and self._mapping_of(index)
+            ):
                 return self.new_rep(src, self._mapping_of(index), meta, name, "index_select(0, cand_to_user)")
         if key in (torch.repeat_interleave, "repeat_interleave") and len(args) >= 2:
             src, repeats, dim = args[0], args[1], _arg(args, kwargs, 2, "dim")
             if self._user_tensor(src) and dim == 0 and not (isinstance(repeats, Plain) and repeats.batched):
                 mkey = ("repeat_interleave", id(repeats) if is_value(repeats) else repeats)
                 if mkey not in self.mappings:
-                    node = self.emit("call_function", ops.repeat_mapping, (src.node, repeats.node if is_value(repeats) else repeats))
+                    node = self.emit(
+                        "call_function", ops.repeat_mapping, (src.node, repeats.node if is_value(repeats) else repeats)
+                    )
                     self.mappings[mkey] = Mapping(mkey, node, f"repeat_interleave at {name}")
                 return self.new_rep(src, self.mappings[mkey], meta, name, "repeat_interleave(counts, dim=0)")
         if key == "expand" and self._user_tensor(args[0]) and args[0].meta.shape[0] == 1:
@@ -237,7 +278,9 @@ class Rewriter(AttentionRewrites):
 
     def mapping_conversion(self, key, args, kwargs, meta, name):
         if key in CONVERSIONS and args and self._mapping_of(args[0]):
-            node = self.emit("call_method", key, tree_map(lambda v: v.node if is_value(v) else v, args, is_leaf=is_value), kwargs)
+            node = self.emit(
+                "call_method", key, tree_map(lambda v: v.node if is_value(v) else v, args, is_leaf=is_value), kwargs
+            )
             return Plain(node, meta, batched=True, mapping=args[0].mapping)
         return None
 
@@ -278,7 +321,11 @@ class Rewriter(AttentionRewrites):
         if key in (torch.cat, torch.stack):
             parts, dim = args[0], _arg(args, kwargs, 1, "dim", 0)
             ndim = parts[0].meta.ndim + (key is torch.stack) if parts and is_value(parts[0]) else 0
-            return all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1 and _off_rows(dim, ndim)
+            return (
+                all(isinstance(p, Rep) for p in parts)
+                and len({p.mapping.key for p in parts}) == 1
+                and _off_rows(dim, ndim)
+            )
         xnd = x.meta.ndim if is_value(x) and isinstance(x.meta, Meta) else None
         if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS:
             if not isinstance(meta, Meta) or meta.ndim == 0:
@@ -325,7 +372,9 @@ class Rewriter(AttentionRewrites):
             sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
             if not sizes or not isinstance(meta, Meta) or meta.shape[0] != x.meta.shape[0]:
                 return False
-            if any(isinstance(s, Rows) for s in sizes[1:]) or any(isinstance(s, Plain) and s.batched for s in sizes[1:]):
+            if any(isinstance(s, Rows) for s in sizes[1:]) or any(
+                isinstance(s, Plain) and s.batched for s in sizes[1:]
+            ):
                 return False
             return self.is_count(sizes[0])
         if key == "expand":
@@ -354,13 +403,19 @@ class Rewriter(AttentionRewrites):
             q, k, v = args[:3]
             mask = _arg(args, kwargs, 3, "attn_mask")
             return all(self.batched(t) and t.meta.ndim == 4 for t in (q, k, v)) and (
-                mask is None or (self.batched(mask) and mask.meta.ndim == 4) or (not self.batched(mask) and mask.meta.ndim < 4)
+                mask is None
+                or (self.batched(mask) and mask.meta.ndim == 4)
+                or (not self.batched(mask) and mask.meta.ndim < 4)
             )
         return False
 
     def is_count(self, size):
         """A view size that is the row count B (or -1 there)."""
-        return isinstance(size, Rows) or size == -1 or (isinstance(size, Plain) and size.batched and type(size.meta) is int)
+        return (
+            isinstance(size, Rows)
+            or size == -1
+            or (isinstance(size, Plain) and size.batched and type(size.meta) is int)
+        )
 
     def batched(self, v):
         return isinstance(v, (Rep, Concat)) or (isinstance(v, Plain) and (v.batched or v.mapping is not None))
@@ -371,22 +426,32 @@ class Rewriter(AttentionRewrites):
                 return None
         reps = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, (Rep, Rows, RepShape))]
         flat = tree_flatten((args, kwargs))[0]
-        batched_plain = [v for v in flat if isinstance(v, (Plain, Concat)) and self.batched(v) and isinstance(v.meta, Meta)]
+        batched_plain = [
+            v for v in flat if isinstance(v, (Plain, Concat)) and self.batched(v) and isinstance(v.meta, Meta)
+        ]
         if batched_plain or len({r.mapping.key for r in reps}) != 1:
             return None
         if not self.rowwise_ok(key, args, kwargs, meta):
             return None
-        if key in ("view", "reshape", torch.reshape, "expand") and isinstance(args[1] if len(args) == 2 else None, (tuple, list)):
+        if key in ("view", "reshape", torch.reshape, "expand") and isinstance(
+            args[1] if len(args) == 2 else None, (tuple, list)
+        ):
             args = (args[0], *args[1])
-        if key in ("view", "reshape", torch.reshape, "expand") and isinstance(args[1], Plain):  # B from a candidate tensor
-            rows = self.emit("call_function", operator.getitem, (self.emit("call_function", getattr, (args[0].user, "shape")), 0))
+        if key in ("view", "reshape", torch.reshape, "expand") and isinstance(
+            args[1], Plain
+        ):  # B from a candidate tensor
+            rows = self.emit(
+                "call_function", operator.getitem, (self.emit("call_function", getattr, (args[0].user, "shape")), 0)
+            )
             args = (args[0], rows, *args[2:])
         u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
         node = self.emit(op, key, tree_map(u, args, is_leaf=is_value), tree_map(u, kwargs, is_leaf=is_value))
         rep = reps[0]
         source = next((r.source for r in reps if isinstance(r, Rep)), "")
         if key is SDPA:
-            self.report.rewritten.append(f"`{name}`: attention with replicated q, k, v runs at U rows (self-attention per user)")
+            self.report.rewritten.append(
+                f"`{name}`: attention with replicated q, k, v runs at U rows (self-attention per user)"
+            )
         elif isinstance(meta, Meta) and meta.ndim:
             self.sunk[_name(key)] += 1
         return Rep(node, rep.mapping, meta, source)
@@ -401,7 +466,11 @@ class Rewriter(AttentionRewrites):
             flat = []
             for p in parts:
                 flat += p.parts if isinstance(p, Concat) and p.dim == dim else [p]
-            if dim == 0 or not any(isinstance(p, Rep) for p in flat) or not all(self.batched(p) and isinstance(p.meta, Meta) for p in flat):
+            if (
+                dim == 0
+                or not any(isinstance(p, Rep) for p in flat)
+                or not all(self.batched(p) and isinstance(p.meta, Meta) for p in flat)
+            ):
                 return None
             if all(isinstance(p, Rep) for p in flat) and len({p.mapping.key for p in flat}) == 1:
                 return None  # row-wise
@@ -458,7 +527,9 @@ class Rewriter(AttentionRewrites):
             shape = list(meta.shape)
             shape[c.dim] = size
             pargs, pkwargs = tree_map(s, args, is_leaf=is_value), tree_map(s, kwargs, is_leaf=is_value)
-            parts.append(self.apply(op, key, pargs, pkwargs, Meta(tuple(shape), meta.dtype), f"{name}[part {len(parts)}]"))
+            parts.append(
+                self.apply(op, key, pargs, pkwargs, Meta(tuple(shape), meta.dtype), f"{name}[part {len(parts)}]")
+            )
             offset += size
         self.report.rewritten.append(f"`{name}`: {_name(key)} over a user+candidate concat applied per part")
         if not any(isinstance(p, (Rep, Concat)) for p in parts):
@@ -483,7 +554,11 @@ class Rewriter(AttentionRewrites):
             for t in terms[1:]:
                 total = self.emit("call_function", operator.add, (total, t))
             if cand_sum is None:
-                shape = self.emit("call_function", ops.rep_shape, (self.emit("call_function", getattr, (total, "shape")), mapping.node))
+                shape = self.emit(
+                    "call_function",
+                    ops.rep_shape,
+                    (self.emit("call_function", getattr, (total, "shape")), mapping.node),
+                )
                 device = self.emit("call_function", getattr, (total, "device"))
                 cand_sum = self.emit("call_function", torch.zeros, (shape,), {"dtype": meta.dtype, "device": device})
             cand_sum = self.emit("call_function", ops.add_user_rows_broadcast, (cand_sum, total, mapping.node))
@@ -521,7 +596,11 @@ class Rewriter(AttentionRewrites):
         if kinds == [True, False] and isinstance(weight, Plain) and weight.node.op == "get_attr":
             user, cand = c.parts
             module = ops.LinearCompress(self.fetch(weight.node.target), user.meta.shape[1])
-            node = self.emit("call_module", self.attach("lce", module), (user.user, self.materialize(cand, name, ""), user.mapping.node))
+            node = self.emit(
+                "call_module",
+                self.attach("lce", module),
+                (user.user, self.materialize(cand, name, ""), user.mapping.node),
+            )
             self.report.rewritten.append(
                 f"`{name}`: matmul(W, cat(user tokens, candidate tokens)) → ikbo_linear_compress (weights packed once)"
             )
@@ -536,7 +615,9 @@ class Rewriter(AttentionRewrites):
             else:
                 term = self.emit("call_function", torch.matmul, (w, self.materialize(p, name, "")))
                 cand_sum = term if cand_sum is None else self.emit("call_function", operator.add, (cand_sum, term))
-        self.report.rewritten.append(f"`{name}`: matmul(W, cat over tokens) split (Type I): user tokens at U rows, joined by add_user_rows")
+        self.report.rewritten.append(
+            f"`{name}`: matmul(W, cat over tokens) split (Type I): user tokens at U rows, joined by add_user_rows"
+        )
         return self._join(cand_sum, user_terms, meta)
 
     # --- joins of user rows with candidate rows ------------------------------------------------
@@ -551,7 +632,11 @@ class Rewriter(AttentionRewrites):
             why = f"{_name(key)} combines it with candidate rows"
 
             def small(v):
-                return Plain(self.materialize(v, name, why), v.meta, True) if isinstance(v, Rep) and not v.meta.is_float else v
+                return (
+                    Plain(self.materialize(v, name, why), v.meta, True)
+                    if isinstance(v, Rep) and not v.meta.is_float
+                    else v
+                )
 
             args, kwargs = tree_map(small, args, is_leaf=is_value), tree_map(small, kwargs, is_leaf=is_value)
             return self.apply(op, key, args, kwargs, meta, name)
@@ -566,10 +651,16 @@ class Rewriter(AttentionRewrites):
             a, b = args
             sign = ADD_SUB[key]
             if isinstance(a, Rep):
-                node = self.emit("call_function", ops.add_user_rows_broadcast, (b.node, a.user, mapping.node), {"cand_sign": sign})
+                node = self.emit(
+                    "call_function", ops.add_user_rows_broadcast, (b.node, a.user, mapping.node), {"cand_sign": sign}
+                )
             else:
-                node = self.emit("call_function", ops.add_user_rows_broadcast, (a.node, b.user, mapping.node), {"user_sign": sign})
-            self.report.rewritten.append(f"`{name}`: {_name(key)} of candidate rows and replicated user rows → add_user_rows")
+                node = self.emit(
+                    "call_function", ops.add_user_rows_broadcast, (a.node, b.user, mapping.node), {"user_sign": sign}
+                )
+            self.report.rewritten.append(
+                f"`{name}`: {_name(key)} of candidate rows and replicated user rows → add_user_rows"
+            )
             return Plain(node, meta, True)
         if key in MATMUL and len(args) == 2 and all(self.batched(a) for a in args):
             a, b = args
@@ -608,7 +699,9 @@ class Rewriter(AttentionRewrites):
         else:
             fn = key
         module = ops.GroupedOp(fn, sargs, skwargs, f"{_name(key)} at {name}")
-        num_users = self.emit("call_function", operator.getitem, (self.emit("call_function", getattr, (reps[0].user, "shape")), 0))
+        num_users = self.emit(
+            "call_function", operator.getitem, (self.emit("call_function", getattr, (reps[0].user, "shape")), 0)
+        )
         node = self.emit("call_module", self.attach("grouped", module), (mapping.node, num_users, *tensors))
         self.report.rewritten.append(
             f"`{name}`: {_name(key)} of candidate rows with replicated user rows → grouped per user (user row broadcast, not copied)"

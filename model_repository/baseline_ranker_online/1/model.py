@@ -1,16 +1,11 @@
 """ikbo_ranker_online / baseline_ranker_online: one user per request, coalesced by the dynamic batcher
 into one batch per execute (ikbo_backend.online; variant from config). IKBO: custom metrics."""
 
-import sys
-from pathlib import Path
+import triton_python_backend_utils as pb_utils
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: the stub ignores PYTHONPATH
-
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes  # noqa: E402
-from ikbo_backend.online import OnlineModel, execute_online  # noqa: E402
-from ikbo_backend.shape_spec import CompileCounter  # noqa: E402
+from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes
+from ikbo_backend.online import OnlineModel, execute_online
+from ikbo_backend.shape_spec import CompileCounter
 
 
 class TritonPythonModel:
@@ -20,7 +15,9 @@ class TritonPythonModel:
         compilations.phase = "request"
         ikbo = self.model.variant == "ikbo"
         row_bytes = replicated_row_bytes(self.model.cfg)
-        self.metrics = RankerMetrics(pb_utils, args["model_name"], row_bytes, compilations, self.model.device) if ikbo else None
+        self.metrics = (
+            RankerMetrics(pb_utils, args["model_name"], row_bytes, compilations, self.model.device) if ikbo else None
+        )
 
     def execute(self, requests):
         return execute_online(pb_utils, self.model, requests, self.metrics)

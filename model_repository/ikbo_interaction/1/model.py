@@ -1,17 +1,13 @@
 """ikbo_interaction: features → scores (ikbo_backend.serving.InteractionModel, variant from config),
 with the custom IKBO metrics (ikbo_backend.metrics) of each answered batch."""
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: the stub ignores PYTHONPATH
+import triton_python_backend_utils as pb_utils
 
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes  # noqa: E402
-from ikbo_backend.serving import InteractionModel, execute_requests  # noqa: E402
-from ikbo_backend.shape_spec import CompileCounter  # noqa: E402
+from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes
+from ikbo_backend.serving import InteractionModel, execute_requests
+from ikbo_backend.shape_spec import CompileCounter
 
 
 class TritonPythonModel:
@@ -19,7 +15,9 @@ class TritonPythonModel:
         compilations = CompileCounter.install()  # Triton compilations: warm-up, then requests (must stay 0)
         self.model = InteractionModel.from_triton_args(args)  # config, weights, device, warm-up
         compilations.phase = "request"
-        self.metrics = RankerMetrics(pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg), compilations, self.model.device)
+        self.metrics = RankerMetrics(
+            pb_utils, args["model_name"], replicated_row_bytes(self.model.cfg), compilations, self.model.device
+        )
 
     def execute(self, requests):
         start = time.perf_counter()

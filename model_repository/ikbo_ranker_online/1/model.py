@@ -1,17 +1,13 @@
 """ikbo_ranker_online / baseline_ranker_online: one user per request, coalesced by the dynamic batcher
 into one batch per execute (ikbo_backend.online; variant from config). IKBO: custom metrics."""
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: the stub ignores PYTHONPATH
+import triton_python_backend_utils as pb_utils
 
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes  # noqa: E402
-from ikbo_backend.online import OnlineModel, execute_online  # noqa: E402
-from ikbo_backend.shape_spec import CompileCounter  # noqa: E402
+from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes
+from ikbo_backend.online import OnlineModel, execute_online
+from ikbo_backend.shape_spec import CompileCounter
 
 
 class TritonPythonModel:
@@ -21,7 +17,9 @@ class TritonPythonModel:
         compilations.phase = "request"
         ikbo = self.model.variant == "ikbo"
         row_bytes = replicated_row_bytes(self.model.cfg)
-        self.metrics = RankerMetrics(pb_utils, args["model_name"], row_bytes, compilations, self.model.device) if ikbo else None
+        self.metrics = (
+            RankerMetrics(pb_utils, args["model_name"], row_bytes, compilations, self.model.device) if ikbo else None
+        )
 
     def execute(self, requests):
         start = time.perf_counter()

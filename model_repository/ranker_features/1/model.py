@@ -1,13 +1,8 @@
 """ranker_features: raw request → validated features (ikbo_backend.serving.FeatureModel)."""
 
-import sys
-from pathlib import Path
+import triton_python_backend_utils as pb_utils
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: the stub ignores PYTHONPATH
-
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from ikbo_backend.serving import FeatureModel, execute_requests  # noqa: E402
+from ikbo_backend.serving import FeatureModel, execute_requests
 
 
 class TritonPythonModel:

@@ -1,14 +1,9 @@
 """transformed_interaction: features → scores with BaselineRanker's code after the IKBO transformation
 (ikbo_backend.serving.InteractionModel, variant "transformed"); the pass's report goes to the log."""
 
-import sys
-from pathlib import Path
+import triton_python_backend_utils as pb_utils
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: the stub ignores PYTHONPATH
-
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from ikbo_backend.serving import InteractionModel, execute_requests  # noqa: E402
+from ikbo_backend.serving import InteractionModel, execute_requests
 
 
 class TritonPythonModel:
