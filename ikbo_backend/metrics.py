@@ -64,7 +64,7 @@ class RankerMetrics:
     def __init__(
         self, pb_utils, model_name: str, row_bytes: int, compilations=None, device=None, background: bool | None = None
     ):
-        """`compilations`: a shape_spec.CompileCounter installed before the model was built; `device`:
+        """`compilations`: a compile_counter.CompileCounter installed before the model was built; `device`:
         the instance's torch device (label `device`; none when None). Instances of one model on
         different devices then count apart; with the same labels they share one counter.
         `background`: updates on a worker thread (None: where pb_utils is the python_inprocess one)."""

@@ -407,8 +407,8 @@ def ranker_python_model(pb_utils):
     are this and the sys.path line): `RankerModel` from the config; for the ikbo variant the custom
     metrics (ikbo_backend.metrics) of each answered request, wall time inside execute included; for
     the transformed variant the rewrite pass's report in the server log."""
+    from .compile_counter import CompileCounter
     from .metrics import RankerMetrics, replicated_row_bytes
-    from .shape_spec import CompileCounter
 
     class TritonPythonModel:
         def initialize(self, args):

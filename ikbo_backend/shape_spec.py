@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 import warnings
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from kernels.attention import TRITON_HEAD_DIMS, pick_config
 from kernels.attention import TRITON_TYPES as ATTENTION_TRITON_TYPES
 from kernels.linear_compress import TRITON_TYPES as LCE_TRITON_TYPES
 from kernels.linear_compress import PackedLinearCompress, default_variant, tile_configs
+from kernels.reference import rel_err
 
 from .ranker import RankerConfig
 from .requests import ShapeRanges
@@ -68,7 +68,6 @@ from .tuning import (
     fastest,
     graph_median_ms,
     median_ms,
-    rel_err,
     use_persistent_triton_cache,
 )
 
@@ -403,39 +402,3 @@ def _register(op: str, cfg: RankerConfig, dtype, device, num_sms: int, choices: 
 
     setter = lce_op.set_tuned_configs if op == "lce" else attention_op.set_tuned_configs
     setter(device, dtype, _dims(cfg, op), lookup)
-
-
-class CompileCounter:
-    """Triton kernel compilations in this process, by phase: "warmup" until `phase` is set to
-    "request". Counted through triton.knobs.runtime.jit_post_compile_hook (called after every
-    compilation, also when the binary comes from Triton's disk cache); a hook already set is kept.
-    Where several models share a process (the python_inprocess backend) their loads are exclusive and
-    raise `loads_in_progress`: a compilation then belongs to the loading model, not to the request
-    path of those already loaded."""
-
-    loads_in_progress = 0
-
-    def __init__(self):
-        self.phase = "warmup"
-        self.counts = {"warmup": 0, "request": 0}
-        self.kernels: list[tuple[str, str]] = []  # (phase, kernel name)
-
-    @classmethod
-    def install(cls) -> CompileCounter:
-        from triton import knobs
-
-        counter, previous = cls(), knobs.runtime.jit_post_compile_hook
-
-        def hook(**kwargs):
-            if counter.phase == "request" and cls.loads_in_progress:
-                return previous(**kwargs) if previous is not None else None
-            counter.counts[counter.phase] += 1
-            counter.kernels.append((counter.phase, kwargs["fn"].name))
-            if counter.phase == "request":  # a bucket the warm-up missed: say which kernel and specialization
-                logging.getLogger("ikbo").warning(
-                    "Triton compilation on the request path: %s %s", kwargs["fn"].name, kwargs.get("repr", "")
-                )
-            return previous(**kwargs) if previous is not None else None
-
-        knobs.runtime.jit_post_compile_hook = hook
-        return counter

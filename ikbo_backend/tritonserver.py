@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .serving import MODEL_REPOSITORY, REPO_ROOT
+from .serving import MODEL_REPOSITORY
 
 NGC_BACKEND_DIR = Path("/opt/tritonserver/backends")
 

@@ -79,12 +79,6 @@ def device_description(device) -> str:
     return f"{name}|triton {triton.__version__}|torch {torch.__version__}"
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in fp64; NaN when out holds a NaN (so it never passes a ≤ check)."""
-    ref = ref.double()
-    return float((out.double().to(ref.device) - ref).norm() / ref.norm().clamp_min(1e-300))
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One configuration to try: `check()` launches it on poisoned outputs and says whether the

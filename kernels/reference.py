@@ -1,4 +1,5 @@
-"""Readable fp64 references of the IKBO ops, for tests only: one candidate at a time, on the CPU.
+"""Readable fp64 references of the IKBO ops, one candidate at a time, on the CPU, and the relative error
+that compares an op against them (tests, benchmarks, the tuner's candidate checks).
 
 They index user tensors per candidate (the obvious way), which is exactly what the IKBO paths avoid.
 """
@@ -58,3 +59,9 @@ def self_attention_reference(user_q, k, v, kv_len=None, causal=True, scale=None)
         for h in range(user_q.shape[1]):
             out[u, h] = _softmax_attend(user_q[u, h] * scale, k[u, h], v[u, h], valid)
     return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in fp64; NaN when out holds a NaN (so it never passes a ≤ check)."""
+    ref = ref.double()
+    return float((out.double().to(ref.device) - ref).norm() / ref.norm().clamp_min(1e-300))

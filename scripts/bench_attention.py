@@ -21,7 +21,7 @@ kernel (SDPA flash is_causal, or ours alone) plus our target kernel; "fused" is 
 Sweep: S ∈ {1, 8, 64}, L ∈ {256, 1024, 4096}, d ∈ {64, 128}, B/U ∈ {1, 16, 70, 256} at B=1024
 (U = B / ratio), baseline vs ours.
 Metrics: median device ms of a call (the time the GPU is busy with the call's own kernels and copies,
-read by CUPTI through torch.profiler, L2 flushed before each call: scripts/device_time.py; the canonical
+read by CUPTI through torch.profiler, L2 flushed before each call: ikbo_backend/perf/device_time.py; the canonical
 table also gives the call's device span, first start to last end, so with any wait for the host between
 its launches, the SM clock right after the calls, and do_bench's median between CUDA events, which counts the host's launch time wherever it
 outlasts the L2 flush), TFLOP/s, % of the floor max(FLOPs / matmul rate, bytes / copy bandwidth), both ceilings measured in this run.
@@ -60,9 +60,9 @@ if "--smoke" in sys.argv:
 import torch
 import torch.nn.functional as F
 import triton
-from device_time import device_times, event_ms, host_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ikbo_backend.perf.device_time import device_times, event_ms, host_us
 from kernels import attention
 from kernels.attention import TileConfig, ikbo_attention, ikbo_self_target_attention
 

@@ -15,7 +15,7 @@ candidate GEMM with W_c resident in shared memory, was slower everywhere, and s7
 pingpong consumer warpgroups, was no faster than s6; both were removed on 2026-11-29:
 docs/notes/lce.md.) Metrics: median device ms of a call (the time the GPU is busy with the call's own
 kernels and copies, read by CUPTI through torch.profiler, L2 flushed before each call:
-scripts/device_time.py); in the canonical table beside it the call's device span (its first start to its
+ikbo_backend/perf/device_time.py); in the canonical table beside it the call's device span (its first start to its
 last end, so with any wait for the host between its launches), the SM clock right after the calls, and the median of `triton.testing.do_bench`
 ("do_bench ms", CUDA events around the call, which also counts the host's launch time wherever that is
 longer than the L2 flush), TFLOP/s of the IKBO work 2·N·D·(U·Ku + B·Kc), % of the floor, where
@@ -42,9 +42,9 @@ if "--smoke" in sys.argv:
 
 import torch
 import triton
-from device_time import device_times, event_ms, host_us
 from triton.testing import do_bench_cudagraph
 
+from ikbo_backend.perf.device_time import device_times, event_ms, host_us
 from kernels.linear_compress import VARIANTS, PackedLinearCompress, TileConfig
 from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, s6_supported, user_gemm, ws_config
 

@@ -42,9 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from make_perf_configs import mix_shape
-
 from ikbo_backend.cuda_graphs import GraphedInteraction
+from ikbo_backend.perf.inputs import mix_shape
 from ikbo_backend.ranker import COMPUTE_DTYPES, PROFILES, build_ranker, load_weights
 from ikbo_backend.requests import make_request, to_tensors
 from ikbo_backend.serving import REPO_ROOT, ensure_weights, load_shape_ranges, weights_path

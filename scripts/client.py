@@ -7,47 +7,15 @@
 """
 
 import argparse
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from ikbo_backend.client import client_module, infer_scores
 from ikbo_backend.online import make_online_batch, merge_scores, split_by_user
 from ikbo_backend.ranker import PROFILES
 from ikbo_backend.requests import make_request
-
-
-def client_module(protocol: str):
-    """tritonclient.http or tritonclient.grpc."""
-    if protocol == "http":
-        import tritonclient.http as module
-    elif protocol == "grpc":
-        import tritonclient.grpc as module
-    else:
-        raise ValueError(f"protocol: expected 'http' or 'grpc', got {protocol!r}")
-    return module
-
-
-def infer_inputs(module, request: dict[str, np.ndarray]) -> list:
-    """InferInputs of a request, each with the Triton datatype of its numpy dtype."""
-    from tritonclient.utils import np_to_triton_dtype
-
-    inputs = []
-    for name, array in request.items():
-        tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(np.ascontiguousarray(array))
-        inputs.append(tensor)
-    return inputs
-
-
-def infer_scores(client, module, model: str, request: dict[str, np.ndarray]) -> np.ndarray:
-    """scores [B, T] of `model` for a request; raises tritonclient's InferenceServerException."""
-    result = client.infer(model, infer_inputs(module, request), outputs=[module.InferRequestedOutput("scores")])
-    return result.as_numpy("scores")
 
 
 def main():

@@ -48,9 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
-from make_perf_configs import DEFAULT_DIR as CONFIG_DIR  # noqa: E402
-from make_perf_configs import MIXES, candidates_per_request, ensure_config, ensure_online_config, mix_shape  # noqa: E402
-
+from ikbo_backend.perf.inputs import DEFAULT_DIR as CONFIG_DIR  # noqa: E402
+from ikbo_backend.perf.inputs import MIXES, candidates_per_request, ensure_config, ensure_online_config, mix_shape  # noqa: E402
 from ikbo_backend.ranker import PROFILES  # noqa: E402
 
 RANKERS = ("baseline_ranker", "ikbo_ranker")  # baseline first: the reference of every ratio

@@ -15,7 +15,7 @@ Canonical shape as scripts/bench_lce.py (B=1024, U=15 ragged, Ku=1024, Kc=500, D
 1. Ceilings measured in this run: bf16 matmul 8192³ (random), device copy (read + write).
 2. Variants (WSConfig), each checked against fp64 on fresh random inputs with NaN-poisoned out and
    Y_u (bf16 rel err ≤ 1e-2), then timed on one shared input set: median device (busy) time from CUPTI
-   with L2 flushed before each call (scripts/device_time.py; do_bench would add the host's launch time), CUDA-graph
+   with L2 flushed before each call (ikbo_backend/perf/device_time.py; do_bench would add the host's launch time), CUDA-graph
    replay median, the kernel alone (no Y_u, no bias) and the kernel with its fused epilogue (Y_u
    given). The default is timed first and again near the end (the spread of one config within the run,
    the run's noise); with --call the new variant (CALL_ORDER) too.
@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import triton
-from device_time import device_ms
 from triton.testing import do_bench_cudagraph
 
+from ikbo_backend.perf.device_time import device_ms
 from kernels.linear_compress import PackedLinearCompress
 from kernels.linear_compress_ws import WSConfig, _launch_ws, lce_s6, user_gemm, ws_config
 from scripts.bench_lce import CANONICAL, make_problem, measure_ceilings, reference, rel_err

@@ -44,8 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from client import client_module, infer_inputs  # noqa: E402
-
+from ikbo_backend.client import client_module, infer_inputs  # noqa: E402
 from ikbo_backend.ranker import PROFILES, RankerConfig  # noqa: E402
 from ikbo_backend.requests import CAND_INPUTS, INPUT_DTYPES, INPUT_NAMES, USER_INPUTS, make_request  # noqa: E402
 from ikbo_backend.serving import MODEL_REPOSITORY, TEST_FAULT_PARAMETER, TEST_FAULTS_ENV, load_shape_ranges  # noqa: E402

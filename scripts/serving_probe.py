@@ -270,8 +270,9 @@ def equal_load(
 ) -> list[dict]:
     """perf_analyzer at each offered load (requests/s) for each model, back to back; with `http_url`
     also the server's stage times of that model during each step (`metrics_url`: default the HTTP port + 2)."""
-    from make_perf_configs import DEFAULT_DIR, ensure_config
     from perf_sweep import SHORT, Result, run_perf_analyzer, to_result
+
+    from ikbo_backend.perf.inputs import DEFAULT_DIR, ensure_config
 
     cfg = PROFILES[profile]
     input_data = ensure_config(mix, DEFAULT_DIR if profile == "demo" else DEFAULT_DIR / profile, cfg)

@@ -1,18 +1,14 @@
-"""scripts/device_time.py: finding each call between its markers in a profiler trace, span / busy time, and the
+"""ikbo_backend/perf/device_time.py: finding each call between its markers in a profiler trace, span / busy time, and the
 clock from spin lengths, against brute-force references on hypothesis-drawn traces (CPU); the profiler itself on the GPU."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from device_time import MARKER, SPIN_CYCLES, bracketed_calls, clock_mhz, device_ms, span_and_busy
+from ikbo_backend.perf.device_time import MARKER, SPIN_CYCLES, bracketed_calls, clock_mhz, device_ms, span_and_busy
 
 interval = st.tuples(st.integers(0, 200), st.integers(1, 50)).map(lambda t: (float(t[0]), float(t[0] + t[1])))
 

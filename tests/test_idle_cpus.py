@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from ikbo_backend.tritonserver import busy_idle_cpus, cpu_wake_latency
 
 
@@ -45,12 +43,10 @@ def test_busy_loops_run_at_sched_idle_on_their_cpu_and_end_with_the_context():
 
 def test_busy_loops_end_when_their_parent_is_killed():
     code = (
-        "import sys, time; sys.path.insert(0, sys.argv[1]); from ikbo_backend.tritonserver import busy_idle_cpus\n"
+        "import time; from ikbo_backend.tritonserver import busy_idle_cpus\n"
         "with busy_idle_cpus() as loops:\n    print(' '.join(str(p.pid) for p in loops), flush=True); time.sleep(600)"
     )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", code, str(Path(__file__).resolve().parents[1])], stdout=subprocess.PIPE, text=True
-    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert len(pids) == len(os.sched_getaffinity(0)) and all(alive(p) for p in pids)
     parent.kill()  # no cleanup runs in the parent

@@ -6,21 +6,17 @@ GPU the warm-up's count must be positive, so the counter is live)."""
 
 import re
 import secrets
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from client import client_module, infer_inputs, infer_scores
-
+from ikbo_backend.client import client_module, infer_inputs, infer_scores
+from ikbo_backend.compile_counter import CompileCounter
 from ikbo_backend.metrics import (
     CANDIDATES_PER_USER_BUCKETS,
     RankerMetrics,
@@ -30,7 +26,6 @@ from ikbo_backend.metrics import (
 from ikbo_backend.online import make_online_batch, split_by_user
 from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights
 from ikbo_backend.requests import make_request, to_tensors
-from ikbo_backend.shape_spec import CompileCounter
 from ikbo_backend.tritonserver import has_gpu, running_tritonserver
 
 SEED = secrets.randbits(32)

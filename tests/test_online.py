@@ -14,10 +14,8 @@ are fresh random each run: the seed is in every failure message.
 """
 
 import secrets
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,14 +23,11 @@ import torch
 from google.protobuf import json_format, text_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_serving import FAKE_PB_UTILS
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from client import client_module, infer_inputs
-from test_serving import FAKE_PB_UTILS
-
+from ikbo_backend.client import client_module, infer_inputs
 from ikbo_backend.online import (
     ONLINE_INPUT_NAMES,
     OnlineModel,
@@ -520,8 +515,9 @@ def test_client_cannot_send_the_mapping(server):
 def test_perf_analyzer_drives_the_online_endpoint(server, tmp_path):
     """The sweep's online input (U one-user requests of ragged n) through perf_analyzer: no error, and
     the server coalesced its 15 requests in flight."""
-    from make_perf_configs import candidates_per_request, ensure_online_config
     from perf_sweep import Profile, run_perf_analyzer
+
+    from ikbo_backend.perf.inputs import candidates_per_request, ensure_online_config
 
     model = "ikbo_ranker_online"
     data = ensure_online_config("u15_b1024", tmp_path)

@@ -15,9 +15,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from make_perf_configs import ensure_config
 from perf_sweep import Profile, run_perf_analyzer
 
+from ikbo_backend.perf.inputs import ensure_config
 from ikbo_backend.tritonserver import is_ready, running_tritonserver
 
 MODEL = "ikbo_ranker"
@@ -154,8 +154,8 @@ def test_server_times_between_snapshots_count_only_that_step(server):
     between two snapshots, per request, and the wall time inside execute per execution."""
     import numpy as np
     import serving_probe
-    from client import client_module, infer_inputs
 
+    from ikbo_backend.client import client_module, infer_inputs
     from ikbo_backend.ranker import RankerConfig
     from ikbo_backend.requests import make_request
 

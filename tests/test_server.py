@@ -19,8 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from client import client_module, infer_inputs, infer_scores
-
+from ikbo_backend.client import client_module, infer_inputs, infer_scores
 from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
 from ikbo_backend.requests import make_request, to_tensors
 from ikbo_backend.serving import load_shape_ranges

@@ -346,13 +346,9 @@ def test_mapping_argument_is_required():
 @pytest.mark.timeout(600)
 def test_served_transformed_ranker_matches_ikbo_ranker(tmp_path, monkeypatch):
     """transformed_ranker (BaselineRanker's code after the pass) answers like ikbo_ranker over HTTP."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import tritonclient.http as http
-    from client import infer_scores
 
+    from ikbo_backend.client import infer_scores
     from ikbo_backend.ranker import save_weights
     from ikbo_backend.tritonserver import has_gpu, running_tritonserver
 

@@ -33,10 +33,11 @@ from interpreted import run_interpreted
 from ikbo_backend import shape_spec
 from ikbo_backend.ranker import RankerConfig
 from ikbo_backend.requests import ShapeRanges
-from ikbo_backend.tuning import ROUNDS, Candidate, TuningCache, cached_entries, fastest, median_ms, rel_err
+from ikbo_backend.tuning import ROUNDS, Candidate, TuningCache, cached_entries, fastest, median_ms
 from kernels import attention as attention_op
 from kernels import ikbo_linear_compress, ikbo_self_target_attention
 from kernels import linear_compress as lce_op
+from kernels.reference import rel_err
 
 SEED = secrets.randbits(32)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -222,7 +223,7 @@ def test_graph_replayed_models_are_tuned_apart_with_the_graph_timer(tmp_path, mo
     ranges, cache = ShapeRanges((1, 3), (1, 40)), TuningCache(tmp_path / "t.json")
     tune = lambda graphs, **kw: shape_spec.tune_buckets(
         CFG, ranges, "cpu", torch.float16, num_sms=132, cache=cache, graphs=graphs, **kw
-    )  # noqa: E731
+    )
     graphed = tune(True)
     assert seen and all(graphs and timer is graph_timer for _, graphs, timer in seen) and eager_timer.calls == 0
     seen.clear()

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from ctypes import POINTER, byref, c_char_p, c_int, c_int32, c_uint64, c_void_p
 from pathlib import Path
 
-from ..shape_spec import CompileCounter
+from ..compile_counter import CompileCounter
 from . import pb_utils
 from . import triton_c as C
 from .triton_c import api

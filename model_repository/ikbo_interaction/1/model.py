@@ -5,9 +5,9 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
+from ikbo_backend.compile_counter import CompileCounter
 from ikbo_backend.metrics import RankerMetrics, replicated_row_bytes
 from ikbo_backend.serving import InteractionModel, execute_requests
-from ikbo_backend.shape_spec import CompileCounter
 
 
 class TritonPythonModel:
