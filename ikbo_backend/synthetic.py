@@ -52,5 +52,5 @@ def make_online_batch(
 
 
 def to_tensors(request: dict[str, np.ndarray], device="cpu") -> dict[str, torch.Tensor]:
-    """A request of numpy arrays as torch tensors on `device` (host tensors share the arrays' memory)."""
+    """A request of numpy arrays as torch tensors on `device` (on the host, contiguous arrays are not copied)."""
     return {name: torch.from_numpy(np.ascontiguousarray(array)).to(device) for name, array in request.items()}
