@@ -2,7 +2,8 @@
 
 The online endpoints coalesce one-user requests into one batch; with torch's CPU kernels a request's
 scores then differ from its solo scores in the last bits (docs/reliability.md, batch isolation).
-Measured on this project's ops (torch 2.13 CPU, MKL, AVX512), two sources, and the cure for each:
+On torch's CPU kernels (MKL, AVX512) this project's ops have two sources of such differences, each
+with its cure:
 - GEMM rows depend on M (the row count of the call): MKL takes another path for small M (1, 2, 3, 5
   and 7 rows differ from the same rows inside a larger call). `rowwise_linear` computes
   x @ Wᵀ + b in chunks of exactly `ROWS` rows, the last one zero-padded: every GEMM call has
@@ -12,7 +13,7 @@ Measured on this project's ops (torch 2.13 CPU, MKL, AVX512), two sources, and t
   `GRAIN` elements at thread boundaries that start a new tail: which one an element meets depends
   on its offset in the batch. `vectorized_elementwise` pads the flattened tensor to a multiple of
   `VECTOR_ELEMENTS` and calls the op on slices of at most `GRAIN` elements (one thread each, no tail).
-Measured invariant as they are (no change needed): embeddings, cat, add/mul/div, masked_fill, relu,
+Invariant as they are (no change needed): embeddings, cat, add/mul/div, masked_fill, relu,
 sum/mean over a dim, scaled_dot_product_attention over [rows, H, L, d], the LCE matmuls (they fold
 to GEMMs of M = rows · D ≥ D, above the small-M paths) and the sparse Type I combine (`kernels.add_user_rows`).
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 
 class CompileCounter:
@@ -10,24 +11,25 @@ class CompileCounter:
     "request". Counted through triton.knobs.runtime.jit_post_compile_hook (called after every
     compilation, also when the binary comes from Triton's disk cache); a hook already set is kept.
     Where several models share a process (the python_inprocess backend) their loads are exclusive and
-    raise `loads_in_progress`: a compilation then belongs to the loading model, not to the request
-    path of those already loaded."""
+    `loads_in_progress` (the backend's `pb_utils.loads_in_progress`) counts them: a compilation during
+    one belongs to the loading model, not to the request path of those already loaded."""
 
-    loads_in_progress = 0
-
-    def __init__(self):
+    def __init__(self, loads_in_progress: Callable[[], int] | None = None):
         self.phase = "warmup"
         self.counts = {"warmup": 0, "request": 0}
         self.kernels: list[tuple[str, str]] = []  # (phase, kernel name)
+        self.loads_in_progress = loads_in_progress
 
     @classmethod
-    def install(cls) -> CompileCounter:
+    def install(cls, loads_in_progress: Callable[[], int] | None = None) -> CompileCounter:
+        """A counter hooked into Triton. `loads_in_progress`: how many other models are loading in
+        this process now (None: one model per process)."""
         from triton import knobs
 
-        counter, previous = cls(), knobs.runtime.jit_post_compile_hook
+        counter, previous = cls(loads_in_progress), knobs.runtime.jit_post_compile_hook
 
         def hook(**kwargs):
-            if counter.phase == "request" and cls.loads_in_progress:
+            if counter.phase == "request" and counter.loads_in_progress is not None and counter.loads_in_progress():
                 return previous(**kwargs) if previous is not None else None
             counter.counts[counter.phase] += 1
             counter.kernels.append((counter.phase, kwargs["fn"].name))

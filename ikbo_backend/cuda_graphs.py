@@ -1,19 +1,19 @@
 """CUDA graphs for a served stage, one per (U, B) shape bucket.
 
-On a GPU the IKBO ranker is host-bound: at U=15, B=1024 (large profile, bf16, H200) the interaction
-took 1.9 ms of wall time for 0.25 ms of kernels (docs/perf.md, "GPU serving, H200"): Python, ~30
-launches and the ops' index checks, each a device→host wait. A CUDA graph replays the whole call's
-kernels with one launch. Graphs have fixed shapes, so requests are padded to a bucket:
+On a GPU the IKBO ranker is host-bound: at the typical shapes its kernels take a fraction of the
+call's wall time, the rest is Python, ~30 launches and the ops' index checks, each a device→host
+wait (docs/design/serving.md). A CUDA graph replays the whole call's kernels with one launch.
+Graphs have fixed shapes, so requests are padded to a bucket:
 
 - buckets: U up to the next power of two, B up to the next 2^k or 3·2^(k-1) (from 2 on: at most
-  a third of the rows are padding), both capped at the declared maxima (`shape_buckets`);
+  a third of the rows are padding), both capped at the declared maxima (`graph_buckets`);
 - padding: candidates past B map to user 0 (every bucket has U ≥ 1) and users past U get history
   length 0; every per-candidate and per-user result is independent of the other rows, so the first
   B rows of the padded call's scores are the request's scores;
 - static inputs: a bucket's graph reads views of buffers sized for the declared maxima. All graphs
   allocate from one memory pool and replay one at a time on the capturing stream, so their
   intermediates share memory (the pool holds about the largest bucket's);
-- the index checks inside the ops are skipped while capturing (kernels/_common.py): the interaction
+- the index checks inside the kernels' host wrappers are skipped while capturing: the interaction
   stage's caller checks `cand_to_user` and the history lengths before a replay; the whole-ranker
   graph checks and clamps every value itself and raises a flag (`GraphedRanker`).
 
@@ -37,6 +37,7 @@ import time
 import numpy as np
 import torch
 
+from . import libc
 from .ranker import Features, RankerConfig
 from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, ShapeRanges, check_request_values, check_values_on_device
 
@@ -52,7 +53,7 @@ def _ladder(high: int, steps: tuple[int, ...]) -> list[int]:
     return sorted(sizes)
 
 
-def shape_buckets(ranges: ShapeRanges) -> tuple[list[int], list[int]]:
+def graph_buckets(ranges: ShapeRanges) -> tuple[list[int], list[int]]:
     """(user sizes, candidate sizes) a request is padded up to: U to powers of two, B to 2^k and
     3·2^(k-1); both ladders end at the declared maxima."""
     (_, u_hi), (_, b_hi) = ranges.users, ranges.candidates
@@ -73,7 +74,7 @@ class _GraphedStage:
 
     def __init__(self, ranges: ShapeRanges, device, replay_eagerly: bool = False):
         self.device = torch.device(device)
-        self.user_sizes, self.cand_sizes = shape_buckets(ranges)
+        self.user_sizes, self.cand_sizes = graph_buckets(ranges)
         self.replay_eagerly = replay_eagerly
         self.static = None  # the inputs' device memory, sized for the declared maxima
         self.staging = None  # its host mirror (pinned on CUDA) for host → device copies
@@ -255,15 +256,6 @@ class GraphedInteraction(_GraphedStage):
         return scores[: self._shape(vars(f))[1]].clone()
 
 
-# libc's memmove and memset through PyDLL: the GIL stays with the caller (ctypes.memmove and numpy's
-# larger copies release it, and a waiting instance thread would take it mid-request). Also used by
-# the python_inprocess backend to write outputs (inprocess/pb_utils.py).
-libc_memmove = ctypes.PyDLL(None).memmove
-libc_memmove.argtypes, libc_memmove.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_void_p
-libc_memset = ctypes.PyDLL(None).memset
-libc_memset.argtypes, libc_memset.restype = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t), ctypes.c_void_p
-
-
 class _CudaRuntime:
     """A graph replay as four calls of the CUDA runtime that torch loaded, through ctypes: copy the
     staged request in, launch the graph, copy the output back (these only enqueue, and keep the GIL),
@@ -272,11 +264,11 @@ class _CudaRuntime:
     Why not torch's `copy_`, `CUDAGraph.replay` and `Stream.synchronize`: each releases and retakes the
     GIL, and so do numpy's larger copies. With several model instances in one interpreter (the
     python_inprocess backend) every release hands the GIL to another instance's thread and every
-    retake waits for it: with 2 and 3 threads on one H200 the torch calls served 0.97-1.22x one thread's
-    requests (7-20 voluntary context switches per request), these calls 1.41-1.95x (about 1).
-    docs/perf.md, 2026-12-01 11:30 UTC. What `CUDAGraph.replay` does besides the launch, and this does
-    not: advance the offsets of random-number generators captured in the graph (the rankers' graphs
-    draw no random numbers) and set the device (the caller's thread is on the instance's device)."""
+    retake waits for it: a second or third instance thread then adds little throughput with torch's
+    calls, and far more with these (docs/design/serving.md). What `CUDAGraph.replay` does besides the
+    launch, and this does not: advance the offsets of random-number generators captured in the graph
+    (the rankers' graphs draw no random numbers) and set the device (the caller's thread is on the
+    instance's device)."""
 
     H2D, D2H = 1, 2  # cudaMemcpyKind
 
@@ -328,8 +320,8 @@ def _copy_rows(host: np.ndarray, t: torch.Tensor) -> None:
         )
     if not source.flags.c_contiguous:
         source = np.ascontiguousarray(source)
-    libc_memmove(host.ctypes.data, source.ctypes.data, source.nbytes)
-    libc_memset(host.ctypes.data + source.nbytes, 0, host.nbytes - source.nbytes)
+    libc.memmove(host.ctypes.data, source.ctypes.data, source.nbytes)
+    libc.memset(host.ctypes.data + source.nbytes, 0, host.nbytes - source.nbytes)
 
 
 class GraphedRanker(_GraphedStage):
@@ -474,5 +466,5 @@ class GraphedRanker(_GraphedStage):
             check_request_values(self.cfg, inputs)  # raises InvalidRequest naming the input
             raise RuntimeError("the device's value checks flagged a request that the host's checks pass")
         scores = np.empty((cands, self.cfg.tasks), dtype=np.float32)
-        libc_memmove(scores.ctypes.data, host[1:].ctypes.data, scores.nbytes)
+        libc.memmove(scores.ctypes.data, host[1:].ctypes.data, scores.nbytes)
         return torch.from_numpy(scores)

@@ -15,9 +15,10 @@ instances on several GPUs (instance groups, scripts/gpu_throughput.py).
 |                                        |           | call; with Triton's execution count: the    |
 |                                        |           | python backend's IPC is compute infer − it) |
 
-Batches are counted where they run: `ikbo_interaction` (the CPU batch ensemble's interaction step),
-`ikbo_ranker` (one model in the GPU configs) and `ikbo_ranker_online` (a coalesced batch of online
-requests); the in-process warm-up is not counted, Triton's `model_warmup` requests are. The bytes
+Batches are counted where they run (python_model.py, the ikbo variant): `ikbo_interaction` (the CPU
+batch ensemble's interaction step), `ikbo_ranker` (one model in the GPU configs) and
+`ikbo_ranker_online` (a coalesced batch of online requests); the in-process warm-up is not counted,
+Triton's `model_warmup` requests are. The bytes
 avoided are those the baseline interaction materializes by replicating user rows to candidate rows
 (`BaselineRanker`: user_tokens [Ku, D], history_tokens [L, D], history_len per row), less the U
 rows it would hold anyway. `pb_utils` is passed in, so this module imports without a server.
@@ -25,10 +26,10 @@ rows it would hold anyway. `pb_utils` is passed in, so this module imports witho
 Under the python_inprocess backend (GPU configs) a worker thread makes the updates, off the request
 path: `execute` appends (U, B) to a queue, and the worker pushes what gathered every PUSH_PERIOD_S
 (counters once, the histogram once per batch), so values show on /metrics within 50 ms of the
-response. Each update is a C call into the server: per request they took ~40 µs at 10 ms gaps on
-the H200 host (2026-11-30). The worker is never woken by a request: woken from `execute`, it took
-the GIL at the request's next release and held it while the request waited (CPU machine: +48 µs in
-building the response). Under the python backend's stub, updates are made in place, per batch.
+response. Each update is a C call into the server, tens of µs per request if made in `execute`.
+The worker is never woken by a request: woken from `execute`, it would take the GIL at the request's
+next release and hold it while the request waits. Under the python backend's stub, updates are made
+in place, per batch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ranking request contract: inputs, declared shape ranges, validation, and a random generator.
+"""The ranking request contract: inputs, declared shape ranges, validation (random requests: synthetic.py).
 
 One request holds U users and B candidates:
 
@@ -29,6 +29,7 @@ import torch
 from kernels.request_checks import clamp_flagged_, flag_unbounded
 
 from .ranker import RankerConfig
+from .synthetic import make_request  # noqa: F401  (for ikbo_backend/perf/inputs.py until the merge rewrites it)
 
 USER_INPUTS = ("user_dense", "user_sparse_ids", "user_history_ids", "user_history_len")
 CAND_INPUTS = ("cand_dense", "cand_sparse_ids", "cand_to_user")
@@ -61,7 +62,7 @@ def input_widths(cfg: RankerConfig) -> dict[str, int | None]:
 @dataclass(frozen=True)
 class ShapeRanges:
     """Declared batch ranges, inclusive. One source for validation, warm-up and precompilation:
-    the served numbers live in `model_repository/shape_ranges.json` (`serving.load_shape_ranges`)."""
+    the served numbers live in `model_repository/shape_ranges.json` (`paths.load_shape_ranges`)."""
 
     users: tuple[int, int]
     candidates: tuple[int, int]
@@ -94,8 +95,7 @@ class InvalidRequest(ValueError):
 
 def _host_array(t: torch.Tensor) -> np.ndarray:
     """A view (host tensors) or copy of `t` as a numpy array: one numpy reduction over a request's
-    few hundred KB costs microseconds, a torch CPU op tens of them (0.4 ms for this validation with
-    torch ops on the H200 host, docs/perf.md)."""
+    few hundred KB costs microseconds, a torch CPU op tens of them."""
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
@@ -208,33 +208,3 @@ def check_values_on_device(
         flag_unbounded(inputs[name], DENSE_ABS_MAX, flag)
     for name, (low, high) in index_bounds(cfg, last_user).items():
         clamp_flagged_(inputs[name], low, high, flag)
-
-
-def ragged_counts(num_users: int, num_candidates: int, rng: np.random.Generator) -> np.ndarray:
-    """Candidates per user, unequal (Dirichlet shares), summing to B; zeros are allowed."""
-    shares = rng.dirichlet(np.full(num_users, 2.0))
-    return rng.multinomial(num_candidates, shares)
-
-
-def make_request(
-    cfg: RankerConfig, num_users: int, num_candidates: int, rng: np.random.Generator
-) -> dict[str, np.ndarray]:
-    """A random valid request: ragged candidates per user, shuffled mapping, variable history lengths."""
-    counts = ragged_counts(num_users, num_candidates, rng)
-    cand_to_user = rng.permutation(np.repeat(np.arange(num_users), counts)).astype(np.int32)
-    history_len = rng.integers(0, cfg.history_length + 1, size=num_users).astype(np.int32)
-    history_ids = rng.integers(0, cfg.item_vocab_size, size=(num_users, cfg.history_length))
-    history_ids[np.arange(cfg.history_length)[None, :] >= history_len[:, None]] = 0  # padding
-    return {
-        "user_dense": rng.standard_normal((num_users, cfg.user_dense_features)).astype(np.float32),
-        "user_sparse_ids": rng.integers(0, cfg.user_vocab_size, size=(num_users, cfg.user_sparse_features)),
-        "user_history_ids": history_ids.astype(np.int64),
-        "user_history_len": history_len,
-        "cand_dense": rng.standard_normal((num_candidates, cfg.cand_dense_features)).astype(np.float32),
-        "cand_sparse_ids": rng.integers(0, cfg.cand_vocab_size, size=(num_candidates, cfg.cand_sparse_features)),
-        "cand_to_user": cand_to_user,
-    }
-
-
-def to_tensors(request: dict[str, np.ndarray], device="cpu") -> dict[str, torch.Tensor]:
-    return {name: torch.from_numpy(np.ascontiguousarray(array)).to(device) for name, array in request.items()}

@@ -8,10 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stand_ins import RANGES, SMALL
 
 from ikbo_backend import cuda_graphs
-from ikbo_backend.cuda_graphs import GraphedInteraction, GraphedRanker, shape_buckets
-from ikbo_backend.ranker import Features, RankerConfig, build_ranker, make_demo_weights, profile_config
+from ikbo_backend.cuda_graphs import GraphedInteraction, GraphedRanker, graph_buckets
+from ikbo_backend.model_config import use_cuda_graphs
+from ikbo_backend.ranker import Features, make_demo_weights, profile_config
 from ikbo_backend.requests import (
     INPUT_NAMES,
     InvalidRequest,
@@ -19,22 +21,17 @@ from ikbo_backend.requests import (
     check_request_values,
     check_values_on_device,
     index_bounds,
-    make_request,
-    to_tensors,
 )
-from ikbo_backend.serving import InteractionModel, RankerModel, use_cuda_graphs
-
-SMALL = RankerConfig(
-    user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,)
-)
-RANGES = ShapeRanges(users=(1, 8), candidates=(1, 40))
+from ikbo_backend.stages import InteractionModel, RankerModel
+from ikbo_backend.synthetic import make_request, to_tensors
+from ikbo_backend.variants import build_ranker
 
 
 @given(users_hi=st.integers(1, 300), cands_hi=st.integers(1, 9000), data=st.data())
 @settings(max_examples=50, deadline=None)
 def test_every_shape_in_range_has_a_bucket_with_bounded_padding(users_hi, cands_hi, data):
     ranges = ShapeRanges(users=(1, users_hi), candidates=(1, cands_hi))
-    user_sizes, cand_sizes = shape_buckets(ranges)
+    user_sizes, cand_sizes = graph_buckets(ranges)
     assert user_sizes[-1] == users_hi and cand_sizes[-1] == cands_hi
     graphed = GraphedInteraction(None, ranges, "cpu", replay_eagerly=True)
     num_users, num_candidates = data.draw(st.integers(1, users_hi)), data.draw(st.integers(1, cands_hi))

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from stand_ins import MetricFamily
 
 from ikbo_backend.client import client_module, infer_inputs, infer_scores
 from ikbo_backend.compile_counter import CompileCounter
@@ -23,10 +24,11 @@ from ikbo_backend.metrics import (
     broadcast_bytes_avoided,
     replicated_row_bytes,
 )
-from ikbo_backend.online import make_online_batch, split_by_user
-from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights
-from ikbo_backend.requests import make_request, to_tensors
+from ikbo_backend.online import split_by_user
+from ikbo_backend.ranker import RankerConfig, make_demo_weights
+from ikbo_backend.synthetic import make_online_batch, make_request, to_tensors
 from ikbo_backend.tritonserver import has_gpu, running_tritonserver
+from ikbo_backend.variants import build_ranker
 
 SEED = secrets.randbits(32)
 CFG = RankerConfig()
@@ -48,31 +50,8 @@ def test_row_bytes_are_what_the_baseline_replicates_per_candidate():
     assert broadcast_bytes_avoided(4, 4, 100) == 0
 
 
-class _Metric:
-    def __init__(self, family, labels, buckets=None):
-        self.family, self.labels, self.buckets, self.values, self.threads = family, labels, buckets, [], set()
-
-    def increment(self, value):
-        self.values.append(value)
-        self.threads.add(threading.current_thread().name)
-
-    def observe(self, value):
-        self.values.append(value)
-        self.threads.add(threading.current_thread().name)
-
-
-class _Family:
-    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
-
-    def __init__(self, name, description, kind):
-        self.name, self.kind = name, kind
-
-    def Metric(self, labels, buckets=None):
-        return _Metric(self, labels, buckets)
-
-
 def test_record_through_the_metric_families():
-    metrics = RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", row_bytes=10)
+    metrics = RankerMetrics(SimpleNamespace(MetricFamily=MetricFamily), "m", row_bytes=10)
     metrics.record(4, 100)
     metrics.record(1, 1)
     assert metrics.candidates.values == [100, 1] and metrics.users.values == [4, 1]
@@ -91,7 +70,7 @@ def test_background_updates_are_pushed_by_the_worker_and_nothing_is_lost():
     flush pushes now, close pushes the rest and ends the worker. Records from 4 threads at once."""
     rng = np.random.default_rng(SEED)
     batches = [(int(u), int(u + rng.integers(0, 2000))) for u in rng.integers(1, 64, size=400)]
-    metrics = RankerMetrics(SimpleNamespace(MetricFamily=_Family, IN_SERVER_PROCESS=True), "m", row_bytes=7)
+    metrics = RankerMetrics(SimpleNamespace(MetricFamily=MetricFamily, IN_SERVER_PROCESS=True), "m", row_bytes=7)
     for users, candidates in batches[:100]:
         metrics.record(users, candidates)
     deadline = time.monotonic() + 5
@@ -120,16 +99,16 @@ def test_background_updates_are_pushed_by_the_worker_and_nothing_is_lost():
         0.125
     ]
     inline = RankerMetrics(
-        SimpleNamespace(MetricFamily=_Family), "m", row_bytes=7
+        SimpleNamespace(MetricFamily=MetricFamily), "m", row_bytes=7
     )  # the python backend's stub: in place
     inline.record(2, 5)
     assert inline.candidates.values == [5.0] and inline.candidates.threads == {threading.current_thread().name}
 
 
 def test_instances_on_different_devices_count_apart():
-    """Label `device`: two GPU instances of one model are two series (per-GPU rates, issue 8)."""
+    """Label `device`: two GPU instances of one model are two series (per-GPU rates)."""
     on = {
-        d: RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", 10, device=torch.device(d))
+        d: RankerMetrics(SimpleNamespace(MetricFamily=MetricFamily), "m", 10, device=torch.device(d))
         for d in ("cuda:0", "cuda:1")
     }
     assert [on[d].candidates.labels for d in on] == [
@@ -150,10 +129,28 @@ def test_compile_counter_counts_by_phase_and_keeps_an_earlier_hook(monkeypatch):
     counter.phase = "request"
     knobs.runtime.jit_post_compile_hook(fn=compiled, key=None)
     assert counter.counts == {"warmup": 1, "request": 1} and earlier == ["_lce_tile_kernel"] * 2
-    metrics = RankerMetrics(SimpleNamespace(MetricFamily=_Family), "m", row_bytes=10, compilations=counter)
+    metrics = RankerMetrics(SimpleNamespace(MetricFamily=MetricFamily), "m", row_bytes=10, compilations=counter)
     assert [m.values for m in metrics._compiled_metrics.values()] == [[1], [1]]
     metrics.record(1, 2)  # nothing new: nothing added
     assert [m.values for m in metrics._compiled_metrics.values()] == [[1], [1]]
+
+
+def test_compile_counter_leaves_compilations_during_another_models_load_uncounted(monkeypatch):
+    """Several models in one process (python_inprocess): while the backend says a load is in progress,
+    a compilation belongs to the loading model, not to this model's request path."""
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    loads = [0]
+    counter = CompileCounter.install(lambda: loads[0])
+    counter.phase = "request"
+    compiled = SimpleNamespace(name="_lce_tile_kernel")
+    loads[0] = 1
+    knobs.runtime.jit_post_compile_hook(fn=compiled, key=None)
+    assert counter.counts == {"warmup": 0, "request": 0}
+    loads[0] = 0
+    knobs.runtime.jit_post_compile_hook(fn=compiled, key=None)
+    assert counter.counts == {"warmup": 0, "request": 1}
 
 
 # ------------------------------------------------------------------ with a real tritonserver

@@ -1,7 +1,8 @@
-"""Online endpoints (ikbo_backend/online.py): one user per request, coalesced by the runtime.
+"""Online endpoints (ikbo_backend/online.py, stages.OnlineModel, python_model.execute_online): one user
+per request, coalesced by the runtime.
 
 Without a server: the batch ↔ online conversions, the mapping built from request boundaries, the cut
-at the declared ranges, and `execute_online` through the stand-in pb_utils of test_serving (a bad
+at the declared ranges, and `execute_online` through the stand-in pb_utils of tests/stand_ins.py (a bad
 request fails alone, the others are bit-identical to the same batch without it; with the
 batch-invariant mode, every request of one batch bit-identical to itself sent alone, for
 hypothesis-drawn batch compositions, and close to the fp64 reference).
@@ -23,33 +24,32 @@ import torch
 from google.protobuf import json_format, text_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_serving import FAKE_PB_UTILS
+from stand_ins import FAKE_PB_UTILS, SMALL
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from ikbo_backend.client import client_module, infer_inputs
+from ikbo_backend.model_config import online_dims, score_dims
 from ikbo_backend.online import (
     ONLINE_INPUT_NAMES,
-    OnlineModel,
     coalesce,
-    execute_online,
     groups_within,
-    make_online_batch,
     merge_scores,
-    online_dims,
     split_by_user,
     unbatch,
 )
-from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
-from ikbo_backend.requests import ShapeRanges, make_request, to_tensors
-from ikbo_backend.serving import MODEL_REPOSITORY, score_dims
+from ikbo_backend.paths import MODEL_REPOSITORY
+from ikbo_backend.python_model import execute_online
+from ikbo_backend.ranker import RankerConfig, load_weights, make_demo_weights, save_weights
+from ikbo_backend.requests import ShapeRanges
+from ikbo_backend.stages import OnlineModel
+from ikbo_backend.synthetic import make_online_batch, make_request, to_tensors
 from ikbo_backend.tritonserver import has_gpu, running_tritonserver
+from ikbo_backend.variants import build_ranker
+from kernels.reference import rel_err
 
 SEED = secrets.randbits(32)
 CFG = RankerConfig()
-SMALL = RankerConfig(
-    user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,)
-)
 VARIANTS = ("ikbo", "baseline")
 CLIENT_ERROR = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
 GPU = has_gpu()
@@ -73,10 +73,6 @@ def alone(one: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def as_served(one: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """An online request as the python backend receives it (user_history_len reshaped to [1])."""
     return to_tensors({name: one[name].reshape(1) if name == "user_history_len" else one[name] for name in one})
-
-
-def rel_err(got, want) -> float:
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
 
 
 # ------------------------------------------------------------------ without a server
@@ -203,8 +199,8 @@ def test_bad_request_fails_alone_and_the_batch_is_unchanged(small_weights, varia
 def test_values_are_checked_once_per_batch_and_request_by_request_only_after_a_bad_one(small_weights, monkeypatch):
     """All good: one value check per batch (the model's), none per request. One bad value: the batch's
     check fails, then every request is checked alone and the good ones are answered."""
-    import ikbo_backend.online as online_module
-    import ikbo_backend.serving as serving_module
+    import ikbo_backend.python_model as python_model_module
+    import ikbo_backend.stages as stages_module
 
     calls = []
 
@@ -217,20 +213,20 @@ def test_values_are_checked_once_per_batch_and_request_by_request_only_after_a_b
 
         monkeypatch.setattr(module, "check_request_values", counted)
 
-    counting(online_module)
-    counting(serving_module)
+    counting(python_model_module)
+    counting(stages_module)
     model = OnlineModel(SMALL, small_weights, ShapeRanges((1, 8), (1, 40)))
     good = [as_served(one) for one in split_by_user(make_online_batch(SMALL, 4, 30, rng(11)))]
     assert all(r.error is None for r in execute_online(FAKE_PB_UTILS, model, good))
-    assert calls == [("ikbo_backend.serving", 30)]
+    assert calls == [("ikbo_backend.stages", 30)]
     calls.clear()
     bad = dict(good[2], user_history_len=good[2]["user_history_len"].clone().fill_(SMALL.history_length + 1))
     responses = execute_online(FAKE_PB_UTILS, model, [good[0], good[1], bad, good[3]])
     assert [r.error is None for r in responses] == [True, True, False, True] and "'user_history_len'" in responses[
         2
     ].error.message
-    assert [module for module, _ in calls] == ["ikbo_backend.serving"] + ["ikbo_backend.online"] * 4 + [
-        "ikbo_backend.serving"
+    assert [module for module, _ in calls] == ["ikbo_backend.stages"] + ["ikbo_backend.python_model"] * 4 + [
+        "ikbo_backend.stages"
     ]
 
 
@@ -287,7 +283,9 @@ def test_batch_invariant_mode_answers_each_request_as_if_alone(invariant_models,
             f"{variant}: request {index} of {counts}: max |batched - solo| {difference:.2e} (seed {seed})"
         )
     scores = merge_scores(request, [a.numpy() for a in batched])
-    assert rel_err(scores, fp64_scores(weights, request)) <= 1e-5, f"{variant} (seed {seed})"
+    assert rel_err(torch.tensor(scores), torch.tensor(fp64_scores(weights, request))) <= 1e-5, (
+        f"{variant} (seed {seed})"
+    )
 
 
 def test_without_the_mode_a_batch_changes_the_last_bits(invariant_models):
@@ -318,7 +316,7 @@ def test_batches_are_cut_at_the_candidate_range(small_weights):
     features, interaction = build_ranker("ikbo", SMALL, small_weights)
     want = interaction(features(**to_tensors(request))).numpy()
     got = merge_scores(request, [r.outputs["scores"].numpy() for r in responses])
-    assert rel_err(got, want) <= 1e-5
+    assert rel_err(torch.tensor(got), torch.tensor(want)) <= 1e-5
 
 
 def test_an_internal_error_fails_its_batch_only_and_hides_details(small_weights, monkeypatch):
@@ -451,13 +449,10 @@ def test_concurrent_requests_are_coalesced_and_answered_alone_correctly(server, 
         assert not isinstance(scores, Exception), f"request {index}: {scores} (seed {SEED})"
         want = solo_scores(reference, model, one)
         assert scores.shape == (1, *want.shape), f"request {index}: {scores.shape} (seed {SEED})"
-        assert rel_err(scores[0], want) <= 1e-5, (
-            f"{model} request {index}: rel err {rel_err(scores[0], want):.2e} (seed {SEED})"
-        )
+        err = rel_err(torch.tensor(scores[0]), torch.tensor(want))
+        assert err <= 1e-5, f"{model} request {index}: rel err {err:.2e} (seed {SEED})"
         if not GPU:  # batch-invariant mode: bit-identical to the request scored alone
-            assert np.array_equal(scores[0], want), (
-                f"{model} request {index}: rel err {rel_err(scores[0], want):.2e} (seed {SEED})"
-            )
+            assert np.array_equal(scores[0], want), f"{model} request {index}: rel err {err:.2e} (seed {SEED})"
     assert inferences == len(online)
     assert executions < inferences, f"{model}: {executions} executes for {inferences} requests: nothing was coalesced"
 
@@ -485,12 +480,9 @@ def test_bad_requests_interleaved_with_good_ones_fail_alone(server, reference, p
         if want is None:
             assert not isinstance(answer, Exception), f"good request {index} failed: {answer} (seed {SEED})"
             solo = solo_scores(reference, model, requests[index])
-            assert rel_err(answer[0], solo) <= 1e-5, (
-                f"request {index}: rel err {rel_err(answer[0], solo):.2e} (seed {SEED})"
-            )
-            assert GPU or np.array_equal(answer[0], solo), (
-                f"request {index}: rel err {rel_err(answer[0], solo):.2e} (seed {SEED})"
-            )
+            err = rel_err(torch.tensor(answer[0]), torch.tensor(solo))
+            assert err <= 1e-5, f"request {index}: rel err {err:.2e} (seed {SEED})"
+            assert GPU or np.array_equal(answer[0], solo), f"request {index}: rel err {err:.2e} (seed {SEED})"
         else:
             kind, name = want
             assert isinstance(answer, InferenceServerException), f"{kind}: answered (seed {SEED})"

@@ -5,31 +5,23 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stand_ins import ODD_DIMS
 
 from ikbo_backend.ranker import (
     RankerConfig,
-    build_ranker,
     load_weights,
     make_demo_weights,
     profile_config,
     save_weights,
     weight_shapes,
 )
-from ikbo_backend.requests import make_request, to_tensors
+from ikbo_backend.synthetic import make_request, to_tensors
 from ikbo_backend.transform import ReplicationDetector
+from ikbo_backend.variants import build_ranker
+from kernels.reference import rel_err
 
-# Small dims, none of them equal to the U and B drawn below, so row counts identify tensors.
-CFG = RankerConfig(
-    user_dense_features=6, user_sparse_features=3, user_vocab_size=50, user_dense_tokens=2,
-    cand_dense_features=9, cand_sparse_features=4, cand_vocab_size=70, cand_dense_tokens=1,
-    item_vocab_size=90, history_length=12, embedding_dim=16, compressed_tokens=6, query_tokens=3,
-    heads=2, mlp_hidden=(24, 20), tasks=3,
-)  # fmt: skip
+CFG = ODD_DIMS  # no dim equal to the U and B drawn below, so row counts identify tensors
 WEIGHTS = make_demo_weights(CFG, seed=int(np.random.default_rng().integers(1 << 30)))
-
-
-def rel_err(actual, expected):
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def score(variant, request, weights=WEIGHTS, dtype=torch.float32):

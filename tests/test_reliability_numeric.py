@@ -1,4 +1,4 @@
-"""Numeric safety (issue 6): IKBO and baseline scores are finite for valid requests within the
+"""Numeric safety: IKBO and baseline scores are finite for valid requests within the
 declared ranges, with extreme but valid values: dense features up to |x| = DENSE_ABS_MAX (and subnormals),
 ids at both ends of their tables, history lengths 0 and L, users with no candidates, U and B at the
 ends of shape_ranges.json. In process, the demo weights; hypothesis draws the requests.
@@ -13,9 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ikbo_backend.ranker import RankerConfig, build_ranker, make_demo_weights
-from ikbo_backend.requests import DENSE_ABS_MAX, InvalidRequest, make_request, to_tensors, validate_request
-from ikbo_backend.serving import load_shape_ranges
+from ikbo_backend.paths import load_shape_ranges
+from ikbo_backend.ranker import RankerConfig, make_demo_weights
+from ikbo_backend.requests import DENSE_ABS_MAX, InvalidRequest, validate_request
+from ikbo_backend.synthetic import make_request, to_tensors
+from ikbo_backend.variants import build_ranker
 
 CFG = RankerConfig()
 RANGES = load_shape_ranges()

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ikbo_backend.ranker import RankerConfig
-from ikbo_backend.requests import InvalidRequest, ShapeRanges, make_request, to_tensors, validate_request
+from ikbo_backend.requests import InvalidRequest, ShapeRanges, validate_request
+from ikbo_backend.synthetic import make_request, to_tensors
 
 CFG = RankerConfig()
 RANGES = ShapeRanges(users=(1, 32), candidates=(1, 512))

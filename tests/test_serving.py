@@ -1,43 +1,40 @@
-"""ikbo_backend.serving without a server: weights and ranges resolution, config checks, and the
-python-backend request loop driven through a stand-in for triton_python_backend_utils."""
+"""The served stages without a server: weights and ranges resolution, config checks, and the
+python-backend request loop and model classes driven through a stand-in for triton_python_backend_utils."""
 
+import json
 import multiprocessing
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.dlpack import from_dlpack, to_dlpack
+from stand_ins import FAKE_PB_UTILS, RANGES, SMALL
 
-from ikbo_backend import serving
-from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights
-from ikbo_backend.requests import ShapeRanges, make_request, to_tensors
-from ikbo_backend.serving import (
+from ikbo_backend import model_config, paths
+from ikbo_backend.model_config import (
     FEATURE_NAMES,
-    FeatureModel,
-    InteractionModel,
     check_model_config,
-    ensure_weights,
-    execute_requests,
     feature_dims,
     request_dims,
     score_dims,
-    warmup_sizes,
-    weights_path,
+    set_torch_threads,
 )
-
-SMALL = RankerConfig(
-    user_vocab_size=50, cand_vocab_size=60, item_vocab_size=70, history_length=8, embedding_dim=16, mlp_hidden=(32,)
-)
-RANGES = ShapeRanges(users=(1, 8), candidates=(1, 40))
+from ikbo_backend.paths import ensure_weights, weights_path
+from ikbo_backend.python_model import execute_requests, triton_python_model
+from ikbo_backend.ranker import Features, RankerConfig, load_weights, make_demo_weights, save_weights
+from ikbo_backend.requests import ShapeRanges
+from ikbo_backend.stages import FeatureModel, InteractionModel, warmup_sizes
+from ikbo_backend.synthetic import make_request, to_tensors
+from ikbo_backend.variants import build_ranker
+from kernels.reference import rel_err
 
 
 def test_weights_path_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("IKBO_WEIGHTS", raising=False)
-    assert weights_path() == serving.DEFAULT_WEIGHTS
+    assert weights_path() == paths.DEFAULT_WEIGHTS
     monkeypatch.setenv("IKBO_WEIGHTS", str(tmp_path / "env.safetensors"))
     assert weights_path() == tmp_path / "env.safetensors"
-    assert weights_path("weights/other.safetensors") == serving.REPO_ROOT / "weights" / "other.safetensors"
+    assert weights_path("weights/other.safetensors") == paths.REPO_ROOT / "weights" / "other.safetensors"
     assert weights_path(str(tmp_path / "abs.safetensors")) == tmp_path / "abs.safetensors"
 
 
@@ -88,36 +85,6 @@ def test_check_model_config_refuses_dims_of_other_weights():
         check_model_config(_config(feature_dims(cfg), score_dims(cfg)), request_dims(cfg), score_dims(cfg))
 
 
-class _Tensor:
-    def __init__(self, name, tensor):
-        self.name, self.tensor = name, tensor
-
-    def to_dlpack(self):
-        return to_dlpack(self.tensor)
-
-    @classmethod
-    def from_dlpack(cls, name, capsule):
-        return cls(name, from_dlpack(capsule).clone())
-
-
-class _Error:
-    INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
-
-    def __init__(self, message, code):
-        self.message, self.code = message, code
-
-
-FAKE_PB_UTILS = SimpleNamespace(
-    Tensor=_Tensor,
-    TritonError=_Error,
-    InferenceResponse=lambda output_tensors=(), error=None: SimpleNamespace(
-        outputs={t.name: t.tensor for t in output_tensors}, error=error
-    ),
-    get_input_tensor_by_name=lambda request, name: _Tensor(name, request[name]) if name in request else None,
-    Logger=SimpleNamespace(log_error=lambda message: None),
-)
-
-
 @pytest.fixture(scope="module")
 def small_weights():
     return make_demo_weights(SMALL, seed=1)
@@ -157,8 +124,6 @@ def test_interaction_model_scores_and_checks_its_joins(small_weights, variant):
 
 
 def test_torch_threads_parameter():
-    from ikbo_backend.serving import set_torch_threads
-
     before = torch.get_num_threads()
     try:
         set_torch_threads(None)
@@ -190,12 +155,12 @@ def test_feature_dtype_comes_from_the_config():
         config = _io_config(
             {**dict.fromkeys(floats, declared), "history_len": "TYPE_INT32", "cand_to_user": "TYPE_INT32"}, "output"
         )
-        assert serving.feature_dtype(config, "output") == expected
+        assert model_config.feature_dtype(config, "output") == expected
     mixed = _io_config({"user_tokens": "TYPE_BF16", "cand_tokens": "TYPE_FP32", "history_tokens": "TYPE_BF16"}, "input")
     with pytest.raises(ValueError, match="must share one float type"):
-        serving.feature_dtype(mixed, "input")
+        model_config.feature_dtype(mixed, "input")
     with pytest.raises(ValueError, match="must share one float type"):
-        serving.feature_dtype(_io_config(dict.fromkeys(floats, "TYPE_INT32"), "input"), "input")
+        model_config.feature_dtype(_io_config(dict.fromkeys(floats, "TYPE_INT32"), "input"), "input")
 
 
 def test_bfloat16_features_between_the_stages(small_weights):
@@ -221,8 +186,72 @@ def test_bfloat16_features_between_the_stages(small_weights):
     )
     exact = build_ranker("ikbo", cfg, {k: v.double() for k, v in weights.items()})[1]
     f64 = {k: v.double() if v.is_floating_point() else v for k, v in reference.items()}
-    from ikbo_backend.ranker import Features
-
     expected = exact(Features(**f64))
-    assert float((scores.double() - expected).norm() / expected.norm()) <= 2e-2
+    assert rel_err(scores, expected) <= 2e-2
     assert interaction.example(make_request(cfg, 2, 5, rng))["cand_tokens"].dtype == torch.bfloat16
+
+
+def _triton_args(tmp_path, name: str, inputs: dict, outputs: dict, parameters: dict) -> dict:
+    """The python backend's initialize args of model `name` in a repository of its own (ranges RANGES)."""
+    repository = tmp_path / "repository"
+    (repository / name).mkdir(parents=True, exist_ok=True)
+    (repository / paths.SHAPE_RANGES_FILE).write_text(
+        json.dumps({"users": list(RANGES.users), "candidates": list(RANGES.candidates)})
+    )
+    types = dict.fromkeys(("history_len", "cand_to_user"), "TYPE_INT32")
+    config = {
+        "name": name,
+        "input": [{"name": n, "data_type": types.get(n, "TYPE_FP32"), "dims": d} for n, d in inputs.items()],
+        "output": [{"name": n, "data_type": "TYPE_FP32", "dims": d} for n, d in outputs.items()],
+        "parameters": {k: {"string_value": v} for k, v in parameters.items()},
+    }
+    return {
+        "model_config": json.dumps(config),
+        "model_repository": str(repository / name),
+        "model_instance_kind": "CPU",
+        "model_instance_device_id": "0",
+        "model_name": name,
+    }
+
+
+@pytest.mark.parametrize("variant", ["ikbo", "baseline", "transformed"])
+def test_the_python_model_of_a_role_serves_its_stage(tmp_path, monkeypatch, small_weights, variant):
+    """triton_python_model(pb_utils, "interaction"): the stage built from the config, one response per
+    request; the ikbo variant records each answered batch (U, B) and the execute's wall time, the
+    transformed one logs the pass's report, the baseline neither."""
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)  # the counter's hook goes at the end
+    weights = tmp_path / "small.safetensors"
+    save_weights(weights, SMALL, small_weights)
+    logged = []
+    pb_utils = SimpleNamespace(**(vars(FAKE_PB_UTILS) | {"Logger": SimpleNamespace(log_info=logged.append)}))
+    name = f"{variant}_interaction"
+    served = triton_python_model(pb_utils, "interaction")()
+    served.initialize(
+        _triton_args(
+            tmp_path, name, feature_dims(SMALL), score_dims(SMALL), {"variant": variant, "weights": str(weights)}
+        )
+    )
+    features = FeatureModel(SMALL, small_weights, RANGES)(
+        to_tensors(make_request(SMALL, 3, 20, np.random.default_rng()))
+    )
+    bad = dict(features, cand_to_user=features["cand_to_user"][:-1])
+    responses = served.execute([features, bad])
+    served.finalize()
+
+    assert served.model.name == name and served.model.variant == variant
+    assert responses[0].error is None and responses[1].error.code == "INVALID_ARG"
+    torch.testing.assert_close(responses[0].outputs["scores"], served.model(features)["scores"], rtol=0, atol=0)
+    assert (served.metrics is not None) == (variant == "ikbo")
+    if variant == "ikbo":
+        assert served.metrics.candidates.values == [20.0] and served.metrics.users.values == [3.0]
+        assert len(served.metrics.execute_seconds.values) == 1
+    assert logged == ([str(served.model.interaction.report)] if variant == "transformed" else [])
+
+
+def test_the_python_model_roles():
+    with pytest.raises(ValueError, match="role"):
+        triton_python_model(FAKE_PB_UTILS, "ensemble")
+    for role in ("features", "interaction", "ranker", "online"):
+        assert callable(triton_python_model(FAKE_PB_UTILS, role)().initialize)

@@ -10,22 +10,21 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from stand_ins import odd_dims
 from torch import nn
 
-from ikbo_backend.ranker import Features, RankerConfig, build_ranker, make_demo_weights
-from ikbo_backend.requests import make_request, to_tensors
+from ikbo_backend.ranker import Features, RankerConfig, make_demo_weights
+from ikbo_backend.synthetic import make_request, to_tensors
 from ikbo_backend.transform import ReplicationDetector, to_ikbo
-from ikbo_backend.transform.serving import BaselineInteraction, transformed_interaction
+from ikbo_backend.transformed import BaselineInteraction, TransformedInteraction
+from ikbo_backend.variants import build_ranker
+from kernels.reference import rel_err
 
 # dims of the models below; U and B are drawn from sets that avoid them, so row counts identify tensors
 D, FU, FC, SU, SC, VU, VC, L, H = 16, 6, 9, 3, 4, 50, 70, 12, 2
 EXAMPLE = (5, 37)
 SIZES = [(3, 41), (7, 53), (4, 31)]
 RTOL = 1e-5
-
-
-def rel_err(actual, expected):
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def user_candidate_inputs(num_users, num_candidates, gen, sorted_mapping=False):
@@ -190,12 +189,7 @@ class DlrmFull(nn.Module):
         return self.top(torch.cat([dense, z], dim=1))
 
 
-RANKER_CFG = RankerConfig(
-    user_dense_features=6, user_sparse_features=3, user_vocab_size=50, user_dense_tokens=2,
-    cand_dense_features=9, cand_sparse_features=4, cand_vocab_size=70, cand_dense_tokens=1,
-    item_vocab_size=90, history_length=12, embedding_dim=16, compressed_tokens=6, query_tokens=2,
-    heads=2, mlp_hidden=(24, 20), tasks=3,
-)  # fmt: skip
+RANKER_CFG = odd_dims(query_tokens=2)
 RANKER_WEIGHTS = make_demo_weights(RANKER_CFG, seed=int(np.random.default_rng().integers(1 << 30)))
 
 
@@ -280,7 +274,7 @@ def test_report_is_readable(transformed):
 
 def test_transformed_baseline_matches_ikbo_ranker():
     gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
-    interaction = transformed_interaction(RANKER_CFG, RANKER_WEIGHTS)
+    interaction = TransformedInteraction(RANKER_CFG, RANKER_WEIGHTS)
     _, ikbo = build_ranker("ikbo", RANKER_CFG, RANKER_WEIGHTS, backend="torch")
     for num_users, num_candidates in SIZES + [(1, 9), (6, 6)]:
         f = Features(**ranker_inputs(num_users, num_candidates, gen))

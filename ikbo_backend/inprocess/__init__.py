@@ -3,9 +3,11 @@ process instead of a python backend stub process (backend.c starts the interpret
 the model, pb_utils.py is its `triton_python_backend_utils`, triton_c.py the C API via ctypes).
 
 Why: in python backend 2.51 every request costs two process wake-ups and copies through shared
-memory between tritonserver and the stub: on the H200 that was 0.61-0.65 ms of the GPU ranker's
-1.9-2.0 ms server compute (docs/perf.md). Here the model's `execute` reads Triton's input buffers and
-writes its output buffers directly.
+memory between tritonserver and the stub, a third of the GPU ranker's server compute
+(docs/design/serving.md). Here the model's `execute` reads Triton's input buffers and writes its
+output buffers directly.
+
+Self-contained: nothing here imports the model code (it shares only ikbo_backend/libc.py with it).
 
 Limits: one interpreter for all instances of all models on this backend (their Python code runs under
 one GIL; GPU work and host copies release it); host-memory inputs and outputs only; no BLS, no

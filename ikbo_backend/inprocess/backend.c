@@ -135,8 +135,8 @@ static void log_error(const char *what, TRITONSERVER_Error *error) {
 
 /* Statistics (before the responses go: a client that has its answer finds its request counted), then
  * each response sent and its request released. Runs without the GIL: TRITONBACKEND_ResponseSend runs
- * Triton's frontend for the response (gRPC: its serialization) in this thread, ~100 us a request on
- * the H200 host, time in which the other instances' threads now run Python. */
+ * Triton's frontend for the response (gRPC: its serialization) in this thread, ~100 us a request,
+ * time in which the other instances' threads now run Python. */
 static void finish_execute(TRITONBACKEND_ModelInstance *instance, TRITONBACKEND_Request **requests, uint32_t count,
                            const ikbo_execution *execution, uint64_t exec_start_ns) {
   struct timespec now;

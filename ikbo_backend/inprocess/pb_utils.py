@@ -8,7 +8,9 @@ stub's IPC. The driver puts this module into sys.modules under that name before 
   `.shape()`, `.name()`; host tensors only (outputs are copied into Triton's host buffer).
 - `InferenceResponse(output_tensors=…, error=…)`, `TritonError(message, code)`, `Logger`,
   `MetricFamily(name, description, kind).Metric(labels=…, buckets=…)` with increment/set/observe:
-  in-process calls, not IPC round trips."""
+  in-process calls, not IPC round trips.
+- beyond the python backend's API: `IN_SERVER_PROCESS`, `loads_in_progress()` (other models share
+  this process) and `Tensor.as_torch()`."""
 
 from __future__ import annotations
 
@@ -16,19 +18,41 @@ import ctypes
 import functools
 import json
 import threading
+from contextlib import contextmanager
 from ctypes import byref, c_char_p, c_double, c_int, c_int32, c_int64, c_uint32, c_uint64, c_void_p
 
 import numpy as np
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from ..cuda_graphs import libc_memmove
+from .. import libc
 from . import triton_c as C
 from .triton_c import api
 
 # Models here run inside tritonserver: metric updates are thread-safe C calls, so
 # ikbo_backend.metrics makes them on a worker thread, off the request path.
 IN_SERVER_PROCESS = True
+_loads_in_progress = 0  # model instances loading now (`load_in_progress`)
+
+
+@contextmanager
+def load_in_progress():
+    """Around the load of a model instance (driver.initialize; loads are exclusive): counted by
+    `loads_in_progress`."""
+    global _loads_in_progress
+    _loads_in_progress += 1
+    try:
+        yield
+    finally:
+        _loads_in_progress -= 1
+
+
+def loads_in_progress() -> int:
+    """Model instances loading in this process now. All models on this backend share the process: a
+    Triton compilation made during a load belongs to the loading model, not to the request path of
+    those already loaded (ikbo_backend.compile_counter). Not in the python backend's API, where each
+    instance has a process of its own."""
+    return _loads_in_progress
 
 
 class TritonError:
@@ -153,7 +177,7 @@ _NUMPY_VIEWS = {
 
 def _raw_bytes(address: int | None, size: int) -> np.ndarray:
     """`size` bytes of host memory at `address` as a uint8 array, no copy (numpy's wrapping of a raw
-    buffer is the cheapest: on the H200 host torch.frombuffer cost ~30 µs more per 7-input request)."""
+    buffer is the cheapest: torch.frombuffer costs tens of µs more per request)."""
     return (
         np.frombuffer((ctypes.c_char * size).from_address(address), dtype=np.uint8) if size else np.empty(0, np.uint8)
     )
@@ -267,7 +291,7 @@ def _write_output(response, tensor: Tensor) -> None:
     if memory.value == C.MEMORY_GPU:
         raise RuntimeError("Triton gave a GPU output buffer; this backend writes host memory")
     if size:
-        libc_memmove(pointer.value, value.data_ptr(), size)  # the GIL kept
+        libc.memmove(pointer.value, value.data_ptr(), size)  # the GIL kept
 
 
 class Logger:

@@ -1,5 +1,5 @@
 """Inference-time IKBO transformation: a standard ranking model in, the same function out, with user
-tensors kept at U rows and joined to candidates through `cand_to_user` (issue 7, docs/transform.md).
+tensors kept at U rows and joined to candidates through `cand_to_user` (docs/design/transform.md).
 
     module, report = to_ikbo(model, example_inputs)   # example_inputs: forward's positional args
     print(report)                                     # what was rewritten, what was left and why

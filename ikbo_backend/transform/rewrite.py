@@ -679,7 +679,7 @@ class Rewriter(AttentionRewrites):
         return None
 
     def grouped(self, op, key, args, kwargs, mapping, reps, meta, name):
-        tensors, roles = [], {}
+        tensors = []
 
         def slot(v):
             if not is_value(v):

@@ -1,13 +1,8 @@
-"""baseline_interaction: features → scores (ikbo_backend.serving.InteractionModel, variant from config)."""
+"""baseline_interaction: features → scores (stages.InteractionModel).
+Role "interaction" of ikbo_backend.python_model; the variant comes from the config."""
 
 import triton_python_backend_utils as pb_utils
 
-from ikbo_backend.serving import InteractionModel, execute_requests
+from ikbo_backend.python_model import triton_python_model
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.model = InteractionModel.from_triton_args(args)  # config, weights, device, warm-up
-
-    def execute(self, requests):
-        return execute_requests(pb_utils, self.model, requests)
+TritonPythonModel = triton_python_model(pb_utils, "interaction")

@@ -1,13 +1,8 @@
-"""ranker_features: raw request → validated features (ikbo_backend.serving.FeatureModel)."""
+"""ranker_features: raw request → validated features (stages.FeatureModel).
+Role "features" of ikbo_backend.python_model."""
 
 import triton_python_backend_utils as pb_utils
 
-from ikbo_backend.serving import FeatureModel, execute_requests
+from ikbo_backend.python_model import triton_python_model
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.model = FeatureModel.from_triton_args(args)  # config, weights, device, warm-up
-
-    def execute(self, requests):
-        return execute_requests(pb_utils, self.model, requests)
+TritonPythonModel = triton_python_model(pb_utils, "features")

@@ -1,15 +1,8 @@
-"""transformed_interaction: features → scores with BaselineRanker's code after the IKBO transformation
-(ikbo_backend.serving.InteractionModel, variant "transformed"); the pass's report goes to the log."""
+"""transformed_interaction: features → scores (stages.InteractionModel); the pass's report goes to the log.
+Role "interaction" of ikbo_backend.python_model; the variant comes from the config."""
 
 import triton_python_backend_utils as pb_utils
 
-from ikbo_backend.serving import InteractionModel, execute_requests
+from ikbo_backend.python_model import triton_python_model
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.model = InteractionModel.from_triton_args(args)  # config, weights, device, the pass, warm-up
-        pb_utils.Logger.log_info(str(self.model.interaction.report))
-
-    def execute(self, requests):
-        return execute_requests(pb_utils, self.model, requests)
+TritonPythonModel = triton_python_model(pb_utils, "interaction")

@@ -1,9 +1,9 @@
-"""transformed_ranker in the GPU configs (configs/gpu.pbtxt, configs/large.pbtxt): ONE python model, raw request →
-scores (ikbo_backend.serving.ranker_python_model). The CPU layout (config.pbtxt) is an ensemble of
-ranker_features and transformed_interaction and does not load this file."""
+"""transformed_ranker: raw request → scores in one model (stages.RankerModel); the pass's report goes to the log.
+GPU configs only: the CPU config.pbtxt is an ensemble of ranker_features and an interaction model.
+Role "ranker" of ikbo_backend.python_model; the variant comes from the config."""
 
 import triton_python_backend_utils as pb_utils
 
-from ikbo_backend.serving import ranker_python_model
+from ikbo_backend.python_model import triton_python_model
 
-TritonPythonModel = ranker_python_model(pb_utils)
+TritonPythonModel = triton_python_model(pb_utils, "ranker")

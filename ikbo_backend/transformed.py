@@ -1,4 +1,5 @@
-"""The baseline ranker's interaction, served after the pass: `build_ranker("transformed", ...)`.
+"""The baseline ranker's interaction after the IKBO transformation (ikbo_backend.transform): the
+"transformed" variant of `variants.build_ranker`.
 
 `BaselineInteraction` only gives `ranker.BaselineRanker` the forward signature the pass traces (the
 Features fields as arguments); the model code itself is not touched.
@@ -11,8 +12,8 @@ from dataclasses import astuple, fields
 import torch
 from torch import nn
 
-from ..ranker import BaselineRanker, Features, RankerConfig
-from . import to_ikbo
+from .ranker import BaselineRanker, Features, RankerConfig
+from .transform import to_ikbo
 
 
 class BaselineInteraction(nn.Module):
@@ -56,7 +57,3 @@ class TransformedInteraction:
 
     def __call__(self, f: Features) -> torch.Tensor:
         return self.module(f.user_tokens, f.cand_tokens, f.history_tokens, f.history_len, f.cand_to_user)
-
-
-def transformed_interaction(cfg: RankerConfig, weights, device="cpu", dtype=torch.float32) -> TransformedInteraction:
-    return TransformedInteraction(cfg, weights, device, dtype)
