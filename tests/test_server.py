@@ -87,7 +87,7 @@ def expected_scores(reference, model, request) -> np.ndarray:
 
 
 def scores_err(got: np.ndarray, want: np.ndarray) -> float:
-    return rel_err(torch.from_numpy(got), torch.from_numpy(want))
+    return rel_err(torch.tensor(got), torch.tensor(want))
 
 
 def assert_answers(client, reference, model, request):
