@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 from google.protobuf import descriptor, text_encoding, text_format
+from google.protobuf.message import Message
 from tritonclient.grpc import model_config_pb2
 
 ModelConfig = model_config_pb2.ModelConfig
@@ -40,12 +41,12 @@ def write_text(path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def comment(text: str, indent: str = "") -> list[str]:
+def comment(text: str) -> list[str]:
     """`text` as `# ` lines wrapped at WIDTH (paragraphs split at newlines)."""
     lines = []
     for paragraph in text.strip().split("\n"):
-        lines += textwrap.wrap(paragraph, WIDTH - len(indent) - 2, break_on_hyphens=False) or [""]
-    return [f"{indent}# {line}".rstrip() for line in lines]
+        lines += textwrap.wrap(paragraph, WIDTH - 2, break_on_hyphens=False) or [""]
+    return [f"# {line}".rstrip() for line in lines]
 
 
 def render(message, header: str = "", notes: dict[str, str] | None = None) -> str:
@@ -73,8 +74,8 @@ def _fields(message, always=()):
     """(field, value) of the fields set in `message` (and those named in `always`), in declaration order."""
     present = dict(message.ListFields())
     for name in always:
-        field = message.DESCRIPTOR.fields_by_name[name]
-        present.setdefault(field, getattr(message, name))
+        if name in message.DESCRIPTOR.fields_by_name:
+            present.setdefault(message.DESCRIPTOR.fields_by_name[name], getattr(message, name))
     return sorted(present.items(), key=lambda item: item[0].index)
 
 
@@ -139,12 +140,12 @@ def _aligned(rows: list[list[str]]) -> list[list[str]]:
 
 
 def _map_lines(field, entries: dict, indent: str) -> list[str]:
-    """One line per entry (sorted by key), the values aligned."""
+    """One line per entry (sorted by key), the values aligned; a message value too long for it as a block."""
     rows = _aligned([_entry_tokens(field, key, entries[key]) for key in sorted(entries)])
     lines = []
     for row, key in zip(rows, sorted(entries)):
         line = f"{indent}{field.name} {_braces(row)}"
-        if len(line) <= WIDTH:
+        if len(line) <= WIDTH or not isinstance(entries[key], Message):
             lines.append(line)
         else:
             lines += [f"{indent}{field.name} {{", f"{indent}{INDENT}{row[0]}"]

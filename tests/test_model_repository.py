@@ -13,6 +13,7 @@ from tritonclient.grpc import model_config_pb2
 
 from ikbo_backend.model_repository import config_files, repository_copy, stale_files
 from ikbo_backend.online import online_dims
+from ikbo_backend.pbtxt import render
 from ikbo_backend.ranker import PROFILES, RankerConfig
 from ikbo_backend.requests import INPUT_DTYPES, INPUT_NAMES, ShapeRanges
 from ikbo_backend.serving import (
@@ -71,6 +72,25 @@ def test_make_model_repository_checks_and_rewrites(tmp_path):
         assert (
             stale_files(repo) == [] and edited.read_text() == (MODEL_REPOSITORY / edited.relative_to(repo)).read_text()
         )
+
+
+def test_render_reads_back_where_entries_do_not_fit_on_a_line():
+    """pbtxt.render falls back to blocks for entries longer than a line, keeps comments above their field,
+    and text_format reads the result back as the same message."""
+    long = "x" * 150
+    config = model_config_pb2.ModelConfig(name="m", backend="python", max_batch_size=0)
+    config.input.add(name=long, data_type=model_config_pb2.TYPE_FP32, dims=[-1, 3])
+    config.input.add(name="short", data_type=model_config_pb2.TYPE_INT32, dims=[-1])
+    config.parameters["key"].string_value = long
+    step = config.ensemble_scheduling.step.add(model_name="a", model_version=-1)
+    step.input_map[long] = long
+    warmup = config.model_warmup.add(name="w", batch_size=1, count=1)
+    warmup.inputs[long].dims.extend([1, 3])
+    text = render(config, "a header", {"parameters.key": "why this parameter", "input": "why these inputs"})
+    assert text_format.Parse(text, model_config_pb2.ModelConfig()) == config
+    lines = text.splitlines()
+    assert lines[0] == "# a header" and lines[lines.index("# why these inputs") + 1] == "input ["
+    assert lines[lines.index("# why this parameter") + 1] == "parameters {"  # too long for one line
 
 
 def test_repository_holds_exactly_the_served_models():
