@@ -221,6 +221,18 @@ def test_python_backend_configs_differ_from_gpu_pbtxt_only_in_the_backend(reposi
         serve_config_name(None, 1, model_repository=repository, backend="onnx")
 
 
+def test_make_model_repository_writes_the_serve_time_configs(repository):
+    """scripts/make_model_repository.py --gpus / --backend: the configs scripts/serve would derive, and their name."""
+    script = REPO_ROOT / "scripts" / "make_model_repository.py"
+    flags = ["--gpus", "0,1", "--no-check", "--backend", "python", "--model-repository", str(repository)]
+    run = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.split() == ["gpu_python_gpus_0_1"], run.stdout + run.stderr
+    for model in GPU_MODELS:
+        base = read_config(repository / model / "configs" / "gpu.pbtxt")
+        generated = read_config(repository / model / "configs" / "gpu_python_gpus_0_1.pbtxt")
+        assert generated == spread(on_backend(base, "python"), [0, 1]), model
+
+
 def test_generated_files_are_ignored_by_git():
     names = [config_name("gpu", [0, 1]), backend_config_name("gpu", "python"), backend_config_name("large", "python")]
     paths = [f"model_repository/{model}/configs/{name}.pbtxt" for name in names for model in GPU_MODELS]
