@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test perf perf-configs bench
+.PHONY: setup serve test perf perf-configs model-repository bench
 
 $(STAMP): requirements.txt pyproject.toml
 	@dpkg -s libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libb64-0d; }
@@ -26,7 +26,11 @@ test: setup
 perf-configs: setup
 	$(PY) scripts/make_perf_configs.py
 
-# on a GPU machine: the measured GPU serving run of docs/perf.md (large profile); else the CPU sweep
+# rewrite model_repository/'s configs from their role templates (ikbo_backend/model_repository.py)
+model-repository: setup
+	$(PY) scripts/make_model_repository.py
+
+# on a GPU machine: the GPU serving run of docs/results.md (large profile); else the CPU sweep
 perf: setup
 	@if nvidia-smi -L >/dev/null 2>&1; then PATH="$(CURDIR)/$(VENV)/bin:$$PATH" OUT="$${OUT:-out/gpu}" scripts/gpu_serving_run.sh; \
 	else $(PY) scripts/perf_sweep.py $(PERF_ARGS); fi

@@ -5,7 +5,10 @@
 the nvidia-pytriton wheel (its python backend stub for this Python is copied into backends/python/,
 its shared libraries come from site-packages/nvidia_pytriton.libs). See ../shared/ENVIRONMENT.md.
 
-`running_tritonserver` starts it on free ports, waits for /v2/health/ready, and stops it on exit.
+`tritonserver_command` is the command line that serves a model repository (`hardening_args` adds
+what `make serve` restricts); `running_tritonserver` starts it on free ports, waits for
+/v2/health/ready, and stops it on exit. Supervising servers (`scripts/serve`): ikbo_backend.supervisor;
+their process trees: ikbo_backend.process_tree.
 """
 
 from __future__ import annotations
@@ -122,20 +125,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def has_gpu() -> bool:
-    """True when torch sees CUDA or `nvidia-smi -L` lists a GPU."""
+def visible_gpu_count() -> int:
+    """CUDA devices this process (and a tritonserver started from it) sees: torch's count where torch
+    has CUDA, else the GPUs `nvidia-smi -L` lists, capped by CUDA_VISIBLE_DEVICES when that is set."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            return True
+            return torch.cuda.device_count()
     except ImportError:
         pass
     try:
         listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    return listing.returncode == 0 and "GPU" in listing.stdout
+        return 0
+    count = sum(line.startswith("GPU ") for line in listing.stdout.splitlines()) if listing.returncode == 0 else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return count if visible is None else min(count, len([d for d in visible.split(",") if d.strip()]))
+
+
+def has_gpu() -> bool:
+    """True when this process sees a GPU (`visible_gpu_count`)."""
+    return visible_gpu_count() > 0
 
 
 def tritonserver_command(
@@ -174,10 +185,8 @@ def cuda_pool_args() -> list[str]:
     Tensors between ensemble steps on the GPU live in this pool. Triton's default (64 MiB) holds one
     large-profile request (~43 MB of features at 15:1024): with two in flight it falls back to pinned
     host memory, and python backend 2.51 then fails to load that input ("failed to load GPU buffers:
-    failed to copy data: invalid argument") and runs execute on garbage (seen on the H200).
+    failed to copy data: invalid argument") and runs execute on garbage.
     """
-    from .instance_groups import visible_gpu_count
-
     megabytes = int(os.environ.get(CUDA_POOL_ENV, DEFAULT_CUDA_POOL_MB))
     return [f"--cuda-memory-pool-byte-size={gpu}:{megabytes << 20}" for gpu in range(visible_gpu_count())]
 
@@ -208,115 +217,9 @@ def hardening_args(admin_key: str, exit_timeout: int = 30) -> list[str]:
     ]
 
 
-# --- the process tree: python backend stubs, shared memory, memory ---
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        tasks = Path(f"/proc/{pid}/task").iterdir()
-        return [int(c) for t in tasks for c in (t / "children").read_text().split()]
-    except OSError:
-        return []
-
-
-def stub_states(pid: int) -> dict[int, tuple[str, str]]:
-    """Python backend stubs of tritonserver `pid`: child pid → (instance name or "", state letter);
-    a killed stub stays a zombie ("Z", no command line) until its server exits."""
-    stubs = {}
-    for child in _children(pid):
-        try:
-            stat = Path(f"/proc/{child}/stat").read_text()
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
-        if comm.startswith("triton_python_b"):
-            name = argv[-3].decode() if len(argv) > 3 and state != "Z" else ""  # ... <instance> DEFAULT ""
-            stubs[child] = (name, state)
-    return stubs
-
-
-def dead_stubs(pid: int) -> list[int]:
-    """Stub pids of tritonserver `pid` that died (zombies): python backend 2.51 never restarts them,
-    every later request to that model fails with "Stub process '<instance>' is not healthy."."""
-    return [child for child, (_, state) in stub_states(pid).items() if state in "ZX"]
-
-
-def shm_segments(pid: int) -> set[str]:
-    """/dev/shm files mapped by `pid` and its children (the python backend's regions)."""
-    segments = set()
-    for p in (pid, *_children(pid)):
-        try:
-            maps = Path(f"/proc/{p}/maps").read_text()
-        except OSError:
-            continue
-        segments.update(line.split()[-1] for line in maps.splitlines() if " /dev/shm/" in line)
-    return {s.removesuffix(" (deleted)") for s in segments}
-
-
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of `pid` and its children (VmRSS), in bytes; 0 for a process that is gone."""
-    total = 0
-    for p in (pid, *_children(pid)):
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-        except OSError:
-            continue
-        total += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return total
-
-
-CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")
-
-
-@contextlib.contextmanager
-def cpu_wake_latency(microseconds: int, device: Path = CPU_DMA_LATENCY):
-    """Linux PM QoS, for as long as the context is held (system-wide, every process): CPUs avoid idle
-    states that take longer than `microseconds` to leave (0: no halt; a VM guest with the haltpoll
-    idle driver keeps polling). Costs idle power; for latency-bound serving (docs/perf.md). Needs
-    write access to `device` (root); OSError naming it otherwise."""
-    if microseconds < 0:
-        raise ValueError(f"cpu wake latency must be >= 0 µs, got {microseconds}")
-    with open(device, "wb", buffering=0) as f:  # the request lasts while the file is open
-        f.write(microseconds.to_bytes(4, sys.byteorder, signed=True))
-        yield
-
-
-_BUSY_LOOP = """import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel ends us with our parent
-if os.getppid() != int(sys.argv[2]):  # the parent died before that
-    sys.exit()
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends us
-os.sched_setaffinity(0, {int(sys.argv[1])})
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-while True:
-    pass
-"""
-
-
-@contextlib.contextmanager
-def busy_idle_cpus(cpus=None):
-    """A busy loop per CPU (default: every CPU this process may use) at SCHED_IDLE, which runs only
-    when nothing else wants that CPU: idle CPUs never halt, so a request arriving after an idle gap
-    finds them awake. For VM hosts without a cpuidle driver, where a PM QoS request
-    (`cpu_wake_latency`) changes nothing. Costs every idle CPU cycle. Yields the loops' processes;
-    they end with the context, and (Linux parent-death signal) when the thread that started them ends."""
-    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
-    parent = str(os.getpid())
-    loops = [
-        subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(cpu), parent], stdin=subprocess.DEVNULL) for cpu in cpus
-    ]
-    try:
-        yield loops
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
-
-
 # Not up yet. HTTPException too: a port in the ephemeral range that nothing listens on yet can be
 # reached by a TCP self-connect (source port = destination port), which reads back our own request
-# line ("BadStatusLine: GET /metrics HTTP/1.1", seen with `serve --replicas 2`).
+# line ("BadStatusLine: GET /metrics HTTP/1.1"), which `serve --replicas 2` meets while a replica starts.
 NOT_UP = (urllib.error.URLError, OSError, http.client.HTTPException)
 
 
@@ -370,7 +273,7 @@ class RunningServer:
 def stop(process: subprocess.Popen, grace: float = 45.0) -> None:
     """SIGTERM, then kill after `grace` s (tritonserver itself waits up to 30 s for open connections).
     For a server started with start_new_session, SIGKILL then goes to its whole process group: the
-    python backend stubs of a killed tritonserver live on otherwise (orphans of ~400 MB each, seen)."""
+    python backend stubs of a killed tritonserver live on otherwise (orphans of ~400 MB each)."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:

@@ -1,4 +1,4 @@
-"""Keeping idle CPUs awake for latency (ikbo_backend.tritonserver: `busy_idle_cpus`,
+"""Keeping idle CPUs awake for latency (ikbo_backend.idle_cpus: `busy_idle_cpus`,
 `cpu_wake_latency`; `scripts/serve --busy-idle / --cpu-wake-latency-us`): the loops run at SCHED_IDLE
 on their CPU, end with the context and with a killed parent; the PM QoS request is written and
 held while the file is open."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ikbo_backend.tritonserver import busy_idle_cpus, cpu_wake_latency
+from ikbo_backend.idle_cpus import busy_idle_cpus, cpu_wake_latency
 
 
 def alive(pid: int) -> bool:
@@ -43,7 +43,7 @@ def test_busy_loops_run_at_sched_idle_on_their_cpu_and_end_with_the_context():
 
 def test_busy_loops_end_when_their_parent_is_killed():
     code = (
-        "import time; from ikbo_backend.tritonserver import busy_idle_cpus\n"
+        "import time; from ikbo_backend.idle_cpus import busy_idle_cpus\n"
         "with busy_idle_cpus() as loops:\n    print(' '.join(str(p.pid) for p in loops), flush=True); time.sleep(600)"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

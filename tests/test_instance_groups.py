@@ -1,7 +1,8 @@
-"""GPU configurations spread over a list of GPUs (ikbo_backend/instance_groups.py, `scripts/serve
---gpus`): generated through protobuf, identical to configs/gpu.pbtxt except the GPU list of the
-instance groups (and, over several GPUs, the python backend for in-process models), ensembles left to
-config.pbtxt (checked on the real tritonserver), bad `--gpus` refused with a message that names it.
+"""Configurations derived at serve time (ikbo_backend/instance_groups.py, `scripts/serve --gpus`,
+`--backend python`): generated through protobuf, identical to configs/gpu.pbtxt except the GPU list of
+the instance groups (and, over several GPUs or with --backend python, the python backend for
+in-process models), ensembles left to config.pbtxt (checked on the real tritonserver), bad `--gpus`
+refused with a message that names it.
 Without a GPU, except the last test (two GPUs): an instance on GPU 1 keeps its weights and work there."""
 
 import json
@@ -16,8 +17,10 @@ import torch
 from tritonclient.grpc import model_config_pb2
 
 from ikbo_backend.instance_groups import (
-    GENERATED_GLOB,
+    GENERATED_GLOBS,
+    backend_config_name,
     config_name,
+    on_backend,
     parse_gpus,
     read_config,
     serve_config_name,
@@ -36,7 +39,7 @@ ENSEMBLES = ("ikbo_ranker", "baseline_ranker", "transformed_ranker")
 def repository(tmp_path):
     """A copy of the model repository's configs (no code, no generated files)."""
     copy = tmp_path / "model_repository"
-    shutil.copytree(MODEL_REPOSITORY, copy, ignore=shutil.ignore_patterns("1", GENERATED_GLOB, "__pycache__"))
+    shutil.copytree(MODEL_REPOSITORY, copy, ignore=shutil.ignore_patterns("1", *GENERATED_GLOBS, "__pycache__"))
     return copy
 
 
@@ -152,7 +155,7 @@ def test_serve_config_name_from_the_gpus_present(repository):
     assert serve_config_name(None, 1, model_repository=repository) == "gpu"  # one GPU: the plain gpu.pbtxt
     assert serve_config_name([0], 1, model_repository=repository) == "gpu"
     assert serve_config_name(None, 0, model_repository=repository) == "gpu"  # --gpu forced without a GPU: as before
-    assert not list(repository.glob(f"*/configs/{GENERATED_GLOB}"))
+    assert not [p for glob in GENERATED_GLOBS for p in repository.glob(f"*/configs/{glob}")]
     assert serve_config_name(None, 2, model_repository=repository) == "gpu_gpus_0_1"
     assert serve_config_name([0], 2, model_repository=repository) == "gpu_gpus_0"  # gpu.pbtxt would use both
     assert serve_config_name([3, 1], 4, model_repository=repository) == "gpu_gpus_3_1"
@@ -196,8 +199,43 @@ def test_serve_refuses_a_bad_gpus_flag_before_starting(flags, message):
     assert run.returncode == 2 and message in run.stderr, run.stderr
 
 
+def test_python_backend_configs_differ_from_gpu_pbtxt_only_in_the_backend(repository):
+    """`scripts/serve --backend python`: configs/gpu_python.pbtxt, the python_inprocess models on the python
+    backend, every other model and field unchanged; over several GPUs spread from there."""
+    assert serve_config_name(None, 1, model_repository=repository, backend="python") == "gpu_python"
+    assert (
+        backend_config_name("large", "python") == "large_python"
+        and backend_config_name("gpu", "python_inprocess") == "gpu"
+    )
+    for model in GPU_MODELS:
+        base = read_config(repository / model / "configs" / "gpu.pbtxt")
+        generated = read_config(repository / model / "configs" / "gpu_python.pbtxt")
+        assert generated.backend == "python", model
+        assert without_placement(generated) == without_placement(base), model
+        assert generated.instance_group == base.instance_group and generated == on_backend(base, "python"), model
+    name = serve_config_name([0, 1], 2, model_repository=repository, keep_in_process=True, backend="python")
+    assert name == "gpu_python_gpus_0_1"
+    spread_file = read_config(repository / "ikbo_ranker" / "configs" / f"{name}.pbtxt")
+    assert spread_file.backend == "python" and [list(g.gpus) for g in spread_file.instance_group] == [[0, 1]]
+    with pytest.raises(ValueError, match="^--backend: expected one of python_inprocess, python"):
+        serve_config_name(None, 1, model_repository=repository, backend="onnx")
+
+
+def test_make_model_repository_writes_the_serve_time_configs(repository):
+    """scripts/make_model_repository.py --gpus / --backend: the configs scripts/serve would derive, and their name."""
+    script = REPO_ROOT / "scripts" / "make_model_repository.py"
+    flags = ["--gpus", "0,1", "--no-check", "--backend", "python", "--model-repository", str(repository)]
+    run = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.split() == ["gpu_python_gpus_0_1"], run.stdout + run.stderr
+    for model in GPU_MODELS:
+        base = read_config(repository / model / "configs" / "gpu.pbtxt")
+        generated = read_config(repository / model / "configs" / "gpu_python_gpus_0_1.pbtxt")
+        assert generated == spread(on_backend(base, "python"), [0, 1]), model
+
+
 def test_generated_files_are_ignored_by_git():
-    paths = [f"model_repository/{model}/configs/{config_name('gpu', [0, 1])}.pbtxt" for model in GPU_MODELS]
+    names = [config_name("gpu", [0, 1]), backend_config_name("gpu", "python"), backend_config_name("large", "python")]
+    paths = [f"model_repository/{model}/configs/{name}.pbtxt" for name in names for model in GPU_MODELS]
     run = subprocess.run(["git", "check-ignore", *paths], cwd=REPO_ROOT, capture_output=True, text=True)
     assert run.stdout.split() == paths
     tracked = "model_repository/ikbo_interaction/configs/gpu.pbtxt"

@@ -1,16 +1,29 @@
-"""model_repository/ without a server: every config parses as a ModelConfig, the ensembles expose the
-request contract of ikbo_backend/requests.py, and every dim equals the RankerConfig defaults."""
+"""model_repository/ without a server: the committed configs are those the role templates generate
+(ikbo_backend/model_repository.py, scripts/make_model_repository.py), every config parses as a
+ModelConfig, the ensembles expose the request contract of ikbo_backend/requests.py, and every dim
+equals the RankerConfig defaults."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from ikbo_backend.model_repository import config_files, repository_copy, stale_files
 from ikbo_backend.online import online_dims
+from ikbo_backend.pbtxt import render
 from ikbo_backend.ranker import PROFILES, RankerConfig
 from ikbo_backend.requests import INPUT_DTYPES, INPUT_NAMES, ShapeRanges
-from ikbo_backend.serving import MODEL_REPOSITORY, feature_dims, load_shape_ranges, request_dims, score_dims
+from ikbo_backend.serving import (
+    MODEL_REPOSITORY,
+    REPO_ROOT,
+    feature_dims,
+    load_shape_ranges,
+    request_dims,
+    score_dims,
+)
 
 CFG = RankerConfig()
 ENSEMBLES = ("ikbo_ranker", "baseline_ranker", "transformed_ranker")
@@ -35,6 +48,49 @@ def config(model: str, name: str = "config") -> model_config_pb2.ModelConfig:
 
 def io(tensors) -> dict[str, tuple[str, list[int]]]:
     return {t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims)) for t in tensors}
+
+
+def test_committed_configs_are_the_generated_ones():
+    tracked = subprocess.run(
+        ["git", "ls-files", "model_repository/*.pbtxt"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert sorted(tracked) == sorted(f"model_repository/{f.path}" for f in config_files())
+    assert stale_files() == [], "run scripts/make_model_repository.py"
+    for generated in config_files():  # the text reads back as the message it was rendered from
+        assert parse(MODEL_REPOSITORY / generated.path) == generated.config, generated.path
+
+
+def test_make_model_repository_checks_and_rewrites(tmp_path):
+    script = [sys.executable, str(REPO_ROOT / "scripts" / "make_model_repository.py")]
+    with repository_copy(sorted(p.name for p in MODEL_REPOSITORY.iterdir() if p.is_dir())) as repo:
+        edited = repo / "ikbo_interaction" / "configs" / "gpu.pbtxt"
+        edited.write_text(edited.read_text().replace("count: 1", "count: 3"))
+        check = subprocess.run([*script, "--check", "--model-repository", str(repo)], capture_output=True, text=True)
+        assert check.returncode == 1 and str(edited) in check.stdout and check.stdout.count("\n") == 1, check.stdout
+        write = subprocess.run([*script, "--model-repository", str(repo)], capture_output=True, text=True)
+        assert write.returncode == 0 and f"wrote {edited}" in write.stdout, write.stdout + write.stderr
+        assert (
+            stale_files(repo) == [] and edited.read_text() == (MODEL_REPOSITORY / edited.relative_to(repo)).read_text()
+        )
+
+
+def test_render_reads_back_where_entries_do_not_fit_on_a_line():
+    """pbtxt.render falls back to blocks for entries longer than a line, keeps comments above their field,
+    and text_format reads the result back as the same message."""
+    long = "x" * 150
+    config = model_config_pb2.ModelConfig(name="m", backend="python", max_batch_size=0)
+    config.input.add(name=long, data_type=model_config_pb2.TYPE_FP32, dims=[-1, 3])
+    config.input.add(name="short", data_type=model_config_pb2.TYPE_INT32, dims=[-1])
+    config.parameters["key"].string_value = long
+    step = config.ensemble_scheduling.step.add(model_name="a", model_version=-1)
+    step.input_map[long] = long
+    warmup = config.model_warmup.add(name="w", batch_size=1, count=1)
+    warmup.inputs[long].dims.extend([1, 3])
+    text = render(config, "a header", {"parameters.key": "why this parameter", "input": "why these inputs"})
+    assert text_format.Parse(text, model_config_pb2.ModelConfig()) == config
+    lines = text.splitlines()
+    assert lines[0] == "# a header" and lines[lines.index("# why these inputs") + 1] == "input ["
+    assert lines[lines.index("# why this parameter") + 1] == "parameters {"  # too long for one line
 
 
 def test_repository_holds_exactly_the_served_models():

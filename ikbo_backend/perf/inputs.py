@@ -83,24 +83,34 @@ def candidates_per_request(path: Path) -> float:
     return sum(step["cand_dense"]["shape"][0] for step in data) / len(data)
 
 
+def _write_json(path: Path, document: dict) -> Path:
+    """Write `document` to `path` atomically: a concurrent reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(document, separators=(",", ":")))
+    tmp.replace(path)
+    return path
+
+
+def _first_shapes(path: Path) -> dict[str, list[int]] | None:
+    """Input name → shape of the first request in an --input-data file; None when missing or unreadable."""
+    try:
+        return {k: v["shape"] for k, v in json.loads(path.read_text())["data"][0].items()}
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def ensure_online_config(name: str, out_dir=DEFAULT_DIR, cfg: RankerConfig | None = None) -> Path:
     """Path of <out_dir>/<name>.online.json, (re)written when missing or drawn for other model dims."""
     cfg = cfg or RankerConfig()
     path = Path(out_dir) / f"{name}.online.json"
-    expected = {k: [w] if w is not None else [1] for k, w in input_widths(cfg).items() if k in ONLINE_INPUT_NAMES}
-    expected.update({k: [-1, input_widths(cfg)[k]] for k in ("cand_dense", "cand_sparse_ids")})
-    if path.exists():
-        try:
-            first = json.loads(path.read_text())["data"][0]
-            if {k: [-1, *v["shape"][1:]] if k.startswith("cand") else v["shape"] for k, v in first.items()} == expected:
-                return path
-        except (ValueError, KeyError, IndexError):
-            pass  # unreadable: write it again
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(online_perf_data(cfg, name), separators=(",", ":")))
-    tmp.replace(path)
-    return path
+    widths = input_widths(cfg)
+    expected = {k: [1] if widths[k] is None else [widths[k]] for k in ONLINE_INPUT_NAMES}
+    expected.update({k: [-1, widths[k]] for k in ("cand_dense", "cand_sparse_ids")})
+    shapes = _first_shapes(path)
+    if shapes is not None and {k: [-1, *v[1:]] if k.startswith("cand") else v for k, v in shapes.items()} == expected:
+        return path
+    return _write_json(path, online_perf_data(cfg, name))
 
 
 def write_config(
@@ -110,13 +120,8 @@ def write_config(
     seed: int = 0,
     cfg: RankerConfig | None = None,
 ) -> Path:
-    path = Path(out_dir) / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    document = perf_data(cfg or RankerConfig(), name, num_requests, seed)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(document, separators=(",", ":")))
-    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
-    return path
+    """Write <out_dir>/<name>.json: `num_requests` requests of the mix (perf_data)."""
+    return _write_json(Path(out_dir) / f"{name}.json", perf_data(cfg or RankerConfig(), name, num_requests, seed))
 
 
 def _expected_shapes(cfg: RankerConfig, name: str) -> dict[str, list[int]]:
@@ -131,11 +136,6 @@ def ensure_config(name: str, out_dir=DEFAULT_DIR, cfg: RankerConfig | None = Non
     """
     cfg = cfg or RankerConfig()
     path = Path(out_dir) / f"{name}.json"
-    if path.exists():
-        try:
-            first = json.loads(path.read_text())["data"][0]
-            if {k: v["shape"] for k, v in first.items()} == _expected_shapes(cfg, name):
-                return path
-        except (ValueError, KeyError, IndexError):
-            pass  # unreadable: write it again
+    if _first_shapes(path) == _expected_shapes(cfg, name):
+        return path
     return write_config(name, out_dir, cfg=cfg)
