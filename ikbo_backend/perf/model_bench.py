@@ -111,7 +111,7 @@ def bench_mix(
     with torch.inference_mode():
         for name, (_, interaction) in models.items():
             if isinstance(interaction, GraphedInteraction):  # capture this mix's bucket first
-                interaction.capture(*interaction.bucket(num_users, num_candidates), features_of[0])
+                interaction.capture(*interaction.bucket(num_users, num_candidates), vars(features_of[0]))
         scores = {name: models[name][1](features_of[0]) for name in models}
         tolerance = AGREEMENT[getattr(models["ikbo"][1], "dtype", torch.float32)]
         for name in models:
