@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8, one run on a machine with 2+ GPUs: candidates/s of $MODELS in several serving layouts, side
+# One run on a machine with 2+ GPUs: candidates/s of $MODELS in several serving layouts, side
 # by side (same machine, same repository copy, same request mix). A layout is BACKEND:GPUS[:servers]:
 #   configs:0        one tritonserver, instances on GPU 0, the backends the configs name (python_inprocess
 #                    for the GPU rankers)
@@ -32,29 +32,8 @@ log() { echo "[$(date -u +%T)] $*" | tee -a "$W/steps.log" >&2; }
 { echo "# GPU scaling run $(date -u +%FT%TZ)"; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; echo "CPUs $(nproc)"; } >"$S" 2>/dev/null
 copy_repository() {  # $1: directory, $2: backend ("configs": as configured; "stub": python), $3: instances per GPU ("": as configured)
-  python3 - "$1" "$2" "$3" $MODELS <<'PY'
-import os, shutil, sys
-from pathlib import Path
-sys.path.insert(0, ".")
-from google.protobuf import text_format
-from ikbo_backend.instance_groups import INPROCESS_BACKEND, read_config
-from ikbo_backend.serving import MODEL_REPOSITORY, REPO_ROOT
-root, backend, count = Path(sys.argv[1]), sys.argv[2], sys.argv[3]; repo = root / "model_repository"; repo.mkdir(parents=True)
-for package in ("ikbo_backend", "kernels"):  # model.py finds the packages next to the repository
-    (root / package).symlink_to(REPO_ROOT / package)
-shutil.copy2(MODEL_REPOSITORY / "shape_ranges.json", repo)
-for name in sys.argv[4:]:
-    shutil.copytree(MODEL_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for path in (repo / name / "configs").glob("*.pbtxt"):
-        config = read_config(path)
-        if backend == "stub" and config.backend == INPROCESS_BACKEND:
-            config.backend = "python"
-        if count and path.stem == os.environ["CONFIG"]:
-            for group in config.instance_group:
-                if group.kind == group.KIND_GPU:
-                    group.count = int(count)
-        path.write_text(text_format.MessageToString(config))
-PY
+  local stub=(); [ "$2" = stub ] && stub=(--python-backend)
+  python3 -m ikbo_backend.perf.repository_copy "$1" --models $MODELS "${stub[@]}" ${3:+--config "$CONFIG" --gpu-instances "$3"} >/dev/null
 }
 wait_ready() {  # $1: HTTP port, $2: server pid
   for _ in $(seq 400); do curl -sf "localhost:$1/v2/health/ready" >/dev/null && return 0; kill -0 "$2" 2>/dev/null || return 1; sleep 1; done
@@ -75,7 +54,7 @@ sweep() {  # $1: tag, $2: HTTP port, $3: concurrency, $4: metrics port → $W/<t
 for layout in $LAYOUTS; do
   IFS=: read -r backend gpus rest <<<"$layout"; name=${layout//[:,]/_}; servers=; count=
   for field in ${rest//:/ }; do case $field in servers) servers=servers ;; x[0-9]*) count=${field#x} ;; esac; done
-  CONFIG=$CONFIG copy_repository "$W/copy_$name" "$backend" "$count"
+  copy_repository "$W/copy_$name" "$backend" "$count"
   repo="$W/copy_$name/model_repository"; start=$(date +%s); pids=()
   if [ "$servers" = servers ]; then
     i=0
@@ -112,40 +91,6 @@ for layout in $LAYOUTS; do
   done
   kill -TERM "${pids[@]}"; wait "${pids[@]}"
 done
-python3 - "$W" "$LAYOUTS" $CONCURRENCY >>"$S" <<'PY'
-import csv, sys
-from pathlib import Path
-work, layouts, levels = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3:]
-def rows(layout, c):
-    """perf_analyzer rows of one point: one per server (the servers layout: one per GPU, half the load each)."""
-    name = layout.replace(":", "_").replace(",", "_")
-    paths = sorted(work.glob(f"{name}_c{c}_s*/sweep.csv")) or [work / f"{name}_c{c}" / "sweep.csv"]
-    found = [next(csv.DictReader(p.open()), None) for p in paths if p.exists()]
-    return [r for r in found if r] if len(found) == len(paths) else []
-def cpu(layout, c):
-    """CPU % (top, 3 s) of the tritonserver processes and of the python-backend stubs, summed per kind."""
-    path = work / f"cpu_{layout.replace(':', '_').replace(',', '_')}_c{c}.txt"
-    if not path.exists():
-        return "–"
-    use = {"tritonserver": 0.0, "triton_python": 0.0}
-    for line in path.read_text().split("threads of")[0].splitlines():
-        fields = line.split()
-        for kind in use:
-            if len(fields) > 9 and fields[-1].startswith(kind):
-                use[kind] += float(fields[8])
-    return f"{use['tritonserver']:.0f} / {use['triton_python']:.0f}"
-print("\n## Layouts side by side (perf_analyzer, client side; concurrency = requests in flight in all)\n")
-print("| layout | concurrency | candidates/s | vs the first layout | p50 / p99 ms | CPU %: tritonserver / stubs (top) |\n|---|---:|---:|---:|---:|---|")
-first = {}
-for layout in layouts:
-    for c in levels:
-        found = rows(layout, c)
-        if not found:
-            print(f"| {layout} | {c} | not run | | | |"); continue
-        total = sum(float(r["candidates_per_s"]) for r in found)
-        first.setdefault(c, total)
-        p50 = max(float(r["p50_ms"]) for r in found); p99 = max(float(r["p99_ms"]) for r in found)
-        print(f"| {layout} | {c} | {total:,.0f} | **{total / first[c]:.2f}×** | {p50:.1f} / {p99:.1f} | {cpu(layout, c)} |")
-PY
+python3 -m ikbo_backend.perf.scaling_report "$W" "$LAYOUTS" $CONCURRENCY >>"$S"
 tar czf "$OUT/run.tgz" -C "$W" --exclude='copy_*' . && log "wrote $OUT"
 cat "$S"

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# One measured serving run on a GPU machine (the issue-5 numbers of docs/perf.md), in this order:
-# in-process forward (bench_model), the served rankers' own call in process (serving_probe.py
-# in-process: issue 5's reference for the server's compute time), tritonserver with
-# --model-config-name=$CONFIG, first-request
-# latency, perf_analyzer sweeps (IKBO, baseline, transformed; batch and online), per-model server
-# times and compilation counters, GPU memory sampled throughout. Everything lands in $OUT/run.tgz
-# plus $OUT/summary.md (the tables) and the two plots.
+# One measured serving run on a GPU machine, in this order: in-process forward (bench_model), the
+# served rankers' own call in process (serving_probe.py in-process: the reference for the server's
+# compute time), tritonserver with --model-config-name=$CONFIG, first-request latency, perf_analyzer
+# sweeps (IKBO, baseline, transformed; batch and online), the same offered load, per-model server
+# times and compilation counters, a soak, GPU memory sampled throughout. Everything lands in
+# $OUT/run.tgz plus $OUT/summary.md (the tables) and the two plots.
 #
 #   OUT=out/gpu scripts/gpu_serving_run.sh            # large profile, bf16, on the GPU
 #
@@ -21,11 +20,12 @@
 # and the same-load comparison again with idle CPUs kept awake: "qos", a PM QoS request holding CPU
 # wake latency at 0 µs, as `scripts/serve --cpu-wake-latency-us 0` does; "spin", a SCHED_IDLE busy
 # loop on every CPU, as `scripts/serve --busy-idle` does; "" skips),
-# SOAK_SECONDS (issue 6's soak against this server at 70 % of its peak: RSS and GPU memory; "" skips),
+# SOAK_SECONDS (a soak against this server at 70 % of its peak: RSS and GPU memory; "" skips),
 # AB_TREE (a copy of another commit, e.g. `git archive <commit> | tar -x -C out/ab_tree`: ikbo_ranker's
 # call in process from that tree and from this one, alternating twice, at $GAPS; "" skips).
 #
-# Machines without network (the lab's H200): scripts/triton_bundle_env.sh.
+# Machines without network (the lab's H200) and python3 without the package installed:
+# scripts/triton_bundle_env.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}; CONFIG=${CONFIG-large}; PROFILE=${PROFILE:-large}; DTYPE=${DTYPE:-bfloat16}
@@ -43,12 +43,10 @@ WAKE_AB=${WAKE_AB-}
 hold_wake_latency() {  # CPUs kept out of idle ($WAKE_AB) by background processes until `kill $WAKE`
   WAKE=""
   if [ "$WAKE_AB" = qos ]; then  # a PM QoS request (0 µs); acts through a cpuidle driver only
-    python3 -c 'import sys, time; sys.path.insert(0, "."); from ikbo_backend.tritonserver import cpu_wake_latency
-with cpu_wake_latency(0): print("wake latency held", flush=True); time.sleep(3600)' >>"$W/steps.log" 2>&1 &
+    timeout 3600 python3 -m ikbo_backend.perf.hold wake-latency 0 >>"$W/steps.log" 2>&1 &
     WAKE=$!
   elif [ "$WAKE_AB" = spin ]; then  # a busy loop per CPU at SCHED_IDLE (`scripts/serve --busy-idle`); they end with this process
-    python3 -c 'import sys, time; sys.path.insert(0, "."); from ikbo_backend.tritonserver import busy_idle_cpus
-with busy_idle_cpus(): print("busy idle loops", flush=True); time.sleep(3600)' >>"$W/steps.log" 2>&1 &
+    timeout 3600 python3 -m ikbo_backend.perf.hold busy-idle >>"$W/steps.log" 2>&1 &
     WAKE=$!
   fi
   [ -n "$WAKE" ] && sleep 1 && kill -0 $WAKE 2>/dev/null
@@ -100,32 +98,19 @@ if [ -n "${AB_TREE:-}" ]; then
   for round in 1 2; do
     for tree in "$AB_TREE" .; do
       echo -e "\n$tree, round $round:\n" >>"$S"
-      (cd "$tree" && timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model ikbo_ranker \
+      (cd "$tree" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout "$STEP_TIMEOUT" python3 scripts/serving_probe.py in-process --config "$CONFIG" --model ikbo_ranker \
         --gap-ms ${GAPS:-0 3}) >>"$S" 2>>"$W/in_process.err" || log "in-process ($tree): exit $? $(tail -3 "$W/in_process.err")"
     done
   done
 fi
 
 log "tritonserver --model-config-name=$CONFIG"
-python3 - "$W" "$CONFIG" <<'EOF' &
-import json, signal, sys, time
-sys.path.insert(0, ".")
-from ikbo_backend.tritonserver import running_tritonserver
-work, config = sys.argv[1], sys.argv[2]
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server stops with this holder (a `timeout` around the run included)
-start = time.perf_counter()
-with running_tritonserver(config_name=config or None, log_path=f"{work}/tritonserver.log", timeout=500) as s:
-    urls = dict(http=s.http_url, grpc=s.grpc_url, metrics=s.metrics_url, pid=s.process.pid, ready_s=time.perf_counter() - start)
-    open(f"{work}/urls.json", "w").write(json.dumps(urls))
-    while True:
-        time.sleep(1)
-EOF
+python3 -m ikbo_backend.perf.hold server "$W" --config "$CONFIG" >>"$W/steps.log" 2>&1 &  # the server stops with this holder
 HOLDER=$!
-for _ in $(seq 500); do [ -f "$W/urls.json" ] && break; kill -0 $HOLDER 2>/dev/null || break; sleep 1; done
-if [ -f "$W/urls.json" ]; then
-  url() { python3 -c "import json; print(json.load(open('$W/urls.json'))['$1'])"; }
-  HTTP=$(url http); GRPC=$(url grpc); METRICS=$(url metrics)
-  echo -e "\nserver ready after $(url ready_s) s (model load and warm-up included)\n" >>"$S"
+for _ in $(seq 500); do [ -f "$W/server.env" ] && break; kill -0 $HOLDER 2>/dev/null || break; sleep 1; done
+if [ -f "$W/server.env" ]; then
+  . "$W/server.env"  # HTTP, GRPC, METRICS, SERVER_PID, READY_S
+  echo -e "\nserver ready after $READY_S s (model load and warm-up included)\n" >>"$S"
   log "first requests"
   timeout 120 python3 scripts/serving_probe.py first --url "$GRPC" --profile "$PROFILE" \
     --model ikbo_ranker baseline_ranker transformed_ranker >>"$S" 2>>"$W/steps.log"
@@ -158,28 +143,16 @@ if [ -f "$W/urls.json" ]; then
   echo -e "\n### Server-side times per model (Triton statistics, whole run)\n" >>"$S"
   python3 scripts/serving_probe.py stats --url "$HTTP" --metrics-url "$METRICS" >>"$S" 2>>"$W/steps.log"
   if [ -n "${SOAK_SECONDS-120}" ]; then
-    log "soak ${SOAK_SECONDS-120} s (issue 6)"
+    log "soak ${SOAK_SECONDS-120} s"
     echo -e "\n### Soak at 70 % of the measured peak, ikbo_ranker, HTTP (\`reliability.py soak --attach\`)\n" >>"$S"
-    timeout "$STEP_TIMEOUT" python3 scripts/reliability.py soak --attach "$HTTP" --server-pid "$(url pid)" --profile "$PROFILE" \
+    timeout "$STEP_TIMEOUT" python3 scripts/reliability.py soak --attach "$HTTP" --server-pid "$SERVER_PID" --profile "$PROFILE" \
       --seconds "${SOAK_SECONDS-120}" --out "$W/soak.json" >>"$S" 2>>"$W/steps.log" || log "soak: exit $?"
   fi
 else
   log "server never became ready"; tail -40 "$W/tritonserver.log" >>"$S"
 fi
 kill $HOLDER $SMI 2>/dev/null; wait $HOLDER 2>/dev/null; pkill -f tritonserver 2>/dev/null  # the holder stops its server
-python3 - "$W/gpu_memory.csv" >>"$S" 2>/dev/null <<'EOF'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1]))][1:]
-by_time = {}  # several GPUs: one row each per sample, summed
-for r in rows:
-    if len(r) > 1 and r[1].strip().split()[0].isdigit():
-        by_time[r[0]] = by_time.get(r[0], 0) + int(r[1].split()[0])
-used = list(by_time.values())
-if used:
-    half = used[len(used) // 2:]
-    print(f"\nGPU memory used (MiB, every 2 s): start {used[0]}, max {max(used)}, mid-run {half[0]}, end {used[-1]}, "
-          f"growth from mid-run {used[-1] - half[0]}")
-EOF
+python3 -m ikbo_backend.perf.gpu_memory "$W/gpu_memory.csv" >>"$S" 2>/dev/null
 for p in throughput latency; do [ -f "$W/main/$p.png" ] && cp "$W/main/$p.png" "$OUT/$p.png"; done
 tar czf "$OUT/run.tgz" -C "$W" . && log "wrote $OUT"
 cat "$S"

@@ -34,33 +34,3 @@ def test_bench_smoke(argv, table, row, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     text = (tmp_path / table).read_text()
     assert "| provider |" in text and row in text, text[:2000]
-
-
-def test_bench_instances_smoke():
-    """scripts/bench_instances.py's harness (threads, one model each, the table) on the CPU model."""
-    argv = [
-        "--device",
-        "cpu",
-        "--profile",
-        "demo",
-        "--threads",
-        "1",
-        "2",
-        "--replay",
-        "runtime",
-        "--seconds",
-        "0.2",
-        "--rounds",
-        "1",
-    ]
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_instances.py"), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = [line for line in run.stdout.splitlines() if line.startswith("| runtime (round 1) |")]
-    assert [row.split("|")[2].strip() for row in rows] == ["1", "2"], run.stdout
-    assert all(float(row.split("|")[3].replace(",", "")) > 0 for row in rows), run.stdout

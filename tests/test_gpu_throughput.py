@@ -1,4 +1,4 @@
-"""scripts/gpu_throughput.py on fabricated Prometheus text shaped like tritonserver's /metrics with
+"""ikbo_backend.perf.gpu_throughput (scripts/gpu_throughput.py) on fabricated Prometheus text shaped like tritonserver's /metrics with
 two GPU instances per model: per-GPU and total candidates/s from the increments of the IKBO counters
 (label `device`), Triton's counts per `gpu_uuid`, counter resets, and the command-window CLI against
 a stand-in metrics endpoint."""
@@ -7,14 +7,12 @@ import json
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import gpu_throughput
-from gpu_throughput import increments, parse_prometheus, report
+from ikbo_backend.perf import gpu_throughput
+from ikbo_backend.perf.gpu_throughput import report
+from ikbo_backend.perf.prometheus import increments, parse_prometheus
 
 GPU0, GPU1 = "GPU-0aa1b2c3-0000-1111-2222-333344445555", "GPU-9ff1b2c3-0000-1111-2222-333344445555"
 

@@ -1,7 +1,7 @@
 """perf_analyzer against a real tritonserver: a few seconds on `ikbo_ranker` from a perf_configs file.
 
 The server (CPU, free ports) is started by the test; perf_analyzer comes from tritonclient[all]
-(see scripts/perf_sweep.py for how it is found). Passing means: perf_analyzer exits 0, reports
+(see ikbo_backend.perf.perf_analyzer for how it is found). Passing means: perf_analyzer exits 0, reports
 nonzero throughput, and the server counted successful inferences and no failures.
 """
 
@@ -9,15 +9,11 @@ import json
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from perf_sweep import Profile, run_perf_analyzer
-
 from ikbo_backend.perf.inputs import ensure_config
+from ikbo_backend.perf.perf_analyzer import Profile, run_perf_analyzer
 from ikbo_backend.tritonserver import is_ready, running_tritonserver
 
 MODEL = "ikbo_ranker"
@@ -68,7 +64,7 @@ def test_an_interrupted_sweep_reports_the_runs_it_finished(monkeypatch, tmp_path
     table, and the exit status says the sweep is incomplete."""
     import csv
 
-    import perf_sweep
+    import ikbo_backend.perf.sweep as perf_sweep
 
     calls = []
 
@@ -150,17 +146,17 @@ def test_request_rate_mode_offers_the_asked_load(server, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_server_times_between_snapshots_count_only_that_step(server):
-    """serving_probe.server_times (equal-load --http-url): the stage times of the requests sent
+    """server_stats.server_times (equal-load --http-url): the stage times of the requests sent
     between two snapshots, per request, and the wall time inside execute per execution."""
     import numpy as np
-    import serving_probe
 
     from ikbo_backend.client import client_module, infer_inputs
+    from ikbo_backend.perf import server_stats
     from ikbo_backend.ranker import RankerConfig
     from ikbo_backend.requests import make_request
 
     metrics_url = server.metrics_url
-    before = serving_probe.server_snapshot(server.http_url, metrics_url)
+    before = server_stats.server_snapshot(server.http_url, metrics_url)
     module = client_module("http")
     client = module.InferenceServerClient(server.http_url)
     rng = np.random.default_rng()
@@ -169,7 +165,7 @@ def test_server_times_between_snapshots_count_only_that_step(server):
     client.close()
     deadline = time.monotonic() + 10  # the python backend reports a step's statistics after sending its response
     while True:
-        after = serving_probe.server_snapshot(server.http_url, metrics_url)
+        after = server_stats.server_snapshot(server.http_url, metrics_url)
         if (
             after["ikbo_interaction"]["requests"] - before.get("ikbo_interaction", {}).get("requests", 0) >= 3
             or time.monotonic() > deadline
@@ -177,11 +173,11 @@ def test_server_times_between_snapshots_count_only_that_step(server):
             break
         time.sleep(0.05)
     assert after["ikbo_interaction"]["requests"] - before.get("ikbo_interaction", {}).get("requests", 0) == 3
-    times = serving_probe.server_times(before, after, "ikbo_interaction")
+    times = server_stats.server_times(before, after, "ikbo_interaction")
     assert times["compute_ms"] == pytest.approx(
         times["compute_input_ms"] + times["compute_infer_ms"] + times["compute_output_ms"]
     )
     assert 0 < times["execute_ms"] < times["compute_ms"] * 3  # one request per execution here
-    assert serving_probe.server_times(after, after, "ikbo_interaction") == {}
-    ensemble = serving_probe.server_times(before, after, MODEL)  # no execute of its own
+    assert server_stats.server_times(after, after, "ikbo_interaction") == {}
+    ensemble = server_stats.server_times(before, after, MODEL)  # no execute of its own
     assert ensemble["compute_ms"] > 0 and ensemble["execute_ms"] != ensemble["execute_ms"]

@@ -1,4 +1,4 @@
-"""Reliability rows of issue 6, short forms, against one real tritonserver (test-only faults on) over
+"""Reliability rows, short forms, against one real tritonserver (test-only faults on) over
 a copy of the rankers' models: hypothesis-drawn malformed requests of every kind over HTTP and gRPC,
 a fault inside execute, a 60 s soak; and a repository with a broken model. The long forms and their
 figures: scripts/reliability.py, docs/reliability.md.
@@ -6,13 +6,16 @@ figures: scripts/reliability.py, docs/reliability.md.
 
 import secrets
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import reliability
+from ikbo_backend.reliability import soak as soak_row
+from ikbo_backend.reliability.broken import broken
+from ikbo_backend.reliability.cases import KINDS
+from ikbo_backend.reliability.fault import fault, fault_server
+from ikbo_backend.reliability.repositories import rankers_repository
+from ikbo_backend.reliability.storm import storm
+from ikbo_backend.serving import REPO_ROOT
 
 SEED = secrets.randbits(31)
 pytestmark = pytest.mark.timeout(600)
@@ -20,14 +23,14 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def server():
-    with reliability.rankers_repository() as repo, reliability.fault_server(repo) as running:
+    with rankers_repository() as repo, fault_server(repo) as running:
         yield running
 
 
 def test_malformed_requests_are_client_errors_naming_the_input(server):
     """20 requests of each of the 17 kinds per protocol; ready after; valid answers bit-identical."""
-    result = reliability.storm(server, count=20 * len(reliability.KINDS), seed=SEED)
-    assert set(result["kinds"]) == set(reliability.KINDS)
+    result = storm(server, count=20 * len(KINDS), seed=SEED)
+    assert set(result["kinds"]) == set(KINDS)
     assert not result["failures"], (
         f"seed {SEED}: {len(result['failures'])} wrong answers, e.g. {result['failures'][:5]}"
     )
@@ -35,12 +38,12 @@ def test_malformed_requests_are_client_errors_naming_the_input(server):
 
 
 def test_exception_inside_execute_is_a_500_naming_the_model_without_internals(server):
-    result = reliability.fault(server)
+    result = fault(server)
     assert result["faults"] == 6 and not result["failures"], result
 
 
 def test_soak_at_70_percent_of_peak(server):
-    result = reliability.soak(server, seconds=60, fraction=0.7, peak_seconds=8)
+    result = soak_row.soak(server, seconds=60, fraction=0.7, peak_seconds=8)
     assert result["requests"] > 0 and not result["failures"], result
 
 
@@ -48,8 +51,8 @@ def test_soak_reports_gpu_memory_growth(server, monkeypatch):
     """Where there is a GPU the soak samples its memory (nvidia-smi) and fails when it grows by more
     than 64 MiB after mid-run; here a stand-in sampler grows 10 MiB per sample."""
     samples = iter(range(1000, 10**6, 10))
-    monkeypatch.setattr(reliability, "gpu_memory_used_mib", lambda: next(samples))
-    result = reliability.soak(server, seconds=12, fraction=0.5, peak_seconds=2)
+    monkeypatch.setattr(soak_row, "gpu_memory_used_mib", lambda: next(samples))
+    result = soak_row.soak(server, seconds=12, fraction=0.5, peak_seconds=2)
     assert result["requests"] > 0 and result["gpu_mib_start"] == 1000
     assert result["gpu_growth_from_mid_mib"] == result["gpu_mib_end"] - result["gpu_mib_mid"] >= 50
     assert [f for f in result["failures"] if f.startswith("GPU memory grew")] == (
@@ -66,7 +69,7 @@ def test_soak_attaches_to_a_running_server(server):
 
     argv = [
         sys.executable,
-        str(Path(reliability.__file__)),
+        str(REPO_ROOT / "scripts" / "reliability.py"),
         "soak",
         "--attach",
         server.http_url,
@@ -88,5 +91,5 @@ def test_soak_attaches_to_a_running_server(server):
 
 
 def test_a_broken_model_stops_the_server_with_a_message_naming_it():
-    result = reliability.broken("ikbo_interaction")
+    result = broken("ikbo_interaction")
     assert result["refused"] and not result["failures"], result

@@ -1,4 +1,4 @@
-"""Reliability rows of issue 6 that need `make serve` itself (scripts/serve as a subprocess, over a
+"""Reliability rows that need `make serve` itself (scripts/serve as a subprocess, over a
 copy of the rankers' models): hardening (restricted APIs behind the admin header, no model control),
 stub kill -9 under load (serve restarts tritonserver), a tritonserver killed by a signal (serve
 starts it again), and SIGTERM under load (last: it stops the
@@ -13,14 +13,17 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-
-import reliability  # noqa: E402
+from ikbo_backend.reliability import RANKERS
+from ikbo_backend.reliability.hardening import hardening
+from ikbo_backend.reliability.kill import kill_stubs
+from ikbo_backend.reliability.load import probe
+from ikbo_backend.reliability.repositories import rankers_repository
+from ikbo_backend.reliability.served import serving, wait_ready
+from ikbo_backend.reliability.shutdown import graceful_shutdown
+from ikbo_backend.serving import REPO_ROOT
 
 EXIT_TIMEOUT = 20
 SERVE = [sys.executable, str(REPO_ROOT / "scripts" / "serve"), "--cpu"]
@@ -35,35 +38,30 @@ def shown(result: dict, served=None) -> str:
 
 @pytest.fixture(scope="module")
 def served():
-    with reliability.rankers_repository() as repo, reliability.serving(EXIT_TIMEOUT, repo) as running:
+    with rankers_repository() as repo, serving(EXIT_TIMEOUT, repo) as running:
         yield running
 
 
 def test_restricted_apis_need_the_admin_header(served):
-    result = reliability.hardening(served)
+    result = hardening(served)
     assert not result["failures"], result["failures"]
 
 
 def test_stub_kill_under_load_recovers_within_30_s_without_shm_leaks(served):
-    result = reliability.kill_stubs(served, kills=1, recover_timeout=30)
+    result = kill_stubs(served, kills=1, recover_timeout=30)
     assert result["kills"] == 1 and not result["failures"], shown(result)
 
 
 def test_a_tritonserver_killed_by_a_signal_is_started_again(served):
     """A crash inside tritonserver's process (SIGSEGV: a model run in process by python_inprocess)
     takes the server down; serve starts it again and both rankers answer within 60 s."""
-    reliability.wait_ready(served)
+    wait_ready(served)
     [server] = served.triton_pids()
     os.kill(server, signal.SIGSEGV)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         pids = served.triton_pids()
-        if (
-            pids
-            and server not in pids
-            and served.all_up()
-            and all(reliability.probe(served.http_url, m) is None for m in reliability.RANKERS)
-        ):
+        if pids and server not in pids and served.all_up() and all(probe(served.http_url, m) is None for m in RANKERS):
             break
         assert served.process.poll() is None, f"serve exited with {served.process.returncode}\n{served.log_tail()}"
         time.sleep(0.5)
@@ -73,7 +71,7 @@ def test_a_tritonserver_killed_by_a_signal_is_started_again(served):
 
 
 def test_sigterm_under_load_finishes_in_flight_requests_and_exits_0(served):
-    result = reliability.graceful_shutdown(served, EXIT_TIMEOUT)
+    result = graceful_shutdown(served, EXIT_TIMEOUT)
     assert not result["failures"], shown(result)
 
 
@@ -122,17 +120,17 @@ def test_serve_refuses_replicas_with_a_tritonserver_without_reuse_port(tmp_path)
 
 @pytest.fixture(scope="module")
 def served_replicas():
-    with reliability.rankers_repository() as repo, reliability.serving(EXIT_TIMEOUT, repo, replicas=2) as running:
+    with rankers_repository() as repo, serving(EXIT_TIMEOUT, repo, replicas=2) as running:
         yield running
 
 
 def test_stub_kills_with_two_replicas_fail_only_in_flight_requests(served_replicas):
-    result = reliability.kill_stubs(served_replicas, kills=2, recover_timeout=30)
+    result = kill_stubs(served_replicas, kills=2, recover_timeout=30)
     assert result["kills"] == 2 and not result["failures"], shown(result, served_replicas)
     assert result["failed_sent_after_down"] == 0 and result["continuity_probes_ok"] == 4, shown(result)
     assert result["down_s_max"] <= 2.0 and not result["shm_leaked"] and result["orphan_stubs"] == 0, shown(result)
 
 
 def test_sigterm_stops_every_replica_gracefully(served_replicas):
-    result = reliability.graceful_shutdown(served_replicas, EXIT_TIMEOUT)
+    result = graceful_shutdown(served_replicas, EXIT_TIMEOUT)
     assert not result["failures"], shown(result)

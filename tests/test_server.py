@@ -216,26 +216,26 @@ def test_server_and_models_ready(client):
 
 
 def test_serving_probe_reads_latency_statistics_and_compilations(server):
-    """scripts/serving_probe.py against the running server: first vs steady latency, per-model
+    """serving_probe.py's first and stats against the running server: first vs steady latency, per-model
     statistics that grew by the requests it sent, and the request-path compilation counters."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import serving_probe
+    from ikbo_backend.perf.latency import first_request
+    from ikbo_backend.perf.server_stats import compilations, model_stats
 
-    before = {r["model"]: r["requests"] for r in serving_probe.model_stats(server.http_url)}
-    result = serving_probe.first_request(server.grpc_url, "ikbo_ranker", "demo", 3, 40, repeats=3, seed=None)
+    before = {r["model"]: r["requests"] for r in model_stats(server.http_url)}
+    result = first_request(server.grpc_url, "ikbo_ranker", "demo", 3, 40, repeats=3, seed=None)
     assert result["first_ms"] > 0 and result["p50_ms"] > 0 and result["ratio"] == result["first_ms"] / result["p50_ms"]
     models = (
         ("ikbo_ranker",) if GPU else ("ikbo_ranker", "ranker_features", "ikbo_interaction")
     )  # GPU: one python model
     for _ in range(50):  # Triton updates its statistics just after the response goes out
-        after = {r["model"]: r for r in serving_probe.model_stats(server.http_url)}
+        after = {r["model"]: r for r in model_stats(server.http_url)}
         if all(after[m]["requests"] >= before.get(m, 0) + 4 for m in models):
             break
         time.sleep(0.1)
     for model in models:
         assert after[model]["requests"] >= before.get(model, 0) + 4, model
         assert after[model]["compute_infer_ms"] > 0
-    counts = serving_probe.compilations(server.metrics_url)
+    counts = compilations(server.metrics_url)
     assert counts.get("ikbo_ranker:request" if GPU else "ikbo_interaction:request") == 0, counts
 
 
@@ -363,21 +363,21 @@ def test_one_model_rankers_of_the_gpu_configs(tmp_path, monkeypatch, backend):
 def test_serving_probe_in_process_builds_the_served_model_from_its_config():
     """serving_probe.py in-process: the GPU config's ranker (a python model) built as the python backend
     builds it (here on the CPU), timed on fresh requests, with and without gaps; an ensemble is refused."""
-    import serving_probe
+    from ikbo_backend.perf.in_process import in_process
 
     for gap_ms in (0.0, 1.0):
-        r = serving_probe.in_process("ikbo_ranker", "gpu", 3, 40, repeats=3, seed=None, gap_ms=gap_ms)
+        r = in_process("ikbo_ranker", "gpu", 3, 40, repeats=3, seed=None, gap_ms=gap_ms)
         assert r["model"] == "ikbo_ranker" and r["repeats"] == 3 and 0 < r["p50_ms"] and 0 < r["mean_ms"]
     with pytest.raises(SystemExit, match="not a python model"):
-        serving_probe.in_process("ikbo_ranker", "config", 3, 40, repeats=1, seed=None)
+        in_process("ikbo_ranker", "config", 3, 40, repeats=1, seed=None)
 
 
 def test_serving_probe_idle_times_fixed_work_after_each_gap():
     """serving_probe.py idle: host work (request validation) timed after each gap; device work only
     where there is CUDA (NaN here without it)."""
-    import serving_probe
+    from ikbo_backend.perf.in_process import idle_cost
 
-    rows = serving_probe.idle_cost([0.0, 2.0], repeats=3, profile="demo", seed=None)
+    rows = idle_cost([0.0, 2.0], repeats=3, profile="demo", seed=None)
     assert [r["gap_ms"] for r in rows] == [0.0, 2.0]
     assert all(0 < r["host_ms"] < 1e3 for r in rows)
     assert all((r["device_ms"] > 0) if torch.cuda.is_available() else r["device_ms"] != r["device_ms"] for r in rows)

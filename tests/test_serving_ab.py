@@ -1,20 +1,16 @@
-"""scripts/serving_ab.py: the repository copy per point, the summary's medians and ratios, and one real
+"""ikbo_backend.perf.serving_ab (scripts/serving_ab.py): the repository copy per point, the summary's medians and ratios, and one real
 A/B on the CPU (two names for this tree, a tritonserver start per point, perf_analyzer), where a point
 that cannot be served gets its reason in its row and the exit status 1."""
 
 import csv
 import random
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from serving_ab import Point, Result, copy_model, main, run_order, summary
-
 from ikbo_backend.instance_groups import read_config
+from ikbo_backend.perf.serving_ab import Point, Result, copy_model, main, run_order, summary
 from ikbo_backend.serving import REPO_ROOT
 
 
