@@ -217,8 +217,8 @@ class Bench:
     def floor_ms(self, flops: float, min_bytes: float) -> float:
         return max(flops / self.flop_rate, min_bytes / self.copy_rate) * 1e3
 
-    def measure(self, case: Case, tol: float, calls: int = 50) -> dict[str, Result]:
-        """Check every provider of `case`, then time those that passed."""
+    def measure(self, case: Case, tol: float, calls: int = 50, host: bool = True) -> dict[str, Result]:
+        """Check every provider of `case`, then time those that passed (host µs only where `host`)."""
         results = {}
         for name, provider in case.providers.items():
             if self.only and not name.startswith(self.only):
@@ -233,7 +233,7 @@ class Bench:
                 else:
                     result.ms, result.span_ms, result.sm_mhz = device_times(provider.fn, self.on_gpu, calls)
                     result.do_bench_ms = event_ms(provider.fn, self.on_gpu)
-                    result.host_us = host_us(provider.fn, self.on_gpu) if provider.host else NAN
+                    result.host_us = host_us(provider.fn, self.on_gpu) if provider.host and host else NAN
                     result.graph_ms = graph_ms(provider.fn, self.on_gpu) if provider.graph else NAN
             except Exception as exc:  # one provider's failure must not end the run
                 why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
@@ -286,7 +286,9 @@ class Bench:
         for params, setup in points:
             print(f"sweep point {params}", flush=True)
             case = setup()
-            measured.append((params, self.floor_ms(case.flops, case.min_bytes), self.measure(case, tol, calls=30)))
+            measured.append(
+                (params, self.floor_ms(case.flops, case.min_bytes), self.measure(case, tol, calls=30, host=False))
+            )
             case = None  # the point's tensors go before the next point's
             if self.on_gpu:
                 torch.cuda.empty_cache()
