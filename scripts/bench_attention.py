@@ -41,11 +41,10 @@ class Shape:
     head_dim: int  # d
 
     def flops(self, target=True, causal_self=False) -> float:
-        """4·B·H·S·L·d of the target attention, 4·U·H·L(L+1)/2·d of the causal self-attention."""
-        users = self.num_users * self.seq_len * (self.seq_len + 1) / 2 if causal_self else 0
-        return (
-            4.0 * self.heads * self.head_dim * (target * self.num_candidates * self.num_queries * self.seq_len + users)
-        )
+        """4·B·H·S·L·d of the target attention + 4·U·H·L(L+1)/2·d of the causal self-attention (where asked)."""
+        pairs = target * self.num_candidates * self.num_queries * self.seq_len  # query-key pairs per head
+        pairs += causal_self * self.num_users * self.seq_len * (self.seq_len + 1) / 2
+        return 4.0 * self.heads * self.head_dim * pairs
 
     def min_bytes(self, itemsize: int, with_self=False) -> float:
         """q and out once, K/V once per user (and user_q, user_out with self-attention)."""
@@ -81,8 +80,9 @@ def make_problem(shape: Shape, device, dtype, seed: int, counts=None, with_user_
     mapping = torch.repeat_interleave(torch.arange(shape.num_users), counts)
     mapping = mapping[torch.randperm(mapping.shape[0], generator=cpu_gen)].to(device)
     user = (shape.num_users, shape.heads, shape.seq_len, shape.head_dim)
-    sizes = dict(q=(mapping.shape[0], *user[1:2], shape.num_queries, shape.head_dim), k=user, v=user)
-    sizes.update(dict(user_q=user) if with_user_q else {})
+    sizes = dict(q=(mapping.shape[0], shape.heads, shape.num_queries, shape.head_dim), k=user, v=user)
+    if with_user_q:
+        sizes["user_q"] = user
     p = {name: torch.randn(*size, generator=gen, device=device, dtype=dtype) for name, size in sizes.items()}
     return dict(p, cand_to_user=mapping, counts=counts, scale=1 / math.sqrt(shape.head_dim))
 
@@ -103,9 +103,9 @@ def dispatched(p: dict, out=None, plan=None) -> torch.Tensor:
     return attention._launch(*args, out=out, plan=plan)[0]
 
 
-def triton_config(p: dict, with_self=False) -> attention.TileConfig:
-    rows_per_user = p["q"].shape[0] * p["q"].shape[2] / p["k"].shape[0] + (p["k"].shape[2] if with_self else 0)
-    return attention.pick_config(rows_per_user, attention.interpreting())
+def triton_config(p: dict) -> attention.TileConfig:
+    """The Triton kernel's tiles for the target attention of `p` (by query rows per user)."""
+    return attention.pick_config(p["q"].shape[0] * p["q"].shape[2] / p["k"].shape[0], attention.interpreting())
 
 
 def core_providers(p: dict) -> dict[str, Provider]:
@@ -168,9 +168,7 @@ def canonical_cases(shape: Shape, device, dtype, with_flex: bool) -> list[Case]:
     user_ref = F.scaled_dot_product_attention(*(t.double() for t in (user_q, k, v)), is_causal=True)
     cand_ref, itemsize = baseline(p, dtype=torch.float64), q.element_size()
     k_rep, v_rep = k.index_select(0, m), v.index_select(0, m)
-    block_m = (
-        attention_ws.TILE_M if attention_ws.prefer_ws(q, k) else triton_config(p).block_m
-    )  # the dispatched kernel's
+    block_m = attention_ws.TILE_M if attention_ws.prefer_ws(q, k) else triton_config(p).block_m  # as dispatched
     plan = attention.plan_tiles(m, shape.num_users, shape.num_queries, block_m)
     triton = partial(attention._launch, q, k, v, m, None, scale, config=triton_config(p))  # a config: never Gluon
     target = {

@@ -144,7 +144,7 @@ def providers(inputs, shape: Shape, variants, canonical: bool, with_compile: boo
 def case(shape: Shape, device, dtype, seed: int, head: int, **options) -> Case:
     inputs = make_inputs(shape, device, dtype, seed)
     table, elem = providers(inputs, shape, **options), inputs[0].element_size()
-    title = f"Canonical: {shape} (ragged, unsorted mapping), {str(dtype).removeprefix('torch.')}"
+    title = f"Linear compression, {shape} (ragged, unsorted mapping), {str(dtype).removeprefix('torch.')}"
     return Case(table, reference(inputs, head), shape.flops(), shape.min_bytes(elem), BASELINE, title)
 
 
@@ -156,12 +156,8 @@ def sweep_points(shape: Shape, candidate_counts, ratios, device, dtype, variants
             points.setdefault((max(1, round(num_candidates / ratio)), num_candidates), ratio)
     for (num_users, num_candidates), ratio in points.items():
         point = replace(shape, num_users=num_users, num_candidates=num_candidates)
-        options = dict(
-            variants=variants,
-            canonical=False,
-            with_compile=False,
-            graph=graph and num_candidates <= GRAPH_MAX_CANDIDATES,
-        )
+        with_graph = graph and num_candidates <= GRAPH_MAX_CANDIDATES
+        options = dict(variants=variants, canonical=False, with_compile=False, graph=with_graph)
         setup = partial(case, point, device, dtype, num_candidates + ratio, CHECKED_HEAD, **options)
         yield dict(B=num_candidates, U=num_users, **{"B/U": f"{num_candidates / num_users:.0f}"}), setup
 
@@ -180,10 +176,8 @@ def main(argv=None):
     shape = SMOKE_CANONICAL if args.smoke else CANONICAL
     variants = tuple(v for v in (*VARIANTS, WS_VARIANT) if not (args.no_s6 and v == WS_VARIANT))
     with_compile = not (args.no_compile or args.smoke)
-    canonical = case(shape, bench.device, dtype, 1, shape.num_candidates, variants=variants, canonical=True,
-                     with_compile=with_compile, graph=True)  # fmt: skip
-    bench.table(canonical, TOL)
-    canonical = None  # its tensors go before the sweep's
+    options = dict(variants=variants, canonical=True, with_compile=with_compile, graph=True)
+    bench.table(case(shape, bench.device, dtype, 1, shape.num_candidates, **options), TOL)
     if not args.no_sweep:
         counts = SMOKE_SWEEP_CANDIDATES if args.smoke else SWEEP_CANDIDATES
         counts = tuple(int(b) for b in args.candidates.split(",")) if args.candidates else counts

@@ -172,7 +172,7 @@ def host_us(fn, on_gpu: bool = True, calls: int = 50) -> float:
     return elapsed / calls * 1e6
 
 
-def graph_ms(fn, on_gpu: bool = True, rep: int = 50) -> float:
+def graph_ms(fn, on_gpu: bool = True, rep: int = 30) -> float:
     """Median ms of CUDA-graph replays of `fn` (`triton.testing.do_bench_cudagraph`: device time without the host's
     launches); nan without a GPU."""
     if not on_gpu:

@@ -292,6 +292,8 @@ class Bench:
             case = None  # the point's tensors go before the next point's
             if self.on_gpu:
                 torch.cuda.empty_cache()
+        if not measured:
+            return
         names = [n for n in names if any(n in results for _, _, results in measured)]  # e.g. no s6 off Hopper
         baseline, others = names[0], names[1:]
         graphs = [n for n in names if any(not math.isnan(r[n].graph_ms) for _, _, r in measured if n in r)]
