@@ -1,14 +1,12 @@
 #!/usr/bin/env python3
-"""Kernel benchmarks: `scripts/bench_kernels.py lce|attention|all [options]` (GPU; see docs/perf.md)."""
+"""Kernel benchmarks: `scripts/bench_kernels.py lce|attention|all [options]` runs scripts/bench_lce.py and/or
+scripts/bench_attention.py with the options, one process each (GPU; --smoke on the CPU)."""
 
-import importlib
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-BENCHMARKS = {"lce": "bench_lce", "attention": "bench_attention"}
+BENCHMARKS = {"lce": "bench_lce.py", "attention": "bench_attention.py"}
 
 
 def main(argv):
@@ -16,7 +14,10 @@ def main(argv):
         sys.exit(f"usage: {sys.argv[0]} {{{'|'.join(BENCHMARKS)}|all}} [options]")
     names = list(BENCHMARKS) if argv[0] == "all" else [argv[0]]
     for name in names:
-        importlib.import_module(BENCHMARKS[name]).main(argv[1:])
+        script = Path(__file__).resolve().parent / BENCHMARKS[name]
+        returncode = subprocess.run([sys.executable, str(script), *argv[1:]]).returncode
+        if returncode:
+            sys.exit(returncode)
 
 
 if __name__ == "__main__":

@@ -170,3 +170,13 @@ def host_us(fn, on_gpu: bool = True, calls: int = 50) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+def graph_ms(fn, on_gpu: bool = True, rep: int = 30) -> float:
+    """Median ms of CUDA-graph replays of `fn` (`triton.testing.do_bench_cudagraph`: device time without the host's
+    launches); nan without a GPU."""
+    if not on_gpu:
+        return float("nan")
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
