@@ -33,8 +33,8 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2
 
 from .model_repository import INPROCESS_BACKEND
+from .paths import MODEL_REPOSITORY
 from .pbtxt import ModelConfig, read_config, render, write_text
-from .serving import MODEL_REPOSITORY
 
 KIND_GPU = model_config_pb2.ModelInstanceGroup.KIND_GPU
 GENERATED_GLOBS = ("*_gpus_*.pbtxt", "*_python.pbtxt")  # under <model>/configs/; in .gitignore

@@ -13,33 +13,22 @@ gpu → configs/gpu.pbtxt (KIND_GPU, demo dims), large → configs/large.pbtxt (
 `ranker.PROFILES["large"]`, bfloat16). Each template builds a ModelConfig message from the variant,
 the placement's RankerConfig dims and the typical request shape of shape_ranges.json; `pbtxt.render`
 writes it with the comments that say why. tests/test_model_repository.py checks the committed files
-equal these. `repository_copy` makes a temporary repository of some models (tests, tools).
+equal these.
 """
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2
 
-from .online import ONLINE_CAND_INPUTS, ONLINE_INPUT_NAMES, online_dims
+from .model_config import FLOAT_FEATURES, TRITON_DTYPES, feature_dims, online_dims, request_dims, score_dims
+from .online import ONLINE_CAND_INPUTS, ONLINE_INPUT_NAMES
+from .paths import MODEL_REPOSITORY, load_shape_ranges
 from .pbtxt import ModelConfig, render, write_text
 from .ranker import PROFILES, RankerConfig
 from .requests import INPUT_DTYPES, INPUT_NAMES, USER_INPUTS, input_widths
-from .serving import (
-    FLOAT_FEATURES,
-    MODEL_REPOSITORY,
-    SHAPE_RANGES_FILE,
-    TRITON_DTYPES,
-    feature_dims,
-    load_shape_ranges,
-    request_dims,
-    score_dims,
-)
 
 KIND_CPU = model_config_pb2.ModelInstanceGroup.KIND_CPU
 KIND_GPU = model_config_pb2.ModelInstanceGroup.KIND_GPU
@@ -212,7 +201,7 @@ def one_model_ranker(variant: str, placement: Placement) -> ConfigFile:
     num_users, num_candidates = load_shape_ranges().typical[0]
     _warmup(config, {name: num_users if name in USER_INPUTS else num_candidates for name in INPUT_NAMES})
     header = (
-        f"{config.name} on the GPU as one python model (ikbo_backend.serving.RankerModel): the request validated "
+        f"{config.name} on the GPU as one python model (ikbo_backend.stages.RankerModel): the request validated "
         f"in host memory, lookups and {DESCRIPTION[variant]} replayed from one CUDA graph per shape bucket, scores "
         "answered in host memory. No tensor crosses between python models; the CPU layout (config.pbtxt) is an "
         f"ensemble of ranker_features and {variant}_interaction with the same request contract and scores."
@@ -366,15 +355,3 @@ def write_repository(model_repository=None) -> list[str]:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text(path, generated.text())
     return sorted(stale)
-
-
-@contextlib.contextmanager
-def repository_copy(models, prefix: str = "model-repository-"):
-    """A temporary model repository holding a copy of `models` (their configs and code) and shape_ranges.json."""
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        repo = Path(tmp) / "model_repository"
-        repo.mkdir()
-        shutil.copy2(MODEL_REPOSITORY / SHAPE_RANGES_FILE, repo)
-        for name in models:
-            shutil.copytree(MODEL_REPOSITORY / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-        yield repo

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from .requests import CAND_INPUTS, INPUT_NAMES, USER_INPUTS, InvalidRequest
-from .synthetic import make_online_batch  # noqa: F401  (for scripts and ikbo_backend/perf/inputs.py until the merge)
 
 ONLINE_INPUT_NAMES = tuple(name for name in INPUT_NAMES if name != "cand_to_user")
 ONLINE_CAND_INPUTS = tuple(name for name in CAND_INPUTS if name != "cand_to_user")  # NRO, ragged

@@ -29,7 +29,6 @@ import torch
 from kernels.request_checks import clamp_flagged_, flag_unbounded
 
 from .ranker import RankerConfig
-from .synthetic import make_request  # noqa: F401  (for ikbo_backend/perf/inputs.py until the merge rewrites it)
 
 USER_INPUTS = ("user_dense", "user_sparse_ids", "user_history_ids", "user_history_len")
 CAND_INPUTS = ("cand_dense", "cand_sparse_ids", "cand_to_user")

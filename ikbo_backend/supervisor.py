@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .paths import REPO_ROOT
 from .process_tree import dead_stubs, shm_segments
-from .serving import REPO_ROOT
 from .tritonserver import (
     ADMIN_HEADER,
     REUSE_PORT_ARGS,

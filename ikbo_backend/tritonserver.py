@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .serving import MODEL_REPOSITORY
+from .paths import MODEL_REPOSITORY
 
 NGC_BACKEND_DIR = Path("/opt/tritonserver/backends")
 

@@ -24,7 +24,8 @@ import torch
 from ikbo_backend.perf.inputs import mix_shape
 from ikbo_backend.perf.machine import environment
 from ikbo_backend.perf.model_bench import DEFAULT_MIXES, PROVIDERS, bench_mix, served_models, table
-from ikbo_backend.ranker import COMPUTE_DTYPES, PROFILES
+from ikbo_backend.ranker import PROFILES
+from ikbo_backend.variants import COMPUTE_DTYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:

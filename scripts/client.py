@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ikbo_backend.client import client_module, infer_scores
-from ikbo_backend.online import make_online_batch, merge_scores, split_by_user
+from ikbo_backend.online import merge_scores, split_by_user
 from ikbo_backend.ranker import PROFILES
-from ikbo_backend.requests import make_request
+from ikbo_backend.synthetic import make_online_batch, make_request
 
 
 def main():

@@ -20,7 +20,7 @@ from ikbo_backend.instance_groups import (
     write_gpu_configs,
 )
 from ikbo_backend.model_repository import stale_files, write_repository
-from ikbo_backend.serving import MODEL_REPOSITORY
+from ikbo_backend.paths import MODEL_REPOSITORY
 from ikbo_backend.tritonserver import visible_gpu_count
 
 

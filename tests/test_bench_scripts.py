@@ -35,4 +35,3 @@ def test_bench_smoke(argv, table, row, tmp_path):
     text = (tmp_path / table).read_text()
     assert "| provider |" in text and row in text, text[:2000]
     assert "| B | U | B/U |" in text or "| S | L | d | U |" in text, text[-2000:]  # the sweep's table
-

@@ -22,12 +22,12 @@ from ikbo_backend.instance_groups import (
     config_name,
     on_backend,
     parse_gpus,
-    read_config,
     serve_config_name,
     spread,
     write_gpu_configs,
 )
-from ikbo_backend.serving import MODEL_REPOSITORY, REPO_ROOT
+from ikbo_backend.paths import MODEL_REPOSITORY, REPO_ROOT
+from ikbo_backend.pbtxt import read_config
 from ikbo_backend.tritonserver import running_tritonserver
 
 KIND_GPU = model_config_pb2.ModelInstanceGroup.KIND_GPU
@@ -287,8 +287,9 @@ def test_an_instance_on_gpu_1_keeps_its_weights_and_work_there(tmp_path):
         import numpy as np, torch
         from google.protobuf import json_format
         from ikbo_backend.instance_groups import read_config, spread
-        from ikbo_backend.requests import make_request
-        from ikbo_backend.serving import MODEL_REPOSITORY, InteractionModel
+        from ikbo_backend.paths import MODEL_REPOSITORY
+        from ikbo_backend.stages import InteractionModel
+        from ikbo_backend.synthetic import make_request
 
         config = spread(read_config(MODEL_REPOSITORY / "ikbo_interaction/configs/gpu.pbtxt"), [0, 1])
         def instance(device_id):

@@ -11,19 +11,13 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from ikbo_backend.model_repository import config_files, repository_copy, stale_files
-from ikbo_backend.online import online_dims
+from ikbo_backend.model_config import feature_dims, online_dims, request_dims, score_dims
+from ikbo_backend.model_repository import config_files, stale_files
+from ikbo_backend.paths import MODEL_REPOSITORY, REPO_ROOT, load_shape_ranges
 from ikbo_backend.pbtxt import render
+from ikbo_backend.perf.repository_copy import repository_copy
 from ikbo_backend.ranker import PROFILES, RankerConfig
 from ikbo_backend.requests import INPUT_DTYPES, INPUT_NAMES, ShapeRanges
-from ikbo_backend.serving import (
-    MODEL_REPOSITORY,
-    REPO_ROOT,
-    feature_dims,
-    load_shape_ranges,
-    request_dims,
-    score_dims,
-)
 
 CFG = RankerConfig()
 ENSEMBLES = ("ikbo_ranker", "baseline_ranker", "transformed_ranker")

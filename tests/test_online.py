@@ -507,9 +507,8 @@ def test_client_cannot_send_the_mapping(server):
 def test_perf_analyzer_drives_the_online_endpoint(server, tmp_path):
     """The sweep's online input (U one-user requests of ragged n) through perf_analyzer: no error, and
     the server coalesced its 15 requests in flight."""
-    from perf_sweep import Profile, run_perf_analyzer
-
     from ikbo_backend.perf.inputs import candidates_per_request, ensure_online_config
+    from ikbo_backend.perf.perf_analyzer import Profile, run_perf_analyzer
 
     model = "ikbo_ranker_online"
     data = ensure_online_config("u15_b1024", tmp_path)

@@ -153,7 +153,7 @@ def test_server_times_between_snapshots_count_only_that_step(server):
     from ikbo_backend.client import client_module, infer_inputs
     from ikbo_backend.perf import server_stats
     from ikbo_backend.ranker import RankerConfig
-    from ikbo_backend.requests import make_request
+    from ikbo_backend.synthetic import make_request
 
     metrics_url = server.metrics_url
     before = server_stats.server_snapshot(server.http_url, metrics_url)

@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
+from ikbo_backend.paths import REPO_ROOT
 from ikbo_backend.reliability import soak as soak_row
 from ikbo_backend.reliability.broken import broken
 from ikbo_backend.reliability.cases import KINDS
 from ikbo_backend.reliability.fault import fault, fault_server
 from ikbo_backend.reliability.repositories import rankers_repository
 from ikbo_backend.reliability.storm import storm
-from ikbo_backend.serving import REPO_ROOT
 
 SEED = secrets.randbits(31)
 pytestmark = pytest.mark.timeout(600)

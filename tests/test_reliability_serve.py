@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from ikbo_backend.paths import REPO_ROOT
 from ikbo_backend.reliability import RANKERS
 from ikbo_backend.reliability.hardening import hardening
 from ikbo_backend.reliability.kill import kill_stubs
@@ -23,7 +24,6 @@ from ikbo_backend.reliability.load import probe
 from ikbo_backend.reliability.repositories import rankers_repository
 from ikbo_backend.reliability.served import serving, wait_ready
 from ikbo_backend.reliability.shutdown import graceful_shutdown
-from ikbo_backend.serving import REPO_ROOT
 
 EXIT_TIMEOUT = 20
 SERVE = [sys.executable, str(REPO_ROOT / "scripts" / "serve"), "--cpu"]

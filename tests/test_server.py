@@ -13,7 +13,6 @@ import secrets
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,12 +22,13 @@ from tritonclient.utils import InferenceServerException
 
 from ikbo_backend.client import client_module, infer_inputs, infer_scores
 from ikbo_backend.instance_groups import BACKENDS
-from ikbo_backend.model_repository import repository_copy
+from ikbo_backend.paths import REPO_ROOT, load_shape_ranges
 from ikbo_backend.pbtxt import read_config, render
-from ikbo_backend.ranker import RankerConfig, build_ranker, load_weights, make_demo_weights, save_weights
-from ikbo_backend.requests import make_request, to_tensors
-from ikbo_backend.serving import REPO_ROOT, load_shape_ranges
+from ikbo_backend.perf.repository_copy import repository_copy
+from ikbo_backend.ranker import RankerConfig, load_weights, make_demo_weights, save_weights
+from ikbo_backend.synthetic import make_request, to_tensors
 from ikbo_backend.tritonserver import RunningServer, free_port, has_gpu, running_tritonserver, stop, wait_until_ready
+from ikbo_backend.variants import build_ranker
 from kernels.reference import rel_err
 
 SEED = secrets.randbits(32)
@@ -243,8 +243,9 @@ def test_bfloat16_features_cross_the_ensemble(tmp_path, monkeypatch):
     """The large GPU configs pass the float features between ranker_features and the interactions as
     TYPE_BF16 (DLPack through python backend 2.51). The same on a CPU copy of the ikbo_ranker chain:
     scores equal the in-process bf16 chain's and stay within bf16 rounding of fp64."""
+    from ikbo_backend.model_config import FLOAT_FEATURES
     from ikbo_backend.ranker import Features
-    from ikbo_backend.serving import FLOAT_FEATURES, FeatureModel, InteractionModel
+    from ikbo_backend.stages import FeatureModel, InteractionModel
 
     weights_path = tmp_path / "ranker.safetensors"
     weights = make_demo_weights(CFG, seed=SEED)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ikbo_backend.instance_groups import read_config
+from ikbo_backend.paths import REPO_ROOT
+from ikbo_backend.pbtxt import read_config
 from ikbo_backend.perf.serving_ab import Point, Result, copy_model, main, run_order, summary
-from ikbo_backend.serving import REPO_ROOT
 
 
 def test_copy_sets_every_instance_group_and_links_the_tree(tmp_path):

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from ikbo_backend import serving, shape_spec
+from ikbo_backend import shape_spec, stages
+from ikbo_backend.paths import load_shape_ranges
 from ikbo_backend.ranker import RankerConfig, make_demo_weights
 from ikbo_backend.requests import ShapeRanges
-from ikbo_backend.serving import InteractionModel, load_shape_ranges, warmup_sizes
 from ikbo_backend.shape_spec import KEYS, OPS, bucket_representatives, candidate_counts, shape_buckets
+from ikbo_backend.stages import InteractionModel, warmup_sizes
 
 SEED = secrets.randbits(32)
 CFG = RankerConfig()
@@ -74,12 +75,12 @@ def test_warm_up_runs_every_bucket_representative(monkeypatch):
     monkeypatch.setattr(shape_spec, "device_sms", lambda device: 132)
     model = InteractionModel(CFG, make_demo_weights(CFG, seed=1), SERVED, variant="ikbo")
     seen = []
-    make_request = serving.make_request
+    make_request = stages.make_request
     monkeypatch.setattr(
-        serving, "make_request", lambda cfg, u, b, rng: seen.append((u, b)) or make_request(cfg, u, b, rng)
+        stages, "make_request", lambda cfg, u, b, rng: seen.append((u, b)) or make_request(cfg, u, b, rng)
     )
     monkeypatch.setattr(
-        serving, "warmup_sizes", lambda ranges: [(1, 1), (3, 40)]
+        stages, "warmup_sizes", lambda ranges: [(1, 1), (3, 40)]
     )  # the range's far end is slow on a CPU
     model.warm_up()
     representatives = [b.representative for op in OPS for b in shape_buckets(CFG, SERVED, torch.float32, 132)[op]]
@@ -94,8 +95,8 @@ def _compilations(variant_class: str, seed: int) -> tuple[int, list[str]]:
     """In a fresh process: (kernels compiled by the warm-up, kernels compiled by requests after it)."""
     from triton import knobs
 
-    from ikbo_backend.online import OnlineModel
-    from ikbo_backend.requests import make_request
+    from ikbo_backend.stages import OnlineModel
+    from ikbo_backend.synthetic import make_request
 
     compiled = []
     knobs.runtime.jit_post_compile_hook = lambda *, fn, **kwargs: compiled.append(fn.name)

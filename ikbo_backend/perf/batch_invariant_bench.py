@@ -14,10 +14,11 @@ import time
 import numpy as np
 import torch
 
-from ..online import OnlineModel, coalesce, make_online_batch, split_by_user, unbatch
+from ..online import coalesce, split_by_user, unbatch
+from ..paths import ensure_weights, load_shape_ranges, weights_path
 from ..ranker import load_weights
-from ..requests import to_tensors
-from ..serving import ensure_weights, load_shape_ranges, weights_path
+from ..stages import OnlineModel
+from ..synthetic import make_online_batch, to_tensors
 
 VARIANTS = ("ikbo", "baseline")
 PROVIDERS = ("default", "invariant")  # default first: the reference of the ratio

@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..tritonserver import busy_idle_cpus, cpu_wake_latency, running_tritonserver
+from ..idle_cpus import busy_idle_cpus, cpu_wake_latency
+from ..tritonserver import running_tritonserver
 
 
 @contextlib.contextmanager

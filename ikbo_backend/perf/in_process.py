@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from ..ranker import PROFILES
-from ..requests import make_request
+from ..synthetic import make_request
 
 
 def load_served(model: str, config: str):
@@ -23,7 +23,8 @@ def load_served(model: str, config: str):
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
-    from ..serving import MODEL_REPOSITORY, RankerModel
+    from ..paths import MODEL_REPOSITORY
+    from ..stages import RankerModel
 
     path = MODEL_REPOSITORY / model / ("config.pbtxt" if config == "config" else f"configs/{config}.pbtxt")
     parsed = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
@@ -45,7 +46,7 @@ def in_process(
     (a server's cadence: a host's idle states can slow the call's host work after a gap)."""
     import torch
 
-    from ..requests import to_tensors
+    from ..synthetic import to_tensors
 
     cuda = torch.cuda.is_available()
     reserved = torch.cuda.memory_reserved() if cuda else 0
@@ -82,8 +83,9 @@ def idle_cost(gaps_ms: list[float], repeats: int, profile: str, seed: int | None
     2048³ matmuls on random operands, timed by CUDA events, enqueued right after the sleep)."""
     import torch
 
-    from ..requests import to_tensors, validate_request
-    from ..serving import load_shape_ranges
+    from ..paths import load_shape_ranges
+    from ..requests import validate_request
+    from ..synthetic import to_tensors
 
     cfg, ranges, rng = PROFILES[profile], load_shape_ranges(), np.random.default_rng(seed)
     requests = [to_tensors(make_request(cfg, 15, 1024, rng)) for _ in range(4)]

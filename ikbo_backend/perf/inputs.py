@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..online import ONLINE_INPUT_NAMES, make_online_batch, split_by_user
+from ..online import ONLINE_INPUT_NAMES, split_by_user
 from ..ranker import RankerConfig
-from ..requests import INPUT_NAMES, input_widths, make_request
+from ..requests import INPUT_NAMES, input_widths
+from ..synthetic import make_online_batch, make_request
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = ROOT / "perf_configs"

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..client import infer_scores
 from ..ranker import PROFILES
-from ..requests import make_request
+from ..synthetic import make_request
 from .inputs import DEFAULT_DIR, ensure_config
 from .perf_analyzer import Profile, run_perf_analyzer, to_result
 from .prometheus import METRICS_SETTLE_S

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 
 from ..cuda_graphs import GraphedInteraction
-from ..ranker import build_ranker, load_weights
-from ..requests import make_request, to_tensors
-from ..serving import REPO_ROOT, ensure_weights, load_shape_ranges, weights_path
+from ..paths import REPO_ROOT, ensure_weights, load_shape_ranges, weights_path
+from ..ranker import load_weights
+from ..synthetic import make_request, to_tensors
+from ..variants import build_ranker
 from .inputs import mix_shape
 
 PROVIDERS = ("baseline", "ikbo")  # baseline first: the reference of every ratio

@@ -17,10 +17,9 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from ..instance_groups import INPROCESS_BACKEND, read_config
-from ..serving import MODEL_REPOSITORY
-
-SHAPE_RANGES = "shape_ranges.json"
+from ..instance_groups import on_backend
+from ..paths import MODEL_REPOSITORY, SHAPE_RANGES_FILE
+from ..pbtxt import read_config
 
 
 def served_config(model_dir: Path, config: str | None) -> Path:
@@ -47,8 +46,8 @@ def copy_models(
         if follow_steps:
             served = read_config(served_config(repository / name, config))
             pending += [step.model_name for step in served.ensemble_scheduling.step]
-    if (source / SHAPE_RANGES).exists():
-        shutil.copy2(source / SHAPE_RANGES, repository)
+    if (source / SHAPE_RANGES_FILE).exists():
+        shutil.copy2(source / SHAPE_RANGES_FILE, repository)
     return copied
 
 
@@ -66,14 +65,11 @@ def set_instances(path: Path, count: int, gpu_only: bool = False) -> None:
 
 def use_python_backend(path: Path) -> None:
     """Config `path` on Triton's python backend where it names python_inprocess."""
-    config = read_config(path)
-    if config.backend == INPROCESS_BACKEND:
-        config.backend = "python"
-        path.write_text(text_format.MessageToString(config))
+    path.write_text(text_format.MessageToString(on_backend(read_config(path), "python")))
 
 
 @contextlib.contextmanager
-def repository_copy(models, prefix: str):
+def repository_copy(models, prefix: str = "model-repository-"):
     """A temporary model repository holding a copy of `models` of model_repository/ (and shape_ranges.json)."""
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         repository = Path(tmp) / "model_repository"

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..serving import REPO_ROOT
+from ..paths import REPO_ROOT
 from ..tritonserver import TritonServerError, free_port, stop, wait_until_ready
 from .perf_analyzer import server_side_us
 from .repository_copy import copy_models, served_config, set_instances

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..requests import CAND_INPUTS, INPUT_DTYPES, INPUT_NAMES, USER_INPUTS, make_request
-from ..serving import load_shape_ranges
+from ..paths import load_shape_ranges
+from ..requests import CAND_INPUTS, INPUT_DTYPES, INPUT_NAMES, USER_INPUTS
+from ..synthetic import make_request
 from . import CFG, RANKERS
 
 RANGES = load_shape_ranges()

@@ -8,8 +8,8 @@ import os
 import numpy as np
 
 from ..client import client_module, infer_inputs
-from ..requests import make_request
-from ..serving import TEST_FAULT_PARAMETER, TEST_FAULTS_ENV
+from ..python_model import TEST_FAULT_PARAMETER, TEST_FAULTS_ENV
+from ..synthetic import make_request
 from ..tritonserver import running_tritonserver
 from . import CFG, PROTOCOLS, RANKERS
 

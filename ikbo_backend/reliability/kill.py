@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..serving import MODEL_REPOSITORY
-from ..tritonserver import shm_segments, stub_states
+from ..paths import MODEL_REPOSITORY
+from ..process_tree import shm_segments, stub_states
 from . import RANKERS, SERVED_STAGES
 from .load import Load, http_resends, probe
 from .served import Served, _alive, _metrics_url, orphan_stubs, replica_successes, wait_ready

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..client import infer_inputs
 from ..ranker import RankerConfig
-from ..requests import make_request
+from ..synthetic import make_request
 from . import CFG
 
 

@@ -100,7 +100,8 @@ def batch_isolation(server, rounds: int, seed: int, users: int = 24) -> dict:
     else rel err <= 1e-5 to it (a batch runs the matmuls at another M, which changes the last bits);
     the count of bit-identical answers and the max rel err are reported either way. Every bad request:
     a 400 naming its input."""
-    from ikbo_backend.online import make_online_batch, split_by_user
+    from ikbo_backend.online import split_by_user
+    from ikbo_backend.synthetic import make_online_batch
 
     rng = np.random.default_rng(seed)
     url_of = lambda protocol: server.http_url if protocol == "http" else server.grpc_url  # noqa: E731
@@ -166,7 +167,8 @@ def queue_full(server, bursts: int, burst: int = 48, candidates: int = 512, p99_
     """`bursts` bursts of `burst` simultaneous one-user requests (`candidates` each) to
     ikbo_ranker_online over HTTP: the overflow is answered 503 "Exceeds maximum queue size", the
     others succeed; p99 latency of the accepted ones stays below `p99_bound_s`."""
-    from ikbo_backend.online import make_online_batch, split_by_user
+    from ikbo_backend.online import split_by_user
+    from ikbo_backend.synthetic import make_online_batch
 
     model, rng = "ikbo_ranker_online", np.random.default_rng(0)
     requests = split_by_user(make_online_batch(CFG, burst, burst * candidates, rng))

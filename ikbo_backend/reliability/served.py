@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..paths import REPO_ROOT
 from ..perf.prometheus import scrape
-from ..serving import REPO_ROOT
 from ..tritonserver import ADMIN_KEY_ENV, TritonServerError, free_port, is_ready, metrics_started, port_taken
 from . import RANKERS
 from .load import probe

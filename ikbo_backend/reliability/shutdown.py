@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..tritonserver import shm_segments
+from ..process_tree import shm_segments
 from .load import Load
 from .served import Served
 

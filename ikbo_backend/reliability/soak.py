@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from ..perf.gpu_memory import gpu_memory_used_mib
+from ..process_tree import tree_rss_bytes
 from ..ranker import RankerConfig
-from ..tritonserver import tree_rss_bytes
 from . import CFG
 from .load import Load, measure_peak
 

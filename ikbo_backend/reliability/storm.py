@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from ..client import client_module, infer_inputs
-from ..requests import make_request
+from ..synthetic import make_request
 from . import CFG, CLIENT_ERRORS, PROTOCOLS, RANKERS
 from .cases import Case, malformed_cases
 
