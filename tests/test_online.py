@@ -14,6 +14,7 @@ fail alone, and perf_analyzer drives the endpoint with the sweep's online input.
 are fresh random each run: the seed is in every failure message.
 """
 
+import math
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -283,7 +284,7 @@ def test_batch_invariant_mode_answers_each_request_as_if_alone(invariant_models,
             f"{variant}: request {index} of {counts}: max |batched - solo| {difference:.2e} (seed {seed})"
         )
     scores = merge_scores(request, [a.numpy() for a in batched])
-    assert rel_err(torch.tensor(scores), torch.tensor(fp64_scores(weights, request))) <= 1e-5, (
+    assert rel_err(torch.tensor(scores), torch.tensor(fp64_scores(weights, request)), ord=math.inf) <= 1e-5, (
         f"{variant} (seed {seed})"
     )
 
@@ -316,7 +317,7 @@ def test_batches_are_cut_at_the_candidate_range(small_weights):
     features, interaction = build_ranker("ikbo", SMALL, small_weights)
     want = interaction(features(**to_tensors(request))).numpy()
     got = merge_scores(request, [r.outputs["scores"].numpy() for r in responses])
-    assert rel_err(torch.tensor(got), torch.tensor(want)) <= 1e-5
+    assert rel_err(torch.tensor(got), torch.tensor(want), ord=math.inf) <= 1e-5
 
 
 def test_an_internal_error_fails_its_batch_only_and_hides_details(small_weights, monkeypatch):
@@ -449,7 +450,7 @@ def test_concurrent_requests_are_coalesced_and_answered_alone_correctly(server, 
         assert not isinstance(scores, Exception), f"request {index}: {scores} (seed {SEED})"
         want = solo_scores(reference, model, one)
         assert scores.shape == (1, *want.shape), f"request {index}: {scores.shape} (seed {SEED})"
-        err = rel_err(torch.tensor(scores[0]), torch.tensor(want))
+        err = rel_err(torch.tensor(scores[0]), torch.tensor(want), ord=math.inf)
         assert err <= 1e-5, f"{model} request {index}: rel err {err:.2e} (seed {SEED})"
         if not GPU:  # batch-invariant mode: bit-identical to the request scored alone
             assert np.array_equal(scores[0], want), f"{model} request {index}: rel err {err:.2e} (seed {SEED})"
@@ -480,7 +481,7 @@ def test_bad_requests_interleaved_with_good_ones_fail_alone(server, reference, p
         if want is None:
             assert not isinstance(answer, Exception), f"good request {index} failed: {answer} (seed {SEED})"
             solo = solo_scores(reference, model, requests[index])
-            err = rel_err(torch.tensor(answer[0]), torch.tensor(solo))
+            err = rel_err(torch.tensor(answer[0]), torch.tensor(solo), ord=math.inf)
             assert err <= 1e-5, f"request {index}: rel err {err:.2e} (seed {SEED})"
             assert GPU or np.array_equal(answer[0], solo), f"request {index}: rel err {err:.2e} (seed {SEED})"
         else:
