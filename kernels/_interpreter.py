@@ -22,10 +22,9 @@ def interpreting() -> bool:
 
 def _fix_scalar_index() -> None:
     """triton 3.6's interpreter turns a scalar tensor into a Python int with `int(array)`, which numpy >= 2.4 refuses
-    for 1-element arrays ("only 0-dimensional arrays can be converted to Python scalars",
-    https://github.com/triton-lang/triton/issues/9171), so every `tl.range` over a runtime bound fails. This applies
-    the upstream one-line change (https://github.com/triton-lang/triton/pull/9172); under numpy < 2.4 it also
-    silences each conversion's DeprecationWarning. Idempotent."""
+    for 1-element arrays ("only 0-dimensional arrays can be converted to Python scalars"), so every `tl.range` over a
+    runtime bound fails. This applies the upstream one-line change (https://github.com/triton-lang/triton/pull/9172);
+    under numpy < 2.4 it also silences each conversion's DeprecationWarning. Idempotent."""
     global _fixed
     import triton.runtime.interpreter as interpreter
 
