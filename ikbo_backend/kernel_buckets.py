@@ -18,7 +18,7 @@ buffers 16-byte aligned for any B (attention's plan buffer), so a request's (U, 
   model takes the torch path, one key "torch"): the tile config `pick_config(B·S/U + L)`: key (BLOCK_M,).
 On a CPU both ops run torch: one bucket each, and the warm-up is the range's ends and middle
 (`serving.warmup_sizes`). Tensor descriptors are specialized on their block shape only (constant
-per config). tests/test_shape_spec.py checks the enumeration against every (U, B) of a range, and
+per config). tests/test_kernel_buckets.py checks the enumeration against every (U, B) of a range, and
 on a GPU counts compilations during requests after the warm-up (it must be 0); `CompileCounter`
 (ikbo_backend/compile_counter.py) counts them in a served model's process.
 """
@@ -84,7 +84,7 @@ def candidate_counts(ranges: ShapeRanges) -> list[int]:
     """The B values enumerated: all up to EXHAUSTIVE_CANDIDATES, then those ≡ -1, 0, 1 (mod 16).
     Above that bound the keys change at default_variant's B ≥ 32·U (a multiple of 16) and at
     pick_config's thresholds on B·S/U, whose tile bands are far wider than 16 candidates (B ≤ 256
-    lies below): tests/test_shape_spec.py checks."""
+    lies below): tests/test_kernel_buckets.py checks."""
     low, high = ranges.candidates
     counts = set(range(low, min(high, EXHAUSTIVE_CANDIDATES) + 1))
     for base in range(EXHAUSTIVE_CANDIDATES - EXHAUSTIVE_CANDIDATES % 16, high + 2, 16):

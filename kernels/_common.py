@@ -1,4 +1,4 @@
-"""Shared pieces of the IKBO ops: input checks, backend choice and the user→candidate combine.
+"""Shared pieces of the IKBO ops: input checks, backend choice, the TMA check and the user→candidate combine.
 
 Every op takes user tensors at U rows, candidate tensors at B rows and `cand_to_user` [B] (int32 or
 int64, values in [0, U)). Nothing here replicates a user tensor to B rows.

@@ -645,8 +645,7 @@ def plan_buffers(num_candidates: int, max_tiles: int, device):
     fill launch on the host's path): `_plan_kernel` writes the flag, the two words after it (the Gluon
     kernel's item counter and finished-program count, attention_ws DYNAMIC; each launch leaves them
     zero) and every tile slot, also when a mapping value is out of range (the attention kernel runs
-    before the host sees the flag; an interpreter memcheck found loads out of bounds when slots were
-    left unwritten). `order` entries of out-of-range candidates stay unwritten; no tile refers to them."""
+    before the host sees the flag, and an unwritten slot would send it reading out of bounds). `order` entries of out-of-range candidates stay unwritten; no tile refers to them."""
     order_at = 4
     tiles_at = order_at + triton.cdiv(num_candidates, 4) * 4
     buf = torch.empty(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device)
