@@ -4,7 +4,7 @@
   inclusive, and "typical": [[U, B], ...], the common request shapes, warmed up too). tritonserver
   ignores plain files at the repository root; the same numbers drive validation
   (`requests.validate_request`), warm-up (`stages.warmup_sizes`) and kernel precompilation
-  (shape_spec.py).
+  (kernel_buckets.py, autotune.py).
 - weights: the `weights` parameter of a model's config (relative paths from the root of this
   project), else `$IKBO_WEIGHTS`, else `<repo>/weights/ranker.safetensors`; a missing file is created
   with random weights (seed 0) of the config's `profile` parameter (ranker.PROFILES, default "demo").

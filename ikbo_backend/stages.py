@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .autotune import bucket_representatives
 from .cuda_graphs import GraphedInteraction, GraphedRanker
 from .model_config import (
     FEATURE_NAMES,
@@ -47,7 +48,6 @@ from .requests import (
     check_request_values,
     validate_request,
 )
-from .shape_spec import bucket_representatives
 from .synthetic import make_request, to_tensors
 from .variants import COMPUTE_DTYPES, build_ranker
 
@@ -104,7 +104,7 @@ class ServedStage:
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
         """(U, B): the declared range's ends and middle, then one shape per Triton shape bucket of
-        each op on this device (ikbo_backend/shape_spec.py; none on a CPU)."""
+        each op on this device (ikbo_backend/kernel_buckets.py; none on a CPU)."""
         dtype = getattr(self, "compute_dtype", torch.float32)
         buckets = bucket_representatives(self.cfg, self.ranges, self.device, dtype, graphs=self.replays_graphs())
         return list(dict.fromkeys(warmup_sizes(self.ranges) + buckets))

@@ -1,4 +1,4 @@
-"""Shared pieces of the IKBO ops: input checks, backend choice and the user→candidate combine.
+"""Shared pieces of the IKBO ops: input checks, backend choice, the TMA check and the user→candidate combine.
 
 Every op takes user tensors at U rows, candidate tensors at B rows and `cand_to_user` [B] (int32 or
 int64, values in [0, U)). Nothing here replicates a user tensor to B rows.
@@ -6,35 +6,13 @@ int64, values in [0, U)). Nothing here replicates a user tensor to B rows.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
-
-# Sparse CSR is stable enough for the one product used here; silence its "beta" notice once.
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
-
-
-def fix_interpreter_scalar_index() -> None:
-    """Under TRITON_INTERPRET=1: triton 3.6's interpreter turns a scalar tensor into a Python int with
-    `int(array)`, which numpy >= 2.4 refuses for 1-element arrays ("only 0-dimensional arrays can be
-    converted to Python scalars", triton-lang/triton#9171, fixed after 3.6 by #9172), so every `tl.range`
-    over a runtime bound fails. The project pins numpy < 2, but GPU machines' torch environments carry
-    numpy >= 2.4: this applies #9172's one-line change (idempotent). Under numpy < 2.4 it also silences
-    the DeprecationWarning of each such conversion."""
-    import triton.runtime.interpreter as interpreter
-
-    if getattr(interpreter, "_ikbo_index_fix", False):
-        return
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_fixed(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patch_tensor_fixed
-    interpreter._ikbo_index_fix = True
+INDEX_TYPES = (torch.int32, torch.int64)
 
 
 def check_tensor(name: str, t, rank: int, dtypes=None) -> None:
@@ -63,12 +41,23 @@ def _within(values: torch.Tensor, low: int, high: int) -> bool:
     return bool((lowest >= low) & (highest <= high))
 
 
+def _check_index_shape(name: str, t, length: int, length_name: str, device: torch.device) -> None:
+    """The checks of an index tensor that need no values (no device→host wait): rank 1, int32/int64, `length`
+    entries, on `device`."""
+    check_tensor(name, t, 1, INDEX_TYPES)
+    check_same(name, t.shape[0], length_name, length)
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
 def check_mapping_shape(cand_to_user, num_candidates: int, device: torch.device) -> None:
-    """The checks of check_mapping that need no values (no device→host wait): rank, dtype, length, device."""
-    check_tensor("cand_to_user", cand_to_user, 1, (torch.int32, torch.int64))
-    check_same("cand_to_user", cand_to_user.shape[0], "B (rows of the candidate tensor)", num_candidates)
-    if cand_to_user.device != device:
-        raise ValueError(f"cand_to_user: expected device {device}, got {cand_to_user.device}")
+    """The checks of check_mapping that need no values: rank, dtype, length, device."""
+    _check_index_shape("cand_to_user", cand_to_user, num_candidates, "B (rows of the candidate tensor)", device)
+
+
+def check_kv_len_shape(kv_len, num_users: int, device: torch.device) -> None:
+    """The checks of check_kv_len that need no values: rank, dtype, length, device."""
+    _check_index_shape("kv_len", kv_len, num_users, "U (rows of k)", device)
 
 
 def check_mapping(cand_to_user, num_candidates: int, num_users: int, device: torch.device) -> None:
@@ -101,10 +90,7 @@ def check_kv_len(kv_len, num_users: int, max_len: int, device: torch.device):
     """kv_len: [U] int32/int64 in [0, L], or None for L everywhere. Returns an int64 tensor."""
     if kv_len is None:
         return torch.full((num_users,), max_len, dtype=torch.int64, device=device)
-    check_tensor("kv_len", kv_len, 1, (torch.int32, torch.int64))
-    check_same("kv_len", kv_len.shape[0], "U (rows of k)", num_users)
-    if kv_len.device != device:
-        raise ValueError(f"kv_len: expected device {device}, got {kv_len.device}")
+    check_kv_len_shape(kv_len, num_users, device)
     if num_users and not _within(kv_len, 0, max_len):
         raise ValueError(f"kv_len: values must lie in [0, L={max_len}], got [{int(kv_len.min())}, {int(kv_len.max())}]")
     return kv_len.long()
@@ -121,8 +107,26 @@ def resolve_backend(backend: str, device: torch.device, triton_available: bool) 
     return backend
 
 
+def tma_ok(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can address `t`: non-empty, unit last stride, 16-byte aligned base and strides."""
+    elem = t.element_size()
+    return (
+        t.numel() > 0
+        and t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s * elem % 16 == 0 for s in t.stride()[:-1])
+    )
+
+
+@functools.cache
+def _quiet_sparse_csr_notice() -> None:
+    """Sparse CSR is stable enough for the one product used here: silence its "beta" notice (once, at first use)."""
+    warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+
+
 def selection_matrix(cand_to_user: torch.Tensor, num_users: int, dtype: torch.dtype) -> torch.Tensor:
     """The mapping as a sparse [B, U] CSR matrix P with P[b, m[b]] = 1 (one nonzero per row)."""
+    _quiet_sparse_csr_notice()
     num_candidates = cand_to_user.shape[0]
     device = cand_to_user.device
     return torch.sparse_csr_tensor(
@@ -167,96 +171,3 @@ def group_by_user(cand_to_user: torch.Tensor, num_users: int):
     sorted_users = mapping[order]
     slot = torch.arange(mapping.shape[0], device=mapping.device) - starts[sorted_users]
     return order, counts, slot
-
-
-def compile_gluon_without_gpu(kernel, runtime_args: dict, constexprs: dict, options: dict, capability: int = 90):
-    """Compile the Gluon (or plain Triton) `kernel` for CUDA sm_<capability> on a machine without a GPU:
-    CPU tensors and host descriptors in `runtime_args` stand in for the arguments and the JIT's own
-    specialization rules give the signature; `constexprs` by name. Returns the CompiledKernel
-    (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump)."""
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
-    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
-
-    signature, attrs, constants = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            constants[(index,)] = constexprs[name]
-            continue
-        specialize = not kernel.params[index].do_not_specialize
-        kind, key = native_specialize_impl(BaseBackend, runtime_args[name], False, specialize, True)
-        signature[name] = kind
-        if isinstance(key, str):
-            attrs[(index,)] = BaseBackend.parse_attr(key)
-    source = (GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource)(
-        kernel, signature, constants, attrs
-    )
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
-
-
-def disassemble(compiled) -> tuple[str, str] | None:
-    """(SASS, resource usage) of a CompiledKernel's cubin from cuobjdump (the Triton wheel's, else one on PATH);
-    None where there is none."""
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
-    if tool is None:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp, "kernel.cubin")
-        cubin.write_bytes(compiled.asm["cubin"])
-        return tuple(
-            subprocess.run([tool, flag, str(cubin)], capture_output=True, text=True, check=True).stdout
-            for flag in ("-sass", "-res-usage")
-        )
-
-
-def install_standin_driver(multiprocessors: int = 132, capability: int = 90) -> None:
-    """Make Triton's active driver a stand-in for an sm_<capability> GPU whose launcher does nothing, on a machine
-    without one. Kernels launched on CPU tensors then go through Triton's real binder, argument specialization and
-    compile (the wheel's ptxas included), and do not run. The Gluon kernels' device queries answer for that GPU.
-    For tools and tests only (tests/test_gpu_compile.py, scripts/bench_attention.py --host-cpu); it is not undone:
-    without a GPU, Triton's own driver cannot be made again."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
-    from . import attention_ws, linear_compress_ws
-
-    class Utils:
-        def load_binary(self, name, kernel, shared, device):
-            return 1, 1, 128, 0, 1024  # module, function, registers, spills, max threads
-
-        def get_device_properties(self, device):
-            return {"max_shared_mem": 232448, "multiprocessor_count": multiprocessors}
-
-    class StandIn:
-        utils = Utils()
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", capability, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def launcher_cls(self, src, metadata):
-            return lambda *args: None
-
-    driver.set_active(StandIn())
-    for module in (attention_ws, linear_compress_ws):
-        module._device_info = lambda device: ((capability // 10, capability % 10), multiprocessors)

@@ -27,35 +27,43 @@ attention kernel runs), so that bad indices still raise the ValueError naming th
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; FlashAttention-2
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
 Hopper: attention (no plan given, no tuned tile) goes to the warp-specialized Gluon kernel of
-kernels/attention_ws.py where `attention_ws.prefer_ws` says it was measured faster (bf16/fp16,
+kernels/attention_ws.py at the shapes where it is the faster one (`attention_ws.prefer_ws`: bf16/fp16,
 d ∈ {64, 128}, S ≥ 64, L ≥ 512, ≥ 256 query rows a user), self + target too where its rows are
 16-byte aligned (`self_target_ws_ok`) and, with kv_len, from L = 1024; and wherever a tuned choice says
-`WS_CHOICE`; the rest here.
-Measurements, what was tried and what worked: docs/notes/attention.md.
+`WS_CHOICE`; the rest here. Design and measurements: docs/design/attention.md.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import HostReadback, check_kv_len, check_mapping, check_same, check_tensor, group_by_user, resolve_backend
+from ._common import (
+    HostReadback,
+    check_kv_len,
+    check_kv_len_shape,
+    check_mapping,
+    check_mapping_shape,
+    check_same,
+    check_tensor,
+    group_by_user,
+    resolve_backend,
+)
+from ._interpreter import interpreting
+from .configs import TileConfig, tuned_config
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float16, torch.bfloat16)
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
-_TUNED: dict = {}  # (device, dtype, H, L, S, d, with self-attention) → lookup(U, B) → TileConfig, WS_CHOICE or None
-# A tuned choice (`set_tuned_configs`, `_launch(config=...)`): the Gluon warp-specialized kernel of
+# A tuned choice (configs.set_tuned_configs, `_launch(config=...)`): the Gluon warp-specialized kernel of
 # kernels/attention_ws.py wherever it runs the inputs (not only at `prefer_ws`'s shapes), else `pick_config`.
-WS_CHOICE = "gluon-ws"
+WS_CHOICE = "warp_specialized"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,48 +71,17 @@ WS_CHOICE = "gluon-ws"
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    """BLOCK_M query rows × BLOCK_N keys per step; warps, software-pipeline depth of the K/V loop,
-    register cap per thread (128 lets two 8-warp programs share an SM), Triton's warp specialization.
-    (The loop options lazy_rescale, exp2_emu and persistent, measured no faster on the H200, were removed on
-    2026-12-01: docs/notes/attention.md.)"""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    maxnreg: int | None = None
-    warp_specialize: bool = False
-
-
 def pick_config(rows_per_user: float, interpret: bool) -> TileConfig:
     """Tiles by packed query rows per user (B·S/U, plus L with self-attention). 128-row tiles with
     ≤ 128 registers, so that two 8-warp programs share an SM and one's softmax overlaps the other's
-    matrix products (the best of TUNE_CONFIGS in scripts/bench_attention.py on the H200: 0.347 ms at
-    the canonical shape, against 0.397 for one program per SM); 64-row tiles when a user has few
-    query rows (the K/V pass is then memory-bound and smaller tiles waste less). Causal self tiles
-    need BLOCK_N | BLOCK_M, which both satisfy."""
+    matrix products (faster at the canonical shape than one program per SM); 64-row tiles when a user
+    has few query rows (the K/V pass is then memory-bound and smaller tiles waste less). Causal self
+    tiles need BLOCK_N | BLOCK_M, which both satisfy."""
     if interpret:
-        return TileConfig(16, 16, 4, 1)
+        return TileConfig(16, 16, num_warps=4, num_stages=1)
     if rows_per_user <= 64:
-        return TileConfig(64, 64, 4, 2)
-    return TileConfig(128, 64, 8, 2, maxnreg=128)
-
-
-def set_tuned_configs(
-    device, dtype: torch.dtype, dims: tuple[int, int, int, int], lookup, self_attention: bool = True
-) -> None:
-    """Tuned configs for inputs on `device` (with its index, e.g. cuda:0) in `dtype` with dims
-    (H, L, S, d), for `ikbo_self_target_attention` (`self_attention`) or `ikbo_attention`: the Triton
-    path launches `lookup(U, B)`; where it returns None, or nothing is set, `pick_config`.
-    `lookup=None` removes them. ikbo_backend/shape_spec.py sets this from the configs tuned per
-    shape bucket at model load."""
-    key = (torch.device(device), dtype, *dims, self_attention)
-    if lookup is None:
-        _TUNED.pop(key, None)
-    else:
-        _TUNED[key] = lookup
+        return TileConfig(64, 64, num_warps=4, num_stages=2)
+    return TileConfig(128, 64, num_warps=8, num_stages=2, maxnreg=128)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,7 +418,7 @@ def _target_tile(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-# any U, B: one kernel per tile config; seq_len too: at L = 1 Triton made it a constant and ptxas died (SIGSEGV)
+# any U, B: one kernel per tile config; seq_len too: at L = 1 Triton would make it a constant, on which ptxas fails
 @triton.jit(do_not_specialize=["num_users", "seq_len", "num_self_tiles"])
 def _attention_kernel(
     q_ptr,  # [B, H, S, D] candidate queries
@@ -613,14 +590,9 @@ def _self_attention_torch(user_q, k, v, kv_len, causal, scale):
     return out.masked_fill(~valid_rows[:, None, :, None], 0.0)
 
 
-def interpreting() -> bool:
-    """True when the kernels were built under TRITON_INTERPRET=1 (they then run on CPU tensors)."""
-    return isinstance(_attention_kernel, InterpretedFunction)
-
-
 def _choose_backend(backend, k) -> str:
     """ "auto" → Triton for CUDA bf16/fp16 with d ∈ TRITON_HEAD_DIMS, else torch; "triton" insists."""
-    runnable = k.device.type == "cuda" or interpreting()
+    runnable = interpreting() or k.device.type == "cuda"
     chosen = resolve_backend(backend, k.device if runnable else torch.device("cpu"), triton_available=True)
     if backend == "auto" and chosen == "triton" and (k.dtype not in TRITON_TYPES or k.shape[3] not in TRITON_HEAD_DIMS):
         return "torch"
@@ -673,8 +645,7 @@ def plan_buffers(num_candidates: int, max_tiles: int, device):
     fill launch on the host's path): `_plan_kernel` writes the flag, the two words after it (the Gluon
     kernel's item counter and finished-program count, attention_ws DYNAMIC; each launch leaves them
     zero) and every tile slot, also when a mapping value is out of range (the attention kernel runs
-    before the host sees the flag; an interpreter memcheck found loads out of bounds when slots were
-    left unwritten). `order` entries of out-of-range candidates stay unwritten; no tile refers to them."""
+    before the host sees the flag, and an unwritten slot would send it reading out of bounds). `order` entries of out-of-range candidates stay unwritten; no tile refers to them."""
     order_at = 4
     tiles_at = order_at + triton.cdiv(num_candidates, 4) * 4
     buf = torch.empty(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device)
@@ -723,9 +694,9 @@ def _launch(
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if user_q is not None and user_out is None:
         user_out = torch.empty_like(user_q, memory_format=torch.contiguous_format)
-    if config is None and _TUNED:
-        lookup = _TUNED.get((q.device, q.dtype, heads, seq_len, num_queries, head_dim, user_q is not None))
-        config = lookup(num_users, num_candidates) if lookup is not None else None
+    if config is None:
+        dims = (heads, seq_len, num_queries, head_dim, user_q is not None)
+        config = tuned_config("attention", q.device, q.dtype, dims, num_users, num_candidates)
     if (config is None or config == WS_CHOICE) and plan is None and not interpreting():
         from .attention_ws import (  # here: attention_ws imports this module
             launch_ws,
@@ -734,7 +705,7 @@ def _launch(
             ws_supported,
         )
 
-        # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it was measured faster (`prefer_ws`), or wherever
+        # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it is the faster kernel (`prefer_ws`), or wherever
         # tuned; self tiles where rows align
         if config is None:
             takes_ws = prefer_ws(q, k, kv_len, user_q is not None)
@@ -794,22 +765,12 @@ def _launch(
     return out, user_out, flag
 
 
-def _check_index_shapes(cand_to_user, kv_len, num_candidates, k):
-    """The checks of check_mapping / check_kv_len that need no values (no device→host sync): rank,
-    dtype, length and device. The Triton path runs these before launching and the value checks
-    only when the plan kernel flagged a value out of range, so a call waits for the device once."""
-    for name, t, length, what in (("cand_to_user", cand_to_user, num_candidates, "B (rows of the candidate tensor)"),
-                                  ("kv_len", kv_len, k.shape[0], "U (rows of k)")):  # fmt: skip
-        if t is None:
-            continue
-        check_tensor(name, t, 1, (torch.int32, torch.int64))
-        check_same(name, t.shape[0], what, length)
-        if t.device != k.device:
-            raise ValueError(f"{name}: expected device {k.device}, got {t.device}")
-
-
 def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):
-    _check_index_shapes(cand_to_user, kv_len, q.shape[0], k)
+    # The checks that need no values (no device→host sync) before the launch; the value checks only when the plan
+    # kernel flagged a value out of range, so a call waits for the device once.
+    check_mapping_shape(cand_to_user, q.shape[0], k.device)
+    if kv_len is not None:
+        check_kv_len_shape(kv_len, k.shape[0], k.device)
     if k.shape[0] == 0:  # no users, so no candidates either (checked above)
         return torch.zeros_like(q), None if user_q is None else torch.zeros_like(user_q)
     # The one wait for the device (for the plan's flag), then the checks that name the bad value.

@@ -3,71 +3,52 @@
 Math (as `kernels.attention.ikbo_attention`): out[b] = softmax(scale · q[b] · k[u]ᵀ, keys j < kv_len[u]) · v[u],
 u = cand_to_user[b]; q [B, H, S, d], k/v [U, H, L, d] → out [B, H, S, d]. K/V never replicated.
 
-Why a second kernel: the Triton kernel of attention.py is FlashAttention-2: within a warpgroup the
-softmax (MUFU exp2, row reductions) and the wgmmas run one after the other, and Triton 3.6 neither
-warp-specializes it nor keeps a prefetched q·kᵀ in flight (docs/notes/attention.md). Here the
-schedule is written out (FlashAttention-3, Shah et al. 2024, https://arxiv.org/abs/2407.08608):
+Why a second kernel: the Triton kernel of attention.py is FlashAttention-2: within a warpgroup the softmax (MUFU
+exp2, row reductions) and the wgmmas run one after the other, and Triton 3.6 neither warp-specializes it nor keeps
+a prefetched q·kᵀ in flight. Here the schedule is written out (FlashAttention-3, Shah et al. 2024,
+https://arxiv.org/abs/2407.08608):
 
 Kernel `_attention_ws_kernel`, persistent (one program per SM), work items (tile, head). Tiles come from
-attention.py's `_plan_kernel` at BLOCK_M = 128 packed "virtual rows" of one user (candidate-major, S
-tokens each). Items are handed out in one of two ways (`WSAttentionConfig.dynamic`):
-    static: program p runs items p, p + programs, … in attention.py's grid order (tiles of one user
-        adjacent, heads slow); the default where every item has the same length (no kv_len, no self tiles).
-    dynamic: the producer asks an atomic counter in the plan's buffer for the next item's ticket (an item
-        ahead, so it never waits for the answer), target items first, then the self tiles longest first;
-        the last program to finish sets the counter back to zero. The default with kv_len or self tiles.
-    producer partition, 1 warp: for each work item, its 128 q-row and output-row offsets into shared
-        memory and the q rows themselves into a 2-slot buffer per warpgroup, with the item's (kv_len,
-        keys to visit, first self row) for the consumers. Where each warpgroup's 64 rows are one
-        contiguous run (ROWS_TMA: S a multiple of 64, q and out contiguous, no self tiles) they come by one
-        TMA load per warpgroup, an item ahead: item i+1's during item i's K/V block 2 (`_producer_rows_tma`);
-        else by cp.async (16-byte copies, gathered by pointer) before the item's first K/V block. Then TMA
-        loads of the user's K and V blocks [BLOCK_N, d] into a STAGES-deep ring, K and V with their own
-        ready/empty mbarriers, so a K slot is refilled as soon as both consumers' q·kᵀ has read it. After
-        its last item it tells the consumers there are no more.
-    two consumer warpgroups (the default partition and a 4-warp worker, the same code): warpgroup w
-        owns rows [64·w, 64·w + 64) of each item's tile; per key block j it issues q·k_jᵀ (async wgmma)
-        and P_{j-1}·V_{j-1} (async wgmma, P from registers), runs the online softmax of block j (base 2,
-        fp32), waits for P_{j-1}·V_{j-1} and rescales. The two warpgroups take turns issuing their
-        wgmmas (pingpong, an mbarrier per warpgroup), so one's softmax runs under the other's products.
-        The output rows (acc · 1/l) go back by one TMA store from the warpgroup's own q buffer with ROWS_TMA
-        (2–8 % faster than the pointer path on the H200, 2026-12-01), whose reading of the buffer is waited for
-        under the next item's q·k₀ᵀ; else scattered by pointer (16-byte stores).
-    Options measured on the H200 no faster than this default and removed on 2026-11-29 (fence,
-        overlap, producer_store, pingpong off) and 2026-11-30 (offset, gather_ahead: both wrong on
-        edge cases, gather_ahead at most 3 % faster; the q gather by the consumers, kept until then for
-        unaligned rows: launch_ws copies those now) and 2026-12-01 (overlap again, intra_overlap: 4 % and
-        2–7 % slower in device time; a 3-deep V ring: level): docs/notes/attention.md.
+attention.py's `_plan_kernel` at BLOCK_M = 128 packed "virtual rows" of one user (candidate-major, S tokens each).
+Items are handed out in one of two ways (`WSAttentionConfig.dynamic`):
+    static: program p runs items p, p + programs, … in attention.py's grid order (tiles of one user adjacent, heads
+        slow); the default where every item has the same length (no kv_len, no self tiles).
+    dynamic: the producer asks an atomic counter in the plan's buffer for the next item's ticket (an item ahead, so
+        it never waits for the answer), target items first, then the self tiles longest first; the last program to
+        finish sets the counter back to zero. The default with kv_len or self tiles.
+    producer partition, 1 warp: for each work item, its 128 q-row and output-row offsets into shared memory and the
+        q rows themselves into a 2-slot buffer per warpgroup, with the item's (kv_len, keys to visit, first self row)
+        for the consumers. Where each warpgroup's 64 rows are one contiguous run (ROWS_TMA: S a multiple of 64, q and
+        out contiguous) they come by one TMA load per warpgroup, an item ahead: item i+1's during item i's K/V
+        block 2 (`_producer_rows_tma`); else by cp.async (16-byte copies, gathered by pointer) before the item's
+        first K/V block. Then TMA loads of the user's K and V blocks [BLOCK_N, d] into a STAGES-deep ring, K and V
+        with their own ready/empty mbarriers, so a K slot is refilled as soon as both consumers' q·kᵀ has read it.
+        After its last item it tells the consumers there are no more.
+    two consumer warpgroups (the default partition and a 4-warp worker, the same code): warpgroup w owns rows
+        [64·w, 64·w + 64) of each item's tile; per key block j it issues q·k_jᵀ (async wgmma) and P_{j-1}·V_{j-1}
+        (async wgmma, P from registers), runs the online softmax of block j (base 2, fp32), waits for
+        P_{j-1}·V_{j-1} and rescales. The two warpgroups take turns issuing their wgmmas (pingpong, an mbarrier per
+        warpgroup), so one's softmax runs under the other's products. The output rows (acc · 1/l) go back by one
+        TMA store from the warpgroup's own q buffer with ROWS_TMA, whose reading of the buffer is waited for under
+        the next item's q·k₀ᵀ; else scattered by pointer (16-byte stores).
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
 
-Self + target (`launch_ws(user_q=..., user_out=...)`, as `ikbo_self_target_attention`): the users' own
-(causal) self-attention tiles of 128 rows, over the same K/V ring: q rows from user_q, by TMA with the target rows
-where `self_rows_by_tma` also holds (L a multiple of 64, user_q and user_out contiguous; 7.8 % faster at the canonical
-shape than gathering, H200 2026-12-01), else gathered (offsets from q_ptr); keys ≤ the row's position and < kv_len
-(masked in the diagonal / last block only), rows past kv_len written as zeros, rows past L not stored. Needs 16-byte
-aligned rows of q, out, user_q, user_out (`self_target_ws_ok`) and 128-key blocks.
-H200, canonical shape, CUDA-graph replays (2026-11-30 08:00 / 08:03 UTC): fused 0.300–0.314 ms with
-dynamic items against 0.307–0.320 for SDPA's causal self plus this kernel's target launch apart (0.97–0.98×),
-and 0.38 for the Triton kernel's fused grid (06:30 UTC). With ragged kv_len (S = 64, B/U 16 and 70,
-L 512 and 1024, d 64 and 128, three calls), the Triton kernel's time over this one's: dynamic items 0.75–1.27 (self +
-target) and 0.93–1.27 (target), the static order 0.64–1.11 and 0.86–1.22; so `prefer_ws` sends self +
-target with kv_len here only from L = 1024 (0.98–1.27 there). Where it still loses: with < 256 query rows a
-user (padded 128-row tiles), and with short items (L = 512, d = 64: block 0 and the last P·V of an item
-overlap nothing).
-Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}; the public ops take it where
-`prefer_ws` (self tiles: also `self_target_ws_ok`), the tuner where it times fastest (`attention.WS_CHOICE`).
-H200 (2026-11-29): canonical shape 0.255 ms plan + kernel (539 TFLOP/s, 67 % of the matmul rate)
-against 0.333 for the Triton kernel; L = 4096: 609 TFLOP/s (do_bench). With the rows by TMA (2026-12-01): 0.246 ms
-(559 TFLOP/s). In device time (CUPTI) on 2026-12-01 16:49 UTC, with the store wait, 1/l and q an item ahead: plan +
-kernel 0.2220–0.2232 ms (616–619 TFLOP/s). Measurements: docs/perf.md, docs/notes/attention.md.
-Patterns from kernels/linear_compress_ws.py (s6) and Triton's Gluon tutorials 05-wgmma,
-08-warp-specialization.
+Self + target (`launch_ws(user_q=..., user_out=...)`, as `ikbo_self_target_attention`): the users' own (causal)
+self-attention tiles of 128 rows, over the same K/V ring: q rows from user_q, by TMA with the target rows where
+`self_rows_by_tma` also holds (L a multiple of 64, user_q and user_out contiguous), else gathered (offsets from
+q_ptr); keys ≤ the row's position and < kv_len (masked in the diagonal / last block only), rows past kv_len written
+as zeros, rows past L not stored. Needs 16-byte aligned rows of q, out, user_q, user_out (`self_target_ws_ok`) and
+128-key blocks.
+Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}. The public ops take it where `prefer_ws`
+(self tiles: also `self_target_ws_ok`), the tuner where it times fastest (`attention.WS_CHOICE`). Where it loses:
+with < 256 query rows a user (padded 128-row tiles), and with short items (block 0 and the last P·V of an item
+overlap nothing). Design and measurements: docs/design/attention.md.
+Patterns from kernels/linear_compress_ws.py and Triton's Gluon tutorials 05-wgmma, 08-warp-specialization.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -84,12 +65,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import _hopper
 from . import attention as _attn
-from ._common import compile_gluon_without_gpu
+from ._hopper import GLUON_TYPES, smem_layout
 
-WS_TYPES = (torch.float16, torch.bfloat16)
 WS_HEAD_DIMS = (64, 128)
-SMEM_LIMIT = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M)
 TILE_M = 2 * WG_ROWS  # rows per plan tile: two consumer warpgroups
 
@@ -101,7 +81,7 @@ class WSAttentionConfig:
     block_n: int = 128  # keys per step
     stages: int = 2  # K/V ring depth
     # items handed out by an atomic counter (else program p takes p, p + programs, …); None: where items differ
-    # in length (self tiles or kv_len), the only shapes where it measured faster (docs/notes/attention.md)
+    # in length (self tiles or kv_len), the shapes where the counter is the faster order
     dynamic: bool | None = None
     consumer_regs: int = (
         224  # registers per thread of the worker consumer warpgroup (setmaxnreg; the default one gets the rest)
@@ -837,8 +817,8 @@ def _producer_rows_tma(
 ):
     """ROWS_TMA, 1 warp: as `_producer`, with q rows by TMA (a self tile's from user_q) and a work item ahead: item i+1's
     tile entry and row offsets are read as item i starts, and its q rows are loaded right after item i's K/V block 2
-    (after its last block when it has fewer), where the slot is free again (`_release_previous_slot`); 2 % faster at
-    the canonical shape than loading them after all of item i's blocks (H200, 2026-12-01)."""
+    (after its last block when it has fewer), where the slot is free again (`_release_previous_slot`), so the loads
+    overlap item i's blocks."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     it = 0
     i = 0
@@ -1567,29 +1547,20 @@ def _attention_ws_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-@functools.cache
-def _device_info(device: torch.device):
-    props = torch.cuda.get_device_properties(device)
-    return (props.major, props.minor), props.multi_processor_count
-
-
 def ws_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether `_attention_ws_kernel` runs these (checked) inputs: a Hopper GPU, fp16/bf16, d ∈ {64, 128}."""
-    if not k.is_cuda or k.dtype not in WS_TYPES or k.shape[3] not in WS_HEAD_DIMS:
+    if not k.is_cuda or k.dtype not in GLUON_TYPES or k.shape[3] not in WS_HEAD_DIMS:
         return False
-    return _device_info(k.device)[0][0] == 9
+    return _hopper.is_hopper(k.device)
 
 
 MIN_ROWS_PER_USER = 256  # candidate query rows (B·S / U) per user below which the Triton kernel is taken
 
 
 def preferred_shape(num_candidates: int, num_users: int, num_queries: int, seq_len: int) -> bool:
-    """The shapes where this kernel measured faster than the Triton kernel (H200, docs/notes/attention.md):
-    S ≥ 64 and L ≥ 512 (2026-11-29 17:44 and 17:52 UTC: 1.19–1.29×; at S = 8 plan + kernel was host-bound
-    and came out 1.9× faster in one run, 1.8× slower in the other), and at least MIN_ROWS_PER_USER query
-    rows per user (2026-11-30 06:52 UTC, CUDA graphs: at B/U = 1, 64 rows a user, half of every 128-row
-    tile is padding and this kernel took 1.03–1.45× the Triton kernel's time; at B/U ≥ 16, 1024 rows
-    and more, 0.94–1.32× faster, mostly faster; 256 is between the two, not measured)."""
+    """The shapes where this kernel is faster than the Triton kernel (docs/design/attention.md): S ≥ 64 and
+    L ≥ 512, and at least MIN_ROWS_PER_USER query rows per user (with fewer, most of every 128-row tile is
+    padding)."""
     rows_per_user = num_candidates * num_queries / max(num_users, 1)
     return num_queries >= 64 and seq_len >= 512 and rows_per_user >= MIN_ROWS_PER_USER
 
@@ -1599,24 +1570,18 @@ MIN_RAGGED_SELF_SEQ = 1024  # L below which self + target with kv_len takes the 
 
 def prefer_ws(q: torch.Tensor, k: torch.Tensor, kv_len: torch.Tensor | None = None, self_tiles: bool = False) -> bool:
     """Where `kernels.attention`'s Triton path takes this kernel: `ws_supported` and `preferred_shape`; self +
-    target with kv_len only from L = MIN_RAGGED_SELF_SEQ (2026-11-30 07:59–08:09 UTC, H200, S = 64, ragged
-    kv_len, CUDA graphs, three calls, the Triton kernel's time over this one's: L = 1024 0.98–1.27×, L = 512
-    0.75–1.03×)."""
+    target with kv_len only from L = MIN_RAGGED_SELF_SEQ (below it the Triton kernel's fused grid is faster with
+    ragged histories)."""
     if self_tiles and kv_len is not None and k.shape[2] < MIN_RAGGED_SELF_SEQ:
         return False
     return ws_supported(q, k) and preferred_shape(q.shape[0], k.shape[0], q.shape[2], k.shape[2])
-
-
-@functools.cache
-def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def _kv_descriptors(k, v, block_n):
     """Gluon TMA descriptors over attention.kv_2d_views → (k_desc, v_desc, strides)."""
     k, v, rows, strides = _attn.kv_2d_views(k, v)
     block = [block_n, k.shape[3]]
-    layout = _smem_layout(tuple(block), k.dtype)
+    layout = smem_layout(tuple(block), k.dtype)
     descs = [TensorDescriptor(t, [rows, strides[2]], [strides[2], 1], block, layout) for t in (k, v)]
     return descs[0], descs[1], strides
 
@@ -1660,7 +1625,7 @@ def self_rows_by_tma(user_q: torch.Tensor, user_out: torch.Tensor) -> bool:
 def _row_descriptors(q: torch.Tensor, out: torch.Tensor):
     """[B·H·S, d] views of q and out with [64, d] blocks (the q buffers' layout)."""
     head_dim = q.shape[3]
-    layout = _smem_layout((64, head_dim), q.dtype)
+    layout = smem_layout((64, head_dim), q.dtype)
     return [
         TensorDescriptor(t, [t.numel() // head_dim, head_dim], [head_dim, 1], [64, head_dim], layout) for t in (q, out)
     ]
@@ -1731,7 +1696,7 @@ def launch_ws(
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n)
     num_self_tiles = 0 if user_q is None else num_users * triton.cdiv(seq_len, TILE_M)
     num_items = (num_self_tiles + max_tiles) * heads
-    grid = (min(num_items, num_programs or cfg.programs_per_sm * _device_info(q.device)[1]),)
+    grid = (min(num_items, num_programs or cfg.programs_per_sm * _hopper.device_info(q.device)[1]),)
     uq, uo = (q, dest) if user_q is None else (user_q, user_out)
     elem = q.element_size()
     rows_tma = rows_by_tma(q, dest) and (user_q is None or self_rows_by_tma(user_q, user_out))
@@ -1756,77 +1721,3 @@ def launch_ws(
     if dest is not out:
         out.copy_(dest)
     return out, flag
-
-
-def compile_ws(
-    dtype: torch.dtype = torch.bfloat16,
-    head_dim: int = 128,
-    has_kv_len: bool = True,
-    config: WSAttentionConfig | None = None,
-    capability: int = 90,
-    has_self: bool = False,
-    causal: bool = True,
-    rows_tma: bool = True,
-):
-    """Compile `_attention_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
-    arguments; the JIT's own specialization rules give the signature); `rows_tma` as launch_ws takes it where
-    `rows_by_tma` (and with self tiles `self_rows_by_tma`) hold, else the gathered rows. Returns the
-    CompiledKernel: `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
-    cfg = config or DEFAULT_CONFIG
-    cfg = _for_self_tiles(cfg) if has_self else cfg
-    kernel = _attention_ws_kernel
-    num_users, heads, seq_len, num_queries = 15, 4, 1024, 64
-    q = torch.zeros(4, heads, num_queries, head_dim, dtype=dtype)
-    k = torch.zeros(num_users, heads, seq_len, head_dim, dtype=dtype)
-    k_desc, v_desc, (s_u, s_h, s_l) = _kv_descriptors(k, k, cfg.block_n)
-    ints = torch.zeros(64, dtype=torch.int32)
-    runtime_args = dict(
-        q_ptr=q,
-        stride_qb=q.stride(0),
-        stride_qh=q.stride(1),
-        stride_qs=q.stride(2),
-        out_ptr=q,
-        stride_ob=q.stride(0),
-        stride_oh=q.stride(1),
-        stride_os=q.stride(2),
-        k_desc=k_desc,
-        v_desc=v_desc,
-        stride_ku=s_u,
-        stride_kh=s_h,
-        stride_kl=s_l,
-        kv_len_ptr=ints,
-        order_ptr=ints,
-        tile_ptr=ints,
-        sched_ptr=ints,
-        num_items=2108,
-        num_tiles=527,
-        seq_len=seq_len,
-        num_queries=num_queries,
-        qk_scale=0.12,
-        uq_delta=-(2**33),
-        stride_uqu=k.stride(0),
-        stride_uqh=k.stride(1),
-        stride_uql=k.stride(2),
-        uo_delta=2**33,
-        stride_uou=k.stride(0),
-        stride_uoh=k.stride(1),
-        stride_uol=k.stride(2),
-        num_users=num_users,
-        num_self_tiles=num_users * 8 if has_self else 0,
-    )
-    runtime_args["q_desc"], runtime_args["o_desc"] = _row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
-    runtime_args["uq_desc"], runtime_args["uo_desc"] = (
-        _row_descriptors(k, k) if rows_tma and has_self else (runtime_args["q_desc"], runtime_args["o_desc"])
-    )
-    constexprs = dict(
-        HAS_KV_LEN=has_kv_len,
-        STAGES=cfg.stages,
-        CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs,
-        HAS_SELF=has_self,
-        CAUSAL=causal,
-        DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len,
-        ROWS_TMA=rows_tma,
-    )
-    options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
-    return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)

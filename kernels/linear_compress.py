@@ -12,40 +12,37 @@ candidate result through the mapping, never replicated. Per row g both GEMMs are
 output tile is out[g, n0:n0+BLOCK_M, d0:d0+BLOCK_D] and the tiles of one row g are numbered next to
 each other (they share X[g] in L2; the weight stays in L2 throughout).
 
-Triton path, four stages of the IKBO co-design, each selectable (`variant=`):
-    s1  decomposition: user GEMM at U rows → Y_u, candidate GEMM at B rows → out, then a gather-add
-        kernel out[b] += Y_u[m[b]] (+ bias). Plain pointer loads, unpadded weights. Three launches.
-    s2  alignment: weights split and K zero-padded to a multiple of 8 once, at pack time, so every
-        weight row is 16-byte aligned; weight, activation and output tiles move through tensor
-        descriptors (TMA). Still three launches.
-    s3  epilogue fusion (Type II): the candidate GEMM's epilogue reads Y_u[m[b]] and the bias and adds
-        them in registers; the [B, N, D] result is written once. Two launches.
-    s4  one launch: a persistent kernel runs the user tiles first, then the candidate tiles; a
-        candidate tile's epilogue waits on its user tile's flag (set with release semantics after
-        the tile is stored). Loops are software-pipelined across tiles (`flatten=True`). Inside a
-        CUDA-graph capture the op takes s3 (s4's per-call epoch would be frozen into the graph).
-    s6  the candidate GEMM + fused epilogue as a warp-specialized persistent Gluon kernel,
-        `kernels/linear_compress_ws.py` (Hopper, fp16/bf16; s3 where it does not run). On the H200 the
-        fastest variant at every measured B ≥ 256 (canonical 0.253–0.262 ms against s4's 0.350,
-        2026-11-30), slower eager at B = 64 on slow hosts (host time) (docs/notes/lce.md).
-With no `variant` (and nothing tuned), `default_variant(U, B, s6_runs)` picks s6 where it runs and
-B ≥ WS_MIN_CANDIDATES, else s4 or s3, whichever measured faster (H200). The served model's shape
-buckets are keyed on the s3/s4 choice, and its tuner times s6 beside them on a Hopper GPU
-(ikbo_backend/shape_spec.py), so a served model launches what its tuner chose, s6 included.
-Triton 3.6's Hopper warp specialization (`tl.range(..., warp_specialize=True)`) compiles for s2/s3
-but hung on the H200; it is off by default (TileConfig.warp_specialize, docs/notes/lce.md).
+Triton path, one variant per step of the IKBO co-design, each selectable (`variant=`):
+    decomposed  user GEMM at U rows → Y_u, candidate GEMM at B rows → out, then a gather-add kernel
+        out[b] += Y_u[m[b]] (+ bias). Plain pointer loads, unpadded weights. Three launches.
+    aligned  weights split and K zero-padded to a multiple of 8 once, at pack time, so every weight
+        row is 16-byte aligned; weight, activation and output tiles move through tensor descriptors
+        (TMA). Still three launches.
+    fused  epilogue fusion (Type II): the candidate GEMM's epilogue reads Y_u[m[b]] and the bias and
+        adds them in registers; the [B, N, D] result is written once. Two launches.
+    persistent  one launch: a persistent kernel runs the user tiles first, then the candidate tiles; a
+        candidate tile's epilogue waits on its user tile's flag (set with release semantics after the
+        tile is stored). Loops are software-pipelined across tiles (`flatten=True`). Inside a
+        CUDA-graph capture the op takes `fused` (the per-call epoch would be frozen into the graph).
+    warp_specialized  the candidate GEMM + fused epilogue as a warp-specialized persistent Gluon
+        kernel, kernels/linear_compress_ws.py (Hopper, fp16/bf16; `fused` where it does not run).
+With no `variant` (and nothing tuned), `default_variant(U, B, ws_runs)` picks warp_specialized where it
+runs and B ≥ WS_MIN_CANDIDATES, else persistent or fused by B and B/U. The served model's shape buckets
+are keyed on the fused/persistent choice, and its tuner times warp_specialized beside them on a Hopper
+GPU (ikbo_backend/autotune.py), so a served model launches what its tuner chose. Triton's automatic warp
+specialization of the K loop (`TileConfig.warp_specialize`; aligned and fused) is off by default: with
+Triton 3.6 the kernel hangs on Hopper (docs/design/lce.md).
 Y_u is kept in the output dtype. Activations whose rows are not 16-byte aligned (odd D) fall back
 to masked pointer loads inside the same kernels. Ku = 0 skips the user GEMM; Kc = 0 leaves only
 the user term and the bias. fp16 / bf16 inputs use the tensor cores with fp32 accumulation; fp32
 inputs use tf32 (relative error near 3e-4); fp64 has no Triton path ("auto" takes torch for it).
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), linear compression embedding; persistent
-TMA GEMM after Triton's `python/tutorials/09-persistent-matmul.py`.
+TMA GEMM after Triton's `python/tutorials/09-persistent-matmul.py`. Design: docs/design/lce.md.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -61,71 +58,48 @@ from ._common import (
     check_same,
     check_tensor,
     resolve_backend,
+    tma_ok,
 )
+from ._interpreter import interpreting
+from .configs import TileConfig, tuned_config
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
-VARIANTS = ("s1", "s2", "s3", "s4")
-WS_VARIANT = "s6"  # Gluon, warp-specialized (kernels/linear_compress_ws.py): where s6_supported, else s3
+VARIANTS = ("decomposed", "aligned", "fused", "persistent")  # the Triton kernels of this file
+WS_VARIANT = "warp_specialized"  # Gluon (kernels/linear_compress_ws.py): where ws_supported, else fused
 _CONFIG_CHOICE: dict = {}  # (variant, dtype, D, device) → the first config of tile_configs that launched
-_TUNED: dict = {}  # (device, dtype, Ku, Kc, N, D) → lookup(U, B) → (variant, TileConfig) or None: set_tuned_configs
-S4_MIN_CANDIDATES_PER_USER = 32  # default variant, from the H200 sweep (docs/notes/lce.md): see default_variant
-SMALL_BATCH = 256  # at most this many candidates: s4 from B/U ≥ 4 (one launch, less host time)
-WS_MIN_CANDIDATES = 256  # default variant s6 from here where it runs (H200: fastest at every B ≥ 256 measured)
+PERSISTENT_MIN_CANDIDATES_PER_USER = 32  # default_variant: persistent from B/U ≥ 32
+SMALL_BATCH = 256  # at most this many candidates: persistent from B/U ≥ 4 (one launch, less host time)
+WS_MIN_CANDIDATES = 256  # default_variant: warp_specialized from this B up, where it runs
 K_ALIGN = 8  # weight columns padded to a multiple of this at pack time (16 bytes in 16-bit types)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------- configs
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    """Tile shape and launch options shared by the GEMM kernels."""
-
-    block_m: int  # rows of N per tile
-    block_d: int  # columns of D per tile
-    block_k: int
-    num_warps: int = 8
-    num_stages: int = 3
-    warp_specialize: bool = False  # s2, s3: Hopper automatic warp specialization of the K loop (num_warps=4)
-    epilogue_split: bool = False  # epilogue in two [block_m, block_d / 2] halves (less shared memory)
-
-
 def tile_configs(variant: str, dtype: torch.dtype, dim: int):
-    """Configs to try, best first: a [128, min(256, D)] tile with 128-byte K steps and the deepest
+    """TileConfigs to try, best first: a [128, min(256, D)] tile with 128-byte K steps and the deepest
     pipeline that fits, then shallower ones, then a small tile; the first that launches is kept
-    (shared memory decides, see `_triton`). Shared memory at 128 × 256 × 64, bf16 (sm_90a): s3 at
-    4 stages 192 KiB; s4 at 3 stages 208 KiB with the split epilogue (240 KiB whole: over 227 KiB).
+    (shared memory decides, see `_triton`). Shared memory at 128 × 256 × 64, bf16 (sm_90a): fused at
+    4 stages 192 KiB; persistent at 3 stages 208 KiB with the split epilogue (240 KiB whole: over 227 KiB).
     """
-    if _interpreting():
+    if interpreting():
         yield TileConfig(16, 16, 16, num_warps=4, num_stages=1)
         return
     elem = torch.finfo(dtype).bits // 8
     block_d = max(16, min(256, triton.next_power_of_2(dim)))
     block_k = 128 // elem
     num_warps = 8 if block_d >= 128 else 4
-    split = variant == "s4" and block_d >= 64  # s3 on the H200: 0.363 ms whole vs 0.374 ms split
-    stages = {"s1": (3, 2), "s2": (4, 3), "s3": (4, 3), "s4": (3, 2)}[variant]
+    split = variant == "persistent" and block_d >= 64  # fused keeps the whole epilogue: it fits, and is faster
+    stages = {"decomposed": (3, 2), "aligned": (4, 3), "fused": (4, 3), "persistent": (3, 2)}[variant]
     for num_stages in stages:
-        yield TileConfig(128, block_d, block_k, num_warps, num_stages, epilogue_split=split)
-    yield TileConfig(64, min(block_d, 128), block_k, 4, 2)
+        yield TileConfig(128, block_d, block_k, num_warps=num_warps, num_stages=num_stages, epilogue_split=split)
+    yield TileConfig(64, min(block_d, 128), block_k, num_warps=4, num_stages=2)
 
 
-def set_tuned_configs(device, dtype: torch.dtype, dims: tuple[int, int, int, int], lookup) -> None:
-    """Tuned configs for inputs on `device` (with its index, e.g. cuda:0) in `dtype` with dims
-    (Ku, Kc, N, D): the public op with no `variant` launches `lookup(U, B)` = (variant, TileConfig);
-    where it returns None, or nothing is set, `default_variant` and the first config of
-    `tile_configs` that launches. `lookup=None` removes them. ikbo_backend/shape_spec.py sets this
-    from the configs tuned per shape bucket at model load."""
-    key = (torch.device(device), dtype, *dims)
-    if lookup is None:
-        _TUNED.pop(key, None)
-    else:
-        _TUNED[key] = lookup
+def _check_variant(variant) -> None:
+    if variant not in VARIANTS + (WS_VARIANT,):
+        raise ValueError(f"variant: expected one of {VARIANTS + (WS_VARIANT,)}, got {variant!r}")
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -312,7 +286,7 @@ def _tile_epilogue(
 def _lce_tile_kernel(
     w_ptr,
     w_desc,
-    stride_wn,  # weight [N, K] (s1: unpadded, pointers; s2+: padded copy, descriptor)
+    stride_wn,  # weight [N, K] (decomposed: unpadded, pointers; else the padded copy, descriptor)
     x_ptr,
     x_desc,
     stride_xg,
@@ -338,7 +312,8 @@ def _lce_tile_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """One output tile per program: out[g] = W @ X[g] (s1, s2), + Y_u[m[g]] + bias in the epilogue (s3)."""
+    """One output tile per program: out[g] = W @ X[g] (decomposed, aligned), + Y_u[m[g]] + bias in the epilogue
+    (fused)."""
     g, off_n, off_d = _tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), BLOCK_M, BLOCK_D)
     acc = _tile_mainloop(
         w_ptr,
@@ -397,7 +372,7 @@ def _lce_add_user_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """s1 / s2 gather-add: out[b] += Y_u[m[b]] (+ bias[:, None]), one [N·D] row chunk per program
+    """decomposed / aligned gather-add: out[b] += Y_u[m[b]] (+ bias[:, None]), one [N·D] row chunk per program
     (m[b] clamped to [0, U))."""
     b = tl.program_id(0).to(tl.int64)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -480,7 +455,7 @@ def _lce_persistent_kernel(
     SPIN_ASM: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """s4: user tiles, then candidate tiles, in one persistent launch (grid ≤ number of SMs, all resident).
+    """persistent: user tiles, then candidate tiles, in one persistent launch (grid ≤ number of SMs, all resident).
 
     User tiles come first in every program's order, so no wait can block a user tile. A candidate
     tile runs its main loop first and waits for its own user tile's flag only in the epilogue.
@@ -599,66 +574,55 @@ def _pad_columns(weight: torch.Tensor, multiple: int) -> torch.Tensor:
     return padded
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """A tensor descriptor needs a non-empty tensor, unit last stride, 16-byte aligned base and strides."""
-    elem = t.element_size()
-    return (
-        t.numel() > 0
-        and t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0
-        and all(s * elem % 16 == 0 for s in t.stride()[:-1])
-    )
-
-
 def _activation_desc(x: torch.Tensor, cfg: TileConfig):
     """Descriptor over x [G, K, D] with [1, BLOCK_K, BLOCK_D] blocks, or None (pointer loads)."""
-    if not _tma_ok(x):
+    if not tma_ok(x):
         return None
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, cfg.block_k, cfg.block_d])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, cfg.block_k, cfg.block_n])
 
 
 def _out_desc(out: torch.Tensor, cfg: TileConfig):
-    if not _tma_ok(out):
+    if not tma_ok(out):
         return None
-    block_d = cfg.block_d // 2 if cfg.epilogue_split else cfg.block_d
+    block_d = cfg.block_n // 2 if cfg.epilogue_split else cfg.block_n
     return TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, block_d])
 
 
 @functools.cache
 def _num_programs(device: torch.device) -> int:
-    # The interpreter runs programs one after another: a single persistent program keeps s4's
-    # flag waits trivially satisfied there.
-    if _interpreting() or device.type != "cuda":
+    # The interpreter runs programs one after another: a single persistent program keeps the persistent
+    # variant's flag waits trivially satisfied there.
+    if interpreting() or device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_variant(num_users: int, num_candidates: int, s6_runs: bool = False) -> str:
-    """s6 where it runs (`s6_runs`: linear_compress_ws.s6_supported) from B = WS_MIN_CANDIDATES up;
-    else s4 (one persistent launch) where it measured faster on the H200, else s3 (two launches).
+def default_variant(num_users: int, num_candidates: int, ws_runs: bool = False) -> str:
+    """warp_specialized where it runs (`ws_runs`: linear_compress_ws.ws_supported) from B = WS_MIN_CANDIDATES up;
+    else persistent (one launch) from B/U = PERSISTENT_MIN_CANDIDATES_PER_USER up and on small batches
+    (B ≤ SMALL_BATCH, B/U ≥ 4); else fused (two launches).
 
-    s6 was the fastest variant at every measured B ≥ 256 (5–25 % under the best of s3/s4; at
-    B = 256, U = 4 level with s3); at B = 64 its two launches make it slower eager (host time).
-    s4 wins from B/U ≈ 64 up (at B/U = 16 s3 is 2–4% faster: s4's user phase, U·N/128 tiles of
-    depth Ku, runs ahead of every candidate tile), and on small batches (B ≤ 256, B/U ≥ 4) where
-    one launch instead of two halves the host's share. At B/U = 1 s3 is up to 1.7× faster.
+    Why (the sweep is in docs/design/lce.md): below WS_MIN_CANDIDATES the warp-specialized kernel's two
+    launches cost more host time than its kernel saves. Persistent runs its user phase (U·N/128 tiles of
+    depth Ku) ahead of every candidate tile, which pays when each user has many candidates, and on small
+    batches one launch instead of two halves the host's share; with few candidates per user fused is faster.
     """
-    if s6_runs and num_candidates >= WS_MIN_CANDIDATES:
+    if ws_runs and num_candidates >= WS_MIN_CANDIDATES:
         return WS_VARIANT
-    if num_candidates >= S4_MIN_CANDIDATES_PER_USER * num_users:
-        return "s4"
+    if num_candidates >= PERSISTENT_MIN_CANDIDATES_PER_USER * num_users:
+        return "persistent"
     if num_candidates <= SMALL_BATCH and num_candidates >= 4 * num_users:
-        return "s4"
-    return "s3"
+        return "persistent"
+    return "fused"
 
 
 @dataclass(frozen=True)
 class PackedLinearCompress:
     """Weights of one LCE layer, packed once at load time.
 
-    user_weight [N, Ku], cand_weight [N, Kc], bias [N] or None (torch path, s1); user_weight_padded
+    user_weight [N, Ku], cand_weight [N, Kc], bias [N] or None (torch path, decomposed); user_weight_padded
     [N, Ku'] and cand_weight_padded [N, Kc'] with K' = max(K, 1) rounded up to 8, zero columns after
-    K (s2–s4, 16-byte aligned rows for tensor descriptors).
+    K (the other variants: 16-byte aligned rows for tensor descriptors).
     """
 
     user_weight: torch.Tensor
@@ -666,7 +630,7 @@ class PackedLinearCompress:
     bias: torch.Tensor | None
     user_weight_padded: torch.Tensor
     cand_weight_padded: torch.Tensor
-    _flags: dict = field(default_factory=dict, compare=False, repr=False)  # s4 flags per device, weight descriptors
+    _flags: dict = field(default_factory=dict, compare=False, repr=False)  # persistent's flags per device, descriptors
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, num_user_tokens: int, bias: torch.Tensor | None = None):
@@ -687,7 +651,8 @@ class PackedLinearCompress:
         )
 
     def __call__(self, user_emb, cand_emb, cand_to_user, backend: str = "auto", variant: str | None = None):
-        """out [B, N, D]; `variant` picks the Triton stage (s1…s4, s6; default: `default_variant`)."""
+        """out [B, N, D]; `variant` picks the kernel (VARIANTS or WS_VARIANT; default: the tuned choice, else
+        `default_variant`)."""
         check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
         check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
         num_users, num_user_tokens, dim = user_emb.shape
@@ -701,30 +666,24 @@ class PackedLinearCompress:
                     f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}"
                 )
         check_mapping_shape(cand_to_user, num_candidates, user_emb.device)
-        tuned = None  # (variant, TileConfig) from set_tuned_configs
-        if variant is None and _TUNED:
-            lookup = _TUNED.get(
-                (user_emb.device, user_emb.dtype, num_user_tokens, num_cand_tokens, self.cand_weight.shape[0], dim)
-            )
-            tuned = lookup(num_users, num_candidates) if lookup is not None else None
+        tuned = None  # (variant, TileConfig or None) from configs.set_tuned_configs
+        if variant is None:
+            dims = (num_user_tokens, num_cand_tokens, self.cand_weight.shape[0], dim)
+            tuned = tuned_config("lce", user_emb.device, user_emb.dtype, dims, num_users, num_candidates)
         if tuned is not None:
             variant, config = tuned
         else:
-            variant = (
-                default_variant(num_users, num_candidates, self._s6_runs(user_emb, cand_emb))
-                if variant is None
-                else variant
-            )
+            if variant is None:
+                variant = default_variant(num_users, num_candidates, self._ws_runs(user_emb, cand_emb))
             config = None
-        if variant not in VARIANTS + (WS_VARIANT,):
-            raise ValueError(f"variant: expected one of {VARIANTS + (WS_VARIANT,)}, got {variant!r}")
+        _check_variant(variant)
         chosen = resolve_backend(backend, user_emb.device, triton_available=True)
         if chosen == "triton" and backend == "auto" and user_emb.dtype not in TRITON_TYPES:
             chosen = "torch"  # fp64 on CUDA
         if chosen == "triton":
             if user_emb.dtype not in TRITON_TYPES:
                 raise ValueError(f"user_emb: the Triton path takes float32/float16/bfloat16, got {user_emb.dtype}")
-            if user_emb.device.type != "cuda" and not _interpreting():
+            if not interpreting() and user_emb.device.type != "cuda":
                 raise ValueError(
                     f"user_emb: the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {user_emb.device}"
                 )
@@ -746,22 +705,34 @@ class PackedLinearCompress:
         return _linear_compress_torch(user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias)
 
     @staticmethod
-    def _s6_runs(user_emb, cand_emb) -> bool:
-        """Whether s6 would run these checked inputs (a Hopper GPU in 16 bit, TMA-able rows)."""
-        if not cand_emb.is_cuda or _interpreting():
+    def _ws_runs(user_emb, cand_emb) -> bool:
+        """Whether the warp-specialized kernel would run these checked inputs (a Hopper GPU in 16 bit, TMA-able
+        rows)."""
+        if interpreting() or not cand_emb.is_cuda:
             return False
-        from .linear_compress_ws import s6_supported  # Gluon (Hopper); imported on first use
+        from .linear_compress_ws import ws_supported  # Gluon (Hopper); imported on first use
 
-        return s6_supported(user_emb, cand_emb)
+        return ws_supported(user_emb, cand_emb)
 
     def _triton(
         self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None
     ):
         """The Triton path for checked inputs.
 
-        `config` fixes the tile config (benchmarks, tuned configs); `out` [B, N, D] and `user_part`
-        [U, N, D] may be given pre-filled (tests poison them with NaN to catch unwritten elements).
+        `variant` one of VARIANTS or WS_VARIANT; `config` fixes the tile config (benchmarks, tuned configs);
+        `out` [B, N, D] and `user_part` [U, N, D] may be given pre-filled (tests poison them with NaN to catch
+        unwritten elements).
         """
+        _check_variant(variant)
+        interpreted = interpreting()
+        if config is not None and variant == WS_VARIANT:
+            raise ValueError(
+                f"config: a TileConfig applies to {VARIANTS}, not {WS_VARIANT} (kernels/linear_compress_ws.py has WSConfig)"
+            )
+        if config is not None and config.warp_specialize and variant in ("decomposed", "persistent"):
+            raise ValueError(f"config: warp specialization applies to aligned and fused, not {variant}")
+        if config is not None and config.block_k <= 0:
+            raise ValueError(f"config: block_k (the K step) must be positive, got {config.block_k}")
         num_users, num_user_tokens, dim = user_emb.shape
         num_candidates = cand_emb.shape[0]
         rows = self.cand_weight.shape[0]
@@ -770,23 +741,19 @@ class PackedLinearCompress:
         if out.numel() == 0:
             return out
         if variant == WS_VARIANT:
-            if config is not None:
-                raise ValueError(
-                    "config: a TileConfig applies to s1…s4, not s6 (kernels/linear_compress_ws.py has WSConfig)"
-                )
-            from .linear_compress_ws import lce_s6, s6_supported  # Gluon (Hopper); imported on first use
+            from .linear_compress_ws import launch_ws, ws_supported  # Gluon (Hopper); imported on first use
 
-            if not _interpreting() and s6_supported(user_emb, cand_emb):
-                return lce_s6(self, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
-            variant = "s3"  # where s6 does not run: not Hopper, fp32, rows TMA cannot address, Kc = 0, the interpreter
-        if config is not None and config.warp_specialize and variant in ("s1", "s4"):
-            raise ValueError(f"config: warp specialization applies to s2 and s3, not {variant}")
+            if not interpreted and ws_supported(user_emb, cand_emb):
+                return launch_ws(self, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
+            variant = (
+                "fused"  # where it does not run: not Hopper, fp32, rows TMA cannot address, Kc = 0, the interpreter
+            )
         if user_part is None:
             user_part = torch.empty(
                 num_users if num_user_tokens else 0, rows, dim, dtype=out.dtype, device=out.device
             )  # Y_u
-        if variant == "s4" and out.is_cuda and torch.cuda.is_current_stream_capturing():
-            variant = "s3"  # s4's per-call epoch would be frozen into a CUDA graph: take the graph-safe s3
+        if variant == "persistent" and out.is_cuda and torch.cuda.is_current_stream_capturing():
+            variant = "fused"  # the per-call epoch would be frozen into a CUDA graph: take the graph-safe fused
         key = (variant, user_emb.dtype, dim, user_emb.device)
         if config is None and key in _CONFIG_CHOICE:
             self._launch(variant, user_emb, cand_emb, cand_to_user, out, user_part, _CONFIG_CHOICE[key])
@@ -806,11 +773,11 @@ class PackedLinearCompress:
     def _launch(self, variant, user_emb, cand_emb, cand_to_user, out, user_part, cfg: TileConfig):
         num_candidates, rows, dim = out.shape
         has_user = user_emb.shape[1] > 0
-        if variant == "s4":
+        if variant == "persistent":
             self._launch_persistent(user_emb, cand_emb, cand_to_user, out, user_part, cfg)
             return
-        padded = variant != "s1"
-        fuse = variant == "s3"
+        padded = variant != "decomposed"
+        fuse = variant == "fused"
         if has_user:
             self._launch_tile(
                 self.user_weight_padded if padded else self.user_weight, user_emb, user_part, None, False, padded, cfg
@@ -844,7 +811,7 @@ class PackedLinearCompress:
         )  # WS splits the tile: pointer stores
         user_part, mapping = fused_user if fused_user is not None else (None, None)
         bias = self.bias if with_bias else None
-        grid = (out.shape[0] * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d),)
+        grid = (out.shape[0] * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_n),)
         _lce_tile_kernel[grid](
             weight,
             w_desc,
@@ -864,7 +831,7 @@ class PackedLinearCompress:
             depth,
             max(user_part.shape[0], 1) if user_part is not None else 1,
             BLOCK_M=cfg.block_m,
-            BLOCK_D=cfg.block_d,
+            BLOCK_D=cfg.block_n,
             BLOCK_K=cfg.block_k,
             W_TMA=tma,
             X_TMA=x_desc is not None,
@@ -885,7 +852,7 @@ class PackedLinearCompress:
         return self._flags[key]
 
     def _sync_state(self, device: torch.device, num_user_tiles: int):
-        """s4's int64 flags (≥ num_user_tiles entries) on `device`, and this call's epoch.
+        """persistent's int64 flags (≥ num_user_tiles entries) on `device`, and this call's epoch.
 
         Flags are never cleared: epochs only grow, a call waits for flag ≥ its own epoch, so no
         memset runs before the launch. Calls of one module must run in stream order (not on two
@@ -902,7 +869,7 @@ class PackedLinearCompress:
         num_users, num_user_tokens, dim = user_emb.shape
         num_candidates, num_cand_tokens, _ = cand_emb.shape
         rows = out.shape[1]
-        tiles_per_row = triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
+        tiles_per_row = triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_n)
         has_user = num_user_tokens > 0
         flags, epoch = self._sync_state(out.device, num_users * tiles_per_row * has_user)
         wu_desc = self._weight_desc(self.user_weight_padded, cfg)
@@ -940,14 +907,14 @@ class PackedLinearCompress:
             num_cand_tokens,
             num_programs,
             BLOCK_M=cfg.block_m,
-            BLOCK_D=cfg.block_d,
+            BLOCK_D=cfg.block_n,
             BLOCK_K=cfg.block_k,
             XU_TMA=xu_desc is not None,
             XC_TMA=xc_desc is not None,
             OUT_TMA=out_desc is not None,
             HAS_USER=has_user,
             HAS_BIAS=self.bias is not None,
-            SPIN_ASM=not _interpreting(),
+            SPIN_ASM=not interpreting(),
             SPLIT=cfg.epilogue_split,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -969,7 +936,7 @@ def ikbo_linear_compress(
     """out[b] = weight @ cat(user_emb[m[b]], cand_emb[b]) (+ bias[:, None]) → [B, N, D].
 
     user_emb [U, Ku, D], cand_emb [B, Kc, D], cand_to_user [B] in [0, U), weight [N, Ku + Kc] (user
-    columns first), bias [N] or None. `variant` picks the Triton stage (s1…s4). Splits and pads
+    columns first), bias [N] or None. `variant` picks the kernel (VARIANTS or WS_VARIANT). Splits and pads
     `weight` on every call; servers hold a `PackedLinearCompress` instead.
     """
     check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)

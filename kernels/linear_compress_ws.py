@@ -1,69 +1,39 @@
-"""IKBO linear compression, variant s6: the fused candidate GEMM as a warp-specialized persistent Gluon kernel.
+"""IKBO linear compression, variant warp_specialized: the fused candidate GEMM as a warp-specialized persistent
+Gluon kernel for Hopper.
 
-Math (as in `kernels/linear_compress.py`): out[b] = W_u @ user_emb[m[b]] + W_c @ cand_emb[b] + bias[:, None],
-user_emb [U, Ku, D], cand_emb [B, Kc, D], W_c [N, Kc], bias [N] → out [B, N, D].
+Math (as in kernels/linear_compress.py): out[b] = W_u @ user_emb[m[b]] + W_c @ cand_emb[b] + bias[:, None],
+user_emb [U, Ku, D], cand_emb [B, Kc, D], W_c [N, Kc], bias [N] → out [B, N, D]. Two launches (`launch_ws`): the
+user GEMM Y_u = W_u @ user_emb [U, N, D] as one cuBLAS batched GEMM (`user_gemm`), then `_lce_ws_kernel`, the
+candidate GEMM with Y_u[m[b]] + bias fused into its epilogue.
 
-Status (H200, docs/notes/lce.md): correct (fp64 tests, NaN-poisoned outputs, CUDA-graph capture).
-0.253–0.262 ms at the canonical shape against s4's 0.350 ms (2026-11-30, with the epilogue's second
-half in a ring slot), the fastest variant at 17 of 18 sweep points. The kernel alone (0.233–0.249 ms)
-is as fast as cuBLAS's best form of the same GEMM. The 0.25 ms target is still missed by 1–5 %:
-every tile pays a fixed cost at its start (~1.3 µs), and the fused epilogue adds ~0.015 ms. Measured
-on the H200, not faster, and removed (code in git, docs/notes/lce.md): two wgmma groups in flight,
-the deferred epilogue (± Y_u; also with the ring form), split consumer partitions, the candidate-major
-tile order, the column-chunked epilogue with a 4th ring stage (Y_u by consumer loads), both epilogue
-halves in ring slots, the Y_u halves read during the last K step, BLOCK_K = 32 with 6 stages, the
-whole-tile epilogue buffer with 3 stages (the default until 2026-11-30 12:30 UTC, 4–9 % slower), 2-CTA clusters
-with the cand_emb tiles TMA-multicast through inline PTX (equal to the same clusters without multicast, 2–3 %
-slower than this kernel), the last wave's leftover tiles as column pieces (level), tiles from an atomic counter
-(3–8 % slower; per W_c row block 3–4 %; the static order keeps each program on one row block, worth 2–3 %),
-tiles ordered by %smid instead of the program id (within noise, 1–2 % slower).
-Reached through `PackedLinearCompress(..., variant="s6")`, and with no variant from B = WS_MIN_CANDIDATES
-(`linear_compress.default_variant`); the served model tries it as a tuning
-candidate of every LCE bucket on Hopper in 16 bit (`ikbo_backend/shape_spec.py`), with `DEFAULT_CONFIG`.
+Why: at the canonical shape each [128, 256] output tile has only 8 K steps of 64 (Kc = 500), so the per-tile fixed
+costs (the first loads' latency, the epilogue: Y_u tile + bias, 64 KB out) weigh as much as the MMAs. This kernel
+keeps the tile shape (128 × 256, 85 FLOP per operand byte) and takes the fixed costs off the MMA path.
 
-Why: at the canonical shape each [128, 256] output tile has only 8 K steps of 64 (Kc = 500), so the
-per-tile fixed costs — first loads' latency, the epilogue (Y_u tile + bias, 64 KB out) — weigh as
-much as the MMAs. s2 (one tile per program, no overlap across tiles) spends ~9.2 µs per tile per SM
-where its wgmmas need ~4.5 µs at the datasheet rate (docs/notes/lce.md). s6 keeps the tile shape
-(128 × 256, 85 FLOP per operand byte) and takes the fixed costs off the MMA path:
-
-Kernel `_lce_ws_kernel`, one persistent program per SM, tiles t = pid, pid + P, … in (b, n, d) order
-(the N tiles of one candidate are adjacent, so cand_emb[b] comes from HBM once per wave):
-    worker partition, 1 warp (the producer): for every tile, K_TILES TMA loads of a W_c tile
-        [BLOCK_M, BLOCK_K] and a cand_emb tile [1, BLOCK_K, BLOCK_D] (rank-3 descriptor: rows past
-        Kc of candidate b are zero-filled) into a STAGES-deep mbarrier ring (ready/empty barrier per
-        slot); in the middle of each tile's loads, one TMA load of the first column half of the tile's
-        Y_u[m[b]] block, [1, BLOCK_M, BLOCK_D / 2], into the half-size epilogue buffer; after the K
-        loads, one more ring step: the second half into a cand_emb slot (a half block is exactly one
-        [1, BLOCK_K, BLOCK_D] slot at BLOCK_M = 2 · BLOCK_K). The producer never waits on the consumer's
-        epilogue except for those buffers, so the next tile's operands stream in while the consumer
-        finishes the current one.
-    default partition, num_warps warps (the consumer, two warpgroups of 64 rows at 8 warps):
-        async wgmma, one group in flight, releasing each slot as the next wgmma is issued; then the
-        epilogue in two column halves (split in registers, no data moved): acc + Y_u half (read from
-        shared memory) + bias, cast, written back over the same buffer (the epilogue buffer, the ring
-        slot) and stored by TMA (`UTMASTG`), so the epilogue costs shared-memory time and no LSU-queue
-        time (the pointer epilogue of s5, a removed variant: docs/notes/lce.md). The stores drain during
-        the next tile's first K steps; then the buffer and the slot are handed back to the producer.
-        Half the epilogue buffer in the ring gives the ring a 4th stage: more loads in flight in the
-        K loop, and three free slots for the next tile's first loads while the epilogue runs.
-Why cooperative and not pingpong (CUTLASS's two consumer warpgroups alternating tiles): on Hopper the
-accumulator lives in registers; one warpgroup holding a whole 128 × 256 fp32 tile needs 256
-registers per thread (more than the 255 limit), so pingpong shrinks each warpgroup's tile to
-64 × 256 or 128 × 128 (51 or 64 FLOP per operand byte instead of 85) and needs two epilogue buffers.
-Double-buffered accumulators (the Blackwell recipe) do not fit in registers either. The cooperative
-kernel overlaps loads with the epilogue, and the epilogue itself is made short instead of hidden.
-Measured since: pingpong at 128 × 128 per warpgroup (this file's producer and epilogue) was built as s7,
-hid the epilogue, ran no faster than s6 (kernel alone 0.2466 vs 0.2479 ms; so the epilogue is not what
-limits s6) and was removed; its code is in git (docs/notes/lce.md).
-
+Kernel `_lce_ws_kernel`, one persistent program per SM, tiles t = pid, pid + P, … in (b, n, d) order (the N tiles
+of one candidate are adjacent, so cand_emb[b] comes from HBM once per wave):
+    producer partition, 1 warp: for every tile, K_TILES TMA loads of a W_c tile [BLOCK_M, BLOCK_K] and a cand_emb
+        tile [1, BLOCK_K, BLOCK_D] (rank-3 descriptor: rows past Kc of candidate b are zero-filled) into a
+        STAGES-deep mbarrier ring (ready/empty barrier per slot); in the middle of each tile's loads, one TMA load of
+        the first column half of the tile's Y_u[m[b]] block, [1, BLOCK_M, BLOCK_D / 2], into the half-size epilogue
+        buffer; after the K loads, one more ring step: the second half into a cand_emb slot (a half block is
+        exactly one [1, BLOCK_K, BLOCK_D] slot at BLOCK_M = 2 · BLOCK_K). The producer waits on the consumer's
+        epilogue only for those buffers, so the next tile's operands stream in while the consumer finishes.
+    consumer (default partition), num_warps warps (two warpgroups of 64 rows at 8 warps): async wgmma, one group in
+        flight, releasing each slot as the next wgmma is issued; then the epilogue in two column halves (split in
+        registers, no data moved): acc + Y_u half (read from shared memory) + bias, cast, written back over the
+        same buffer (the epilogue buffer, the ring slot) and stored by TMA, so the epilogue costs shared-memory
+        time and no LSU-queue time. The stores drain during the next tile's first K steps; then the buffer and the
+        slot go back to the producer. Half the epilogue buffer in the ring gives the ring a 4th stage.
+Cooperative, not pingpong: on Hopper the accumulator lives in registers, and one warpgroup holding a whole
+128 × 256 fp32 tile needs more than 255 registers per thread, so pingpong would shrink each warpgroup's tile
+(51 or 64 FLOP per operand byte instead of 85); double-buffered accumulators do not fit either.
 Shared memory at 128 × 256 × 64, bf16: 4 stages × 48 KiB + the 32 KiB half epilogue buffer = 224 KiB.
-The user GEMM Y_u = W_u @ user_emb [U, N, D] runs first as one cuBLAS batched GEMM (`user_gemm`; one
-launch more, as the removed s5 had with s3's tile kernel). Limits (`s6_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able
-(D·2 bytes a multiple of 16), Kc ≥ 1. Elsewhere callers take s3/s4.
-Sources: Triton's Gluon tutorials `python/tutorials/gluon/08-warp-specialization.py` (partitions,
-ready/empty rings, TMA-store epilogue), `07-persistence.py` and `05-wgmma.py` (async wgmma on Hopper);
-CUTLASS's "KernelTmaWarpSpecializedCooperative" schedule for the partition roles.
+Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, cand_emb and out TMA-able (D·2 bytes a multiple of 16),
+Kc ≥ 1; elsewhere the op takes `fused`. Design and measurements: docs/design/lce.md.
+Sources: Triton's Gluon tutorials `python/tutorials/gluon/08-warp-specialization.py` (partitions, ready/empty rings,
+TMA-store epilogue), `07-persistence.py` and `05-wgmma.py` (async wgmma on Hopper); CUTLASS's
+"KernelTmaWarpSpecializedCooperative" schedule for the partition roles.
 """
 
 from __future__ import annotations
@@ -84,17 +54,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._common import compile_gluon_without_gpu
+from . import _hopper
+from ._common import tma_ok
+from ._hopper import GLUON_TYPES, SMEM_LIMIT, smem_layout
 from .linear_compress import PackedLinearCompress
 
-SMEM_LIMIT = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
-GLUON_TYPES = (torch.float16, torch.bfloat16)
 MAX_STAGES = 6
 
 
 @dataclass(frozen=True)
 class WSConfig:
-    """Tile shape, ring depth and partition sizes of the s6 kernel."""
+    """Tile shape, ring depth and partition sizes of `_lce_ws_kernel`."""
 
     block_m: int = 128  # W_c rows per tile (64 per consumer warpgroup at 8 warps)
     block_d: int = 256  # output columns per tile
@@ -111,7 +81,7 @@ class WSConfig:
         return ring + self.block_m * self.block_d // 2 * elem + 8 * (2 * self.stages + 2)
 
 
-# What `lce_s6` runs without a config (stages 0: the deepest ring that fits; 4 at 128 × 256 × 64, bf16).
+# What `launch_ws` runs without a config (stages 0: the deepest ring that fits; 4 at 128 × 256 × 64, bf16).
 DEFAULT_CONFIG = WSConfig(stages=0)
 
 
@@ -339,7 +309,7 @@ def _lce_ws_kernel(
     PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """s6: out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
+    """out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
     BLOCK_M: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -432,12 +402,6 @@ def _lce_ws_kernel(
 
 
 @functools.cache
-def _device_info(device: torch.device):
-    props = torch.cuda.get_device_properties(device)
-    return (props.major, props.minor), props.multi_processor_count
-
-
-@functools.cache
 def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
     """`base` with BLOCK_D fitted to D and, where base.stages is 0, the deepest ring (≤ MAX_STAGES)
     that fits one SM's shared memory; a fixed base.stages is kept (the launch fails if it does not fit)."""
@@ -455,40 +419,26 @@ def ws_config(dim: int, elem: int, base: WSConfig | None = None) -> WSConfig:
     return cfg
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    elem = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in t.stride()[:-1])
-
-
-def s6_supported(user_emb: torch.Tensor, cand_emb: torch.Tensor) -> bool:
-    """Whether s6 runs these (checked) inputs, else take s3/s4: a Hopper GPU, fp16/bf16, Kc ≥ 1,
-    cand_emb TMA-able (unit last stride, 16-byte aligned base and strides) and D·elem a multiple of
+def ws_supported(user_emb: torch.Tensor, cand_emb: torch.Tensor) -> bool:
+    """Whether `launch_ws` runs these (checked) inputs, else the op takes `fused`: a Hopper GPU, fp16/bf16, Kc ≥ 1,
+    cand_emb TMA-able (non-empty, unit last stride, 16-byte aligned base and strides) and D·elem a multiple of
     16 bytes (the output and Y_u rows, written/read by TMA)."""
     if not cand_emb.is_cuda or cand_emb.dtype not in GLUON_TYPES or user_emb.dtype != cand_emb.dtype:
         return False
-    if _device_info(cand_emb.device)[0][0] != 9:
+    if not _hopper.is_hopper(cand_emb.device):
         return False
     _, num_cand_tokens, dim = cand_emb.shape
-    return num_cand_tokens >= 1 and dim * cand_emb.element_size() % 16 == 0 and _tma_ok(cand_emb)
-
-
-def _gl_dtype(dtype: torch.dtype):
-    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-
-
-@functools.cache
-def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
+    return num_cand_tokens >= 1 and dim * cand_emb.element_size() % 16 == 0 and tma_ok(cand_emb)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, smem_layout(tuple(block), t.dtype))
 
 
 def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WSConfig):
     """W_c (packed, padded; cached on the packed module), cand_emb, Y_u and out descriptors."""
     weight = packed.cand_weight_padded
-    key = ("s6-desc", weight.data_ptr(), cfg.block_m, cfg.block_k)
+    key = ("ws-desc", weight.data_ptr(), cfg.block_m, cfg.block_k)
     w_desc = packed._flags.get(key)
     if w_desc is None:
         w_desc = packed._flags[key] = _descriptor(weight, [cfg.block_m, cfg.block_k])
@@ -499,7 +449,7 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     return w_desc, x_desc, y_desc, out_desc
 
 
-def _launch_ws(
+def _launch_kernel(
     packed: PackedLinearCompress,
     cand_emb,
     out,
@@ -514,7 +464,7 @@ def _launch_ws(
     rows = out.shape[1]
     w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
-    grid = min(num_programs or _device_info(out.device)[1], num_tiles)
+    grid = min(num_programs or _hopper.device_info(out.device)[1], num_tiles)
     _lce_ws_kernel[(grid,)](
         w_desc,
         x_desc,
@@ -536,7 +486,7 @@ def _launch_ws(
     )
 
 
-def lce_s6(
+def launch_ws(
     packed: PackedLinearCompress,
     user_emb,
     cand_emb,
@@ -544,29 +494,14 @@ def lce_s6(
     out=None,
     user_part=None,
     config: WSConfig | None = None,
+    num_programs: int | None = None,
 ) -> torch.Tensor:
-    """out [B, N, D] = packed(user_emb, cand_emb, cand_to_user) through s6, for inputs that passed
-    PackedLinearCompress's checks and `s6_supported`. Two launches: the user GEMM (`user_gemm`,
-    Y_u [U, N, D]) and `_lce_ws_kernel`. `config` overrides the tile config (benchmarks; stages 0
-    picks the deepest ring); `out` and `user_part` may be given pre-filled (tests poison them with NaN)."""
+    """out [B, N, D] = packed(user_emb, cand_emb, cand_to_user) through this kernel, for inputs that passed
+    PackedLinearCompress's checks and `ws_supported`. Two launches: the user GEMM (`user_gemm`, Y_u [U, N, D];
+    skipped at Ku = 0) and `_lce_ws_kernel`. `config` overrides the tile config (benchmarks; stages 0 picks the
+    deepest ring); `out` and `user_part` may be given pre-filled (tests poison them with NaN); `num_programs`
+    overrides the persistent grid (tests)."""
     cfg = ws_config(user_emb.shape[2], cand_emb.element_size(), config)
-    return run_fused(packed, user_emb, cand_emb, cand_to_user, out, user_part, cfg, _launch_ws)
-
-
-def user_gemm(packed: PackedLinearCompress, user_emb, user_part) -> None:
-    """user_part [U, N, D] = W_u @ user_emb[u] for every user: one cuBLAS batched GEMM (W_u broadcast over
-    the U users as a stride-0 view; nothing is copied). It replaced s3's tile kernel here on 2026-11-30: same
-    device time at the canonical shape (0.008 ms), up to 1.2× faster at many users, one Triton launch less
-    on the host (docs/perf.md)."""
-    torch.matmul(packed.user_weight, user_emb, out=user_part)
-
-
-def run_fused(
-    packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out, user_part, cfg, launch
-) -> torch.Tensor:
-    """The two launches of s6: the user GEMM Y_u = W_u @ user_emb (`user_gemm`, skipped
-    at Ku = 0), then `launch(packed, cand_emb, out, Y_u or None, cand_to_user, bias, cfg)`, the
-    candidate GEMM with Y_u[m[b]] + bias fused into its epilogue."""
     num_users, num_user_tokens, dim = user_emb.shape
     num_candidates = cand_emb.shape[0]
     rows = packed.cand_weight.shape[0]
@@ -580,69 +515,11 @@ def run_fused(
         user_gemm(packed, user_emb, user_part)
     else:
         user_part = None
-    launch(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg)
+    _launch_kernel(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, num_programs)
     return out
 
 
-def compile_s6(
-    dtype: torch.dtype = torch.bfloat16,
-    num_candidates: int = 1024,
-    rows: int = 512,
-    dim: int = 256,
-    num_cand_tokens: int = 500,
-    config: WSConfig | None = None,
-    has_user: bool = True,
-    has_bias: bool = True,
-    capability: int = 90,
-):
-    """Compile `_lce_ws_kernel` for a CUDA target without a GPU (CPU tensors stand in for the
-    arguments; the JIT's own specialization rules give the signature). Returns the CompiledKernel:
-    `.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`; registers and spills from cuobjdump."""
-    cfg = ws_config(dim, torch.finfo(dtype).bits // 8, config)
-    constexprs = dict(
-        K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k),
-        STAGES=cfg.stages,
-        HAS_USER=has_user,
-        HAS_BIAS=has_bias,
-        EPI_FREE_AT=cfg.epi_free_at,
-        PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps,
-    )
-    return compile_cpu(
-        _lce_ws_kernel, cfg, constexprs, dtype, num_candidates, rows, dim, num_cand_tokens, has_user, capability
-    )
-
-
-def compile_cpu(
-    kernel,
-    cfg,
-    constexprs: dict,
-    dtype: torch.dtype,
-    num_candidates: int,
-    rows: int,
-    dim: int,
-    num_cand_tokens: int,
-    has_user: bool,
-    capability: int,
-):
-    """Compile a Gluon kernel with s6's runtime arguments (w_desc, x_desc, y_desc, out_desc, m_ptr,
-    bias_ptr, B, N, D) for a CUDA target without a GPU: CPU tensors stand in for the arguments, the
-    JIT's own specialization rules give the signature. `constexprs` holds the rest (with num_warps)."""
-    weight = torch.zeros(rows, triton.cdiv(num_cand_tokens, 8) * 8, dtype=dtype)
-    packed = PackedLinearCompress(weight, weight, None, weight, weight)
-    cand_emb = torch.zeros(2, num_cand_tokens, dim, dtype=dtype)
-    out = torch.zeros(2, rows, dim, dtype=dtype)
-    w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, out if has_user else None, cfg)
-    runtime_args = dict(
-        w_desc=w_desc,
-        x_desc=x_desc,
-        y_desc=y_desc,
-        out_desc=out_desc,
-        m_ptr=torch.zeros(16, dtype=torch.int32),
-        bias_ptr=torch.zeros(16, dtype=dtype),
-        B=num_candidates,
-        N=rows,
-        D=dim,
-    )
-    options = {"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg}
-    return compile_gluon_without_gpu(kernel, runtime_args, constexprs, options, capability)
+def user_gemm(packed: PackedLinearCompress, user_emb, user_part) -> None:
+    """user_part [U, N, D] = W_u @ user_emb[u] for every user: one cuBLAS batched GEMM (W_u broadcast over the U
+    users as a stride-0 view; nothing is copied), one Triton launch less on the host than a tile kernel."""
+    torch.matmul(packed.user_weight, user_emb, out=user_part)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import resolve_backend
+from ._interpreter import interpreting
 
 BLOCK = 1024
 
@@ -64,7 +64,7 @@ def _check_args(x: torch.Tensor, flag: torch.Tensor, dtypes) -> None:
 
 
 def _use_triton(backend: str, x: torch.Tensor) -> bool:
-    runnable = x.device.type == "cuda" or isinstance(_clamp_flagged_kernel, InterpretedFunction)
+    runnable = interpreting() or x.device.type == "cuda"
     return resolve_backend(backend, x.device if runnable else torch.device("cpu"), triton_available=True) == "triton"
 
 

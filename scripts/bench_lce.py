@@ -2,15 +2,15 @@
 """IKBO linear compression benchmark: providers side by side at the canonical shape, then the B/U sweep.
 
     scripts/bench_lce.py [--no-sweep] [--candidates 64,1024,16384] [--ratios 1,4,16,70,256,1024] [--graph]
-                         [--no-compile] [--no-s6] [--only PREFIX,...] [--smoke]
+                         [--no-compile] [--no-ws] [--only PREFIX,...] [--smoke]
 
 Canonical shape (CANONICAL), bf16: B=1024 candidates, U=15 users with ragged counts (unsorted mapping), Ku=1024,
 Kc=500, D=256, N=512; FLOPs 2·N·D·(U·Ku + B·Kc), the IKBO work. Providers: S0 eager (the baseline: user_emb
 replicated to B rows, concatenated along K, one batched matmul), torch.compile(S0), S1 eager (the op's torch path:
 two GEMMs and the gathered add), torch.compile(S1), the Triton variants without the op's input checks
-(kernels/linear_compress.py), s6 (the Gluon warp-specialized kernel, kernels/linear_compress_ws.py; Hopper) and
+(kernels/linear_compress.py), warp_specialized (the Gluon kernel, kernels/linear_compress_ws.py; Hopper) and
 the public op (input checks, the default variant). The reference is S0 in fp64.
-Sweep: B in --candidates, B/U in --ratios (U = round(B / ratio), at least 1): S0 against s3, s4, s6 and the public
+Sweep: B in --candidates, B/U in --ratios (U = round(B / ratio), at least 1): S0 against fused, persistent, warp_specialized and the public
 op, checked on the first CHECKED_HEAD candidates; --graph adds CUDA-graph replays up to B = 1024.
 Checking, timing, floor, tables ($OUT/lce_bench.md): ikbo_backend/perf/harness.py.
 """
@@ -29,7 +29,7 @@ import torch
 
 from ikbo_backend.perf.harness import Bench, Case, Provider, argument_parser, nan_like
 from kernels.linear_compress import VARIANTS, WS_VARIANT, PackedLinearCompress
-from kernels.linear_compress_ws import s6_supported
+from kernels.linear_compress_ws import ws_supported
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ SMOKE_CANONICAL = Shape(num_users=3, num_candidates=12, ku=20, kc=13, dim=32, ro
 SWEEP_CANDIDATES = (64, 1024, 16384)
 SMOKE_SWEEP_CANDIDATES = (4, 16)
 SWEEP_RATIOS = (1, 4, 16, 70, 256, 1024)
-SWEEP_VARIANTS = ("s3", "s4", WS_VARIANT)
+SWEEP_VARIANTS = ("fused", "persistent", WS_VARIANT)
 CHECKED_HEAD = 256  # sweep: candidates checked against fp64 (S0 in fp64 at B = 16384 would take 51 GB)
 GRAPH_MAX_CANDIDATES = 1024  # --graph: the host's launch time matters only for small problems
 TOL = 1e-2
@@ -113,7 +113,7 @@ def triton_provider(packed: PackedLinearCompress, args, variant: str, graph: boo
     return Provider(
         run,
         check=lambda: run(nan_like(cand_emb, out_shape), nan_like(cand_emb, user_shape)),
-        graph=graph and variant != "s4",  # inside a CUDA-graph capture s4 takes s3
+        graph=graph and variant != "persistent",  # inside a CUDA-graph capture persistent takes fused
         host=True,
         note="Gluon, warp-specialized" if variant == WS_VARIANT else "",
     )
@@ -135,7 +135,7 @@ def providers(inputs, shape: Shape, variants, canonical: bool, with_compile: boo
         weights = (packed.user_weight, packed.cand_weight, bias)
         table["torch.compile(S1)"] = Provider(lambda: s1_compiled(*args, *weights), optional=True)
     for variant in variants:
-        if variant != WS_VARIANT or s6_supported(user_emb, cand_emb):
+        if variant != WS_VARIANT or ws_supported(user_emb, cand_emb):
             table[f"Triton {variant}"] = triton_provider(packed, args, variant, graph)
     table["public op"] = Provider(lambda: packed(*args), host=True, note="input checks, untuned default variant")
     return table
@@ -169,12 +169,12 @@ def main(argv=None):
     parser.add_argument("--ratios", default=",".join(map(str, SWEEP_RATIOS)), help="sweep: B/U ratios")
     parser.add_argument("--graph", action="store_true", help="sweep: also time CUDA-graph replays (B ≤ 1024)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile providers")
-    parser.add_argument("--no-s6", action="store_true", help=f"leave out {WS_VARIANT} (Gluon, warp-specialized)")
+    parser.add_argument("--no-ws", action="store_true", help=f"leave out {WS_VARIANT} (Gluon, warp-specialized)")
     args = parser.parse_args(argv)
     bench = Bench("lce_bench", args.smoke, args.only)
     dtype = torch.float32 if args.smoke else torch.bfloat16  # Triton 3.6's interpreter gets bf16 dots wrong
     shape = SMOKE_CANONICAL if args.smoke else CANONICAL
-    variants = tuple(v for v in (*VARIANTS, WS_VARIANT) if not (args.no_s6 and v == WS_VARIANT))
+    variants = tuple(v for v in (*VARIANTS, WS_VARIANT) if not (args.no_ws and v == WS_VARIANT))
     with_compile = not (args.no_compile or args.smoke)
     options = dict(variants=variants, canonical=True, with_compile=with_compile, graph=True)
     bench.table(case(shape, bench.device, dtype, 1, shape.num_candidates, **options), TOL)

@@ -10,8 +10,8 @@ arguments, else the launch fails naming the kernel source lines. On the CPU an o
 reads neighbouring heap memory (a wrong value or, rarely, a segfault); on a GPU it is garbage or an
 illegal-address error that kills the CUDA context. Patches triton 3.6's interpreter internals.
 
-numpy ≥ 2.4 needs a fix of triton 3.6's interpreter: `kernels` applies it on import
-(`kernels._common.fix_interpreter_scalar_index`).
+numpy ≥ 2.4 needs a fix of triton 3.6's interpreter: the kernels apply it at their first interpreted launch
+(`kernels._interpreter.interpreting`).
 """
 
 import os

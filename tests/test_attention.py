@@ -26,9 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels import attention, ikbo_attention, ikbo_self_target_attention
+from kernels._interpreter import interpreting
+from kernels.configs import TileConfig
 from kernels.reference import attention_reference, self_attention_reference
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and attention.interpreting()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and interpreting()
 HAS_CUDA = torch.cuda.is_available()
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -506,7 +508,7 @@ def test_cuda_tile_options(case, options):
              layout=layout, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # fmt: skip
     q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, torch.bfloat16, "cuda")
     cand_ref, user_ref = _fp64_on_device(q, k, v, cand_to_user, kv_len, user_q)
-    config = attention.TileConfig(**{**vars(attention.pick_config(1e9, False)), **options})
+    config = TileConfig(**{**vars(attention.pick_config(1e9, False)), **options})
     cand_out, user_out = _triton(q, k, v, cand_to_user, kv_len, None, user_q, config=config)
     assert_rows_close(cand_out, cand_ref, rtol=HALF_TOL, atol=0.0)
     assert_rows_close(user_out, user_ref, rtol=HALF_TOL, atol=0.0)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     ("argv", "table", "row"),
     [
-        (["lce", "--smoke", "--candidates", "4", "--ratios", "4"], "lce_bench.md", "| Triton s3 "),
+        (["lce", "--smoke", "--candidates", "4", "--ratios", "4"], "lce_bench.md", "| Triton fused "),
         (["attention", "--smoke"], "attention_bench.md", "| ours: plan + kernel as dispatched"),
     ],
     ids=["lce", "attention"],

@@ -2,14 +2,15 @@
 tests compile for real there).
 
 The real host code of `attention_ws.launch_ws` (the Gluon kernel, with and without self tiles), `attention._launch`
-(the Triton kernel, both of `pick_config`'s tile configs) and the LCE variants (s6's `run_fused`, s3 and s4) runs on
-CPU tensors under a stand-in Triton driver whose launcher does nothing: the descriptors, Triton's binder and its
-specialization of every argument (an integer equal to 1 becomes a constant, multiples of 16 are marked), the
-compile, and the wheel's ptxas for sm_90a. The problems are tests/test_gpu_drawn.py's drawn specs, so the
-specializations that requests reach get compiled in CI. That class of failure is real: at L = 1 ptxas died
-with SIGSEGV on the Triton attention kernel (found by the drawn GPU tests on the H200, 2026-12-01). Nothing runs,
-so no result is checked here. The stand-in must not leak into other tests: these run in a child pytest.
-Drawn examples per path: $IKBO_COMPILE_EXAMPLES (default 8; 150 each compiled clean on the CPU machine on 2026-12-01).
+(the Triton kernel, both of `pick_config`'s tile configs) and the LCE variants fused and persistent (and
+warp_specialized, which takes fused on CPU tensors: `linear_compress_ws.ws_supported` needs CUDA; its kernel
+compiles in tests/test_linear_compress_ws.py) runs on CPU tensors under a stand-in Triton driver whose launcher does
+nothing: the descriptors, Triton's binder and its specialization of every argument (an integer equal to 1 becomes
+a constant, multiples of 16 are marked), the compile, and the wheel's ptxas for sm_90a. The problems are
+tests/test_gpu_drawn.py's drawn specs, so the specializations that requests reach get compiled in CI (at L = 1
+Triton would make seq_len a constant, on which ptxas fails: `attention._attention_kernel` keeps it unspecialized).
+Nothing runs, so no result is checked here. The stand-in must not leak into other tests:
+these run in a child pytest. Drawn examples per path: $IKBO_COMPILE_EXAMPLES (default 8).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ COMPILES = settings(max_examples=int(os.environ.get("IKBO_COMPILE_EXAMPLES", "8"
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile these kernels for real")
 def test_gpu_paths_compile_on_cpu():
     try:
-        from kernels.attention_ws import compile_ws
+        from kernels.devtools import compile_attention_ws
 
-        compile_ws(has_kv_len=False)
+        compile_attention_ws(has_kv_len=False)
     except Exception as exc:
         pytest.skip(f"cannot compile for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
     run_child_tests(__file__, "standin_", {"IKBO_STANDIN_DRIVER": "1"}, timeout=1500)
@@ -41,15 +42,13 @@ def test_gpu_paths_compile_on_cpu():
 
 @pytest.fixture(scope="module")
 def standin_driver():
-    """Triton's driver replaced for this child process (`kernels._common.install_standin_driver`: an H200, sm_90)."""
-    from kernels._common import install_standin_driver
+    """Triton's driver replaced for this child process (`kernels.devtools.install_standin_driver`: an H200, sm_90)."""
+    from kernels.devtools import install_standin_driver
 
     install_standin_driver()
 
 
-L1 = AttentionSpec(
-    2, 3, 1, 1, 1, 64, None, "contiguous", "bf16", "int32", 0, "default", None, 0
-)  # ptxas SIGSEGV before 2026-12-01
+L1 = AttentionSpec(2, 3, 1, 1, 1, 64, None, "contiguous", "bf16", "int32", 0, "default", None, 0)  # L = 1
 
 
 # S and L multiples of 64, contiguous: q, out, user_q and user_out rows by TMA (`rows_by_tma`, `self_rows_by_tma`)
@@ -94,10 +93,11 @@ def test_standin_triton_attention_compiles(standin_driver, spec):
 @example(spec=LCESpec(1, 1, 1, 1, 8, 1, True, "bf16", "int32", 0, None, 0))
 @example(spec=LCESpec(2, 3, 5, 0, 1, 1, True, "fp16", "int64", 1, None, 0))  # Kc = 0, D = N = 1
 def test_standin_lce_compiles(standin_driver, spec):
-    """s6 (where it runs, else its s3 fallback), s3 and s4, in s6's domain and off it (D not a multiple of 8, Kc = 0)."""
+    """warp_specialized (its fused fallback on CPU tensors), fused and persistent, in the warp-specialized kernel's
+    domain and off it (D not a multiple of 8, Kc = 0)."""
     from kernels.linear_compress import PackedLinearCompress
 
     user_emb, cand_emb, cand_to_user, weight, bias = spec.tensors("cpu", random=False)
     packed = PackedLinearCompress.from_weight(weight, spec.num_user_tokens, bias)
-    for variant in ("s6", "s3", "s4"):
+    for variant in ("warp_specialized", "fused", "persistent"):
         packed._triton(user_emb, cand_emb, cand_to_user, variant)

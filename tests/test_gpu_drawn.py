@@ -12,12 +12,11 @@ named corners. Here hypothesis draws everything else:
 
 Each problem runs through the kernel itself (outputs and Y_u NaN-poisoned first) and through the public op's
 own dispatch, fresh random inputs (drawn on the GPU from a drawn seed). Examples per test: $IKBO_GPU_EXAMPLES
-(default 20). docs/perf.md has the device run with many more.
+(default 20).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -27,10 +26,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import attention
+from kernels import attention, linear_compress_ws
 from kernels.attention_ws import DEFAULT_CONFIG, WSAttentionConfig, launch_ws, self_target_ws_ok, ws_supported
 from kernels.linear_compress import PackedLinearCompress
-from kernels.linear_compress_ws import _launch_ws, run_fused, s6_supported, ws_config
+from kernels.reference import rel_err
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 EXAMPLES = int(os.environ.get("IKBO_GPU_EXAMPLES", "20"))
@@ -38,13 +37,6 @@ DRAWN = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=lis
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 ATTENTION_TOLERANCE = 1e-2  # P is rounded to 16 bits before P·V, also in fp16
 pytestmark = pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in fp64; a NaN (an unwritten poisoned output) never passes; 0 / 0 is 0."""
-    diff = (out.double() - ref).norm().item()
-    scale = ref.norm().item()
-    return diff / scale if scale > 0 else diff
 
 
 def ragged_mapping(
@@ -87,8 +79,9 @@ INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 
 @dataclass(frozen=True)
 class LCESpec:
-    """A drawn LCE problem (fp16/bf16; `lce_specs` keeps it in s6's domain, Kc ≥ 1 and D · 2 bytes a multiple of
-    16, unless asked for any shape); its tensors come from `seed` (printed as is when a test fails)."""
+    """A drawn LCE problem (fp16/bf16; `lce_specs` keeps it in the warp-specialized kernel's domain, Kc ≥ 1 and
+    D · 2 bytes a multiple of 16, unless asked for any shape); its tensors come from `seed` (printed as is when a
+    test fails)."""
 
     num_users: int
     num_candidates: int
@@ -100,7 +93,7 @@ class LCESpec:
     dtype: str
     index_dtype: str
     empty_users: int  # the last users, without candidates
-    num_programs: int | None  # s6's persistent grid (None: one program per SM)
+    num_programs: int | None  # the warp-specialized kernel's persistent grid (None: one program per SM)
     seed: int
 
     def tensors(self, device="cuda", random=True):
@@ -122,7 +115,8 @@ def lce_reference(user_emb, cand_emb, cand_to_user, weight, bias):
 
 @st.composite
 def lce_specs(draw, any_shape: bool = False):
-    """In s6's domain; with `any_shape`, also D not a multiple of 8 and Kc = 0 (s3/s4 only: pointer loads)."""
+    """In the warp-specialized kernel's domain; with `any_shape`, also D not a multiple of 8 and Kc = 0 (fused and
+    persistent only: pointer loads)."""
     num_users = draw(st.integers(1, 40))
     return LCESpec(
         num_users=num_users,
@@ -142,23 +136,23 @@ def lce_specs(draw, any_shape: bool = False):
 
 @DRAWN
 @given(spec=lce_specs())
-def test_drawn_lce_s6_and_public_op(spec):
-    """s6 (its two launches, out and Y_u NaN-poisoned; the full grid or a few programs) and the public op's
-    own variant choice (s6 or s3/s4 by shape), both against fp64."""
+def test_drawn_lce_warp_specialized_and_public_op(spec):
+    """The warp-specialized variant (its two launches, out and Y_u NaN-poisoned; the full grid or a few programs)
+    and the public op's own variant choice (warp_specialized, fused or persistent by shape), both against fp64."""
     user_emb, cand_emb, cand_to_user, weight, bias = spec.tensors()
     ref = lce_reference(user_emb, cand_emb, cand_to_user, weight, bias)
     tol = TOLERANCE[cand_emb.dtype]
-    assert s6_supported(user_emb, cand_emb)
+    assert linear_compress_ws.ws_supported(user_emb, cand_emb)
     packed = PackedLinearCompress.from_weight(weight, spec.num_user_tokens, bias)
     out = torch.full(ref.shape, float("nan"), dtype=cand_emb.dtype, device="cuda")
     user_part = None
     if spec.num_user_tokens:
         user_part = torch.full((spec.num_users, *ref.shape[1:]), float("nan"), dtype=cand_emb.dtype, device="cuda")
-    cfg = ws_config(spec.dim, cand_emb.element_size())
-    launch = functools.partial(_launch_ws, num_programs=spec.num_programs)
-    run_fused(packed, user_emb, cand_emb, cand_to_user, out, user_part, cfg, launch)
+    linear_compress_ws.launch_ws(
+        packed, user_emb, cand_emb, cand_to_user, out, user_part, num_programs=spec.num_programs
+    )
     torch.cuda.synchronize()
-    assert rel_err(out, ref) <= tol, ("s6", rel_err(out, ref))
+    assert rel_err(out, ref) <= tol, ("warp_specialized", rel_err(out, ref))
     public = packed(user_emb, cand_emb, cand_to_user)
     assert rel_err(public, ref) <= tol, ("public op", rel_err(public, ref))
 

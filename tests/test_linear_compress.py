@@ -6,7 +6,7 @@ int64 mappings. Error tests check that the ValueError names the bad argument.
 
 Three layers:
 - the torch path, on the CPU;
-- the Triton kernels of every variant (s1…s4) under TRITON_INTERPRET=1, on small shapes. The
+- the Triton kernels of every variant (`VARIANTS`) under TRITON_INTERPRET=1, on small shapes. The
   interpreter must be switched on before Triton compiles anything, so `test_triton_interpreted`
   runs this file's `interpreted` tests in a child pytest process with the variable set; this
   process (and any other test module in it) keeps compiled Triton. Run with TRITON_INTERPRET=1 in
@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 from interpreted import run_interpreted
 
 from kernels import PackedLinearCompress, ikbo_linear_compress
-from kernels.linear_compress import VARIANTS, TileConfig
-from kernels.reference import linear_compress_reference
+from kernels.configs import TileConfig
+from kernels.linear_compress import VARIANTS
+from kernels.reference import linear_compress_reference, rel_err
 
 FP32_TOL = 1e-5
 FP16_TOL = 2e-3
@@ -65,13 +66,6 @@ def make_inputs(case: Case, dtype=torch.float32, device="cpu"):
     tensors = [t.to(device=device, dtype=dtype) for t in (user_emb, cand_emb, weight)]
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     return tensors[0], tensors[1], cand_to_user.to(device), tensors[2], bias
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in fp64 (0 when both are empty or both all-zero); NaN never passes."""
-    diff = (out.double().cpu() - ref).norm().item()
-    scale = ref.norm().item()
-    return diff / scale if scale > 0 else diff
 
 
 @st.composite
@@ -199,6 +193,14 @@ def test_triton_path_rejects_what_it_cannot_run():
     user_emb, cand_emb, cand_to_user, weight, bias = _valid()
     with pytest.raises(ValueError, match=r"^variant:"):
         ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, variant="s9")
+    for old in ("s1", "s2", "s3", "s4", "s6"):  # the old names: refused, naming the valid ones
+        with pytest.raises(ValueError, match=r"^variant: expected one of \('decomposed', 'aligned', 'fused'"):
+            ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, variant=old)
+    packed = PackedLinearCompress.from_weight(weight, 3, bias)
+    with pytest.raises(ValueError, match=r"^variant:"):  # also by the Triton path's own entry
+        packed._triton(user_emb, cand_emb, cand_to_user, "s3")
+    with pytest.raises(ValueError, match=r"^config: block_k"):
+        packed._triton(user_emb, cand_emb, cand_to_user, "fused", config=TileConfig(16, 16, num_warps=4, num_stages=1))
     if not INTERPRETING:
         with pytest.raises(ValueError, match=r"^user_emb:.*CUDA"):
             ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend="triton")
@@ -337,13 +339,13 @@ def test_gpu_bf16_real_sizes(shape, variant):
     tokens = torch.cat([user_emb.double()[cand_to_user.long()], cand_emb.double()], dim=1)  # test reference only
     ref = torch.matmul(weight.double(), tokens) + (0 if bias is None else bias.double()[:, None])
     packed = PackedLinearCompress.from_weight(weight, ku, bias)
-    for _ in range(2):  # twice: s4's flags must work across calls
+    for _ in range(2):  # twice: persistent's flags must work across calls
         out = torch.full((num_candidates, rows, dim), float("nan"), dtype=torch.bfloat16, device="cuda")
         user_part = torch.full((num_users if ku else 0, rows, dim), float("nan"), dtype=torch.bfloat16, device="cuda")
         packed._triton(user_emb, cand_emb, cand_to_user, variant, out=out, user_part=user_part)
         torch.cuda.synchronize()
         assert bool(torch.isfinite(out).all()), variant
-        err = ((out.double() - ref).norm() / ref.norm()).item()
+        err = rel_err(out, ref)
         assert err <= BF16_TOL, (variant, err)
 
 
@@ -366,11 +368,11 @@ def test_gpu_offsets_past_int32():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", VARIANTS + ("s6",))
+@pytest.mark.parametrize("variant", VARIANTS + ("warp_specialized",))
 @pytest.mark.parametrize("bad", [15, -1, 2**40], ids=["U", "negative", "huge"])
 def test_gpu_bad_mapping_raises_after_launch(variant, bad):
     """The Triton path launches first and checks the mapping's range after: a bad value still gives the
-    ValueError that names it (no fault, no hang: s4 waits on no missing flag), and the next good call
+    ValueError that names it (no fault, no hang: persistent waits on no missing flag), and the next good call
     on the same module is right."""
     num_users, num_candidates, ku, kc, dim, rows = 15, 300, 64, 72, 128, 256
     gen = torch.Generator().manual_seed(abs(bad) % 1000 + len(variant))

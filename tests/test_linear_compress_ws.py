@@ -1,4 +1,4 @@
-"""LCE variant s6 (Gluon, warp-specialized persistent candidate GEMM) against an fp64 reference.
+"""LCE variant warp_specialized (Gluon, warp-specialized persistent candidate GEMM) against an fp64 reference.
 
 CPU (CI): `ws_config` keeps shared memory within one SM, and the kernel compiles for sm_90a with the
 wheel's ptxas (a 1-warp producer and the consumer warpgroups with `setmaxnreg`, wgmma, TMA loads and
@@ -20,25 +20,18 @@ import pytest
 import torch
 
 import kernels.linear_compress_ws as ws
-from kernels._common import disassemble
+from kernels._hopper import SMEM_LIMIT
+from kernels.devtools import compile_linear_compress_ws, disassemble
 from kernels.linear_compress import PackedLinearCompress
-from kernels.linear_compress_ws import (
-    SMEM_LIMIT,
-    WSConfig,
-    _launch_ws,
-    compile_s6,
-    lce_s6,
-    s6_supported,
-    user_gemm,
-    ws_config,
-)
+from kernels.linear_compress_ws import WSConfig, _launch_kernel, launch_ws, user_gemm, ws_config, ws_supported
+from kernels.reference import rel_err
 
 BF16_TOL = 1e-2
 FP16_TOL = 2e-3
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-# LCE_S6_DEFAULT="stages=3,epi_free_at=2": the GPU tests run with that WSConfig as s6's default,
+# LCE_WS_DEFAULT="stages=3,epi_free_at=2": the GPU tests run with that WSConfig as the kernel's default,
 # so a candidate default is checked on every test shape before it is made the default.
-DEFAULT_OVERRIDE = os.environ.get("LCE_S6_DEFAULT", "")
+DEFAULT_OVERRIDE = os.environ.get("LCE_WS_DEFAULT", "")
 
 
 def _parse_config(text: str) -> WSConfig:
@@ -47,7 +40,7 @@ def _parse_config(text: str) -> WSConfig:
 
 
 @pytest.fixture(autouse=True)
-def _s6_default(monkeypatch):
+def _ws_default(monkeypatch):
     if DEFAULT_OVERRIDE:
         monkeypatch.setattr(ws, "DEFAULT_CONFIG", _parse_config(DEFAULT_OVERRIDE))
     ws_config.cache_clear()
@@ -68,7 +61,7 @@ def test_ws_config_fits_shared_memory():
 
 
 def test_default_override_parser():
-    """LCE_S6_DEFAULT as the probe writes it (the winner's fields that differ from WSConfig())."""
+    """LCE_WS_DEFAULT as written for a candidate default (its fields that differ from WSConfig())."""
     assert _parse_config("stages=3,epi_free_at=2") == WSConfig(stages=3, epi_free_at=2)
     assert _parse_config("") == WSConfig()
 
@@ -87,7 +80,7 @@ def test_default_override_parser():
 def test_compiles_for_sm90a(kwargs):
     """sm_90a without a GPU: two partitions with register reallocation, wgmma, TMA in and out, no spills."""
     try:
-        kernel = compile_s6(**kwargs)
+        kernel = compile_linear_compress_ws(**kwargs)
     except Exception as exc:  # a Triton build without the CUDA backend or ptxas
         pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
     ptx = kernel.asm["ptx"]
@@ -127,7 +120,7 @@ def _problem(shape, dtype, seed):
 def _check(out, ref, dtype):
     torch.cuda.synchronize()
     assert bool(torch.isfinite(out).all()), "unwritten (NaN) outputs"
-    err = ((out.double() - ref).norm() / ref.norm()).item()
+    err = rel_err(out, ref)
     assert err <= (BF16_TOL if dtype == torch.bfloat16 else FP16_TOL), err
 
 
@@ -153,24 +146,24 @@ CONFIG_IDS = ["free-at-2", "free-at-0", "bd128", "st2", "st3"]
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
-def test_gpu_s6(shape, dtype):
+def test_gpu_warp_specialized(shape, dtype):
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, hash((shape, str(dtype))) % 2**31)
-    assert s6_supported(user_emb, cand_emb)
+    assert ws_supported(user_emb, cand_emb)
     num_users, num_candidates, ku, _, dim, rows = shape[:6]
     for _ in range(2):  # twice: cached descriptors must serve the second call
         out = torch.full((num_candidates, rows, dim), float("nan"), dtype=dtype, device="cuda")
         user_part = torch.full((num_users, rows, dim), float("nan"), dtype=dtype, device="cuda") if ku else None
-        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
+        launch_ws(packed, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
         _check(out, ref, dtype)
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("config", CONFIGS[1:], ids=CONFIG_IDS)
-def test_gpu_s6_configs(config):
+def test_gpu_warp_specialized_configs(config):
     for shape in (GPU_SHAPES[0], GPU_SHAPES[2]):
         user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, torch.bfloat16, 7)
         out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-        lce_s6(packed, user_emb, cand_emb, cand_to_user, out=out, config=config)
+        launch_ws(packed, user_emb, cand_emb, cand_to_user, out=out, config=config)
         _check(out, ref, torch.bfloat16)
 
 
@@ -181,7 +174,7 @@ def test_gpu_s6_configs(config):
     [None, WSConfig(block_d=128, stages=0), WSConfig(stages=2)],
     ids=["default", "bd128", "st2"],
 )
-def test_gpu_s6_few_programs(num_programs, base):
+def test_gpu_warp_specialized_few_programs(num_programs, base):
     """Few persistent programs, many tiles each: ring and epilogue-buffer phases wrap many times
     (39 candidates of 2 tiles, 4 at BLOCK_D = 128, on 1 or 3 programs)."""
     shape = (5, 39, 32, 200, 256, 256, True, 1)
@@ -189,7 +182,7 @@ def test_gpu_s6_few_programs(num_programs, base):
     user_part = torch.full((5, 256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
     user_gemm(packed, user_emb, user_part)
     out = torch.full_like(ref, float("nan"), dtype=torch.bfloat16)
-    _launch_ws(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, base), num_programs)
+    _launch_kernel(packed, cand_emb, out, user_part, cand_to_user, packed.bias, ws_config(256, 2, base), num_programs)
     _check(out, ref, torch.bfloat16)
 
 
@@ -217,79 +210,95 @@ def _check_graph_replays(shape, seed, call):
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-def test_gpu_s6_not_supported():
-    """What s6 leaves to s3/s4: fp32, Kc = 0, rows of D that TMA cannot address (D·2 bytes not a multiple of 16)."""
+def test_gpu_warp_specialized_not_supported():
+    """What the kernel leaves to fused: fp32, Kc = 0, rows of D that TMA cannot address (D·2 bytes not a multiple of
+    16)."""
     user = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16)
-    assert not s6_supported(user.float(), torch.randn(4, 16, 64, device="cuda"))
-    assert not s6_supported(user, torch.randn(4, 0, 64, device="cuda", dtype=torch.bfloat16))
-    assert not s6_supported(user, torch.randn(4, 16, 100, device="cuda", dtype=torch.bfloat16))
+    assert not ws_supported(user.float(), torch.randn(4, 16, 64, device="cuda"))
+    assert not ws_supported(user, torch.randn(4, 0, 64, device="cuda", dtype=torch.bfloat16))
+    assert not ws_supported(user, torch.randn(4, 16, 100, device="cuda", dtype=torch.bfloat16))
 
 
-def test_public_variant_s6_on_cpu():
-    """variant "s6" is accepted by the public op (torch path on the CPU); a TileConfig is refused for it."""
-    from kernels.linear_compress import TileConfig, ikbo_linear_compress
+def test_public_variant_warp_specialized_on_cpu():
+    """variant "warp_specialized" is accepted by the public op (torch path on the CPU), the old name "s6" is refused
+    naming the valid ones, and a TileConfig is refused for it."""
+    from kernels.configs import TileConfig
+    from kernels.linear_compress import ikbo_linear_compress
 
     gen = torch.Generator().manual_seed(5)
     user_emb, cand_emb = torch.randn(2, 8, 16, generator=gen), torch.randn(5, 6, 16, generator=gen)
     cand_to_user = torch.tensor([1, 0, 1, 1, 0], dtype=torch.int32)
     weight, bias = torch.randn(12, 14, generator=gen), torch.randn(12, generator=gen)
     ref = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend="torch")
-    out = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend="torch", variant="s6")
+    out = ikbo_linear_compress(
+        user_emb, cand_emb, cand_to_user, weight, bias, backend="torch", variant="warp_specialized"
+    )
     torch.testing.assert_close(out, ref)
+    with pytest.raises(ValueError, match=r"^variant: expected one of .*'warp_specialized'.*got 's6'"):
+        ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend="torch", variant="s6")
     packed = PackedLinearCompress.from_weight(weight, 8, bias)
     with pytest.raises(ValueError, match=r"^config:"):
-        packed._triton(user_emb, cand_emb, cand_to_user, "s6", config=TileConfig(16, 16, 16))
+        packed._triton(
+            user_emb,
+            cand_emb,
+            cand_to_user,
+            "warp_specialized",
+            config=TileConfig(16, 16, 16, num_warps=4, num_stages=1),
+        )
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-def test_gpu_public_variant_s6_and_fallback():
-    """The public op with variant "s6": s6 where supported, s3 otherwise (fp32, D·2 bytes not a multiple of 16)."""
+def test_gpu_public_variant_warp_specialized_and_fallback():
+    """The public op with variant "warp_specialized": the kernel where supported, fused otherwise (fp32, D·2 bytes not
+    a multiple of 16)."""
     for dtype, dim in ((torch.bfloat16, 256), (torch.float32, 64), (torch.bfloat16, 100)):
         shape = (6, 90, 40, 33, dim, 128, True, 1)
         user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, 21)
-        out = packed(user_emb, cand_emb, cand_to_user, backend="triton", variant="s6")
+        out = packed(user_emb, cand_emb, cand_to_user, backend="triton", variant="warp_specialized")
         tol = 1e-3 if dtype == torch.float32 else BF16_TOL
-        assert ((out.double() - ref).norm() / ref.norm()).item() <= tol, (dtype, dim)
+        assert rel_err(out, ref) <= tol, (dtype, dim)
 
 
-def test_default_variant_takes_s6_where_it_runs():
-    """Untuned, the op takes s6 where it runs from WS_MIN_CANDIDATES candidates up, else s3/s4 as before."""
+def test_default_variant_takes_warp_specialized_where_it_runs():
+    """Untuned, the op takes warp_specialized where it runs from WS_MIN_CANDIDATES candidates up, else fused or
+    persistent as without it."""
     from kernels.linear_compress import WS_MIN_CANDIDATES, default_variant
 
     for users, cands in ((15, 1024), (1, WS_MIN_CANDIDATES), (WS_MIN_CANDIDATES, WS_MIN_CANDIDATES), (241, 16384)):
-        assert default_variant(users, cands, s6_runs=True) == "s6", (users, cands)
-        assert default_variant(users, cands) in ("s3", "s4"), (users, cands)
+        assert default_variant(users, cands, ws_runs=True) == "warp_specialized", (users, cands)
+        assert default_variant(users, cands) in ("fused", "persistent"), (users, cands)
     for users, cands in ((1, WS_MIN_CANDIDATES - 1), (64, 64), (16, 64)):
-        assert default_variant(users, cands, s6_runs=True) == default_variant(users, cands), (users, cands)
+        assert default_variant(users, cands, ws_runs=True) == default_variant(users, cands), (users, cands)
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize(
-    "dtype, num_candidates, dim, expect_s6",
+    "dtype, num_candidates, dim, expect_ws",
     [
         (torch.bfloat16, 1024, 256, True),
         (torch.float16, 300, 128, True),
         (torch.bfloat16, 200, 256, False),  # under WS_MIN_CANDIDATES
-        (torch.bfloat16, 600, 100, False),  # D·2 bytes not a multiple of 16: s6 does not run
+        (torch.bfloat16, 600, 100, False),  # D·2 bytes not a multiple of 16: the kernel does not run
         (torch.float32, 600, 256, False),
     ],
 )
-def test_gpu_public_default_dispatch(monkeypatch, dtype, num_candidates, dim, expect_s6):
-    """With no variant and nothing tuned the public op launches s6 exactly where default_variant says so,
-    and the result matches fp64 either way."""
+def test_gpu_public_default_dispatch(monkeypatch, dtype, num_candidates, dim, expect_ws):
+    """With no variant and nothing tuned the public op launches the warp-specialized kernel exactly where
+    default_variant says so, and the result matches fp64 either way."""
     launched = []
-    real = ws.lce_s6
-    monkeypatch.setattr(ws, "lce_s6", lambda *a, **k: launched.append(1) or real(*a, **k))
+    real = ws.launch_ws
+    monkeypatch.setattr(ws, "launch_ws", lambda *a, **k: launched.append(1) or real(*a, **k))
     shape = (15, num_candidates, 96, 72, dim, 256, True, 1)
     user_emb, cand_emb, cand_to_user, packed, ref = _problem(shape, dtype, 41)
     out = packed(user_emb, cand_emb, cand_to_user, backend="triton")
     tol = 1e-3 if dtype == torch.float32 else BF16_TOL
-    assert ((out.double() - ref).norm() / ref.norm()).item() <= tol
-    assert bool(launched) == expect_s6
+    assert rel_err(out, ref) <= tol
+    assert bool(launched) == expect_ws
 
 
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
-def test_gpu_s6_cuda_graph():
-    """s6 captured in a CUDA graph (no per-call state): replays with new inputs copied in place are right."""
+def test_gpu_warp_specialized_cuda_graph():
+    """The warp-specialized variant captured in a CUDA graph (no per-call state): replays with new inputs copied in
+    place are right."""
     shape = (15, 256, 128, 500, 256, 512, True, 0)
-    _check_graph_replays(shape, 31, lambda packed, *inputs: packed._triton(*inputs, "s6"))
+    _check_graph_replays(shape, 31, lambda packed, *inputs: packed._triton(*inputs, "warp_specialized"))

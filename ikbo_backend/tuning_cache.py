@@ -1,13 +1,11 @@
-"""Load-time autotuning: time candidate kernel configurations, keep the fastest correct one, and keep
-the choice on disk so that a restart reads it instead of timing again. What is tuned (per op and
-shape bucket) lives in ikbo_backend/shape_spec.py (`tune_buckets`); this module holds what does not
-depend on the op.
+"""The on-disk caches of load-time tuning (ikbo_backend/autotune.py), so that a restart reads the tuned choices
+and loads the chosen kernels' binaries instead of timing and compiling again.
 
 Two caches, both under <repo>/.cache (gitignored); clear them with `rm -rf .cache/ikbo-tuning .cache/triton`:
 - `.cache/ikbo-tuning/tuned_configs.json` (the directory is $IKBO_TUNING_CACHE when set): one JSON
-  object {"entries": {key: entry}}. A key names everything a choice depends on: device name, SMs and
-  compute capability, Triton and torch versions, op, dtype, model dims, the bucket's key and how the model
-  runs (eager, or CUDA-graph replays: timed as such); an entry
+  object {"entries": {key: entry}}. A key (`entry_key`) names everything a choice depends on: the cache
+  FORMAT, device name, SMs and compute capability, Triton and torch versions, op, dtype, model dims, the
+  bucket's key and how the model runs (eager, or CUDA-graph replays: timed as such); an entry
   holds the chosen config (null: no candidate launched correctly, the kernel's heuristics stay), the
   (U, B) it was timed at and every candidate's median ms (or why it was dropped). Writers take an
   exclusive lock (flock on `tuned_configs.json.lock`), read the file again, add their entries and
@@ -23,12 +21,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import math
 import os
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,11 +33,7 @@ import triton
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TUNING_DIR_ENV = "IKBO_TUNING_CACHE"
 CACHE_FILE = "tuned_configs.json"
-FORMAT = 6  # of an entry and its candidates (3: the Gluon attention kernel; 4: its items from an atomic counter, so
-# its times with kv_len changed; 5: keys name how the model runs, eager or CUDA-graph replays; 6: the attention
-# TileConfig lost its loop options, which format-5 tiles name); part of every key, so a change tunes again
-WARMUP_MS, REP_MS = 10, 40  # triton.testing.do_bench per candidate: ≥ 40 runs of a ≤ 1 ms kernel
-ROUNDS = 2  # timings of each candidate (in alternating order); the best median counts
+FORMAT = 7  # of keys, entries and choices; part of every key, so entries of another format are never read
 
 
 def default_cache_path() -> Path:
@@ -56,18 +48,6 @@ def use_persistent_triton_cache(directory=None) -> str:
     return os.environ["TRITON_CACHE_DIR"]
 
 
-def median_ms(fn) -> float:
-    """Median time of `fn` in ms (CUDA events, L2 flushed between runs): for a model that runs eagerly,
-    where a call's host launch time counts whenever it exceeds the device time."""
-    return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
-
-
-def graph_median_ms(fn) -> float:
-    """Median time of `fn` in ms as CUDA-graph replays: for a model that replays its kernels from CUDA
-    graphs, where the host's launch time does not count (and `fn` runs as it does under capture)."""
-    return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
-
-
 def device_description(device) -> str:
     """What a tuned choice depends on besides the op: the device and the compiler versions."""
     device = torch.device(device)
@@ -79,41 +59,9 @@ def device_description(device) -> str:
     return f"{name}|triton {triton.__version__}|torch {torch.__version__}"
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration to try: `check()` launches it on poisoned outputs and says whether the
-    result matches the reference; `run()` is the launch that gets timed; `choice` is what the cache
-    stores (JSON) when it wins."""
-
-    label: str
-    choice: dict
-    check: Callable[[], bool]
-    run: Callable[[], object]
-
-
-def fastest(candidates, timer=median_ms, rounds: int = ROUNDS) -> dict:
-    """→ {"choice": the fastest correct candidate's choice or None, "ms": {label: ms, or why dropped}}.
-    A candidate that raises when checked (Triton OutOfResources, a compilation error, anything) is
-    dropped, with the exception's type as its entry in "ms".
-    All are checked (and so compiled) first, then timed back to back, `rounds` times in alternating
-    order, each keeping its best median: no compilation pause between timings (the clocks stay up),
-    and no candidate always comes first."""
-    ms, correct = {}, []
-    for candidate in candidates:
-        try:
-            passed = candidate.check()
-        except Exception as e:
-            ms[candidate.label] = f"dropped: {type(e).__name__}"
-            continue
-        if passed:
-            correct.append(candidate)
-        else:
-            ms[candidate.label] = "dropped: wrong result"
-    for round_ in range(rounds):
-        for candidate in correct if round_ % 2 == 0 else correct[::-1]:
-            ms[candidate.label] = min(float(timer(candidate.run)), ms.get(candidate.label, math.inf))
-    best = min(correct, key=lambda c: ms[c.label], default=None)
-    return {"choice": None if best is None else best.choice, "ms": ms}
+def entry_key(device, *parts) -> str:
+    """The cache key of a choice on `device` that depends on `parts` (op, dtype, dims, bucket, mode) besides."""
+    return "|".join([f"v{FORMAT}", device_description(device), *map(str, parts)])
 
 
 class TuningCache:

@@ -1,4 +1,4 @@
-"""Shape buckets (ikbo_backend/shape_spec.py): the enumeration finds the key of every (U, B) of a range,
+"""Kernel shape buckets (ikbo_backend/kernel_buckets.py): the enumeration finds the key of every (U, B) of a range,
 each representative lies in its bucket, the served models warm up at every representative, and — on
 a GPU only — no Triton kernel compiles during requests after the warm-up (counted with Triton's
 jit_post_compile_hook in a fresh process, so no earlier test has filled the kernel caches)."""
@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from ikbo_backend import shape_spec, stages
+from ikbo_backend import autotune, stages
+from ikbo_backend.autotune import bucket_representatives
+from ikbo_backend.kernel_buckets import KEYS, OPS, candidate_counts, kernel_buckets
 from ikbo_backend.paths import load_shape_ranges
 from ikbo_backend.ranker import RankerConfig, make_demo_weights
 from ikbo_backend.requests import ShapeRanges
-from ikbo_backend.shape_spec import KEYS, OPS, bucket_representatives, candidate_counts, shape_buckets
 from ikbo_backend.stages import InteractionModel, warmup_sizes
 
 SEED = secrets.randbits(32)
@@ -28,7 +29,7 @@ GPUS = [(torch.float32, 132), (torch.bfloat16, 132), (torch.bfloat16, 78)]  # (m
 def test_every_shape_of_a_range_falls_in_an_enumerated_bucket(dtype, sms):
     """Exhaustive over a range that reaches past the exhaustive part of the enumeration (B > 1024)."""
     ranges = ShapeRanges(users=(1, 40), candidates=(1, 2100))
-    buckets = shape_buckets(CFG, ranges, dtype, sms)
+    buckets = kernel_buckets(CFG, ranges, dtype, sms)
     for op in OPS:
         keys = {KEYS[op](CFG, u, b, dtype, sms) for u in range(1, 41) for b in range(1, 2101)}
         assert keys == {bucket.key for bucket in buckets[op]}, op
@@ -37,7 +38,7 @@ def test_every_shape_of_a_range_falls_in_an_enumerated_bucket(dtype, sms):
 @pytest.mark.parametrize("dtype, sms", GPUS, ids=lambda x: str(x).replace("torch.", ""))
 def test_random_shapes_of_the_served_range_fall_in_a_bucket(dtype, sms):
     rng = np.random.default_rng(SEED)
-    buckets = shape_buckets(CFG, SERVED, dtype, sms)
+    buckets = kernel_buckets(CFG, SERVED, dtype, sms)
     users = rng.integers(SERVED.users[0], SERVED.users[1] + 1, 5000)
     shapes = zip(users, rng.integers(SERVED.candidates[0], SERVED.candidates[1] + 1, 5000))
     for u, b in shapes:
@@ -47,7 +48,7 @@ def test_random_shapes_of_the_served_range_fall_in_a_bucket(dtype, sms):
 
 def test_representatives_lie_in_their_bucket_and_range():
     for dtype, sms in GPUS:
-        for op, buckets in shape_buckets(CFG, SERVED, dtype, sms).items():
+        for op, buckets in kernel_buckets(CFG, SERVED, dtype, sms).items():
             for bucket in buckets:
                 u, b = bucket.representative
                 assert SERVED.users[0] <= u <= SERVED.users[1] and SERVED.candidates[0] <= b <= SERVED.candidates[1]
@@ -55,9 +56,9 @@ def test_representatives_lie_in_their_bucket_and_range():
 
 
 def test_served_fp32_model_buckets():
-    """fp32 on the H200: LCE s3 and s4 (U and B are not specialized); attention takes torch (fp32)."""
-    buckets = shape_buckets(CFG, SERVED, torch.float32, 132)
-    assert sorted(b.key for b in buckets["lce"]) == [("s3",), ("s4",)]
+    """fp32 on the H200: LCE fused and persistent (U and B are not specialized); attention takes torch (fp32)."""
+    buckets = kernel_buckets(CFG, SERVED, torch.float32, 132)
+    assert sorted(b.key for b in buckets["lce"]) == [("fused",), ("persistent",)]
     assert [b.key for b in buckets["attention"]] == [("torch",)]
     assert len(bucket_representatives(CFG, SERVED, "cpu")) == 1  # a CPU: no Triton, one torch bucket per op
 
@@ -72,7 +73,7 @@ def test_candidate_counts():
 def test_warm_up_runs_every_bucket_representative(monkeypatch):
     """With the SM count of an H200, the warm-up runs the range's ends and middle and every bucket's
     representative (here on the CPU: the shapes are what is checked)."""
-    monkeypatch.setattr(shape_spec, "device_sms", lambda device: 132)
+    monkeypatch.setattr(autotune, "device_sms", lambda device: 132)
     model = InteractionModel(CFG, make_demo_weights(CFG, seed=1), SERVED, variant="ikbo")
     seen = []
     make_request = stages.make_request
@@ -83,7 +84,7 @@ def test_warm_up_runs_every_bucket_representative(monkeypatch):
         stages, "warmup_sizes", lambda ranges: [(1, 1), (3, 40)]
     )  # the range's far end is slow on a CPU
     model.warm_up()
-    representatives = [b.representative for op in OPS for b in shape_buckets(CFG, SERVED, torch.float32, 132)[op]]
+    representatives = [b.representative for op in OPS for b in kernel_buckets(CFG, SERVED, torch.float32, 132)[op]]
     assert set(seen) == {(1, 1), (3, 40)} | set(representatives) and len(seen) == len(set(seen))
     assert (SERVED.users[1], SERVED.candidates[1]) in warmup_sizes(SERVED)
 
@@ -135,8 +136,8 @@ def test_no_triton_compilation_on_the_request_path(variant_class):
 def test_gluon_attention_is_a_candidate_on_hopper_in_16_bit_and_its_choice_round_trips():
     """The Gluon warp-specialized attention kernel is tried only on a Hopper GPU for fp16/bf16 with
     d ∈ {64, 128}; its cached choice decodes to attention_op.WS_CHOICE, which `_launch` takes."""
+    from ikbo_backend.autotune import _attention_label, _decode, attention_candidates
     from ikbo_backend.ranker import RankerConfig
-    from ikbo_backend.shape_spec import _attention_label, _decode, attention_candidates
     from kernels import attention as attention_op
 
     cfg = RankerConfig(embedding_dim=256, heads=2)  # d = 128
@@ -148,26 +149,28 @@ def test_gluon_attention_is_a_candidate_on_hopper_in_16_bit_and_its_choice_round
         RankerConfig(embedding_dim=96, heads=3), ("triton",), torch.bfloat16, hopper=True
     )
     assert _decode("attention", {"tile": None, "kernel": attention_op.WS_CHOICE}) == attention_op.WS_CHOICE
-    assert _attention_label(attention_op.WS_CHOICE) == "warp-specialized (Gluon)"
+    assert attention_op.WS_CHOICE == "warp_specialized"
+    assert _attention_label(attention_op.WS_CHOICE) == "warp_specialized (Gluon)"
     tile = attention_candidates(cfg, ("triton",))[0]
     assert _decode("attention", {"tile": dataclasses.asdict(tile)}) == tile
 
 
-def test_s6_is_an_lce_candidate_on_hopper_in_16_bit_and_its_choice_round_trips():
-    """s6 (Gluon) is tried only on a Hopper GPU for fp16/bf16; its cached choice (tile None) decodes
-    to what `set_tuned_configs` hands the op: ("s6", None), launched with s6's own config."""
+def test_warp_specialized_is_an_lce_candidate_on_hopper_in_16_bit_and_its_choice_round_trips():
+    """warp_specialized (Gluon) is tried only on a Hopper GPU for fp16/bf16; its cached choice (tile None) decodes
+    to what `set_tuned_configs` hands the op: ("warp_specialized", None), launched with its own config."""
+    from ikbo_backend.autotune import _decode, _lce_label, lce_candidates
     from ikbo_backend.ranker import RankerConfig
-    from ikbo_backend.shape_spec import _decode, _lce_label, lce_candidates
 
+    ws = ("warp_specialized", None)
     cfg = RankerConfig()
-    for key in (("s3",), ("s4",)):
+    for key in (("fused",), ("persistent",)):
         for dtype in (torch.float16, torch.bfloat16):
-            assert lce_candidates(cfg, key, dtype, hopper=True)[-1] == ("s6", None)
-            assert ("s6", None) not in lce_candidates(cfg, key, dtype, hopper=False)
-        assert ("s6", None) not in lce_candidates(cfg, key, torch.float32, hopper=True)
-    assert _decode("lce", {"variant": "s6", "tile": None}) == ("s6", None)
-    assert _lce_label("s6", None) == "s6 warp-specialized (Gluon)"
+            assert lce_candidates(cfg, key, dtype, hopper=True)[-1] == ws
+            assert ws not in lce_candidates(cfg, key, dtype, hopper=False)
+        assert ws not in lce_candidates(cfg, key, torch.float32, hopper=True)
+    assert _decode("lce", {"variant": "warp_specialized", "tile": None}) == ws
+    assert _lce_label("warp_specialized", None) == "warp_specialized (Gluon)"
     variant, tile = _decode(
-        "lce", {"variant": "s3", "tile": dataclasses.asdict(lce_candidates(cfg, ("s3",), torch.float16)[0][1])}
+        "lce", {"variant": "fused", "tile": dataclasses.asdict(lce_candidates(cfg, ("fused",), torch.float16)[0][1])}
     )
-    assert variant == "s3" and tile == lce_candidates(cfg, ("s3",), torch.float16)[0][1]
+    assert variant == "fused" and tile == lce_candidates(cfg, ("fused",), torch.float16)[0][1]

@@ -1,4 +1,4 @@
-"""Load-time tuning per shape bucket (ikbo_backend/tuning.py, `shape_spec.tune_buckets`).
+"""Load-time tuning per shape bucket (ikbo_backend/autotune.py, its disk cache ikbo_backend/tuning_cache.py).
 
 Three layers:
 - the disk cache and the choice, on the CPU with a fake timer (fresh random times and data): a
@@ -30,13 +30,15 @@ import torch
 import triton
 from interpreted import run_interpreted
 
-from ikbo_backend import shape_spec
+from ikbo_backend import autotune, kernel_buckets
+from ikbo_backend.autotune import ROUNDS, Candidate, fastest, median_ms
 from ikbo_backend.ranker import RankerConfig
 from ikbo_backend.requests import ShapeRanges
-from ikbo_backend.tuning import ROUNDS, Candidate, TuningCache, cached_entries, fastest, median_ms
+from ikbo_backend.tuning_cache import TuningCache, cached_entries
 from kernels import attention as attention_op
-from kernels import ikbo_linear_compress, ikbo_self_target_attention
+from kernels import configs, ikbo_linear_compress, ikbo_self_target_attention
 from kernels import linear_compress as lce_op
+from kernels.configs import TileConfig, set_tuned_configs
 from kernels.reference import rel_err
 
 SEED = secrets.randbits(32)
@@ -107,10 +109,10 @@ def test_cached_choice_is_reused_without_timing(tmp_path):
 
 def test_changed_key_tunes_again(tmp_path):
     cache, timer, ran = TuningCache(tmp_path / "t.json"), FakeTimer(SEED), []
-    cached_entries(cache, _jobs(SEED, ["v1|H200|triton 3.6.0|lce|s3"], timer, ran))
-    changed = ["v1|H200|triton 3.6.0|lce|s3", "v1|H200|triton 3.7.0|lce|s3"]  # another Triton version
+    cached_entries(cache, _jobs(SEED, ["v1|H200|triton 3.6.0|lce|fused"], timer, ran))
+    changed = ["v1|H200|triton 3.6.0|lce|fused", "v1|H200|triton 3.7.0|lce|fused"]  # another Triton version
     cached_entries(cache, _jobs(SEED, changed, timer, ran))
-    assert ran == ["v1|H200|triton 3.6.0|lce|s3", "v1|H200|triton 3.7.0|lce|s3"]
+    assert ran == ["v1|H200|triton 3.6.0|lce|fused", "v1|H200|triton 3.7.0|lce|fused"]
     assert set(cache.read()) == set(changed)  # the other entry is kept
 
 
@@ -175,28 +177,28 @@ def test_concurrent_writers_leave_one_valid_file_with_every_entry(tmp_path):
 
 def test_on_a_cpu_tuning_is_a_no_op(tmp_path, monkeypatch):
     monkeypatch.setenv("IKBO_TUNING_CACHE", str(tmp_path))
-    for op in (lce_op, attention_op):  # empty registries (GPU tests earlier in this process may have tuned)
-        monkeypatch.setattr(op, "_TUNED", {})
+    monkeypatch.setattr(configs, "_TUNED", {})  # an empty registry (GPU tests earlier in this process may have tuned)
     ranges = ShapeRanges((1, 4), (1, 50))
-    assert shape_spec.tune_buckets(CFG, ranges, "cpu") == {}
-    assert shape_spec.bucket_representatives(CFG, ranges, "cpu") == [(1, 1)]
-    assert list(tmp_path.iterdir()) == [] and not lce_op._TUNED and not attention_op._TUNED
+    assert autotune.tune_buckets(CFG, ranges, "cpu") == {}
+    assert autotune.bucket_representatives(CFG, ranges, "cpu") == [(1, 1)]
+    assert list(tmp_path.iterdir()) == [] and not configs._TUNED
 
 
 def test_candidates_per_bucket():
-    """s3 bucket: s3 configs; s4 bucket: s4 and s3 configs; attention: BLOCK_N | BLOCK_M (causal self tiles)."""
+    """fused bucket: fused configs; persistent bucket: persistent and fused configs; attention: BLOCK_N | BLOCK_M
+    (causal self tiles)."""
     ranges = ShapeRanges((1, 256), (1, 8192))
     large = RankerConfig(history_length=512, embedding_dim=256, heads=2, compressed_tokens=32, query_tokens=8)
     for cfg in (CFG, large):
-        for bucket in shape_spec.shape_buckets(cfg, ranges, torch.bfloat16, 132)["lce"]:
-            candidates = shape_spec.lce_candidates(cfg, bucket.key, torch.bfloat16)
-            assert {v for v, _ in candidates} == ({"s4", "s3"} if bucket.key[0] == "s4" else {"s3"}), bucket
-            graphed = shape_spec.lce_candidates(cfg, bucket.key, torch.bfloat16, hopper=True, graphs=True)
-            assert graphed == [c for c in candidates if c[0] != "s4"] + [("s6", None)], (
-                bucket
-            )  # s4 runs as s3 in a graph
-        for bucket in shape_spec.shape_buckets(cfg, ranges, torch.bfloat16, 132)["attention"]:
-            tiles = shape_spec.attention_candidates(cfg, bucket.key)
+        for bucket in kernel_buckets.kernel_buckets(cfg, ranges, torch.bfloat16, 132)["lce"]:
+            candidates = autotune.lce_candidates(cfg, bucket.key, torch.bfloat16)
+            expected = {"persistent", "fused"} if bucket.key[0] == "persistent" else {"fused"}
+            assert {v for v, _ in candidates} == expected, bucket
+            graphed = autotune.lce_candidates(cfg, bucket.key, torch.bfloat16, hopper=True, graphs=True)
+            # persistent runs as fused in a graph
+            assert graphed == [c for c in candidates if c[0] != "persistent"] + [("warp_specialized", None)], bucket
+        for bucket in kernel_buckets.kernel_buckets(cfg, ranges, torch.bfloat16, 132)["attention"]:
+            tiles = autotune.attention_candidates(cfg, bucket.key)
             assert tiles and all(t.block_m % t.block_n == 0 for t in tiles)
 
 
@@ -210,20 +212,21 @@ def test_graph_replayed_models_are_tuned_apart_with_the_graph_timer(tmp_path, mo
         def tune(cfg, key, shape, dtype, device, timer, graphs):
             seen.append((op, graphs, timer))
             choice = (
-                {"variant": "s3", "tile": None} if op == "lce" else {"tile": None, "kernel": attention_op.WS_CHOICE}
+                {"variant": "fused", "tile": None} if op == "lce" else {"tile": None, "kernel": attention_op.WS_CHOICE}
             )
             return {"choice": choice, "ms": {"fake": float(timer(lambda: None))}}
 
         return tune
 
-    monkeypatch.setattr(shape_spec, "TUNERS", {op: fake_tuner(op) for op in shape_spec.OPS})
+    monkeypatch.setattr(autotune, "TUNERS", {op: fake_tuner(op) for op in kernel_buckets.OPS})
     graph_timer, eager_timer = FakeTimer(SEED), FakeTimer(SEED + 1)
-    monkeypatch.setattr(shape_spec, "graph_median_ms", graph_timer)
-    monkeypatch.setattr(shape_spec, "median_ms", eager_timer)
+    monkeypatch.setattr(autotune, "graph_median_ms", graph_timer)
+    monkeypatch.setattr(autotune, "median_ms", eager_timer)
     ranges, cache = ShapeRanges((1, 3), (1, 40)), TuningCache(tmp_path / "t.json")
-    tune = lambda graphs, **kw: shape_spec.tune_buckets(
-        CFG, ranges, "cpu", torch.float16, num_sms=132, cache=cache, graphs=graphs, **kw
-    )
+
+    def tune(graphs, **kw):
+        return autotune.tune_buckets(CFG, ranges, "cpu", torch.float16, num_sms=132, cache=cache, graphs=graphs, **kw)
+
     graphed = tune(True)
     assert seen and all(graphs and timer is graph_timer for _, graphs, timer in seen) and eager_timer.calls == 0
     seen.clear()
@@ -301,8 +304,7 @@ def launches(monkeypatch):
 @pytest.fixture
 def clean_registry():
     yield
-    lce_op._TUNED.clear()
-    attention_op._TUNED.clear()
+    configs.clear_tuned_configs()
 
 
 def _lce_inputs(cfg, num_users, num_candidates, dtype, gen, device="cpu"):
@@ -348,7 +350,7 @@ def _launched_config(launches, op: str):
     """What the last call of `op` launched: lce (variant, tile fields), attention tile fields."""
     if op == "lce":
         name, kw = next(x for x in reversed(launches) if x[0] in ("_lce_tile_kernel", "_lce_persistent_kernel"))
-        variant = "s4" if name == "_lce_persistent_kernel" else "s3"
+        variant = "persistent" if name == "_lce_persistent_kernel" else "fused"
         return variant, (kw["BLOCK_M"], kw["BLOCK_D"], kw["BLOCK_K"], kw["num_warps"], kw["num_stages"], kw["SPLIT"])
     kw = next(kw for name, kw in reversed(launches) if name == "_attention_kernel")
     return kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["NUM_STAGES"], kw["maxnreg"]
@@ -357,29 +359,32 @@ def _launched_config(launches, op: str):
 def _expected_config(op: str, choice):
     if op == "lce":
         variant, t = choice
-        return variant, (t.block_m, t.block_d, t.block_k, t.num_warps, t.num_stages, t.epilogue_split)
+        return variant, (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, t.epilogue_split)
     return choice.block_m, choice.block_n, choice.num_warps, choice.num_stages, choice.maxnreg
 
 
 @interpreted
 def test_interpreted_hook_launches_the_tuned_config(launches, clean_registry):
     """A registered lookup overrides the heuristics of both ops (here: configs they would not pick,
-    s3 where default_variant says s4), and outputs still match the fp64 torch path."""
+    fused where default_variant says persistent), and outputs still match the fp64 torch path."""
     gen = torch.Generator().manual_seed(SEED)
-    lce_tile = lce_op.TileConfig(16, 32, 16, num_warps=4, num_stages=1, epilogue_split=True)
-    attention_tile = attention_op.TileConfig(64, 32, 4, 3)
-    dims = shape_spec._dims(CFG, "lce"), shape_spec._dims(CFG, "attention")
-    lce_op.set_tuned_configs("cpu", torch.float16, dims[0], lambda u, b: ("s3", lce_tile) if b >= u else None)
-    attention_op.set_tuned_configs("cpu", torch.float16, dims[1], lambda u, b: attention_tile)
+    lce_tile = TileConfig(16, 32, 16, num_warps=4, num_stages=1, epilogue_split=True)
+    attention_tile = TileConfig(64, 32, num_warps=4, num_stages=3)
+    dims = kernel_buckets.op_dims(CFG, "lce"), kernel_buckets.op_dims(CFG, "attention")
+    set_tuned_configs("lce", "cpu", torch.float16, dims[0], lambda u, b: ("fused", lce_tile) if b >= u else None)
+    set_tuned_configs("attention", "cpu", torch.float16, dims[1], lambda u, b: attention_tile)
     shape = (2, 40)
-    assert lce_op.default_variant(*shape) == "s4"
+    assert lce_op.default_variant(*shape) == "persistent"
     _check_public_ops(CFG, shape, torch.float16, gen, BF16_TOL, backend="triton")
-    assert _launched_config(launches, "lce") == _expected_config("lce", ("s3", lce_tile))
+    assert _launched_config(launches, "lce") == _expected_config("lce", ("fused", lce_tile))
     assert _launched_config(launches, "attention") == _expected_config("attention", attention_tile)
-    lce_op.set_tuned_configs("cpu", torch.float16, dims[0], None)  # removed: the heuristics again
-    attention_op.set_tuned_configs("cpu", torch.float16, dims[1], None)
+    set_tuned_configs("lce", "cpu", torch.float16, dims[0], None)  # removed: the heuristics again
+    set_tuned_configs("attention", "cpu", torch.float16, dims[1], None)
     _check_public_ops(CFG, shape, torch.float16, gen, BF16_TOL, backend="triton")
-    assert _launched_config(launches, "lce")[0] == "s4" and _launched_config(launches, "attention")[:2] == (16, 16)
+    assert _launched_config(launches, "lce")[0] == "persistent" and _launched_config(launches, "attention")[:2] == (
+        16,
+        16,
+    )
 
 
 @interpreted
@@ -389,10 +394,10 @@ def test_interpreted_tune_buckets(tmp_path, launches, clean_registry):
     ops launch, for random (U, B) of the range, the choice of their bucket."""
     ranges, dtype, cache_path = ShapeRanges((1, 3), (1, 40)), torch.float16, tmp_path / "t.json"
     timer = FakeTimer(SEED)
-    tables = shape_spec.tune_buckets(CFG, ranges, "cpu", dtype, num_sms=132, cache=TuningCache(cache_path), timer=timer)
-    buckets = shape_spec.shape_buckets(CFG, ranges, dtype, 132)
-    assert {op: set(t) for op, t in tables.items()} == {op: {b.key for b in buckets[op]} for op in shape_spec.OPS}
-    labels = {"lce": lambda c: shape_spec._lce_label(*c), "attention": shape_spec._attention_label}
+    tables = autotune.tune_buckets(CFG, ranges, "cpu", dtype, num_sms=132, cache=TuningCache(cache_path), timer=timer)
+    buckets = kernel_buckets.kernel_buckets(CFG, ranges, dtype, 132)
+    assert {op: set(t) for op, t in tables.items()} == {op: {b.key for b in buckets[op]} for op in kernel_buckets.OPS}
+    labels = {"lce": lambda c: autotune._lce_label(*c), "attention": autotune._attention_label}
     for op, table in tables.items():
         for key, tuned in table.items():
             times = {label: ms for label, ms in tuned.ms.items() if isinstance(ms, float)}
@@ -400,7 +405,7 @@ def test_interpreted_tune_buckets(tmp_path, launches, clean_registry):
     timed = sum(isinstance(ms, float) for table in tables.values() for t in table.values() for ms in t.ms.values())
     assert timer.calls == ROUNDS * timed
 
-    restarted = shape_spec.tune_buckets(
+    restarted = autotune.tune_buckets(
         CFG, ranges, "cpu", dtype, num_sms=132, cache=TuningCache(cache_path), timer=_never_timed
     )
     assert restarted == tables
@@ -409,8 +414,8 @@ def test_interpreted_tune_buckets(tmp_path, launches, clean_registry):
     for _ in range(6):
         shape = int(rng.integers(1, 4)), int(rng.integers(1, 41))
         _check_public_ops(CFG, shape, dtype, gen, BF16_TOL, backend="triton")
-        for op in shape_spec.OPS:
-            key = shape_spec.KEYS[op](CFG, *shape, dtype, 132)
+        for op in kernel_buckets.OPS:
+            key = kernel_buckets.KEYS[op](CFG, *shape, dtype, 132)
             assert _launched_config(launches, op) == _expected_config(op, tables[op][key].choice), (op, shape, key)
 
 
@@ -438,18 +443,18 @@ def _tune_in_a_fresh_process(cache_dir: str, triton_dir: str, seed: int) -> dict
         return median_ms(fn)
 
     cache = TuningCache(Path(cache_dir) / "tuned_configs.json")
-    tables = shape_spec.tune_buckets(CFG, GPU_RANGES, "cuda", torch.bfloat16, cache=cache, timer=timer)
+    tables = autotune.tune_buckets(CFG, GPU_RANGES, "cuda", torch.bfloat16, cache=cache, timer=timer)
     at_tuning = len(compiled)
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
-    buckets = shape_spec.shape_buckets(CFG, GPU_RANGES, torch.bfloat16, shape_spec.device_sms("cuda"))
-    shapes = [s for op in shape_spec.OPS for b in buckets[op] for s in (b.representative, b.largest)]
+    buckets = kernel_buckets.kernel_buckets(CFG, GPU_RANGES, torch.bfloat16, kernel_buckets.device_sms("cuda"))
+    shapes = [s for op in kernel_buckets.OPS for b in buckets[op] for s in (b.representative, b.largest)]
     shapes += [(int(u), int(b)) for u, b in zip(rng.integers(1, 3, 12), rng.integers(1, 41, 12))]
     for shape in shapes:
         _check_public_ops(CFG, shape, torch.bfloat16, gen, BF16_TOL, device="cuda")
     torch.cuda.synchronize()
     table = [
-        f"{op} {key} at (U, B) = {t.shape}: {shape_spec._lce_label(*t.choice) if op == 'lce' else shape_spec._attention_label(t.choice)}"
+        f"{op} {key} at (U, B) = {t.shape}: {autotune._lce_label(*t.choice) if op == 'lce' else autotune._attention_label(t.choice)}"
         f" | "
         + ", ".join(f"{label} {ms:.4f}" if isinstance(ms, float) else f"{label} {ms}" for label, ms in t.ms.items())
         for op, rows in tables.items()
@@ -468,10 +473,10 @@ def _tune_in_a_fresh_process(cache_dir: str, triton_dir: str, seed: int) -> dict
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs a CUDA GPU")
 def test_gpu_tune_for_graph_replays(tmp_path, clean_registry):
     """A CUDA-graph-replayed model's tuning: every candidate timed as graph replays (a float for each,
-    none dropped for being captured), no s4 among them, and the public ops captured in a CUDA graph
+    none dropped for being captured), no persistent among them, and the public ops captured in a CUDA graph
     with the choices give the fp64 torch path's results on fresh inputs copied in."""
     cache = TuningCache(tmp_path / "tuned_configs.json")
-    tables = shape_spec.tune_buckets(CFG, GPU_RANGES, "cuda", torch.bfloat16, cache=cache, graphs=True)
+    tables = autotune.tune_buckets(CFG, GPU_RANGES, "cuda", torch.bfloat16, cache=cache, graphs=True)
     assert tables["lce"] and tables["attention"]
     for op, rows in tables.items():
         for key, tuned in rows.items():
@@ -480,12 +485,12 @@ def test_gpu_tune_for_graph_replays(tmp_path, clean_registry):
                 key,
                 tuned.ms,
             )
-            assert op != "lce" or (tuned.choice[0] != "s4" and not any(label.startswith("s4") for label in tuned.ms)), (
-                tuned
-            )
+            assert op != "lce" or (
+                tuned.choice[0] != "persistent" and not any(label.startswith("persistent") for label in tuned.ms)
+            ), tuned
     gen = torch.Generator().manual_seed(SEED)
-    buckets = shape_spec.shape_buckets(CFG, GPU_RANGES, torch.bfloat16, shape_spec.device_sms("cuda"))
-    for shape in [b.largest for op in shape_spec.OPS for b in buckets[op]]:
+    buckets = kernel_buckets.kernel_buckets(CFG, GPU_RANGES, torch.bfloat16, kernel_buckets.device_sms("cuda"))
+    for shape in [b.largest for op in kernel_buckets.OPS for b in buckets[op]]:
         static = _lce_inputs(CFG, *shape, torch.bfloat16, gen, "cuda")
         packed = lce_op.PackedLinearCompress.from_weight(static[3], CFG.user_tokens, static[4])
         packed(*static[:3])  # compiles outside the capture
