@@ -1,6 +1,6 @@
 """Load-time autotuning of the Triton kernels per shape bucket (ikbo_backend/kernel_buckets.py).
 
-`bucket_representatives`, run by every served model at load (ikbo_backend/serving.py): on a GPU it first runs
+`bucket_representatives`, run by every served model at load (ikbo_backend/stages.py): on a GPU it first runs
 `tune_buckets`, then returns the (U, B) to warm up at, so that the warm-up runs, and compiles, the kernels the
 requests will launch. `tune_buckets`: per op and bucket, the candidate configurations are timed at the bucket's
 largest (U, B) (its heaviest load; at the smallest one every candidate is launch-bound) with fresh random inputs,
