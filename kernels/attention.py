@@ -89,6 +89,7 @@ def pick_config(rows_per_user: float, interpret: bool) -> TileConfig:
 # ---------------------------------------------------------------------------------------------
 
 
+# fmt: off
 @triton.jit(do_not_specialize=["num_candidates", "num_users"])  # any U, B: one compiled kernel
 def _plan_kernel(
     cand_to_user_ptr,  # [B] int32/int64, expected in [0, U)
@@ -96,12 +97,7 @@ def _plan_kernel(
     order_ptr,  # [B] int32 out: candidates grouped by user, in their original order within a user
     tile_ptr,  # [B·S // BLOCK_M + U, 4] int32 out: (user or -1, first candidate slot, first row, row end)
     flag_ptr,  # [3] int32 out: flag (1 when a mapping or kv_len value is out of range), then two zeros
-    num_candidates,
-    num_users,
-    seq_len,
-    num_queries,
-    HAS_KV_LEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    num_candidates, num_users, seq_len, num_queries, HAS_KV_LEN: tl.constexpr, BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """Program u reads the whole mapping twice: first = #candidates of users in [0, u) and count = #of u,
@@ -156,6 +152,7 @@ def _plan_kernel(
         tl.store(flag_ptr, bad)
         tl.store(flag_ptr + 1, 0)
         tl.store(flag_ptr + 2, 0)
+# fmt: on
 
 
 @triton.jit
@@ -204,6 +201,7 @@ def _attend(
     return acc, m_i, l_i
 
 
+# fmt: off
 @triton.jit
 def _softmax_pass(
     q,  # [BLOCK_M, D]
@@ -213,14 +211,8 @@ def _softmax_pass(
     stride_kl,  # row stride of the K/V views
     full_end,  # keys [0, full_end) are seen by every row of the tile: no mask
     hi,  # keys [full_end, hi) need the kv_len / causal mask
-    kv_len,
-    row_limit,
-    qk_scale,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    kv_len, row_limit, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """softmax(q·Kᵀ)·V of one query tile over one (user, head) → [BLOCK_M, D] fp32 (0 for no keys)."""
     kv_row = (kv_offset // stride_kl).to(tl.int32)
@@ -229,46 +221,16 @@ def _softmax_pass(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_desc,
-        v_desc,
-        kv_row,
-        kv_col,
+        acc, m_i, l_i, q, k_desc, v_desc, kv_row, kv_col,
         0,
-        full_end,
-        kv_len,
-        row_limit,
-        qk_scale,
-        BLOCK_M,
-        BLOCK_N,
-        False,
-        NUM_STAGES,
-        WARP_SPECIALIZE,
+        full_end, kv_len, row_limit, qk_scale, BLOCK_M, BLOCK_N, False, NUM_STAGES, WARP_SPECIALIZE,
     )
     acc, m_i, l_i = _attend(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_desc,
-        v_desc,
-        kv_row,
-        kv_col,
-        full_end,
-        hi,
-        kv_len,
-        row_limit,
-        qk_scale,
-        BLOCK_M,
-        BLOCK_N,
-        True,
-        NUM_STAGES,
-        False,
+        acc, m_i, l_i, q, k_desc, v_desc, kv_row, kv_col, full_end, hi, kv_len, row_limit, qk_scale, BLOCK_M, BLOCK_N,
+        True, NUM_STAGES, False,
     )
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+# fmt: on
 
 
 @triton.jit
@@ -279,35 +241,13 @@ def _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN: tl.constexpr):
     return seq_len
 
 
+# fmt: off
 @triton.jit
 def _self_tile(
-    tile,
-    head,
-    uq_ptr,
-    stride_uqu,
-    stride_uqh,
-    stride_uql,
-    uo_ptr,
-    stride_uou,
-    stride_uoh,
-    stride_uol,
-    k_desc,
-    v_desc,
-    stride_ku,
-    stride_kh,
-    stride_kl,
-    kv_len_ptr,
-    num_users,
-    seq_len,
-    num_self_tiles,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol, k_desc, v_desc,
+    stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """One query tile of a user's own sequence; causal tiles are numbered longest first."""
     q_tiles = num_self_tiles // num_users
@@ -328,58 +268,24 @@ def _self_tile(
         full_end = (kv_len // BLOCK_N) * BLOCK_N
     kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
     out = _softmax_pass(
-        q,
-        k_desc,
-        v_desc,
-        kv_offset,
-        stride_kl,
-        full_end,
-        hi,
-        kv_len,
-        row_limit,
-        qk_scale,
-        BLOCK_M,
-        HEAD_DIM,
-        BLOCK_N,
-        NUM_STAGES,
-        WARP_SPECIALIZE,
+        q, k_desc, v_desc, kv_offset, stride_kl, full_end, hi, kv_len, row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N,
+        NUM_STAGES, WARP_SPECIALIZE,
     )
     out = tl.where((rows < kv_len)[:, None], out, 0.0)  # rows past the history are zeros
     o_rows = user.to(tl.int64) * stride_uou + head * stride_uoh + rows * stride_uol
     tl.store(
         uo_ptr + o_rows[:, None] + offs_d[None, :], out.to(uo_ptr.dtype.element_ty), mask=(rows < seq_len)[:, None]
     )
+# fmt: on
 
 
+# fmt: off
 @triton.jit
 def _target_tile(
-    tile,
-    head,
-    q_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    k_desc,
-    v_desc,
-    stride_ku,
-    stride_kh,
-    stride_kl,
-    kv_len_ptr,
-    order_ptr,
-    tile_ptr,
-    seq_len,
-    num_queries,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    tile, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_desc, v_desc,
+    stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """BLOCK_M packed query rows of one user's candidates (virtual rows: candidate-major, S tokens)."""
     entry = tile_ptr + tile * 4
@@ -404,21 +310,15 @@ def _target_tile(
         kv_offset,
         stride_kl,
         (kv_len // BLOCK_N) * BLOCK_N,
-        kv_len,
-        kv_len,
-        row_limit,
-        qk_scale,
-        BLOCK_M,
-        HEAD_DIM,
-        BLOCK_N,
-        NUM_STAGES,
-        WARP_SPECIALIZE,
+        kv_len, kv_len, row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE,
     )
     o_rows = cand * stride_ob + head * stride_oh + token * stride_os
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+# fmt: on
 
 
 # any U, B: one kernel per tile config; seq_len too: at L = 1 Triton would make it a constant, on which ptxas fails
+# fmt: off
 @triton.jit(do_not_specialize=["num_users", "seq_len", "num_self_tiles"])
 def _attention_kernel(
     q_ptr,  # [B, H, S, D] candidate queries
@@ -450,14 +350,8 @@ def _attention_kernel(
     num_queries,
     num_self_tiles,  # U·cdiv(L, BLOCK_M) with HAS_SELF, else 0
     qk_scale,  # scale · log2(e)
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_SELF: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Grid (self tiles + candidate tiles, H): program (tile, head), self tiles first. Each tile type is a whole
     inlined function: values chosen in a branch and used after the K/V loop (output pointers,
@@ -467,64 +361,18 @@ def _attention_kernel(
     head = tl.program_id(1)
     if HAS_SELF and tile < num_self_tiles:
         _self_tile(
-            tile,
-            head,
-            uq_ptr,
-            stride_uqu,
-            stride_uqh,
-            stride_uql,
-            uo_ptr,
-            stride_uou,
-            stride_uoh,
-            stride_uol,
-            k_desc,
-            v_desc,
-            stride_ku,
-            stride_kh,
-            stride_kl,
-            kv_len_ptr,
-            num_users,
-            seq_len,
-            num_self_tiles,
-            qk_scale,
-            HEAD_DIM,
-            BLOCK_M,
-            BLOCK_N,
-            CAUSAL,
-            HAS_KV_LEN,
-            NUM_STAGES,
-            WARP_SPECIALIZE,
+            tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol, k_desc,
+            v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale, HEAD_DIM,
+            BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE,
         )
     else:
         _target_tile(
             tile - num_self_tiles,
-            head,
-            q_ptr,
-            stride_qb,
-            stride_qh,
-            stride_qs,
-            out_ptr,
-            stride_ob,
-            stride_oh,
-            stride_os,
-            k_desc,
-            v_desc,
-            stride_ku,
-            stride_kh,
-            stride_kl,
-            kv_len_ptr,
-            order_ptr,
-            tile_ptr,
-            seq_len,
-            num_queries,
-            qk_scale,
-            HEAD_DIM,
-            BLOCK_M,
-            BLOCK_N,
-            HAS_KV_LEN,
-            NUM_STAGES,
-            WARP_SPECIALIZE,
+            head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_desc, v_desc,
+            stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale, HEAD_DIM,
+            BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE,
         )
+# fmt: on
 
 
 # ---------------------------------------------------------------------------------------------
@@ -668,19 +516,9 @@ def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int, kv_
     return order, tiles, max_tiles, flag
 
 
+# fmt: off
 def _launch(
-    q,
-    k,
-    v,
-    cand_to_user,
-    kv_len,
-    scale,
-    user_q=None,
-    causal=True,
-    config=None,
-    out=None,
-    user_out=None,
-    plan=None,
+    q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None, out=None, user_out=None, plan=None,
     on_plan=None,
 ):
     """Triton path. q [B, H, S, d] (B may be 0), k/v [U, H, L, d] (U ≥ 1), kv_len [U] int32/int64 or
@@ -713,16 +551,7 @@ def _launch(
             takes_ws = ws_supported(q, k)
         if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
             out, flag = launch_ws(
-                q,
-                k,
-                v,
-                cand_to_user,
-                kv_len,
-                scale,
-                out=out,
-                on_plan=on_plan,
-                user_q=user_q,
-                user_out=user_out,
+                q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan, user_q=user_q, user_out=user_out,
                 causal=causal,
             )
             return out, user_out, flag
@@ -763,6 +592,7 @@ def _launch(
         num_warps=config.num_warps, maxnreg=config.maxnreg,
     )  # fmt: skip
     return out, user_out, flag
+# fmt: on
 
 
 def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):

@@ -181,16 +181,10 @@ def _entry_keys(entry_user, kv_len_ptr, seq_len, HAS_KV_LEN: gl.constexpr):
     return user, kv_len
 
 
+# fmt: off
 @gluon.jit
 def _item_keys(
-    tile_ptr,
-    kv_len_ptr,
-    tile,
-    seq_len,
-    num_users,
-    num_self_tiles,
-    HAS_KV_LEN: gl.constexpr,
-    HAS_SELF: gl.constexpr,
+    tile_ptr, kv_len_ptr, tile, seq_len, num_users, num_self_tiles, HAS_KV_LEN: gl.constexpr, HAS_SELF: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
     """A work item's tile → (user, valid keys kv_len, keys to visit, first self row or -1).
@@ -220,6 +214,7 @@ def _item_keys(
         hi = kv_len
         r0 = -1
     return user, kv_len, hi, r0
+# fmt: on
 
 
 _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))  # a tile's 128 row offsets over the producer warp
@@ -232,19 +227,10 @@ NO_ROW = gl.constexpr(
 )  # output-row offset of a row that is not stored, with HAS_SELF (offsets may be negative)
 
 
+# fmt: off
 @gluon.jit
 def _target_rows(
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    tile_ptr,
-    order_ptr,
-    tile,
-    head,
-    num_queries,
+    stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, tile, head, num_queries,
     no_row,
 ):
     """A target tile's 128 q-row and output-row offsets (int64, from q_ptr / out_ptr); `no_row` past its end."""
@@ -258,6 +244,7 @@ def _target_rows(
     q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
     o_rows = gl.where(row_ok, cand * stride_ob + head * stride_oh + token * stride_os, no_row)
     return q_rows, o_rows
+# fmt: on
 
 
 @gluon.jit
@@ -305,23 +292,11 @@ def _gather_q(q_ptr, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info
     async_copy.commit_group()
 
 
+# fmt: off
 @gluon.jit
 def _load_q_tma(
-    q_desc,
-    uq_desc,
-    q_rows,
-    o_rows,
-    kv_len,
-    hi,
-    r0,
-    q_bufs,
-    row_bufs,
-    item_info,
-    q_ready,
-    q_empty,
-    phase,
-    QS: gl.constexpr,
-    HAS_SELF: gl.constexpr,
+    q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase,
+    QS: gl.constexpr, HAS_SELF: gl.constexpr,
 ):
     """ROWS_TMA producer: as `_gather_q`, but each warpgroup's 64 q rows (one contiguous run) come by one TMA
     load of a [64, d] block of q_desc (of uq_desc for a self tile), which completes q_ready itself (no wait here,
@@ -345,6 +320,7 @@ def _load_q_tma(
                 tma.async_copy_global_to_shared(q_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS))
         else:
             tma.async_copy_global_to_shared(q_desc, [first, 0], q_ready.index(2 * w + QS), q_bufs.index(2 * w + QS))
+# fmt: on
 
 
 @gluon.jit
@@ -385,54 +361,14 @@ def _load_kv_block(
     tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(slot), v_bufs.index(slot))
 
 
+# fmt: off
 @gluon.jit
 def _produce_item(
-    tile,
-    head,
-    it,
-    i,
-    k_desc,
-    v_desc,
-    k_bufs,
-    v_bufs,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    tile_ptr,
-    kv_len_ptr,
-    stride_ku,
-    stride_kh,
-    stride_kl,
-    seq_len,
-    q_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    order_ptr,
-    num_queries,
-    q_bufs,
-    row_bufs,
-    item_info,
-    q_ready,
-    q_empty,
-    uq_delta,
-    stride_uqu,
-    stride_uqh,
-    stride_uql,
-    uo_delta,
-    stride_uou,
-    stride_uoh,
-    stride_uol,
-    num_users,
-    num_self_tiles,
-    HAS_KV_LEN: gl.constexpr,
-    STAGES: gl.constexpr,
-    HAS_SELF: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+    stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
+    order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql,
+    uo_delta, stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN: gl.constexpr,
+    STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     """The producer's part of the i-th item of this program (ring position `it`): its q rows and info into
     q slot i % 2, then its K and V blocks into the ring. Returns the ring position after the item."""
@@ -448,46 +384,17 @@ def _produce_item(
     if HAS_SELF:
         if r0 >= 0:
             q_rows, o_rows = _self_rows(
-                uq_delta,
-                stride_uqu,
-                stride_uqh,
-                stride_uql,
-                uo_delta,
-                stride_uou,
-                stride_uoh,
-                stride_uol,
-                user,
-                head,
-                r0,
-                seq_len,
+                uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol, user, head,
+                r0, seq_len,
             )
         else:
             q_rows, o_rows = _target_rows(
-                stride_qb,
-                stride_qh,
-                stride_qs,
-                stride_ob,
-                stride_oh,
-                stride_os,
-                tile_ptr,
-                order_ptr,
-                tile - num_self_tiles,
-                head,
-                num_queries,
-                NO_ROW,
+                stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
+                tile - num_self_tiles, head, num_queries, NO_ROW,
             )
     else:
         q_rows, o_rows = _target_rows(
-            stride_qb,
-            stride_qh,
-            stride_qs,
-            stride_ob,
-            stride_oh,
-            stride_os,
-            tile_ptr,
-            order_ptr,
-            tile,
-            head,
+            stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, tile, head,
             num_queries,
             -8,
         )
@@ -505,56 +412,17 @@ def _produce_item(
     if num_blocks == 0:
         _publish_q(q_ready, qs)
     return it
+# fmt: on
 
 
+# fmt: off
 @gluon.jit
 def _producer(
-    k_desc,
-    v_desc,
-    k_bufs,
-    v_bufs,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    tile_ptr,
-    kv_len_ptr,
-    num_items,
-    num_tiles,
-    stride_ku,
-    stride_kh,
-    stride_kl,
-    seq_len,
-    q_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    order_ptr,
-    num_queries,
-    q_bufs,
-    row_bufs,
-    item_info,
-    q_ready,
-    q_empty,
-    uq_delta,
-    stride_uqu,
-    stride_uqh,
-    stride_uql,
-    uo_delta,
-    stride_uou,
-    stride_uoh,
-    stride_uol,
-    num_users,
-    num_self_tiles,
-    sched_ptr,
-    HAS_KV_LEN: gl.constexpr,
-    STAGES: gl.constexpr,
-    HAS_SELF: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr, num_items, num_tiles,
+    stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
+    order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql,
+    uo_delta, stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, sched_ptr, HAS_KV_LEN: gl.constexpr,
+    STAGES: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """1 warp: every work item of this program (`_produce_item`; slots start free), then 'no more items'.
     Items: with DYNAMIC by ticket (`_ticket_coords`) while tickets last, each ticket asked for an item ahead,
@@ -573,52 +441,11 @@ def _producer(
         else:
             tile, head = _item_coords(ticket, num_tiles)
         it = _produce_item(
-            tile,
-            head,
-            it,
-            i,
-            k_desc,
-            v_desc,
-            k_bufs,
-            v_bufs,
-            k_ready,
-            v_ready,
-            k_empty,
-            v_empty,
-            tile_ptr,
-            kv_len_ptr,
-            stride_ku,
-            stride_kh,
-            stride_kl,
-            seq_len,
-            q_ptr,
-            stride_qb,
-            stride_qh,
-            stride_qs,
-            stride_ob,
-            stride_oh,
-            stride_os,
-            order_ptr,
-            num_queries,
-            q_bufs,
-            row_bufs,
-            item_info,
-            q_ready,
-            q_empty,
-            uq_delta,
-            stride_uqu,
-            stride_uqh,
-            stride_uql,
-            uo_delta,
-            stride_uou,
-            stride_uoh,
-            stride_uol,
-            num_users,
-            num_self_tiles,
-            HAS_KV_LEN,
-            STAGES,
-            HAS_SELF,
-            CAUSAL,
+            tile, head, it, i, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+            stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh,
+            stride_os, order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty, uq_delta, stride_uqu,
+            stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN,
+            STAGES, HAS_SELF, CAUSAL,
         )
         if DYNAMIC:
             ticket = _ticket_value(answer)
@@ -630,92 +457,38 @@ def _producer(
     if DYNAMIC:
         if _ticket_value(answer) >= 0:  # the last answer in hand before this program counts itself done
             _finish_tickets(sched_ptr)
+# fmt: on
 
 
+# fmt: off
 @gluon.jit
 def _load_item_q(
-    q_desc,
-    uq_desc,
-    q_rows,
-    o_rows,
-    kv_len,
-    hi,
-    r0,
-    q_bufs,
-    row_bufs,
-    item_info,
-    q_ready,
-    q_empty,
-    n,
+    q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, n,
     HAS_SELF: gl.constexpr,
 ):
     """`_producer_rows_tma`: the n-th item's q rows (TMA), output-row offsets and info into q slot n % 2."""
     phase = ((n // 2) & 1) ^ 1
     if n % 2 == 0:
         _load_q_tma(
-            q_desc,
-            uq_desc,
-            q_rows,
-            o_rows,
-            kv_len,
-            hi,
-            r0,
-            q_bufs,
-            row_bufs,
-            item_info,
-            q_ready,
-            q_empty,
-            phase,
+            q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase,
             0,
             HAS_SELF,
         )
     else:
         _load_q_tma(
-            q_desc,
-            uq_desc,
-            q_rows,
-            o_rows,
-            kv_len,
-            hi,
-            r0,
-            q_bufs,
-            row_bufs,
-            item_info,
-            q_ready,
-            q_empty,
-            phase,
+            q_desc, uq_desc, q_rows, o_rows, kv_len, hi, r0, q_bufs, row_bufs, item_info, q_ready, q_empty, phase,
             1,
             HAS_SELF,
         )
+# fmt: on
 
 
+# fmt: off
 @gluon.jit
 def _rows_tma_item(
-    ticket,
-    num_items,
-    num_tiles,
-    tile_ptr,
-    kv_len_ptr,
-    seq_len,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    order_ptr,
-    num_queries,
-    stride_uqu,
-    stride_uqh,
-    stride_uql,
-    stride_uou,
-    stride_uoh,
-    stride_uol,
-    num_users,
-    num_self_tiles,
-    HAS_KV_LEN: gl.constexpr,
-    HAS_SELF: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    ticket, num_items, num_tiles, tile_ptr, kv_len_ptr, seq_len, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh,
+    stride_os, order_ptr, num_queries, stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh, stride_uol,
+    num_users, num_self_tiles, HAS_KV_LEN: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
     DYNAMIC: gl.constexpr,
 ):
     """`_producer_rows_tma`: the item of `ticket` (clamped to a valid one) → (head, user, kv_len, keys to visit, first
@@ -736,84 +509,27 @@ def _rows_tma_item(
             )
         else:
             q_rows, o_rows = _target_rows(
-                stride_qb,
-                stride_qh,
-                stride_qs,
-                stride_ob,
-                stride_oh,
-                stride_os,
-                tile_ptr,
-                order_ptr,
-                tile - num_self_tiles,
-                head,
-                num_queries,
-                NO_ROW,
+                stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr,
+                tile - num_self_tiles, head, num_queries, NO_ROW,
             )
     else:
         q_rows, o_rows = _target_rows(
-            stride_qb,
-            stride_qh,
-            stride_qs,
-            stride_ob,
-            stride_oh,
-            stride_os,
-            tile_ptr,
-            order_ptr,
-            tile,
-            head,
+            stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os, tile_ptr, order_ptr, tile, head,
             num_queries,
             -8,
         )
     return head, user, kv_len, hi, r0, q_rows, o_rows
+# fmt: on
 
 
+# fmt: off
 @gluon.jit
 def _producer_rows_tma(
-    k_desc,
-    v_desc,
-    k_bufs,
-    v_bufs,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    tile_ptr,
-    kv_len_ptr,
-    num_items,
-    num_tiles,
-    stride_ku,
-    stride_kh,
-    stride_kl,
-    seq_len,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    order_ptr,
-    num_queries,
-    q_bufs,
-    row_bufs,
-    item_info,
-    q_ready,
-    q_empty,
-    sched_ptr,
-    q_desc,
-    uq_desc,
-    stride_uqu,
-    stride_uqh,
-    stride_uql,
-    stride_uou,
-    stride_uoh,
-    stride_uol,
-    num_users,
-    num_self_tiles,
-    HAS_KV_LEN: gl.constexpr,
-    STAGES: gl.constexpr,
-    DYNAMIC: gl.constexpr,
-    HAS_SELF: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr, num_items, num_tiles,
+    stride_ku, stride_kh, stride_kl, seq_len, stride_qb, stride_qh, stride_qs, stride_ob, stride_oh, stride_os,
+    order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready, q_empty, sched_ptr, q_desc, uq_desc, stride_uqu,
+    stride_uqh, stride_uql, stride_uou, stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN: gl.constexpr,
+    STAGES: gl.constexpr, DYNAMIC: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     """ROWS_TMA, 1 warp: as `_producer`, with q rows by TMA (a self tile's from user_q) and a work item ahead: item i+1's
     tile entry and row offsets are read as item i starts, and its q rows are loaded right after item i's K/V block 2
@@ -828,32 +544,9 @@ def _producer_rows_tma(
     else:
         ticket = gl.program_id(0)
     head, user, kv_len, hi, r0, q_rows, o_rows = _rows_tma_item(
-        ticket,
-        num_items,
-        num_tiles,
-        tile_ptr,
-        kv_len_ptr,
-        seq_len,
-        stride_qb,
-        stride_qh,
-        stride_qs,
-        stride_ob,
-        stride_oh,
-        stride_os,
-        order_ptr,
-        num_queries,
-        stride_uqu,
-        stride_uqh,
-        stride_uql,
-        stride_uou,
-        stride_uoh,
-        stride_uol,
-        num_users,
-        num_self_tiles,
-        HAS_KV_LEN,
-        HAS_SELF,
-        CAUSAL,
-        DYNAMIC,
+        ticket, num_items, num_tiles, tile_ptr, kv_len_ptr, seq_len, stride_qb, stride_qh, stride_qs, stride_ob,
+        stride_oh, stride_os, order_ptr, num_queries, stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh,
+        stride_uol, num_users, num_self_tiles, HAS_KV_LEN, HAS_SELF, CAUSAL, DYNAMIC,
     )
     if ticket < num_items:
         _load_item_q(
@@ -866,32 +559,9 @@ def _producer_rows_tma(
         else:
             next_ticket = ticket + gl.num_programs(0)
         next_head, next_user, next_kv_len, next_hi, next_r0, q_rows, o_rows = _rows_tma_item(
-            next_ticket,
-            num_items,
-            num_tiles,
-            tile_ptr,
-            kv_len_ptr,
-            seq_len,
-            stride_qb,
-            stride_qh,
-            stride_qs,
-            stride_ob,
-            stride_oh,
-            stride_os,
-            order_ptr,
-            num_queries,
-            stride_uqu,
-            stride_uqh,
-            stride_uql,
-            stride_uou,
-            stride_uoh,
-            stride_uol,
-            num_users,
-            num_self_tiles,
-            HAS_KV_LEN,
-            HAS_SELF,
-            CAUSAL,
-            DYNAMIC,
+            next_ticket, num_items, num_tiles, tile_ptr, kv_len_ptr, seq_len, stride_qb, stride_qh, stride_qs,
+            stride_ob, stride_oh, stride_os, order_ptr, num_queries, stride_uqu, stride_uqh, stride_uql, stride_uou,
+            stride_uoh, stride_uol, num_users, num_self_tiles, HAS_KV_LEN, HAS_SELF, CAUSAL, DYNAMIC,
         )
         kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
         kv_row = (kv_offset // stride_kl).to(gl.int32)
@@ -899,15 +569,7 @@ def _producer_rows_tma(
         num_blocks = gl.cdiv(hi, BLOCK_N)
         for j in range(0, num_blocks):
             _load_kv_block(
-                k_desc,
-                v_desc,
-                k_bufs,
-                v_bufs,
-                k_ready,
-                v_ready,
-                k_empty,
-                v_empty,
-                it,
+                k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, it,
                 kv_row + j * BLOCK_N,
                 kv_col,
                 STAGES,
@@ -915,18 +577,8 @@ def _producer_rows_tma(
             if j == 2:
                 if next_ticket < num_items:
                     _load_item_q(
-                        q_desc,
-                        uq_desc,
-                        q_rows,
-                        o_rows,
-                        next_kv_len,
-                        next_hi,
-                        next_r0,
-                        q_bufs,
-                        row_bufs,
-                        item_info,
-                        q_ready,
-                        q_empty,
+                        q_desc, uq_desc, q_rows, o_rows, next_kv_len, next_hi, next_r0, q_bufs, row_bufs, item_info,
+                        q_ready, q_empty,
                         i + 1,
                         HAS_SELF,
                     )
@@ -934,18 +586,8 @@ def _producer_rows_tma(
         if num_blocks < 3:
             if next_ticket < num_items:
                 _load_item_q(
-                    q_desc,
-                    uq_desc,
-                    q_rows,
-                    o_rows,
-                    next_kv_len,
-                    next_hi,
-                    next_r0,
-                    q_bufs,
-                    row_bufs,
-                    item_info,
-                    q_ready,
-                    q_empty,
+                    q_desc, uq_desc, q_rows, o_rows, next_kv_len, next_hi, next_r0, q_bufs, row_bufs, item_info,
+                    q_ready, q_empty,
                     i + 1,
                     HAS_SELF,
                 )
@@ -958,6 +600,7 @@ def _producer_rows_tma(
     if DYNAMIC:
         if _ticket_value(answer) >= 0:
             _finish_tickets(sched_ptr)
+# fmt: on
 
 
 @gluon.jit
@@ -971,30 +614,11 @@ def _pass_turn(turns, WG: gl.constexpr):
     mbarrier.arrive(turns.index(1 - WG), count=1)
 
 
+# fmt: off
 @gluon.jit
 def _block(
-    j,
-    it,
-    turn,
-    kv_len,
-    dense_end,
-    row_limit,
-    qk_scale,
-    acc,
-    m_i,
-    l_i,
-    p_op,
-    q_smem,
-    k_bufs,
-    v_bufs,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    turns,
-    STAGES: gl.constexpr,
-    WG: gl.constexpr,
-    HAS_SELF: gl.constexpr,
+    j, it, turn, kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_op, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+    k_empty, v_empty, turns, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
 ):
     """Key block j ≥ 1 at ring position `it`: issue q·k_jᵀ and P_{j-1}·V_{j-1} (async), run the
     softmax of block j, wait for P_{j-1}·V_{j-1}, rescale. Returns (acc, m_i, l_i, P_j). (ptxas puts
@@ -1032,6 +656,7 @@ def _block(
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(k_bufs.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     return acc, m_new, l_i, p_op
+# fmt: on
 
 
 @gluon.jit
@@ -1059,29 +684,12 @@ def _read_info(item_info, q_ready, i, WG: gl.constexpr):
     return kv_len, hi, r0
 
 
+# fmt: off
 @gluon.jit
 def _consumer(
-    out_ptr,
-    k_bufs,
-    v_bufs,
-    q_bufs,
-    row_bufs,
-    item_info,
-    q_ready,
-    q_empty,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    turns,
-    qk_scale,
-    o_desc,
-    STAGES: gl.constexpr,
-    WG: gl.constexpr,
-    HAS_SELF: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    ROWS_TMA: gl.constexpr,
-    uo_desc=None,
+    out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
+    qk_scale, o_desc, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
+    ROWS_TMA: gl.constexpr, uo_desc=None,
 ):
     """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
     offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
@@ -1141,25 +749,8 @@ def _consumer(
                     j,
                     it + j,
                     turn + j,
-                    kv_len,
-                    dense_end,
-                    row_limit,
-                    qk_scale,
-                    acc,
-                    m_i,
-                    l_i,
-                    p_a,
-                    q_smem,
-                    k_bufs,
-                    v_bufs,
-                    k_ready,
-                    v_ready,
-                    k_empty,
-                    v_empty,
-                    turns,
-                    STAGES,
-                    WG,
-                    HAS_SELF,
+                    kv_len, dense_end, row_limit, qk_scale, acc, m_i, l_i, p_a, q_smem, k_bufs, v_bufs, k_ready,
+                    v_ready, k_empty, v_empty, turns, STAGES, WG, HAS_SELF,
                 )
             # the last block's P·V
             it += num_blocks - 1
@@ -1195,6 +786,7 @@ def _consumer(
         kv_len, hi, r0 = _read_info(item_info, q_ready, i, WG)
     if ROWS_TMA:
         tma.store_wait(0)  # the last item's store has read its q slot
+# fmt: on
 
 
 @gluon.jit
@@ -1243,6 +835,7 @@ def _store_rows_tma(out, o_desc, q_smem, row_bufs, qs, WG: gl.constexpr):
 
 
 # any U, B (and any addresses of user_q / user_out): one compiled kernel
+# fmt: off
 @gluon.jit(do_not_specialize=["num_items", "num_tiles", "num_users", "num_self_tiles", "uq_delta", "uo_delta"])
 def _attention_ws_kernel(
     q_ptr,
@@ -1268,28 +861,14 @@ def _attention_ws_kernel(
     num_queries,
     qk_scale,  # L, S, scale · log2(e)
     # HAS_SELF: user_q / user_out [U, H, L, d] lie uq_delta / uo_delta elements from q_ptr / out_ptr
-    uq_delta,
-    stride_uqu,
-    stride_uqh,
-    stride_uql,
-    uo_delta,
-    stride_uou,
-    stride_uoh,
-    stride_uol,
-    num_users,
+    uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou, stride_uoh, stride_uol, num_users,
     num_self_tiles,  # U, U · cdiv(L, 128) (0 without HAS_SELF)
     q_desc,
     o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
     uq_desc,
     uo_desc,  # ROWS_TMA with HAS_SELF: 2-D [U·H·L, d] views of user_q and user_out (else any descriptors)
-    HAS_KV_LEN: gl.constexpr,
-    STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
-    HAS_SELF: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    DYNAMIC: gl.constexpr,
-    ROWS_TMA: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -1331,103 +910,25 @@ def _attention_ws_kernel(
                 (
                     _consumer,
                     (
-                        out_ptr,
-                        k_bufs,
-                        v_bufs,
-                        q_bufs,
-                        row_bufs,
-                        item_info,
-                        q_ready,
-                        q_empty,
-                        k_ready,
-                        v_ready,
-                        k_empty,
-                        v_empty,
-                        turns,
-                        qk_scale,
-                        o_desc,
-                        STAGES,
-                        WG0,
-                        HAS_SELF,
-                        CAUSAL,
-                        ROWS_TMA,
-                        uo_desc,
+                        out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
+                        k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA, uo_desc,
                     ),
                 ),
                 (
                     _consumer,
                     (
-                        out_ptr,
-                        k_bufs,
-                        v_bufs,
-                        q_bufs,
-                        row_bufs,
-                        item_info,
-                        q_ready,
-                        q_empty,
-                        k_ready,
-                        v_ready,
-                        k_empty,
-                        v_empty,
-                        turns,
-                        qk_scale,
-                        o_desc,
-                        STAGES,
-                        WG1,
-                        HAS_SELF,
-                        CAUSAL,
-                        ROWS_TMA,
-                        uo_desc,
+                        out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
+                        k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA, uo_desc,
                     ),
                 ),
                 (
                     _producer_rows_tma,
                     (
-                        k_desc,
-                        v_desc,
-                        k_bufs,
-                        v_bufs,
-                        k_ready,
-                        v_ready,
-                        k_empty,
-                        v_empty,
-                        tile_ptr,
-                        kv_len_ptr,
-                        num_items,
-                        num_tiles,
-                        stride_ku,
-                        stride_kh,
-                        stride_kl,
-                        seq_len,
-                        stride_qb,
-                        stride_qh,
-                        stride_qs,
-                        stride_ob,
-                        stride_oh,
-                        stride_os,
-                        order_ptr,
-                        num_queries,
-                        q_bufs,
-                        row_bufs,
-                        item_info,
-                        q_ready,
-                        q_empty,
-                        sched_ptr,
-                        q_desc,
-                        uq_desc,
-                        stride_uqu,
-                        stride_uqh,
-                        stride_uql,
-                        stride_uou,
-                        stride_uoh,
-                        stride_uol,
-                        num_users,
-                        num_self_tiles,
-                        HAS_KV_LEN,
-                        STAGES,
-                        DYNAMIC,
-                        HAS_SELF,
-                        CAUSAL,
+                        k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+                        num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len, stride_qb, stride_qh, stride_qs,
+                        stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs, item_info, q_ready,
+                        q_empty, sched_ptr, q_desc, uq_desc, stride_uqu, stride_uqh, stride_uql, stride_uou, stride_uoh,
+                        stride_uol, num_users, num_self_tiles, HAS_KV_LEN, STAGES, DYNAMIC, HAS_SELF, CAUSAL,
                     ),
                 ),
             ],
@@ -1440,108 +941,33 @@ def _attention_ws_kernel(
                 (
                     _consumer,
                     (
-                        out_ptr,
-                        k_bufs,
-                        v_bufs,
-                        q_bufs,
-                        row_bufs,
-                        item_info,
-                        q_ready,
-                        q_empty,
-                        k_ready,
-                        v_ready,
-                        k_empty,
-                        v_empty,
-                        turns,
-                        qk_scale,
-                        o_desc,
-                        STAGES,
-                        WG0,
-                        HAS_SELF,
-                        CAUSAL,
-                        ROWS_TMA,
+                        out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
+                        k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA,
                     ),
                 ),
                 (
                     _consumer,
                     (
-                        out_ptr,
-                        k_bufs,
-                        v_bufs,
-                        q_bufs,
-                        row_bufs,
-                        item_info,
-                        q_ready,
-                        q_empty,
-                        k_ready,
-                        v_ready,
-                        k_empty,
-                        v_empty,
-                        turns,
-                        qk_scale,
-                        o_desc,
-                        STAGES,
-                        WG1,
-                        HAS_SELF,
-                        CAUSAL,
-                        ROWS_TMA,
+                        out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
+                        k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA,
                     ),
                 ),
                 (
                     _producer,
                     (
-                        k_desc,
-                        v_desc,
-                        k_bufs,
-                        v_bufs,
-                        k_ready,
-                        v_ready,
-                        k_empty,
-                        v_empty,
-                        tile_ptr,
-                        kv_len_ptr,
-                        num_items,
-                        num_tiles,
-                        stride_ku,
-                        stride_kh,
-                        stride_kl,
-                        seq_len,
-                        q_ptr,
-                        stride_qb,
-                        stride_qh,
-                        stride_qs,
-                        stride_ob,
-                        stride_oh,
-                        stride_os,
-                        order_ptr,
-                        num_queries,
-                        q_bufs,
-                        row_bufs,
-                        item_info,
-                        q_ready,
-                        q_empty,
-                        uq_delta,
-                        stride_uqu,
-                        stride_uqh,
-                        stride_uql,
-                        uo_delta,
-                        stride_uou,
-                        stride_uoh,
-                        stride_uol,
-                        num_users,
-                        num_self_tiles,
-                        sched_ptr,
-                        HAS_KV_LEN,
-                        STAGES,
-                        HAS_SELF,
-                        CAUSAL,
-                        DYNAMIC,
+                        k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tile_ptr, kv_len_ptr,
+                        num_items, num_tiles, stride_ku, stride_kh, stride_kl, seq_len, q_ptr, stride_qb, stride_qh,
+                        stride_qs, stride_ob, stride_oh, stride_os, order_ptr, num_queries, q_bufs, row_bufs, item_info,
+                        q_ready, q_empty, uq_delta, stride_uqu, stride_uqh, stride_uql, uo_delta, stride_uou,
+                        stride_uoh, stride_uol, num_users, num_self_tiles, sched_ptr, HAS_KV_LEN, STAGES, HAS_SELF,
+                        CAUSAL, DYNAMIC,
                     ),
                 ),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
         )
+# fmt: on
 
 
 # ----------------------------------------------------------------------------- host side
@@ -1646,13 +1072,9 @@ def self_target_ws_ok(q, out, user_q, user_out) -> bool:
     return q.shape[0] * q.shape[2] > 0 and all(_rows_aligned(t) for t in (q, out, user_q, user_out))
 
 
+# fmt: off
 def launch_ws(
-    q,
-    k,
-    v,
-    cand_to_user,
-    kv_len,
-    scale,
+    q, k, v, cand_to_user, kv_len, scale,
     config: WSAttentionConfig | None = None,
     out=None,
     plan=None,
@@ -1721,3 +1143,4 @@ def launch_ws(
     if dest is not out:
         out.copy_(dest)
     return out, flag
+# fmt: on

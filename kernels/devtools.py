@@ -96,15 +96,10 @@ def install_standin_driver(multiprocessors: int = 132, capability: int = 90) -> 
     _hopper.device_info = lambda device: ((capability // 10, capability % 10), multiprocessors)
 
 
+# fmt: off
 def compile_attention_ws(
-    dtype: torch.dtype = torch.bfloat16,
-    head_dim: int = 128,
-    has_kv_len: bool = True,
-    config=None,
-    capability: int = 90,
-    has_self: bool = False,
-    causal: bool = True,
-    rows_tma: bool = True,
+    dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True, config=None,
+    capability: int = 90, has_self: bool = False, causal: bool = True, rows_tma: bool = True,
 ):
     """Compile `attention_ws._attention_ws_kernel` with `config` (a WSAttentionConfig, default DEFAULT_CONFIG) for a
     CUDA target without a GPU; `rows_tma` as launch_ws takes it where `rows_by_tma` (and with self tiles
@@ -127,19 +122,8 @@ def compile_attention_ws(
         stride_ob=q.stride(0),
         stride_oh=q.stride(1),
         stride_os=q.stride(2),
-        k_desc=k_desc,
-        v_desc=v_desc,
-        stride_ku=s_u,
-        stride_kh=s_h,
-        stride_kl=s_l,
-        kv_len_ptr=ints,
-        order_ptr=ints,
-        tile_ptr=ints,
-        sched_ptr=ints,
-        num_items=2108,
-        num_tiles=527,
-        seq_len=seq_len,
-        num_queries=num_queries,
+        k_desc=k_desc, v_desc=v_desc, stride_ku=s_u, stride_kh=s_h, stride_kl=s_l, kv_len_ptr=ints, order_ptr=ints,
+        tile_ptr=ints, sched_ptr=ints, num_items=2108, num_tiles=527, seq_len=seq_len, num_queries=num_queries,
         qk_scale=0.12,
         uq_delta=-(2**33),
         stride_uqu=k.stride(0),
@@ -157,29 +141,19 @@ def compile_attention_ws(
         ws._row_descriptors(k, k) if rows_tma and has_self else (runtime_args["q_desc"], runtime_args["o_desc"])
     )
     constexprs = dict(
-        HAS_KV_LEN=has_kv_len,
-        STAGES=cfg.stages,
-        CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs,
-        HAS_SELF=has_self,
-        CAUSAL=causal,
-        DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len,
+        HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        HAS_SELF=has_self, CAUSAL=causal, DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len,
         ROWS_TMA=rows_tma,
     )
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(ws._attention_ws_kernel, runtime_args, constexprs, options, capability)
+# fmt: on
 
 
+# fmt: off
 def compile_linear_compress_ws(
-    dtype: torch.dtype = torch.bfloat16,
-    num_candidates: int = 1024,
-    rows: int = 512,
-    dim: int = 256,
-    num_cand_tokens: int = 500,
-    config=None,
-    has_user: bool = True,
-    has_bias: bool = True,
-    capability: int = 90,
+    dtype: torch.dtype = torch.bfloat16, num_candidates: int = 1024, rows: int = 512, dim: int = 256,
+    num_cand_tokens: int = 500, config=None, has_user: bool = True, has_bias: bool = True, capability: int = 90,
 ):
     """Compile `linear_compress_ws._lce_ws_kernel` with `config` (a WSConfig, fitted by `ws_config`) for a CUDA
     target without a GPU, with the runtime arguments of `_launch_kernel` (B, N, D, Kc as given). Returns the
@@ -206,12 +180,9 @@ def compile_linear_compress_ws(
     )
     constexprs = dict(
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k),
-        STAGES=cfg.stages,
-        HAS_USER=has_user,
-        HAS_BIAS=has_bias,
-        EPI_FREE_AT=cfg.epi_free_at,
-        PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps,
+        STAGES=cfg.stages, HAS_USER=has_user, HAS_BIAS=has_bias, EPI_FREE_AT=cfg.epi_free_at,
+        PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps,
     )
     options = {"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(ws._lce_ws_kernel, runtime_args, constexprs, options, capability)
+# fmt: on

@@ -114,27 +114,11 @@ def _tile_coords(tile, num_n_tiles, num_d_tiles, BLOCK_M: tl.constexpr, BLOCK_D:
     return rest // num_d_tiles, n_tile * BLOCK_M, d_tile * BLOCK_D
 
 
+# fmt: off
 @triton.jit
 def _tile_mainloop(
-    w_ptr,
-    w_desc,
-    stride_wn,
-    x_ptr,
-    x_desc,
-    stride_xg,
-    stride_xk,
-    stride_xd,
-    g,
-    off_n,
-    off_d,
-    N,
-    D,
-    K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    W_TMA: tl.constexpr,
-    X_TMA: tl.constexpr,
+    w_ptr, w_desc, stride_wn, x_ptr, x_desc, stride_xg, stride_xk, stride_xd, g, off_n, off_d, N, D, K,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, X_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
     """acc[BLOCK_M, BLOCK_D] = W[off_n:, :K] @ X[g, :K, off_d:] in fp32; out-of-range entries are zeros."""
@@ -156,27 +140,14 @@ def _tile_mainloop(
             x = tl.load(x_row + (k + rk)[:, None] * stride_xk + rd[None, :] * stride_xd, mask=x_mask, other=0.0)
         acc = tl.dot(w, x, acc)
     return acc
+# fmt: on
 
 
+# fmt: off
 @triton.jit
 def _epilogue_part(
-    acc,
-    out_ptr,
-    out_desc,
-    y_ptr,
-    m_ptr,
-    bias_ptr,
-    g,
-    off_n,
-    off_d,
-    N,
-    D,
-    U,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    FUSE_USER: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    OUT_TMA: tl.constexpr,
+    acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D, U, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_TMA: tl.constexpr,
 ):
     """out[g] tile = acc (+ Y_u[m[g]] tile) (+ bias); out and Y_u are contiguous [*, N, D]. m[g] is
     clamped to [0, U): a bad mapping reads no memory out of bounds (the op raises after the launch)."""
@@ -195,61 +166,28 @@ def _epilogue_part(
         out_desc.store([g, off_n, off_d], result.reshape(1, BLOCK_M, BLOCK_D))
     else:
         tl.store(out_ptr + g.to(tl.int64) * N * D + tile_offsets, result, mask=mask)
+# fmt: on
 
 
+# fmt: off
 @triton.jit
 def _tile_epilogue(
-    acc,
-    out_ptr,
-    out_desc,
-    y_ptr,
-    m_ptr,
-    bias_ptr,
-    g,
-    off_n,
-    off_d,
-    N,
-    D,
-    U,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    FUSE_USER: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    OUT_TMA: tl.constexpr,
-    SPLIT: tl.constexpr,
+    acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D, U, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The epilogue in one piece, or (SPLIT) in two [BLOCK_M, BLOCK_D / 2] halves: half the shared
     memory for the output staging and the layout conversions (after tutorial 09's EPILOGUE_SUBTILE)."""
     if SPLIT:
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_D // 2).permute(0, 2, 1).split()
         _epilogue_part(
-            left,
-            out_ptr,
-            out_desc,
-            y_ptr,
-            m_ptr,
-            bias_ptr,
-            g,
-            off_n,
-            off_d,
-            N,
-            D,
-            U,
-            BLOCK_M,
+            left, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D, U, BLOCK_M,
             BLOCK_D // 2,
             FUSE_USER,
             HAS_BIAS,
             OUT_TMA,
         )
         _epilogue_part(
-            right,
-            out_ptr,
-            out_desc,
-            y_ptr,
-            m_ptr,
-            bias_ptr,
-            g,
-            off_n,
+            right, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n,
             off_d + BLOCK_D // 2,
             N,
             D,
@@ -262,26 +200,13 @@ def _tile_epilogue(
         )
     else:
         _epilogue_part(
-            acc,
-            out_ptr,
-            out_desc,
-            y_ptr,
-            m_ptr,
-            bias_ptr,
-            g,
-            off_n,
-            off_d,
-            N,
-            D,
-            U,
-            BLOCK_M,
-            BLOCK_D,
-            FUSE_USER,
-            HAS_BIAS,
-            OUT_TMA,
+            acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D, U, BLOCK_M, BLOCK_D, FUSE_USER,
+            HAS_BIAS, OUT_TMA,
         )
+# fmt: on
 
 
+# fmt: off
 @triton.jit(do_not_specialize=["U"])
 def _lce_tile_kernel(
     w_ptr,
@@ -297,80 +222,32 @@ def _lce_tile_kernel(
     y_ptr,
     m_ptr,
     bias_ptr,  # FUSE_USER: Y_u [U, N, D] contiguous, cand_to_user [G]; bias [N]
-    N,
-    D,
-    K,
-    U,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    W_TMA: tl.constexpr,
-    X_TMA: tl.constexpr,
-    OUT_TMA: tl.constexpr,
-    FUSE_USER: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    N, D, K, U, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
+    X_TMA: tl.constexpr, OUT_TMA: tl.constexpr, FUSE_USER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One output tile per program: out[g] = W @ X[g] (decomposed, aligned), + Y_u[m[g]] + bias in the epilogue
     (fused)."""
     g, off_n, off_d = _tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(D, BLOCK_D), BLOCK_M, BLOCK_D)
     acc = _tile_mainloop(
-        w_ptr,
-        w_desc,
-        stride_wn,
-        x_ptr,
-        x_desc,
-        stride_xg,
-        stride_xk,
-        stride_xd,
-        g,
-        off_n,
-        off_d,
-        N,
-        D,
-        K,
-        BLOCK_M,
-        BLOCK_D,
-        BLOCK_K,
-        W_TMA,
-        X_TMA,
-        WARP_SPECIALIZE,
+        w_ptr, w_desc, stride_wn, x_ptr, x_desc, stride_xg, stride_xk, stride_xd, g, off_n, off_d, N, D, K, BLOCK_M,
+        BLOCK_D, BLOCK_K, W_TMA, X_TMA, WARP_SPECIALIZE,
     )
     _tile_epilogue(
-        acc,
-        out_ptr,
-        out_desc,
-        y_ptr,
-        m_ptr,
-        bias_ptr,
-        g,
-        off_n,
-        off_d,
-        N,
-        D,
-        U,
-        BLOCK_M,
-        BLOCK_D,
-        FUSE_USER,
-        HAS_BIAS,
-        OUT_TMA,
-        SPLIT,
+        acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, g, off_n, off_d, N, D, U, BLOCK_M, BLOCK_D, FUSE_USER, HAS_BIAS,
+        OUT_TMA, SPLIT,
     )
+# fmt: on
 
 
+# fmt: off
 @triton.jit(do_not_specialize=["U"])
 def _lce_add_user_kernel(
     out_ptr,
     y_ptr,
     m_ptr,
     bias_ptr,  # out [B, N, D] (updated in place), Y_u [U, N, D], m [B], bias [N]
-    N,
-    D,
-    U,
-    HAS_USER: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    N, D, U, HAS_USER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """decomposed / aligned gather-add: out[b] += Y_u[m[b]] (+ bias[:, None]), one [N·D] row chunk per program
     (m[b] clamped to [0, U))."""
@@ -385,6 +262,7 @@ def _lce_add_user_kernel(
     if HAS_BIAS:
         value += tl.load(bias_ptr + offsets // D, mask=mask).to(tl.float32)
     tl.store(row, value.to(out_ptr.dtype.element_ty), mask=mask)
+# fmt: on
 
 
 @triton.jit
@@ -416,6 +294,7 @@ def _wait_at_least(ptr, target, SPIN_ASM: tl.constexpr):
             pass
 
 
+# fmt: off
 @triton.jit(do_not_specialize=["epoch", "U", "B", "NUM_PROGRAMS"])  # any U, B: one kernel per tile config
 def _lce_persistent_kernel(
     wu_desc,
@@ -437,23 +316,9 @@ def _lce_persistent_kernel(
     bias_ptr,  # Y_u [U, N, D] scratch, out [B, N, D], m [B], bias [N]
     flag_ptr,
     epoch,  # int64 flag[user tile] ≥ epoch once that Y_u tile is stored
-    U,
-    B,
-    N,
-    D,
-    KU,
-    KC,
-    NUM_PROGRAMS,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    XU_TMA: tl.constexpr,
-    XC_TMA: tl.constexpr,
-    OUT_TMA: tl.constexpr,
-    HAS_USER: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SPIN_ASM: tl.constexpr,
-    SPLIT: tl.constexpr,
+    U, B, N, D, KU, KC, NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    XU_TMA: tl.constexpr, XC_TMA: tl.constexpr, OUT_TMA: tl.constexpr, HAS_USER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPIN_ASM: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """persistent: user tiles, then candidate tiles, in one persistent launch (grid ≤ number of SMs, all resident).
 
@@ -471,43 +336,12 @@ def _lce_persistent_kernel(
                 wu_desc,
                 wu_desc,
                 0,
-                xu_ptr,
-                xu_desc,
-                stride_xu_g,
-                stride_xu_k,
-                stride_xu_d,
-                user,
-                off_n,
-                off_d,
-                N,
-                D,
-                KU,
-                BLOCK_M,
-                BLOCK_D,
-                BLOCK_K,
-                True,
-                XU_TMA,
-                False,
+                xu_ptr, xu_desc, stride_xu_g, stride_xu_k, stride_xu_d, user, off_n, off_d, N, D, KU, BLOCK_M, BLOCK_D,
+                BLOCK_K, True, XU_TMA, False,
             )
             _tile_epilogue(
-                acc,
-                y_ptr,
-                y_ptr,
-                y_ptr,
-                m_ptr,
-                bias_ptr,
-                user,
-                off_n,
-                off_d,
-                N,
-                D,
-                U,
-                BLOCK_M,
-                BLOCK_D,
-                False,
-                False,
-                False,
-                SPLIT,
+                acc, y_ptr, y_ptr, y_ptr, m_ptr, bias_ptr, user, off_n, off_d, N, D, U, BLOCK_M, BLOCK_D, False, False,
+                False, SPLIT,
             )
             tl.debug_barrier()  # every thread's Y_u stores precede the flag's release
             tl.atomic_xchg(flag_ptr + tile, epoch, sem="release", scope="gpu")
@@ -520,47 +354,17 @@ def _lce_persistent_kernel(
             wc_desc,
             wc_desc,
             0,
-            xc_ptr,
-            xc_desc,
-            stride_xc_g,
-            stride_xc_k,
-            stride_xc_d,
-            cand,
-            off_n,
-            off_d,
-            N,
-            D,
-            KC,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_K,
-            True,
-            XC_TMA,
-            False,
+            xc_ptr, xc_desc, stride_xc_g, stride_xc_k, stride_xc_d, cand, off_n, off_d, N, D, KC, BLOCK_M, BLOCK_D,
+            BLOCK_K, True, XC_TMA, False,
         )
         if HAS_USER:
             user = tl.minimum(tl.maximum(tl.load(m_ptr + cand), 0), U - 1)  # a bad value waits on no missing flag
             _wait_at_least(flag_ptr + user * tiles_per_row + tile % tiles_per_row, epoch, SPIN_ASM)
         _tile_epilogue(
-            acc,
-            out_ptr,
-            out_desc,
-            y_ptr,
-            m_ptr,
-            bias_ptr,
-            cand,
-            off_n,
-            off_d,
-            N,
-            D,
-            U,
-            BLOCK_M,
-            BLOCK_D,
-            HAS_USER,
-            HAS_BIAS,
-            OUT_TMA,
-            SPLIT,
+            acc, out_ptr, out_desc, y_ptr, m_ptr, bias_ptr, cand, off_n, off_d, N, D, U, BLOCK_M, BLOCK_D, HAS_USER,
+            HAS_BIAS, OUT_TMA, SPLIT,
         )
+# fmt: on
 
 
 # ----------------------------------------------------------------------------- host side
@@ -616,6 +420,7 @@ def default_variant(num_users: int, num_candidates: int, ws_runs: bool = False) 
     return "fused"
 
 
+# fmt: off
 @dataclass(frozen=True)
 class PackedLinearCompress:
     """Weights of one LCE layer, packed once at load time.
@@ -789,12 +594,7 @@ class PackedLinearCompress:
         if not fuse and (has_user or self.bias is not None):
             block = min(4096, triton.next_power_of_2(rows * dim))
             _lce_add_user_kernel[(num_candidates, triton.cdiv(rows * dim, block))](
-                out,
-                user_part,
-                cand_to_user,
-                self.bias,
-                rows,
-                dim,
+                out, user_part, cand_to_user, self.bias, rows, dim,
                 max(user_part.shape[0], 1),
                 HAS_USER=has_user,
                 HAS_BIAS=self.bias is not None,
@@ -821,26 +621,11 @@ class PackedLinearCompress:
             x.stride(0),
             x.stride(1),
             x.stride(2),
-            out,
-            out_desc,
-            user_part,
-            mapping,
-            bias,
-            rows,
-            dim,
-            depth,
+            out, out_desc, user_part, mapping, bias, rows, dim, depth,
             max(user_part.shape[0], 1) if user_part is not None else 1,
-            BLOCK_M=cfg.block_m,
-            BLOCK_D=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            W_TMA=tma,
-            X_TMA=x_desc is not None,
-            OUT_TMA=out_desc is not None,
-            FUSE_USER=fused_user is not None,
-            HAS_BIAS=bias is not None,
-            WARP_SPECIALIZE=cfg.warp_specialize,
-            SPLIT=cfg.epilogue_split,
-            num_warps=cfg.num_warps,
+            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_n, BLOCK_K=cfg.block_k, W_TMA=tma, X_TMA=x_desc is not None,
+            OUT_TMA=out_desc is not None, FUSE_USER=fused_user is not None, HAS_BIAS=bias is not None,
+            WARP_SPECIALIZE=cfg.warp_specialize, SPLIT=cfg.epilogue_split, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
 
@@ -892,33 +677,16 @@ class PackedLinearCompress:
             cand_emb.stride(0),
             cand_emb.stride(1),
             cand_emb.stride(2),
-            user_part,
-            out,
-            out_desc,
-            cand_to_user,
-            self.bias,
-            flags,
-            epoch,
-            num_users,
-            num_candidates,
-            rows,
-            dim,
-            num_user_tokens,
-            num_cand_tokens,
-            num_programs,
-            BLOCK_M=cfg.block_m,
-            BLOCK_D=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            XU_TMA=xu_desc is not None,
-            XC_TMA=xc_desc is not None,
-            OUT_TMA=out_desc is not None,
-            HAS_USER=has_user,
-            HAS_BIAS=self.bias is not None,
+            user_part, out, out_desc, cand_to_user, self.bias, flags, epoch, num_users, num_candidates, rows, dim,
+            num_user_tokens, num_cand_tokens, num_programs, BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_n,
+            BLOCK_K=cfg.block_k, XU_TMA=xu_desc is not None, XC_TMA=xc_desc is not None, OUT_TMA=out_desc is not None,
+            HAS_USER=has_user, HAS_BIAS=self.bias is not None,
             SPIN_ASM=not interpreting(),
             SPLIT=cfg.epilogue_split,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+# fmt: on
 
 
 def _linear_compress_torch(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias):

@@ -100,26 +100,11 @@ def _tile_coords(tile, num_m_tiles, tiles_per_row, BLOCK_M: gl.constexpr, BLOCK_
     return b, (rest % num_m_tiles) * BLOCK_M, (rest // num_m_tiles) * BLOCK_D
 
 
+# fmt: off
 @gluon.jit
 def _producer(
-    w_desc,
-    x_desc,
-    y_desc,
-    m_ptr,
-    w_bufs,
-    x_bufs,
-    epi_buf,
-    ready,
-    empty,
-    epi_ready,
-    epi_free,
-    num_tiles,
-    num_m_tiles,
-    tiles_per_row,
-    K_TILES: gl.constexpr,
-    STAGES: gl.constexpr,
-    HAS_USER: gl.constexpr,
-    Y_AT: gl.constexpr,
+    w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, num_tiles, num_m_tiles,
+    tiles_per_row, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, Y_AT: gl.constexpr,
 ):
     """1 warp: TMA loads of every tile's operands into the ring; of its Y_u block's first column half into the
     epilogue buffer; and of the second half as one more ring step after the tile's K steps, into a cand_emb
@@ -159,6 +144,7 @@ def _producer(
             mbarrier.arrive(bar, count=1)
         step += 1
         i += 1
+# fmt: on
 
 
 @gluon.jit
@@ -196,23 +182,11 @@ def _ring_epilogue_half(
     tma.async_copy_shared_to_global(out_desc, [b, off_m, off_d + HALF], buf)
 
 
+# fmt: off
 @gluon.jit
 def _epilogue(
-    acc,
-    bias,
-    epi_buf,
-    epi_ready,
-    x_bufs,
-    ready,
-    out_desc,
-    b,
-    off_m,
-    off_d,
-    step,
-    i,
-    STAGES: gl.constexpr,
-    HAS_USER: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
+    acc, bias, epi_buf, epi_ready, x_bufs, ready, out_desc, b, off_m, off_d, step, i, STAGES: gl.constexpr,
+    HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
 ):
     """out[b] tile = cast(acc (+ bias) (+ Y_u[m[b]] block)) in two column halves: the first through the
     epilogue buffer, the second through ring step `step`'s slot; both released at the next tile's
@@ -225,29 +199,15 @@ def _epilogue(
     lo, hi = gl.split(result.reshape([BLOCK_M, 2, HALF]).permute(0, 2, 1))  # columns [0, HALF), [HALF, 2 HALF)
     _epilogue_half(lo, epi_buf, epi_ready, out_desc, b, off_m, off_d, i, HAS_USER)
     _ring_epilogue_half(hi, x_bufs, ready, out_desc, b, off_m, off_d, step, STAGES, HAS_USER)
+# fmt: on
 
 
+# fmt: off
 @gluon.jit
 def _consumer(
-    num_warps: gl.constexpr,
-    w_bufs,
-    x_bufs,
-    epi_buf,
-    ready,
-    empty,
-    epi_ready,
-    epi_free,
-    out_desc,
-    bias_ptr,
-    num_tiles,
-    num_m_tiles,
-    tiles_per_row,
-    N,
-    K_TILES: gl.constexpr,
-    STAGES: gl.constexpr,
-    HAS_USER: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr,
+    num_warps: gl.constexpr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr, num_tiles,
+    num_m_tiles, tiles_per_row, N, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr,
+    HAS_BIAS: gl.constexpr, EPI_FREE_AT: gl.constexpr,
 ):
     """num_warps warps: wgmma over the ring (one group in flight: the slot of step s is released at step
     s + 1, the last one after the tile's final wait), then acc + Y_u + bias → TMA stores (`_epilogue`,
@@ -288,8 +248,10 @@ def _consumer(
         step += 1
         i += 1
     tma.store_wait(0)
+# fmt: on
 
 
+# fmt: off
 @gluon.jit(do_not_specialize=["B"])  # one binary for any batch size (no compilation on a request's B)
 def _lce_ws_kernel(
     w_desc,  # W_c padded [N, Kc'], blocks [BLOCK_M, BLOCK_K]
@@ -298,16 +260,8 @@ def _lce_ws_kernel(
     out_desc,  # out [B, N, D], blocks [1, BLOCK_M, BLOCK_D / 2]
     m_ptr,
     bias_ptr,  # cand_to_user [B], bias [N]
-    B,
-    N,
-    D,
-    K_TILES: gl.constexpr,
-    STAGES: gl.constexpr,
-    HAS_USER: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    EPI_FREE_AT: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    B, N, D, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_USER: gl.constexpr, HAS_BIAS: gl.constexpr,
+    EPI_FREE_AT: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """out[b] tile = W_c tile row @ cand_emb[b] + Y_u[m[b]] + bias, persistent, warp-specialized:
     tiles t = pid, pid + P, … of the (b, n, d) order; a consumer partition of num_warps warps, a 1-warp producer."""
@@ -348,54 +302,22 @@ def _lce_ws_kernel(
             (
                 _consumer,
                 (
-                    num_warps,
-                    w_bufs,
-                    x_bufs,
-                    epi_buf,
-                    ready,
-                    empty,
-                    epi_ready,
-                    epi_free,
-                    out_desc,
-                    bias_ptr,
-                    num_tiles,
-                    num_m_tiles,
-                    tiles_per_row,
-                    N,
-                    K_TILES,
-                    STAGES,
-                    HAS_USER,
-                    HAS_BIAS,
-                    FREE_AT,
+                    num_warps, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free, out_desc, bias_ptr,
+                    num_tiles, num_m_tiles, tiles_per_row, N, K_TILES, STAGES, HAS_USER, HAS_BIAS, FREE_AT,
                 ),
             ),
             (
                 _producer,
                 (
-                    w_desc,
-                    x_desc,
-                    y_desc,
-                    m_ptr,
-                    w_bufs,
-                    x_bufs,
-                    epi_buf,
-                    ready,
-                    empty,
-                    epi_ready,
-                    epi_free,
-                    num_tiles,
-                    num_m_tiles,
-                    tiles_per_row,
-                    K_TILES,
-                    STAGES,
-                    HAS_USER,
-                    Y_AT,
+                    w_desc, x_desc, y_desc, m_ptr, w_bufs, x_bufs, epi_buf, ready, empty, epi_ready, epi_free,
+                    num_tiles, num_m_tiles, tiles_per_row, K_TILES, STAGES, HAS_USER, Y_AT,
                 ),
             ),
         ],
         [1],
         [PRODUCER_REGS],
     )
+# fmt: on
 
 
 # ----------------------------------------------------------------------------- host side
@@ -449,14 +371,9 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
     return w_desc, x_desc, y_desc, out_desc
 
 
+# fmt: off
 def _launch_kernel(
-    packed: PackedLinearCompress,
-    cand_emb,
-    out,
-    user_part,
-    cand_to_user,
-    bias,
-    cfg: WSConfig,
+    packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
     num_programs: int | None = None,
 ):
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
@@ -476,23 +393,15 @@ def _launch_kernel(
         rows,
         dim,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k),
-        STAGES=cfg.stages,
-        HAS_USER=user_part is not None,
-        HAS_BIAS=bias is not None,
-        EPI_FREE_AT=cfg.epi_free_at,
-        PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps,
-        maxnreg=cfg.maxnreg,
+        STAGES=cfg.stages, HAS_USER=user_part is not None, HAS_BIAS=bias is not None, EPI_FREE_AT=cfg.epi_free_at,
+        PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
+# fmt: on
 
 
+# fmt: off
 def launch_ws(
-    packed: PackedLinearCompress,
-    user_emb,
-    cand_emb,
-    cand_to_user,
-    out=None,
-    user_part=None,
+    packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
     config: WSConfig | None = None,
     num_programs: int | None = None,
 ) -> torch.Tensor:
@@ -517,6 +426,7 @@ def launch_ws(
         user_part = None
     _launch_kernel(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, num_programs)
     return out
+# fmt: on
 
 
 def user_gemm(packed: PackedLinearCompress, user_emb, user_part) -> None:
