@@ -6,7 +6,10 @@ int64, values in [0, U)). Nothing here replicates a user tensor to B rows.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import threading
 import warnings
 
 import torch
@@ -71,9 +74,8 @@ def check_mapping(cand_to_user, num_candidates: int, num_users: int, device: tor
 class HostReadback:
     """A small CUDA tensor on its way to the host: a copy into pinned memory and an event, enqueued
     where it is made. `values()` waits for that copy (and what ran before it on the stream), not for
-    work enqueued after it, so an op can launch its kernels first and read its index checks after:
-    the device is not left idle while the host launches, and the caller's next host work overlaps
-    the kernels. Kernels launched before the check must read nothing out of bounds for bad values."""
+    work enqueued after it; `done()` says, without waiting, whether it has arrived. Kernels launched
+    before the values are read must read and write nothing out of bounds for bad values."""
 
     def __init__(self, t: torch.Tensor):
         self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -81,9 +83,69 @@ class HostReadback:
         self.ready = torch.cuda.Event()
         self.ready.record(torch.cuda.current_stream(t.device))
 
+    def done(self) -> bool:
+        return self.ready.query()
+
     def values(self) -> list:
         self.ready.synchronize()
         return self.host.tolist()
+
+
+class _DeferredChecks:
+    """Index-value checks of eager CUDA calls, read when their values have reached the host instead of
+    waiting for them: an op launches its kernels (which clamp or skip bad values), hands its readback
+    and a `check(values)` that raises the ValueError naming the input to `defer`, and returns. Each
+    later IKBO call first runs the checks whose values have arrived (`poll`); `check_deferred()` waits
+    for all of them. In strict mode (`strict_checks()`, or IKBO_STRICT_CHECKS=1) `defer` waits and
+    raises at once, as a synchronous check would."""
+
+    MAX_PENDING = 1024  # beyond this, the oldest check waits (a caller that never synchronizes)
+
+    def __init__(self):
+        self.pending: list[tuple[HostReadback, object]] = []
+        self.lock = threading.Lock()
+        self.strict = os.environ.get("IKBO_STRICT_CHECKS") == "1"
+
+    def defer(self, readback: HostReadback, check) -> None:
+        if self.strict:
+            check(readback.values())
+            return
+        with self.lock:
+            self.pending.append((readback, check))
+            overflow = self.pending.pop(0) if len(self.pending) > self.MAX_PENDING else None
+        if overflow is not None:
+            overflow[1](overflow[0].values())
+
+    def run(self, wait: bool) -> None:
+        with self.lock:
+            ready = [entry for entry in self.pending if wait or entry[0].done()]
+            self.pending = [entry for entry in self.pending if entry not in ready]
+        for readback, check in ready:
+            check(readback.values())
+
+
+DEFERRED = _DeferredChecks()
+
+
+def poll_deferred() -> None:
+    """Raise the ValueError of an earlier call whose index values have reached the host and are bad."""
+    if DEFERRED.pending:
+        DEFERRED.run(wait=False)
+
+
+def check_deferred() -> None:
+    """Wait for the index values of every earlier eager call and raise the ValueError of a bad one."""
+    DEFERRED.run(wait=True)
+
+
+@contextlib.contextmanager
+def strict_checks(enabled: bool = True):
+    """Within: each eager CUDA call waits for its index values and raises at once on a bad one."""
+    previous, DEFERRED.strict = DEFERRED.strict, enabled
+    try:
+        yield
+    finally:
+        DEFERRED.strict = previous
 
 
 def check_kv_len(kv_len, num_users: int, max_len: int, device: torch.device):

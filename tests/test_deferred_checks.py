@@ -1,0 +1,83 @@
+"""Deferred index-value checks (kernels._common._DeferredChecks): a bad value found after an eager call
+returned raises at the next IKBO call that finds its readback arrived, at check_deferred(), or at once in
+strict mode. Readbacks here are stand-ins (the real ones copy CUDA tensors to pinned memory)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import _common, check_deferred, strict_checks
+
+
+class StandInReadback:
+    def __init__(self, values, arrived=False):
+        self._values, self.arrived, self.waited = values, arrived, False
+
+    def done(self):
+        return self.arrived
+
+    def values(self):
+        self.waited = True
+        return self._values
+
+
+def in_range(high):
+    def check(values):
+        low, top = values
+        if low < 0 or top >= high:
+            raise ValueError(f"cand_to_user: value {low if low < 0 else top} is outside [0, U={high})")
+
+    return check
+
+
+@pytest.fixture
+def deferred(monkeypatch):
+    checks = _common._DeferredChecks()
+    checks.strict = False
+    monkeypatch.setattr(_common, "DEFERRED", checks)
+    return checks
+
+
+def test_a_bad_value_raises_once_its_values_arrive(deferred):
+    late = StandInReadback([0, 7])
+    deferred.defer(late, in_range(5))
+    _common.poll_deferred()  # not arrived: nothing waits, nothing raises
+    assert not late.waited and len(deferred.pending) == 1
+    late.arrived = True
+    with pytest.raises(ValueError, match="cand_to_user: value 7 is outside"):
+        _common.poll_deferred()
+    assert deferred.pending == []
+    _common.poll_deferred()  # reported once
+
+
+def test_good_values_pass_and_leave_nothing_pending(deferred):
+    for high in (3, 9):
+        deferred.defer(StandInReadback([0, high - 1], arrived=True), in_range(high))
+    _common.poll_deferred()
+    assert deferred.pending == []
+
+
+def test_check_deferred_waits_for_every_check(deferred):
+    good, bad = StandInReadback([0, 1]), StandInReadback([-2, 1])
+    deferred.defer(good, in_range(2))
+    deferred.defer(bad, in_range(2))
+    with pytest.raises(ValueError, match="value -2"):
+        check_deferred()
+    assert good.waited and bad.waited and deferred.pending == []
+
+
+def test_strict_mode_raises_at_once(deferred):
+    bad = StandInReadback([0, 4])
+    with strict_checks(), pytest.raises(ValueError, match="value 4"):
+        deferred.defer(bad, in_range(4))
+    assert not deferred.strict and deferred.pending == []
+
+
+def test_a_caller_that_never_synchronizes_waits_for_its_oldest_check(deferred, monkeypatch):
+    monkeypatch.setattr(deferred, "MAX_PENDING", 2)
+    first = StandInReadback([0, 9])
+    deferred.defer(first, in_range(3))
+    deferred.defer(StandInReadback([0, 1]), in_range(3))
+    with pytest.raises(ValueError, match="value 9"):
+        deferred.defer(StandInReadback([0, 1]), in_range(3))
+    assert first.waited and len(deferred.pending) == 2
