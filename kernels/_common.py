@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 import warnings
 
 import torch
+import triton
+import triton.language as tl
 
 BACKENDS = ("auto", "torch", "triton")
 INDEX_TYPES = (torch.int32, torch.int64)
@@ -200,17 +203,43 @@ def selection_matrix(cand_to_user: torch.Tensor, num_users: int, dtype: torch.dt
     )
 
 
-def add_user_rows(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
-    """out[b] = cand_part[b] + user_part[m[b]]  — the Type I combine, as one sparse-dense addmm.
+def check_mapping_values(cand_to_user: torch.Tensor, num_users: int) -> None:
+    """The value check of `check_mapping` without a host wait on CUDA: on the CPU (and inside a CUDA-graph
+    capture, where the caller checks) as `check_mapping`; on CUDA the mapping's min and max travel to the host
+    behind the caller's kernels and are checked when they arrive (`DEFERRED`; at once in strict mode). The
+    kernels that run before the check must clamp or skip out-of-range values."""
+    num_candidates = cand_to_user.shape[0]
+    if not cand_to_user.is_cuda:
+        check_mapping(cand_to_user, num_candidates, num_users, cand_to_user.device)
+        return
+    if num_candidates == 0 or torch.cuda.is_current_stream_capturing():
+        return
+    if num_users == 0:
+        raise ValueError(f"cand_to_user: {num_candidates} candidates but no users (U = 0)")
 
-    cand_part: [B, ...], user_part: [U, ...] (same trailing shape) → [B, ...]. The user rows are
-    read through the sparse selection matrix, never copied to B rows.
-    """
-    trailing = cand_part.shape[1:]
-    if user_part.shape[1:] != trailing:
-        raise ValueError(f"user_part: trailing shape {list(user_part.shape[1:])} != cand_part's {list(trailing)}")
-    if cand_part.shape[0] == 0:
-        return cand_part.clone()
+    def check(values):
+        lowest, highest = values
+        if lowest < 0 or highest >= num_users:
+            raise ValueError(f"cand_to_user: value {lowest if lowest < 0 else highest} is outside [0, U={num_users})")
+
+    DEFERRED.defer(HostReadback(torch.stack(torch.aminmax(cand_to_user))), check)
+
+
+@triton.jit
+def _add_user_rows_kernel(out_ptr, cand_ptr, user_ptr, m_ptr, row_len, num_users, BLOCK: tl.constexpr):
+    """out[b, i] = cand[b, i] + user[m[b], i] in fp32, one row chunk per program; m[b] clamped to [0, U)."""
+    b = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < row_len
+    user = tl.minimum(tl.maximum(tl.load(m_ptr + b).to(tl.int64), 0), num_users - 1)
+    cand = tl.load(cand_ptr + b * row_len + offsets, mask=mask).to(tl.float32)
+    value = cand + tl.load(user_ptr + user * row_len + offsets, mask=mask).to(tl.float32)
+    tl.store(out_ptr + b * row_len + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _add_user_rows_sparse(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
+    """The CPU combine: one sparse-dense addmm through the selection matrix (batch invariant: each output row
+    is its candidate row plus one user row)."""
     # 16-bit inputs are added in float32: the MKL sparse kernels have no bfloat16, and fp32 costs one
     # cast of [B, ...] against no loss of precision
     compute = torch.float32 if cand_part.dtype in (torch.float16, torch.bfloat16) else cand_part.dtype
@@ -218,6 +247,84 @@ def add_user_rows(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user
     cand_rows = cand_part.reshape(cand_part.shape[0], -1).to(compute)
     out = torch.sparse.addmm(cand_rows, select, user_part.reshape(user_part.shape[0], -1).to(compute))
     return out.to(cand_part.dtype).reshape(cand_part.shape)
+
+
+@torch.library.custom_op("ikbo::add_user_rows", mutates_args=())
+def _add_user_rows_op(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
+    poll_deferred()
+    if cand_part.shape[0] == 0:
+        return cand_part.clone()
+    check_mapping_values(cand_to_user, user_part.shape[0])
+    if not cand_part.is_cuda:
+        return _add_user_rows_sparse(cand_part, user_part, cand_to_user)
+    return add_user_rows_triton(cand_part, user_part, cand_to_user)
+
+
+def add_user_rows_triton(cand_part, user_part, cand_to_user, out=None) -> torch.Tensor:
+    """The CUDA combine (also under TRITON_INTERPRET=1): one gather-add launch. `out` may be given (tests
+    poison it)."""
+    cand, user = cand_part.contiguous(), user_part.contiguous()
+    out = torch.empty_like(cand) if out is None else out
+    row_len = cand[0].numel() if cand.shape[0] else 0
+    if row_len and user.shape[0]:
+        block = min(4096, triton.next_power_of_2(row_len))
+        grid = (cand.shape[0], triton.cdiv(row_len, block))
+        _add_user_rows_kernel[grid](out, cand, user, cand_to_user, row_len, user.shape[0], BLOCK=block)
+    return out
+
+
+@_add_user_rows_op.register_fake
+def _(cand_part, user_part, cand_to_user):
+    return torch.empty_like(cand_part, memory_format=torch.contiguous_format)
+
+
+def _add_user_rows_setup(ctx, inputs, output):
+    _, user_part, cand_to_user = inputs
+    ctx.save_for_backward(cand_to_user)
+    ctx.user_shape, ctx.user_dtype = user_part.shape, user_part.dtype
+
+
+def _add_user_rows_backward(ctx, grad):
+    """d_cand = g; d_user[u] = Σ_{b: m[b] = u} g[b], a segment sum in fp32 (never g's user rows at B rows)."""
+    (cand_to_user,) = ctx.saved_tensors
+    d_user = None
+    if ctx.needs_input_grad[1]:
+        compute = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+        rows = grad.reshape(grad.shape[0], math.prod(ctx.user_shape[1:])).to(compute)
+        sums = rows.new_zeros(ctx.user_shape[0], rows.shape[1])
+        index = cand_to_user.long().clamp(0, max(ctx.user_shape[0] - 1, 0))
+        d_user = sums.index_add_(0, index, rows).to(ctx.user_dtype).reshape(ctx.user_shape)
+    return grad if ctx.needs_input_grad[0] else None, d_user, None
+
+
+_add_user_rows_op.register_autograd(_add_user_rows_backward, setup_context=_add_user_rows_setup)
+
+
+def add_user_rows(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
+    """out[b] = cand_part[b] + user_part[m[b]]  — the Type I combine, a custom op with autograd.
+
+    cand_part: [B, ...], user_part: [U, ...] (same trailing shape, same floating dtype), cand_to_user [B]
+    in [0, U) → [B, ...]. The user rows are never copied to B rows: on the CPU they are read through the
+    sparse selection matrix (one addmm), on CUDA by a gather-add kernel; the backward sums g over each
+    user's candidates (d_user) and passes g to cand_part. Mapping values are checked on the CPU at once,
+    on CUDA without a host wait (`check_deferred`, `strict_checks`).
+    """
+    for name, t in (("cand_part", cand_part), ("user_part", user_part)):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ValueError(f"{name}: expected a torch.Tensor with a leading row dimension, got {t!r:.60}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating dtype, got {str(t.dtype).replace('torch.', '')}")
+    if user_part.shape[1:] != cand_part.shape[1:]:
+        raise ValueError(
+            f"user_part: trailing shape {list(user_part.shape[1:])} != cand_part's {list(cand_part.shape[1:])}"
+        )
+    if user_part.dtype != cand_part.dtype or user_part.device != cand_part.device:
+        raise ValueError(
+            f"user_part: expected {cand_part.dtype} on {cand_part.device} like cand_part, "
+            f"got {user_part.dtype} on {user_part.device}"
+        )
+    check_mapping_shape(cand_to_user, cand_part.shape[0], cand_part.device)
+    return torch.ops.ikbo.add_user_rows(cand_part, user_part, cand_to_user)
 
 
 def group_by_user(cand_to_user: torch.Tensor, num_users: int):
