@@ -36,6 +36,7 @@ d ∈ {64, 128}, S ≥ 64, L ≥ 512, ≥ 256 query rows a user), self + target 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
+    DEFERRED,
     HostReadback,
     check_kv_len,
     check_kv_len_shape,
@@ -52,6 +54,7 @@ from ._common import (
     check_same,
     check_tensor,
     group_by_user,
+    poll_deferred,
     resolve_backend,
 )
 from ._interpreter import interpreting
@@ -97,8 +100,9 @@ def _plan_kernel(
     order_ptr,  # [B] int32 out: candidates grouped by user, in their original order within a user
     tile_ptr,  # [B·S // BLOCK_M + U, 4] int32 out: (user or -1, first candidate slot, first row, row end)
     flag_ptr,  # [3] int32 out: flag (1 when a mapping or kv_len value is out of range), then two zeros
+    users_ptr,  # [U, 2] int32 out with HAS_USERS: (first candidate slot, candidate count) of each user
     num_candidates, num_users, seq_len, num_queries, HAS_KV_LEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_USERS: tl.constexpr,
 ):
     """Program u reads the whole mapping twice: first = #candidates of users in [0, u) and count = #of u,
     then writes its candidates to order[first, first + count) and its tiles to the slots
@@ -108,7 +112,8 @@ def _plan_kernel(
     zero-fill). No atomics, no cross-program traffic; O(U·B) loads, which the U programs share.
     Out-of-range values are never matched (their rows are left unwritten, and no tile refers to
     them); program 0 writes the flag (1 on such a value, on which the host raises the ValueError)
-    and zeroes the two words after it (the Gluon kernel's item counter and finished-program count)."""
+    and zeroes the two words after it (the Gluon kernel's item counter and finished-program count).
+    With HAS_USERS (the backward) it also writes its (first, count) to users[u]."""
     user = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     first = tl.full((), 0, tl.int32)
@@ -127,6 +132,9 @@ def _plan_kernel(
         slot = first + seen + tl.cumsum(mine.to(tl.int32), 0) - 1
         tl.store(order_ptr + slot, i + offs, mask=mine)
         seen += tl.sum(mine.to(tl.int32), 0)
+    if HAS_USERS:
+        tl.store(users_ptr + 2 * user, first)
+        tl.store(users_ptr + 2 * user + 1, count)
 
     rows = count * num_queries
     tiles = (rows + BLOCK_M - 1) // BLOCK_M
@@ -214,7 +222,8 @@ def _softmax_pass(
     kv_len, row_limit, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    """softmax(q·Kᵀ)·V of one query tile over one (user, head) → [BLOCK_M, D] fp32 (0 for no keys)."""
+    """softmax(q·Kᵀ)·V of one query tile over one (user, head) → ([BLOCK_M, D] fp32 (0 for no keys), the rows'
+    log-sum-exp in base 2 of the scaled scores (+inf for no keys): the backward's softmax statistics)."""
     kv_row = (kv_offset // stride_kl).to(tl.int32)
     kv_col = (kv_offset % stride_kl).to(tl.int32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -229,7 +238,8 @@ def _softmax_pass(
         acc, m_i, l_i, q, k_desc, v_desc, kv_row, kv_col, full_end, hi, kv_len, row_limit, qk_scale, BLOCK_M, BLOCK_N,
         True, NUM_STAGES, False,
     )
-    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], lse
 # fmt: on
 
 
@@ -244,12 +254,13 @@ def _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN: tl.constexpr):
 # fmt: off
 @triton.jit
 def _self_tile(
-    tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol, k_desc, v_desc,
-    stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol, ulse_ptr,
+    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, WRITE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    """One query tile of a user's own sequence; causal tiles are numbered longest first."""
+    """One query tile of a user's own sequence; causal tiles are numbered longest first. With WRITE_LSE the rows'
+    log-sum-exp goes to ulse [U, H, L] (+inf past kv_len: those rows are zeros, their gradients too)."""
     q_tiles = num_self_tiles // num_users
     user = tile % num_users
     q_tile = (q_tiles - 1 - tile // num_users) if CAUSAL else tile // num_users
@@ -267,7 +278,7 @@ def _self_tile(
         hi = kv_len
         full_end = (kv_len // BLOCK_N) * BLOCK_N
     kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
-    out = _softmax_pass(
+    out, lse = _softmax_pass(
         q, k_desc, v_desc, kv_offset, stride_kl, full_end, hi, kv_len, row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N,
         NUM_STAGES, WARP_SPECIALIZE,
     )
@@ -276,18 +287,22 @@ def _self_tile(
     tl.store(
         uo_ptr + o_rows[:, None] + offs_d[None, :], out.to(uo_ptr.dtype.element_ty), mask=(rows < seq_len)[:, None]
     )
+    if WRITE_LSE:
+        lse_rows = (user.to(tl.int64) * tl.num_programs(1) + head) * seq_len + rows
+        tl.store(ulse_ptr + lse_rows, tl.where(rows < kv_len, lse, float("inf")), mask=rows < seq_len)
 # fmt: on
 
 
 # fmt: off
 @triton.jit
 def _target_tile(
-    tile, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_desc, v_desc,
-    stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale,
+    tile, head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, lse_ptr, k_desc,
+    v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    """BLOCK_M packed query rows of one user's candidates (virtual rows: candidate-major, S tokens)."""
+    """BLOCK_M packed query rows of one user's candidates (virtual rows: candidate-major, S tokens). With WRITE_LSE
+    the rows' log-sum-exp goes to lse [B, H, S]."""
     entry = tile_ptr + tile * 4
     entry_user = tl.load(entry)  # -1 past the last tile: no rows, no keys, nothing stored
     first_slot = tl.load(entry + 1)
@@ -303,7 +318,7 @@ def _target_tile(
     q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]))
     row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
     kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
-    out = _softmax_pass(
+    out, lse = _softmax_pass(
         q,
         k_desc,
         v_desc,
@@ -314,6 +329,8 @@ def _target_tile(
     )
     o_rows = cand * stride_ob + head * stride_oh + token * stride_os
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        tl.store(lse_ptr + (cand * tl.num_programs(1) + head) * num_queries + token, lse, mask=row_ok)
 # fmt: on
 
 
@@ -337,6 +354,8 @@ def _attention_kernel(
     stride_uou,
     stride_uoh,
     stride_uol,
+    lse_ptr,  # [B, H, S] fp32 out with WRITE_LSE: log-sum-exp (base 2) of each candidate row's scaled scores
+    ulse_ptr,  # [U, H, L] fp32 out with WRITE_LSE and HAS_SELF: the same of each user row (+inf past kv_len)
     k_desc,
     v_desc,  # 2-D [rows, stride_kl] views of k / v, blocks [BLOCK_N, D]
     stride_ku,
@@ -351,7 +370,7 @@ def _attention_kernel(
     num_self_tiles,  # U·cdiv(L, BLOCK_M) with HAS_SELF, else 0
     qk_scale,  # scale · log2(e)
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, WRITE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Grid (self tiles + candidate tiles, H): program (tile, head), self tiles first. Each tile type is a whole
     inlined function: values chosen in a branch and used after the K/V loop (output pointers,
@@ -361,17 +380,371 @@ def _attention_kernel(
     head = tl.program_id(1)
     if HAS_SELF and tile < num_self_tiles:
         _self_tile(
-            tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol, k_desc,
-            v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale, HEAD_DIM,
-            BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE,
+            tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol, ulse_ptr,
+            k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, WRITE_LSE, NUM_STAGES, WARP_SPECIALIZE,
         )
     else:
         _target_tile(
             tile - num_self_tiles,
-            head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, k_desc, v_desc,
-            stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale, HEAD_DIM,
-            BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES, WARP_SPECIALIZE,
+            head, q_ptr, stride_qb, stride_qh, stride_qs, out_ptr, stride_ob, stride_oh, stride_os, lse_ptr, k_desc,
+            v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, WRITE_LSE, NUM_STAGES, WARP_SPECIALIZE,
         )
+# fmt: on
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward kernels
+# ---------------------------------------------------------------------------------------------
+
+
+# fmt: off
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse, delta, k_desc, v_desc, kv_row, kv_col, lo, hi, kv_len, row_limit, qk_scale, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """dq += Σ over key blocks [lo, hi) of dS·k, dS = P ∘ (dO·vᵀ − Δ), P = exp2(q·kᵀ·qk_scale − lse) (the forward's
+    probabilities, from its log-sum-exp); MASKED: keys < kv_len and ≤ the row's row_limit."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        k = k_desc.load([kv_row + start_n, kv_col])  # [BLOCK_N, D]
+        v = v_desc.load([kv_row + start_n, kv_col])
+        p = tl.math.exp2(tl.dot(q, k.T) * qk_scale - lse[:, None])  # [BLOCK_M, BLOCK_N] fp32
+        if MASKED:
+            keys = start_n + offs_n
+            p = tl.where((keys[None, :] < kv_len) & (keys[None, :] <= row_limit[:, None]), p, 0.0)
+        ds = p * (tl.dot(do, v.T) - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def _dq_pass(
+    q, do, lse, delta, k_desc, v_desc, kv_offset, stride_kl, full_end, hi, kv_len, row_limit, qk_scale,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Σ_j dS_ij k_j of one query tile over one (user, head) → [BLOCK_M, D] fp32: keys [0, full_end) unmasked, then
+    [full_end, hi) masked (as `_softmax_pass`)."""
+    kv_row = (kv_offset // stride_kl).to(tl.int32)
+    kv_col = (kv_offset % stride_kl).to(tl.int32)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = _dq_blocks(
+        dq, q, do, lse, delta, k_desc, v_desc, kv_row, kv_col, 0, full_end, kv_len, row_limit, qk_scale, BLOCK_N, False,
+        NUM_STAGES,
+    )
+    return _dq_blocks(
+        dq, q, do, lse, delta, k_desc, v_desc, kv_row, kv_col, full_end, hi, kv_len, row_limit, qk_scale, BLOCK_N, True,
+        NUM_STAGES,
+    )
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def _row_stats(o_ptr, do_ptr, lse_ptr, delta_ptr, rows, row_ok, HEAD_DIM: tl.constexpr):
+    """Rows `rows` of the contiguous [·, D] output and its gradient: dO [BLOCK_M, D] (0 where not row_ok), the
+    forward's log-sum-exp (+inf where not row_ok: P = 0 there) and Δ = Σ_d dO·O, which is stored for the dK/dV
+    kernel → (dO, lse, Δ)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    at = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    do = tl.load(do_ptr + at, mask=row_ok[:, None], other=0.0)
+    o = tl.load(o_ptr + at, mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + rows, delta, mask=row_ok)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))
+    return do, lse, delta
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def _dq_self_tile(
+    tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, udo_ptr, duq_ptr, ulse_ptr, udelta_ptr, k_desc,
+    v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """dQ of one query tile of a user's own sequence (the forward's `_self_tile`; rows past kv_len have lse = +inf,
+    so P = 0 and their dQ is 0)."""
+    q_tiles = num_self_tiles // num_users
+    user = tile % num_users
+    q_tile = (q_tiles - 1 - tile // num_users) if CAUSAL else tile // num_users
+    kv_len = _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the user's sequence
+    row_ok = rows < seq_len
+    q_rows = user.to(tl.int64) * stride_uqu + head * stride_uqh + tl.minimum(rows, seq_len - 1) * stride_uql
+    q = tl.load(uq_ptr + (q_rows[:, None] + offs_d[None, :]))  # rows past L read row L-1, never stored
+    at = (user.to(tl.int64) * tl.num_programs(1) + head) * seq_len + rows  # row of [U·H·L, D] / [U·H·L]
+    do, lse, delta = _row_stats(uo_ptr, udo_ptr, ulse_ptr, udelta_ptr, at, row_ok, HEAD_DIM)
+    if CAUSAL:
+        row_limit = rows
+        hi = tl.minimum(kv_len, q_tile * BLOCK_M + BLOCK_M)
+        full_end = tl.minimum(kv_len // BLOCK_N, (q_tile * BLOCK_M) // BLOCK_N) * BLOCK_N
+    else:
+        row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
+        hi = kv_len
+        full_end = (kv_len // BLOCK_N) * BLOCK_N
+    kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
+    dq = _dq_pass(
+        q, do, lse, delta, k_desc, v_desc, kv_offset, stride_kl, full_end, hi, kv_len, row_limit, qk_scale, BLOCK_M,
+        HEAD_DIM, BLOCK_N, NUM_STAGES,
+    )
+    tl.store(duq_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], (dq * scale).to(duq_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def _dq_target_tile(
+    tile, head, q_ptr, stride_qb, stride_qh, stride_qs, o_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, k_desc, v_desc,
+    stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """dQ of BLOCK_M packed query rows of one user's candidates (the forward's `_target_tile`)."""
+    entry = tile_ptr + tile * 4
+    entry_user = tl.load(entry)  # -1 past the last tile: no rows, no keys, nothing stored
+    first_slot = tl.load(entry + 1)
+    rows = tl.load(entry + 2) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(entry + 3)
+    user = tl.maximum(entry_user, 0)
+    kv_len = tl.where(entry_user >= 0, _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN), 0)
+    slot = rows // num_queries
+    token = rows - slot * num_queries
+    cand = tl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(tl.int64)  # padding rows read candidate 0
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
+    q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]))
+    at = (cand * tl.num_programs(1) + head) * num_queries + token  # row of [B·H·S, D] / [B·H·S]
+    do, lse, delta = _row_stats(o_ptr, do_ptr, lse_ptr, delta_ptr, at, row_ok, HEAD_DIM)
+    row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
+    kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
+    dq = _dq_pass(
+        q, do, lse, delta, k_desc, v_desc, kv_offset, stride_kl, (kv_len // BLOCK_N) * BLOCK_N, kv_len, kv_len,
+        row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N, NUM_STAGES,
+    )
+    tl.store(dq_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+# fmt: on
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["num_users", "seq_len", "num_self_tiles"])
+def _attention_bwd_dq_kernel(
+    q_ptr, stride_qb, stride_qh, stride_qs,  # [B, H, S, D] candidate queries
+    o_ptr, do_ptr, dq_ptr,  # [B, H, S, D] contiguous: the forward's output, its gradient, dQ (out)
+    lse_ptr, delta_ptr,  # [B, H, S] fp32: the forward's log-sum-exp (base 2), Δ (out)
+    uq_ptr, stride_uqu, stride_uqh, stride_uql,  # [U, H, L, D] user queries (unused without HAS_SELF)
+    uo_ptr, udo_ptr, duq_ptr,  # [U, H, L, D] contiguous: user output, its gradient, dQ of user_q (out)
+    ulse_ptr, udelta_ptr,  # [U, H, L] fp32
+    k_desc, v_desc, stride_ku, stride_kh, stride_kl,  # as `_attention_kernel`
+    kv_len_ptr, order_ptr, tile_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order and tiles
+    num_users, seq_len, num_queries, num_self_tiles, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Grid (self tiles + candidate tiles, H), the forward's tiles: each program computes Δ = rowsum(dO ∘ O) of its
+    rows (stored for `_attention_bwd_dkdv_kernel`, launched after it) and their dQ over the user's keys."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    if HAS_SELF and tile < num_self_tiles:
+        _dq_self_tile(
+            tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, udo_ptr, duq_ptr, ulse_ptr, udelta_ptr,
+            k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
+            scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, NUM_STAGES,
+        )
+    else:
+        _dq_target_tile(
+            tile - num_self_tiles,
+            head, q_ptr, stride_qb, stride_qh, stride_qs, o_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, k_desc, v_desc,
+            stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale, scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES,
+        )
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+):
+    """One step of a K/V block's walk over BLOCK_M query rows, transposed (keys are the rows here):
+    Pᵀ = exp2(k·qᵀ·qk_scale − lse), dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (v·dOᵀ − Δ), dK += dSᵀ·q (scaled by the caller)."""
+    p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M] fp32
+    if MASK_KEYS:
+        p_t = tl.where((keys < kv_len)[:, None], p_t, 0.0)
+    if MASK_CAUSAL:
+        p_t = tl.where(keys[:, None] <= rows[None, :], p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv)
+    ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def _dkdv_target_rows(
+    dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, order_ptr, first, row_end, head,
+    heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASK_KEYS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """A K/V block's walk over its user's candidate query rows [0, row_end) (virtual rows: candidate-major, S tokens;
+    candidates from order[first …]), BLOCK_M at a time; rows past row_end load as zeros with lse = +inf."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for r0 in tl.range(0, row_end, BLOCK_M, num_stages=NUM_STAGES):
+        rows = r0 + offs_m
+        row_ok = rows < row_end
+        slot = rows // num_queries
+        token = rows - slot * num_queries
+        cand = tl.load(order_ptr + first + slot, mask=row_ok, other=0).to(tl.int64)
+        q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
+        q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
+        at = (cand * heads + head) * num_queries + token
+        do = tl.load(do_ptr + (at[:, None] * HEAD_DIM + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_ptr + at, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + at, mask=row_ok, other=0.0)
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, False)
+    return dk, dv
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def _dkdv_self_rows(
+    dk, dv, k, v, uq_ptr, stride_uqu, stride_uqh, stride_uql, udo_ptr, ulse_ptr, udelta_ptr, user, head, heads,
+    seq_len, lo, hi, keys, kv_len, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KEYS: tl.constexpr,
+    MASK_CAUSAL: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """A K/V block's walk over its user's own query rows [lo, hi), BLOCK_M at a time (rows ≥ hi load as zeros with
+    lse = +inf)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = user.to(tl.int64) * stride_uqu + head * stride_uqh
+    first_row = (user.to(tl.int64) * heads + head) * seq_len
+    for r0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
+        rows = r0 + offs_m
+        row_ok = rows < hi
+        q = tl.load(uq_ptr + (base + rows[:, None] * stride_uql + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
+        at = first_row + rows
+        do = tl.load(udo_ptr + (at[:, None] * HEAD_DIM + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
+        lse = tl.load(ulse_ptr + at, mask=row_ok, other=float("inf"))
+        delta = tl.load(udelta_ptr + at, mask=row_ok, other=0.0)
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, MASK_CAUSAL)
+    return dk, dv
+# fmt: on
+
+
+@triton.jit
+def _kv_lens(kv_len_ptr, idx, live, seq_len, HAS_KV_LEN: tl.constexpr):
+    """Valid keys of users `idx` (where live), clamped to [0, L]."""
+    if HAS_KV_LEN:
+        return tl.minimum(tl.maximum(tl.load(kv_len_ptr + idx, mask=live, other=0).to(tl.int32), 0), seq_len)
+    return tl.where(live, seq_len, 0)
+
+
+@triton.jit
+def _ranked_user(rank, users_ptr, kv_len_ptr, num_users, num_queries, seq_len, HAS_SELF: tl.constexpr,
+                 HAS_KV_LEN: tl.constexpr, MAX_USERS: tl.constexpr):  # fmt: skip
+    """The user of `rank` when users are ordered by the query rows their K/V blocks walk (most first, ties by user
+    number): every program counts the ≤ MAX_USERS users' rows itself, so the longest walks start first."""
+    idx = tl.arange(0, MAX_USERS)
+    live = idx < num_users
+    work = tl.load(users_ptr + 2 * idx + 1, mask=live, other=0) * num_queries
+    if HAS_SELF:
+        work += _kv_lens(kv_len_ptr, idx, live, seq_len, HAS_KV_LEN)
+    work = tl.where(live, work, -1)
+    ahead = (work[None, :] > work[:, None]) | ((work[None, :] == work[:, None]) & (idx[None, :] < idx[:, None]))
+    ranks = tl.sum(ahead.to(tl.int32), 1)  # rank of each user
+    return tl.sum(tl.where(live & (ranks == rank), idx, 0), 0)
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["num_users", "seq_len"])
+def _attention_bwd_dkdv_kernel(
+    q_ptr, stride_qb, stride_qh, stride_qs,  # [B, H, S, D] candidate queries
+    do_ptr, lse_ptr, delta_ptr,  # [B, H, S, D] contiguous gradient of the output, [B, H, S] fp32 lse and Δ
+    uq_ptr, stride_uqu, stride_uqh, stride_uql,  # [U, H, L, D] user queries (unused without HAS_SELF)
+    udo_ptr, ulse_ptr, udelta_ptr,  # [U, H, L, D] contiguous gradient of user_out, [U, H, L] fp32 lse and Δ
+    k_desc, v_desc, stride_ku, stride_kh, stride_kl,  # as `_attention_kernel`, blocks [BLOCK_N, D]
+    dk_ptr, dv_ptr,  # [U, H, L, D] contiguous out
+    kv_len_ptr, order_ptr, users_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order, users [U, 2]
+    num_users, heads, seq_len, num_queries, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, RANK_USERS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """1-D grid over (user rank, head, key block), key blocks fastest: a program owns K/V[u, h] rows
+    [BLOCK_N·j, BLOCK_N·j + BLOCK_N) in registers and walks all of user u's candidate query rows (and, with
+    HAS_SELF, its own rows that see the block), accumulating dK and dV in fp32; each block is written once, zeros
+    past kv_len. The blocks of one (user, head) run side by side and read the same q / dO rows (L2). RANK_USERS
+    (U ≤ 64): users with the longest walks first."""
+    num_blocks = tl.cdiv(seq_len, BLOCK_N)
+    pid = tl.program_id(0)
+    block = pid % num_blocks
+    head = (pid // num_blocks) % heads
+    rank = pid // (num_blocks * heads)
+    if RANK_USERS:
+        user = _ranked_user(rank, users_ptr, kv_len_ptr, num_users, num_queries, seq_len, HAS_SELF, HAS_KV_LEN, 64)
+    else:
+        user = rank
+    kv_len = _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN)
+    start_n = block * BLOCK_N
+    keys = start_n + tl.arange(0, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    if start_n < kv_len:
+        kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
+        kv_row = (kv_offset // stride_kl).to(tl.int32) + start_n
+        kv_col = (kv_offset % stride_kl).to(tl.int32)
+        k = k_desc.load([kv_row, kv_col])  # [BLOCK_N, D]
+        v = v_desc.load([kv_row, kv_col])
+        first = tl.load(users_ptr + 2 * user)
+        row_end = tl.load(users_ptr + 2 * user + 1) * num_queries
+        if start_n + BLOCK_N <= kv_len:
+            dk, dv = _dkdv_target_rows(
+                dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, order_ptr, first,
+                row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, False, NUM_STAGES,
+            )
+        else:
+            dk, dv = _dkdv_target_rows(
+                dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, order_ptr, first,
+                row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, True, NUM_STAGES,
+            )
+        if HAS_SELF:
+            if CAUSAL:  # rows before the block see none of its keys; the first BLOCK_N rows from it, some
+                diag_end = tl.minimum(start_n + tl.cdiv(BLOCK_N, BLOCK_M) * BLOCK_M, kv_len)
+                dk, dv = _dkdv_self_rows(
+                    dk, dv, k, v, uq_ptr, stride_uqu, stride_uqh, stride_uql, udo_ptr, ulse_ptr, udelta_ptr, user,
+                    head, heads, seq_len, start_n, diag_end, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, True, True,
+                    NUM_STAGES,
+                )
+                lo = diag_end
+            else:
+                lo = 0
+            if start_n + BLOCK_N <= kv_len:
+                dk, dv = _dkdv_self_rows(
+                    dk, dv, k, v, uq_ptr, stride_uqu, stride_uqh, stride_uql, udo_ptr, ulse_ptr, udelta_ptr, user,
+                    head, heads, seq_len, lo, kv_len, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, False, False,
+                    NUM_STAGES,
+                )
+            else:
+                dk, dv = _dkdv_self_rows(
+                    dk, dv, k, v, uq_ptr, stride_uqu, stride_uqh, stride_uql, udo_ptr, ulse_ptr, udelta_ptr, user,
+                    head, heads, seq_len, lo, kv_len, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, True, False,
+                    NUM_STAGES,
+                )
+    offs_d = tl.arange(0, HEAD_DIM)
+    at = ((user.to(tl.int64) * heads + head) * seq_len + keys)[:, None] * HEAD_DIM + offs_d[None, :]
+    key_ok = (keys < seq_len)[:, None]
+    tl.store(dk_ptr + at, (dk * scale).to(dk_ptr.dtype.element_ty), mask=key_ok)
+    tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=key_ok)
 # fmt: on
 
 
@@ -406,7 +779,7 @@ def _key_mask(kv_len, seq_len):
 def _target_attention_torch(q, k, v, cand_to_user, kv_len, scale):
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if num_candidates == 0:
         return out
     order, counts, _ = group_by_user(cand_to_user, num_users)
@@ -436,6 +809,64 @@ def _self_attention_torch(user_q, k, v, kv_len, causal, scale):
     out = F.scaled_dot_product_attention(user_q, k, v, attn_mask=mask, scale=scale)
     valid_rows = torch.arange(seq_len, device=k.device) < kv_len[:, None]  # [U, L]
     return out.masked_fill(~valid_rows[:, None, :, None], 0.0)
+
+
+def _softmax_grads(q, k, v, grad_out, scale, mask=None):
+    """Gradients of softmax(scale·q·kᵀ)·v in fp32 (fp64 for fp64 inputs): q [..., M, d], k/v [..., N, d], grad_out
+    [..., M, d], mask [..., M, N] bool or None; a row without a valid key has output 0 and gradient 0.
+    → (dq, dk, dv) in the compute dtype."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, grad_out = (t.to(compute) for t in (q, k, v, grad_out))
+    scores = scale * q @ k.transpose(-1, -2)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        p = p.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # no valid key: NaN → 0
+    dp = grad_out @ v.transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))  # Σ_j p·dp = Σ_d dO·O
+    return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ grad_out
+
+
+def _target_attention_torch_backward(grad_out, q, k, v, cand_to_user, kv_len, scale):
+    """(dq, dk, dv) of `_target_attention_torch`: per user, its candidates' queries as one block against its valid
+    keys (one K/V read), so dK[u] and dV[u] come out summed over the user's candidates; nothing at B rows but q's."""
+    num_candidates, heads, num_queries, head_dim = q.shape
+    num_users = k.shape[0]
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if num_candidates == 0:
+        return dq, dk, dv
+    order, counts, _ = group_by_user(cand_to_user, num_users)
+    lengths = kv_len.tolist()
+    start = 0
+    for user, count in enumerate(counts.tolist()):
+        rows = order[start : start + count]
+        start += count
+        keys = lengths[user]
+        if count == 0 or keys == 0:
+            continue
+        # [H, count·S, d], as the forward's query block
+        block, grad = (t[rows].permute(1, 0, 2, 3).reshape(heads, count * num_queries, head_dim) for t in (q, grad_out))
+        block_dq, dk[user, :, :keys], dv[user, :, :keys] = _softmax_grads(
+            block, k[user, :, :keys], v[user, :, :keys], grad, scale
+        )
+        dq[rows] = block_dq.reshape(heads, count, num_queries, head_dim).permute(1, 0, 2, 3).to(dq.dtype)
+    return dq, dk, dv
+
+
+def _self_attention_torch_backward(grad_user_out, user_q, k, v, kv_len, causal, scale):
+    """(duser_q, dk, dv) of `_self_attention_torch`, all users at once at U rows; rows past kv_len (zeros in the
+    forward) get no gradient."""
+    seq_len = k.shape[2]
+    positions = torch.arange(seq_len, device=k.device)
+    valid = positions < kv_len[:, None]  # [U, L]
+    mask = (valid[:, :, None] & valid[:, None, :])[:, None]  # [U, 1, L, L]: row and key within the history
+    if causal:
+        mask = mask & (positions[None, :] <= positions[:, None])
+    duq, dk, dv = _softmax_grads(user_q, k, v, grad_user_out, scale, mask)
+    return duq.to(user_q.dtype), dk, dv
 
 
 def _choose_backend(backend, k) -> str:
@@ -486,6 +917,19 @@ def _kv_views(k, v, block_n):
     return descs[0], descs[1], strides
 
 
+def lse_size(q_shape, k_shape, with_self: bool) -> int:
+    """Elements of the forward's log-sum-exp buffer: B·H·S candidate rows, then U·H·L user rows with self-attention."""
+    return math.prod(q_shape[:3]) + (math.prod(k_shape[:3]) if with_self else 0)
+
+
+def split_lse(lse, q_shape, k_shape, with_self: bool):
+    """The forward's flat log-sum-exp buffer (or the backward's Δ buffer, laid out alike) → (candidate rows [B, H, S],
+    user rows [U, H, L] or None)."""
+    cand_rows = math.prod(q_shape[:3])
+    user = lse[cand_rows:].view(k_shape[:3]) if with_self else None
+    return lse[:cand_rows].view(q_shape[:3]), user
+
+
 def plan_buffers(num_candidates: int, max_tiles: int, device):
     """(flag [1], order [B], tiles [max_tiles, 4]) int32 views of one allocation, each starting on a
     16-byte boundary for any B: Triton specializes pointers on 16-byte alignment, so parts whose
@@ -500,18 +944,20 @@ def plan_buffers(num_candidates: int, max_tiles: int, device):
     return buf[:1], buf[order_at : order_at + num_candidates], buf[tiles_at:].view(max_tiles, 4)
 
 
-def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int, kv_len=None, seq_len: int = 0):
+def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int, kv_len=None, seq_len: int = 0, users=None):
     """Run `_plan_kernel` → (order [B] int32, tiles [max_tiles, 4] int32, max_tiles, flag [1] int32),
     with max_tiles = B·S // BLOCK_M + U, known without a device→host sync. flag is 1 when a
-    mapping value lies outside [0, U) or a kv_len value outside [0, L]."""
+    mapping value lies outside [0, U) or a kv_len value outside [0, L]. With `users` ([U, 2] int32) each
+    user's (first candidate slot in `order`, candidate count) is written there too (the backward's table)."""
     num_candidates = cand_to_user.shape[0]
     max_tiles = num_candidates * num_queries // block_m + num_users
     flag, order, tiles = plan_buffers(num_candidates, max_tiles, cand_to_user.device)
     _plan_kernel[(num_users,)](
         cand_to_user, cand_to_user if kv_len is None else kv_len, order, tiles, flag,
+        flag if users is None else users,
         num_candidates, num_users, seq_len, num_queries,
         HAS_KV_LEN=kv_len is not None, BLOCK_M=block_m, CHUNK=64 if interpreting() else 1024,
-        num_warps=4,
+        HAS_USERS=users is not None, num_warps=4,
     )  # fmt: skip
     return order, tiles, max_tiles, flag
 
@@ -519,13 +965,15 @@ def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int, kv_
 # fmt: off
 def _launch(
     q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None, out=None, user_out=None, plan=None,
-    on_plan=None,
+    on_plan=None, lse=None,
 ):
     """Triton path. q [B, H, S, d] (B may be 0), k/v [U, H, L, d] (U ≥ 1), kv_len [U] int32/int64 or
     None; with user_q [U, H, L, d] the self-attention tiles run in the same grid. `out` / `user_out`
     may be given (the tests poison them), and `plan` (from `plan_tiles` with the same BLOCK_M) when
     one batch's grouping serves several calls; `on_plan(flag)` is called between the two launches.
-    Nothing here waits for the device.
+    With `lse` (fp32, `lse_size` elements) the rows' log-sum-exp for the backward goes there: the candidate rows
+    [B, H, S] first, then the user rows [U, H, L] (`split_lse`); the Gluon kernel writes it where it runs, into
+    contiguous outputs. Nothing here waits for the device.
     Returns (out, user_out or None, flag): flag [1] int32 is 1 when an index value was out of range."""
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
@@ -552,7 +1000,7 @@ def _launch(
         if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
             out, flag = launch_ws(
                 q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan, user_q=user_q, user_out=user_out,
-                causal=causal,
+                causal=causal, lse=lse,
             )
             return out, user_out, flag
     if config == WS_CHOICE:
@@ -567,6 +1015,8 @@ def _launch(
         on_plan(flag)
     if heads * seq_len == 0 or (num_candidates == 0 and user_q is None):
         out.zero_()
+        if lse is not None:
+            lse.fill_(float("inf"))
         return out, None if user_out is None else user_out.zero_(), flag
     q = q if q.stride(-1) == 1 else q.contiguous()  # queries are gathered by rows: any other stride
     if user_q is not None and user_q.stride(-1) != 1:
@@ -577,17 +1027,19 @@ def _launch(
     num_tiles = num_self_tiles + num_target_tiles
     grid = (num_tiles, heads)
     uq, uo = (q, out) if user_q is None else (user_q, user_out)
+    cand_lse, user_lse = (out, out) if lse is None else split_lse(lse, q.shape, k.shape, user_q is not None)
     _attention_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
         uq, uq.stride(0), uq.stride(1), uq.stride(2),
         uo, uo.stride(0), uo.stride(1), uo.stride(2),
+        cand_lse, cand_lse if user_lse is None else user_lse,
         k_desc, v_desc, stride_ku, stride_kh, stride_kl,
         order if kv_len is None else kv_len, order, tiles,
         num_users, seq_len, num_queries,
         num_self_tiles, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HAS_SELF=user_q is not None, CAUSAL=causal, HAS_KV_LEN=kv_len is not None,
+        HAS_SELF=user_q is not None, CAUSAL=causal, HAS_KV_LEN=kv_len is not None, WRITE_LSE=lse is not None,
         NUM_STAGES=config.num_stages, WARP_SPECIALIZE=config.warp_specialize,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
     )  # fmt: skip
@@ -595,28 +1047,299 @@ def _launch(
 # fmt: on
 
 
-def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):
-    # The checks that need no values (no device→host sync) before the launch; the value checks only when the plan
-    # kernel flagged a value out of range, so a call waits for the device once.
-    check_mapping_shape(cand_to_user, q.shape[0], k.device)
-    if kv_len is not None:
-        check_kv_len_shape(kv_len, k.shape[0], k.device)
-    if k.shape[0] == 0:  # no users, so no candidates either (checked above)
-        return torch.zeros_like(q), None if user_q is None else torch.zeros_like(user_q)
-    # The one wait for the device (for the plan's flag), then the checks that name the bad value.
-    # Not while a CUDA graph is being captured (no wait is allowed there): values are then the
-    # caller's to check; the kernels still read nothing out of bounds (bad rows are left unwritten,
-    # kv_len is clamped).
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    # The flag's copy is enqueued right after the plan kernel, before the attention kernel: waiting for it
-    # waits for the plan, so the op returns while the attention kernel runs.
+def pick_backward_configs(rows_per_user: float, interpret: bool) -> tuple[TileConfig, TileConfig]:
+    """(dQ kernel tiles: BLOCK_M query rows × BLOCK_N keys a step, the forward's tiles with three products a step
+    instead of two, so no register cap; dK/dV kernel tiles: BLOCK_M query rows a step × BLOCK_N keys a program,
+    whose fp32 dK and dV [BLOCK_N, d] stay in registers for the whole walk)."""
+    if interpret:
+        return TileConfig(16, 16, num_warps=4, num_stages=1), TileConfig(16, 32, num_warps=4, num_stages=1)
+    if rows_per_user <= 64:
+        dq = TileConfig(64, 64, num_warps=4, num_stages=2)
+    else:
+        dq = TileConfig(128, 64, num_warps=8, num_stages=2)
+    return dq, TileConfig(64, 128, num_warps=8, num_stages=2)
+
+
+RANKED_USERS = 64  # up to this many users, the dK/dV programs of the users with the most query rows start first
+
+
+# fmt: off
+def _launch_backward(
+    grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, user_q=None, grad_user_out=None, user_out=None,
+    causal=True, grads=None, config=None,
+):
+    """Triton backward of `_launch`'s attention: out, lse from its forward (lse: `lse_size` fp32 elements), grad_out
+    (and with user_q, grad_user_out) the gradients of its outputs. Three launches: the plan (with each user's
+    candidate range), `_attention_bwd_dq_kernel` (Δ = rowsum(dO ∘ O) and dQ, over the forward's tiles) and
+    `_attention_bwd_dkdv_kernel` (dK, dV, each user's K/V blocks walking its query rows). `grads` (dq, dk, dv, duq)
+    may be given, contiguous (the tests poison them); `config` (dQ tiles, dK/dV tiles) overrides
+    `pick_backward_configs`. Nothing here waits for the device; bad index values read and write nothing out of
+    bounds (their rows of dq are left unwritten). Returns (dq, dk, dv, duq or None)."""
+    num_candidates, heads, num_queries, head_dim = q.shape
+    num_users, _, seq_len, _ = k.shape
+    with_self = user_q is not None
+    if grads is None:
+        grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        grads.append(torch.empty(user_q.shape, dtype=q.dtype, device=q.device) if with_self else None)
+    dq, dk, dv, duq = grads
+    if num_users * heads * seq_len == 0 or (num_candidates == 0 and not with_self):
+        return dq.zero_(), dk.zero_(), dv.zero_(), None if duq is None else duq.zero_()
+    rows_per_user = num_candidates * num_queries / num_users + (seq_len if with_self else 0)
+    dq_cfg, kv_cfg = config or pick_backward_configs(rows_per_user, interpreting())
+    users = torch.empty(num_users, 2, dtype=torch.int32, device=q.device)
+    order, tiles, max_tiles, _ = plan_tiles(cand_to_user, num_users, num_queries, dq_cfg.block_m, kv_len, seq_len, users)
+    delta = torch.empty_like(lse)
+    cand_lse, user_lse = split_lse(lse, q.shape, k.shape, with_self)
+    cand_delta, user_delta = split_lse(delta, q.shape, k.shape, with_self)
+    q = q if q.stride(-1) == 1 else q.contiguous()  # gathered by rows: any other stride
+    grad_out, out = grad_out.contiguous(), out.contiguous()  # rows of [B·H·S, d], as dq and lse
+    if with_self:
+        user_q = user_q if user_q.stride(-1) == 1 else user_q.contiguous()
+        grad_user_out, user_out = grad_user_out.contiguous(), user_out.contiguous()
+    else:  # the self arguments stand for themselves, unused
+        user_q, grad_user_out, user_out, duq, user_lse, user_delta = q, grad_out, out, dq, cand_lse, cand_delta
+    kv_len_arg = order if kv_len is None else kv_len
+    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_views(k, v, dq_cfg.block_n)
+    num_self_tiles = num_users * triton.cdiv(seq_len, dq_cfg.block_m) if with_self else 0
+    num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
+    qk_scale = scale * LOG2E
+    _attention_bwd_dq_kernel[(num_self_tiles + num_target_tiles, heads)](
+        q, q.stride(0), q.stride(1), q.stride(2), out, grad_out, dq, cand_lse, cand_delta,
+        user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), user_out, grad_user_out, duq, user_lse,
+        user_delta, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_arg, order, tiles,
+        num_users, seq_len, num_queries, num_self_tiles, qk_scale, scale,
+        HEAD_DIM=head_dim, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, HAS_SELF=with_self, CAUSAL=causal,
+        HAS_KV_LEN=kv_len is not None, NUM_STAGES=dq_cfg.num_stages, num_warps=dq_cfg.num_warps,
+        maxnreg=dq_cfg.maxnreg,
+    )
+    if kv_cfg.block_n != dq_cfg.block_n:
+        k_desc, v_desc, _ = _kv_views(k, v, kv_cfg.block_n)
+    _attention_bwd_dkdv_kernel[(num_users * heads * triton.cdiv(seq_len, kv_cfg.block_n),)](
+        q, q.stride(0), q.stride(1), q.stride(2), grad_out, cand_lse, cand_delta,
+        user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), grad_user_out, user_lse, user_delta,
+        k_desc, v_desc, stride_ku, stride_kh, stride_kl, dk, dv, kv_len_arg, order, users,
+        num_users, heads, seq_len, num_queries, qk_scale, scale,
+        HEAD_DIM=head_dim, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, HAS_SELF=with_self, CAUSAL=causal,
+        HAS_KV_LEN=kv_len is not None, RANK_USERS=num_users <= RANKED_USERS, NUM_STAGES=kv_cfg.num_stages,
+        num_warps=kv_cfg.num_warps, maxnreg=kv_cfg.maxnreg,
+    )
+    return dq, dk, dv, duq if with_self else None
+# fmt: on
+
+
+def _check_index_values(cand_to_user, kv_len, num_candidates, num_users, seq_len, device, flag_values) -> None:
+    """The ValueError naming cand_to_user or kv_len and the bad value, when the plan's flag (`flag_values`) is up."""
+    if flag_values[0]:
+        check_mapping(cand_to_user, num_candidates, num_users, device)
+        check_kv_len(kv_len, num_users, seq_len, device)
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, with_lse=False):
+    """The Triton path of the forward ops → (out, user_out or None, lse: `lse_size` fp32 elements with_lse, else
+    [0]). No wait for the device: on CUDA the plan's range flag goes to the host behind the plan kernel and its
+    check (the ValueError naming the bad value) is deferred (kernels._common.DEFERRED: raised by a later IKBO
+    call, `check_deferred()`, or at once in strict mode). Not while a CUDA graph is being captured: values are
+    then the caller's to check; the kernels still read nothing out of bounds (bad rows are left unwritten,
+    kv_len is clamped). Under the interpreter (CPU tensors) the check is synchronous."""
+    num_candidates, num_users, seq_len, device = q.shape[0], k.shape[0], k.shape[2], k.device
+    lse = torch.empty(lse_size(q.shape, k.shape, user_q is not None) if with_lse else 0, dtype=torch.float32,
+                      device=device)  # fmt: skip
+    if num_users == 0:  # no users: every candidate's mapping value is out of range
+        check_mapping(cand_to_user, num_candidates, num_users, device)
+        return torch.zeros_like(q), None if user_q is None else torch.zeros_like(user_q), lse
+    capturing = _capturing(device)
     readback = []
-    on_plan = (lambda flag: readback.append(HostReadback(flag))) if q.is_cuda and not capturing else None
-    out, user_out, flag = _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, on_plan=on_plan)
-    if not capturing and (readback[0].values()[0] if readback else flag.item()):
-        check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
-        check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
-    return out, user_out
+    on_plan = (lambda flag: readback.append(HostReadback(flag))) if device.type == "cuda" and not capturing else None
+    out, user_out, flag = _launch(
+        q, k, v, cand_to_user, kv_len, scale, user_q, causal, on_plan=on_plan, lse=lse if with_lse else None
+    )
+    check = partial(_check_index_values, cand_to_user, kv_len, num_candidates, num_users, seq_len, device)
+    if readback:
+        DEFERRED.defer(readback[0], check)
+    elif not capturing:
+        check(flag.tolist())
+    return out, user_out, lse
+
+
+def _forward(q, k, v, cand_to_user, kv_len, scale, backend, with_lse, user_q=None, causal=True):
+    """Both forward ops: (out, user_out or None, lse; [0] on the torch path, whose backward needs none)."""
+    if not _capturing(k.device):
+        poll_deferred()
+    if backend == "triton":
+        return _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q, causal, with_lse)
+    check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
+    kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
+    out = _target_attention_torch(q, k, v, cand_to_user, kv_len, scale)
+    user_out = None if user_q is None else _self_attention_torch(user_q, k, v, kv_len, causal, scale).contiguous()
+    return out, user_out, q.new_empty(0, dtype=torch.float32)
+
+
+def _backward(grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, backend, user_q=None, grad_user_out=None,
+              user_out=None, causal=True):  # fmt: skip
+    """Both backward ops → (dq, dk, dv, duser_q or None), fresh tensors; dK and dV sum the target and self terms."""
+    if not _capturing(k.device):
+        poll_deferred()
+    if backend == "triton":
+        if lse.numel() == 0 and q.shape[0] * q.shape[2] + (0 if user_q is None else 1):  # a forward without lse
+            lse = torch.empty(lse_size(q.shape, k.shape, user_q is not None), dtype=torch.float32, device=k.device)
+            _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, lse=lse)
+        return _launch_backward(
+            grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, user_q, grad_user_out, user_out, causal
+        )
+    kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
+    dq, dk, dv = _target_attention_torch_backward(grad_out, q, k, v, cand_to_user, kv_len, scale)
+    if user_q is None:
+        return dq, dk, dv, None
+    duq, self_dk, self_dv = _self_attention_torch_backward(grad_user_out, user_q, k, v, kv_len, causal, scale)
+    return dq, (dk + self_dk).to(k.dtype), (dv + self_dv).to(v.dtype), duq
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops: torch.compile, torch.export and autograd see each op whole
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("ikbo::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cand_to_user: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    scale: float,
+    backend: str,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, S, d], lse): target attention on `backend` ("torch" or "triton"); lse (the backward's softmax
+    statistics) only where with_lse and the backend is Triton, else [0]."""
+    out, _, lse = _forward(q, k, v, cand_to_user, kv_len, scale, backend, with_lse)
+    return out, lse
+
+
+@_attention_op.register_fake
+def _(q, k, v, cand_to_user, kv_len, scale, backend, with_lse):
+    rows = lse_size(q.shape, k.shape, False) if with_lse and backend == "triton" else 0
+    return q.new_empty(q.shape), q.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("ikbo::attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cand_to_user: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `ikbo::attention`: dK[u], dV[u] summed over user u's candidates, K/V never at B rows."""
+    return _backward(grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, backend)[:3]
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, cand_to_user, kv_len, scale, backend, _ = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, cand_to_user, kv_len, out, lse)
+    ctx.scale, ctx.backend = scale, backend
+
+
+def _attention_grad(ctx, grad_out, _grad_lse):
+    q, k, v, cand_to_user, kv_len, out, lse = ctx.saved_tensors
+    grads = torch.ops.ikbo.attention_backward(grad_out, q, k, v, out, lse, cand_to_user, kv_len, ctx.scale, ctx.backend)
+    return *grads, None, None, None, None, None
+
+
+_attention_op.register_autograd(_attention_grad, setup_context=_attention_setup_context)
+
+
+@torch.library.custom_op("ikbo::self_target_attention", mutates_args=())
+def _self_target_attention_op(
+    user_q: torch.Tensor,
+    cand_q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cand_to_user: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(user_out [U, H, L, d], cand_out [B, H, S, d], lse): self + target attention over the same K/V; lse (candidate
+    rows, then user rows) only where with_lse and the backend is Triton, else [0]."""
+    cand_out, user_out, lse = _forward(cand_q, k, v, cand_to_user, kv_len, scale, backend, with_lse, user_q, causal)
+    return user_out, cand_out, lse
+
+
+@_self_target_attention_op.register_fake
+def _(user_q, cand_q, k, v, cand_to_user, kv_len, causal, scale, backend, with_lse):
+    rows = lse_size(cand_q.shape, k.shape, True) if with_lse and backend == "triton" else 0
+    return user_q.new_empty(user_q.shape), cand_q.new_empty(cand_q.shape), k.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("ikbo::self_target_attention_backward", mutates_args=())
+def _self_target_attention_backward_op(
+    grad_user_out: torch.Tensor,
+    grad_cand_out: torch.Tensor,
+    user_q: torch.Tensor,
+    cand_q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    user_out: torch.Tensor,
+    cand_out: torch.Tensor,
+    lse: torch.Tensor,
+    cand_to_user: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(duser_q, dcand_q, dk, dv) of `ikbo::self_target_attention`: one backward, dK and dV summing the causal self
+    and the target contributions."""
+    dcand_q, dk, dv, duser_q = _backward(
+        grad_cand_out, cand_q, k, v, cand_out, lse, cand_to_user, kv_len, scale, backend, user_q, grad_user_out,
+        user_out, causal,
+    )  # fmt: skip
+    return duser_q, dcand_q, dk, dv
+
+
+@_self_target_attention_backward_op.register_fake
+def _(grad_user_out, grad_cand_out, user_q, cand_q, k, v, user_out, cand_out, lse, cand_to_user, kv_len, causal, scale,
+      backend):  # fmt: skip
+    return user_q.new_empty(user_q.shape), cand_q.new_empty(cand_q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _self_target_setup_context(ctx, inputs, output):
+    user_q, cand_q, k, v, cand_to_user, kv_len, causal, scale, backend, _ = inputs
+    user_out, cand_out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(user_q, cand_q, k, v, cand_to_user, kv_len, user_out, cand_out, lse)
+    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+
+
+def _self_target_grad(ctx, grad_user_out, grad_cand_out, _grad_lse):
+    user_q, cand_q, k, v, cand_to_user, kv_len, user_out, cand_out, lse = ctx.saved_tensors
+    grads = torch.ops.ikbo.self_target_attention_backward(
+        grad_user_out, grad_cand_out, user_q, cand_q, k, v, user_out, cand_out, lse, cand_to_user, kv_len, ctx.causal,
+        ctx.scale, ctx.backend,
+    )  # fmt: skip
+    return *grads, None, None, None, None, None, None
+
+
+_self_target_attention_op.register_autograd(_self_target_grad, setup_context=_self_target_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -624,35 +1347,42 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True):
 # ---------------------------------------------------------------------------------------------
 
 
+def _keeps_lse(*inputs) -> bool:
+    """Whether autograd will ask for the backward: then the forward keeps the softmax statistics it needs."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+
 def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str = "auto") -> torch.Tensor:
-    """Target attention of candidate queries over their user's K/V → [B, H, S, d] (see module doc)."""
+    """Target attention of candidate queries over their user's K/V → [B, H, S, d] (see module doc); differentiable
+    in q, k and v (`ikbo::attention`). Checks here read no device values (torch.compile traces this function); the
+    index values are checked inside the op."""
     _check_kv(k, v)
     _check_queries("q", q, k)
+    check_mapping_shape(cand_to_user, q.shape[0], k.device)
+    if kv_len is not None:
+        check_kv_len_shape(kv_len, k.shape[0], k.device)
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
-    if chosen == "triton":
-        return _triton_op(q, k, v, cand_to_user, kv_len, scale)[0]
-    check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
-    kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
-    return _target_attention_torch(q, k, v, cand_to_user, kv_len, scale)
+    return torch.ops.ikbo.attention(q, k, v, cand_to_user, kv_len, scale, chosen, _keeps_lse(q, k, v))[0]
 
 
 def ikbo_self_target_attention(
     user_q, cand_q, k, v, cand_to_user, kv_len=None, causal=True, scale=None, backend: str = "auto"
 ):
     """(user_out [U, H, L, d], cand_out [B, H, S, d]): self-attention of each user's sequence and
-    target attention of its candidates, both over the same k/v [U, H, L, d] (see module doc)."""
+    target attention of its candidates, both over the same k/v [U, H, L, d] (see module doc); differentiable in
+    user_q, cand_q, k and v (`ikbo::self_target_attention`), one backward for both parts."""
     _check_kv(k, v)
     _check_queries("user_q", user_q, k, "L (dim 2 of k)", k.shape[2])
     check_same("user_q", user_q.shape[0], "U (rows of k)", k.shape[0])
     _check_queries("cand_q", cand_q, k)
+    check_mapping_shape(cand_to_user, cand_q.shape[0], k.device)
+    if kv_len is not None:
+        check_kv_len_shape(kv_len, k.shape[0], k.device)
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
-    if chosen == "triton":
-        cand_out, user_out = _triton_op(cand_q, k, v, cand_to_user, kv_len, scale, user_q, causal)
-        return user_out, cand_out
-    check_mapping(cand_to_user, cand_q.shape[0], k.shape[0], k.device)
-    kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
-    user_out = _self_attention_torch(user_q, k, v, kv_len, causal, scale)
-    cand_out = _target_attention_torch(cand_q, k, v, cand_to_user, kv_len, scale)
+    keeps_lse = _keeps_lse(user_q, cand_q, k, v)
+    user_out, cand_out, _ = torch.ops.ikbo.self_target_attention(
+        user_q, cand_q, k, v, cand_to_user, kv_len, bool(causal), scale, chosen, keeps_lse
+    )
     return user_out, cand_out

@@ -688,8 +688,8 @@ def _read_info(item_info, q_ready, i, WG: gl.constexpr):
 @gluon.jit
 def _consumer(
     out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-    qk_scale, o_desc, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
-    ROWS_TMA: gl.constexpr, uo_desc=None,
+    qk_scale, o_desc, lse_ptr, uo_delta, ulse_offset, STAGES: gl.constexpr, WG: gl.constexpr, HAS_SELF: gl.constexpr,
+    CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr, WRITE_LSE: gl.constexpr, uo_desc=None,
 ):
     """One warpgroup: rows [64·WG, 64·WG + 64) of each item the producer hands over (q rows, output-row
     offsets and info in q slot i % 2), each from block 0 (q·k_0ᵀ alone) to its last P·V (alone) and its
@@ -721,6 +721,7 @@ def _consumer(
         q_smem = q_bufs.index(2 * WG + qs)
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
         l_i = gl.full([64], 1.0, gl.float32, s_rows)
+        m_i = gl.full([64], float("-inf"), gl.float32, s_rows)
         if num_blocks > 0:
             # block 0: q·k_0ᵀ alone
             slot = it % STAGES
@@ -771,6 +772,10 @@ def _consumer(
         if HAS_SELF:  # self rows past the user's history are zeros
             rows_here = r0 + 64 * WG + gl.arange(0, 64, layout=o_rows)
             out = gl.where(((r0 < 0) | (rows_here < kv_len))[:, None], out, 0.0)
+        if WRITE_LSE:  # before the row offsets' slot goes back to the producer
+            _store_lse(
+                m_i, l_i, num_blocks, kv_len, r0, lse_ptr, uo_delta, ulse_offset, row_bufs, qs, HEAD_DIM, WG, HAS_SELF
+            )
         if ROWS_TMA:
             if HAS_SELF:  # a self tile's rows go to user_out
                 if r0 >= 0:
@@ -786,6 +791,32 @@ def _consumer(
         kv_len, hi, r0 = _read_info(item_info, q_ready, i, WG)
     if ROWS_TMA:
         tma.store_wait(0)  # the last item's store has read its q slot
+# fmt: on
+
+
+# fmt: off
+@gluon.jit
+def _store_lse(
+    m_i, l_i, num_blocks, kv_len, r0, lse_ptr, uo_delta, ulse_offset, row_bufs, qs, HEAD_DIM: gl.constexpr,
+    WG: gl.constexpr, HAS_SELF: gl.constexpr,
+):
+    """WRITE_LSE: warpgroup WG's rows' log-sum-exp (base 2, m + log2 l: the backward's softmax statistics) into
+    lse at the row of each output-row offset (out and user_out contiguous): a candidate row's offset / d, a self
+    row's (offset − uo_delta) / d + ulse_offset; +inf for an item without keys and self rows past kv_len."""
+    rows: gl.constexpr = m_i.type.layout
+    if qs == 0:
+        offsets = row_bufs.slice(128 + 64 * WG, 64).load(rows)
+    else:
+        offsets = row_bufs.slice(256 + 128 + 64 * WG, 64).load(rows)
+    lse = gl.where(l_i > 0, m_i + gl.log2(l_i), float("inf"))
+    lse = gl.where(num_blocks > 0, lse, float("inf"))
+    if HAS_SELF:
+        own = r0 + 64 * WG + gl.arange(0, 64, layout=rows)
+        lse = gl.where((r0 < 0) | (own < kv_len), lse, float("inf"))
+        at = gl.where(r0 >= 0, (offsets - uo_delta) // HEAD_DIM + ulse_offset, offsets // HEAD_DIM)
+        gl.store(lse_ptr + at, lse, mask=offsets != NO_ROW)
+    else:
+        gl.store(lse_ptr + offsets // HEAD_DIM, lse, mask=offsets >= 0)
 # fmt: on
 
 
@@ -836,7 +867,9 @@ def _store_rows_tma(out, o_desc, q_smem, row_bufs, qs, WG: gl.constexpr):
 
 # any U, B (and any addresses of user_q / user_out): one compiled kernel
 # fmt: off
-@gluon.jit(do_not_specialize=["num_items", "num_tiles", "num_users", "num_self_tiles", "uq_delta", "uo_delta"])
+@gluon.jit(
+    do_not_specialize=["num_items", "num_tiles", "num_users", "num_self_tiles", "uq_delta", "uo_delta", "ulse_offset"]
+)
 def _attention_ws_kernel(
     q_ptr,
     stride_qb,
@@ -867,8 +900,11 @@ def _attention_ws_kernel(
     o_desc,  # ROWS_TMA: 2-D [B·H·S, d] views of q and out, blocks [64, d] (else any descriptors)
     uq_desc,
     uo_desc,  # ROWS_TMA with HAS_SELF: 2-D [U·H·L, d] views of user_q and user_out (else any descriptors)
+    lse_ptr,  # WRITE_LSE: fp32 out, a candidate row's log-sum-exp (base 2) at its row of [B·H·S, d] (out contiguous)
+    ulse_offset,  # and a user row's at ulse_offset + its row of [U·H·L, d] (user_out contiguous)
     HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, ROWS_TMA: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
 ):
     """Persistent: each program runs the work items the producer takes (see module doc)."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
@@ -911,14 +947,16 @@ def _attention_ws_kernel(
                     _consumer,
                     (
                         out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                        k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA, uo_desc,
+                        k_empty, v_empty, turns, qk_scale, o_desc, lse_ptr, uo_delta, ulse_offset, STAGES, WG0, HAS_SELF,
+                        CAUSAL, ROWS_TMA, WRITE_LSE, uo_desc,
                     ),
                 ),
                 (
                     _consumer,
                     (
                         out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                        k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA, uo_desc,
+                        k_empty, v_empty, turns, qk_scale, o_desc, lse_ptr, uo_delta, ulse_offset, STAGES, WG1, HAS_SELF,
+                        CAUSAL, ROWS_TMA, WRITE_LSE, uo_desc,
                     ),
                 ),
                 (
@@ -942,14 +980,16 @@ def _attention_ws_kernel(
                     _consumer,
                     (
                         out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                        k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG0, HAS_SELF, CAUSAL, ROWS_TMA,
+                        k_empty, v_empty, turns, qk_scale, o_desc, lse_ptr, uo_delta, ulse_offset, STAGES, WG0, HAS_SELF,
+                        CAUSAL, ROWS_TMA, WRITE_LSE,
                     ),
                 ),
                 (
                     _consumer,
                     (
                         out_ptr, k_bufs, v_bufs, q_bufs, row_bufs, item_info, q_ready, q_empty, k_ready, v_ready,
-                        k_empty, v_empty, turns, qk_scale, o_desc, STAGES, WG1, HAS_SELF, CAUSAL, ROWS_TMA,
+                        k_empty, v_empty, turns, qk_scale, o_desc, lse_ptr, uo_delta, ulse_offset, STAGES, WG1, HAS_SELF,
+                        CAUSAL, ROWS_TMA, WRITE_LSE,
                     ),
                 ),
                 (
@@ -1083,6 +1123,7 @@ def launch_ws(
     user_q=None,
     user_out=None,
     causal: bool = True,
+    lse=None,
 ):
     """Target attention through `_attention_ws_kernel` for inputs that passed ikbo_attention's checks
     and `ws_supported`. q [B, H, S, d], k/v [U, H, L, d] (U ≥ 1); `plan` from
@@ -1091,13 +1132,17 @@ def launch_ws(
     launches; `num_programs` overrides the persistent grid (tests). With user_q [U, H, L, d] (and
     user_out, written in place; where `self_target_ws_ok`) the user's own (causal) self-attention tiles
     run in the same launch over the same K/V, as `attention.ikbo_self_target_attention`. q or out rows
-    that are not 16-byte aligned go through aligned copies. Nothing here waits for the device.
+    that are not 16-byte aligned go through aligned copies. With `lse` (fp32, `attention.lse_size` elements; out
+    and user_out contiguous) the rows' log-sum-exp for the backward goes there, as `attention._launch` writes it.
+    Nothing here waits for the device.
     Returns (out, flag): flag [1] int32 is 1 when an index value was out of range."""
     cfg = config or DEFAULT_CONFIG
     if user_q is not None and user_out is None:
         raise ValueError("launch_ws: user_out [U, H, L, d] must be given with user_q (it is written in place)")
     if user_q is not None and not self_target_ws_ok(q, out if out is not None else q, user_q, user_out):
         raise ValueError("launch_ws: self tiles need candidates and 16-byte aligned rows of q, out, user_q, user_out")
+    if lse is not None and not all(t is None or t.is_contiguous() for t in (out, user_out)):
+        raise ValueError("launch_ws: lse is written at the rows of contiguous out and user_out")
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
@@ -1109,6 +1154,8 @@ def launch_ws(
     if heads * seq_len * num_candidates * num_queries == 0:
         if user_q is not None:
             user_out.zero_()
+        if lse is not None:
+            lse.fill_(float("inf"))
         return out.zero_(), flag
     if not _rows_aligned(q):
         q = q.clone(memory_format=torch.contiguous_format)
@@ -1133,11 +1180,12 @@ def launch_ws(
         (uq.data_ptr() - q.data_ptr()) // elem, uq.stride(0), uq.stride(1), uq.stride(2),
         (uo.data_ptr() - dest.data_ptr()) // elem, uo.stride(0), uo.stride(1), uo.stride(2),
         num_users, num_self_tiles, q_desc, o_desc, uq_desc, uo_desc,
+        flag if lse is None else lse, num_candidates * heads * num_queries,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,
         DYNAMIC=cfg.dynamic if cfg.dynamic is not None else user_q is not None or kv_len is not None,
-        ROWS_TMA=rows_tma,
+        ROWS_TMA=rows_tma, WRITE_LSE=lse is not None,
         num_warps=4, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dest is not out:

@@ -99,11 +99,12 @@ def install_standin_driver(multiprocessors: int = 132, capability: int = 90) -> 
 # fmt: off
 def compile_attention_ws(
     dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True, config=None,
-    capability: int = 90, has_self: bool = False, causal: bool = True, rows_tma: bool = True,
+    capability: int = 90, has_self: bool = False, causal: bool = True, rows_tma: bool = True, write_lse: bool = False,
 ):
     """Compile `attention_ws._attention_ws_kernel` with `config` (a WSAttentionConfig, default DEFAULT_CONFIG) for a
     CUDA target without a GPU; `rows_tma` as launch_ws takes it where `rows_by_tma` (and with self tiles
-    `self_rows_by_tma`) hold, else the gathered rows. Returns the CompiledKernel."""
+    `self_rows_by_tma`) hold, else the gathered rows; `write_lse`: the forward of a call that needs the backward.
+    Returns the CompiledKernel."""
     from . import attention_ws as ws
 
     cfg = config or ws.DEFAULT_CONFIG
@@ -135,6 +136,8 @@ def compile_attention_ws(
         stride_uol=k.stride(2),
         num_users=num_users,
         num_self_tiles=num_users * 8 if has_self else 0,
+        lse_ptr=torch.zeros(64, dtype=torch.float32),
+        ulse_offset=4 * heads * num_queries,
     )
     runtime_args["q_desc"], runtime_args["o_desc"] = ws._row_descriptors(q, q) if rows_tma else (k_desc, k_desc)
     runtime_args["uq_desc"], runtime_args["uo_desc"] = (
@@ -143,7 +146,7 @@ def compile_attention_ws(
     constexprs = dict(
         HAS_KV_LEN=has_kv_len, STAGES=cfg.stages, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=has_self, CAUSAL=causal, DYNAMIC=cfg.dynamic if cfg.dynamic is not None else has_self or has_kv_len,
-        ROWS_TMA=rows_tma,
+        ROWS_TMA=rows_tma, WRITE_LSE=write_lse,
     )
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
     return compile_gluon_without_gpu(ws._attention_ws_kernel, runtime_args, constexprs, options, capability)
@@ -159,11 +162,11 @@ def compile_linear_compress_ws(
     target without a GPU, with the runtime arguments of `_launch_kernel` (B, N, D, Kc as given). Returns the
     CompiledKernel."""
     from . import linear_compress_ws as ws
-    from .linear_compress import PackedLinearCompress
+    from .linear_compress import PackedWeights
 
     cfg = ws.ws_config(dim, torch.finfo(dtype).bits // 8, config)
     weight = torch.zeros(rows, triton.cdiv(num_cand_tokens, 8) * 8, dtype=dtype)
-    packed = PackedLinearCompress(weight, weight, None, weight, weight)
+    packed = PackedWeights(weight, weight, None, weight, weight)
     cand_emb = torch.zeros(2, num_cand_tokens, dim, dtype=dtype)
     out = torch.zeros(2, rows, dim, dtype=dtype)
     w_desc, x_desc, y_desc, out_desc = ws._descriptors(packed, cand_emb, out, out if has_user else None, cfg)
