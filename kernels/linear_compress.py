@@ -36,6 +36,18 @@ Y_u is kept in the output dtype. Activations whose rows are not 16-byte aligned 
 to masked pointer loads inside the same kernels. Ku = 0 skips the user GEMM; Kc = 0 leaves only
 the user term and the bias. fp16 / bf16 inputs use the tensor cores with fp32 accumulation; fp32
 inputs use tf32 (relative error near 3e-4); fp64 has no Triton path ("auto" takes torch for it).
+Autograd: `ikbo_linear_compress` and `PackedLinearCompress` check shapes, dtypes and devices on the host, then
+call the custom op `ikbo::linear_compress` (torch.library, with a fake implementation for torch.compile and
+torch.export); everything that reads device values or picks a kernel runs inside it. Its backward,
+`ikbo::linear_compress_backward`, reduces where the forward broadcasts. With g = dout [B, N, D]:
+    d_cand[b] = W_cᵀ g[b]                 the forward's batched shared-weight GEMM, weight W_cᵀ
+    dY_u[u] = Σ_{b: m[b]=u} g[b]          a device sort of the mapping + a segment sum: one pass over g
+    d_user[u] = W_uᵀ dY_u[u]              the same GEMM at U rows
+    dW_c = Σ_b g[b] cand_emb[b]ᵀ          a split-K GEMM over (b, d) into fp32 partials + their reduction
+    dW_u = Σ_u dY_u[u] user_emb[u]ᵀ       the same at U rows
+    d_bias = Σ_{u,d} dY_u[u, :, d]
+No tensor holds user data at B rows, forward or backward; the torch path sums with index_add. An eager CUDA call
+does not wait for the device: the mapping's range reaches the host later and is checked then (`DEFERRED`).
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), linear compression embedding; persistent
 TMA GEMM after Triton's `python/tutorials/09-persistent-matmul.py`. Design: docs/design/lce.md.
 """
@@ -51,12 +63,14 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
+    DEFERRED,
     HostReadback,
     add_user_rows,
     check_mapping,
     check_mapping_shape,
     check_same,
     check_tensor,
+    poll_deferred,
     resolve_backend,
     tma_ok,
 )
@@ -102,7 +116,7 @@ def _check_variant(variant) -> None:
         raise ValueError(f"variant: expected one of {VARIANTS + (WS_VARIANT,)}, got {variant!r}")
 
 
-# ----------------------------------------------------------------------------- kernels
+# ----------------------------------------------------------------------------- kernels: forward
 
 
 @triton.jit
@@ -367,11 +381,118 @@ def _lce_persistent_kernel(
 # fmt: on
 
 
-# ----------------------------------------------------------------------------- host side
+# ----------------------------------------------------------------------------- kernels: backward
+
+
+@triton.jit(do_not_specialize=["U", "B", "STEPS"])
+def _user_offsets_kernel(sorted_ptr, offsets_ptr, U, B, STEPS, BLOCK: tl.constexpr):
+    """offsets[u] = how many sorted mapping values lie below u, for 0 < u < U; offsets[0] = 0, offsets[U] = B. User
+    u's candidates sit at sorted positions [offsets[u], offsets[u + 1]); a value below 0 falls into user 0's range
+    and one ≥ U into user U - 1's (the forward's clamp). A binary search per user, STEPS ≥ log2(B + 1) halvings."""
+    u = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + B
+    for _ in tl.range(0, STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        below = tl.load(sorted_ptr + mid, mask=active, other=0) < u
+        lo = tl.where(active & below, mid + 1, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    offsets = tl.where(u == 0, 0, tl.where(u >= U, B, lo))
+    tl.store(offsets_ptr + u, offsets, mask=u <= U)
+
+
+@triton.jit
+def _user_grad_sum_kernel(g_ptr, order_ptr, offsets_ptr, sums_ptr, ND, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """sums[u, cols] = Σ g[order[i], cols] over i in [offsets[u], offsets[u + 1]), accumulated in fp32: the user
+    gradients dY_u in one pass over dout (g [B, N·D] and sums [U, N·D], contiguous). A program owns one user and
+    BLOCK columns and adds ROWS of its candidates a step, always in the same order (deterministic, no atomics); a
+    user without candidates gets zeros."""
+    u = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < ND
+    start = tl.load(offsets_ptr + u)
+    end = tl.load(offsets_ptr + u + 1)
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for i in tl.range(start, end, ROWS):
+        pos = i + tl.arange(0, ROWS)
+        row_mask = pos < end
+        rows = tl.load(order_ptr + pos, mask=row_mask, other=0).to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        acc += tl.load(g_ptr + rows[:, None] * ND + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    total = tl.sum(acc, axis=0).to(sums_ptr.dtype.element_ty)
+    tl.store(sums_ptr + u.to(tl.int64) * ND + cols, total, mask=col_mask)
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["G", "ROWS_PER_SPLIT"])
+def _lce_weight_grad_kernel(
+    a_ptr, a_desc, stride_ag, stride_am, stride_ad,  # A [G, M, D]: dout (dW_c) or the user gradients dY_u (dW_u)
+    x_ptr, x_desc, stride_xg, stride_xk, stride_xd,  # X [G, K, D]: cand_emb (dW_c) or user_emb (dW_u)
+    part_ptr,  # [splits, M, K] fp32, contiguous: one partial sum per split
+    G, M, K, D, ROWS_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    A_TMA: tl.constexpr, X_TMA: tl.constexpr,
+):
+    """part[s, off_m:, off_k:] = Σ over rows g of split s of A[g, off_m:, :] @ X[g, off_k:, :]ᵀ, in fp32: one
+    [BLOCK_M, BLOCK_N] tile of a weight gradient Σ_g A[g] X[g]ᵀ, whose reduction runs over (g, d). Split-K over g:
+    the output has few tiles (16 at N = 512, Kc = 500), so splits × tiles programs fill the SMs. The (g, d) steps
+    run as one flat loop, so loads pipeline across rows. Both operands are K-major (D contiguous): A tile
+    [BLOCK_M, BLOCK_D], X tile [BLOCK_N, BLOCK_D] used transposed. Programs of one split are numbered together
+    (tiles fastest), so they read the same rows of A and X from L2 at about the same time."""
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    num_tiles = num_m_tiles * tl.cdiv(K, BLOCK_N)
+    tile = tl.program_id(0) % num_tiles
+    split = tl.program_id(0) // num_tiles
+    off_m = (tile % num_m_tiles) * BLOCK_M
+    off_k = (tile // num_m_tiles) * BLOCK_N
+    first = split * ROWS_PER_SPLIT
+    steps_per_row = tl.cdiv(D, BLOCK_D)
+    num_steps = tl.minimum(G - first, ROWS_PER_SPLIT) * steps_per_row
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rk = off_k + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in tl.range(0, num_steps):
+        g = first + step // steps_per_row
+        d = (step % steps_per_row) * BLOCK_D
+        if A_TMA:
+            a = a_desc.load([g, off_m, d]).reshape(BLOCK_M, BLOCK_D)  # rows ≥ M and columns ≥ D: zero fill
+        else:
+            a_mask = (rm < M)[:, None] & (d + rd < D)[None, :]
+            a_offsets = g.to(tl.int64) * stride_ag + rm[:, None] * stride_am + (d + rd)[None, :] * stride_ad
+            a = tl.load(a_ptr + a_offsets, mask=a_mask, other=0.0)
+        if X_TMA:
+            x = x_desc.load([g, off_k, d]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            x_mask = (rk < K)[:, None] & (d + rd < D)[None, :]
+            x_offsets = g.to(tl.int64) * stride_xg + rk[:, None] * stride_xk + (d + rd)[None, :] * stride_xd
+            x = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
+        acc = tl.dot(a, x.T, acc)
+    part = part_ptr + split.to(tl.int64) * M * K
+    tl.store(part + rm[:, None] * K + rk[None, :], acc, mask=(rm < M)[:, None] & (rk < K)[None, :])
+# fmt: on
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, SPLITS, NUMEL, BLOCK: tl.constexpr):
+    """out[i] = Σ_s part[s, i] in fp32, cast to out's dtype: the split-K reduction of a weight gradient, in a fixed
+    order (deterministic). part [SPLITS, NUMEL] fp32, out [NUMEL], contiguous."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < NUMEL
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ptrs = part_ptr + offsets
+    for _ in tl.range(0, SPLITS):
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += NUMEL  # pointer arithmetic is 64-bit: no int32 overflow past 2³¹ elements
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- host side: forward
 
 
 def _pad_columns(weight: torch.Tensor, multiple: int) -> torch.Tensor:
-    """weight [N, K] → [N, K'] with K' = max(K, 1) rounded up to `multiple`; new columns are zeros."""
+    """weight [N, K] (any strides) → a contiguous [N, K'] copy with K' = max(K, 1) rounded up to `multiple`; new
+    columns are zeros."""
     cols = triton.cdiv(max(weight.shape[1], 1), multiple) * multiple
     padded = weight.new_zeros(weight.shape[0], cols)
     padded[:, : weight.shape[1]] = weight
@@ -420,14 +541,80 @@ def default_variant(num_users: int, num_candidates: int, ws_runs: bool = False) 
     return "fused"
 
 
+def _launch_first_fitting(key, configs: list, launch) -> None:
+    """Launch with the first of `configs` that fits (shared memory decides) and remember it under `key`; a
+    remembered config launches at once. `key` None remembers nothing (a config the caller fixed)."""
+    if key is not None and key in _CONFIG_CHOICE:
+        launch(_CONFIG_CHOICE[key])
+        return
+    for index, cfg in enumerate(configs):
+        try:
+            launch(cfg)
+        except triton.runtime.errors.OutOfResources:
+            if index == len(configs) - 1:
+                raise
+            continue
+        if key is not None:
+            _CONFIG_CHOICE[key] = cfg
+        return
+
+
+# fmt: off
+def _launch_tile(weight, w_desc, x, out, fused_user, bias, cfg: TileConfig) -> None:
+    """out[g] = weight @ x[g] (+ Y_u[m[g]] when `fused_user` = (Y_u, m)) (+ bias) through `_lce_tile_kernel`.
+    `w_desc`: a descriptor over the K-padded weight (x and out then move by TMA where they can), or None (pointer
+    loads of the unpadded weight). out [G, M, D] contiguous."""
+    tma = w_desc is not None
+    rows, dim, depth = out.shape[1], out.shape[2], x.shape[1]
+    x_desc = _activation_desc(x, cfg) if tma else None
+    out_desc = _out_desc(out, cfg) if tma and not cfg.warp_specialize else None  # WS splits the tile: pointer stores
+    user_part, mapping = fused_user if fused_user is not None else (None, None)
+    grid = (out.shape[0] * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_n),)
+    _lce_tile_kernel[grid](
+        weight, w_desc, weight.stride(0), x, x_desc, x.stride(0), x.stride(1), x.stride(2), out, out_desc, user_part,
+        mapping, bias, rows, dim, depth, max(user_part.shape[0], 1) if user_part is not None else 1,
+        BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_n, BLOCK_K=cfg.block_k, W_TMA=tma, X_TMA=x_desc is not None,
+        OUT_TMA=out_desc is not None, FUSE_USER=fused_user is not None, HAS_BIAS=bias is not None,
+        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT=cfg.epilogue_split, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+# fmt: on
+
+
+_PERSISTENT_STATE: dict = {}  # (device, stream) → persistent's int64 flags and the last call's epoch
+
+
+def _persistent_state(device: torch.device, num_user_tiles: int):
+    """persistent's int64 flags (≥ num_user_tiles entries) for the current stream of `device`, and this call's epoch.
+
+    Flags are never cleared: epochs only grow and a call waits for flag ≥ its own epoch, so no memset runs before
+    the launch. The protocol needs the calls that share flags to run in order: one set per stream does that.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    flags, epoch = _PERSISTENT_STATE.get((device, stream), (None, 0))
+    if flags is None or flags.numel() < num_user_tiles:
+        flags = torch.zeros(max(num_user_tiles, 1024), dtype=torch.int64, device=device)
+    epoch += 1
+    _PERSISTENT_STATE[(device, stream)] = (flags, epoch)
+    return flags, epoch
+
+
+def _ws_runs(user_emb, cand_emb) -> bool:
+    """Whether the warp-specialized kernel would run these checked inputs (a Hopper GPU in 16 bit, TMA-able rows)."""
+    if interpreting() or not cand_emb.is_cuda:
+        return False
+    from .linear_compress_ws import ws_supported  # Gluon (Hopper); imported on first use
+
+    return ws_supported(user_emb, cand_emb)
+
+
 # fmt: off
 @dataclass(frozen=True)
-class PackedLinearCompress:
-    """Weights of one LCE layer, packed once at load time.
-
-    user_weight [N, Ku], cand_weight [N, Kc], bias [N] or None (torch path, decomposed); user_weight_padded
-    [N, Ku'] and cand_weight_padded [N, Kc'] with K' = max(K, 1) rounded up to 8, zero columns after
-    K (the other variants: 16-byte aligned rows for tensor descriptors).
+class PackedWeights:
+    """The weights of one LCE call as its kernels take them: user_weight [N, Ku] and cand_weight [N, Kc] (unit
+    column stride), bias [N] or None (the torch path, decomposed); user_weight_padded [N, Ku'] and
+    cand_weight_padded [N, Kc'] with K' = max(K, 1) rounded up to K_ALIGN, zero columns after K (the other variants:
+    16-byte aligned rows for tensor descriptors). Plain tensors, no autograd: the op has its own backward.
     """
 
     user_weight: torch.Tensor
@@ -435,89 +622,18 @@ class PackedLinearCompress:
     bias: torch.Tensor | None
     user_weight_padded: torch.Tensor
     cand_weight_padded: torch.Tensor
-    _flags: dict = field(default_factory=dict, compare=False, repr=False)  # persistent's flags per device, descriptors
+    _flags: dict = field(default_factory=dict, compare=False, repr=False)  # weight descriptors per block shape
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, num_user_tokens: int, bias: torch.Tensor | None = None):
-        check_tensor("weight", weight, 2, FLOAT_TYPES)
-        if not 0 <= num_user_tokens <= weight.shape[1]:
-            raise ValueError(f"num_user_tokens: expected in [0, {weight.shape[1]}], got {num_user_tokens}")
-        if bias is not None:
-            check_tensor("bias", bias, 1, FLOAT_TYPES)
-            check_same("bias", bias.shape[0], "N (rows of weight)", weight.shape[0])
-        user_weight = weight[:, :num_user_tokens].contiguous()
-        cand_weight = weight[:, num_user_tokens:].contiguous()
+    def of(cls, user_weight, cand_weight, bias=None, user_weight_padded=None, cand_weight_padded=None):
+        """From weights of any strides; pads the ones not given."""
+        user_weight = user_weight if user_weight.stride(-1) == 1 else user_weight.contiguous()
+        cand_weight = cand_weight if cand_weight.stride(-1) == 1 else cand_weight.contiguous()
         return cls(
-            user_weight,
-            cand_weight,
-            None if bias is None else bias.contiguous(),
-            _pad_columns(user_weight, K_ALIGN),
-            _pad_columns(cand_weight, K_ALIGN),
+            user_weight, cand_weight, bias,
+            _pad_columns(user_weight, K_ALIGN) if user_weight_padded is None else user_weight_padded,
+            _pad_columns(cand_weight, K_ALIGN) if cand_weight_padded is None else cand_weight_padded,
         )
-
-    def __call__(self, user_emb, cand_emb, cand_to_user, backend: str = "auto", variant: str | None = None):
-        """out [B, N, D]; `variant` picks the kernel (VARIANTS or WS_VARIANT; default: the tuned choice, else
-        `default_variant`)."""
-        check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
-        check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
-        num_users, num_user_tokens, dim = user_emb.shape
-        num_candidates, num_cand_tokens, cand_dim = cand_emb.shape
-        check_same("cand_emb", cand_dim, "D (last dim of user_emb)", dim)
-        check_same("user_emb", num_user_tokens, "Ku (user columns of weight)", self.user_weight.shape[1])
-        check_same("cand_emb", num_cand_tokens, "Kc (candidate columns of weight)", self.cand_weight.shape[1])
-        for name, t in (("cand_emb", cand_emb), ("weight", self.user_weight), ("bias", self.bias)):
-            if t is not None and (t.dtype != user_emb.dtype or t.device != user_emb.device):
-                raise ValueError(
-                    f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}"
-                )
-        check_mapping_shape(cand_to_user, num_candidates, user_emb.device)
-        tuned = None  # (variant, TileConfig or None) from configs.set_tuned_configs
-        if variant is None:
-            dims = (num_user_tokens, num_cand_tokens, self.cand_weight.shape[0], dim)
-            tuned = tuned_config("lce", user_emb.device, user_emb.dtype, dims, num_users, num_candidates)
-        if tuned is not None:
-            variant, config = tuned
-        else:
-            if variant is None:
-                variant = default_variant(num_users, num_candidates, self._ws_runs(user_emb, cand_emb))
-            config = None
-        _check_variant(variant)
-        chosen = resolve_backend(backend, user_emb.device, triton_available=True)
-        if chosen == "triton" and backend == "auto" and user_emb.dtype not in TRITON_TYPES:
-            chosen = "torch"  # fp64 on CUDA
-        if chosen == "triton":
-            if user_emb.dtype not in TRITON_TYPES:
-                raise ValueError(f"user_emb: the Triton path takes float32/float16/bfloat16, got {user_emb.dtype}")
-            if not interpreting() and user_emb.device.type != "cuda":
-                raise ValueError(
-                    f"user_emb: the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {user_emb.device}"
-                )
-            # Launch first, then wait for the mapping's min and max (copied to the host ahead of the
-            # kernels, which clamp bad values), so the device is not idle while the host launches.
-            # Not while a CUDA graph is captured (no wait allowed) or without users (no value is valid).
-            readback = None
-            if user_emb.is_cuda and num_candidates and num_users and not torch.cuda.is_current_stream_capturing():
-                readback = HostReadback(torch.stack(torch.aminmax(cand_to_user)))
-            else:
-                check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
-            out = self._triton(user_emb, cand_emb, cand_to_user, variant, config)
-            if readback is not None:
-                lowest, highest = readback.values()
-                if lowest < 0 or highest >= num_users:
-                    check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)  # raises, naming the value
-            return out
-        check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
-        return _linear_compress_torch(user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias)
-
-    @staticmethod
-    def _ws_runs(user_emb, cand_emb) -> bool:
-        """Whether the warp-specialized kernel would run these checked inputs (a Hopper GPU in 16 bit, TMA-able
-        rows)."""
-        if interpreting() or not cand_emb.is_cuda:
-            return False
-        from .linear_compress_ws import ws_supported  # Gluon (Hopper); imported on first use
-
-        return ws_supported(user_emb, cand_emb)
 
     def _triton(
         self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None
@@ -529,7 +645,6 @@ class PackedLinearCompress:
         unwritten elements).
         """
         _check_variant(variant)
-        interpreted = interpreting()
         if config is not None and variant == WS_VARIANT:
             raise ValueError(
                 f"config: a TileConfig applies to {VARIANTS}, not {WS_VARIANT} (kernels/linear_compress_ws.py has WSConfig)"
@@ -539,41 +654,27 @@ class PackedLinearCompress:
         if config is not None and config.block_k <= 0:
             raise ValueError(f"config: block_k (the K step) must be positive, got {config.block_k}")
         num_users, num_user_tokens, dim = user_emb.shape
-        num_candidates = cand_emb.shape[0]
         rows = self.cand_weight.shape[0]
         if out is None:
-            out = torch.empty(num_candidates, rows, dim, dtype=user_emb.dtype, device=user_emb.device)  # [B, N, D]
+            out = torch.empty(cand_emb.shape[0], rows, dim, dtype=user_emb.dtype, device=user_emb.device)  # [B, N, D]
         if out.numel() == 0:
             return out
         if variant == WS_VARIANT:
-            from .linear_compress_ws import launch_ws, ws_supported  # Gluon (Hopper); imported on first use
+            from .linear_compress_ws import launch_ws  # Gluon (Hopper); imported on first use
 
-            if not interpreted and ws_supported(user_emb, cand_emb):
+            if _ws_runs(user_emb, cand_emb):
                 return launch_ws(self, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
-            variant = (
-                "fused"  # where it does not run: not Hopper, fp32, rows TMA cannot address, Kc = 0, the interpreter
-            )
+            variant = "fused"  # where it does not run: not Hopper, fp32, rows TMA cannot address, Kc = 0, the interpreter
         if user_part is None:
-            user_part = torch.empty(
-                num_users if num_user_tokens else 0, rows, dim, dtype=out.dtype, device=out.device
-            )  # Y_u
+            user_part = torch.empty(num_users if num_user_tokens else 0, rows, dim, dtype=out.dtype, device=out.device)
         if variant == "persistent" and out.is_cuda and torch.cuda.is_current_stream_capturing():
             variant = "fused"  # the per-call epoch would be frozen into a CUDA graph: take the graph-safe fused
-        key = (variant, user_emb.dtype, dim, user_emb.device)
-        if config is None and key in _CONFIG_CHOICE:
-            self._launch(variant, user_emb, cand_emb, cand_to_user, out, user_part, _CONFIG_CHOICE[key])
-            return out
         configs = [config] if config is not None else list(tile_configs(variant, user_emb.dtype, dim))
-        for index, cfg in enumerate(configs):
-            try:
-                self._launch(variant, user_emb, cand_emb, cand_to_user, out, user_part, cfg)
-            except triton.runtime.errors.OutOfResources:
-                if index == len(configs) - 1:
-                    raise
-                continue
-            if config is None:
-                _CONFIG_CHOICE[key] = cfg
-            return out
+        key = None if config is not None else (variant, user_emb.dtype, dim, user_emb.device)
+        _launch_first_fitting(
+            key, configs, lambda cfg: self._launch(variant, user_emb, cand_emb, cand_to_user, out, user_part, cfg)
+        )
+        return out
 
     def _launch(self, variant, user_emb, cand_emb, cand_to_user, out, user_part, cfg: TileConfig):
         num_candidates, rows, dim = out.shape
@@ -584,50 +685,18 @@ class PackedLinearCompress:
         padded = variant != "decomposed"
         fuse = variant == "fused"
         if has_user:
-            self._launch_tile(
-                self.user_weight_padded if padded else self.user_weight, user_emb, user_part, None, False, padded, cfg
-            )
-        cand_weight = self.cand_weight_padded if padded else self.cand_weight
-        self._launch_tile(
-            cand_weight, cand_emb, out, (user_part, cand_to_user) if fuse and has_user else None, fuse, padded, cfg
-        )
+            weight = self.user_weight_padded if padded else self.user_weight
+            _launch_tile(weight, self._weight_desc(weight, cfg) if padded else None, user_emb, user_part, None, None, cfg)
+        weight = self.cand_weight_padded if padded else self.cand_weight
+        fused_user = (user_part, cand_to_user) if fuse and has_user else None
+        w_desc = self._weight_desc(weight, cfg) if padded else None
+        _launch_tile(weight, w_desc, cand_emb, out, fused_user, self.bias if fuse else None, cfg)
         if not fuse and (has_user or self.bias is not None):
             block = min(4096, triton.next_power_of_2(rows * dim))
             _lce_add_user_kernel[(num_candidates, triton.cdiv(rows * dim, block))](
-                out, user_part, cand_to_user, self.bias, rows, dim,
-                max(user_part.shape[0], 1),
-                HAS_USER=has_user,
-                HAS_BIAS=self.bias is not None,
-                BLOCK=block,
+                out, user_part, cand_to_user, self.bias, rows, dim, max(user_part.shape[0], 1), HAS_USER=has_user,
+                HAS_BIAS=self.bias is not None, BLOCK=block,
             )
-
-    def _launch_tile(self, weight, x, out, fused_user, with_bias, tma, cfg: TileConfig):
-        """out[g] = weight @ x[g] (+ Y_u[m[g]] when `fused_user` = (Y_u, m)) (+ bias when `with_bias`)."""
-        rows, dim, depth = out.shape[1], out.shape[2], x.shape[1]
-        w_desc = self._weight_desc(weight, cfg) if tma else None
-        x_desc = _activation_desc(x, cfg) if tma else None
-        out_desc = (
-            _out_desc(out, cfg) if tma and not cfg.warp_specialize else None
-        )  # WS splits the tile: pointer stores
-        user_part, mapping = fused_user if fused_user is not None else (None, None)
-        bias = self.bias if with_bias else None
-        grid = (out.shape[0] * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_n),)
-        _lce_tile_kernel[grid](
-            weight,
-            w_desc,
-            weight.stride(0),
-            x,
-            x_desc,
-            x.stride(0),
-            x.stride(1),
-            x.stride(2),
-            out, out_desc, user_part, mapping, bias, rows, dim, depth,
-            max(user_part.shape[0], 1) if user_part is not None else 1,
-            BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_n, BLOCK_K=cfg.block_k, W_TMA=tma, X_TMA=x_desc is not None,
-            OUT_TMA=out_desc is not None, FUSE_USER=fused_user is not None, HAS_BIAS=bias is not None,
-            WARP_SPECIALIZE=cfg.warp_specialize, SPLIT=cfg.epilogue_split, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
 
     def _weight_desc(self, weight: torch.Tensor, cfg: TileConfig) -> TensorDescriptor:
         """Descriptor over one of the packed (padded) weights, made once per block shape."""
@@ -636,27 +705,13 @@ class PackedLinearCompress:
             self._flags[key] = TensorDescriptor.from_tensor(weight, [cfg.block_m, cfg.block_k])
         return self._flags[key]
 
-    def _sync_state(self, device: torch.device, num_user_tiles: int):
-        """persistent's int64 flags (≥ num_user_tiles entries) on `device`, and this call's epoch.
-
-        Flags are never cleared: epochs only grow, a call waits for flag ≥ its own epoch, so no
-        memset runs before the launch. Calls of one module must run in stream order (not on two
-        streams at once).
-        """
-        flags, epoch = self._flags.get(device, (None, 0))
-        if flags is None or flags.numel() < num_user_tiles:
-            flags = torch.zeros(max(num_user_tiles, 1024), dtype=torch.int64, device=device)
-        epoch += 1
-        self._flags[device] = (flags, epoch)
-        return flags, epoch
-
     def _launch_persistent(self, user_emb, cand_emb, cand_to_user, out, user_part, cfg: TileConfig):
         num_users, num_user_tokens, dim = user_emb.shape
         num_candidates, num_cand_tokens, _ = cand_emb.shape
         rows = out.shape[1]
         tiles_per_row = triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_n)
         has_user = num_user_tokens > 0
-        flags, epoch = self._sync_state(out.device, num_users * tiles_per_row * has_user)
+        flags, epoch = _persistent_state(out.device, num_users * tiles_per_row * has_user)
         wu_desc = self._weight_desc(self.user_weight_padded, cfg)
         wc_desc = self._weight_desc(self.cand_weight_padded, cfg)
         xu_desc = _activation_desc(user_emb, cfg)
@@ -665,26 +720,13 @@ class PackedLinearCompress:
         num_tiles = (num_users * has_user + num_candidates) * tiles_per_row
         num_programs = min(_num_programs(out.device), num_tiles)
         _lce_persistent_kernel[(num_programs,)](
-            wu_desc,
-            user_emb,
-            xu_desc,
-            user_emb.stride(0),
-            user_emb.stride(1),
-            user_emb.stride(2),
-            wc_desc,
-            cand_emb,
-            xc_desc,
-            cand_emb.stride(0),
-            cand_emb.stride(1),
-            cand_emb.stride(2),
+            wu_desc, user_emb, xu_desc, user_emb.stride(0), user_emb.stride(1), user_emb.stride(2),
+            wc_desc, cand_emb, xc_desc, cand_emb.stride(0), cand_emb.stride(1), cand_emb.stride(2),
             user_part, out, out_desc, cand_to_user, self.bias, flags, epoch, num_users, num_candidates, rows, dim,
             num_user_tokens, num_cand_tokens, num_programs, BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_n,
             BLOCK_K=cfg.block_k, XU_TMA=xu_desc is not None, XC_TMA=xc_desc is not None, OUT_TMA=out_desc is not None,
-            HAS_USER=has_user, HAS_BIAS=self.bias is not None,
-            SPIN_ASM=not interpreting(),
-            SPLIT=cfg.epilogue_split,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            HAS_USER=has_user, HAS_BIAS=self.bias is not None, SPIN_ASM=not interpreting(), SPLIT=cfg.epilogue_split,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 # fmt: on
 
@@ -698,18 +740,492 @@ def _linear_compress_torch(user_emb, cand_emb, cand_to_user, user_weight, cand_w
     return add_user_rows(cand_part, user_part, cand_to_user)
 
 
+def _resolve(backend: str, user_emb: torch.Tensor) -> str:
+    """The path for checked inputs, "torch" or "triton" ("auto": Triton on CUDA except fp64); ValueError for a Triton
+    request that cannot run. Reads no device values."""
+    chosen = resolve_backend(backend, user_emb.device, triton_available=True)
+    if chosen == "triton" and backend == "auto" and user_emb.dtype not in TRITON_TYPES:
+        return "torch"  # fp64 on CUDA
+    if chosen == "triton":
+        if user_emb.dtype not in TRITON_TYPES:
+            raise ValueError(f"user_emb: the Triton path takes float32/float16/bfloat16, got {user_emb.dtype}")
+        if not interpreting() and user_emb.device.type != "cuda":
+            raise ValueError(
+                f"user_emb: the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {user_emb.device}"
+            )
+    return chosen
+
+
+def _choose_variant(user_emb, cand_emb, rows: int, variant: str | None):
+    """(variant, TileConfig or None): the caller's variant, else the tuner's choice for this (U, B), else
+    `default_variant`."""
+    if variant is not None:
+        return variant, None
+    num_users, num_user_tokens, dim = user_emb.shape
+    num_candidates, num_cand_tokens, _ = cand_emb.shape
+    dims = (num_user_tokens, num_cand_tokens, rows, dim)
+    tuned = tuned_config("lce", user_emb.device, user_emb.dtype, dims, num_users, num_candidates)
+    if tuned is not None:
+        return tuned
+    return default_variant(num_users, num_candidates, _ws_runs(user_emb, cand_emb)), None
+
+
+def _mapping_check(num_users: int):
+    """The deferred check of a mapping's [min, max]: the ValueError that names the bad value."""
+
+    def check(values) -> None:
+        lowest, highest = values
+        if lowest < 0 or highest >= num_users:
+            raise ValueError(f"cand_to_user: value {lowest if lowest < 0 else highest} is outside [0, U={num_users})")
+
+    return check
+
+
+# fmt: off
+def _linear_compress(
+    user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, user_weight_padded, cand_weight_padded, backend,
+    variant,
+) -> torch.Tensor:
+    """`ikbo::linear_compress` for checked inputs: the backend, variant and mapping check, then the launches.
+
+    An eager CUDA call launches first and reads the mapping's range later: its [min, max] is copied to the host
+    ahead of the kernels (which clamp bad values) and checked by `DEFERRED` once it has arrived (at a later IKBO
+    call, `check_deferred()`, or at once in strict mode), so the host never waits for the device. Inside a CUDA-graph
+    capture nothing is checked (the caller checks before each replay); the CPU paths check synchronously.
+    """
+    capturing = user_emb.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:  # an event query would end a capture
+        poll_deferred()
+    num_users, num_candidates = user_emb.shape[0], cand_emb.shape[0]
+    if _resolve(backend, user_emb) == "torch":
+        check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
+        return _linear_compress_torch(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias)
+    weights = PackedWeights.of(user_weight, cand_weight, bias, user_weight_padded, cand_weight_padded)
+    variant, config = _choose_variant(user_emb, cand_emb, cand_weight.shape[0], variant)
+    readback = None
+    if user_emb.is_cuda and num_candidates and num_users and not capturing:
+        readback = HostReadback(torch.stack(torch.aminmax(cand_to_user)))
+    else:
+        check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)  # CPU (interpreter), U = 0, capture
+    out = weights._triton(user_emb, cand_emb, cand_to_user, variant, config)
+    if readback is not None:
+        DEFERRED.defer(readback, _mapping_check(num_users))
+    return out
+# fmt: on
+
+
+# ----------------------------------------------------------------------------- host side: backward
+
+
+def _linear_compress_backward_torch(grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs):
+    """(d_user_emb, d_cand_emb, d_user_weight, d_cand_weight, d_bias), None where `needs` says no, in plain torch ops.
+    The user gradients come from the segment sums dY_u = index_add over dout's rows (16-bit inputs summed in fp32):
+    no tensor holds user data at B rows."""
+    need_user, need_cand, need_user_weight, need_cand_weight, need_bias = needs
+    num_users = user_emb.shape[0]
+    user_sums = None  # dY_u [U, N, D]
+    if need_user or need_user_weight or need_bias:
+        compute = torch.float32 if grad_out.dtype in (torch.float16, torch.bfloat16) else grad_out.dtype
+        sums = grad_out.new_zeros((num_users, *grad_out.shape[1:]), dtype=compute)
+        user_sums = sums.index_add_(0, cand_to_user, grad_out.to(compute)).to(grad_out.dtype)
+    return (
+        torch.matmul(user_weight.t(), user_sums) if need_user else None,  # [U, Ku, D]
+        torch.matmul(cand_weight.t(), grad_out) if need_cand else None,  # [B, Kc, D]
+        torch.einsum("und,ukd->nk", user_sums, user_emb) if need_user_weight else None,  # [N, Ku]
+        torch.einsum("bnd,bkd->nk", grad_out, cand_emb) if need_cand_weight else None,  # [N, Kc]
+        user_sums.sum((0, 2)) if need_bias else None,  # [N]
+    )
+
+
+def weight_grad_configs(dtype: torch.dtype, dim: int):
+    """TileConfigs of `_lce_weight_grad_kernel` to try, best first: block_m rows of N × block_n weight columns per
+    tile, block_k the step along D (128 bytes). Shared memory at 128 × 256 × 64, bf16: 48 KiB a stage."""
+    if interpreting():
+        yield TileConfig(16, 16, 16, num_warps=4, num_stages=1)
+        return
+    block_d = max(16, min(128 // (torch.finfo(dtype).bits // 8), triton.next_power_of_2(dim)))
+    yield TileConfig(128, 256, block_d, num_warps=8, num_stages=4)
+    yield TileConfig(128, 256, block_d, num_warps=8, num_stages=3)
+    yield TileConfig(128, 128, block_d, num_warps=8, num_stages=4)
+    yield TileConfig(64, 128, block_d, num_warps=4, num_stages=2)
+
+
+def _operand_desc(t: torch.Tensor, block_rows: int, block_d: int):
+    """Descriptor over t [G, R, D] with [1, block_rows, block_d] blocks, or None (pointer loads)."""
+    if not tma_ok(t):
+        return None
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, block_d])
+
+
+# fmt: off
+def _weight_grad(a, x, out, splits: int | None = None, config: TileConfig | None = None) -> torch.Tensor:
+    """out [M, K] = Σ_g a[g] @ x[g]ᵀ for a [G, M, D], x [G, K, D] (a weight gradient): `_lce_weight_grad_kernel`
+    split-K over g into fp32 partials, then `_split_sum_kernel`. `splits` fixes the number of splits (tests), else
+    there are about as many programs as SMs. out contiguous."""
+    num_rows, rows, dim = a.shape
+    depth = x.shape[1]
+    if out.numel() == 0:
+        return out
+    if num_rows == 0 or dim == 0:
+        return out.zero_()
+
+    def launch(cfg: TileConfig) -> None:
+        tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(depth, cfg.block_n)
+        wanted = splits or max(1, _num_programs(a.device) // tiles)
+        per_split = triton.cdiv(num_rows, min(wanted, num_rows))
+        count = triton.cdiv(num_rows, per_split)
+        part = torch.empty(count, rows, depth, dtype=torch.float32, device=a.device)
+        a_desc = _operand_desc(a, cfg.block_m, cfg.block_k)
+        x_desc = _operand_desc(x, cfg.block_n, cfg.block_k)
+        _lce_weight_grad_kernel[(count * tiles,)](
+            a, a_desc, a.stride(0), a.stride(1), a.stride(2), x, x_desc, x.stride(0), x.stride(1), x.stride(2), part,
+            num_rows, rows, depth, dim, per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_k,
+            A_TMA=a_desc is not None, X_TMA=x_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(rows * depth, block),)](part, out, count, rows * depth, BLOCK=block)
+
+    configs = [config] if config is not None else list(weight_grad_configs(a.dtype, dim))
+    _launch_first_fitting(None if config is not None else ("dW", a.dtype, dim, a.device), configs, launch)
+    return out
+# fmt: on
+
+
+def _shared_weight_gemm(weight_padded, x, out, config: TileConfig | None = None) -> torch.Tensor:
+    """out[g] = weight @ x[g] for every row g: the forward's `_lce_tile_kernel` (aligned: TMA tiles), weight_padded
+    [M, K'] (K zero-padded to K_ALIGN), x [G, K, D], out [G, M, D] contiguous."""
+    if out.numel() == 0:
+        return out
+    if x.shape[1] == 0:
+        return out.zero_()
+    dim = x.shape[2]
+
+    def launch(cfg: TileConfig) -> None:
+        w_desc = TensorDescriptor.from_tensor(weight_padded, [cfg.block_m, cfg.block_k])
+        _launch_tile(weight_padded, w_desc, x, out, None, None, cfg)
+
+    configs = [config] if config is not None else list(tile_configs("aligned", x.dtype, dim))
+    _launch_first_fitting(None if config is not None else ("gemm", x.dtype, dim, x.device), configs, launch)
+    return out
+
+
+def _input_grad(weight, g, out, gemm: str | None = None) -> torch.Tensor:
+    """out[r] = weightᵀ @ g[r] for every row r (d_cand_emb = W_cᵀ dout[b], d_user_emb = W_uᵀ dY_u[u]): the forward's
+    batched shared-weight GEMM with the transposed weight. `gemm` "ws": the warp-specialized Gluon kernel of the
+    forward (Hopper, 16 bit); "tile": `_lce_tile_kernel`; None: ws where it runs."""
+    if out.numel() == 0:
+        return out
+    weight_t = _pad_columns(weight.t(), K_ALIGN)  # [K, N'] zero-padded: TMA-able rows
+    if gemm is None:
+        gemm = "ws" if g.shape[1] > 0 and _ws_runs(g, g) else "tile"
+    if gemm == "ws":
+        from .linear_compress_ws import _launch_kernel, ws_config  # Gluon (Hopper); imported on first use
+
+        packed = PackedWeights(weight_t, weight_t, None, weight_t, weight_t)
+        cfg = ws_config(g.shape[2], g.element_size())
+        _launch_kernel(packed, g, out, None, out, None, cfg)  # no user part: the mapping argument is never read
+        return out
+    return _shared_weight_gemm(weight_t, g, out)
+
+
+def _user_gradients(g, cand_to_user, num_users: int, out=None) -> torch.Tensor:
+    """dY_u [U, N, D]: dout summed over each user's candidates, one pass over g [B, N, D] (contiguous). The mapping
+    is sorted on the device (stable), `_user_offsets_kernel` finds each user's range, `_user_grad_sum_kernel` sums
+    it; bad mapping values count for user 0 or U - 1 (the forward's clamp), nothing is read out of bounds."""
+    num_candidates, rows, dim = g.shape
+    sums = g.new_empty(num_users, rows, dim) if out is None else out
+    if sums.numel() == 0:
+        return sums
+    if num_candidates == 0:
+        return sums.zero_()
+    sorted_users, order = torch.sort(cand_to_user, stable=True)
+    offsets = torch.empty(num_users + 1, dtype=torch.int32, device=g.device)
+    block = 128
+    _user_offsets_kernel[(triton.cdiv(num_users + 1, block),)](
+        sorted_users, offsets, num_users, num_candidates, num_candidates.bit_length(), BLOCK=block
+    )
+    numel = rows * dim
+    block, step_rows = (32, 2) if interpreting() else (1024, 4)
+    while block > 256 and num_users * triton.cdiv(numel, block) < 2 * _num_programs(g.device):
+        block //= 2  # few users: narrower column blocks, so that every SM gets programs
+    _user_grad_sum_kernel[(num_users, triton.cdiv(numel, block))](
+        g, order, offsets, sums, numel, BLOCK=block, ROWS=step_rows
+    )
+    return sums
+
+
+# fmt: off
+def _linear_compress_backward_triton(
+    grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs=(True,) * 5, grads=None,
+    user_sums=None, splits: int | None = None, cand_gemm: str | None = None,
+):
+    """(d_user_emb, d_cand_emb, d_user_weight, d_cand_weight, d_bias), None where `needs` says no, by Triton kernels
+    (fp32 accumulation; fp32 inputs as tf32):
+        dY_u = Σ_{b: m[b]=u} dout[b]                 `_user_gradients` (sort + segment sum, one pass over dout)
+        d_user_emb[u] = W_uᵀ dY_u[u]                 `_input_grad` (the forward's tile GEMM, weight W_uᵀ)
+        d_cand_emb[b] = W_cᵀ dout[b]                 `_input_grad` (the forward's ws kernel on Hopper, else tile)
+        d_user_weight = Σ_u dY_u[u] user_emb[u]ᵀ     `_weight_grad` (split-K over users)
+        d_cand_weight = Σ_b dout[b] cand_emb[b]ᵀ     `_weight_grad` (split-K over candidates)
+        d_bias = Σ_{u,d} dY_u[u, :, d]               (Σ_{b,d} dout[b, :, d] without user gradients)
+    `grads` may hold pre-allocated contiguous buffers for any of the five and `user_sums` one for dY_u [U, N, D]
+    (tests poison them with NaN); `splits` fixes the weight gradients' split count and `cand_gemm` ("ws", "tile") the
+    kernel of d_cand_emb (tests, benchmarks)."""
+    need_user, need_cand, need_user_weight, need_cand_weight, need_bias = needs
+    num_users, num_user_tokens, _ = user_emb.shape
+    given = list(grads) if grads is not None else [None] * 5
+    shapes = (user_emb.shape, cand_emb.shape, user_weight.shape, cand_weight.shape, cand_weight.shape[:1])
+
+    def buffer(index: int) -> torch.Tensor:
+        return given[index] if given[index] is not None else grad_out.new_empty(shapes[index])
+
+    g = grad_out.contiguous()  # [B, N, D]
+    result = [None] * 5
+    sums = None  # dY_u [U, N, D]
+    if (need_user or need_user_weight) and num_user_tokens:
+        sums = _user_gradients(g, cand_to_user, num_users, user_sums)
+    if need_user:
+        result[0] = buffer(0)
+        if sums is not None:
+            _input_grad(user_weight, sums, result[0], gemm="tile")
+    if need_cand:
+        result[1] = _input_grad(cand_weight, g, buffer(1), gemm=cand_gemm)
+    if need_user_weight:
+        result[2] = buffer(2)
+        if sums is not None:
+            _weight_grad(sums, user_emb, result[2], splits)
+    if need_cand_weight:
+        result[3] = _weight_grad(g, cand_emb, buffer(3), splits)
+    if need_bias:
+        result[4] = buffer(4)
+        result[4].copy_((g if sums is None else sums).sum((0, 2), dtype=torch.float32))
+    return tuple(result)
+# fmt: on
+
+
+# ----------------------------------------------------------------------------- the ops: ikbo::linear_compress
+
+
+@torch.library.custom_op("ikbo::linear_compress", mutates_args=())
+def _linear_compress_op(
+    user_emb: torch.Tensor,
+    cand_emb: torch.Tensor,
+    cand_to_user: torch.Tensor,
+    user_weight: torch.Tensor,
+    cand_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    user_weight_padded: torch.Tensor | None,
+    cand_weight_padded: torch.Tensor | None,
+    backend: str,
+    variant: str | None,
+) -> torch.Tensor:
+    """out [B, N, D] = W_u @ user_emb[m[b]] + W_c @ cand_emb[b] + bias for checked inputs (`_check_inputs`); the
+    padded weights are optional copies (`PackedWeights`) the op makes itself where they are None."""
+    weights = (user_weight, cand_weight, bias, user_weight_padded, cand_weight_padded)
+    return _linear_compress(user_emb, cand_emb, cand_to_user, *weights, backend, variant)
+
+
+@_linear_compress_op.register_fake
+def _linear_compress_fake(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, *_):
+    return user_emb.new_empty(cand_emb.shape[0], cand_weight.shape[0], user_emb.shape[2])
+
+
+@torch.library.custom_op("ikbo::linear_compress_backward", mutates_args=())
+def _linear_compress_backward_op(
+    grad_out: torch.Tensor,
+    user_emb: torch.Tensor,
+    cand_emb: torch.Tensor,
+    cand_to_user: torch.Tensor,
+    user_weight: torch.Tensor,
+    cand_weight: torch.Tensor,
+    needs: list[bool],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_user_emb, d_cand_emb, d_user_weight, d_cand_weight, d_bias) of `ikbo::linear_compress`; an empty tensor
+    where `needs` (the same five) says no. Not differentiable itself."""
+    impl = (
+        _linear_compress_backward_torch if _resolve(backend, user_emb) == "torch" else _linear_compress_backward_triton
+    )
+    grads = impl(grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs)
+    return tuple(grad_out.new_empty(0) if grad is None else grad for grad in grads)
+
+
+@_linear_compress_backward_op.register_fake
+def _linear_compress_backward_fake(grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs, _):
+    shapes = (user_emb.shape, cand_emb.shape, user_weight.shape, cand_weight.shape, cand_weight.shape[:1])
+    return tuple(grad_out.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs, strict=True))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, _, _, backend, _ = inputs
+    ctx.save_for_backward(user_emb, cand_emb, cand_to_user, user_weight, cand_weight)
+    ctx.has_bias = bias is not None
+    ctx.backend = backend
+
+
+def _backward(ctx, grad_out):
+    """Gradients of the five float inputs (user_emb, cand_emb, user_weight, cand_weight, bias) that need one; None
+    for the mapping, the padded copies and the options."""
+    user_emb, cand_emb, cand_to_user, user_weight, cand_weight = ctx.saved_tensors
+    wanted = ctx.needs_input_grad
+    needs = [wanted[0], wanted[1], wanted[3], wanted[4], ctx.has_bias and wanted[5]]
+    grads = _linear_compress_backward_op(
+        grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs, ctx.backend
+    )
+    d_user, d_cand, d_user_weight, d_cand_weight, d_bias = (g if need else None for g, need in zip(grads, needs))
+    return d_user, d_cand, None, d_user_weight, d_cand_weight, d_bias, None, None, None, None
+
+
+_linear_compress_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, backend, variant) -> None:
+    """The public entries' checks: shapes, dtypes, devices, the backend and variant names. No device value is read
+    (torch.compile traces them)."""
+    check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
+    check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
+    num_users, num_user_tokens, dim = user_emb.shape
+    num_candidates, num_cand_tokens, cand_dim = cand_emb.shape
+    check_same("cand_emb", cand_dim, "D (last dim of user_emb)", dim)
+    check_same("user_emb", num_user_tokens, "Ku (user columns of weight)", user_weight.shape[1])
+    check_same("cand_emb", num_cand_tokens, "Kc (candidate columns of weight)", cand_weight.shape[1])
+    for name, t in (("cand_emb", cand_emb), ("weight", user_weight), ("weight", cand_weight), ("bias", bias)):
+        if t is not None and (t.dtype != user_emb.dtype or t.device != user_emb.device):
+            raise ValueError(
+                f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}"
+            )
+    check_mapping_shape(cand_to_user, num_candidates, user_emb.device)
+    if variant is not None:
+        _check_variant(variant)
+    _resolve(backend, user_emb)
+
+
+class PackedLinearCompress(torch.nn.Module):
+    """One LCE layer: Parameters user_weight [N, Ku], cand_weight [N, Kc] and bias [N] (or None), which receive the
+    gradients, and a cache of the copies its kernels take.
+
+    `from_weight(weight, Ku, bias)` splits W [N, Ku + Kc] into copies; they require grad where `weight` (and `bias`)
+    do: packed from an nn.Parameter, the module trains; packed from loaded inference weights, calls build no autograd
+    graph (`requires_grad_()` turns it on). Gradients reach this module's Parameters, not the tensors it was packed
+    from: an optimizer takes `packed.parameters()`.
+
+    The cache (`PackedWeights`: user_weight_padded, cand_weight_padded, K zero-padded to a multiple of 8 so that every
+    row is 16-byte aligned for TMA; weight descriptors) is keyed on each Parameter's data pointer, version counter,
+    shape, dtype and device: an optimizer step (in place), `load_state_dict` or `.to()` refreshes it at the next call.
+    A write the version counter does not see (through `.data`) needs `refresh()`. While torch.compile or
+    torch.export traces the module no padded copy is passed: the op pads inside (one small copy per call).
+    """
+
+    def __init__(self, user_weight: torch.Tensor, cand_weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        check_tensor("user_weight", user_weight, 2, FLOAT_TYPES)
+        check_tensor("cand_weight", cand_weight, 2, FLOAT_TYPES)
+        check_same("cand_weight", cand_weight.shape[0], "N (rows of user_weight)", user_weight.shape[0])
+        if bias is not None:
+            check_tensor("bias", bias, 1, FLOAT_TYPES)
+            check_same("bias", bias.shape[0], "N (rows of weight)", user_weight.shape[0])
+        self.user_weight = torch.nn.Parameter(user_weight, requires_grad=user_weight.requires_grad)
+        self.cand_weight = torch.nn.Parameter(cand_weight, requires_grad=cand_weight.requires_grad)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=bias.requires_grad)
+        self._cache: PackedWeights | None = None
+        self._cache_key = None
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, num_user_tokens: int, bias: torch.Tensor | None = None):
+        """Copies of weight[:, :Ku], weight[:, Ku:] and bias, requiring grad where `weight` and `bias` do."""
+        check_tensor("weight", weight, 2, FLOAT_TYPES)
+        if not 0 <= num_user_tokens <= weight.shape[1]:
+            raise ValueError(f"num_user_tokens: expected in [0, {weight.shape[1]}], got {num_user_tokens}")
+        if bias is not None:
+            check_tensor("bias", bias, 1, FLOAT_TYPES)
+            check_same("bias", bias.shape[0], "N (rows of weight)", weight.shape[0])
+        with torch.no_grad():
+            user_weight = weight[:, :num_user_tokens].clone(memory_format=torch.contiguous_format)
+            cand_weight = weight[:, num_user_tokens:].clone(memory_format=torch.contiguous_format)
+            bias_copy = None if bias is None else bias.clone(memory_format=torch.contiguous_format)
+        user_weight.requires_grad_(weight.requires_grad)
+        cand_weight.requires_grad_(weight.requires_grad)
+        if bias_copy is not None:
+            bias_copy.requires_grad_(bias.requires_grad)
+        return cls(user_weight, cand_weight, bias_copy)
+
+    def forward(self, user_emb, cand_emb, cand_to_user, backend: str = "auto", variant: str | None = None):
+        """out [B, N, D]; `variant` picks the kernel (VARIANTS or WS_VARIANT; default: the tuned choice, else
+        `default_variant`)."""
+        _check_inputs(user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias, backend, variant)
+        padded = None
+        if not torch.compiler.is_compiling() and _resolve(backend, user_emb) == "triton":
+            padded = self._packed()
+        return _linear_compress_op(
+            user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias,
+            None if padded is None else padded.user_weight_padded,
+            None if padded is None else padded.cand_weight_padded,
+            backend, variant,
+        )  # fmt: skip
+
+    def _packed(self) -> PackedWeights:
+        """The Parameters as the kernels take them (detached, with padded copies), rebuilt after a Parameter changed."""
+        key = tuple(
+            None if p is None else (p.data_ptr(), None if p.is_inference() else p._version, p.shape, p.dtype, p.device)
+            for p in (self.user_weight, self.cand_weight, self.bias)
+        )
+        if self._cache is None or key != self._cache_key:
+            with torch.no_grad():
+                bias = None if self.bias is None else self.bias.detach()
+                self._cache = PackedWeights.of(self.user_weight.detach(), self.cand_weight.detach(), bias)
+            self._cache_key = key
+        return self._cache
+
+    def refresh(self) -> None:
+        """Rebuild the padded copies at the next call (after a write the version counter does not see)."""
+        self._cache, self._cache_key = None, None
+
+    @property
+    def user_weight_padded(self) -> torch.Tensor:
+        return self._packed().user_weight_padded
+
+    @property
+    def cand_weight_padded(self) -> torch.Tensor:
+        return self._packed().cand_weight_padded
+
+    @property
+    def _flags(self) -> dict:
+        return self._packed()._flags  # weight descriptors (linear_compress_ws reads them from a packed module)
+
+    def _triton(
+        self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None
+    ):
+        """`PackedWeights._triton` on this module's weights: the Triton path for checked inputs, no autograd, no
+        mapping check (tuner, benchmarks, tests)."""
+        return self._packed()._triton(user_emb, cand_emb, cand_to_user, variant, config, out, user_part)
+
+    def extra_repr(self) -> str:
+        rows, num_user_tokens = self.user_weight.shape
+        return f"N={rows}, Ku={num_user_tokens}, Kc={self.cand_weight.shape[1]}, bias={self.bias is not None}"
+
+
 def ikbo_linear_compress(
     user_emb, cand_emb, cand_to_user, weight, bias=None, backend: str = "auto", variant: str | None = None
 ) -> torch.Tensor:
     """out[b] = weight @ cat(user_emb[m[b]], cand_emb[b]) (+ bias[:, None]) → [B, N, D].
 
     user_emb [U, Ku, D], cand_emb [B, Kc, D], cand_to_user [B] in [0, U), weight [N, Ku + Kc] (user
-    columns first), bias [N] or None. `variant` picks the kernel (VARIANTS or WS_VARIANT). Splits and pads
-    `weight` on every call; servers hold a `PackedLinearCompress` instead.
+    columns first), bias [N] or None. `variant` picks the kernel (VARIANTS or WS_VARIANT). Differentiable in
+    user_emb, cand_emb, weight and bias: the op takes views of weight's two column blocks, so autograd reaches
+    `weight`. Pads the weights on every call; servers hold a `PackedLinearCompress` instead.
     """
     check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
     check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
     check_tensor("weight", weight, 2, FLOAT_TYPES)
-    check_same("weight", weight.shape[1], "Ku + Kc (user + candidate tokens)", user_emb.shape[1] + cand_emb.shape[1])
-    packed = PackedLinearCompress.from_weight(weight, user_emb.shape[1], bias)
-    return packed(user_emb, cand_emb, cand_to_user, backend=backend, variant=variant)
+    num_user_tokens = user_emb.shape[1]
+    check_same("weight", weight.shape[1], "Ku + Kc (user + candidate tokens)", num_user_tokens + cand_emb.shape[1])
+    if bias is not None:
+        check_tensor("bias", bias, 1, FLOAT_TYPES)
+        check_same("bias", bias.shape[0], "N (rows of weight)", weight.shape[0])
+    user_weight, cand_weight = weight[:, :num_user_tokens], weight[:, num_user_tokens:]
+    _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, backend, variant)
+    return _linear_compress_op(
+        user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, None, None, backend, variant
+    )

@@ -57,7 +57,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import _hopper
 from ._common import tma_ok
 from ._hopper import GLUON_TYPES, SMEM_LIMIT, smem_layout
-from .linear_compress import PackedLinearCompress
+from .linear_compress import PackedWeights
 
 MAX_STAGES = 6
 
@@ -357,7 +357,7 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, smem_layout(tuple(block), t.dtype))
 
 
-def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WSConfig):
+def _descriptors(packed: PackedWeights, cand_emb, out, user_part, cfg: WSConfig):
     """W_c (packed, padded; cached on the packed module), cand_emb, Y_u and out descriptors."""
     weight = packed.cand_weight_padded
     key = ("ws-desc", weight.data_ptr(), cfg.block_m, cfg.block_k)
@@ -373,7 +373,7 @@ def _descriptors(packed: PackedLinearCompress, cand_emb, out, user_part, cfg: WS
 
 # fmt: off
 def _launch_kernel(
-    packed: PackedLinearCompress, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
+    packed: PackedWeights, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
     num_programs: int | None = None,
 ):
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
@@ -401,12 +401,13 @@ def _launch_kernel(
 
 # fmt: off
 def launch_ws(
-    packed: PackedLinearCompress, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
+    packed: PackedWeights, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
     config: WSConfig | None = None,
     num_programs: int | None = None,
 ) -> torch.Tensor:
     """out [B, N, D] = packed(user_emb, cand_emb, cand_to_user) through this kernel, for inputs that passed
-    PackedLinearCompress's checks and `ws_supported`. Two launches: the user GEMM (`user_gemm`, Y_u [U, N, D];
+    PackedLinearCompress's checks and `ws_supported`; `packed` a PackedWeights (or a PackedLinearCompress, which
+    exposes the same attributes). Two launches: the user GEMM (`user_gemm`, Y_u [U, N, D];
     skipped at Ku = 0) and `_lce_ws_kernel`. `config` overrides the tile config (benchmarks; stages 0 picks the
     deepest ring); `out` and `user_part` may be given pre-filled (tests poison them with NaN); `num_programs`
     overrides the persistent grid (tests)."""
@@ -429,7 +430,7 @@ def launch_ws(
 # fmt: on
 
 
-def user_gemm(packed: PackedLinearCompress, user_emb, user_part) -> None:
+def user_gemm(packed: PackedWeights, user_emb, user_part) -> None:
     """user_part [U, N, D] = W_u @ user_emb[u] for every user: one cuBLAS batched GEMM (W_u broadcast over the U
     users as a stride-0 view; nothing is copied), one Triton launch less on the host than a tile kernel."""
     torch.matmul(packed.user_weight, user_emb, out=user_part)

@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from interpreted import run_interpreted
 
-from kernels import PackedLinearCompress, ikbo_linear_compress
+from kernels import PackedLinearCompress, check_deferred, ikbo_linear_compress, strict_checks
 from kernels.configs import TileConfig
 from kernels.linear_compress import VARIANTS
 from kernels.reference import linear_compress_reference, rel_err
@@ -372,8 +372,8 @@ def test_gpu_offsets_past_int32():
 @pytest.mark.parametrize("bad", [15, -1, 2**40], ids=["U", "negative", "huge"])
 def test_gpu_bad_mapping_raises_after_launch(variant, bad):
     """The Triton path launches first and checks the mapping's range after: a bad value still gives the
-    ValueError that names it (no fault, no hang: persistent waits on no missing flag), and the next good call
-    on the same module is right."""
+    ValueError that names it (no fault, no hang: persistent waits on no missing flag), at check_deferred() or at
+    once in strict mode, and the next good call on the same module is right."""
     num_users, num_candidates, ku, kc, dim, rows = 15, 300, 64, 72, 128, 256
     gen = torch.Generator().manual_seed(abs(bad) % 1000 + len(variant))
     case = Case(ku, kc, dim, rows, num_users, _ragged_mapping(num_users, num_candidates, gen), True, torch.int64, 31)
@@ -381,7 +381,11 @@ def test_gpu_bad_mapping_raises_after_launch(variant, bad):
     packed = PackedLinearCompress.from_weight(weight, ku, bias)
     wrong = cand_to_user.clone()
     wrong[137] = bad
+    check_deferred()  # nothing pending from earlier calls
+    packed(user_emb, cand_emb, wrong, backend="triton", variant=variant)  # returns before the range is known
     with pytest.raises(ValueError, match=rf"^cand_to_user: value {bad} is outside \[0, U=15\)"):
+        check_deferred()
+    with strict_checks(), pytest.raises(ValueError, match=rf"^cand_to_user: value {bad} is outside \[0, U=15\)"):
         packed(user_emb, cand_emb, wrong, backend="triton", variant=variant)
     out = packed(user_emb, cand_emb, cand_to_user, backend="triton", variant=variant)
     ref = linear_compress_reference(user_emb, cand_emb, cand_to_user, weight, bias)

@@ -1,0 +1,539 @@
+"""Gradients of IKBO linear compression: the custom op `ikbo::linear_compress` and its backward op against fp64.
+
+- CPU: `torch.autograd.gradcheck` in fp64 through the public function (torch path) and through
+  PackedLinearCompress (its Parameters swapped in by `torch.func.functional_call`), on hypothesis-drawn shapes
+  (U = 1, B = 1, users without candidates, unsorted mappings, Ku = 0, bias or none) and named corners (B = 0,
+  Kc = 0); `needs_input_grad` respected;
+- the torch-path forward and backward functions under `ReplicationDetector` (a dispatch mode sees a custom op as
+  one op, so the functions inside it run there): no user tensor at B rows;
+- an optimizer step on PackedLinearCompress: its padded-weight cache follows the updated Parameters;
+- torch.compile(fullgraph=True) (aot_eager: the backward graph too) of a module calling `ikbo_linear_compress` and
+  of one holding a PackedLinearCompress, against eager; torch.export of both;
+- the Triton backward kernels under TRITON_INTERPRET=1 (the `interpreted_*` tests, run by `test_triton_interpreted`
+  in a child process, with the out-of-bounds memcheck of tests/interpreted.py) on small fp16 shapes against fp64
+  autograd of a replicated reference, every gradient written into NaN-poisoned buffers;
+- on CUDA (skipped without): every gradient at real sizes in bf16 (rel err ≤ 2e-2 against the fp64 torch path,
+  buffers poisoned first), both kernels of d_cand_emb, the public op's autograd, the optimizer step, and a bad
+  mapping raising at `check_deferred()` and in strict mode.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from interpreted import run_interpreted
+
+from ikbo_backend.transform import ReplicationDetector
+from kernels import PackedLinearCompress, check_deferred, ikbo_linear_compress, strict_checks
+from kernels import linear_compress as lce
+from kernels.reference import rel_err
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+FP16_TOL = 5e-3
+BF16_TOL = 2e-2
+GRAD_NAMES = ("user_emb", "cand_emb", "user_weight", "cand_weight", "bias")
+
+
+@dataclass(frozen=True)
+class Case:
+    num_user_tokens: int  # Ku
+    num_cand_tokens: int  # Kc
+    dim: int  # D
+    rows: int  # N
+    num_users: int  # U
+    mapping: tuple  # cand_to_user, length B
+    with_bias: bool
+    seed: int
+
+
+def make_inputs(case: Case, dtype=torch.float64, device="cpu"):
+    """user_emb [U, Ku, D], cand_emb [B, Kc, D], cand_to_user [B] int32, weight [N, Ku + Kc], bias [N] or None, and an
+    upstream gradient dout [B, N, D]; fresh random values."""
+    gen = torch.Generator().manual_seed(case.seed)
+    ku, kc, d, n = case.num_user_tokens, case.num_cand_tokens, case.dim, case.rows
+    tensors = [
+        torch.randn(case.num_users, ku, d, generator=gen),
+        torch.randn(len(case.mapping), kc, d, generator=gen),
+        torch.randn(n, ku + kc, generator=gen) / max(1, ku + kc) ** 0.5,
+        torch.randn(n, generator=gen),
+        torch.randn(len(case.mapping), n, d, generator=gen),
+    ]
+    user_emb, cand_emb, weight, bias, grad_out = (t.to(device=device, dtype=dtype) for t in tensors)
+    cand_to_user = torch.tensor(case.mapping, dtype=torch.int32, device=device)
+    return user_emb, cand_emb, cand_to_user, weight, bias if case.with_bias else None, grad_out
+
+
+def replicated(user_emb, cand_emb, cand_to_user, weight, bias):
+    """The broadcasting formula, for reference only: user rows replicated to B rows, one GEMM."""
+    tokens = torch.cat([user_emb[cand_to_user.long()], cand_emb], dim=1)  # [B, Ku + Kc, D]
+    out = torch.matmul(weight, tokens)
+    return out if bias is None else out + bias[:, None]
+
+
+def reference_grads(case: Case, inputs):
+    """fp64 autograd of `replicated`: (d_user_emb, d_cand_emb, d_user_weight, d_cand_weight, d_bias or None)."""
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = (
+        None if t is None else t.detach().double().cpu() for t in inputs
+    )
+    leaves = [t.requires_grad_() for t in (user_emb, cand_emb, weight)] + (
+        [bias.requires_grad_()] if bias is not None else []
+    )
+    out = replicated(user_emb, cand_emb, cand_to_user.cpu(), weight, bias)
+    grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    d_user, d_cand, d_weight = (
+        torch.zeros_like(t) if g is None else g for g, t in zip(grads[:3], leaves, strict=False)
+    )
+    ku = case.num_user_tokens
+    return d_user, d_cand, d_weight[:, :ku], d_weight[:, ku:], grads[3] if bias is not None else None
+
+
+@st.composite
+def cases(draw, max_users=3, max_candidates=4, max_tokens=3, max_dim=3, max_rows=3):
+    num_users = draw(st.integers(1, max_users))
+    num_candidates = draw(st.integers(1, max_candidates))
+    mapping = draw(st.lists(st.integers(0, num_users - 1), min_size=num_candidates, max_size=num_candidates))
+    return Case(
+        num_user_tokens=draw(st.integers(0, max_tokens)),
+        num_cand_tokens=draw(st.integers(1, max_tokens)),
+        dim=draw(st.integers(1, max_dim)),
+        rows=draw(st.integers(1, max_rows)),
+        num_users=num_users,
+        mapping=tuple(mapping),
+        with_bias=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+CORNERS = [
+    Case(2, 3, 3, 2, 1, (0,), True, 1),  # U = 1, B = 1
+    Case(2, 2, 2, 3, 4, (3, 3, 1), True, 2),  # users 0 and 2 without candidates, unsorted
+    Case(0, 3, 2, 2, 2, (1, 0, 1), False, 3),  # Ku = 0, no bias
+    Case(3, 0, 2, 2, 2, (1, 0), True, 4),  # Kc = 0
+    Case(2, 2, 2, 2, 3, (), True, 5),  # B = 0
+]
+
+
+def _corner_id(case: Case) -> str:
+    return f"U{case.num_users}-B{len(case.mapping)}-Ku{case.num_user_tokens}-Kc{case.num_cand_tokens}"
+
+
+# ---------------------------------------------------------------- CPU: gradcheck (torch path)
+
+
+def _gradcheck(case: Case) -> None:
+    user_emb, cand_emb, cand_to_user, weight, bias, _ = make_inputs(case)
+    leaves = [user_emb, cand_emb, weight] + ([bias] if bias is not None else [])
+    for t in leaves:
+        t.requires_grad_()
+
+    def functional(user_emb, cand_emb, weight, bias=None):
+        return ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias)
+
+    assert torch.autograd.gradcheck(functional, leaves), case
+    packed = PackedLinearCompress.from_weight(weight, case.num_user_tokens, bias)
+    ku = case.num_user_tokens
+
+    def through_module(user_emb, cand_emb, weight, bias=None):
+        params = {"user_weight": weight[:, :ku], "cand_weight": weight[:, ku:], "bias": bias}
+        return torch.func.functional_call(packed, params, (user_emb, cand_emb, cand_to_user))
+
+    assert torch.autograd.gradcheck(through_module, leaves), case
+
+
+@pytest.mark.parametrize("case", CORNERS, ids=_corner_id)
+def test_gradcheck_corners(case):
+    _gradcheck(case)
+
+
+@settings(max_examples=8, deadline=None)
+@given(case=cases())
+def test_gradcheck_drawn(case):
+    _gradcheck(case)
+
+
+def test_backward_computes_only_what_is_needed(monkeypatch):
+    """needs_input_grad reaches the backward op: a frozen weight and a constant input get no gradient computed."""
+    case = Case(3, 2, 4, 5, 2, (1, 0, 1), True, 7)
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case)
+    seen = []
+    backward = lce._linear_compress_backward_torch
+
+    def recording(*args):
+        seen.append(tuple(args[-1]))
+        return backward(*args)
+
+    monkeypatch.setattr(lce, "_linear_compress_backward_torch", recording)
+    cand_emb.requires_grad_()
+    out = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias)
+    (d_cand,) = torch.autograd.grad(out, cand_emb, grad_out)
+    assert seen == [(False, True, False, False, False)]
+    ref = reference_grads(case, (user_emb, cand_emb, cand_to_user, weight, bias, grad_out))
+    assert rel_err(d_cand, ref[1]) <= 1e-12
+
+
+def test_weight_grads_reach_weight_and_bias():
+    """The functional op slices `weight` outside the op: its gradient is the two column blocks' gradients."""
+    case = Case(3, 4, 5, 6, 3, (2, 0, 1, 0, 2), True, 8)
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case)
+    weight.requires_grad_()
+    bias.requires_grad_()
+    ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias).backward(grad_out)
+    _, _, d_user_weight, d_cand_weight, d_bias = reference_grads(
+        case, (user_emb, cand_emb, cand_to_user, weight, bias, grad_out)
+    )
+    assert rel_err(weight.grad, torch.cat([d_user_weight, d_cand_weight], dim=1)) <= 1e-12
+    assert rel_err(bias.grad, d_bias) <= 1e-12
+
+
+# ---------------------------------------------------------------- no user tensor at B rows
+
+
+def test_torch_path_never_replicates_user_rows():
+    """U = 5, B = 11 and every other dim distinct from both: a float tensor of B rows made only from U-row inputs
+    would be a replicated user tensor."""
+    case = Case(3, 4, 6, 7, 5, (4, 0, 0, 2, 4, 4, 1, 0, 2, 2, 4), True, 9)
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case)
+    user_weight, cand_weight = weight[:, :3], weight[:, 3:]
+    detector = ReplicationDetector(case.num_users, len(case.mapping))
+    with detector:
+        lce._linear_compress_torch(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias)
+        grads = lce._linear_compress_backward_torch(
+            grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, (True,) * 5
+        )
+    assert detector.replications == []
+    ref = reference_grads(case, (user_emb, cand_emb, cand_to_user, weight, bias, grad_out))
+    for name, got, want in zip(GRAD_NAMES, grads, ref, strict=True):
+        assert rel_err(got, want) <= 1e-12, name
+
+
+# ---------------------------------------------------------------- training: the padded cache follows the weights
+
+
+def _optimizer_step_changes_result(device, dtype, backend, tol) -> None:
+    case = Case(20, 13, 16, 24, 3, (2, 0, 1, 0, 2, 2, 1), True, 10)
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case, dtype, device)
+    packed = PackedLinearCompress.from_weight(
+        torch.nn.Parameter(weight), case.num_user_tokens, torch.nn.Parameter(bias)
+    )
+    assert [name for name, _ in packed.named_parameters()] == ["user_weight", "cand_weight", "bias"]
+    before = packed.cand_weight_padded.clone()
+    optimizer = torch.optim.SGD(packed.parameters(), lr=0.5)
+    packed(user_emb, cand_emb, cand_to_user, backend=backend).backward(grad_out)
+    optimizer.step()
+    after = packed(user_emb, cand_emb, cand_to_user, backend=backend)
+    updated = torch.cat([packed.user_weight, packed.cand_weight], dim=1).detach()
+    want = replicated(
+        user_emb.double().cpu(),
+        cand_emb.double().cpu(),
+        cand_to_user.cpu(),
+        updated.double().cpu(),
+        packed.bias.detach().double().cpu(),
+    )
+    assert rel_err(after.detach(), want) <= tol
+    assert rel_err(packed.cand_weight_padded[:, : case.num_cand_tokens], packed.cand_weight.detach()) == 0
+    assert not torch.equal(before, packed.cand_weight_padded)
+
+
+def test_optimizer_step_refreshes_padded_weights():
+    _optimizer_step_changes_result("cpu", torch.float64, "auto", 1e-12)
+
+
+def test_from_weight_copies_and_inherits_requires_grad():
+    weight = torch.randn(4, 5)
+    frozen = PackedLinearCompress.from_weight(weight, 2)
+    assert not frozen.user_weight.requires_grad and frozen.bias is None
+    trained = PackedLinearCompress.from_weight(torch.nn.Parameter(weight), 2, torch.nn.Parameter(torch.zeros(4)))
+    assert trained.user_weight.requires_grad and trained.bias.requires_grad
+    trained.user_weight.data.zero_()
+    assert weight.abs().sum() > 0  # a copy: the source is untouched
+
+
+# ---------------------------------------------------------------- torch.compile and torch.export
+
+
+class Functional(torch.nn.Module):
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
+
+    def forward(self, user_emb, cand_emb, cand_to_user):
+        return torch.tanh(ikbo_linear_compress(user_emb, cand_emb, cand_to_user, self.weight, self.bias))
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, weight, bias, num_user_tokens):
+        super().__init__()
+        self.lce = PackedLinearCompress.from_weight(
+            torch.nn.Parameter(weight), num_user_tokens, torch.nn.Parameter(bias)
+        )
+
+    def forward(self, user_emb, cand_emb, cand_to_user):
+        return torch.tanh(self.lce(user_emb, cand_emb, cand_to_user))
+
+
+def _modules(case: Case, dtype=torch.float64, device="cpu"):
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case, dtype, device)
+    return (
+        [Functional(weight.clone(), bias.clone()), Holder(weight.clone(), bias.clone(), case.num_user_tokens)],
+        (user_emb, cand_emb, cand_to_user),
+        grad_out,
+    )
+
+
+def _forward_backward(module, inputs, grad_out):
+    user_emb, cand_emb = (t.detach().clone().requires_grad_() for t in inputs[:2])
+    module.zero_grad()
+    out = module(user_emb, cand_emb, inputs[2])
+    out.backward(grad_out)
+    return [out.detach(), user_emb.grad, cand_emb.grad] + [p.grad.clone() for p in module.parameters()]
+
+
+COMPILE_CASE = Case(4, 5, 6, 7, 3, (2, 0, 1, 0, 2), True, 11)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["functional", "packed"])
+def test_compile_fullgraph_matches_eager(which):
+    torch._dynamo.reset()
+    modules, inputs, grad_out = _modules(COMPILE_CASE)
+    module = modules[which]
+    eager = _forward_backward(module, inputs, grad_out)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break raises
+    got = _forward_backward(compiled, inputs, grad_out)
+    for want, have in zip(eager, got, strict=True):
+        assert rel_err(have, want) <= 1e-12
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["functional", "packed"])
+def test_export(which):
+    modules, inputs, _ = _modules(COMPILE_CASE)
+    exported = torch.export.export(modules[which], inputs)
+    assert "ikbo.linear_compress" in str(exported.graph)
+    assert rel_err(exported.module()(*inputs), modules[which](*inputs)) <= 1e-12
+
+
+# ---------------------------------------------------------------- Triton backward kernels under the interpreter
+
+
+@pytest.mark.skipif(INTERPRETING, reason="already interpreting: the interpreted tests run directly")
+def test_triton_interpreted():
+    """Run the `interpreted` tests below in a child process with TRITON_INTERPRET=1."""
+    run_interpreted(__file__)
+
+
+def _poisoned(shape, dtype, device="cpu"):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _check_backward_kernels(case, dtype, tol, device="cpu", splits=None, cand_gemm=None, reference=None) -> None:
+    """Every gradient of `_linear_compress_backward_triton`, written into NaN-poisoned buffers, against `reference`
+    (default: fp64 autograd of the replicated formula)."""
+    inputs = make_inputs(case, dtype, device)
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = inputs
+    ku = case.num_user_tokens
+    want = reference(inputs) if reference is not None else reference_grads(case, inputs)
+    shapes = (user_emb.shape, cand_emb.shape, (case.rows, ku), (case.rows, case.num_cand_tokens), (case.rows,))
+    grads = [_poisoned(shape, dtype, device) for shape in shapes]
+    user_sums = _poisoned((case.num_users, case.rows, case.dim), dtype, device)
+    needs = (True, True, True, True, bias is not None)
+    got = lce._linear_compress_backward_triton(
+        grad_out,
+        user_emb,
+        cand_emb,
+        cand_to_user,
+        weight[:, :ku],
+        weight[:, ku:],
+        needs,
+        grads,
+        user_sums,
+        splits,
+        cand_gemm,
+    )
+    for name, have, expected, need in zip(GRAD_NAMES, got, want, needs, strict=True):
+        if not need:
+            assert have is None, name
+            continue
+        assert bool(torch.isfinite(have).all()), (case, name)
+        err = rel_err(have, expected) if expected.numel() else 0.0
+        assert err <= tol, (case, name, err)
+
+
+# Several 16 × 16 tiles in N, Ku, Kc and D; tensor-descriptor (D·2 bytes a multiple of 16) and pointer (odd D) loads.
+INTERPRETED_CORNERS = [
+    Case(20, 13, 24, 20, 3, (2, 0, 1, 0, 2, 2, 1), True, 21),
+    Case(9, 17, 40, 33, 1, (0, 0, 0), False, 22),  # U = 1
+    Case(5, 6, 7, 5, 4, (3, 1, 0, 2), True, 23),  # B = U, odd D: pointer loads
+    Case(17, 3, 16, 18, 6, (5, 5, 1), True, 24),  # users without candidates
+    Case(0, 11, 16, 9, 3, (2, 0, 1), True, 25),  # Ku = 0
+    Case(13, 0, 16, 9, 3, (1, 2, 2, 0), True, 26),  # Kc = 0
+    Case(4, 5, 8, 6, 2, (1,), True, 27),  # B = 1
+    Case(4, 5, 8, 6, 2, (), True, 28),  # B = 0
+]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
+@pytest.mark.parametrize("case", INTERPRETED_CORNERS, ids=_corner_id)
+@pytest.mark.parametrize("splits", [None, 3], ids=["one-split", "three-splits"])
+def test_interpreted_backward_corners(case, splits):
+    _check_backward_kernels(case, torch.float16, FP16_TOL, splits=splits)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
+@settings(max_examples=6, deadline=None)
+@given(
+    case=cases(max_users=4, max_candidates=7, max_tokens=24, max_dim=24, max_rows=24), splits=st.sampled_from([None, 2])
+)
+def test_interpreted_backward_drawn(case, splits):
+    _check_backward_kernels(case, torch.float16, FP16_TOL, splits=splits)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
+def test_interpreted_bad_mapping_stays_in_bounds():
+    """The backward's kernels clamp a bad m[b] as the forward does: rows with m = -3 or U + 4 count for user 0 or
+    U - 1, and nothing is read or written out of bounds (the memcheck)."""
+    case = Case(9, 7, 16, 20, 3, (2, -3, 1, 7, 0), True, 29)
+
+    def clamped(inputs):
+        user_emb, cand_emb, cand_to_user, weight, bias, grad_out = inputs
+        return reference_grads(case, (user_emb, cand_emb, cand_to_user.clamp(0, 2), weight, bias, grad_out))
+
+    _check_backward_kernels(case, torch.float16, FP16_TOL, splits=2, reference=clamped)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
+@pytest.mark.parametrize("variant", ["fused", "persistent"])
+def test_interpreted_autograd_through_the_op(variant):
+    """The public op's autograd on the Triton path: forward by `variant` (every variant's forward is tested in
+    tests/test_linear_compress.py; the backward does not depend on it), backward by the Triton kernels."""
+    case = INTERPRETED_CORNERS[0]
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case, torch.float16)
+    leaves = [t.requires_grad_() for t in (user_emb, cand_emb, weight, bias)]
+    out = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias, backend="triton", variant=variant)
+    out.backward(grad_out)
+    want = reference_grads(case, (user_emb, cand_emb, cand_to_user, weight, bias, grad_out))
+    got = [
+        user_emb.grad,
+        cand_emb.grad,
+        weight.grad[:, : case.num_user_tokens],
+        weight.grad[:, case.num_user_tokens :],
+        bias.grad,
+    ]
+    for name, have, expected in zip(GRAD_NAMES, got, want, strict=True):
+        assert rel_err(have, expected) <= FP16_TOL, (variant, name)
+    assert all(t.grad is not None for t in leaves)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
+def test_interpreted_optimizer_step():
+    _optimizer_step_changes_result("cpu", torch.float16, "triton", FP16_TOL)
+
+
+# ---------------------------------------------------------------- CUDA, real sizes
+
+
+GPU_SHAPES = [
+    # (U, B, Ku, Kc, D, N, bias)
+    (15, 1024, 1024, 500, 256, 512, True),  # canonical
+    (1, 300, 64, 499, 200, 384, False),  # U = 1, odd Kc, D not a multiple of the tile
+    (257, 257, 40, 33, 100, 130, True),  # B = U, D·2 bytes not 16-aligned: pointer loads
+    (64, 40, 96, 0, 64, 256, True),  # Kc = 0, users without candidates
+    (8, 500, 0, 72, 128, 96, True),  # Ku = 0
+]
+
+
+def _gpu_case(shape) -> Case:
+    num_users, num_candidates, ku, kc, dim, rows, with_bias = shape
+    gen = torch.Generator().manual_seed(hash(shape) % 2**31)
+    weights = torch.rand(num_users, generator=gen) ** 2 + 0.05  # ragged counts, unsorted, some users without any
+    mapping = torch.multinomial(weights, num_candidates, replacement=True, generator=gen)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    return Case(ku, kc, dim, rows, num_users, tuple(mapping.tolist()), with_bias, seed)
+
+
+def _fp64_torch_grads(case: Case):
+    """The fp64 torch-path backward on the GPU (gradchecked on the CPU above): no replicated [B, Ku + Kc, D] tensor."""
+
+    def reference(inputs):
+        user_emb, cand_emb, cand_to_user, weight, bias, grad_out = (
+            None if t is None else t.double() if t.is_floating_point() else t for t in inputs
+        )
+        ku = case.num_user_tokens
+        needs = (True, True, True, True, bias is not None)
+        return lce._linear_compress_backward_torch(
+            grad_out, user_emb, cand_emb, cand_to_user, weight[:, :ku], weight[:, ku:], needs
+        )
+
+    return reference
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cand_gemm", ["ws", "tile"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
+def test_gpu_bf16_gradients_real_sizes(shape, cand_gemm):
+    case = _gpu_case(shape)
+    from kernels.linear_compress_ws import ws_supported
+
+    probe = torch.empty(1, max(case.rows, 1), case.dim, dtype=torch.bfloat16, device="cuda")
+    if cand_gemm == "ws" and not ws_supported(probe, probe):
+        pytest.skip("the warp-specialized kernel does not run here (not Hopper, or rows TMA cannot address)")
+    for _ in range(2):  # twice: nothing carried over between calls
+        _check_backward_kernels(
+            case, torch.bfloat16, BF16_TOL, "cuda", cand_gemm=cand_gemm, reference=_fp64_torch_grads(case)
+        )
+        torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_autograd_through_the_op():
+    case = _gpu_case(GPU_SHAPES[0])
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case, torch.bfloat16, "cuda")
+    for t in (user_emb, cand_emb, weight, bias):
+        t.requires_grad_()
+    ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias).backward(grad_out)
+    want = _fp64_torch_grads(case)(
+        (user_emb.detach(), cand_emb.detach(), cand_to_user, weight.detach(), bias.detach(), grad_out)
+    )
+    ku = case.num_user_tokens
+    got = [user_emb.grad, cand_emb.grad, weight.grad[:, :ku], weight.grad[:, ku:], bias.grad]
+    for name, have, expected in zip(GRAD_NAMES, got, want, strict=True):
+        assert rel_err(have, expected) <= BF16_TOL, name
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_optimizer_step():
+    _optimizer_step_changes_result("cuda", torch.bfloat16, "auto", BF16_TOL)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("variant", [*lce.VARIANTS, lce.WS_VARIANT])
+def test_gpu_bad_mapping_raises_deferred_and_strict(variant):
+    """An eager CUDA call returns before its mapping's range is known; the ValueError that names the bad value comes
+    at check_deferred() (or the next IKBO call that finds it arrived), and at once in strict mode."""
+    case = _gpu_case((15, 300, 64, 72, 128, 256, True))
+    user_emb, cand_emb, cand_to_user, weight, bias, _ = make_inputs(case, torch.bfloat16, "cuda")
+    wrong = cand_to_user.clone()
+    wrong[137] = 15
+    check_deferred()  # nothing left from earlier tests
+    ikbo_linear_compress(user_emb, cand_emb, wrong, weight, bias, backend="triton", variant=variant)
+    with pytest.raises(ValueError, match=r"^cand_to_user: value 15 is outside \[0, U=15\)"):
+        check_deferred()
+    with strict_checks(), pytest.raises(ValueError, match=r"^cand_to_user: value 15 is outside \[0, U=15\)"):
+        ikbo_linear_compress(user_emb, cand_emb, wrong, weight, bias, backend="triton", variant=variant)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("which", [0, 1], ids=["functional", "packed"])
+def test_gpu_compile_inductor_matches_eager(which):
+    torch._dynamo.reset()
+    case = _gpu_case((15, 300, 64, 72, 128, 256, True))
+    modules, inputs, grad_out = _modules(case, torch.bfloat16, "cuda")
+    module = modules[which]
+    eager = _forward_backward(module, inputs, grad_out)
+    got = _forward_backward(torch.compile(module, fullgraph=True), inputs, grad_out)
+    for want, have in zip(eager, got, strict=True):
+        assert rel_err(have, want) <= BF16_TOL
