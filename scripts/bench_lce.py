@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """IKBO linear compression benchmark: providers side by side at the canonical shape, then the B/U sweep.
 
-    scripts/bench_lce.py [--no-sweep] [--candidates 64,1024,16384] [--ratios 1,4,16,70,256,1024] [--graph]
-                         [--no-compile] [--no-ws] [--only PREFIX,...] [--smoke]
+    scripts/bench_lce.py [--backward] [--no-sweep] [--candidates 64,1024,16384] [--ratios 1,4,16,70,256,1024]
+                         [--graph] [--no-compile] [--no-ws] [--only PREFIX,...] [--smoke]
 
 Canonical shape (CANONICAL), bf16: B=1024 candidates, U=15 users with ragged counts (unsorted mapping), Ku=1024,
 Kc=500, D=256, N=512; FLOPs 2·N·D·(U·Ku + B·Kc), the IKBO work. Providers: S0 eager (the baseline: user_emb
@@ -10,8 +10,15 @@ replicated to B rows, concatenated along K, one batched matmul), torch.compile(S
 two GEMMs and the gathered add), torch.compile(S1), the Triton variants without the op's input checks
 (kernels/linear_compress.py), warp_specialized (the Gluon kernel, kernels/linear_compress_ws.py; Hopper) and
 the public op (input checks, the default variant). The reference is S0 in fp64.
-Sweep: B in --candidates, B/U in --ratios (U = round(B / ratio), at least 1): S0 against fused, persistent, warp_specialized and the public
-op, checked on the first CHECKED_HEAD candidates; --graph adds CUDA-graph replays up to B = 1024.
+Sweep: B in --candidates, B/U in --ratios (U = round(B / ratio), at least 1): S0 against fused, persistent,
+warp_specialized and the public op, checked on the first CHECKED_HEAD candidates; --graph adds CUDA-graph replays
+up to B = 1024.
+--backward: forward + backward (dout given) instead, FLOPs 3 × the IKBO forward. Providers: S0 + autograd (the
+baseline), S1 + autograd (decomposed torch: two GEMMs, a gather whose backward is an index_add), ours (a
+PackedLinearCompress, gradients to the inputs and its Parameters); at the canonical shape also ours split into
+forward, backward and the backward's kernels. Checked in fp64 (ikbo_backend/perf/lce_cases.py): out and d_cand_emb
+on the first CHECKED_HEAD candidates, d_user_emb on as many users, the weight gradients projected on fixed random
+vectors, d_bias whole. Sweep: B/U in 1,16,70,256 by default.
 Checking, timing, floor, tables ($OUT/lce_bench.md): ikbo_backend/perf/harness.py.
 """
 
@@ -19,7 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 if "--smoke" in sys.argv:
@@ -27,78 +34,20 @@ if "--smoke" in sys.argv:
 
 import torch
 
+from ikbo_backend.perf import lce_cases as cases
 from ikbo_backend.perf.harness import Bench, Case, Provider, argument_parser, nan_like
+from ikbo_backend.perf.lce_cases import CHECKED_HEAD, Shape, make_inputs, reference, s0_materialized, train_case
 from kernels.linear_compress import VARIANTS, WS_VARIANT, PackedLinearCompress
 from kernels.linear_compress_ws import ws_supported
 
-
-@dataclass(frozen=True)
-class Shape:
-    num_users: int  # U
-    num_candidates: int  # B
-    ku: int  # user tokens
-    kc: int  # candidate tokens
-    dim: int  # D
-    rows: int  # N
-
-    def flops(self) -> float:
-        return 2.0 * self.rows * self.dim * (self.num_users * self.ku + self.num_candidates * self.kc)
-
-    def min_bytes(self, elem: int) -> float:
-        """Each input read once, the output written once (the mapping in int32)."""
-        users, cands = self.num_users * self.ku * self.dim, self.num_candidates * self.kc * self.dim
-        weights, out = self.rows * (self.ku + self.kc + 1), self.num_candidates * self.rows * self.dim
-        return float(elem * (users + cands + weights + out) + 4 * self.num_candidates)
-
-
-CANONICAL = Shape(num_users=15, num_candidates=1024, ku=1024, kc=500, dim=256, rows=512)
-SMOKE_CANONICAL = Shape(num_users=3, num_candidates=12, ku=20, kc=13, dim=32, rows=24)
 SWEEP_CANDIDATES = (64, 1024, 16384)
 SMOKE_SWEEP_CANDIDATES = (4, 16)
 SWEEP_RATIOS = (1, 4, 16, 70, 256, 1024)
+TRAIN_SWEEP_RATIOS = (1, 16, 70, 256)
 SWEEP_VARIANTS = ("fused", "persistent", WS_VARIANT)
-CHECKED_HEAD = 256  # sweep: candidates checked against fp64 (S0 in fp64 at B = 16384 would take 51 GB)
 GRAPH_MAX_CANDIDATES = 1024  # --graph: the host's launch time matters only for small problems
 TOL = 1e-2
 BASELINE = "S0 eager (baseline)"
-
-
-def make_inputs(shape: Shape, device, dtype, seed: int):
-    """Fresh random (user_emb [U, Ku, D], cand_emb [B, Kc, D], cand_to_user [B] int32 unsorted with unequal counts,
-    weight [N, Ku + Kc], bias [N])."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*size):
-        return torch.randn(*size, generator=gen, device=device, dtype=dtype)
-
-    weights = torch.rand(shape.num_users, generator=gen, device=device) ** 2 + 0.05
-    mapping = torch.multinomial(weights, shape.num_candidates, replacement=True, generator=gen).int()
-    depth = shape.ku + shape.kc
-    user_emb, cand_emb = randn(shape.num_users, shape.ku, shape.dim), randn(shape.num_candidates, shape.kc, shape.dim)
-    return user_emb, cand_emb, mapping, randn(shape.rows, depth) / depth**0.5, randn(shape.rows)
-
-
-def s0_materialized(user_emb, cand_emb, cand_to_user, weight, bias):
-    """S0: user_emb replicated to B rows, concatenated along K, one batched matmul with the bias fused."""
-    tokens = torch.cat([user_emb.index_select(0, cand_to_user), cand_emb], dim=1)  # [B, Ku + Kc, D]
-    num_candidates, _, dim = tokens.shape
-    bias = bias[None, :, None].expand(num_candidates, -1, dim)
-    return torch.baddbmm(bias, weight.expand(num_candidates, -1, -1), tokens)
-
-
-def s1_gather(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias):
-    """S1 for torch.compile: two GEMMs at natural batch sizes, then the gathered add of the [U, N, D] result."""
-    user_part = torch.matmul(user_weight, user_emb)  # [U, N, D]
-    cand_part = torch.matmul(cand_weight, cand_emb)  # [B, N, D]
-    return cand_part + bias[:, None] + user_part[cand_to_user]
-
-
-def reference(inputs, head: int) -> torch.Tensor:
-    """S0 in fp64 over the first `head` candidates → [head, N, D]."""
-    user_emb, cand_emb, cand_to_user, weight, bias = inputs
-    users = user_emb.index_select(0, cand_to_user[:head]).double()  # one row a candidate: the replicated formula
-    mapping = torch.arange(users.shape[0], device=users.device)
-    return s0_materialized(users, cand_emb[:head].double(), mapping, weight.double(), bias.double())
 
 
 def triton_provider(packed: PackedLinearCompress, args, variant: str, graph: bool) -> Provider:
@@ -127,7 +76,7 @@ def providers(inputs, shape: Shape, variants, canonical: bool, with_compile: boo
     table = {BASELINE: Provider(lambda: s0_materialized(*inputs), graph=graph, note="user_emb replicated to B rows")}
     with_compile = canonical and with_compile
     if with_compile:
-        s0_compiled, s1_compiled = torch.compile(s0_materialized), torch.compile(s1_gather)
+        s0_compiled, s1_compiled = torch.compile(s0_materialized), torch.compile(cases.s1_gather)
         table["torch.compile(S0)"] = Provider(lambda: s0_compiled(*inputs), optional=True)
     if canonical:
         table["S1 eager (torch path)"] = Provider(lambda: packed(*args, backend="torch"))
@@ -148,7 +97,7 @@ def case(shape: Shape, device, dtype, seed: int, head: int, **options) -> Case:
     return Case(table, reference(inputs, head), shape.flops(), shape.min_bytes(elem), BASELINE, title)
 
 
-def sweep_points(shape: Shape, candidate_counts, ratios, device, dtype, variants, graph: bool):
+def sweep_points(shape: Shape, candidate_counts, ratios, device, dtype, variants, graph: bool, train: bool):
     """(parameters, setup) per distinct (U, B); U = max(1, round(B / ratio)) repeats U = 1 past B: timed once."""
     points = {}
     for num_candidates in candidate_counts:
@@ -158,34 +107,48 @@ def sweep_points(shape: Shape, candidate_counts, ratios, device, dtype, variants
         point = replace(shape, num_users=num_users, num_candidates=num_candidates)
         with_graph = graph and num_candidates <= GRAPH_MAX_CANDIDATES
         options = dict(variants=variants, canonical=False, with_compile=False, graph=with_graph)
-        setup = partial(case, point, device, dtype, num_candidates + ratio, CHECKED_HEAD, **options)
+        seed = num_candidates + ratio
+        setup = partial(train_case, point, device, dtype, seed, CHECKED_HEAD, canonical=False) if train else None
+        setup = setup or partial(case, point, device, dtype, seed, CHECKED_HEAD, **options)
         yield dict(B=num_candidates, U=num_users, **{"B/U": f"{num_candidates / num_users:.0f}"}), setup
 
 
 def main(argv=None):
     parser = argument_parser(__doc__)
+    parser.add_argument("--backward", action="store_true", help="forward + backward instead of the forward")
     parser.add_argument("--no-sweep", action="store_true", help="the canonical shape only")
     parser.add_argument("--candidates", default="", help="sweep: candidate counts B (default 64,1024,16384)")
-    parser.add_argument("--ratios", default=",".join(map(str, SWEEP_RATIOS)), help="sweep: B/U ratios")
+    parser.add_argument(
+        "--ratios", default="", help="sweep: B/U ratios (default 1,4,16,70,256,1024; --backward 1,16,70,256)"
+    )
     parser.add_argument("--graph", action="store_true", help="sweep: also time CUDA-graph replays (B ≤ 1024)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile providers")
     parser.add_argument("--no-ws", action="store_true", help=f"leave out {WS_VARIANT} (Gluon, warp-specialized)")
     args = parser.parse_args(argv)
     bench = Bench("lce_bench", args.smoke, args.only)
     dtype = torch.float32 if args.smoke else torch.bfloat16  # Triton 3.6's interpreter gets bf16 dots wrong
-    shape = SMOKE_CANONICAL if args.smoke else CANONICAL
+    smoke_shape = cases.SMOKE_TRAIN if args.backward else cases.SMOKE_CANONICAL
+    shape = smoke_shape if args.smoke else cases.CANONICAL
     variants = tuple(v for v in (*VARIANTS, WS_VARIANT) if not (args.no_ws and v == WS_VARIANT))
     with_compile = not (args.no_compile or args.smoke)
     options = dict(variants=variants, canonical=True, with_compile=with_compile, graph=True)
-    bench.table(case(shape, bench.device, dtype, 1, shape.num_candidates, **options), TOL)
+    if args.backward:
+        bench.table(train_case(shape, bench.device, dtype, 1, CHECKED_HEAD, canonical=True), TOL)
+    else:
+        bench.table(case(shape, bench.device, dtype, 1, shape.num_candidates, **options), TOL)
     if not args.no_sweep:
         counts = SMOKE_SWEEP_CANDIDATES if args.smoke else SWEEP_CANDIDATES
         counts = tuple(int(b) for b in args.candidates.split(",")) if args.candidates else counts
-        ratios = tuple(int(r) for r in args.ratios.split(","))
+        ratios = TRAIN_SWEEP_RATIOS if args.backward else SWEEP_RATIOS
+        ratios = tuple(int(r) for r in args.ratios.split(",")) if args.ratios else ratios
         sweep_variants = tuple(v for v in SWEEP_VARIANTS if v in variants)
-        points = sweep_points(shape, counts, ratios, bench.device, dtype, sweep_variants, args.graph)
+        points = sweep_points(shape, counts, ratios, bench.device, dtype, sweep_variants, args.graph, args.backward)
         names = [BASELINE, *(f"Triton {v}" for v in sweep_variants), "public op"]
-        title = f"Sweep (Ku={shape.ku}, Kc={shape.kc}, D={shape.dim}, N={shape.rows}; first {CHECKED_HEAD} checked)"
+        names = [cases.TRAIN_BASELINE, cases.DECOMPOSED, cases.OURS] if args.backward else names
+        what = "forward + backward, " if args.backward else ""
+        title = (
+            f"Sweep, {what}Ku={shape.ku}, Kc={shape.kc}, D={shape.dim}, N={shape.rows}; first {CHECKED_HEAD} checked"
+        )
         bench.sweep(title, points, names, TOL)
     bench.finish()
 

@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
     ("argv", "table", "row"),
     [
         (["lce", "--smoke", "--candidates", "4", "--ratios", "4"], "lce_bench.md", "| Triton fused "),
+        (["lce", "--smoke", "--backward", "--candidates", "4", "--ratios", "4"], "lce_bench.md", "| ours: backward "),
         (["attention", "--smoke"], "attention_bench.md", "| ours: plan + kernel as dispatched"),
     ],
-    ids=["lce", "attention"],
+    ids=["lce", "lce-backward", "attention"],
 )
 def test_bench_smoke(argv, table, row, tmp_path):
     run = subprocess.run(
