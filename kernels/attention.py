@@ -1,4 +1,4 @@
-"""IKBO attention: candidate queries attend to their user's sequence, K/V never replicated.
+"""IKBO attention: candidate queries attend to their user's sequence, K/V never replicated, forward or backward.
 
 Target attention, per candidate b with user u = m[b]:
     out[b] = softmax(scale · q[b] · k[u]ᵀ, keys j < kv_len[u]) · v[u]
@@ -8,12 +8,23 @@ q [B, H, S, d] candidate query tokens, k/v [U, H, L, d] user sequences, kv_len [
 Self + target attention shares k/v: each user's sequence attends to itself (causal by default,
 keys < kv_len, query rows ≥ kv_len are zeros) and the candidates attend as above.
 
-Torch path: groups candidates by user once per batch and runs one attention per user whose query
-block holds all S tokens of all that user's candidates, so each user's K/V is read once.
+Backward, with P the probabilities, Δ_i = Σ_d dO_i·O_i and dS = P ∘ (dO·Vᵀ − Δ): dQ = scale·dS·K per query row;
+dV[u] = Σ Pᵀ·dO and dK[u] = scale·Σ dSᵀ·Q, summed over all of user u's candidates' query rows (and its own
+self-attention rows): the in-kernel broadcast of the forward turned into an in-kernel reduction.
 
-Triton path (CUDA, bf16/fp16, d ∈ {16, 32, 64, 128}): two launches per call and one wait, for the
-plan's range flag (copied to pinned memory between the launches, so the op returns while the
-attention kernel runs), so that bad indices still raise the ValueError naming them.
+Both ops are torch.library custom ops (`ikbo::attention`, `ikbo::self_target_attention`) with fake
+implementations and registered autograd, whose backward is a second op (`ikbo::attention_backward`,
+`ikbo::self_target_attention_backward`). The public functions check shapes, dtypes and devices (no device values)
+and call the op; the backend's kernels and every check of index values run inside it.
+
+Torch path: groups candidates by user once per batch and runs one attention per user whose query
+block holds all S tokens of all that user's candidates, so each user's K/V is read once; its backward
+computes the same blocks' gradients (explicit formulas, fp32), dK[u] and dV[u] summed in the block's products.
+
+Triton path (CUDA, bf16/fp16, d ∈ {16, 32, 64, 128}): two launches per call, no wait for the device: the
+plan's range flag is copied to pinned memory behind the plan kernel and its check (the ValueError naming a bad
+index value) is deferred to a later IKBO call, `kernels.check_deferred()`, or made at once in strict mode
+(`kernels.strict_checks()`); the kernels clamp or skip bad values.
   1. `_plan_kernel`, one program per user, segments `cand_to_user` by user: the candidates in
      user order (`order`, stable) and a table of query tiles. A user's candidates are laid out as
      count·S "virtual" query rows (candidate-major, S tokens each) cut into BLOCK_M-row tiles, so
@@ -23,14 +34,20 @@ attention kernel runs), so that bad indices still raise the ValueError naming th
      accumulators), and scatters the rows back to [B, H, S, d]. Tiles of one user are adjacent in
      the grid and heads are the slow axis, so programs sharing K/V[u, h] run together (L2 reuse).
      With self-attention fused, the users' causal query tiles (longest first) come before the
-     candidate tiles in the same grid, over the same K/V.
+     candidate tiles in the same grid, over the same K/V. When autograd will need the backward, each
+     row's log-sum-exp (base 2) is stored too (WRITE_LSE).
+Backward (`_launch_backward`), three launches: the plan again (with each user's candidate range),
+`_attention_bwd_dq_kernel` over the forward's tiles (Δ of its rows, stored, then dQ over the user's keys, the
+probabilities recomputed from the stored log-sum-exp) and `_attention_bwd_dkdv_kernel`, one program per (user,
+head, 128-key block): its K/V block stays in registers while it walks all of the user's candidate query rows (and
+its own causal rows), dK and dV accumulated in fp32 and written once; users with the most rows start first.
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; FlashAttention-2
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
 Hopper: attention (no plan given, no tuned tile) goes to the warp-specialized Gluon kernel of
 kernels/attention_ws.py at the shapes where it is the faster one (`attention_ws.prefer_ws`: bf16/fp16,
 d ∈ {64, 128}, S ≥ 64, L ≥ 512, ≥ 256 query rows a user), self + target too where its rows are
 16-byte aligned (`self_target_ws_ok`) and, with kv_len, from L = 1024; and wherever a tuned choice says
-`WS_CHOICE`; the rest here. Design and measurements: docs/design/attention.md.
+`WS_CHOICE`; the rest here. It writes the log-sum-exp too. Design and measurements: docs/design/attention.md.
 """
 
 from __future__ import annotations
@@ -1047,17 +1064,18 @@ def _launch(
 # fmt: on
 
 
-def pick_backward_configs(rows_per_user: float, interpret: bool) -> tuple[TileConfig, TileConfig]:
+def pick_backward_configs(rows_per_user: float, head_dim: int, interpret: bool) -> tuple[TileConfig, TileConfig]:
     """(dQ kernel tiles: BLOCK_M query rows × BLOCK_N keys a step, the forward's tiles with three products a step
-    instead of two, so no register cap; dK/dV kernel tiles: BLOCK_M query rows a step × BLOCK_N keys a program,
-    whose fp32 dK and dV [BLOCK_N, d] stay in registers for the whole walk)."""
+    instead of two, so no register cap (190 registers at d = 128); dK/dV kernel tiles: BLOCK_M query rows a step ×
+    BLOCK_N keys a program, 8 warps, whose fp32 dK and dV [128, d] stay in registers for the whole walk: 32 rows a
+    step at d = 128 (228 registers; 64 rows spill), 64 below)."""
     if interpret:
         return TileConfig(16, 16, num_warps=4, num_stages=1), TileConfig(16, 32, num_warps=4, num_stages=1)
     if rows_per_user <= 64:
         dq = TileConfig(64, 64, num_warps=4, num_stages=2)
     else:
         dq = TileConfig(128, 64, num_warps=8, num_stages=2)
-    return dq, TileConfig(64, 128, num_warps=8, num_stages=2)
+    return dq, TileConfig(32 if head_dim > 64 else 64, 128, num_warps=8, num_stages=2)
 
 
 RANKED_USERS = 64  # up to this many users, the dK/dV programs of the users with the most query rows start first
@@ -1085,7 +1103,7 @@ def _launch_backward(
     if num_users * heads * seq_len == 0 or (num_candidates == 0 and not with_self):
         return dq.zero_(), dk.zero_(), dv.zero_(), None if duq is None else duq.zero_()
     rows_per_user = num_candidates * num_queries / num_users + (seq_len if with_self else 0)
-    dq_cfg, kv_cfg = config or pick_backward_configs(rows_per_user, interpreting())
+    dq_cfg, kv_cfg = config or pick_backward_configs(rows_per_user, head_dim, interpreting())
     users = torch.empty(num_users, 2, dtype=torch.int32, device=q.device)
     order, tiles, max_tiles, _ = plan_tiles(cand_to_user, num_users, num_queries, dq_cfg.block_m, kv_len, seq_len, users)
     delta = torch.empty_like(lse)

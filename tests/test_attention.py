@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import attention, ikbo_attention, ikbo_self_target_attention
+from kernels import attention, check_deferred, ikbo_attention, ikbo_self_target_attention, strict_checks
 from kernels._interpreter import interpreting
 from kernels.configs import TileConfig
 from kernels.reference import attention_reference, self_attention_reference
@@ -515,18 +516,29 @@ def test_cuda_tile_options(case, options):
 
 
 @cuda_only
+@pytest.mark.parametrize("strict", [False, True], ids=["deferred", "strict"])
 @pytest.mark.parametrize(
     "name, change", [(n, c) for n, c in BAD_INPUTS if n in ("cand_to_user", "kv_len")], ids=lambda x: str(x)[:40]
 )
-def test_cuda_bad_index_values_raise(name, change):
-    """On CUDA the op waits for the plan's flag only (its pinned copy, not the attention kernel),
-    then raises the ValueError naming the argument; the next valid call is unaffected."""
+def test_cuda_bad_index_values_raise(name, change, strict):
+    """On CUDA the op does not wait for the device: a bad shape or dtype raises at the call, a bad value (the
+    plan's flag, copied to the host behind the plan kernel) the ValueError naming the argument at check_deferred(),
+    or at the call in strict mode; the next valid call is unaffected."""
     args = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in {**_good(), **change}.items()}
     args["q"], args["k"], args["v"] = (
         torch.randn(*args[n].shape[:3], 64, device="cuda", dtype=torch.bfloat16) for n in ("q", "k", "v")
     )
-    with pytest.raises(ValueError, match=rf"^{name}:"):
-        ikbo_attention(args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"])
+    call = partial(ikbo_attention, args["q"], args["k"], args["v"], args["cand_to_user"], args["kv_len"])
+    shape_ok = args["cand_to_user"].shape == (4,) and not args["cand_to_user"].is_floating_point()
+    shape_ok = shape_ok and args["kv_len"].shape == (3,) and not args["kv_len"].is_floating_point()
+    with strict_checks(strict):
+        if strict or not shape_ok:
+            with pytest.raises(ValueError, match=rf"^{name}:"):
+                call()
+        else:
+            call()  # returns without waiting for the device
+            with pytest.raises(ValueError, match=rf"^{name}:"):
+                check_deferred()
     good = {n: t.cuda() for n, t in _good().items()}
     out = ikbo_attention(args["q"], args["k"], args["v"], good["cand_to_user"], good["kv_len"])
     assert_rows_close(

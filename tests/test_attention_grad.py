@@ -1,0 +1,461 @@
+"""Gradients of IKBO attention (`ikbo::attention`, `ikbo::self_target_attention`) against fp64 autograd.
+
+CPU:
+- `torch.autograd.gradcheck` in fp64 through the public ops (torch path) on hypothesis-drawn problems (U = 1, B = 1,
+  B = 0, users without candidates, unsorted mappings, kv_len 0 and L, strided and fused-QKV layouts), causal and
+  not; U = 1, B = 1 outputs carry a grad_fn;
+- the torch-path forward and backward functions under `ReplicationDetector` (a dispatch mode sees a custom op as
+  one op, so the functions are run themselves): no user tensor at B rows;
+- torch.compile(fullgraph=True) of small modules calling each op (aot_eager: the ops' fakes and autograd
+  traced), forward and backward equal to eager; torch.export of the same modules.
+Under TRITON_INTERPRET=1 (the `interpreted_*` tests, in a child process; every kernel access memchecked): the
+Triton forward with its log-sum-exp and the backward kernels on small fp16 problems, every gradient written into
+NaN-poisoned buffers, against fp64 autograd of a replicated reference (K/V indexed to B rows: only the reference
+does that), at several tile shapes; and the public op's autograd on the Triton path.
+GPU (skipped without CUDA): every gradient at the canonical size (U = 15 ragged, B = 1024, S = 64, L = 1024, H = 4,
+d = 128), with and without kv_len, target and self + target, bf16, rel err ≤ 2e-2 against fp64, gradients
+poisoned first; through the public ops' autograd too; bad index values raise at check_deferred() and in strict mode.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from interpreted import run_interpreted
+from test_attention import make_inputs, problems
+
+from ikbo_backend.transform import ReplicationDetector
+from kernels import attention, check_deferred, ikbo_attention, ikbo_self_target_attention, strict_checks
+from kernels._interpreter import interpreting
+from kernels.configs import TileConfig
+from kernels.reference import rel_err
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and interpreting()
+HAS_CUDA = torch.cuda.is_available() and not INTERPRETING
+GRADCHECK = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+tiny_problems = problems(max_users=3, max_queries=2, max_len=4, max_heads=2, head_dims=(1, 2, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: K/V replicated to B rows, fp64, differentiable everywhere
+# ---------------------------------------------------------------------------------------------
+
+
+def _masked_attention(q, k, v, valid, scale):
+    """softmax(scale·q·kᵀ over valid keys)·v; rows without a valid key give 0 (and gradient 0, no NaN)."""
+    scores = (scale * q @ k.transpose(-1, -2)).masked_fill(~valid, float("-inf"))
+    live = valid.any(dim=-1, keepdim=True)
+    return (torch.softmax(torch.where(live, scores, 0.0), dim=-1) * live) @ v
+
+
+def reference(q, k, v, cand_to_user, kv_len=None, scale=None, user_q=None, causal=True):
+    """fp64 target attention over k[m], v[m] (the broadcast IKBO avoids), and with user_q the users' self-attention
+    (rows ≥ kv_len zeros) → cand_out, or (user_out, cand_out)."""
+    q, k, v = q.double(), k.double(), v.double()
+    num_users, _, seq_len, head_dim = k.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    lengths = torch.full((num_users,), seq_len, device=k.device) if kv_len is None else kv_len.long()
+    mapping = cand_to_user.long()
+    keys = torch.arange(seq_len, device=k.device)
+    cand_out = _masked_attention(q, k[mapping], v[mapping], (keys < lengths[mapping][:, None])[:, None, None], scale)
+    if user_q is None:
+        return cand_out
+    rows = keys < lengths[:, None]  # [U, L]
+    mask = (rows[:, :, None] & rows[:, None, :])[:, None]
+    if causal:
+        mask = mask & (keys[None, :] <= keys[:, None])
+    return _masked_attention(user_q.double(), k, v, mask, scale), cand_out
+
+
+def reference_grads(inputs, grads_out, **kwargs):
+    """fp64 gradients of `reference` for the given output gradients: inputs (q, k, v[, user_q]) → same order."""
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    user_q = leaves[3] if len(leaves) == 4 else None
+    outs = reference(*leaves[:3], user_q=user_q, **kwargs)
+    outs = outs[::-1] if user_q is not None else (outs,)  # (cand_out, user_out)
+    torch.autograd.backward(list(outs), [g.double() for g in grads_out])
+    return [t.grad for t in leaves]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: gradcheck through the public ops (torch path)
+# ---------------------------------------------------------------------------------------------
+
+
+def _leaves(*tensors):
+    return [t.detach().requires_grad_() for t in tensors]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny problems, many calls: one intra-op thread (a busy machine's second thread makes each call far slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@GRADCHECK
+@given(p=tiny_problems)
+def test_target_attention_gradcheck(one_thread, p):
+    q, k, v = _leaves(*make_inputs(p, torch.float64)[:3])
+    _, _, _, _, cand_to_user, kv_len = make_inputs(p)
+
+    def op(q, k, v):
+        return ikbo_attention(q, k, v, cand_to_user, kv_len, scale=p["scale"], backend="torch")
+
+    assert torch.autograd.gradcheck(op, (q, k, v))
+
+
+@GRADCHECK
+@given(p=tiny_problems, causal=st.booleans())
+def test_self_target_attention_gradcheck(one_thread, p, causal):
+    q, k, v, user_q = _leaves(*make_inputs(p, torch.float64)[:4])
+    _, _, _, _, cand_to_user, kv_len = make_inputs(p)
+
+    def op(user_q, q, k, v):
+        return ikbo_self_target_attention(
+            user_q, q, k, v, cand_to_user, kv_len, causal=causal, scale=p["scale"], backend="torch"
+        )
+
+    assert torch.autograd.gradcheck(op, (user_q, q, k, v))
+
+
+def test_one_user_one_candidate_has_a_grad_fn():
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(2))
+    out = ikbo_attention(q, k, v, torch.tensor([0]))
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+def test_no_candidates():
+    """B = 0: target gradients are zeros; with self-attention, K/V gradients come from the users' rows alone."""
+    q = torch.randn(0, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    k, v, user_q = _leaves(*(torch.randn(2, 2, 5, 4, dtype=torch.float64) for _ in range(3)))
+    mapping, kv_len = torch.zeros(0, dtype=torch.int64), torch.tensor([5, 2])
+    ikbo_attention(q, k, v, mapping, kv_len).sum().backward()
+    assert q.grad.shape == q.shape and k.grad.abs().sum() == 0 and v.grad.abs().sum() == 0
+    k.grad = v.grad = None
+    user_out, cand_out = ikbo_self_target_attention(user_q, q, k, v, mapping, kv_len)
+    (user_out.sum() + cand_out.sum()).backward()
+    want = reference_grads(
+        (q, k, v, user_q), (torch.zeros_like(q), torch.ones_like(user_q)), cand_to_user=mapping, kv_len=kv_len
+    )
+    for got, ref in zip((k.grad, v.grad, user_q.grad), want[1:]):
+        assert rel_err(got, ref) <= 1e-10
+
+
+def test_lse_only_where_autograd_needs_it():
+    """The forward keeps its softmax statistics only when a backward can follow."""
+    q, k, v = (torch.randn(3, 2, 4, 8, requires_grad=True) for _ in range(3))
+    assert attention._keeps_lse(q, k, v) and attention._keeps_lse(q.detach(), k, v.detach())
+    assert not attention._keeps_lse(q.detach(), k.detach(), v.detach())
+    for context in (torch.inference_mode(), torch.no_grad()):
+        with context:
+            assert not attention._keeps_lse(q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: no backward builds a user tensor at B rows
+# ---------------------------------------------------------------------------------------------
+
+
+def test_torch_backward_never_replicates_user_tensors():
+    """The torch-path forward and backward functions (U = 3, B = 7: row counts that no other dim has)."""
+    num_users, num_candidates, heads, num_queries, seq_len, head_dim = 3, 7, 2, 5, 11, 4
+    q, grad_out = (torch.randn(num_candidates, heads, num_queries, head_dim) for _ in range(2))
+    user_q, k, v, grad_user_out = (torch.randn(num_users, heads, seq_len, head_dim) for _ in range(4))
+    cand_to_user, kv_len = torch.tensor([2, 0, 2, 2, 1, 0, 2]), torch.tensor([11, 4, 0])
+    with ReplicationDetector(num_users, num_candidates) as detector:
+        attention._target_attention_torch(q, k, v, cand_to_user, kv_len, 0.5)
+        attention._target_attention_torch_backward(grad_out, q, k, v, cand_to_user, kv_len, 0.5)
+        attention._self_attention_torch(user_q, k, v, kv_len, True, 0.5)
+        attention._self_attention_torch_backward(grad_user_out, user_q, k, v, kv_len, True, 0.5)
+    assert detector.replications == []
+    with ReplicationDetector(num_users, num_candidates) as detector:  # the detector does see a replication
+        reference(q, k, v, cand_to_user, kv_len)
+    assert detector.replications
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: torch.compile and torch.export
+# ---------------------------------------------------------------------------------------------
+
+
+class Target(torch.nn.Module):
+    def forward(self, q, k, v, cand_to_user, kv_len):
+        return ikbo_attention(q * 2, k, v, cand_to_user, kv_len).relu()
+
+
+class SelfTarget(torch.nn.Module):
+    def forward(self, user_q, q, k, v, cand_to_user, kv_len):
+        user_out, cand_out = ikbo_self_target_attention(user_q, q, k, v, cand_to_user, kv_len)
+        return user_out.sum(dim=2), cand_out * 3
+
+
+def _module_inputs(module):
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(6, 2, 3, 8, generator=gen)
+    user_q, k, v = (torch.randn(4, 2, 5, 8, generator=gen) for _ in range(3))
+    mapping, kv_len = torch.tensor([3, 0, 3, 1, 0, 3], dtype=torch.int32), torch.tensor([5, 0, 2, 4])
+    if isinstance(module, Target):
+        return (q, k, v, mapping, kv_len)
+    return (user_q, q, k, v, mapping, kv_len)
+
+
+def _outputs_and_grads(module, inputs):
+    inputs = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    outs = module(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return list(outs) + [t.grad for t in inputs if t.is_floating_point()]
+
+
+@pytest.mark.parametrize("module", [Target(), SelfTarget()], ids=["target", "self_target"])
+def test_compile_fullgraph_matches_eager(module):
+    inputs = _module_inputs(module)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    for got, want in zip(_outputs_and_grads(compiled, inputs), _outputs_and_grads(module, inputs), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("module", [Target(), SelfTarget()], ids=["target", "self_target"])
+def test_export(module):
+    inputs = _module_inputs(module)
+    exported = torch.export.export(module, inputs)
+    assert any("ikbo" in str(node.target) for node in exported.graph.nodes)
+    for got, want in zip(exported.module()(*inputs), module(*inputs), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton backward under TRITON_INTERPRET=1 (child process)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(INTERPRETING, reason="already interpreting: the interpreted tests run directly")
+def test_triton_backward_interpreted():
+    """Run the `interpreted_*` tests below in a child pytest with TRITON_INTERPRET=1."""
+    run_interpreted(__file__)
+
+
+interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_backward_interpreted's child")
+INTERP_SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 16-row / 16- and 32-key tiles: S up to 20 spans tiles, L up to 40 gives full, partial and masked key blocks
+small_problems = problems(max_users=4, max_queries=20, max_len=40, max_heads=2, head_dims=(16, 32))
+# (dQ tiles, dK/dV tiles): BLOCK_M rows × BLOCK_N keys; dK/dV steps of more rows than keys and of fewer
+BACKWARD_TILES = [
+    None,
+    (TileConfig(16, 32, num_warps=4, num_stages=1), TileConfig(32, 16, num_warps=4, num_stages=1)),
+    (TileConfig(32, 16, num_warps=4, num_stages=1), TileConfig(16, 16, num_warps=4, num_stages=1)),
+]
+HALF_TOL = 2e-2
+
+
+def _poisoned(t):
+    return torch.full(t.shape, float("nan"), dtype=t.dtype, device=t.device)
+
+
+def triton_grads(q, k, v, cand_to_user, kv_len, scale, grad_out, user_q=None, grad_user_out=None, causal=True,
+                 config=None):  # fmt: skip
+    """Forward (with the log-sum-exp) and backward through the host wrappers, every output and gradient written
+    into NaN-poisoned buffers → (dq, dk, dv[, duq])."""
+    scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else scale
+    lse = torch.full((attention.lse_size(q.shape, k.shape, user_q is not None),), float("nan"), device=q.device)
+    user_out = None if user_q is None else _poisoned(user_q)
+    out, user_out, flag = attention._launch(
+        q, k, v, cand_to_user, kv_len, scale, user_q, causal, out=_poisoned(q), user_out=user_out, lse=lse
+    )
+    assert int(flag[0]) == 0
+    assert not lse.isnan().any()
+    grads = [_poisoned(t) for t in (q, k, v)] + [None if user_q is None else _poisoned(user_q)]
+    dq, dk, dv, duq = attention._launch_backward(
+        grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, user_q, grad_user_out, user_out, causal, grads,
+        config,
+    )  # fmt: skip
+    return (dq, dk, dv) if user_q is None else (dq, dk, dv, duq)
+
+
+def assert_grads_close(got, want, tol):
+    for name, g, w in zip(("dq", "dk", "dv", "duser_q"), got, want):
+        assert g.shape == w.shape, name
+        assert not g.isnan().any(), f"{name}: unwritten (NaN) elements"
+        if w.numel() == 0:
+            continue
+        err = rel_err(g, w) if w.abs().max() > 0 else float(g.abs().max())
+        assert err <= tol, f"{name}: rel err {err:.2e} > {tol}"
+
+
+@interpreted
+@INTERP_SETTINGS
+@given(p=small_problems, tiles=st.sampled_from(BACKWARD_TILES))
+def test_interpreted_target_backward(p, tiles):
+    q, k, v, _, cand_to_user, kv_len = make_inputs(p, torch.float16)
+    grad_out = torch.randn(q.shape).half()
+    got = triton_grads(q, k, v, cand_to_user, kv_len, p["scale"], grad_out, config=tiles)
+    want = reference_grads((q, k, v), (grad_out,), cand_to_user=cand_to_user, kv_len=kv_len, scale=p["scale"])
+    assert_grads_close(got, want, HALF_TOL)
+
+
+@interpreted
+@INTERP_SETTINGS
+@given(p=small_problems, causal=st.booleans(), tiles=st.sampled_from(BACKWARD_TILES))
+def test_interpreted_self_target_backward(p, causal, tiles):
+    q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, torch.float16)
+    grad_out, grad_user_out = torch.randn(q.shape).half(), torch.randn(user_q.shape).half()
+    got = triton_grads(q, k, v, cand_to_user, kv_len, p["scale"], grad_out, user_q, grad_user_out, causal, tiles)
+    want = reference_grads(
+        (q, k, v, user_q), (grad_out, grad_user_out), cand_to_user=cand_to_user, kv_len=kv_len, scale=p["scale"],
+        causal=causal,
+    )  # fmt: skip
+    assert_grads_close(got, want, HALF_TOL)
+
+
+@interpreted
+@pytest.mark.parametrize("ranked", [True, False], ids=["ranked", "grid_order"])
+def test_interpreted_public_ops_autograd(monkeypatch, ranked):
+    """The Triton path through the custom ops' autograd (backend='triton' on CPU tensors under the interpreter):
+    users without candidates, kv_len 0, S larger than a tile; dK/dV programs in ranked order (U ≤ RANKED_USERS)
+    and in grid order. The forward keeps its log-sum-exp only when asked to."""
+    if not ranked:
+        monkeypatch.setattr(attention, "RANKED_USERS", 1)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 2, 18, 16, generator=gen).half().requires_grad_()
+    k, v, user_q = (torch.randn(4, 2, 21, 16, generator=gen).half().requires_grad_() for _ in range(3))
+    cand_to_user, kv_len = torch.tensor([2, 0, 2, 2, 0]), torch.tensor([21, 0, 9, 14])
+    for keep in (False, True):
+        lse = torch.ops.ikbo.attention(q, k, v, cand_to_user, kv_len, 0.25, "triton", keep)[1]
+        assert lse.numel() == (attention.lse_size(q.shape, k.shape, False) if keep else 0)
+    out = ikbo_attention(q, k, v, cand_to_user, kv_len, backend="triton")
+    grad_out = torch.randn(out.shape, generator=gen).half()
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    want = reference_grads((q, k, v), (grad_out,), cand_to_user=cand_to_user, kv_len=kv_len)
+    assert_grads_close(got, want, HALF_TOL)
+    user_out, cand_out = ikbo_self_target_attention(user_q, q, k, v, cand_to_user, kv_len, backend="triton")
+    grads_out = (torch.randn(cand_out.shape, generator=gen).half(), torch.randn(user_out.shape, generator=gen).half())
+    got = torch.autograd.grad((cand_out, user_out), (q, k, v, user_q), grads_out)
+    want = reference_grads((q, k, v, user_q), grads_out, cand_to_user=cand_to_user, kv_len=kv_len)
+    assert_grads_close(got, want, HALF_TOL)
+
+
+@interpreted
+def test_interpreted_no_candidates_with_self():
+    """B = 0 with self-attention: the dK/dV programs walk the users' own rows only."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(0, 1, 4, 16).half()
+    k, v, user_q, grad_user_out = (torch.randn(2, 1, 19, 16, generator=gen).half() for _ in range(4))
+    kv_len = torch.tensor([19, 7])
+    mapping = torch.zeros(0, dtype=torch.int64)
+    got = triton_grads(q, k, v, mapping, kv_len, None, torch.zeros_like(q), user_q, grad_user_out)
+    want = reference_grads((q, k, v, user_q), (torch.zeros_like(q), grad_user_out), cand_to_user=mapping, kv_len=kv_len)
+    assert_grads_close(got[1:], want[1:], HALF_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real sizes
+# ---------------------------------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+GPU_TOL = 2e-2
+
+
+def canonical_problem(ragged_kv_len: bool, with_self: bool, seed: int = 0, dtype=torch.bfloat16):
+    """U = 15 with ragged counts (weights 1/(u+1)^0.7, shuffled), B = 1024, S = 64, L = 1024, H = 4, d = 128."""
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim = 15, 1024, 64, 1024, 4, 128
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.tensor([1.0 / (u + 1) ** 0.7 for u in range(num_users)])
+    mapping = torch.multinomial(weights, num_candidates, replacement=True, generator=gen)
+    lengths = torch.randint(0, seq_len + 1, (num_users,), generator=gen)
+    lengths[:3] = torch.tensor([seq_len, 0, 700])
+    make = lambda *shape: torch.randn(*shape, generator=gen).to("cuda", dtype)  # noqa: E731
+    problem = dict(
+        q=make(num_candidates, heads, num_queries, head_dim),
+        k=make(num_users, heads, seq_len, head_dim),
+        v=make(num_users, heads, seq_len, head_dim),
+        cand_to_user=mapping.to("cuda", torch.int32),
+        kv_len=lengths.to("cuda", torch.int32) if ragged_kv_len else None,
+        grad_out=make(num_candidates, heads, num_queries, head_dim),
+    )
+    if with_self:
+        problem.update(
+            user_q=make(num_users, heads, seq_len, head_dim), grad_user_out=make(num_users, heads, seq_len, head_dim)
+        )
+    return problem
+
+
+@cuda_only
+@pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["full", "kv_len"])
+def test_cuda_gradients_at_the_canonical_size(ragged, with_self):
+    """The kernels through the host wrappers (gradients poisoned), then the public op's autograd (as dispatched:
+    on Hopper its forward is the Gluon kernel, which writes the log-sum-exp)."""
+    p = canonical_problem(ragged, with_self)
+    inputs = (p["q"], p["k"], p["v"]) + ((p["user_q"],) if with_self else ())
+    grads_out = (p["grad_out"],) + ((p["grad_user_out"],) if with_self else ())
+    want = reference_grads(inputs, grads_out, cand_to_user=p["cand_to_user"], kv_len=p["kv_len"])
+    got = triton_grads(
+        p["q"], p["k"], p["v"], p["cand_to_user"], p["kv_len"], None, p["grad_out"], p.get("user_q"),
+        p.get("grad_user_out"),
+    )  # fmt: skip
+    assert_grads_close(got, want, GPU_TOL)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    if with_self:
+        user_out, cand_out = ikbo_self_target_attention(leaves[3], *leaves[:3], p["cand_to_user"], p["kv_len"])
+        got = torch.autograd.grad((cand_out, user_out), leaves, grads_out)
+    else:
+        out = ikbo_attention(*leaves, p["cand_to_user"], p["kv_len"])
+        got = torch.autograd.grad(out, leaves, grads_out)
+    assert_grads_close(got, want, GPU_TOL)
+
+
+@cuda_only
+@pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
+def test_cuda_gluon_lse_matches_triton(with_self):
+    """Where the Gluon kernel runs (Hopper), the log-sum-exp it writes equals the Triton kernel's."""
+    from kernels.attention_ws import launch_ws, ws_supported
+
+    p = canonical_problem(True, with_self)
+    q, k, v, m, kv_len, user_q = p["q"], p["k"], p["v"], p["cand_to_user"], p["kv_len"], p.get("user_q")
+    if not ws_supported(q, k):
+        pytest.skip("the Gluon kernel needs Hopper")
+    size = attention.lse_size(q.shape, k.shape, with_self)
+    lse_ws, lse_triton = (torch.full((size,), float("nan"), device="cuda") for _ in range(2))
+    user_out = None if user_q is None else torch.empty_like(user_q)
+    launch_ws(q, k, v, m, kv_len, 0.1, out=torch.empty_like(q), user_q=user_q, user_out=user_out, lse=lse_ws)
+    config = attention.pick_config(1e9, False)
+    attention._launch(q, k, v, m, kv_len, 0.1, user_q, config=config, lse=lse_triton)
+    finite = lse_triton.isfinite()
+    assert torch.equal(finite, lse_ws.isfinite()) and not lse_ws.isnan().any()
+    torch.testing.assert_close(lse_ws[finite], lse_triton[finite], rtol=1e-5, atol=1e-3)
+
+
+@cuda_only
+@pytest.mark.parametrize("strict", [False, True], ids=["deferred", "strict"])
+def test_cuda_bad_values_raise_without_a_wait(strict):
+    p = canonical_problem(True, True)
+    bad_mapping = p["cand_to_user"].clone()
+    bad_mapping[5] = 15
+    bad_kv_len = p["kv_len"].clone()
+    bad_kv_len[2] = 1025
+    for name, mapping, kv_len in (
+        ("cand_to_user", bad_mapping, p["kv_len"]),
+        ("kv_len", p["cand_to_user"], bad_kv_len),
+    ):
+        with strict_checks(strict):
+            if strict:
+                with pytest.raises(ValueError, match=rf"^{name}:"):
+                    ikbo_self_target_attention(p["user_q"], p["q"], p["k"], p["v"], mapping, kv_len)
+            else:
+                ikbo_self_target_attention(p["user_q"], p["q"], p["k"], p["v"], mapping, kv_len)
+                with pytest.raises(ValueError, match=rf"^{name}:"):
+                    check_deferred()
