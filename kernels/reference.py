@@ -64,6 +64,6 @@ def self_attention_reference(user_q, k, v, kv_len=None, causal=True, scale=None)
 def rel_err(out: torch.Tensor, ref: torch.Tensor, ord: float = 2) -> float:
     """‖out − ref‖ / ‖ref‖ in fp64 over all elements (`ord` 2: Frobenius; `math.inf`: the largest absolute
     error over the largest magnitude); NaN when out holds a NaN (so it never passes a ≤ check)."""
-    ref = ref.double()
-    diff = out.double().to(ref.device) - ref
+    ref = ref.detach().double()
+    diff = out.detach().double().to(ref.device) - ref
     return float(torch.linalg.vector_norm(diff, ord) / torch.linalg.vector_norm(ref, ord).clamp_min(1e-300))
