@@ -47,7 +47,8 @@ torch.export); everything that reads device values or picks a kernel runs inside
     dW_u = Σ_u dY_u[u] user_emb[u]ᵀ       the same at U rows
     d_bias = Σ_{u,d} dY_u[u, :, d]
 No tensor holds user data at B rows, forward or backward; the torch path sums with index_add. An eager CUDA call
-does not wait for the device: the mapping's range reaches the host later and is checked then (`DEFERRED`).
+does not wait for the device: the mapping's range reaches the host later and is checked then
+(`_common.check_mapping_values`).
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), linear compression embedding; persistent
 TMA GEMM after Triton's `python/tutorials/09-persistent-matmul.py`. Design: docs/design/lce.md.
 """
@@ -63,11 +64,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
-    DEFERRED,
-    HostReadback,
     add_user_rows,
-    check_mapping,
     check_mapping_shape,
+    check_mapping_values,
     check_same,
     check_tensor,
     poll_deferred,
@@ -770,17 +769,6 @@ def _choose_variant(user_emb, cand_emb, rows: int, variant: str | None):
     return default_variant(num_users, num_candidates, _ws_runs(user_emb, cand_emb)), None
 
 
-def _mapping_check(num_users: int):
-    """The deferred check of a mapping's [min, max]: the ValueError that names the bad value."""
-
-    def check(values) -> None:
-        lowest, highest = values
-        if lowest < 0 or highest >= num_users:
-            raise ValueError(f"cand_to_user: value {lowest if lowest < 0 else highest} is outside [0, U={num_users})")
-
-    return check
-
-
 # fmt: off
 def _linear_compress(
     user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, user_weight_padded, cand_weight_padded, backend,
@@ -788,29 +776,19 @@ def _linear_compress(
 ) -> torch.Tensor:
     """`ikbo::linear_compress` for checked inputs: the backend, variant and mapping check, then the launches.
 
-    An eager CUDA call launches first and reads the mapping's range later: its [min, max] is copied to the host
-    ahead of the kernels (which clamp bad values) and checked by `DEFERRED` once it has arrived (at a later IKBO
-    call, `check_deferred()`, or at once in strict mode), so the host never waits for the device. Inside a CUDA-graph
-    capture nothing is checked (the caller checks before each replay); the CPU paths check synchronously.
+    An eager CUDA call does not wait for the device: the mapping's [min, max] is copied to the host ahead of the
+    kernels (which clamp bad values) and checked once it has arrived (`check_mapping_values`: at a later IKBO call,
+    at `check_deferred()`, or at once in strict mode). Inside a CUDA-graph capture nothing is checked (the caller
+    checks before each replay); the CPU checks at once.
     """
-    capturing = user_emb.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing:  # an event query would end a capture
+    if not (user_emb.is_cuda and torch.cuda.is_current_stream_capturing()):  # an event query would end a capture
         poll_deferred()
-    num_users, num_candidates = user_emb.shape[0], cand_emb.shape[0]
+    check_mapping_values(cand_to_user, user_emb.shape[0])
     if _resolve(backend, user_emb) == "torch":
-        check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)
         return _linear_compress_torch(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias)
     weights = PackedWeights.of(user_weight, cand_weight, bias, user_weight_padded, cand_weight_padded)
     variant, config = _choose_variant(user_emb, cand_emb, cand_weight.shape[0], variant)
-    readback = None
-    if user_emb.is_cuda and num_candidates and num_users and not capturing:
-        readback = HostReadback(torch.stack(torch.aminmax(cand_to_user)))
-    else:
-        check_mapping(cand_to_user, num_candidates, num_users, user_emb.device)  # CPU (interpreter), U = 0, capture
-    out = weights._triton(user_emb, cand_emb, cand_to_user, variant, config)
-    if readback is not None:
-        DEFERRED.defer(readback, _mapping_check(num_users))
-    return out
+    return weights._triton(user_emb, cand_emb, cand_to_user, variant, config)
 # fmt: on
 
 
@@ -1081,9 +1059,9 @@ _linear_compress_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------- public API
 
 
-def _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, backend, variant) -> None:
-    """The public entries' checks: shapes, dtypes, devices, the backend and variant names. No device value is read
-    (torch.compile traces them)."""
+def _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, backend, variant) -> str:
+    """The public entries' checks: shapes, dtypes, devices, the backend and variant names; returns the path
+    (`_resolve`). No device value is read (torch.compile traces them)."""
     check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
     check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
     num_users, num_user_tokens, dim = user_emb.shape
@@ -1091,15 +1069,14 @@ def _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bi
     check_same("cand_emb", cand_dim, "D (last dim of user_emb)", dim)
     check_same("user_emb", num_user_tokens, "Ku (user columns of weight)", user_weight.shape[1])
     check_same("cand_emb", num_cand_tokens, "Kc (candidate columns of weight)", cand_weight.shape[1])
+    dtype, device = user_emb.dtype, user_emb.device
     for name, t in (("cand_emb", cand_emb), ("weight", user_weight), ("weight", cand_weight), ("bias", bias)):
-        if t is not None and (t.dtype != user_emb.dtype or t.device != user_emb.device):
-            raise ValueError(
-                f"{name}: expected {user_emb.dtype} on {user_emb.device} like user_emb, got {t.dtype} on {t.device}"
-            )
-    check_mapping_shape(cand_to_user, num_candidates, user_emb.device)
+        if t is not None and (t.dtype != dtype or t.device != device):
+            raise ValueError(f"{name}: expected {dtype} on {device} like user_emb, got {t.dtype} on {t.device}")
+    check_mapping_shape(cand_to_user, num_candidates, device)
     if variant is not None:
         _check_variant(variant)
-    _resolve(backend, user_emb)
+    return _resolve(backend, user_emb)
 
 
 class PackedLinearCompress(torch.nn.Module):
@@ -1128,7 +1105,8 @@ class PackedLinearCompress(torch.nn.Module):
             check_same("bias", bias.shape[0], "N (rows of weight)", user_weight.shape[0])
         self.user_weight = torch.nn.Parameter(user_weight, requires_grad=user_weight.requires_grad)
         self.cand_weight = torch.nn.Parameter(cand_weight, requires_grad=cand_weight.requires_grad)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=bias.requires_grad)
+        bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=bias.requires_grad)
+        self.register_parameter("bias", bias)  # None too: forward reads self._parameters["bias"]
         self._cache: PackedWeights | None = None
         self._cache_key = None
 
@@ -1154,12 +1132,12 @@ class PackedLinearCompress(torch.nn.Module):
     def forward(self, user_emb, cand_emb, cand_to_user, backend: str = "auto", variant: str | None = None):
         """out [B, N, D]; `variant` picks the kernel (VARIANTS or WS_VARIANT; default: the tuned choice, else
         `default_variant`)."""
-        _check_inputs(user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias, backend, variant)
-        padded = None
-        if not torch.compiler.is_compiling() and _resolve(backend, user_emb) == "triton":
-            padded = self._packed()
+        params = self._parameters
+        weights = (params["user_weight"], params["cand_weight"], params["bias"])
+        path = _check_inputs(user_emb, cand_emb, cand_to_user, *weights, backend, variant)
+        padded = None if path == "torch" or torch.compiler.is_compiling() else self._packed()
         return _linear_compress_op(
-            user_emb, cand_emb, cand_to_user, self.user_weight, self.cand_weight, self.bias,
+            user_emb, cand_emb, cand_to_user, *weights,
             None if padded is None else padded.user_weight_padded,
             None if padded is None else padded.cand_weight_padded,
             backend, variant,
@@ -1167,14 +1145,15 @@ class PackedLinearCompress(torch.nn.Module):
 
     def _packed(self) -> PackedWeights:
         """The Parameters as the kernels take them (detached, with padded copies), rebuilt after a Parameter changed."""
-        key = tuple(
-            None if p is None else (p.data_ptr(), None if p.is_inference() else p._version, p.shape, p.dtype, p.device)
-            for p in (self.user_weight, self.cand_weight, self.bias)
-        )
+        params = self._parameters  # one lookup (nn.Module.__getattr__ costs a Python call per Parameter)
+        weights = (params["user_weight"], params["cand_weight"], params["bias"])
+        key = [
+            None if p is None else (p.data_ptr(), -1 if p.is_inference() else p._version)  # inference: no version
+            for p in weights
+        ]  # a new dtype, device or shape comes with new storage (`.to()`, `load_state_dict` of another shape)
         if self._cache is None or key != self._cache_key:
             with torch.no_grad():
-                bias = None if self.bias is None else self.bias.detach()
-                self._cache = PackedWeights.of(self.user_weight.detach(), self.cand_weight.detach(), bias)
+                self._cache = PackedWeights.of(*(None if p is None else p.detach() for p in weights))
             self._cache_key = key
         return self._cache
 
