@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,6 +239,20 @@ def test_export(module):
     assert any("ikbo" in str(node.target) for node in exported.graph.nodes)
     for got, want in zip(exported.module()(*inputs), module(*inputs), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_backward_benchmark_smoke(tmp_path):
+    """scripts/bench_attention.py --backward end to end on the CPU (--smoke: interpreted kernels, tiny shapes, every
+    provider checked against fp64 before it is timed): a check that the script works, not a measurement."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_kernels.py"), "attention", "--smoke", "--backward"],
+        cwd=root, capture_output=True, text=True, timeout=600, env={**os.environ, "OUT": str(tmp_path)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    text = (tmp_path / "attention_bench.md").read_text()
+    for row in ("| ours: public op, autograd |", "| fused: ours, autograd |", "| B | U | ratio |"):
+        assert row in text, text[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
