@@ -85,6 +85,9 @@ PERSISTENT_MIN_CANDIDATES_PER_USER = 32  # default_variant: persistent from B/U 
 SMALL_BATCH = 256  # at most this many candidates: persistent from B/U ≥ 4 (one launch, less host time)
 WS_MIN_CANDIDATES = 256  # default_variant: warp_specialized from this B up, where it runs
 K_ALIGN = 8  # weight columns padded to a multiple of this at pack time (16 bytes in 16-bit types)
+FUSE_USER_SUMS = (
+    True  # backward: the user sums dY_u from the dW_c pass (dout read once for both), not a pass of its own
+)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -424,20 +427,74 @@ def _user_grad_sum_kernel(g_ptr, order_ptr, offsets_ptr, sums_ptr, ND, BLOCK: tl
 
 
 # fmt: off
-@triton.jit(do_not_specialize=["G", "ROWS_PER_SPLIT"])
+@triton.jit
+def _weight_grad_operands(
+    a_ptr, a_desc, stride_ag, stride_am, stride_ad, x_ptr, x_desc, stride_xg, stride_xk, stride_xd, g, d, off_m,
+    off_k, M, K, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, A_TMA: tl.constexpr,
+    X_TMA: tl.constexpr,
+):
+    """(A[g, off_m:, d:] [BLOCK_M, BLOCK_D], X[g, off_k:, d:] [BLOCK_N, BLOCK_D]); entries out of range are zeros."""
+    rd = d + tl.arange(0, BLOCK_D)
+    if A_TMA:
+        a = a_desc.load([g, off_m, d]).reshape(BLOCK_M, BLOCK_D)  # rows ≥ M and columns ≥ D: zero fill
+    else:
+        rm = off_m + tl.arange(0, BLOCK_M)
+        a_offsets = g.to(tl.int64) * stride_ag + rm[:, None] * stride_am + rd[None, :] * stride_ad
+        a = tl.load(a_ptr + a_offsets, mask=(rm < M)[:, None] & (rd < D)[None, :], other=0.0)
+    if X_TMA:
+        x = x_desc.load([g, off_k, d]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        rk = off_k + tl.arange(0, BLOCK_N)
+        x_offsets = g.to(tl.int64) * stride_xg + rk[:, None] * stride_xk + rd[None, :] * stride_xd
+        x = tl.load(x_ptr + x_offsets, mask=(rk < K)[:, None] & (rd < D)[None, :], other=0.0)
+    return a, x
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def _store_user_sum(
+    total, sums_ptr, slots_ptr, offsets_ptr, user, first, last, split, off_m, d, M, D, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Store the sum [BLOCK_M, BLOCK_D] (rows off_m.. of M, columns d.. of D) of user `user`'s rows in the split of
+    sorted rows [first, last): into sums[user] where all of the user's rows lie in the split; else into the split's
+    slot 1 where the user continues after it, slot 0 where it began before (`_user_sum_fixup_kernel` adds them)."""
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rd = d + tl.arange(0, BLOCK_D)
+    mask = (rm < M)[:, None] & (rd < D)[None, :]
+    tile = rm[:, None] * D + rd[None, :]
+    user_end = tl.load(offsets_ptr + user + 1)
+    if (tl.load(offsets_ptr + user) >= first) & (user_end <= last):
+        tl.store(sums_ptr + user.to(tl.int64) * M * D + tile, total.to(sums_ptr.dtype.element_ty), mask=mask)
+    else:
+        slot = split * 2 + (user_end > last).to(tl.int32)
+        tl.store(slots_ptr + slot.to(tl.int64) * M * D + tile, total, mask=mask)
+# fmt: on
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["G", "ROWS_PER_SPLIT", "U"])
 def _lce_weight_grad_kernel(
     a_ptr, a_desc, stride_ag, stride_am, stride_ad,  # A [G, M, D]: dout (dW_c) or the user gradients dY_u (dW_u)
     x_ptr, x_desc, stride_xg, stride_xk, stride_xd,  # X [G, K, D]: cand_emb (dW_c) or user_emb (dW_u)
     part_ptr,  # [splits, M, K] fp32, contiguous: one partial sum per split
-    G, M, K, D, ROWS_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    A_TMA: tl.constexpr, X_TMA: tl.constexpr,
+    order_ptr, users_ptr, offsets_ptr, sums_ptr, slots_ptr,  # FUSE_SUMS: see below
+    G, M, K, D, ROWS_PER_SPLIT, U, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    A_TMA: tl.constexpr, X_TMA: tl.constexpr, FUSE_SUMS: tl.constexpr,
 ):
     """part[s, off_m:, off_k:] = Σ over rows g of split s of A[g, off_m:, :] @ X[g, off_k:, :]ᵀ, in fp32: one
     [BLOCK_M, BLOCK_N] tile of a weight gradient Σ_g A[g] X[g]ᵀ, whose reduction runs over (g, d). Split-K over g:
     the output has few tiles (16 at N = 512, Kc = 500), so splits × tiles programs fill the SMs. The (g, d) steps
     run as one flat loop, so loads pipeline across rows. Both operands are K-major (D contiguous): A tile
     [BLOCK_M, BLOCK_D], X tile [BLOCK_N, BLOCK_D] used transposed. Programs of one split are numbered together
-    (tiles fastest), so they read the same rows of A and X from L2 at about the same time."""
+    (tiles fastest), so they read the same rows of A and X from L2 at about the same time.
+
+    FUSE_SUMS (dW_c): the rows are candidates in user order (order [G] sorts them, users [G] are the sorted mapping
+    values, offsets [U + 1] each user's range: `_user_ranges`), the steps run d-outer, and the programs of the first
+    weight-column tile also add the A tiles they load into the user sums dY_u = Σ_{b: m[b]=u} dout[b], one
+    [BLOCK_M, BLOCK_D] segment at a time, stored when the user changes (`_store_user_sum`: sums [U, M, D], slots
+    [splits, 2, M, D] fp32 for users that cross a split). dout is then read once for both."""
     num_m_tiles = tl.cdiv(M, BLOCK_M)
     num_tiles = num_m_tiles * tl.cdiv(K, BLOCK_N)
     tile = tl.program_id(0) % num_tiles
@@ -445,31 +502,69 @@ def _lce_weight_grad_kernel(
     off_m = (tile % num_m_tiles) * BLOCK_M
     off_k = (tile // num_m_tiles) * BLOCK_N
     first = split * ROWS_PER_SPLIT
+    rows = tl.minimum(G - first, ROWS_PER_SPLIT)
     steps_per_row = tl.cdiv(D, BLOCK_D)
-    num_steps = tl.minimum(G - first, ROWS_PER_SPLIT) * steps_per_row
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FUSE_SUMS:
+        last = first + rows
+        summing = off_k == 0
+        segment = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        for step in tl.range(0, rows * steps_per_row):
+            row = first + step % rows
+            d = (step // rows) * BLOCK_D
+            a, x = _weight_grad_operands(
+                a_ptr, a_desc, stride_ag, stride_am, stride_ad, x_ptr, x_desc, stride_xg, stride_xk, stride_xd,
+                tl.load(order_ptr + row).to(tl.int32), d, off_m, off_k, M, K, D, BLOCK_M, BLOCK_N, BLOCK_D, A_TMA, X_TMA,
+            )
+            acc = tl.dot(a, x.T, acc)
+            if summing:
+                segment += a.to(tl.float32)
+                user = tl.minimum(tl.maximum(tl.load(users_ptr + row), 0), U - 1)  # clamped, as `_user_ranges`
+                following = tl.load(users_ptr + row + 1, mask=row + 1 < last, other=0)
+                if (row + 1 == last) | (tl.minimum(tl.maximum(following, 0), U - 1) != user):
+                    _store_user_sum(
+                        segment, sums_ptr, slots_ptr, offsets_ptr, user, first, last, split, off_m, d, M, D, BLOCK_M,
+                        BLOCK_D,
+                    )
+                    segment = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    else:
+        for step in tl.range(0, rows * steps_per_row):
+            a, x = _weight_grad_operands(
+                a_ptr, a_desc, stride_ag, stride_am, stride_ad, x_ptr, x_desc, stride_xg, stride_xk, stride_xd,
+                first + step // steps_per_row, (step % steps_per_row) * BLOCK_D, off_m, off_k, M, K, D, BLOCK_M,
+                BLOCK_N, BLOCK_D, A_TMA, X_TMA,
+            )
+            acc = tl.dot(a, x.T, acc)
     rm = off_m + tl.arange(0, BLOCK_M)
     rk = off_k + tl.arange(0, BLOCK_N)
-    rd = tl.arange(0, BLOCK_D)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in tl.range(0, num_steps):
-        g = first + step // steps_per_row
-        d = (step % steps_per_row) * BLOCK_D
-        if A_TMA:
-            a = a_desc.load([g, off_m, d]).reshape(BLOCK_M, BLOCK_D)  # rows ≥ M and columns ≥ D: zero fill
-        else:
-            a_mask = (rm < M)[:, None] & (d + rd < D)[None, :]
-            a_offsets = g.to(tl.int64) * stride_ag + rm[:, None] * stride_am + (d + rd)[None, :] * stride_ad
-            a = tl.load(a_ptr + a_offsets, mask=a_mask, other=0.0)
-        if X_TMA:
-            x = x_desc.load([g, off_k, d]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            x_mask = (rk < K)[:, None] & (d + rd < D)[None, :]
-            x_offsets = g.to(tl.int64) * stride_xg + rk[:, None] * stride_xk + (d + rd)[None, :] * stride_xd
-            x = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
-        acc = tl.dot(a, x.T, acc)
     part = part_ptr + split.to(tl.int64) * M * K
     tl.store(part + rm[:, None] * K + rk[None, :], acc, mask=(rm < M)[:, None] & (rk < K)[None, :])
 # fmt: on
+
+
+@triton.jit
+def _user_sum_fixup_kernel(slots_ptr, sums_ptr, offsets_ptr, ROWS_PER_SPLIT, ND, BLOCK: tl.constexpr):
+    """The user sums the fused weight-gradient kernel leaves: zeros for a user without candidates; for a user whose
+    sorted rows span splits s0 … s1, slot 1 of s0 … s1 - 1 plus slot 0 of s1, added in that order (deterministic).
+    slots [splits, 2, N·D] fp32, sums [U, N·D], contiguous; one program per (user, BLOCK columns)."""
+    u = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < ND
+    start = tl.load(offsets_ptr + u)
+    end = tl.load(offsets_ptr + u + 1)
+    first_split = start // ROWS_PER_SPLIT
+    last_split = (end - 1) // ROWS_PER_SPLIT
+    out = sums_ptr + u.to(tl.int64) * ND + cols
+    if end == start:
+        tl.store(out, tl.zeros([BLOCK], dtype=tl.float32).to(sums_ptr.dtype.element_ty), mask=mask)
+    elif first_split != last_split:
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        slot = slots_ptr + (first_split * 2 + 1).to(tl.int64) * ND + cols  # slot 1 of the first split
+        for _ in tl.range(first_split, last_split):
+            total += tl.load(slot, mask=mask, other=0.0)
+            slot += 2 * ND  # slot 1 of the next split
+        total += tl.load(slot - ND, mask=mask, other=0.0)  # slot 0 of the last split
+        tl.store(out, total.to(sums_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -836,16 +931,25 @@ def _operand_desc(t: torch.Tensor, block_rows: int, block_d: int):
 
 
 # fmt: off
-def _weight_grad(a, x, out, splits: int | None = None, config: TileConfig | None = None) -> torch.Tensor:
+def _weight_grad(
+    a, x, out, splits: int | None = None, config: TileConfig | None = None, user_sums=None
+) -> torch.Tensor:
     """out [M, K] = Σ_g a[g] @ x[g]ᵀ for a [G, M, D], x [G, K, D] (a weight gradient): `_lce_weight_grad_kernel`
     split-K over g into fp32 partials, then `_split_sum_kernel`. `splits` fixes the number of splits (tests), else
-    there are about as many programs as SMs. out contiguous."""
+    there are about as many programs as SMs. out contiguous.
+
+    `user_sums` = (cand_to_user, sums [U, M, D]) for dW_c (a = dout): the same pass also writes the user sums
+    dY_u (FUSE_SUMS, then `_user_sum_fixup_kernel`), so dout is read once for both."""
     num_rows, rows, dim = a.shape
     depth = x.shape[1]
     if out.numel() == 0:
         return out
     if num_rows == 0 or dim == 0:
         return out.zero_()
+    sums = ranges = None
+    if user_sums is not None:
+        cand_to_user, sums = user_sums
+        ranges = _user_ranges(cand_to_user, sums.shape[0])  # (sorted users, order, offsets)
 
     def launch(cfg: TileConfig) -> None:
         tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(depth, cfg.block_n)
@@ -853,18 +957,26 @@ def _weight_grad(a, x, out, splits: int | None = None, config: TileConfig | None
         per_split = triton.cdiv(num_rows, min(wanted, num_rows))
         count = triton.cdiv(num_rows, per_split)
         part = torch.empty(count, rows, depth, dtype=torch.float32, device=a.device)
+        slots = None if sums is None else torch.empty(count, 2, rows, dim, dtype=torch.float32, device=a.device)
+        sorted_users, order, offsets = (None, None, None) if ranges is None else ranges
         a_desc = _operand_desc(a, cfg.block_m, cfg.block_k)
         x_desc = _operand_desc(x, cfg.block_n, cfg.block_k)
         _lce_weight_grad_kernel[(count * tiles,)](
             a, a_desc, a.stride(0), a.stride(1), a.stride(2), x, x_desc, x.stride(0), x.stride(1), x.stride(2), part,
-            num_rows, rows, depth, dim, per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_k,
-            A_TMA=a_desc is not None, X_TMA=x_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            order, sorted_users, offsets, sums, slots, num_rows, rows, depth, dim, per_split,
+            1 if sums is None else sums.shape[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_k,
+            A_TMA=a_desc is not None, X_TMA=x_desc is not None, FUSE_SUMS=sums is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        block = 1024
+        block = 1024 if not interpreting() else 32
+        if sums is not None:
+            grid = (sums.shape[0], triton.cdiv(rows * dim, block))
+            _user_sum_fixup_kernel[grid](slots, sums, offsets, per_split, rows * dim, BLOCK=block)
         _split_sum_kernel[(triton.cdiv(rows * depth, block),)](part, out, count, rows * depth, BLOCK=block)
 
     configs = [config] if config is not None else list(weight_grad_configs(a.dtype, dim))
-    _launch_first_fitting(None if config is not None else ("dW", a.dtype, dim, a.device), configs, launch)
+    key = None if config is not None else ("dW", sums is not None, a.dtype, dim, a.device)
+    _launch_first_fitting(key, configs, launch)
     return out
 # fmt: on
 
@@ -906,22 +1018,30 @@ def _input_grad(weight, g, out, gemm: str | None = None) -> torch.Tensor:
     return _shared_weight_gemm(weight_t, g, out)
 
 
+def _user_ranges(cand_to_user, num_users: int):
+    """(sorted mapping values [B], order [B] int64, offsets [U + 1] int32): the mapping sorted on the device (stable),
+    candidates order[offsets[u]:offsets[u + 1]] belong to user u (`_user_offsets_kernel`; a bad value counts for
+    user 0 or U - 1, the forward's clamp). No host wait."""
+    num_candidates = cand_to_user.shape[0]
+    sorted_users, order = torch.sort(cand_to_user, stable=True)
+    offsets = torch.empty(num_users + 1, dtype=torch.int32, device=cand_to_user.device)
+    block = 128
+    _user_offsets_kernel[(triton.cdiv(num_users + 1, block),)](
+        sorted_users, offsets, num_users, num_candidates, num_candidates.bit_length(), BLOCK=block
+    )
+    return sorted_users, order, offsets
+
+
 def _user_gradients(g, cand_to_user, num_users: int, out=None) -> torch.Tensor:
-    """dY_u [U, N, D]: dout summed over each user's candidates, one pass over g [B, N, D] (contiguous). The mapping
-    is sorted on the device (stable), `_user_offsets_kernel` finds each user's range, `_user_grad_sum_kernel` sums
-    it; bad mapping values count for user 0 or U - 1 (the forward's clamp), nothing is read out of bounds."""
+    """dY_u [U, N, D]: dout summed over each user's candidates by `_user_grad_sum_kernel`, one pass over g [B, N, D]
+    (contiguous) in user order (`_user_ranges`); nothing is read out of bounds for bad mapping values."""
     num_candidates, rows, dim = g.shape
     sums = g.new_empty(num_users, rows, dim) if out is None else out
     if sums.numel() == 0:
         return sums
     if num_candidates == 0:
         return sums.zero_()
-    sorted_users, order = torch.sort(cand_to_user, stable=True)
-    offsets = torch.empty(num_users + 1, dtype=torch.int32, device=g.device)
-    block = 128
-    _user_offsets_kernel[(triton.cdiv(num_users + 1, block),)](
-        sorted_users, offsets, num_users, num_candidates, num_candidates.bit_length(), BLOCK=block
-    )
+    _, order, offsets = _user_ranges(cand_to_user, num_users)
     numel = rows * dim
     block, step_rows = (32, 2) if interpreting() else (1024, 4)
     while block > 256 and num_users * triton.cdiv(numel, block) < 2 * _num_programs(g.device):
@@ -935,21 +1055,23 @@ def _user_gradients(g, cand_to_user, num_users: int, out=None) -> torch.Tensor:
 # fmt: off
 def _linear_compress_backward_triton(
     grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs=(True,) * 5, grads=None,
-    user_sums=None, splits: int | None = None, cand_gemm: str | None = None,
+    user_sums=None, splits: int | None = None, cand_gemm: str | None = None, fuse_sums: bool = FUSE_USER_SUMS,
 ):
     """(d_user_emb, d_cand_emb, d_user_weight, d_cand_weight, d_bias), None where `needs` says no, by Triton kernels
     (fp32 accumulation; fp32 inputs as tf32):
-        dY_u = Σ_{b: m[b]=u} dout[b]                 `_user_gradients` (sort + segment sum, one pass over dout)
+        dY_u = Σ_{b: m[b]=u} dout[b]                 in the dW_c pass (`_weight_grad` with user_sums), or where dW_c
+                                                     is not computed `_user_gradients` (sort + segment sum)
         d_user_emb[u] = W_uᵀ dY_u[u]                 `_input_grad` (the forward's tile GEMM, weight W_uᵀ)
         d_cand_emb[b] = W_cᵀ dout[b]                 `_input_grad` (the forward's ws kernel on Hopper, else tile)
         d_user_weight = Σ_u dY_u[u] user_emb[u]ᵀ     `_weight_grad` (split-K over users)
         d_cand_weight = Σ_b dout[b] cand_emb[b]ᵀ     `_weight_grad` (split-K over candidates)
-        d_bias = Σ_{u,d} dY_u[u, :, d]               (Σ_{b,d} dout[b, :, d] without user gradients)
+        d_bias = Σ_{u,d} dY_u[u, :, d]               (Σ_{b,d} dout[b, :, d] where there is no dY_u)
     `grads` may hold pre-allocated contiguous buffers for any of the five and `user_sums` one for dY_u [U, N, D]
-    (tests poison them with NaN); `splits` fixes the weight gradients' split count and `cand_gemm` ("ws", "tile") the
-    kernel of d_cand_emb (tests, benchmarks)."""
+    (tests poison them with NaN); `splits` fixes the weight gradients' split count, `cand_gemm` ("ws", "tile") the
+    kernel of d_cand_emb and `fuse_sums` whether dY_u comes from the dW_c pass (tests, benchmarks)."""
     need_user, need_cand, need_user_weight, need_cand_weight, need_bias = needs
     num_users, num_user_tokens, _ = user_emb.shape
+    num_candidates, num_cand_tokens, dim = cand_emb.shape
     given = list(grads) if grads is not None else [None] * 5
     shapes = (user_emb.shape, cand_emb.shape, user_weight.shape, cand_weight.shape, cand_weight.shape[:1])
 
@@ -957,22 +1079,26 @@ def _linear_compress_backward_triton(
         return given[index] if given[index] is not None else grad_out.new_empty(shapes[index])
 
     g = grad_out.contiguous()  # [B, N, D]
-    result = [None] * 5
+    fuse = fuse_sums and need_cand_weight and num_cand_tokens > 0 and num_candidates > 0
     sums = None  # dY_u [U, N, D]
-    if (need_user or need_user_weight) and num_user_tokens:
-        sums = _user_gradients(g, cand_to_user, num_users, user_sums)
+    if ((need_user or need_user_weight) and num_user_tokens) or (need_bias and fuse):
+        sums = g.new_empty(num_users, cand_weight.shape[0], dim) if user_sums is None else user_sums
+    result = [None] * 5
+    if need_cand_weight:
+        fused_sums = (cand_to_user, sums) if fuse and sums is not None else None
+        result[3] = _weight_grad(g, cand_emb, buffer(3), splits, user_sums=fused_sums)
+    if sums is not None and not fuse:
+        _user_gradients(g, cand_to_user, num_users, sums)
     if need_user:
         result[0] = buffer(0)
-        if sums is not None:
+        if sums is not None and num_user_tokens:
             _input_grad(user_weight, sums, result[0], gemm="tile")
     if need_cand:
         result[1] = _input_grad(cand_weight, g, buffer(1), gemm=cand_gemm)
     if need_user_weight:
         result[2] = buffer(2)
-        if sums is not None:
+        if sums is not None and num_user_tokens:
             _weight_grad(sums, user_emb, result[2], splits)
-    if need_cand_weight:
-        result[3] = _weight_grad(g, cand_emb, buffer(3), splits)
     if need_bias:
         result[4] = buffer(4)
         result[4].copy_((g if sums is None else sums).sum((0, 2), dtype=torch.float32))

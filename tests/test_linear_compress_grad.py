@@ -330,7 +330,9 @@ def _poisoned(shape, dtype, device="cpu"):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def _check_backward_kernels(case, dtype, tol, device="cpu", splits=None, cand_gemm=None, reference=None) -> None:
+def _check_backward_kernels(
+    case, dtype, tol, device="cpu", splits=None, cand_gemm=None, reference=None, fuse_sums=True
+) -> None:
     """Every gradient of `_linear_compress_backward_triton`, written into NaN-poisoned buffers, against `reference`
     (default: fp64 autograd of the replicated formula)."""
     inputs = make_inputs(case, dtype, device)
@@ -341,18 +343,9 @@ def _check_backward_kernels(case, dtype, tol, device="cpu", splits=None, cand_ge
     grads = [_poisoned(shape, dtype, device) for shape in shapes]
     user_sums = _poisoned((case.num_users, case.rows, case.dim), dtype, device)
     needs = (True, True, True, True, bias is not None)
+    weights = (weight[:, :ku], weight[:, ku:])
     got = lce._linear_compress_backward_triton(
-        grad_out,
-        user_emb,
-        cand_emb,
-        cand_to_user,
-        weight[:, :ku],
-        weight[:, ku:],
-        needs,
-        grads,
-        user_sums,
-        splits,
-        cand_gemm,
+        grad_out, user_emb, cand_emb, cand_to_user, *weights, needs, grads, user_sums, splits, cand_gemm, fuse_sums
     )
     for name, have, expected, need in zip(GRAD_NAMES, got, want, needs, strict=True):
         if not need:
@@ -378,22 +371,28 @@ INTERPRETED_CORNERS = [
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
 @pytest.mark.parametrize("case", INTERPRETED_CORNERS, ids=_corner_id)
-@pytest.mark.parametrize("splits", [None, 3], ids=["one-split", "three-splits"])
-def test_interpreted_backward_corners(case, splits):
-    _check_backward_kernels(case, torch.float16, FP16_TOL, splits=splits)
+@pytest.mark.parametrize(
+    ("splits", "fuse_sums"), [(None, True), (3, True), (2, False)], ids=["one-split", "three-splits", "apart"]
+)
+def test_interpreted_backward_corners(case, splits, fuse_sums):
+    """fuse_sums: the user sums from the dW_c pass (users crossing splits, users without candidates) or apart."""
+    _check_backward_kernels(case, torch.float16, FP16_TOL, splits=splits, fuse_sums=fuse_sums)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
 @settings(max_examples=6, deadline=None)
 @given(
-    case=cases(max_users=4, max_candidates=7, max_tokens=24, max_dim=24, max_rows=24), splits=st.sampled_from([None, 2])
+    case=cases(max_users=4, max_candidates=7, max_tokens=24, max_dim=24, max_rows=24),
+    splits=st.sampled_from([None, 2, 3]),
+    fuse_sums=st.booleans(),
 )
-def test_interpreted_backward_drawn(case, splits):
-    _check_backward_kernels(case, torch.float16, FP16_TOL, splits=splits)
+def test_interpreted_backward_drawn(case, splits, fuse_sums):
+    _check_backward_kernels(case, torch.float16, FP16_TOL, splits=splits, fuse_sums=fuse_sums)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
-def test_interpreted_bad_mapping_stays_in_bounds():
+@pytest.mark.parametrize("fuse_sums", [True, False], ids=["fused", "apart"])
+def test_interpreted_bad_mapping_stays_in_bounds(fuse_sums):
     """The backward's kernels clamp a bad m[b] as the forward does: rows with m = -3 or U + 4 count for user 0 or
     U - 1, and nothing is read or written out of bounds (the memcheck)."""
     case = Case(9, 7, 16, 20, 3, (2, -3, 1, 7, 0), True, 29)
@@ -402,7 +401,7 @@ def test_interpreted_bad_mapping_stays_in_bounds():
         user_emb, cand_emb, cand_to_user, weight, bias, grad_out = inputs
         return reference_grads(case, (user_emb, cand_emb, cand_to_user.clamp(0, 2), weight, bias, grad_out))
 
-    _check_backward_kernels(case, torch.float16, FP16_TOL, splits=2, reference=clamped)
+    _check_backward_kernels(case, torch.float16, FP16_TOL, splits=2, reference=clamped, fuse_sums=fuse_sums)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
@@ -472,9 +471,9 @@ def _fp64_torch_grads(case: Case):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("cand_gemm", ["ws", "tile"])
+@pytest.mark.parametrize(("cand_gemm", "fuse_sums"), [("ws", True), ("tile", False)], ids=["ws-fused", "tile-apart"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "U{}-B{}-Ku{}-Kc{}-D{}-N{}".format(*s[:6]))
-def test_gpu_bf16_gradients_real_sizes(shape, cand_gemm):
+def test_gpu_bf16_gradients_real_sizes(shape, cand_gemm, fuse_sums):
     case = _gpu_case(shape)
     from kernels.linear_compress_ws import ws_supported
 
@@ -482,8 +481,9 @@ def test_gpu_bf16_gradients_real_sizes(shape, cand_gemm):
     if cand_gemm == "ws" and not ws_supported(probe, probe):
         pytest.skip("the warp-specialized kernel does not run here (not Hopper, or rows TMA cannot address)")
     for _ in range(2):  # twice: nothing carried over between calls
+        reference = _fp64_torch_grads(case)
         _check_backward_kernels(
-            case, torch.bfloat16, BF16_TOL, "cuda", cand_gemm=cand_gemm, reference=_fp64_torch_grads(case)
+            case, torch.bfloat16, BF16_TOL, "cuda", cand_gemm=cand_gemm, reference=reference, fuse_sums=fuse_sums
         )
         torch.cuda.synchronize()
 

@@ -176,7 +176,9 @@ def train_providers(inputs, grad_out, shape: Shape, ref, probes, canonical: bool
 
 
 def part_providers(packed, args, grad_out, shape: Shape, ref, probes) -> dict[str, Provider]:
-    """Ours in parts: the forward, the backward (autograd on a kept graph), and the backward's kernels."""
+    """Ours in parts: the forward, the backward (autograd on a kept graph, as dispatched), and the backward's kernels:
+    d_user_emb with dY_u from a pass of its own, d_cand_emb by either kernel, d_cand_weight alone and with dY_u in the
+    same pass (the dispatched choice, `kernels.linear_compress.FUSE_USER_SUMS`)."""
     user_emb, cand_emb, cand_to_user = (t.detach() for t in args)
     saved = packed(*args, backend="triton")
     leaves = (args[0], args[1], *packed.parameters())
@@ -200,12 +202,14 @@ def part_providers(packed, args, grad_out, shape: Shape, ref, probes) -> dict[st
             run = partial(lce._input_grad, weights.cand_weight, grad_out, torch.empty_like(cand_emb), gemm=gemm)
             table[f"  d_cand_emb: W_cᵀ GEMM, {gemm}"] = Provider(run, ref=ref[2], flops=cand_flops)
     d_cand_weight = torch.empty_like(weights.cand_weight)
-
-    def cand_weight_grad():
-        return lce._weight_grad(grad_out, cand_emb, d_cand_weight)
-
-    check = lambda: cand_weight_grad().double() @ probes[1]  # noqa: E731
-    table["  d_cand_weight: split-K GEMM"] = Provider(cand_weight_grad, check=check, ref=ref[3][1], flops=cand_flops)
+    sums = grad_out.new_empty(shape.num_users, shape.rows, shape.dim)  # dY_u
+    for fused in (False, True):
+        run = partial(
+            lce._weight_grad, grad_out, cand_emb, d_cand_weight, user_sums=(cand_to_user, sums) if fused else None
+        )
+        check = partial(lambda run: run().double() @ probes[1], run)
+        name = "  d_cand_weight + dY_u in one pass" if fused else "  d_cand_weight alone: split-K GEMM"
+        table[name] = Provider(run, check=check, ref=ref[3][1], flops=cand_flops)
     return table
 
 
