@@ -15,7 +15,8 @@ self-attention rows): the in-kernel broadcast of the forward turned into an in-k
 Both ops are torch.library custom ops (`ikbo::attention`, `ikbo::self_target_attention`) with fake
 implementations and registered autograd, whose backward is a second op (`ikbo::attention_backward`,
 `ikbo::self_target_attention_backward`). The public functions check shapes, dtypes and devices (no device values)
-and call the op; the backend's kernels and every check of index values run inside it.
+and call the op; the backend's kernels and every check of index values run inside it. An eager call that autograd
+will not differentiate (no tracing, no dispatch mode) runs the op's implementation without the dispatcher.
 
 Torch path: groups candidates by user once per batch and runs one attention per user whose query
 block holds all S tokens of all that user's candidates, so each user's K/V is read once; its backward
@@ -59,6 +60,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
@@ -1370,6 +1372,17 @@ def _keeps_lse(*inputs) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
 
 
+def _direct(*tensors) -> bool:
+    """Whether a call that autograd will not differentiate runs the op's implementation without the dispatcher: an
+    eager call on plain tensors, no tracing (torch.compile, export) and no dispatch mode active, which see the op.
+    The dispatcher's Python path costs several torch ops' worth of host time a call."""
+    return (
+        not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+        and all(t is None or type(t) is torch.Tensor for t in tensors)
+    )
+
+
 def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str = "auto") -> torch.Tensor:
     """Target attention of candidate queries over their user's K/V → [B, H, S, d] (see module doc); differentiable
     in q, k and v (`ikbo::attention`). Checks here read no device values (torch.compile traces this function); the
@@ -1381,7 +1394,10 @@ def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str 
         check_kv_len_shape(kv_len, k.shape[0], k.device)
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
-    return torch.ops.ikbo.attention(q, k, v, cand_to_user, kv_len, scale, chosen, _keeps_lse(q, k, v))[0]
+    keeps_lse = _keeps_lse(q, k, v)
+    if not keeps_lse and _direct(q, k, v, cand_to_user, kv_len):
+        return _forward(q, k, v, cand_to_user, kv_len, scale, chosen, False)[0]
+    return torch.ops.ikbo.attention.default(q, k, v, cand_to_user, kv_len, scale, chosen, keeps_lse)[0]
 
 
 def ikbo_self_target_attention(
@@ -1400,7 +1416,10 @@ def ikbo_self_target_attention(
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
     keeps_lse = _keeps_lse(user_q, cand_q, k, v)
-    user_out, cand_out, _ = torch.ops.ikbo.self_target_attention(
+    if not keeps_lse and _direct(user_q, cand_q, k, v, cand_to_user, kv_len):
+        cand_out, user_out, _ = _forward(cand_q, k, v, cand_to_user, kv_len, scale, chosen, False, user_q, causal)
+        return user_out, cand_out
+    user_out, cand_out, _ = torch.ops.ikbo.self_target_attention.default(
         user_q, cand_q, k, v, cand_to_user, kv_len, bool(causal), scale, chosen, keeps_lse
     )
     return user_out, cand_out

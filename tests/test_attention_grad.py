@@ -225,11 +225,14 @@ def _outputs_and_grads(module, inputs):
 
 @pytest.mark.parametrize("module", [Target(), SelfTarget()], ids=["target", "self_target"])
 def test_compile_fullgraph_matches_eager(module):
+    """Forward and backward; and under no_grad (eager calls then skip the dispatcher, compiled ones keep the op)."""
     inputs = _module_inputs(module)
     torch._dynamo.reset()
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     for got, want in zip(_outputs_and_grads(compiled, inputs), _outputs_and_grads(module, inputs), strict=True):
         torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), module(*inputs))
 
 
 @pytest.mark.parametrize("module", [Target(), SelfTarget()], ids=["target", "self_target"])
