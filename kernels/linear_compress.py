@@ -491,10 +491,11 @@ def _lce_weight_grad_kernel(
     (tiles fastest), so they read the same rows of A and X from L2 at about the same time.
 
     FUSE_SUMS (dW_c): the rows are candidates in user order (order [G] sorts them, users [G] are the sorted mapping
-    values, offsets [U + 1] each user's range: `_user_ranges`), the steps run d-outer, and the programs of the first
-    weight-column tile also add the A tiles they load into the user sums dY_u = Σ_{b: m[b]=u} dout[b], one
-    [BLOCK_M, BLOCK_D] segment at a time, stored when the user changes (`_store_user_sum`: sums [U, M, D], slots
-    [splits, 2, M, D] fp32 for users that cross a split). dout is then read once for both."""
+    values, offsets [U + 1] each user's range: `_user_ranges`), the steps run d-outer, and during D chunk j the
+    programs of weight-column tile j mod (column tiles) also add the A tiles they load into the user sums
+    dY_u = Σ_{b: m[b]=u} dout[b], one [BLOCK_M, BLOCK_D] segment at a time, stored when the user changes
+    (`_store_user_sum`: sums [U, M, D], slots [splits, 2, M, D] fp32 for users that cross a split). dout is then read
+    once for both, and the extra work is spread over every program."""
     num_m_tiles = tl.cdiv(M, BLOCK_M)
     num_tiles = num_m_tiles * tl.cdiv(K, BLOCK_N)
     tile = tl.program_id(0) % num_tiles
@@ -507,7 +508,7 @@ def _lce_weight_grad_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FUSE_SUMS:
         last = first + rows
-        summing = off_k == 0
+        num_k_tiles = num_tiles // num_m_tiles
         segment = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         for step in tl.range(0, rows * steps_per_row):
             row = first + step % rows
@@ -517,7 +518,7 @@ def _lce_weight_grad_kernel(
                 tl.load(order_ptr + row).to(tl.int32), d, off_m, off_k, M, K, D, BLOCK_M, BLOCK_N, BLOCK_D, A_TMA, X_TMA,
             )
             acc = tl.dot(a, x.T, acc)
-            if summing:
+            if (step // rows) % num_k_tiles == off_k // BLOCK_N:  # d-chunk j's sums: the programs of column tile j % n
                 segment += a.to(tl.float32)
                 user = tl.minimum(tl.maximum(tl.load(users_ptr + row), 0), U - 1)  # clamped, as `_user_ranges`
                 following = tl.load(users_ptr + row + 1, mask=row + 1 < last, other=0)
