@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from interpreted import run_interpreted
+from interpreted import run_child_tests, run_interpreted
 from test_attention import make_inputs, problems
 
 from ikbo_backend.transform import ReplicationDetector
@@ -379,6 +380,58 @@ def test_interpreted_no_candidates_with_self():
     got = triton_grads(q, k, v, mapping, kv_len, None, torch.zeros_like(q), user_q, grad_user_out)
     want = reference_grads((q, k, v, user_q), (torch.zeros_like(q), grad_user_out), cand_to_user=mapping, kv_len=kv_len)
     assert_grads_close(got[1:], want[1:], HALF_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# sm_90a compiles on the CPU (a stand-in driver, in a child process)
+# ---------------------------------------------------------------------------------------------
+
+STANDIN = os.environ.get("IKBO_STANDIN_DRIVER") == "1"
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or INTERPRETING, reason="the GPU tests compile these kernels for real")
+def test_backward_kernels_compile_for_sm90():
+    """The forward with its log-sum-exp and both backward kernels through their host wrappers, compiled for an H200
+    (sm_90a, the wheel's ptxas) under `kernels.devtools.install_standin_driver` (nothing runs)."""
+    try:
+        from kernels.devtools import compile_attention_ws
+
+        compile_attention_ws(has_kv_len=False)
+    except Exception as exc:
+        pytest.skip(f"cannot compile for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
+    run_child_tests(__file__, "standin_", {"IKBO_STANDIN_DRIVER": "1"}, timeout=900)
+
+
+@pytest.mark.skipif(not STANDIN, reason="runs in test_backward_kernels_compile_for_sm90's child process")
+@pytest.mark.parametrize(
+    "num_users, num_candidates, num_queries, seq_len, heads, head_dim, dtype, with_self, causal",
+    [(15, 1024, 64, 1024, 4, 128, torch.bfloat16, False, True), (3, 40, 5, 333, 2, 64, torch.float16, True, True)],
+    ids=["canonical", "self-odd-d64"],
+)
+def test_standin_backward_compiles(num_users, num_candidates, num_queries, seq_len, heads, head_dim, dtype,
+                                   with_self, causal):  # fmt: skip
+    """At the canonical shape the backward kernels spill no register (the dK/dV kernel keeps dK, dV [128, d] in fp32
+    registers)."""
+    from kernels.devtools import disassemble, install_standin_driver
+
+    install_standin_driver()
+    q = torch.zeros(num_candidates, heads, num_queries, head_dim, dtype=dtype)
+    k, v, user_q = (torch.zeros(num_users, heads, seq_len, head_dim, dtype=dtype) for _ in range(3))
+    cand_to_user = torch.zeros(num_candidates, dtype=torch.int32)
+    kv_len = torch.zeros(num_users, dtype=torch.int32)
+    user_q = user_q if with_self else None
+    lse = torch.zeros(attention.lse_size(q.shape, k.shape, with_self))
+    out, user_out, _ = attention._launch(q, k, v, cand_to_user, kv_len, 0.1, user_q, causal, lse=lse)
+    out, user_out = torch.zeros_like(q), None if user_q is None else torch.zeros_like(user_q)
+    attention._launch_backward(out, q, k, v, out, lse, cand_to_user, kv_len, 0.1, user_q, user_out, user_out, causal)
+    if with_self:
+        return
+    for kernel in (attention._attention_bwd_dq_kernel, attention._attention_bwd_dkdv_kernel):
+        for compiled in next(iter(kernel.device_caches.values()))[0].values():
+            disassembled = disassemble(compiled)
+            if disassembled is not None:
+                sass, usage = disassembled
+                assert re.search(r"STACK:(\d+)", usage).group(1) == "0" and "LDL" not in sass, usage
 
 
 # ---------------------------------------------------------------------------------------------
