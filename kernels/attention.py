@@ -1204,8 +1204,9 @@ def _backward(grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, backend,
     if not _capturing(k.device):
         poll_deferred()
     if backend == "triton":
-        if lse.numel() == 0 and q.shape[0] * q.shape[2] + (0 if user_q is None else 1):  # a forward without lse
-            lse = torch.empty(lse_size(q.shape, k.shape, user_q is not None), dtype=torch.float32, device=k.device)
+        rows = lse_size(q.shape, k.shape, user_q is not None)
+        if lse.numel() != rows:  # a forward called without with_lse: its statistics again
+            lse = torch.empty(rows, dtype=torch.float32, device=k.device)
             _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, lse=lse)
         return _launch_backward(
             grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, user_q, grad_user_out, user_out, causal

@@ -362,6 +362,8 @@ def test_interpreted_public_ops_autograd(monkeypatch, ranked):
     got = torch.autograd.grad(out, (q, k, v), grad_out)
     want = reference_grads((q, k, v), (grad_out,), cand_to_user=cand_to_user, kv_len=kv_len)
     assert_grads_close(got, want, HALF_TOL)
+    out = torch.ops.ikbo.attention(q, k, v, cand_to_user, kv_len, 0.25, "triton", False)[0]  # no statistics kept
+    assert_grads_close(torch.autograd.grad(out, (q, k, v), grad_out), want, HALF_TOL)
     user_out, cand_out = ikbo_self_target_attention(user_q, q, k, v, cand_to_user, kv_len, backend="triton")
     grads_out = (torch.randn(cand_out.shape, generator=gen).half(), torch.randn(user_out.shape, generator=gen).half())
     got = torch.autograd.grad((cand_out, user_out), (q, k, v, user_q), grads_out)
