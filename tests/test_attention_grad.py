@@ -444,21 +444,27 @@ cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 GPU_TOL = 2e-2
 
 
-def canonical_problem(ragged_kv_len: bool, with_self: bool, seed: int = 0, dtype=torch.bfloat16):
-    """U = 15 with ragged counts (weights 1/(u+1)^0.7, shuffled), B = 1024, S = 64, L = 1024, H = 4, d = 128."""
-    num_users, num_candidates, num_queries, seq_len, heads, head_dim = 15, 1024, 64, 1024, 4, 128
+CANONICAL = (15, 1024, 64, 1024, 4, 128)  # U, B, S, L, H, d
+# other sizes: d = 64, L not a multiple of a key block, S not of a tile; more users than RANKED_USERS (grid order)
+OTHER_SIZES = [((7, 300, 8, 1000, 2, 64), torch.float16), ((3, 700, 5, 333, 4, 64), torch.bfloat16),
+               ((70, 300, 3, 256, 2, 128), torch.bfloat16)]  # fmt: skip
+
+
+def gpu_problem(ragged_kv_len: bool, with_self: bool, size=CANONICAL, dtype=torch.bfloat16, seed=0, device="cuda"):
+    """Ragged counts (weights 1/(u+1)^0.7, shuffled), kv_len with L, 0 and 700 (clamped to L) among its values."""
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim = size
     gen = torch.Generator().manual_seed(seed)
     weights = torch.tensor([1.0 / (u + 1) ** 0.7 for u in range(num_users)])
     mapping = torch.multinomial(weights, num_candidates, replacement=True, generator=gen)
     lengths = torch.randint(0, seq_len + 1, (num_users,), generator=gen)
-    lengths[:3] = torch.tensor([seq_len, 0, 700])
-    make = lambda *shape: torch.randn(*shape, generator=gen).to("cuda", dtype)  # noqa: E731
+    lengths[:3] = torch.tensor([seq_len, 0, min(700, seq_len)])[:num_users]
+    make = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     problem = dict(
         q=make(num_candidates, heads, num_queries, head_dim),
         k=make(num_users, heads, seq_len, head_dim),
         v=make(num_users, heads, seq_len, head_dim),
-        cand_to_user=mapping.to("cuda", torch.int32),
-        kv_len=lengths.to("cuda", torch.int32) if ragged_kv_len else None,
+        cand_to_user=mapping.to(device, torch.int32),
+        kv_len=lengths.to(device, torch.int32) if ragged_kv_len else None,
         grad_out=make(num_candidates, heads, num_queries, head_dim),
     )
     if with_self:
@@ -468,13 +474,9 @@ def canonical_problem(ragged_kv_len: bool, with_self: bool, seed: int = 0, dtype
     return problem
 
 
-@cuda_only
-@pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
-@pytest.mark.parametrize("ragged", [False, True], ids=["full", "kv_len"])
-def test_cuda_gradients_at_the_canonical_size(ragged, with_self):
+def check_cuda_gradients(p, with_self):
     """The kernels through the host wrappers (gradients poisoned), then the public op's autograd (as dispatched:
-    on Hopper its forward is the Gluon kernel, which writes the log-sum-exp)."""
-    p = canonical_problem(ragged, with_self)
+    on Hopper at the canonical shape its forward is the Gluon kernel, which writes the log-sum-exp)."""
     inputs = (p["q"], p["k"], p["v"]) + ((p["user_q"],) if with_self else ())
     grads_out = (p["grad_out"],) + ((p["grad_user_out"],) if with_self else ())
     want = reference_grads(inputs, grads_out, cand_to_user=p["cand_to_user"], kv_len=p["kv_len"])
@@ -495,11 +497,25 @@ def test_cuda_gradients_at_the_canonical_size(ragged, with_self):
 
 @cuda_only
 @pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["full", "kv_len"])
+def test_cuda_gradients_at_the_canonical_size(ragged, with_self):
+    check_cuda_gradients(gpu_problem(ragged, with_self), with_self)
+
+
+@cuda_only
+@pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
+@pytest.mark.parametrize("size, dtype", OTHER_SIZES, ids=lambda x: str(x))
+def test_cuda_gradients_at_other_sizes(size, dtype, with_self):
+    check_cuda_gradients(gpu_problem(True, with_self, size, dtype, seed=1), with_self)
+
+
+@cuda_only
+@pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
 def test_cuda_gluon_lse_matches_triton(with_self):
     """Where the Gluon kernel runs (Hopper), the log-sum-exp it writes equals the Triton kernel's."""
     from kernels.attention_ws import launch_ws, ws_supported
 
-    p = canonical_problem(True, with_self)
+    p = gpu_problem(True, with_self)
     q, k, v, m, kv_len, user_q = p["q"], p["k"], p["v"], p["cand_to_user"], p["kv_len"], p.get("user_q")
     if not ws_supported(q, k):
         pytest.skip("the Gluon kernel needs Hopper")
@@ -517,7 +533,7 @@ def test_cuda_gluon_lse_matches_triton(with_self):
 @cuda_only
 @pytest.mark.parametrize("strict", [False, True], ids=["deferred", "strict"])
 def test_cuda_bad_values_raise_without_a_wait(strict):
-    p = canonical_problem(True, True)
+    p = gpu_problem(True, True)
     bad_mapping = p["cand_to_user"].clone()
     bad_mapping[5] = 15
     bad_kv_len = p["kv_len"].clone()
