@@ -898,7 +898,7 @@ def _linear_compress_backward_torch(grad_out, user_emb, cand_emb, cand_to_user, 
     need_user, need_cand, need_user_weight, need_cand_weight, need_bias = needs
     num_users = user_emb.shape[0]
     user_sums = None  # dY_u [U, N, D]
-    if need_user or need_user_weight or need_bias:
+    if need_user or need_user_weight:
         compute = torch.float32 if grad_out.dtype in (torch.float16, torch.bfloat16) else grad_out.dtype
         sums = grad_out.new_zeros((num_users, *grad_out.shape[1:]), dtype=compute)
         user_sums = sums.index_add_(0, cand_to_user, grad_out.to(compute)).to(grad_out.dtype)
@@ -907,7 +907,7 @@ def _linear_compress_backward_torch(grad_out, user_emb, cand_emb, cand_to_user, 
         torch.matmul(cand_weight.t(), grad_out) if need_cand else None,  # [B, Kc, D]
         torch.einsum("und,ukd->nk", user_sums, user_emb) if need_user_weight else None,  # [N, Ku]
         torch.einsum("bnd,bkd->nk", grad_out, cand_emb) if need_cand_weight else None,  # [N, Kc]
-        user_sums.sum((0, 2)) if need_bias else None,  # [N]
+        (grad_out if user_sums is None else user_sums).sum((0, 2)) if need_bias else None,  # [N]
     )
 
 
