@@ -702,15 +702,16 @@ def _attention_bwd_dkdv_kernel(
     """1-D grid over (user rank, head, key block), key blocks fastest: a program owns K/V[u, h] rows
     [BLOCK_N·j, BLOCK_N·j + BLOCK_N) in registers and walks all of user u's candidate query rows (and, with
     HAS_SELF, its own rows that see the block), accumulating dK and dV in fp32; each block is written once, zeros
-    past kv_len. The blocks of one (user, head) run side by side and read the same q / dO rows (L2). RANK_USERS
-    (U ≤ 64): users with the longest walks first."""
+    past kv_len. The blocks of one (user, head) run side by side and read the same q / dO rows (L2). RANK_USERS > 0
+    (a power of two ≥ U): users with the longest walks first; 0: grid order."""
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
     pid = tl.program_id(0)
     block = pid % num_blocks
     head = (pid // num_blocks) % heads
     rank = pid // (num_blocks * heads)
-    if RANK_USERS:
-        user = _ranked_user(rank, users_ptr, kv_len_ptr, num_users, num_queries, seq_len, HAS_SELF, HAS_KV_LEN, 64)
+    if RANK_USERS > 0:
+        user = _ranked_user(rank, users_ptr, kv_len_ptr, num_users, num_queries, seq_len, HAS_SELF, HAS_KV_LEN,
+                            RANK_USERS)  # fmt: skip
     else:
         user = rank
     kv_len = _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN)
@@ -929,11 +930,15 @@ def kv_2d_views(k, v):
     return k, v, rows, (s_u, s_h, s_l)
 
 
-def _kv_views(k, v, block_n):
-    """TMA descriptors over the 2-D views of `kv_2d_views`, blocks [block_n, d] → (k_desc, v_desc, strides)."""
+def _kv_views(k, v, block_n, *more_block_ns):
+    """TMA descriptors over the 2-D views of `kv_2d_views`, blocks [block_n, d] → (k_desc, v_desc, strides), then a
+    (k_desc, v_desc) pair for each of `more_block_ns` over the same views."""
     k, v, rows, strides = kv_2d_views(k, v)
-    descs = [TensorDescriptor(t, [rows, strides[2]], [strides[2], 1], [block_n, k.shape[3]]) for t in (k, v)]
-    return descs[0], descs[1], strides
+    pairs = [
+        tuple(TensorDescriptor(t, [rows, strides[2]], [strides[2], 1], [n, k.shape[3]]) for t in (k, v))
+        for n in (block_n, *more_block_ns)
+    ]
+    return (*pairs[0], strides, *pairs[1:])
 
 
 def lse_size(q_shape, k_shape, with_self: bool) -> int:
@@ -1112,14 +1117,16 @@ def _launch_backward(
     cand_lse, user_lse = split_lse(lse, q.shape, k.shape, with_self)
     cand_delta, user_delta = split_lse(delta, q.shape, k.shape, with_self)
     q = q if q.stride(-1) == 1 else q.contiguous()  # gathered by rows: any other stride
-    grad_out, out = grad_out.contiguous(), out.contiguous()  # rows of [B·H·S, d], as dq and lse
+    grad_out, out = grad_out.to(q.dtype).contiguous(), out.contiguous()  # rows of [B·H·S, d], as dq and lse
     if with_self:
         user_q = user_q if user_q.stride(-1) == 1 else user_q.contiguous()
-        grad_user_out, user_out = grad_user_out.contiguous(), user_out.contiguous()
+        grad_user_out, user_out = grad_user_out.to(q.dtype).contiguous(), user_out.contiguous()
     else:  # the self arguments stand for themselves, unused
         user_q, grad_user_out, user_out, duq, user_lse, user_delta = q, grad_out, out, dq, cand_lse, cand_delta
     kv_len_arg = order if kv_len is None else kv_len
-    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_views(k, v, dq_cfg.block_n)
+    k_desc, v_desc, (stride_ku, stride_kh, stride_kl), (kv_k_desc, kv_v_desc) = _kv_views(
+        k, v, dq_cfg.block_n, kv_cfg.block_n
+    )
     num_self_tiles = num_users * triton.cdiv(seq_len, dq_cfg.block_m) if with_self else 0
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     qk_scale = scale * LOG2E
@@ -1132,16 +1139,14 @@ def _launch_backward(
         HAS_KV_LEN=kv_len is not None, NUM_STAGES=dq_cfg.num_stages, num_warps=dq_cfg.num_warps,
         maxnreg=dq_cfg.maxnreg,
     )
-    if kv_cfg.block_n != dq_cfg.block_n:
-        k_desc, v_desc, _ = _kv_views(k, v, kv_cfg.block_n)
     _attention_bwd_dkdv_kernel[(num_users * heads * triton.cdiv(seq_len, kv_cfg.block_n),)](
         q, q.stride(0), q.stride(1), q.stride(2), grad_out, cand_lse, cand_delta,
         user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), grad_user_out, user_lse, user_delta,
-        k_desc, v_desc, stride_ku, stride_kh, stride_kl, dk, dv, kv_len_arg, order, users,
+        kv_k_desc, kv_v_desc, stride_ku, stride_kh, stride_kl, dk, dv, kv_len_arg, order, users,
         num_users, heads, seq_len, num_queries, qk_scale, scale,
         HEAD_DIM=head_dim, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, HAS_SELF=with_self, CAUSAL=causal,
-        HAS_KV_LEN=kv_len is not None, RANK_USERS=num_users <= RANKED_USERS, NUM_STAGES=kv_cfg.num_stages,
-        num_warps=kv_cfg.num_warps, maxnreg=kv_cfg.maxnreg,
+        HAS_KV_LEN=kv_len is not None, RANK_USERS=RANKED_USERS if num_users <= RANKED_USERS else 0,
+        NUM_STAGES=kv_cfg.num_stages, num_warps=kv_cfg.num_warps, maxnreg=kv_cfg.maxnreg,
     )
     return dq, dk, dv, duq if with_self else None
 # fmt: on
@@ -1160,23 +1165,23 @@ def _capturing(device) -> bool:
 
 def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, with_lse=False):
     """The Triton path of the forward ops → (out, user_out or None, lse: `lse_size` fp32 elements with_lse, else
-    [0]). No wait for the device: on CUDA the plan's range flag goes to the host behind the plan kernel and its
+    None). No wait for the device: on CUDA the plan's range flag goes to the host behind the plan kernel and its
     check (the ValueError naming the bad value) is deferred (kernels._common.DEFERRED: raised by a later IKBO
     call, `check_deferred()`, or at once in strict mode). Not while a CUDA graph is being captured: values are
     then the caller's to check; the kernels still read nothing out of bounds (bad rows are left unwritten,
     kv_len is clamped). Under the interpreter (CPU tensors) the check is synchronous."""
     num_candidates, num_users, seq_len, device = q.shape[0], k.shape[0], k.shape[2], k.device
-    lse = torch.empty(lse_size(q.shape, k.shape, user_q is not None) if with_lse else 0, dtype=torch.float32,
-                      device=device)  # fmt: skip
+    lse = None
+    if with_lse:
+        lse = torch.empty(lse_size(q.shape, k.shape, user_q is not None), dtype=torch.float32, device=device)
     if num_users == 0:  # no users: every candidate's mapping value is out of range
         check_mapping(cand_to_user, num_candidates, num_users, device)
-        return torch.zeros_like(q), None if user_q is None else torch.zeros_like(user_q), lse
+        user_out = None if user_q is None else user_q.new_zeros(user_q.shape)
+        return q.new_zeros(q.shape), user_out, lse
     capturing = _capturing(device)
     readback = []
     on_plan = (lambda flag: readback.append(HostReadback(flag))) if device.type == "cuda" and not capturing else None
-    out, user_out, flag = _launch(
-        q, k, v, cand_to_user, kv_len, scale, user_q, causal, on_plan=on_plan, lse=lse if with_lse else None
-    )
+    out, user_out, flag = _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, on_plan=on_plan, lse=lse)
     check = partial(_check_index_values, cand_to_user, kv_len, num_candidates, num_users, seq_len, device)
     if readback:
         DEFERRED.defer(readback[0], check)
@@ -1186,7 +1191,7 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, w
 
 
 def _forward(q, k, v, cand_to_user, kv_len, scale, backend, with_lse, user_q=None, causal=True):
-    """Both forward ops: (out, user_out or None, lse; [0] on the torch path, whose backward needs none)."""
+    """Both forward ops: (out, user_out or None, lse or None; None on the torch path, whose backward needs none)."""
     if not _capturing(k.device):
         poll_deferred()
     if backend == "triton":
@@ -1195,7 +1200,7 @@ def _forward(q, k, v, cand_to_user, kv_len, scale, backend, with_lse, user_q=Non
     kv_len = check_kv_len(kv_len, k.shape[0], k.shape[2], k.device)
     out = _target_attention_torch(q, k, v, cand_to_user, kv_len, scale)
     user_out = None if user_q is None else _self_attention_torch(user_q, k, v, kv_len, causal, scale).contiguous()
-    return out, user_out, q.new_empty(0, dtype=torch.float32)
+    return out, user_out, None
 
 
 def _backward(grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, backend, user_q=None, grad_user_out=None,
@@ -1224,6 +1229,11 @@ def _backward(grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, backend,
 # ---------------------------------------------------------------------------------------------
 
 
+def _no_lse(like):
+    """The ops' lse output where the forward keeps none."""
+    return like.new_empty(0, dtype=torch.float32)
+
+
 @torch.library.custom_op("ikbo::attention", mutates_args=())
 def _attention_op(
     q: torch.Tensor,
@@ -1238,7 +1248,7 @@ def _attention_op(
     """(out [B, H, S, d], lse): target attention on `backend` ("torch" or "triton"); lse (the backward's softmax
     statistics) only where with_lse and the backend is Triton, else [0]."""
     out, _, lse = _forward(q, k, v, cand_to_user, kv_len, scale, backend, with_lse)
-    return out, lse
+    return out, _no_lse(q) if lse is None else lse
 
 
 @_attention_op.register_fake
@@ -1302,7 +1312,7 @@ def _self_target_attention_op(
     """(user_out [U, H, L, d], cand_out [B, H, S, d], lse): self + target attention over the same K/V; lse (candidate
     rows, then user rows) only where with_lse and the backend is Triton, else [0]."""
     cand_out, user_out, lse = _forward(cand_q, k, v, cand_to_user, kv_len, scale, backend, with_lse, user_q, causal)
-    return user_out, cand_out, lse
+    return user_out, cand_out, _no_lse(k) if lse is None else lse
 
 
 @_self_target_attention_op.register_fake
