@@ -85,9 +85,8 @@ PERSISTENT_MIN_CANDIDATES_PER_USER = 32  # default_variant: persistent from B/U 
 SMALL_BATCH = 256  # at most this many candidates: persistent from B/U ≥ 4 (one launch, less host time)
 WS_MIN_CANDIDATES = 256  # default_variant: warp_specialized from this B up, where it runs
 K_ALIGN = 8  # weight columns padded to a multiple of this at pack time (16 bytes in 16-bit types)
-FUSE_USER_SUMS = (
-    True  # backward: the user sums dY_u from the dW_c pass (dout read once for both), not a pass of its own
-)
+FUSE_USER_SUMS = True  # backward: the user sums dY_u in the dW_c pass (dout read once for both), not a pass apart
+FUSED_SPLIT_ROWS = 64  # rows per split of that pass at most: the split's candidate ids stay in registers
 
 
 # ----------------------------------------------------------------------------- configs
@@ -481,7 +480,7 @@ def _lce_weight_grad_kernel(
     part_ptr,  # [splits, M, K] fp32, contiguous: one partial sum per split
     order_ptr, users_ptr, offsets_ptr, sums_ptr, slots_ptr,  # FUSE_SUMS: see below
     G, M, K, D, ROWS_PER_SPLIT, U, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    A_TMA: tl.constexpr, X_TMA: tl.constexpr, FUSE_SUMS: tl.constexpr,
+    A_TMA: tl.constexpr, X_TMA: tl.constexpr, FUSE_SUMS: tl.constexpr, MAX_ROWS: tl.constexpr,
 ):
     """part[s, off_m:, off_k:] = Σ over rows g of split s of A[g, off_m:, :] @ X[g, off_k:, :]ᵀ, in fp32: one
     [BLOCK_M, BLOCK_N] tile of a weight gradient Σ_g A[g] X[g]ᵀ, whose reduction runs over (g, d). Split-K over g:
@@ -495,7 +494,7 @@ def _lce_weight_grad_kernel(
     programs of weight-column tile j mod (column tiles) also add the A tiles they load into the user sums
     dY_u = Σ_{b: m[b]=u} dout[b], one [BLOCK_M, BLOCK_D] segment at a time, stored when the user changes
     (`_store_user_sum`: sums [U, M, D], slots [splits, 2, M, D] fp32 for users that cross a split). dout is then read
-    once for both, and the extra work is spread over every program."""
+    once for both, and the extra work is spread over every program. A split has at most MAX_ROWS rows here."""
     num_m_tiles = tl.cdiv(M, BLOCK_M)
     num_tiles = num_m_tiles * tl.cdiv(K, BLOCK_N)
     tile = tl.program_id(0) % num_tiles
@@ -510,12 +509,17 @@ def _lce_weight_grad_kernel(
         last = first + rows
         num_k_tiles = num_tiles // num_m_tiles
         segment = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        # The split's candidate ids in registers: a row id loaded inside the loop would keep Triton from pipelining
+        # the TMA loads it addresses (ROWS_PER_SPLIT ≤ MAX_ROWS).
+        positions = tl.arange(0, MAX_ROWS)
+        order = tl.load(order_ptr + first + positions, mask=positions < rows, other=0).to(tl.int32)
         for step in tl.range(0, rows * steps_per_row):
             row = first + step % rows
             d = (step // rows) * BLOCK_D
+            candidate = tl.sum(tl.where(positions == step % rows, order, 0))
             a, x = _weight_grad_operands(
                 a_ptr, a_desc, stride_ag, stride_am, stride_ad, x_ptr, x_desc, stride_xg, stride_xk, stride_xd,
-                tl.load(order_ptr + row).to(tl.int32), d, off_m, off_k, M, K, D, BLOCK_M, BLOCK_N, BLOCK_D, A_TMA, X_TMA,
+                candidate, d, off_m, off_k, M, K, D, BLOCK_M, BLOCK_N, BLOCK_D, A_TMA, X_TMA,
             )
             acc = tl.dot(a, x.T, acc)
             if (step // rows) % num_k_tiles == off_k // BLOCK_N:  # d-chunk j's sums: the programs of column tile j % n
@@ -911,13 +915,16 @@ def _linear_compress_backward_torch(grad_out, user_emb, cand_emb, cand_to_user, 
     )
 
 
-def weight_grad_configs(dtype: torch.dtype, dim: int):
+def weight_grad_configs(dtype: torch.dtype, dim: int, fused: bool = False):
     """TileConfigs of `_lce_weight_grad_kernel` to try, best first: block_m rows of N × block_n weight columns per
-    tile, block_k the step along D (128 bytes). Shared memory at 128 × 256 × 64, bf16: 48 KiB a stage."""
+    tile, block_k the step along D (128 bytes; 64 with the fused user sums, whose [block_m, block_k] fp32 segment
+    and register copy of the dout tile would spill at 128 × 256 × 64). Shared memory at 128 × 256 × 64, bf16:
+    48 KiB a stage."""
     if interpreting():
         yield TileConfig(16, 16, 16, num_warps=4, num_stages=1)
         return
-    block_d = max(16, min(128 // (torch.finfo(dtype).bits // 8), triton.next_power_of_2(dim)))
+    step_bytes = 64 if fused else 128
+    block_d = max(16, min(step_bytes // (torch.finfo(dtype).bits // 8), triton.next_power_of_2(dim)))
     yield TileConfig(128, 256, block_d, num_warps=8, num_stages=4)
     yield TileConfig(128, 256, block_d, num_warps=8, num_stages=3)
     yield TileConfig(128, 128, block_d, num_warps=8, num_stages=4)
@@ -955,6 +962,8 @@ def _weight_grad(
     def launch(cfg: TileConfig) -> None:
         tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(depth, cfg.block_n)
         wanted = splits or max(1, _num_programs(a.device) // tiles)
+        if sums is not None:  # fused: at most FUSED_SPLIT_ROWS rows a split
+            wanted = max(wanted, triton.cdiv(num_rows, FUSED_SPLIT_ROWS))
         per_split = triton.cdiv(num_rows, min(wanted, num_rows))
         count = triton.cdiv(num_rows, per_split)
         part = torch.empty(count, rows, depth, dtype=torch.float32, device=a.device)
@@ -966,7 +975,7 @@ def _weight_grad(
             a, a_desc, a.stride(0), a.stride(1), a.stride(2), x, x_desc, x.stride(0), x.stride(1), x.stride(2), part,
             order, sorted_users, offsets, sums, slots, num_rows, rows, depth, dim, per_split,
             1 if sums is None else sums.shape[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_k,
-            A_TMA=a_desc is not None, X_TMA=x_desc is not None, FUSE_SUMS=sums is not None,
+            A_TMA=a_desc is not None, X_TMA=x_desc is not None, FUSE_SUMS=sums is not None, MAX_ROWS=FUSED_SPLIT_ROWS,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         block = 1024 if not interpreting() else 32
@@ -975,7 +984,7 @@ def _weight_grad(
             _user_sum_fixup_kernel[grid](slots, sums, offsets, per_split, rows * dim, BLOCK=block)
         _split_sum_kernel[(triton.cdiv(rows * depth, block),)](part, out, count, rows * depth, BLOCK=block)
 
-    configs = [config] if config is not None else list(weight_grad_configs(a.dtype, dim))
+    configs = [config] if config is not None else list(weight_grad_configs(a.dtype, dim, sums is not None))
     key = None if config is not None else ("dW", sums is not None, a.dtype, dim, a.device)
     _launch_first_fitting(key, configs, launch)
     return out

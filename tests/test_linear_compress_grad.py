@@ -26,7 +26,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from interpreted import run_interpreted
+from interpreted import run_child_tests, run_interpreted
 
 from ikbo_backend.transform import ReplicationDetector
 from kernels import PackedLinearCompress, check_deferred, ikbo_linear_compress, strict_checks
@@ -430,6 +430,57 @@ def test_interpreted_autograd_through_the_op(variant):
 @pytest.mark.skipif(not INTERPRETING, reason="runs in test_triton_interpreted's child process")
 def test_interpreted_optimizer_step():
     _optimizer_step_changes_result("cpu", torch.float16, "triton", FP16_TOL)
+
+
+# ---------------------------------------------------------------- compiled for Hopper on the CPU
+
+
+STANDIN = os.environ.get("IKBO_STANDIN_DRIVER") == "1"
+
+
+@pytest.mark.skipif(HAS_CUDA or STANDIN or INTERPRETING, reason="the GPU tests compile these kernels for real")
+def test_backward_compiles_for_hopper_on_cpu():
+    """Run the `standin_` test below in a child process under the stand-in driver (tests/test_gpu_compile.py)."""
+    try:
+        from kernels.devtools import compile_linear_compress_ws
+
+        compile_linear_compress_ws(num_candidates=2, rows=16, dim=16, num_cand_tokens=16)
+    except Exception as exc:
+        pytest.skip(f"cannot compile for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
+    run_child_tests(__file__, "standin_", {"IKBO_STANDIN_DRIVER": "1"}, timeout=1500)
+
+
+@pytest.mark.skipif(not STANDIN, reason="runs in test_backward_compiles_for_hopper_on_cpu's child process")
+def test_standin_backward_kernels_compile_without_spills():
+    """The backward's Triton kernels at the canonical N, Kc, D (bf16, both forms of dY_u) and the warp-specialized
+    kernel as d_cand_emb's GEMM, compiled for sm_90a as an H200 would (nothing runs): each compiles, the weight-gradient
+    GEMM keeps its TMA loads in a multi-stage ring, and no kernel spills registers."""
+    from kernels.devtools import compile_linear_compress_ws, disassemble, install_standin_driver
+
+    install_standin_driver()
+    num_users, num_candidates, ku, kc, dim, rows = 3, 64, 1024, 500, 256, 512
+    mapping = tuple(b * 7 % num_users for b in range(num_candidates))
+    inputs = make_inputs(Case(ku, kc, dim, rows, num_users, mapping, True, 31), torch.bfloat16)
+    user_emb, cand_emb, cand_to_user, weight, _, grad_out = inputs
+    for fuse_sums in (True, False):
+        weights = (weight[:, :ku], weight[:, ku:])
+        needs = (True,) * 5
+        lce._linear_compress_backward_triton(
+            grad_out, user_emb, cand_emb, cand_to_user, *weights, needs, splits=16, fuse_sums=fuse_sums
+        )
+    kernels = [lce._lce_weight_grad_kernel, lce._lce_tile_kernel, lce._user_grad_sum_kernel, lce._user_offsets_kernel]
+    kernels += [lce._user_sum_fixup_kernel, lce._split_sum_kernel]
+    compiled = [(k.fn.__name__, c) for k in kernels for cache in k.device_caches.values() for c in cache[0].values()]
+    ws_cand = compile_linear_compress_ws(rows=kc, num_cand_tokens=rows, has_user=False, has_bias=False)
+    assert len(compiled) >= 7
+    for name, kernel in [*compiled, ("_lce_ws_kernel (d_cand_emb)", ws_cand)]:
+        listing = disassemble(kernel)
+        if listing is None:
+            pytest.skip("no cuobjdump")
+        sass, _ = listing
+        assert "STL" not in sass, f"{name} spills registers"
+        if name == "_lce_weight_grad_kernel":
+            assert kernel.metadata.shared >= 3 * 32 * 1024, f"{name}: {kernel.metadata.shared} bytes: no TMA ring"
 
 
 # ---------------------------------------------------------------- CUDA, real sizes
