@@ -33,6 +33,8 @@ Items are handed out in one of two ways (`WSAttentionConfig.dynamic`):
         the next item's q·k₀ᵀ; else scattered by pointer (16-byte stores).
 kv_len masking: blocks past kv_len are never loaded; the last partial block is masked in a branch.
 A user with kv_len 0 gives zeros. Rows past a tile's end read a valid q row and are never stored.
+WRITE_LSE (a forward that autograd will differentiate, `launch_ws(lse=...)`): each warpgroup's epilogue also stores
+its rows' log-sum-exp (base 2) at the rows of contiguous out / user_out, as attention.py's kernel does.
 
 Self + target (`launch_ws(user_q=..., user_out=...)`, as `ikbo_self_target_attention`): the users' own (causal)
 self-attention tiles of 128 rows, over the same K/V ring: q rows from user_q, by TMA with the target rows where
