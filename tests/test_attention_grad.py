@@ -384,6 +384,29 @@ def test_interpreted_no_candidates_with_self():
     assert_grads_close(got[1:], want[1:], HALF_TOL)
 
 
+@interpreted
+def test_interpreted_bad_index_values_stay_in_bounds():
+    """A backward can run before a deferred check reports a bad mapping or kv_len value: every access stays inside
+    the tensors (the memcheck), and the candidates and users that are valid get their gradients."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(6, 1, 3, 16, generator=gen).half()
+    k, v, user_q = (torch.randn(3, 1, 20, 16, generator=gen).half() for _ in range(3))
+    grad_out, grad_user_out = torch.randn(q.shape, generator=gen).half(), torch.randn(k.shape, generator=gen).half()
+    cand_to_user, kv_len = torch.tensor([1, -1, 1, 3, 0, 7]), torch.tensor([20, -3, 25])
+    scale, lse = 0.25, torch.empty(attention.lse_size(q.shape, k.shape, True))
+    out, user_out, flag = attention._launch(q, k, v, cand_to_user, kv_len, scale, user_q, lse=lse)
+    assert int(flag[0]) == 1
+    dq, dk, dv, duq = attention._launch_backward(
+        grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, user_q, grad_user_out, user_out
+    )
+    valid = torch.tensor([0, 2, 4])  # candidates of users 0 and 1 (user 1: kv_len clamped to 0, user 2 to L)
+    clamped = kv_len.clamp(0, 20)
+    want = reference_grads(
+        (q[valid], k, v, user_q), (grad_out[valid], grad_user_out), cand_to_user=cand_to_user[valid], kv_len=clamped
+    )
+    assert_grads_close((dq[valid], dk, dv, duq), want, HALF_TOL)
+
+
 # ---------------------------------------------------------------------------------------------
 # sm_90a compiles on the CPU (a stand-in driver, in a child process)
 # ---------------------------------------------------------------------------------------------
