@@ -53,7 +53,10 @@ def backward_tables(bench: Bench, args, dtype) -> None:
     shape, device = cases.SMOKE_TRAIN if args.smoke else cases.CANONICAL, bench.device
     shapes = cases.train_sweep_shapes(args.smoke) if args.sweep != "none" else []
     setups = [partial(cases.train_sweep_case, s, device, dtype) for s in shapes]
-    bench.precompile([partial(cases.train_cases, shape, device, dtype), *setups])
+    # the points up to B = 1024 compile every kernel variant the sweep runs (the larger ones would share the GPU's
+    # memory between the workers)
+    small = [setup for s, setup in zip(shapes, setups) if s.num_candidates <= 1024]
+    bench.precompile([partial(cases.train_cases, shape, device, dtype), *small])
     for case in cases.train_cases(shape, device, dtype):
         bench.table(case, cases.TRAIN_TOL)
     case = None  # its tensors go before the sweep's
