@@ -1160,7 +1160,7 @@ def _linear_compress_backward_op(
         _linear_compress_backward_torch if _resolve(backend, user_emb) == "torch" else _linear_compress_backward_triton
     )
     grads = impl(grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs)
-    return tuple(grad_out.new_empty(0) if grad is None else grad for grad in grads)
+    return tuple(grad_out.new_empty(0) if grad is None else grad.contiguous() for grad in grads)  # the fake's strides
 
 
 @_linear_compress_backward_op.register_fake
