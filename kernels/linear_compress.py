@@ -38,7 +38,8 @@ the user term and the bias. fp16 / bf16 inputs use the tensor cores with fp32 ac
 inputs use tf32 (relative error near 3e-4); fp64 has no Triton path ("auto" takes torch for it).
 Autograd: `ikbo_linear_compress` and `PackedLinearCompress` check shapes, dtypes and devices on the host, then
 call the custom op `ikbo::linear_compress` (torch.library, with a fake implementation for torch.compile and
-torch.export); everything that reads device values or picks a kernel runs inside it. Its backward,
+torch.export); everything that reads device values or picks a kernel runs inside it. An eager call that autograd
+will not differentiate (no tracing, no dispatch mode) runs the op's implementation without the dispatcher. Its backward,
 `ikbo::linear_compress_backward`, reduces where the forward broadcasts. With g = dout [B, N, D]:
     d_cand[b] = W_cᵀ g[b]                 the forward's batched shared-weight GEMM, weight W_cᵀ
     dY_u[u] = Σ_{b: m[b]=u} g[b]          a device sort of the mapping + a segment sum: one pass over g
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
@@ -1195,6 +1197,19 @@ _linear_compress_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------- public API
 
 
+def _through_dispatcher(*tensors) -> bool:
+    """Whether a call goes through the op: autograd differentiates it, or something traces or intercepts it
+    (torch.compile, torch.export, a dispatch mode, a tensor subclass). Otherwise the op's implementation runs
+    directly, with the same result: the dispatcher's Python path costs about a kernel launch's host time a call."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return True
+    grad = torch.is_grad_enabled()
+    return any(
+        t is not None and (type(t) not in (torch.Tensor, torch.nn.Parameter) or (grad and t.requires_grad))
+        for t in tensors
+    )
+
+
 def _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, backend, variant) -> str:
     """The public entries' checks: shapes, dtypes, devices, the backend and variant names; returns the path
     (`_resolve`). No device value is read (torch.compile traces them)."""
@@ -1272,12 +1287,15 @@ class PackedLinearCompress(torch.nn.Module):
         weights = (params["user_weight"], params["cand_weight"], params["bias"])
         path = _check_inputs(user_emb, cand_emb, cand_to_user, *weights, backend, variant)
         padded = None if path == "torch" or torch.compiler.is_compiling() else self._packed()
-        return _linear_compress_op(
+        args = (
             user_emb, cand_emb, cand_to_user, *weights,
             None if padded is None else padded.user_weight_padded,
             None if padded is None else padded.cand_weight_padded,
             backend, variant,
         )  # fmt: skip
+        if _through_dispatcher(user_emb, cand_emb, cand_to_user, *weights):
+            return _linear_compress_op(*args)
+        return _linear_compress(*args)
 
     def _packed(self) -> PackedWeights:
         """The Parameters as the kernels take them (detached, with padded copies), rebuilt after a Parameter changed."""
@@ -1341,6 +1359,7 @@ def ikbo_linear_compress(
         check_same("bias", bias.shape[0], "N (rows of weight)", weight.shape[0])
     user_weight, cand_weight = weight[:, :num_user_tokens], weight[:, num_user_tokens:]
     _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, backend, variant)
-    return _linear_compress_op(
-        user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, None, None, backend, variant
-    )
+    args = (user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, None, None, backend, variant)
+    if _through_dispatcher(user_emb, cand_emb, cand_to_user, weight, bias):
+        return _linear_compress_op(*args)
+    return _linear_compress(*args)

@@ -310,6 +310,42 @@ def test_compile_fullgraph_matches_eager(which):
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["functional", "packed"])
+def test_compile_fullgraph_without_grad(which):
+    """Under no_grad an eager call skips the dispatcher; a compiled one still sees the op (no graph break)."""
+    torch._dynamo.reset()
+    modules, inputs, _ = _modules(COMPILE_CASE)
+    compiled = torch.compile(modules[which], backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert rel_err(compiled(*inputs), modules[which](*inputs)) <= 1e-12
+
+
+def test_eager_calls_without_autograd_skip_the_dispatcher(monkeypatch):
+    """The op runs through the dispatcher where autograd differentiates it or a dispatch mode watches; else its
+    implementation runs directly (host time)."""
+    calls = []
+    monkeypatch.setattr(lce, "_linear_compress_op", lambda *args: calls.append(1) or lce._linear_compress(*args))
+    case = COMPILE_CASE
+    user_emb, cand_emb, cand_to_user, weight, bias, _ = make_inputs(case)
+    packed = PackedLinearCompress.from_weight(weight, case.num_user_tokens, bias)
+    for call in (
+        lambda: ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias),
+        lambda: packed(user_emb, cand_emb, cand_to_user),
+    ):
+        calls.clear()
+        call()
+        assert calls == []  # nothing requires grad
+        with ReplicationDetector(case.num_users, len(case.mapping)):
+            call()
+        assert calls == [1]
+        user_emb.requires_grad_()
+        call()
+        user_emb.requires_grad_(False)
+        with torch.no_grad():
+            call()
+        assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["functional", "packed"])
 def test_export(which):
     modules, inputs, _ = _modules(COMPILE_CASE)
     exported = torch.export.export(modules[which], inputs)
