@@ -7,14 +7,19 @@
 - the torch-path forward and backward functions under `ReplicationDetector` (a dispatch mode sees a custom op as
   one op, so the functions inside it run there): no user tensor at B rows;
 - an optimizer step on PackedLinearCompress: its padded-weight cache follows the updated Parameters;
-- torch.compile(fullgraph=True) (aot_eager: the backward graph too) of a module calling `ikbo_linear_compress` and
-  of one holding a PackedLinearCompress, against eager; torch.export of both;
+- torch.compile(fullgraph=True) (aot_eager: the backward graph too; and under no_grad) of a module calling
+  `ikbo_linear_compress` and of one holding a PackedLinearCompress, against eager; torch.export of both; eager calls
+  without autograd skip the dispatcher, the others do not (inductor on the CPU also matches, in about a minute: not
+  run here);
 - the Triton backward kernels under TRITON_INTERPRET=1 (the `interpreted_*` tests, run by `test_triton_interpreted`
   in a child process, with the out-of-bounds memcheck of tests/interpreted.py) on small fp16 shapes against fp64
-  autograd of a replicated reference, every gradient written into NaN-poisoned buffers;
+  autograd of a replicated reference, every gradient written into NaN-poisoned buffers, the user sums both in the
+  dW_c pass and apart;
+- the same kernels compiled for sm_90a on the CPU under a stand-in driver (the `standin_` test in a child process):
+  no register spills, the weight-gradient GEMM with its TMA ring;
 - on CUDA (skipped without): every gradient at real sizes in bf16 (rel err ≤ 2e-2 against the fp64 torch path,
-  buffers poisoned first), both kernels of d_cand_emb, the public op's autograd, the optimizer step, and a bad
-  mapping raising at `check_deferred()` and in strict mode.
+  buffers poisoned first), both kernels of d_cand_emb and both forms of the user sums, the public op's autograd, the
+  optimizer step, inductor, and a bad mapping raising at `check_deferred()` and in strict mode.
 """
 
 from __future__ import annotations
