@@ -47,6 +47,7 @@ TRAIN_SWEEP_RATIOS = (1, 16, 70, 256)
 SWEEP_VARIANTS = ("fused", "persistent", WS_VARIANT)
 GRAPH_MAX_CANDIDATES = 1024  # --graph: the host's launch time matters only for small problems
 TOL = 1e-2
+TRAIN_TOL = 2e-2  # gradients in bf16: the baseline's own autograd lands near 1.2e-2
 BASELINE = "S0 eager (baseline)"
 
 
@@ -132,8 +133,9 @@ def main(argv=None):
     variants = tuple(v for v in (*VARIANTS, WS_VARIANT) if not (args.no_ws and v == WS_VARIANT))
     with_compile = not (args.no_compile or args.smoke)
     options = dict(variants=variants, canonical=True, with_compile=with_compile, graph=True)
+    tol = TRAIN_TOL if args.backward else TOL
     if args.backward:
-        bench.table(train_case(shape, bench.device, dtype, 1, CHECKED_HEAD, canonical=True), TOL)
+        bench.table(train_case(shape, bench.device, dtype, 1, CHECKED_HEAD, canonical=True), tol)
     else:
         bench.table(case(shape, bench.device, dtype, 1, shape.num_candidates, **options), TOL)
     if not args.no_sweep:
@@ -149,7 +151,7 @@ def main(argv=None):
         title = (
             f"Sweep, {what}Ku={shape.ku}, Kc={shape.kc}, D={shape.dim}, N={shape.rows}; first {CHECKED_HEAD} checked"
         )
-        bench.sweep(title, points, names, TOL)
+        bench.sweep(title, points, names, tol)
     bench.finish()
 
 

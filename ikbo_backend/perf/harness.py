@@ -107,6 +107,16 @@ def max_rel_err(out, ref) -> float:
     return rel_err(out[: ref.shape[0]], ref)
 
 
+def _nan_source(out, ref) -> str:
+    """Where a NaN error comes from: the reference, the output, or neither (an empty string)."""
+
+    def has_nan(t) -> bool:
+        parts = t if isinstance(t, (tuple, list)) else (t,)
+        return any(isinstance(x, torch.Tensor) and bool(torch.isnan(x).any()) for x in parts)
+
+    return "; NaN in the reference" if has_nan(ref) else "; NaN in the output" if has_nan(out) else ""
+
+
 def measure_ceilings(on_gpu: bool) -> tuple[float, float]:
     """(bf16 matmul FLOP/s on random 8192³, device copy bytes/s counting read + write); tiny sizes on the CPU."""
     device = "cuda" if on_gpu else "cpu"
@@ -225,11 +235,10 @@ class Bench:
                 continue
             result = results[name] = Result(name, provider.flops or case.flops, provider.note)
             try:
-                result.err = max_rel_err(
-                    (provider.check or provider.fn)(), case.ref if provider.ref is None else provider.ref
-                )
+                out, ref = (provider.check or provider.fn)(), case.ref if provider.ref is None else provider.ref
+                result.err = max_rel_err(out, ref)
                 if not result.err <= tol:
-                    result.failed = f"rel err {result.err:.1e} against fp64, over {tol:.0e}"
+                    result.failed = f"rel err {result.err:.1e} against fp64, over {tol:.0e}{_nan_source(out, ref)}"
                 else:
                     result.ms, result.span_ms, result.sm_mhz = device_times(provider.fn, self.on_gpu, calls)
                     result.do_bench_ms = event_ms(provider.fn, self.on_gpu)
