@@ -272,6 +272,31 @@ def _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN: tl.constexpr):
 
 # fmt: off
 @triton.jit
+def _target_rows_q(
+    tile, head, q_ptr, stride_qb, stride_qh, stride_qs, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+):
+    """A plan tile's BLOCK_M packed query rows (candidate-major, S tokens each) → (user, its kv_len (0 past the last
+    tile), row_ok, candidate, token, q [BLOCK_M, D]); padding rows read candidate 0 and are never stored."""
+    entry = tile_ptr + tile * 4
+    entry_user = tl.load(entry)  # -1 past the last tile: no rows, no keys, nothing stored
+    first_slot = tl.load(entry + 1)
+    rows = tl.load(entry + 2) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(entry + 3)
+    user = tl.maximum(entry_user, 0)
+    kv_len = tl.where(entry_user >= 0, _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN), 0)
+    slot = rows // num_queries
+    token = rows - slot * num_queries
+    cand = tl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
+    q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]))
+    return user, kv_len, row_ok, cand, token, q
+# fmt: on
+
+
+# fmt: off
+@triton.jit
 def _self_tile(
     tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol, ulse_ptr,
     k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
@@ -322,19 +347,11 @@ def _target_tile(
 ):
     """BLOCK_M packed query rows of one user's candidates (virtual rows: candidate-major, S tokens). With WRITE_LSE
     the rows' log-sum-exp goes to lse [B, H, S]."""
-    entry = tile_ptr + tile * 4
-    entry_user = tl.load(entry)  # -1 past the last tile: no rows, no keys, nothing stored
-    first_slot = tl.load(entry + 1)
-    rows = tl.load(entry + 2) + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(entry + 3)
-    user = tl.maximum(entry_user, 0)
-    kv_len = tl.where(entry_user >= 0, _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN), 0)
-    slot = rows // num_queries
-    token = rows - slot * num_queries
-    cand = tl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(tl.int64)  # padding rows read candidate 0
+    user, kv_len, row_ok, cand, token, q = _target_rows_q(
+        tile, head, q_ptr, stride_qb, stride_qh, stride_qs, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries,
+        HEAD_DIM, BLOCK_M, HAS_KV_LEN,
+    )
     offs_d = tl.arange(0, HEAD_DIM)
-    q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
-    q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]))
     row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
     kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
     out, lse = _softmax_pass(
@@ -527,19 +544,11 @@ def _dq_target_tile(
     NUM_STAGES: tl.constexpr,
 ):
     """dQ of BLOCK_M packed query rows of one user's candidates (the forward's `_target_tile`)."""
-    entry = tile_ptr + tile * 4
-    entry_user = tl.load(entry)  # -1 past the last tile: no rows, no keys, nothing stored
-    first_slot = tl.load(entry + 1)
-    rows = tl.load(entry + 2) + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(entry + 3)
-    user = tl.maximum(entry_user, 0)
-    kv_len = tl.where(entry_user >= 0, _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN), 0)
-    slot = rows // num_queries
-    token = rows - slot * num_queries
-    cand = tl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(tl.int64)  # padding rows read candidate 0
+    user, kv_len, row_ok, cand, token, q = _target_rows_q(
+        tile, head, q_ptr, stride_qb, stride_qh, stride_qs, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries,
+        HEAD_DIM, BLOCK_M, HAS_KV_LEN,
+    )
     offs_d = tl.arange(0, HEAD_DIM)
-    q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
-    q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]))
     at = (cand * tl.num_programs(1) + head) * num_queries + token  # row of [B·H·S, D] / [B·H·S]
     do, lse, delta = _row_stats(o_ptr, do_ptr, lse_ptr, delta_ptr, at, row_ok, HEAD_DIM)
     row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
