@@ -16,6 +16,7 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 BACKENDS = ("auto", "torch", "triton")
 INDEX_TYPES = (torch.int32, torch.int64)
@@ -131,9 +132,24 @@ DEFERRED = _DeferredChecks()
 
 
 def poll_deferred() -> None:
-    """Raise the ValueError of an earlier call whose index values have reached the host and are bad."""
-    if DEFERRED.pending:
+    """Raise the ValueError of an earlier call whose index values have reached the host and are bad (not while a
+    CUDA graph is being captured: querying an event there would break the capture)."""
+    if DEFERRED.pending and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         DEFERRED.run(wait=False)
+
+
+def through_dispatcher(*tensors) -> bool:
+    """Whether an IKBO call goes through its custom op: autograd differentiates it (grad mode and an input that
+    requires grad), or something traces or intercepts it (torch.compile, torch.export, a dispatch mode, a tensor
+    subclass). Otherwise the public function runs the op's implementation directly, with the same result: the
+    dispatcher's Python path costs about a kernel launch's host time a call."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return True
+    grad = torch.is_grad_enabled()
+    return any(
+        t is not None and (type(t) not in (torch.Tensor, torch.nn.Parameter) or (grad and t.requires_grad))
+        for t in tensors
+    )
 
 
 def check_deferred() -> None:
@@ -251,6 +267,11 @@ def _add_user_rows_sparse(cand_part: torch.Tensor, user_part: torch.Tensor, cand
 
 @torch.library.custom_op("ikbo::add_user_rows", mutates_args=())
 def _add_user_rows_op(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
+    return _add_user_rows(cand_part, user_part, cand_to_user)
+
+
+def _add_user_rows(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
+    """The op's implementation for checked inputs: the sparse addmm on the CPU, the gather-add kernel on CUDA."""
     poll_deferred()
     if cand_part.shape[0] == 0:
         return cand_part.clone()
@@ -324,7 +345,9 @@ def add_user_rows(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user
             f"got {user_part.dtype} on {user_part.device}"
         )
     check_mapping_shape(cand_to_user, cand_part.shape[0], cand_part.device)
-    return torch.ops.ikbo.add_user_rows(cand_part, user_part, cand_to_user)
+    if not through_dispatcher(cand_part, user_part, cand_to_user):
+        return _add_user_rows(cand_part, user_part, cand_to_user)
+    return torch.ops.ikbo.add_user_rows.default(cand_part, user_part, cand_to_user)
 
 
 def group_by_user(cand_to_user: torch.Tensor, num_users: int):

@@ -60,7 +60,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
@@ -75,6 +74,7 @@ from ._common import (
     group_by_user,
     poll_deferred,
     resolve_backend,
+    through_dispatcher,
 )
 from ._interpreter import interpreting
 from .configs import TileConfig, tuned_config
@@ -1392,17 +1392,6 @@ def _keeps_lse(*inputs) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
 
 
-def _direct(*tensors) -> bool:
-    """Whether a call that autograd will not differentiate runs the op's implementation without the dispatcher: an
-    eager call on plain tensors, no tracing (torch.compile, export) and no dispatch mode active, which see the op.
-    The dispatcher's Python path costs several torch ops' worth of host time a call."""
-    return (
-        not torch.compiler.is_compiling()
-        and _get_current_dispatch_mode() is None
-        and all(t is None or type(t) is torch.Tensor for t in tensors)
-    )
-
-
 def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str = "auto") -> torch.Tensor:
     """Target attention of candidate queries over their user's K/V → [B, H, S, d] (see module doc); differentiable
     in q, k and v (`ikbo::attention`). Checks here read no device values (torch.compile traces this function); the
@@ -1415,7 +1404,7 @@ def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str 
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
     keeps_lse = _keeps_lse(q, k, v)
-    if not keeps_lse and _direct(q, k, v, cand_to_user, kv_len):
+    if not through_dispatcher(q, k, v, cand_to_user, kv_len):
         return _forward(q, k, v, cand_to_user, kv_len, scale, chosen, False)[0]
     return torch.ops.ikbo.attention.default(q, k, v, cand_to_user, kv_len, scale, chosen, keeps_lse)[0]
 
@@ -1436,7 +1425,7 @@ def ikbo_self_target_attention(
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
     keeps_lse = _keeps_lse(user_q, cand_q, k, v)
-    if not keeps_lse and _direct(user_q, cand_q, k, v, cand_to_user, kv_len):
+    if not through_dispatcher(user_q, cand_q, k, v, cand_to_user, kv_len):
         cand_out, user_out, _ = _forward(cand_q, k, v, cand_to_user, kv_len, scale, chosen, False, user_q, causal)
         return user_out, cand_out
     user_out, cand_out, _ = torch.ops.ikbo.self_target_attention.default(

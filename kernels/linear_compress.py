@@ -62,7 +62,6 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
@@ -73,6 +72,7 @@ from ._common import (
     check_tensor,
     poll_deferred,
     resolve_backend,
+    through_dispatcher,
     tma_ok,
 )
 from ._interpreter import interpreting
@@ -1200,19 +1200,6 @@ _linear_compress_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------- public API
 
 
-def _through_dispatcher(*tensors) -> bool:
-    """Whether a call goes through the op: autograd differentiates it, or something traces or intercepts it
-    (torch.compile, torch.export, a dispatch mode, a tensor subclass). Otherwise the op's implementation runs
-    directly, with the same result: the dispatcher's Python path costs about a kernel launch's host time a call."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return True
-    grad = torch.is_grad_enabled()
-    return any(
-        t is not None and (type(t) not in (torch.Tensor, torch.nn.Parameter) or (grad and t.requires_grad))
-        for t in tensors
-    )
-
-
 def _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, backend, variant) -> str:
     """The public entries' checks: shapes, dtypes, devices, the backend and variant names; returns the path
     (`_resolve`). No device value is read (torch.compile traces them)."""
@@ -1296,7 +1283,7 @@ class PackedLinearCompress(torch.nn.Module):
             None if padded is None else padded.cand_weight_padded,
             backend, variant,
         )  # fmt: skip
-        if _through_dispatcher(user_emb, cand_emb, cand_to_user, *weights):
+        if through_dispatcher(user_emb, cand_emb, cand_to_user, *weights):
             return _linear_compress_op(*args)
         return _linear_compress(*args)
 
@@ -1363,6 +1350,6 @@ def ikbo_linear_compress(
     user_weight, cand_weight = weight[:, :num_user_tokens], weight[:, num_user_tokens:]
     _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, backend, variant)
     args = (user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, None, None, backend, variant)
-    if _through_dispatcher(user_emb, cand_emb, cand_to_user, weight, bias):
+    if through_dispatcher(user_emb, cand_emb, cand_to_user, weight, bias):
         return _linear_compress_op(*args)
     return _linear_compress(*args)
