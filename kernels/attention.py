@@ -297,22 +297,22 @@ def _target_rows_q(
 
 # fmt: off
 @triton.jit
-def _self_tile(
-    tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol, ulse_ptr,
-    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr, WRITE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+def _self_rows_q(
+    tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, stride_ku, stride_kh, kv_len_ptr, num_users, seq_len,
+    num_self_tiles, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
 ):
-    """One query tile of a user's own sequence; causal tiles are numbered longest first. With WRITE_LSE the rows'
-    log-sum-exp goes to ulse [U, H, L] (+inf past kv_len: those rows are zeros, their gradients too)."""
+    """A self tile (causal tiles numbered longest first) → (user, its kv_len, rows (positions in the sequence),
+    q [BLOCK_M, D] (rows past L read row L-1, never stored), the last key each row sees, the end of the keys every
+    row sees (no mask before it), the end of the keys, the element offset of K/V[user, head])."""
     q_tiles = num_self_tiles // num_users
     user = tile % num_users
     q_tile = (q_tiles - 1 - tile // num_users) if CAUSAL else tile // num_users
     kv_len = _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the user's sequence
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q_rows = user.to(tl.int64) * stride_uqu + head * stride_uqh + tl.minimum(rows, seq_len - 1) * stride_uql
-    q = tl.load(uq_ptr + (q_rows[:, None] + offs_d[None, :]))  # rows past L read row L-1, never stored
+    q = tl.load(uq_ptr + (q_rows[:, None] + offs_d[None, :]))
     if CAUSAL:
         row_limit = rows
         hi = tl.minimum(kv_len, q_tile * BLOCK_M + BLOCK_M)
@@ -321,7 +321,25 @@ def _self_tile(
         row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
         hi = kv_len
         full_end = (kv_len // BLOCK_N) * BLOCK_N
-    kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
+    return user, kv_len, rows, q, row_limit, full_end, hi, user.to(tl.int64) * stride_ku + head * stride_kh
+# fmt: on
+
+
+# fmt: off
+@triton.jit
+def _self_tile(
+    tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, stride_uou, stride_uoh, stride_uol, ulse_ptr,
+    k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, WRITE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """One query tile of a user's own sequence; causal tiles are numbered longest first. With WRITE_LSE the rows'
+    log-sum-exp goes to ulse [U, H, L] (+inf past kv_len: those rows are zeros, their gradients too)."""
+    user, kv_len, rows, q, row_limit, full_end, hi, kv_offset = _self_rows_q(
+        tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, stride_ku, stride_kh, kv_len_ptr, num_users, seq_len,
+        num_self_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN,
+    )
+    offs_d = tl.arange(0, HEAD_DIM)
     out, lse = _softmax_pass(
         q, k_desc, v_desc, kv_offset, stride_kl, full_end, hi, kv_len, row_limit, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_N,
         NUM_STAGES, WARP_SPECIALIZE,
@@ -479,6 +497,17 @@ def _dq_pass(
 # fmt: on
 
 
+@triton.jit
+def _row_grads(do_ptr, lse_ptr, delta_ptr, rows, row_ok, HEAD_DIM: tl.constexpr):
+    """Rows `rows` of dO [·, D] (0 where not row_ok) with their log-sum-exp (+inf there: P = 0) and Δ, as the dK/dV
+    walk reads them → (dO, lse, Δ)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    do = tl.load(do_ptr + (rows[:, None] * HEAD_DIM + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+    return do, lse, delta
+
+
 # fmt: off
 @triton.jit
 def _row_stats(o_ptr, do_ptr, lse_ptr, delta_ptr, rows, row_ok, HEAD_DIM: tl.constexpr):
@@ -506,26 +535,14 @@ def _dq_self_tile(
 ):
     """dQ of one query tile of a user's own sequence (the forward's `_self_tile`; rows past kv_len have lse = +inf,
     so P = 0 and their dQ is 0)."""
-    q_tiles = num_self_tiles // num_users
-    user = tile % num_users
-    q_tile = (q_tiles - 1 - tile // num_users) if CAUSAL else tile // num_users
-    kv_len = _kv_len(kv_len_ptr, user, seq_len, HAS_KV_LEN)
+    user, kv_len, rows, q, row_limit, full_end, hi, kv_offset = _self_rows_q(
+        tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, stride_ku, stride_kh, kv_len_ptr, num_users, seq_len,
+        num_self_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN,
+    )
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the user's sequence
     row_ok = rows < seq_len
-    q_rows = user.to(tl.int64) * stride_uqu + head * stride_uqh + tl.minimum(rows, seq_len - 1) * stride_uql
-    q = tl.load(uq_ptr + (q_rows[:, None] + offs_d[None, :]))  # rows past L read row L-1, never stored
     at = (user.to(tl.int64) * tl.num_programs(1) + head) * seq_len + rows  # row of [U·H·L, D] / [U·H·L]
     do, lse, delta = _row_stats(uo_ptr, udo_ptr, ulse_ptr, udelta_ptr, at, row_ok, HEAD_DIM)
-    if CAUSAL:
-        row_limit = rows
-        hi = tl.minimum(kv_len, q_tile * BLOCK_M + BLOCK_M)
-        full_end = tl.minimum(kv_len // BLOCK_N, (q_tile * BLOCK_M) // BLOCK_N) * BLOCK_N
-    else:
-        row_limit = tl.full([BLOCK_M], 2147483647, tl.int32)
-        hi = kv_len
-        full_end = (kv_len // BLOCK_N) * BLOCK_N
-    kv_offset = user.to(tl.int64) * stride_ku + head * stride_kh
     dq = _dq_pass(
         q, do, lse, delta, k_desc, v_desc, kv_offset, stride_kl, full_end, hi, kv_len, row_limit, qk_scale, BLOCK_M,
         HEAD_DIM, BLOCK_N, NUM_STAGES,
@@ -635,10 +652,8 @@ def _dkdv_target_rows(
         cand = tl.load(order_ptr + first + slot, mask=row_ok, other=0).to(tl.int64)
         q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
         q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
-        at = (cand * heads + head) * num_queries + token
-        do = tl.load(do_ptr + (at[:, None] * HEAD_DIM + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
-        lse = tl.load(lse_ptr + at, mask=row_ok, other=float("inf"))
-        delta = tl.load(delta_ptr + at, mask=row_ok, other=0.0)
+        do, lse, delta = _row_grads(do_ptr, lse_ptr, delta_ptr, (cand * heads + head) * num_queries + token, row_ok,
+                                    HEAD_DIM)
         dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, False)
     return dk, dv
 # fmt: on
@@ -661,10 +676,7 @@ def _dkdv_self_rows(
         rows = r0 + offs_m
         row_ok = rows < hi
         q = tl.load(uq_ptr + (base + rows[:, None] * stride_uql + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
-        at = first_row + rows
-        do = tl.load(udo_ptr + (at[:, None] * HEAD_DIM + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
-        lse = tl.load(ulse_ptr + at, mask=row_ok, other=float("inf"))
-        delta = tl.load(udelta_ptr + at, mask=row_ok, other=0.0)
+        do, lse, delta = _row_grads(udo_ptr, ulse_ptr, udelta_ptr, first_row + rows, row_ok, HEAD_DIM)
         dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, MASK_CAUSAL)
     return dk, dv
 # fmt: on
