@@ -1037,12 +1037,13 @@ def _launch(
         )
 
         # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it is the faster kernel (`prefer_ws`), or wherever
-        # tuned; self tiles where rows align
+        # tuned; self tiles where rows align, and not when the backward's log-sum-exp is wanted: the Gluon kernel's
+        # self rows leave theirs unwritten on the H200 (tests/test_attention_grad.py, test_cuda_gluon_lse_matches_triton)
         if config is None:
             takes_ws = prefer_ws(q, k, kv_len, user_q is not None)
         else:
             takes_ws = ws_supported(q, k)
-        if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
+        if takes_ws and (user_q is None or (lse is None and self_target_ws_ok(q, out, user_q, user_out))):
             out, flag = launch_ws(
                 q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan, user_q=user_q, user_out=user_out,
                 causal=causal, lse=lse,

