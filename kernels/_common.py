@@ -121,10 +121,15 @@ class _DeferredChecks:
             overflow[1](overflow[0].values())
 
     def run(self, wait: bool) -> None:
-        with self.lock:
-            ready = [entry for entry in self.pending if wait or entry[0].done()]
-            self.pending = [entry for entry in self.pending if entry not in ready]
-        for readback, check in ready:
+        """Run the checks whose values have arrived (all of them with `wait`), oldest first, until one raises; the
+        ones after it stay pending for the next poll. Without `wait` it stops at the first readback still in
+        flight: readbacks enqueued on one stream arrive in order, so a poll costs one query however far the host
+        runs ahead of the device (a readback on another stream waits its turn)."""
+        while True:
+            with self.lock:
+                if not self.pending or not (wait or self.pending[0][0].done()):
+                    return
+                readback, check = self.pending.pop(0)
             check(readback.values())
 
 

@@ -1214,8 +1214,7 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, w
 
 def _forward(q, k, v, cand_to_user, kv_len, scale, backend, with_lse, user_q=None, causal=True):
     """Both forward ops: (out, user_out or None, lse or None; None on the torch path, whose backward needs none)."""
-    if not _capturing(k.device):
-        poll_deferred()
+    poll_deferred()
     if backend == "triton":
         return _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q, causal, with_lse)
     check_mapping(cand_to_user, q.shape[0], k.shape[0], k.device)
@@ -1228,8 +1227,7 @@ def _forward(q, k, v, cand_to_user, kv_len, scale, backend, with_lse, user_q=Non
 def _backward(grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, backend, user_q=None, grad_user_out=None,
               user_out=None, causal=True):  # fmt: skip
     """Both backward ops → (dq, dk, dv, duser_q or None), fresh tensors; dK and dV sum the target and self terms."""
-    if not _capturing(k.device):
-        poll_deferred()
+    poll_deferred()
     if backend == "triton":
         rows = lse_size(q.shape, k.shape, user_q is not None)
         if lse.numel() != rows:  # a forward called without with_lse: its statistics again

@@ -886,8 +886,7 @@ def _linear_compress(
     at `check_deferred()`, or at once in strict mode). Inside a CUDA-graph capture nothing is checked (the caller
     checks before each replay); the CPU checks at once.
     """
-    if not (user_emb.is_cuda and torch.cuda.is_current_stream_capturing()):  # an event query would end a capture
-        poll_deferred()
+    poll_deferred()
     check_mapping_values(cand_to_user, user_emb.shape[0])
     if _resolve(backend, user_emb) == "torch":
         return _linear_compress_torch(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias)

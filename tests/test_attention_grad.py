@@ -307,14 +307,22 @@ def triton_grads(q, k, v, cand_to_user, kv_len, scale, grad_out, user_q=None, gr
     return (dq, dk, dv) if user_q is None else (dq, dk, dv, duq)
 
 
+SATURATED_FLOOR = 1e-2  # of the op's largest gradient RMS: the norm below which a gradient is rounding noise
+
+
 def assert_grads_close(got, want, tol):
+    """Each gradient within `tol` of the fp64 one, relative to its norm, or where that norm is tiny (a saturated
+    softmax: P(1 − P) ≈ 0, while Δ = rowsum(dO ⊙ O) is formed from the 16-bit output) to SATURATED_FLOOR times the
+    op's largest gradient RMS over as many elements; dv = Pᵀ dO keeps that scale whenever dO has it."""
+    rms = max((float(w.double().pow(2).mean().sqrt()) for w in want if w.numel()), default=0.0)
     for name, g, w in zip(("dq", "dk", "dv", "duser_q"), got, want):
         assert g.shape == w.shape, name
         assert not g.isnan().any(), f"{name}: unwritten (NaN) elements"
         if w.numel() == 0:
             continue
-        err = rel_err(g, w) if w.abs().max() > 0 else float(g.abs().max())
-        assert err <= tol, f"{name}: rel err {err:.2e} > {tol}"
+        diff = float(torch.linalg.vector_norm(g.double().cpu() - w.double().cpu()))
+        scale = max(float(torch.linalg.vector_norm(w.double())), SATURATED_FLOOR * rms * w.numel() ** 0.5, 1e-300)
+        assert diff / scale <= tol, f"{name}: rel err {diff / scale:.2e} > {tol} (|ref| {scale:.2e})"
 
 
 @interpreted

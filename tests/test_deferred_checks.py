@@ -11,9 +11,10 @@ from kernels import _common, check_deferred, strict_checks
 
 class StandInReadback:
     def __init__(self, values, arrived=False):
-        self._values, self.arrived, self.waited = values, arrived, False
+        self._values, self.arrived, self.waited, self.queried = values, arrived, False, 0
 
     def done(self):
+        self.queried += 1
         return self.arrived
 
     def values(self):
@@ -81,3 +82,20 @@ def test_a_caller_that_never_synchronizes_waits_for_its_oldest_check(deferred, m
     with pytest.raises(ValueError, match="value 9"):
         deferred.defer(StandInReadback([0, 1]), in_range(3))
     assert first.waited and len(deferred.pending) == 2
+
+
+def test_a_poll_stops_at_the_oldest_readback_in_flight(deferred):
+    """Readbacks on a stream arrive in order: a host far ahead of the device pays for one query a call, not one per
+    pending check; the checks behind the one in flight run once it has arrived, oldest first."""
+    arrived = StandInReadback([0, 1], arrived=True)
+    in_flight = StandInReadback([0, 1])
+    behind = [StandInReadback([0, 8 if i == 3 else 1], arrived=True) for i in range(5)]
+    for readback in (arrived, in_flight, *behind):
+        deferred.defer(readback, in_range(3))
+    _common.poll_deferred()
+    assert arrived.waited and not in_flight.waited and in_flight.queried == 1
+    assert all(r.queried == 0 and not r.waited for r in behind) and len(deferred.pending) == 6
+    in_flight.arrived = True
+    with pytest.raises(ValueError, match="value 8"):
+        _common.poll_deferred()
+    assert behind[3].waited and not behind[4].waited and deferred.pending == [(behind[4], deferred.pending[0][1])]
