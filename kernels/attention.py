@@ -1037,13 +1037,12 @@ def _launch(
         )
 
         # Hopper, bf16/fp16, d ∈ {64, 128}: the shapes where it is the faster kernel (`prefer_ws`), or wherever
-        # tuned; self tiles where rows align, and not when the backward's log-sum-exp is wanted: the Gluon kernel's
-        # self rows leave theirs unwritten on the H200 (tests/test_attention_grad.py, test_cuda_gluon_lse_matches_triton)
+        # tuned; self tiles where rows align
         if config is None:
             takes_ws = prefer_ws(q, k, kv_len, user_q is not None)
         else:
             takes_ws = ws_supported(q, k)
-        if takes_ws and (user_q is None or (lse is None and self_target_ws_ok(q, out, user_q, user_out))):
+        if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
             out, flag = launch_ws(
                 q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan, user_q=user_q, user_out=user_out,
                 causal=causal, lse=lse,
@@ -1095,16 +1094,17 @@ def _launch(
 
 def pick_backward_configs(rows_per_user: float, head_dim: int, interpret: bool) -> tuple[TileConfig, TileConfig]:
     """(dQ kernel tiles: BLOCK_M query rows × BLOCK_N keys a step, the forward's tiles with three products a step
-    instead of two, so no register cap (190 registers at d = 128); dK/dV kernel tiles: BLOCK_M query rows a step ×
-    BLOCK_N keys a program, 8 warps, whose fp32 dK and dV [128, d] stay in registers for the whole walk: 32 rows a
-    step at d = 128 (228 registers; 64 rows spill), 64 below)."""
+    instead of two, so no register cap (190 registers at d = 128), three stages from 128 rows; dK/dV kernel tiles:
+    BLOCK_M = 64 query rows a step × BLOCK_N = 128 keys a program, 8 warps, whose fp32 dK and dV [128, d] stay in
+    registers for the whole walk. At d = 128 that spills a little, and still beats 32 rows a step (no spill): on the
+    H200 at the canonical shape the backward takes 1.39 ms against 1.61 (docs/design/attention.md)."""
     if interpret:
         return TileConfig(16, 16, num_warps=4, num_stages=1), TileConfig(16, 32, num_warps=4, num_stages=1)
     if rows_per_user <= 64:
         dq = TileConfig(64, 64, num_warps=4, num_stages=2)
     else:
-        dq = TileConfig(128, 64, num_warps=8, num_stages=2)
-    return dq, TileConfig(32 if head_dim > 64 else 64, 128, num_warps=8, num_stages=2)
+        dq = TileConfig(128, 64, num_warps=8, num_stages=3)
+    return dq, TileConfig(64, 128, num_warps=8, num_stages=2)
 
 
 RANKED_USERS = 64  # up to this many users, the dK/dV programs of the users with the most query rows start first

@@ -776,7 +776,8 @@ def _consumer(
             out = gl.where(((r0 < 0) | (rows_here < kv_len))[:, None], out, 0.0)
         if WRITE_LSE:  # before the row offsets' slot goes back to the producer
             _store_lse(
-                m_i, l_i, num_blocks, kv_len, r0, lse_ptr, uo_delta, ulse_offset, row_bufs, qs, HEAD_DIM, WG, HAS_SELF
+                m_i, l_i, num_blocks, kv_len, r0, lse_ptr, uo_delta, ulse_offset, row_bufs, qs, HEAD_DIM, WG, HAS_SELF,
+                ROWS_TMA,
             )
         if ROWS_TMA:
             if HAS_SELF:  # a self tile's rows go to user_out
@@ -800,11 +801,13 @@ def _consumer(
 @gluon.jit
 def _store_lse(
     m_i, l_i, num_blocks, kv_len, r0, lse_ptr, uo_delta, ulse_offset, row_bufs, qs, HEAD_DIM: gl.constexpr,
-    WG: gl.constexpr, HAS_SELF: gl.constexpr,
+    WG: gl.constexpr, HAS_SELF: gl.constexpr, ROWS_TMA: gl.constexpr,
 ):
     """WRITE_LSE: warpgroup WG's rows' log-sum-exp (base 2, m + log2 l: the backward's softmax statistics) into
     lse at the row of each output-row offset (out and user_out contiguous): a candidate row's offset / d, a self
-    row's (offset − uo_delta) / d + ulse_offset; +inf for an item without keys and self rows past kv_len."""
+    row's (offset − uo_delta) / d + ulse_offset, where its offset counts from out_ptr (`_producer`), or
+    offset / d + ulse_offset with ROWS_TMA, whose self-row offsets count from user_out (`_rows_tma_item`);
+    +inf for an item without keys and self rows past kv_len."""
     rows: gl.constexpr = m_i.type.layout
     if qs == 0:
         offsets = row_bufs.slice(128 + 64 * WG, 64).load(rows)
@@ -815,7 +818,11 @@ def _store_lse(
     if HAS_SELF:
         own = r0 + 64 * WG + gl.arange(0, 64, layout=rows)
         lse = gl.where((r0 < 0) | (own < kv_len), lse, float("inf"))
-        at = gl.where(r0 >= 0, (offsets - uo_delta) // HEAD_DIM + ulse_offset, offsets // HEAD_DIM)
+        if ROWS_TMA:
+            self_at = offsets // HEAD_DIM + ulse_offset
+        else:
+            self_at = (offsets - uo_delta) // HEAD_DIM + ulse_offset
+        at = gl.where(r0 >= 0, self_at, offsets // HEAD_DIM)
         gl.store(lse_ptr + at, lse, mask=offsets != NO_ROW)
     else:
         gl.store(lse_ptr + offsets // HEAD_DIM, lse, mask=offsets >= 0)

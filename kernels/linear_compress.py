@@ -91,6 +91,10 @@ K_ALIGN = 8  # weight columns padded to a multiple of this at pack time (16 byte
 # on the H200 at the canonical shape the fused pass (narrower K step) takes 0.536 ms against 0.197 ms for dW_c alone
 # plus 0.142 ms for the sort, the segment sum and the W_uᵀ GEMM (docs/results.md)
 FUSE_USER_SUMS = False
+# backward, user sums apart: up to this many users dY_u = S·dout with S the [U, B] one-hot selection matrix, one GEMM
+# that reads dout once at memory speed and needs no sort; beyond, its U·B·N·D products outgrow the read, and a sort
+# plus a segment sum (`_user_grad_sum_kernel`) adds each row once
+SELECTION_MAX_USERS = 64
 FUSED_SPLIT_ROWS = 64  # rows per split of that pass at most: the split's candidate ids stay in registers
 
 
@@ -1046,15 +1050,28 @@ def _user_ranges(cand_to_user, num_users: int):
     return sorted_users, order, offsets
 
 
-def _user_gradients(g, cand_to_user, num_users: int, out=None) -> torch.Tensor:
-    """dY_u [U, N, D]: dout summed over each user's candidates by `_user_grad_sum_kernel`, one pass over g [B, N, D]
-    (contiguous) in user order (`_user_ranges`); nothing is read out of bounds for bad mapping values."""
+def _user_gradients(g, cand_to_user, num_users: int, out=None, method: str | None = None) -> torch.Tensor:
+    """dY_u [U, N, D]: dout (g [B, N, D], contiguous) summed over each user's candidates, fp32 accumulation.
+
+    `method` "selection": S·g with S [U, B] the one-hot selection matrix in g's dtype (one GEMM, no sort; a
+    candidate whose mapping value is out of range adds to no user); "segment": `_user_grad_sum_kernel`, one pass over
+    g in user order (`_user_ranges`; a bad value adds to user 0 or U - 1, the forward's clamp). None: selection on
+    CUDA up to SELECTION_MAX_USERS users, else segment. Either reads and writes nothing out of bounds."""
     num_candidates, rows, dim = g.shape
     sums = g.new_empty(num_users, rows, dim) if out is None else out
     if sums.numel() == 0:
         return sums
     if num_candidates == 0:
         return sums.zero_()
+    if method is None:
+        method = "selection" if g.is_cuda and num_users <= SELECTION_MAX_USERS else "segment"
+    if method == "selection":
+        users = torch.arange(num_users, device=g.device, dtype=cand_to_user.dtype)
+        selection = (users[:, None] == cand_to_user[None, :]).to(g.dtype)  # [U, B]: S[u, b] = 1 where m[b] = u
+        torch.mm(selection, g.view(num_candidates, rows * dim), out=sums.view(num_users, rows * dim))
+        return sums
+    if method != "segment":
+        raise ValueError(f"method: expected 'selection', 'segment' or None, got {method!r}")
     _, order, offsets = _user_ranges(cand_to_user, num_users)
     numel = rows * dim
     block, step_rows = (32, 2) if interpreting() else (1024, 4)
@@ -1073,8 +1090,8 @@ def _linear_compress_backward_triton(
 ):
     """(d_user_emb, d_cand_emb, d_user_weight, d_cand_weight, d_bias), None where `needs` says no, by Triton kernels
     (fp32 accumulation; fp32 inputs as tf32):
-        dY_u = Σ_{b: m[b]=u} dout[b]                 in the dW_c pass (`_weight_grad` with user_sums), or where dW_c
-                                                     is not computed `_user_gradients` (sort + segment sum)
+        dY_u = Σ_{b: m[b]=u} dout[b]                 `_user_gradients` (one-hot GEMM or sort + segment sum), or with
+                                                     `fuse_sums` in the dW_c pass (`_weight_grad` with user_sums)
         d_user_emb[u] = W_uᵀ dY_u[u]                 `_input_grad` (the forward's tile GEMM, weight W_uᵀ)
         d_cand_emb[b] = W_cᵀ dout[b]                 `_input_grad` (the forward's ws kernel on Hopper, else tile)
         d_user_weight = Σ_u dY_u[u] user_emb[u]ᵀ     `_weight_grad` (split-K over users)
@@ -1115,7 +1132,8 @@ def _linear_compress_backward_triton(
             _weight_grad(sums, user_emb, result[2], splits)
     if need_bias:
         result[4] = buffer(4)
-        result[4].copy_((g if sums is None else sums).sum((0, 2), dtype=torch.float32))
+        per_row = (g if sums is None else sums).sum(2, dtype=torch.float32)  # [·, N]: a contiguous inner reduce
+        result[4].copy_(per_row.sum(0))
     return tuple(result)
 # fmt: on
 

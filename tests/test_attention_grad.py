@@ -420,6 +420,7 @@ def test_interpreted_bad_index_values_stay_in_bounds():
 # ---------------------------------------------------------------------------------------------
 
 STANDIN = os.environ.get("IKBO_STANDIN_DRIVER") == "1"
+STACK_BUDGET = 32  # bytes of spilled registers allowed in the dK/dV kernel at d = 128
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETING, reason="the GPU tests compile these kernels for real")
@@ -443,8 +444,9 @@ def test_backward_kernels_compile_for_sm90():
 )
 def test_standin_backward_compiles(num_users, num_candidates, num_queries, seq_len, heads, head_dim, dtype,
                                    with_self, causal):  # fmt: skip
-    """At the canonical shape the backward kernels spill no register (the dK/dV kernel keeps dK, dV [128, d] in fp32
-    registers)."""
+    """At the canonical shape the dQ kernel spills no register and the dK/dV kernel (dK, dV [128, d] fp32 in registers
+    across 64-row steps) at most STACK_BUDGET bytes: a few spilled registers that measured faster than 32-row steps
+    without any (kernels.attention.pick_backward_configs)."""
     from kernels.devtools import disassemble, install_standin_driver
 
     install_standin_driver()
@@ -459,12 +461,16 @@ def test_standin_backward_compiles(num_users, num_candidates, num_queries, seq_l
     attention._launch_backward(out, q, k, v, out, lse, cand_to_user, kv_len, 0.1, user_q, user_out, user_out, causal)
     if with_self:
         return
-    for kernel in (attention._attention_bwd_dq_kernel, attention._attention_bwd_dkdv_kernel):
+    for kernel, budget in (
+        (attention._attention_bwd_dq_kernel, 0),
+        (attention._attention_bwd_dkdv_kernel, STACK_BUDGET),
+    ):
         for compiled in next(iter(kernel.device_caches.values()))[0].values():
             disassembled = disassemble(compiled)
             if disassembled is not None:
                 sass, usage = disassembled
-                assert re.search(r"STACK:(\d+)", usage).group(1) == "0" and "LDL" not in sass, usage
+                assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= budget, usage
+                assert budget or "LDL" not in sass, usage
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,17 +546,10 @@ def test_cuda_gradients_at_other_sizes(size, dtype, with_self):
     check_cuda_gradients(gpu_problem(True, with_self, size, dtype, seed=1), with_self)
 
 
-GLUON_SELF_LSE = pytest.mark.xfail(
-    strict=True,
-    reason="the Gluon kernel's self-row log-sum-exp is unwritten on the H200; the op takes the Triton kernel",
-)
-
-
 @cuda_only
-@pytest.mark.parametrize("with_self", [False, pytest.param(True, marks=GLUON_SELF_LSE)], ids=["target", "self_target"])
+@pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
 def test_cuda_gluon_lse_matches_triton(with_self):
-    """Where the Gluon kernel runs (Hopper), the log-sum-exp it writes equals the Triton kernel's. Its self rows do not
-    yet (`attention._launch` sends self + target forwards that keep the log-sum-exp to the Triton kernel)."""
+    """Where the Gluon kernel runs (Hopper), the log-sum-exp it writes equals the Triton kernel's, self rows too."""
     from kernels.attention_ws import launch_ws, ws_supported
 
     p = gpu_problem(True, with_self)

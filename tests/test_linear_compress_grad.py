@@ -162,6 +162,24 @@ def test_gradcheck_drawn(case):
     _gradcheck(case)
 
 
+@settings(max_examples=10, deadline=None)
+@given(case=cases(max_users=5, max_candidates=7), bad=st.booleans())
+def test_user_sums_by_selection_matrix(case, bad):
+    """dY_u by the one-hot selection GEMM (the CUDA choice for few users) equals the fp64 sum over each user's
+    candidates, users without candidates at zero; an out-of-range mapping value adds to no user."""
+    *_, cand_to_user, _, _, grad_out = make_inputs(case, torch.float32)
+    if bad:
+        cand_to_user[0] = case.num_users  # reported by the op's deferred check; here: nothing out of bounds
+    got = lce._user_gradients(grad_out, cand_to_user, case.num_users, method="selection")
+    want = torch.zeros(case.num_users, *grad_out.shape[1:], dtype=torch.float64)
+    for b, u in enumerate(cand_to_user.tolist()):
+        if 0 <= u < case.num_users:
+            want[u] += grad_out[b].double()
+    assert rel_err(got, want) <= 1e-6 if want.abs().max() > 0 else not got.any()
+    with pytest.raises(ValueError, match="method"):
+        lce._user_gradients(grad_out, cand_to_user, case.num_users, method="sorted")
+
+
 def test_backward_computes_only_what_is_needed(monkeypatch):
     """needs_input_grad reaches the backward op: a frozen weight and a constant input get no gradient computed."""
     case = Case(3, 2, 4, 5, 2, (1, 0, 1), True, 7)

@@ -231,7 +231,7 @@ TRAIN_APART = "apart: SDPA causal self + our target, autograd"
 # backward tiles (dQ, dK/dV) besides `attention.pick_backward_configs`' at the canonical shape: two programs an SM
 BACKWARD_TILES = {
     "dK/dV 64 keys × 32 rows, 4 warps": (TileConfig(128, 64, num_warps=8, num_stages=2), TileConfig(32, 64, num_warps=4, num_stages=2)),
-    "dQ 64 rows × 64 keys, 4 warps": (TileConfig(64, 64, num_warps=4, num_stages=2), TileConfig(32, 128, num_warps=8, num_stages=2)),
+    "dQ 64 rows × 64 keys, 4 warps": (TileConfig(64, 64, num_warps=4, num_stages=2), TileConfig(64, 128, num_warps=8, num_stages=2)),
 }  # fmt: skip
 
 

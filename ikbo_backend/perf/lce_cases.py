@@ -195,7 +195,9 @@ def part_providers(packed, args, grad_out, shape: Shape, ref, probes) -> dict[st
     table = {
         "ours: forward": Provider(lambda: packed(*args, backend="triton").detach(), ref=ref[0], flops=shape.flops()),
         "ours: backward": Provider(backward, check=_checked(backward, probes), flops=2 * shape.flops(), host=True),
-        "  d_user_emb: sort, segment sum, W_uᵀ GEMM": Provider(user_grad, ref=ref[1], flops=shape.flops() - cand_flops),
+        "  d_user_emb: user sums (as dispatched), W_uᵀ GEMM": Provider(
+            user_grad, ref=ref[1], flops=shape.flops() - cand_flops
+        ),
     }
     for gemm in ("ws", "tile"):
         if gemm == "tile" or lce._ws_runs(grad_out, grad_out):
