@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test perf perf-configs model-repository bench
+.PHONY: setup serve train test perf perf-configs model-repository bench
 
 $(STAMP): requirements.txt pyproject.toml
 	@dpkg -s libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libb64-0d; }
@@ -17,6 +17,10 @@ setup: $(STAMP)
 
 serve: setup
 	$(PY) scripts/serve $(SERVE_ARGS)
+
+# train the ranker (IKBO variant) on click data with a planted teacher; writes the weights `make serve` loads
+train: setup
+	$(PY) scripts/train.py $(TRAIN_ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check .

@@ -32,6 +32,13 @@ def weights_path(parameter: str | None = None) -> Path:
     return (REPO_ROOT / chosen).resolve()  # absolute paths stay as they are
 
 
+def profile_weights_path(profile: str = "demo") -> Path:
+    """The weights file the model repository's configs of `profile` load: `weights_path()` for "demo"
+    (config.pbtxt, configs/gpu.pbtxt name none), weights/ranker_<profile>.safetensors otherwise (their
+    `weights` parameter)."""
+    return weights_path() if profile == "demo" else REPO_ROOT / "weights" / f"ranker_{profile}.safetensors"
+
+
 def ensure_weights(path=None, profile: str = "demo") -> Path:
     """Create random weights (seed 0) of the named profile at `path` if the file is missing. Atomic
     (temp file, then rename), so models loading in parallel never read half a file."""

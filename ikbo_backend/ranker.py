@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from kernels import PackedLinearCompress, add_user_rows, ikbo_self_target_attention
+from kernels import PackedLinearCompress, add_user_rows, ikbo_linear_compress, ikbo_self_target_attention
 
 from .batch_invariant import rowwise_linear, vectorized_elementwise
 
@@ -268,24 +268,61 @@ class _Interaction:
         return torch.cat([compressed.flatten(1), cand_seq.mean(dim=2).flatten(1)], dim=1)  # [B, N·D + D]
 
     def _mlp_tail(self, hidden):
+        """The MLP after its first layer → logits [B, T]."""
         for i in range(1, self.num_mlp_layers):
             hidden = self.linear(F.relu(hidden), self.w[f"mlp.{i}.weight"], self.w[f"mlp.{i}.bias"])
-        return self.sigmoid(hidden)
+        return hidden
+
+    def __call__(self, f: Features) -> torch.Tensor:
+        """scores [B, T] = sigmoid(logits)."""
+        return self.sigmoid(self.logits(f))
 
 
 class IkboRanker(_Interaction):
-    """Interaction stage with IKBO ops: user-side work at U rows, joined only through the mapping."""
+    """Interaction stage with IKBO ops: user-side work at U rows, joined only through the mapping.
+
+    Trains when its weights are Parameters that require grad (ikbo_backend/training.py): the LCE then
+    trains its own Parameters (`self.lce`, packed from lce.weight and lce.bias), the first MLP layer's
+    two column blocks are views of mlp.0.weight taken at every call, and under autocast the LCE runs
+    in the autocast dtype as the baseline's matmul does (custom ops are not autocast)."""
 
     def __init__(self, cfg, weights, device="cpu", backend: str = "auto", batch_invariant: bool = False):
         super().__init__(cfg, weights, device, batch_invariant)
         self.backend = backend
         self.lce = PackedLinearCompress.from_weight(self.w["lce.weight"], cfg.user_tokens, self.w["lce.bias"])
         first = self.w["mlp.0.weight"]
-        self.mlp0_user = first[:, : cfg.embedding_dim].contiguous()  # [h1, D]
-        self.mlp0_cand = first[:, cfg.embedding_dim :].contiguous()  # [h1, N·D + D]
+        if not first.requires_grad:  # inference: contiguous copies, taken once
+            self.mlp0_user = first[:, : cfg.embedding_dim].contiguous()  # [h1, D]
+            self.mlp0_cand = first[:, cfg.embedding_dim :].contiguous()  # [h1, N·D + D]
 
-    def __call__(self, f: Features) -> torch.Tensor:
-        compressed = self.lce(f.user_tokens, f.cand_tokens, f.cand_to_user, backend=self.backend)  # [B, N, D]
+    def _first_layer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """mlp.0.weight's user columns [h1, D] and candidate columns [h1, N·D + D]."""
+        first = self.w["mlp.0.weight"]
+        if first.requires_grad:  # training: views, so the optimizer's updates and the gradients pass through
+            return first[:, : self.cfg.embedding_dim], first[:, self.cfg.embedding_dim :]
+        return self.mlp0_user, self.mlp0_cand
+
+    def _compress(self, f: Features) -> torch.Tensor:
+        """LCE → [B, N, D]; under autocast in its dtype, from the Parameters cast at the call (as autocast
+        casts a linear's weight)."""
+        device_type = f.user_tokens.device.type
+        if not torch.is_autocast_enabled(device_type):
+            return self.lce(f.user_tokens, f.cand_tokens, f.cand_to_user, backend=self.backend)
+        dtype, lce = torch.get_autocast_dtype(device_type), self.lce
+        with torch.autocast(device_type, enabled=False):
+            weight = torch.cat([lce.user_weight, lce.cand_weight], dim=1).to(dtype)
+            return ikbo_linear_compress(
+                f.user_tokens.to(dtype),
+                f.cand_tokens.to(dtype),
+                f.cand_to_user,
+                weight,
+                None if lce.bias is None else lce.bias.to(dtype),
+                backend=self.backend,
+            )
+
+    def logits(self, f: Features) -> torch.Tensor:
+        """[B, T], before the sigmoid."""
+        compressed = self._compress(f)  # [B, N, D]
         user_q, k, v = self._history_qkv(f.history_tokens)  # [U, H, L, d]
         user_seq, cand_seq = ikbo_self_target_attention(
             user_q,
@@ -298,17 +335,17 @@ class IkboRanker(_Interaction):
             backend=self.backend,
         )
         user_repr = self._sequence_summary(user_seq, f.history_len)  # [U, D]
-        cand_hidden = self.linear(
-            self._cand_repr(compressed, cand_seq), self.mlp0_cand, self.w["mlp.0.bias"]
-        )  # [B, h1]
-        hidden = add_user_rows(cand_hidden, self.linear(user_repr, self.mlp0_user), f.cand_to_user)  # Type I
+        mlp0_user, mlp0_cand = self._first_layer()
+        cand_hidden = self.linear(self._cand_repr(compressed, cand_seq), mlp0_cand, self.w["mlp.0.bias"])  # [B, h1]
+        hidden = add_user_rows(cand_hidden, self.linear(user_repr, mlp0_user), f.cand_to_user)  # Type I
         return self._mlp_tail(hidden)
 
 
 class BaselineRanker(_Interaction):
     """Interaction stage as usually served: user tensors replicated to B rows, then standard ops."""
 
-    def __call__(self, f: Features) -> torch.Tensor:
+    def logits(self, f: Features) -> torch.Tensor:
+        """[B, T], before the sigmoid."""
         cfg = self.cfg
         rows = f.cand_to_user.long()
         user_tokens = f.user_tokens.index_select(0, rows)  # [B, Ku, D]  materialized broadcast

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Train the ranker on click data with a planted teacher and write the weights `make serve` loads (`make train`).
+
+AdamW over the IKBO variant (`--variant baseline`: the replicating one, same function), bf16 autocast on a GPU,
+held-out AUC and log-loss every --eval-every steps beside the teacher's, a checkpoint at each evaluation
+(`--resume` continues it), then the weights file (RankerConfig in its metadata), OUT/metrics.json and
+OUT/curves.png (ikbo_backend/training.py; the data: ikbo_backend/clicks.py).
+
+    python scripts/train.py                                   # demo profile, CPU-sized: then `make serve`
+    python scripts/train.py --steps 800 --resume              # continue the same run to 800 steps
+    python scripts/train.py --profile large --steps 2000 --requests-per-step 8   # on a GPU, bf16
+    python scripts/serve --config large                        # serves weights/ranker_large.safetensors
+"""
+
+import argparse
+import sys
+
+from ikbo_backend.ranker import PROFILES
+from ikbo_backend.training import DTYPES, VARIANTS, TrainConfig, train
+
+DEFAULTS = TrainConfig.__dataclass_fields__
+
+
+def parse_args(argv=None) -> TrainConfig:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    default = {name: field.default for name, field in DEFAULTS.items()}
+    parser.add_argument("--profile", default=default["profile"], choices=sorted(PROFILES), help="model dims")
+    parser.add_argument("--variant", default=default["variant"], choices=VARIANTS)
+    parser.add_argument("--steps", type=int, default=default["steps"], help="optimizer steps in all (with --resume)")
+    parser.add_argument("--requests-per-step", type=int, default=default["requests_per_step"])
+    parser.add_argument("--users", type=int, default=default["users"], help="U per request")
+    parser.add_argument("--candidates", type=int, default=default["candidates"], help="B per request")
+    parser.add_argument("--lr", type=float, default=default["lr"], help="AdamW learning rate")
+    parser.add_argument("--weight-decay", type=float, default=default["weight_decay"])
+    parser.add_argument("--eval-every", type=int, default=default["eval_every"], help="steps between evaluations")
+    parser.add_argument("--heldout-requests", type=int, default=default["heldout_requests"])
+    parser.add_argument("--seed", type=int, default=default["seed"], help="data set seed")
+    parser.add_argument("--teacher-seed", type=int, default=default["teacher_seed"])
+    parser.add_argument("--init-seed", type=int, default=default["init_seed"], help="the student's initial weights")
+    parser.add_argument("--device", default=default["device"], help="auto, cpu or cuda[:i]")
+    parser.add_argument("--dtype", default=default["dtype"], choices=["auto", *DTYPES], help="autocast dtype")
+    parser.add_argument("--backend", default=default["backend"], choices=["auto", "torch", "triton"])
+    parser.add_argument(
+        "--weights", default=None, help="weights file to write (default: the one `make serve` loads for --profile)"
+    )
+    parser.add_argument("--out", default=default["out"], help="folder of checkpoint.pt, metrics.json, curves.png")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(args))
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def main(argv=None) -> None:
+    config = parse_args(argv)
+    try:
+        summary = train(config)
+    except (ValueError, FileNotFoundError) as error:
+        sys.exit(f"train.py: error: {error}")
+    final, teacher = summary["final"], summary["teacher"]
+    print(
+        f"{summary['steps']} steps in {summary['seconds']:.0f} s on {summary['device']} ({summary['autocast']}): "
+        f"held-out AUC {final['auc']:.4f} (teacher {teacher['auc']:.4f}), "
+        f"log-loss {final['logloss']:.4f} (teacher {teacher['logloss']:.4f})\n"
+        f"weights: {summary['weights']}\ncurves:  {config.out_dir() / 'curves.png'}\n"
+        f"serve:   {'make serve' if config.profile == 'demo' else f'scripts/serve --config {config.profile}'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
