@@ -130,6 +130,25 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over every Parameter; the fused kernel on a GPU."""
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=on_gpu or None)
+
+
+def train_step(model: RankerModule, optimizer, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """One AdamW step on a batch (forward under `dtype` autocast, fp32 loss); returns the loss, on the device
+    (reading it waits for the step)."""
+    optimizer.zero_grad(set_to_none=True)
+    device = batch["labels"].device
+    with autocast(device, dtype):
+        logits = model(batch)
+    loss = click_loss(logits, batch["labels"])
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. Paths relative to the project root; `weights` None: the file `make serve` loads for
@@ -240,7 +259,7 @@ class Trainer:
         self.teacher = Teacher(self.data, config.teacher_seed, device=self.device, backend=config.backend)
         initial = make_demo_weights(self.cfg, config.init_seed)
         self.model = RankerModule(config.variant, self.cfg, initial, self.device, config.backend)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = make_optimizer(self.model, config.lr, config.weight_decay)
         self.step = 0
         self.history: dict[str, list] = {"step": [], "loss": [], "eval": []}
         indices = self.data.heldout_indices()
@@ -251,13 +270,7 @@ class Trainer:
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> float:
         """One AdamW step on a batch; returns its loss."""
-        self.optimizer.zero_grad(set_to_none=True)
-        with autocast(self.device, self.dtype):
-            logits = self.model(batch)
-        loss = click_loss(logits, batch["labels"])
-        loss.backward()
-        self.optimizer.step()
-        return float(loss.detach())
+        return float(train_step(self.model, self.optimizer, batch, self.dtype))
 
     def evaluate(self) -> dict[str, float]:
         """Held-out AUC and log-loss of the model now."""
