@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ._interpreter import interpreting
+
 BACKENDS = ("auto", "torch", "triton")
 INDEX_TYPES = (torch.int32, torch.int64)
 
@@ -243,7 +245,32 @@ def check_mapping_values(cand_to_user: torch.Tensor, num_users: int) -> None:
         if lowest < 0 or highest >= num_users:
             raise ValueError(f"cand_to_user: value {lowest if lowest < 0 else highest} is outside [0, U={num_users})")
 
-    DEFERRED.defer(HostReadback(torch.stack(torch.aminmax(cand_to_user))), check)
+    DEFERRED.defer(HostReadback(index_range(cand_to_user)), check)
+
+
+@triton.jit
+def _index_range_kernel(values_ptr, n, stride, out_ptr, BLOCK: tl.constexpr):
+    """out [2] int64 = (min, max) of values[:n] (elements `stride` apart), n ≥ 1: one program, BLOCK values a step."""
+    offsets = tl.arange(0, BLOCK)
+    lowest = tl.full([BLOCK], 9223372036854775807, tl.int64)
+    highest = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
+    for start in tl.range(0, n, BLOCK):
+        mask = start + offsets < n
+        value = tl.load(values_ptr + (start + offsets).to(tl.int64) * stride, mask=mask, other=0).to(tl.int64)
+        lowest = tl.where(mask, tl.minimum(lowest, value), lowest)
+        highest = tl.where(mask, tl.maximum(highest, value), highest)
+    tl.store(out_ptr, tl.min(lowest, 0))
+    tl.store(out_ptr + 1, tl.max(highest, 0))
+
+
+def index_range(values: torch.Tensor) -> torch.Tensor:
+    """[min, max] (int64, on values' device) of a non-empty 1-D int32/int64 tensor in one launch, where
+    aminmax and a stack take two: an eager call's host time is mostly launches. One program walks the values (about
+    a microsecond per 4,096 on the H200), far below the kernels a batch that size feeds."""
+    out = torch.empty(2, dtype=torch.int64, device=values.device)
+    block = 256 if interpreting() else 4096
+    _index_range_kernel[(1,)](values, values.shape[0], values.stride(0), out, BLOCK=block, num_warps=8)
+    return out
 
 
 @triton.jit

@@ -1092,9 +1092,12 @@ def _launch(
 # fmt: on
 
 
-def pick_backward_configs(rows_per_user: float, head_dim: int, interpret: bool) -> tuple[TileConfig, TileConfig]:
+def pick_backward_configs(
+    rows_per_user: float, head_dim: int, interpret: bool, with_self: bool = False
+) -> tuple[TileConfig, TileConfig]:
     """(dQ kernel tiles: BLOCK_M query rows × BLOCK_N keys a step, the forward's tiles with three products a step
-    instead of two, so no register cap (190 registers at d = 128), three stages from 128 rows; dK/dV kernel tiles:
+    instead of two, so no register cap (190 registers at d = 128), three stages from 128 rows (two with self tiles,
+    whose extra buffers leave no room for a third: 262 KB of the 227 KB at d = 128); dK/dV kernel tiles:
     BLOCK_M = 64 query rows a step × BLOCK_N = 128 keys a program, 8 warps, whose fp32 dK and dV [128, d] stay in
     registers for the whole walk. At d = 128 that spills a little, and still beats 32 rows a step (no spill): on the
     H200 at the canonical shape the backward takes 1.39 ms against 1.61 (docs/design/attention.md)."""
@@ -1103,7 +1106,7 @@ def pick_backward_configs(rows_per_user: float, head_dim: int, interpret: bool) 
     if rows_per_user <= 64:
         dq = TileConfig(64, 64, num_warps=4, num_stages=2)
     else:
-        dq = TileConfig(128, 64, num_warps=8, num_stages=3)
+        dq = TileConfig(128, 64, num_warps=8, num_stages=2 if with_self else 3)
     return dq, TileConfig(64, 128, num_warps=8, num_stages=2)
 
 
@@ -1132,7 +1135,7 @@ def _launch_backward(
     if num_users * heads * seq_len == 0 or (num_candidates == 0 and not with_self):
         return dq.zero_(), dk.zero_(), dv.zero_(), None if duq is None else duq.zero_()
     rows_per_user = num_candidates * num_queries / num_users + (seq_len if with_self else 0)
-    dq_cfg, kv_cfg = config or pick_backward_configs(rows_per_user, head_dim, interpreting())
+    dq_cfg, kv_cfg = config or pick_backward_configs(rows_per_user, head_dim, interpreting(), with_self)
     users = torch.empty(num_users, 2, dtype=torch.int32, device=q.device)
     order, tiles, max_tiles, _ = plan_tiles(cand_to_user, num_users, num_queries, dq_cfg.block_m, kv_len, seq_len, users)
     delta = torch.empty_like(lse)

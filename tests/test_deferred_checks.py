@@ -4,9 +4,17 @@ strict mode. Readbacks here are stand-ins (the real ones copy CUDA tensors to pi
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from interpreted import run_interpreted
 
 from kernels import _common, check_deferred, strict_checks
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class StandInReadback:
@@ -99,3 +107,23 @@ def test_a_poll_stops_at_the_oldest_readback_in_flight(deferred):
     with pytest.raises(ValueError, match="value 8"):
         _common.poll_deferred()
     assert behind[3].waited and not behind[4].waited and deferred.pending == [(behind[4], deferred.pending[0][1])]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in test_index_range_kernel_interpreted's child process")
+@settings(max_examples=12, deadline=None)
+@given(
+    values=st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=700),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+    step=st.integers(1, 3),
+)
+def test_interpreted_index_range(values, dtype, step):
+    """The readback's [min, max] in one launch: any length (several blocks), int32 and int64, a strided view."""
+    if dtype == torch.int32:
+        values = [max(-(2**31), min(2**31 - 1, v)) for v in values]
+    spread = torch.tensor([v for v in values for _ in range(step)], dtype=dtype)[::step]
+    assert _common.index_range(spread).tolist() == [min(values), max(values)]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="already interpreting")
+def test_index_range_kernel_interpreted():
+    run_interpreted(__file__)
