@@ -113,11 +113,11 @@ class ClickData:
 
     def batch(self, indices, teacher: Teacher, device="cpu") -> dict[str, torch.Tensor]:
         """Requests `indices` as one request (users and mappings offset) on `device`, with "labels" [B, T]
-        float32 and the teacher's "teacher_logits" [B, T]."""
+        float32 and the teacher's "teacher_logits" [B, T] (the teacher scores each request alone: a request's
+        labels do not depend on the batch it is in)."""
         requests = [self.request(i) for i in indices]
-        merged = concatenate(requests)
-        tensors = to_tensors(merged, device)
-        logits = teacher.logits(tensors)
+        tensors = to_tensors(concatenate(requests), device)
+        logits = torch.cat([teacher.logits(to_tensors(request, device)) for request in requests])
         uniforms = torch.from_numpy(np.concatenate([self.uniforms(i) for i in indices])).to(logits.device)
         tensors["labels"] = (uniforms < torch.sigmoid(logits)).float()
         tensors["teacher_logits"] = logits
