@@ -18,9 +18,11 @@ setup: $(STAMP)
 serve: setup
 	$(PY) scripts/serve $(SERVE_ARGS)
 
-# train the ranker (IKBO variant) on click data with a planted teacher; writes the weights `make serve` loads
+# train the ranker (IKBO variant) on click data with a planted teacher; writes the weights `make serve` loads.
+# One torch thread by default: on a small shared CPU, intra-op threads waiting for a busy core cost 5x a step.
+TRAIN_THREADS ?= 1
 train: setup
-	$(PY) scripts/train.py $(TRAIN_ARGS)
+	$(PY) scripts/train.py --threads $(TRAIN_THREADS) $(TRAIN_ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check .

@@ -45,6 +45,9 @@ def parse_args(argv=None) -> TrainConfig:
     parser.add_argument("--dtype", default=default["dtype"], choices=["auto", *DTYPES], help="autocast dtype")
     parser.add_argument("--backend", default=default["backend"], choices=["auto", "torch", "triton"])
     parser.add_argument(
+        "--threads", type=int, default=default["threads"], help="torch CPU threads (0: one per core; 1 on a busy CPU)"
+    )
+    parser.add_argument(
         "--weights", default=None, help="weights file to write (default: the one `make serve` loads for --profile)"
     )
     parser.add_argument("--out", default=default["out"], help="folder of checkpoint.pt, metrics.json, curves.png")
