@@ -1,0 +1,362 @@
+"""Capture: a torch.fx graph of a model that follows its Python control flow on the example.
+
+torch.fx's symbolic tracing stops at the first `if` on a traced value, and standard modules branch
+on their inputs everywhere (`BatchNorm1d._check_input_dim`, `nn.MultiheadAttention`'s fast-path and
+mask checks, `nn.TransformerEncoderLayer`). Here every proxy carries its value on the example inputs
+(`ShadowProxy.value`, computed as the graph is recorded), so a branch, a loop bound or a `len` is
+decided by the example, as torch.dynamo does, and the decision is kept as a guard:
+
+| what the branch reads | guard |
+|---|---|
+| dtypes, devices, ndims, flags of tensors | static: the transformed module checks its inputs' dtypes and ndims each call |
+| a size that is not a row count (a history length, a feature width) | the inputs' non-row sizes must equal the example's, checked each call |
+| a row count (U or B) or tensor values of the inputs | not followed: the module (or the model) is kept whole |
+
+A call whose inputs differ from the example in a checked way runs the original model.
+
+Modules (`call_module`):
+- `nn.MultiheadAttention` and `nn.TransformerEncoder` are traced through their eval forms
+  (`standard.py`): the same function written with linear / SDPA, which the pass can rewrite;
+- RNNs (`nn.GRU`, `nn.LSTM`, `nn.RNN`) stay leaves: the pass knows they act row by row on the batch;
+- any other module is traced into; where that fails (control flow on tensor values, an unsupported
+  Python construct), its nodes are dropped and it becomes a leaf, kept whole (`Capture.opaque` says
+  which and why). The pass runs such a leaf at U rows when it reads only user rows and does so
+  row by row on the example.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx._symbolic_trace import _maybe_revert_all_patches
+from torch.fx.experimental.symbolic_shapes import uninteresting_files
+from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_flatten
+
+from . import standard
+
+
+class CaptureError(Exception):
+    """Control flow the capture does not follow (on tensor values or on a row count)."""
+
+
+META_ATTRIBUTES = {
+    "dtype", "device", "ndim", "is_cuda", "is_nested", "layout", "requires_grad", "is_sparse", "is_quantized",
+    "is_meta", "is_mkldnn", "type", "is_leaf",
+}  # fmt: skip
+META_METHODS = {"dim", "ndimension", "is_floating_point", "is_complex", "get_device", "is_contiguous", "element_size"}
+META_FUNCTIONS = {torch.is_floating_point, torch.is_complex}
+SIZE_METHODS = {"size", "numel"}
+RNN_MODULES = (nn.RNNBase,)
+_HERE = __file__.rsplit("/", 1)[0]
+
+
+def user_frame() -> str:
+    """file:line of the innermost frame outside torch and this package (the model's code), and of the
+    innermost torch frame below it where that is where the branch is."""
+    inner = ""
+    for frame in reversed(traceback.extract_stack()):
+        name = frame.filename
+        if name.startswith(_HERE) and not name.endswith("zoo.py"):
+            continue
+        if "/torch/" in name:
+            if not inner and "/torch/fx/" not in name:
+                inner = f" (in {name.split('/torch/')[-1]}:{frame.lineno})"
+            continue
+        return f"{name}:{frame.lineno}{inner}"
+    return "?"
+
+
+def node_source(node: fx.Node) -> str:
+    """`module.path (file:line)` of a captured node: the innermost module and the model's source line."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack.values()))[0] if stack else ""
+    where = ""
+    trace = node.meta.get("stack_trace") or ""
+    for line in reversed(trace.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("File ") and "/torch/" not in line and not line.startswith(f'File "{_HERE}/capture.py'):
+            parts = line.split('"')
+            if len(parts) >= 3:
+                where = f"{parts[1].rsplit('/', 1)[-1]}:{parts[2].split(',')[1].split()[-1]}"
+            break
+    if path and where:
+        return f"{path} ({where})"
+    return path or where
+
+
+@dataclass
+class Capture:
+    """A captured model: the graph module, each node's example value, and what the capture decided."""
+
+    module: fx.GraphModule
+    fixed_sizes: bool = False  # a branch read a non-row size: checked on each call
+    opaque: list = field(default_factory=list)  # (module path, type name, reason)
+    guards: int = 0
+
+
+class ShadowProxy(fx.Proxy):
+    """A proxy with the traced value's value on the example inputs."""
+
+    def __init__(self, node, tracer=None):
+        super().__init__(node, tracer)
+        self.value = None
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return ShadowAttribute(self, name)
+
+    def __len__(self):
+        return self.tracer.concrete(self, len)
+
+    def __index__(self):
+        return self.tracer.concrete(self, operator.index)
+
+    def __int__(self):
+        return self.tracer.concrete(self, int)
+
+    def __float__(self):
+        return self.tracer.concrete(self, float)
+
+    def __setitem__(self, key, value):
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        form = standard.FUNCTION_FORMS.get(func)
+        if form is not None:
+            return form(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class ShadowAttribute(fx.proxy.Attribute, ShadowProxy):
+    """`proxy.attr`: its node is made only when used as a value (method calls need none)."""
+
+    def __init__(self, root, attr):
+        fx.proxy.Attribute.__init__(self, root, attr)
+
+    @property
+    def value(self):
+        return getattr(self.root.value, self.attr)
+
+    @value.setter
+    def value(self, _):
+        pass
+
+
+def _value(x):
+    return x.value if isinstance(x, ShadowProxy) else x
+
+
+class Tracer(fx.Tracer):
+    """torch.fx tracing with example values (see the module doc)."""
+
+    def __init__(self, examples: dict, rows: tuple):
+        super().__init__(autowrap_functions=())
+        self.examples, self.rows = examples, {r for r in rows if r is not None}
+        self.record_stack_traces = True
+        self.fixed_sizes = False
+        self.guards = 0
+        self.opaque: list = []
+
+    # --- values --------------------------------------------------------------------------------
+
+    def proxy(self, node):
+        return ShadowProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        with _maybe_revert_all_patches(), torch.no_grad():  # run eagerly, not traced
+            value = self._evaluate(kind, target, args, kwargs)
+        if isinstance(proxy, ShadowProxy) and not isinstance(proxy, ShadowAttribute):
+            proxy.value = value
+        proxy.node.meta["example_value"] = value
+        return proxy
+
+    def _evaluate(self, kind, target, args, kwargs):
+        if kind == "placeholder":
+            return self.examples.get(target)
+        if kind == "get_attr":
+            return self.fetch(target)
+        if kind == "output":
+            return None
+        a, k = map_aggregate((args, kwargs), _value)
+        if kind == "call_function":
+            return target(*a, **k)
+        if kind == "call_method":
+            return getattr(a[0], target)(*a[1:], **k)
+        return self.fetch(target)(*a, **k)
+
+    def fetch(self, target: str):
+        value = self.root
+        for part in target.split("."):
+            value = getattr(value, part)
+        return value
+
+    # --- control flow --------------------------------------------------------------------------
+
+    def to_bool(self, obj):
+        return self.concrete(obj, bool)
+
+    def iter(self, obj):
+        return iter([obj[i] for i in range(self.concrete(obj, len))])
+
+    def keys(self, obj):
+        return self.concrete(obj, lambda v: list(v.keys()))
+
+    def concrete(self, proxy, convert):
+        """The example's answer for a branch / loop bound on `proxy`, kept as a guard."""
+        whole_shape = self._shape_source(proxy.node)
+        if convert is len and whole_shape is not None and not isinstance(proxy.value, int):
+            kind = "meta"  # len(x.shape): the number of dims
+        else:
+            kind = self._depends_on(proxy.node)
+        where = user_frame()
+        if kind == "data":
+            raise CaptureError(f"Python control flow on tensor values at {where}")
+        if kind == "rows":
+            raise CaptureError(f"Python control flow on the number of users or candidates at {where}")
+        self.fixed_sizes |= kind == "size"
+        self.guards += 1
+        return convert(proxy.value)
+
+    def _depends_on(self, node) -> str:
+        """'data', 'rows', 'size' or 'meta': what the value of `node` depends on among the inputs."""
+        kinds, seen, todo = set(), set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen or not isinstance(n, fx.Node):
+                continue
+            seen.add(n)
+            shape_source = self._shape_source(n)
+            if shape_source is not None:
+                source, sizes = shape_source
+                if self._from_inputs(source):
+                    kinds.add("rows" if any(s in self.rows for s in sizes) else "size")
+                continue
+            if self._is_meta(n):
+                continue
+            if n.op == "placeholder":
+                kinds.add("data")
+                continue
+            todo.extend(n.all_input_nodes)
+        for kind in ("data", "rows", "size"):
+            if kind in kinds:
+                return kind
+        return "meta"
+
+    def _shape_source(self, n):
+        """(tensor node, sizes read) if `n` reads sizes of a tensor (x.shape, x.size(), x.shape[i]...)."""
+        value = n.meta.get("example_value")
+        if n.op == "call_function" and n.target is getattr and n.args[1] == "shape":
+            return n.args[0], tuple(value)
+        if n.op == "call_method" and n.target in SIZE_METHODS:
+            sizes = (value,) if isinstance(value, int) else tuple(value)
+            return n.args[0], sizes
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            inner = self._shape_source(n.args[0])
+            if inner is not None and isinstance(value, int):
+                return inner[0], (value,)
+        return None
+
+    def _is_meta(self, n) -> bool:
+        if n.op == "call_function" and n.target is getattr and n.args[1] in META_ATTRIBUTES:
+            return True
+        if n.op == "call_method" and n.target in META_METHODS:
+            return True
+        return n.op == "call_function" and n.target in META_FUNCTIONS
+
+    def _from_inputs(self, node) -> bool:
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen or not isinstance(n, fx.Node):
+                continue
+            seen.add(n)
+            if n.op == "placeholder":
+                return True
+            todo.extend(n.all_input_nodes)
+        return False
+
+    # --- modules -------------------------------------------------------------------------------
+
+    def is_leaf_module(self, m, qualified_name) -> bool:
+        return isinstance(m, RNN_MODULES)
+
+    def call_module(self, m, forward, args, kwargs):
+        form = standard.MODULE_FORMS.get(type(m))
+        if form is not None:
+            return super().call_module(m, lambda *a, **k: form(m, *a, **k), args, kwargs)
+        if self.is_leaf_module(m, ""):
+            return super().call_module(m, forward, args, kwargs)
+        last = next(reversed(self.graph.nodes))
+        stack, guards, fixed = dict(self.module_stack), self.guards, self.fixed_sizes
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as e:  # any failure inside: keep the module whole
+            for node in reversed(list(self.graph.nodes)):
+                if node is last:
+                    break
+                self.graph.erase_node(node)
+            self.module_stack.clear()
+            self.module_stack.update(stack)
+            self.guards, self.fixed_sizes = guards, fixed
+            path = self.path_of_module(m)
+            self.opaque.append((path, type(m).__name__, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
+            return self.create_proxy("call_module", path, args, kwargs)
+
+
+FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "eye")
+
+
+@contextlib.contextmanager
+def _traced_factories(tracer):
+    """torch.zeros(n, d) and the like with a traced size become graph nodes (torch's argument parser
+    rejects a proxy inside a size list before __torch_function__ is consulted)."""
+
+    def wrap(original):
+        def factory(*args, **kwargs):
+            if any(isinstance(a, fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
+                return tracer.create_proxy("call_function", original, args, kwargs)
+            return original(*args, **kwargs)
+
+        return factory
+
+    originals = {name: getattr(torch, name) for name in FACTORIES}
+    try:
+        for name, fn in originals.items():
+            setattr(torch, name, wrap(fn))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
+
+
+def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
+    """Trace `model` on `examples` (forward's arguments by name); raises where the model's own forward
+    cannot be followed (the message names the source line)."""
+    uninteresting_files()  # its lazy imports must not happen inside the trace (fx patches Module.__call__)
+    tracer = Tracer(examples, rows)
+    concrete = {k: v for k, v in examples.items() if not _traced(v)}
+    with _traced_factories(tracer):
+        graph = tracer.trace(model, concrete_args=concrete or None)
+    module = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards)
+
+
+def _traced(value) -> bool:
+    """Inputs that become placeholders: tensors and containers of tensors."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_traced(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return any(_traced(v) for v in value)
+    return False

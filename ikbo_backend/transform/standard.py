@@ -1,0 +1,135 @@
+"""Eval forms of standard modules: the same function as the module in eval mode, written with the
+functional ops the pass rewrites (linear, scaled_dot_product_attention, masks as tensors).
+
+`nn.MultiheadAttention` (and `F.multi_head_attention_forward` called directly in eval) becomes:
+in-projections (one packed linear for self-attention), heads split with `unflatten`, the key padding
+mask and the attention mask merged into one SDPA mask (boolean where both are boolean, additive
+otherwise, as `F._canonical_mask` makes them), SDPA, out-projection; the averaged attention weights
+are computed beside it only where the caller reads them. Differences from the module: a query row
+with every key masked gives zeros here (SDPA) where the module's weights path gives NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _keep_or_bias(mask):
+    """(boolean keep-mask or additive float mask) from a PyTorch mask (bool: True = masked out)."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return ~mask
+    return mask
+
+
+def _merge(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    as_bias = [m if m.dtype != torch.bool else torch.zeros_like(m, dtype=torch.float).masked_fill(~m, -math.inf)
+               for m in (a, b)]  # fmt: skip
+    return as_bias[0] + as_bias[1]
+
+
+def attention_forward(
+    query, key, value, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn,
+    out_proj_weight, out_proj_bias, key_padding_mask=None, need_weights=True, attn_mask=None,
+    separate=None, average_attn_weights=True, batch_first=False,
+):  # fmt: skip
+    """Eval-mode multi-head attention (`F.multi_head_attention_forward` without dropout)."""
+    self_attention = query is key and key is value
+    unbatched = query.dim() == 2
+    if unbatched:  # [T, E]: one sequence
+        query, key, value = (t.unsqueeze(0) for t in (query, key, value))
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+    elif not batch_first:
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    # from here on batch-first: [N, T, E]
+    embed = query.shape[-1]
+    if separate is None:
+        w_q, w_k, w_v = in_proj_weight.chunk(3)
+    else:
+        w_q, w_k, w_v = separate
+    b_q, b_k, b_v = (None, None, None) if in_proj_bias is None else in_proj_bias.chunk(3)
+    if separate is None and self_attention:
+        q, k, v = F.linear(query, in_proj_weight, in_proj_bias).chunk(3, dim=-1)
+    else:
+        q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+    keep_keys = _keep_or_bias(key_padding_mask)
+    if keep_keys is not None:
+        keep_keys = keep_keys[:, None, None, :]  # [N, 1, 1, S]
+    mask = _keep_or_bias(attn_mask)
+    if mask is not None and mask.dim() == 3:  # [N·H, T, S]
+        mask = mask.unflatten(0, (-1, num_heads))
+    if bias_k is not None:
+        k = torch.cat([k, bias_k.expand(k.shape[0], 1, embed)], dim=1)
+        v = torch.cat([v, bias_v.expand(v.shape[0], 1, embed)], dim=1)
+        mask = None if mask is None else F.pad(mask, (0, 1), value=True if mask.dtype == torch.bool else 0.0)
+        keep_keys = None if keep_keys is None else F.pad(keep_keys, (0, 1), value=keep_keys.dtype == torch.bool)
+    if add_zero_attn:
+        k = torch.cat([k, torch.zeros_like(k[:, :1])], dim=1)
+        v = torch.cat([v, torch.zeros_like(v[:, :1])], dim=1)
+        mask = None if mask is None else F.pad(mask, (0, 1), value=True if mask.dtype == torch.bool else 0.0)
+        keep_keys = None if keep_keys is None else F.pad(keep_keys, (0, 1), value=keep_keys.dtype == torch.bool)
+    mask = _merge(mask, keep_keys)
+    q, k, v = (t.unflatten(-1, (num_heads, -1)).transpose(1, 2) for t in (q, k, v))  # [N, H, T, d]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.linear(out.transpose(1, 2).flatten(2), out_proj_weight, out_proj_bias)  # [N, T, E]
+    weights = None
+    if need_weights:
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+        weights = torch.softmax(scores, dim=-1)
+        if average_attn_weights:
+            weights = weights.mean(dim=1)
+        if unbatched:
+            weights = weights.squeeze(0)
+    if unbatched:
+        return out.squeeze(0), weights
+    return (out if batch_first else out.transpose(0, 1)), weights
+
+
+def multihead_attention(
+    module: nn.MultiheadAttention, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+    average_attn_weights=True, is_causal=False,
+):  # fmt: skip
+    """`nn.MultiheadAttention.forward` in eval mode (`is_causal` is a hint about `attn_mask`, which is used)."""
+    if module.training and module.dropout > 0:
+        raise ValueError("nn.MultiheadAttention in training mode (dropout): put the model in eval mode")
+    separate = None
+    if not module._qkv_same_embed_dim:
+        separate = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+    return attention_forward(
+        query, key, value, module.num_heads, module.in_proj_weight, module.in_proj_bias, module.bias_k,
+        module.bias_v, module.add_zero_attn, module.out_proj.weight, module.out_proj.bias, key_padding_mask,
+        need_weights, attn_mask, separate, average_attn_weights, module.batch_first,
+    )  # fmt: skip
+
+
+def multi_head_attention_forward(
+    query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn,
+    dropout_p, out_proj_weight, out_proj_bias, training=True, key_padding_mask=None, need_weights=True,
+    attn_mask=None, use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None, v_proj_weight=None,
+    static_k=None, static_v=None, average_attn_weights=True, is_causal=False,
+):  # fmt: skip
+    """`F.multi_head_attention_forward` called directly, in eval (no dropout, no static K/V)."""
+    if (training and dropout_p > 0) or static_k is not None or static_v is not None:
+        raise ValueError("F.multi_head_attention_forward with dropout or static K/V has no eval form")
+    separate = (q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight else None
+    return attention_forward(
+        query, key, value, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn,
+        out_proj_weight, out_proj_bias, key_padding_mask, need_weights, attn_mask, separate, average_attn_weights,
+    )  # fmt: skip
+
+
+MODULE_FORMS = {nn.MultiheadAttention: multihead_attention}
+FUNCTION_FORMS = {F.multi_head_attention_forward: multi_head_attention_forward}
