@@ -238,7 +238,7 @@ def transformed(request):
     torch.manual_seed(0)
     model = factory().eval()
     gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
-    module, report = to_ikbo(model, args_for(model, make_inputs(*EXAMPLE, gen)))
+    module, report = to_ikbo(model, args_for(model, make_inputs(*EXAMPLE, gen)), measure=False)
     return request.param, model, module, report, make_inputs, handled, gen
 
 
@@ -287,7 +287,7 @@ def test_users_without_candidates_and_empty_batches():
     for name in ("dcn_cross", "target_attention", "dlrm_dot"):
         factory, make_inputs, _ = MODELS[name]
         model = factory().eval()
-        module, _ = to_ikbo(model, args_for(model, make_inputs(*EXAMPLE, gen)))
+        module, _ = to_ikbo(model, args_for(model, make_inputs(*EXAMPLE, gen)), measure=False)
         inputs = make_inputs(6, 30, gen)
         inputs["cand_to_user"] = torch.where(inputs["cand_to_user"] % 2 == 1, 0, inputs["cand_to_user"]).to(torch.int32)
         args = args_for(model, inputs)

@@ -1,80 +1,161 @@
 """Inference-time IKBO transformation: a standard ranking model in, the same function out, with user
-tensors kept at U rows and joined to candidates through `cand_to_user` (docs/design/transform.md).
+tensors kept at U rows and joined to candidates through the mapping (docs/design/transform.md).
 
     module, report = to_ikbo(model, example_inputs)   # example_inputs: forward's positional args
     print(report)                                     # what was rewritten, what was left and why
 
-The pass traces `model` with torch.fx (through every submodule), finds the replications of user
-tensors (x[cand_to_user], index_select(0, cand_to_user), repeat_interleave(counts, dim=0), expand of
-one user row) and rewrites the graph (rewrite.py): row-wise ops run at U rows, a concat of user and
-candidate features before a linear becomes the Type I split or ikbo_linear_compress, attention over
-replicated K/V becomes ikbo_attention, and other joins become add_user_rows or grouped ops (ops.py).
-What cannot be rewritten is replicated where it is consumed, and the report says where and why.
+The pass captures `model` on the example (capture.py: torch.fx with example values, following Python
+control flow, standard modules in eval form), finds the replications of user tensors by what they
+compute, and rebuilds the graph (rewrite.py): row-wise ops at U rows, joins where user rows meet
+candidates (ops.py), replication only where nothing else exists (reported). The result is checked
+against the model on the example and timed against it (cost.py); it is served only when it agrees and
+is not slower.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
+from collections import Counter
 
 import torch
-import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from . import cost
+from .capture import capture
 from .detect import ReplicationDetector
-from .rewrite import Report, Rewriter
+from .rewrite import Rewriter
+from .values import Report
 
 MAPPING_ARGUMENT = "cand_to_user"
 
-__all__ = ["MAPPING_ARGUMENT", "ReplicationDetector", "Report", "to_ikbo", "trace"]
-
-
-class _Tracer(fx.Tracer):
-    """Traces into every submodule (nn.Linear → F.linear …), so the pass sees functional ops only."""
-
-    def is_leaf_module(self, module, qualified_name) -> bool:
-        return False
-
-
-def trace(model: torch.nn.Module) -> fx.GraphModule:
-    graph = _Tracer().trace(model)
-    return fx.GraphModule(model, graph, class_name=type(model).__name__)
-
+__all__ = ["MAPPING_ARGUMENT", "Guarded", "ReplicationDetector", "Report", "to_ikbo"]
 
 RTOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2}  # default 1e-3 (fp32: tf32 on CUDA, fp64)
 
 
-def to_ikbo(model: torch.nn.Module, example_inputs, mapping_name: str = MAPPING_ARGUMENT, rtol: float | None = None):
-    """(rewritten module, report). `example_inputs`: forward's positional arguments for one request,
-    with U ≠ B (row counts tell user tensors from candidate tensors); values are not baked in.
+def to_ikbo(
+    model: torch.nn.Module,
+    example_inputs,
+    mapping_name: str = MAPPING_ARGUMENT,
+    rtol: float | None = None,
+    measure: bool = True,
+):
+    """(module, report): `model` rewritten so that user tensors stay at U rows, and what was done.
 
-    Never wrong: a model that does not trace, or whose rewrite fails or disagrees with it on the
-    example (relative error above `rtol`), comes back unchanged, with the reason in the report.
-    `rtol` catches a wrong rewrite (errors of order 1), not rounding: on CUDA the IKBO linear
-    compression runs fp32 in tf32 (relative error near 3e-4 on its own output). Default: 1e-3, or
-    2e-2 when the example's floating inputs are 16-bit (bf16 rounding alone reaches ~1e-3).
+    `example_inputs`: forward's positional arguments for one request (tensors, or dicts / tuples of
+    tensors), in eval mode. The mapping is the argument named `mapping_name` ([B] integer, candidate →
+    user row), or the entry with that key in a dict argument. Rows tell tensors apart: a tensor with B
+    rows is per candidate, one with U rows (the most common other row count) per user, so pick U ≠ B
+    and both unlike the model's other dims; with U == B the model comes back unchanged, with a warning.
+    Values are not baked in: the module takes any U and B. Shapes the model branched on in Python
+    (capture.py) are checked on each call; other inputs run the original model.
+
+    Never wrong, never slower: a model that cannot be captured, whose rewrite fails or disagrees with it
+    on the example (relative error above `rtol`: a wrong rewrite, not rounding; default 1e-3, 2e-2 for
+    16-bit inputs: on CUDA the IKBO linear compression runs fp32 in tf32), or that runs slower than the
+    original on the example (`measure`; cost.py) comes back unchanged, with the reason in the report.
     """
     example_inputs = tuple(example_inputs)
-    if rtol is None:
-        dtypes = {t.dtype for t in example_inputs if isinstance(t, torch.Tensor) and t.is_floating_point()}
-        rtol = max([RTOL.get(d, 1e-3) for d in dtypes], default=1e-3)
-    names = list(inspect.signature(model.forward).parameters)
-    if mapping_name not in names:
-        raise ValueError(f"model: forward has no argument named {mapping_name!r} (arguments: {names})")
+    training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and _mode_matters(m)]
+    if training:
+        raise ValueError(f"model: expected eval mode (call model.eval()), got training mode in {training[:3]}")
+    signature = inspect.signature(model.forward)
     try:
-        traced = trace(model)
+        examples = dict(signature.bind(*example_inputs).arguments)
+    except TypeError as e:
+        raise ValueError(f"example_inputs: do not match forward{signature} ({e})") from None
+    mapping = _find_mapping(examples, mapping_name, signature)
+    num_candidates = mapping.shape[0]
+    num_users = _user_rows(examples, num_candidates)
+    if num_users is None or num_users == num_candidates:
+        reason = (
+            f"the example has U = B = {num_candidates}: user and candidate tensors cannot be told apart by rows"
+            if num_users
+            else "the example has no tensor with a row count other than B: no user tensors"
+        )
+        warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged (pass an example with U ≠ B)", stacklevel=2)
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"])
+    if rtol is None:
+        dtypes = {
+            t.dtype for t in tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
+        }
+        rtol = max([RTOL.get(d, 1e-3) for d in dtypes], default=1e-3)
+    try:
+        captured = capture(model, examples, (num_users, num_candidates))
     except Exception as e:
         return model, Report(
-            left=[f"the whole model: torch.fx could not trace it ({type(e).__name__}: {e}); served unchanged"]
+            left=[f"the whole model: the capture could not follow it ({type(e).__name__}: {e}); served unchanged"]
         )
+    kept = [f"`{path}` ({kind}): {reason}" for path, kind, reason in captured.opaque]
     try:
-        module, report = Rewriter(traced, example_inputs, mapping_name).run()
+        captured.module.graph.eliminate_dead_code()
+        captured.module.recompile()
+        module, report = Rewriter(captured.module, examples, mapping_name, num_users, num_candidates).run()
     except Exception as e:
-        return model, Report(left=[f"the whole model: the rewrite failed ({type(e).__name__}: {e}); served unchanged"])
+        return model, Report(
+            left=[f"the whole model: the rewrite failed ({type(e).__name__}: {e}); served unchanged"], kept=kept
+        )
+    report.kept = kept
     error = _disagreement(model, module, example_inputs)
-    if error > rtol:
+    if not error <= rtol:
         reason = f"the rewrite disagrees with it on the example (rel. error {error:.1e})"
-        return model, Report(left=[f"the whole model: {reason}; served unchanged"])
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
+    module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes)
+    if measure:
+        original_s, rewritten_s = cost.compare(model, module, example_inputs)
+        ratio = original_s / rewritten_s
+        report.timing = (
+            f"at U:B = {num_users}:{num_candidates} the original takes {original_s * 1e3:.3g} ms, the rewrite "
+            f"{rewritten_s * 1e3:.3g} ms ({ratio:.2f}×)"
+        )
+        if cost.slower(original_s, rewritten_s):
+            report.left.insert(
+                0, f"the whole model: the rewrite is slower on the example ({ratio:.2f}×); served unchanged"
+            )
+            return model, report
     return module, report
+
+
+def _mode_matters(m: torch.nn.Module) -> bool:
+    """Whether the module computes another function in training mode (dropout, batch statistics)."""
+    nn = torch.nn
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return True
+    if isinstance(m, nn.modules.dropout._DropoutNd):
+        return m.p > 0
+    if isinstance(m, nn.MultiheadAttention):
+        return m.dropout > 0
+    if isinstance(m, nn.RNNBase):
+        return m.dropout > 0
+    return False
+
+
+def _find_mapping(examples, mapping_name, signature):
+    if isinstance(examples.get(mapping_name), torch.Tensor):
+        mapping = examples[mapping_name]
+    else:
+        found = [v[mapping_name] for v in examples.values() if isinstance(v, dict) and mapping_name in v]
+        if not found:
+            raise ValueError(
+                f"model: forward{signature} has no argument (or dict entry) named {mapping_name!r}: pass the "
+                "candidate → user mapping as an argument or a dict key of that name (mapping_name=...); "
+                "a mapping inside a tuple cannot be named"
+            )
+        mapping = found[0]
+    if not isinstance(mapping, torch.Tensor) or mapping.dim() != 1 or mapping.is_floating_point():
+        raise ValueError(f"{mapping_name}: expected a 1-D integer tensor [B], got {mapping!r:.80}")
+    return mapping
+
+
+def _user_rows(examples, num_candidates):
+    """U: the most common row count of the example's tensors other than B (None if there is none)."""
+    rows = Counter(
+        t.shape[0]
+        for t in tree_flatten(list(examples.values()))[0]
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] != num_candidates
+    )
+    return rows.most_common(1)[0][0] if rows else None
 
 
 def _disagreement(model, module, example_inputs) -> float:
@@ -90,8 +171,54 @@ def _disagreement(model, module, example_inputs) -> float:
                 return float("inf")
             e, a = e.double(), a.double()
             both_nan = torch.isnan(e) & torch.isnan(a)
+            if bool((torch.isnan(e) ^ torch.isnan(a)).any()):
+                return float("inf")
             e, a = torch.where(both_nan, 0.0, e), torch.where(both_nan, 0.0, a)
             worst = max(worst, float((a - e).norm() / e.norm().clamp(min=1e-30)))
         elif e != a:
             return float("inf")
     return worst
+
+
+class Guarded(torch.nn.Module):
+    """The rewritten graph (`rewritten`, a torch.fx.GraphModule) for inputs shaped like the example's:
+    the same dtypes and ndims and, where the capture followed a branch on them, the same non-row sizes;
+    the original model for other inputs (`fallbacks` counts them)."""
+
+    def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool):
+        super().__init__()
+        self.rewritten, self.original = rewritten, original
+        self.fixed_sizes, self.fallbacks = fixed_sizes, 0
+        self.expected = [self._key(t, rows) for t in tree_flatten(example_inputs)[0]]
+
+    def _key(self, t, rows):
+        if not isinstance(t, torch.Tensor):
+            return None
+        sizes = tuple(t.shape[1:]) if self.fixed_sizes and t.dim() and t.shape[0] in rows else None
+        if self.fixed_sizes and t.dim() and t.shape[0] not in rows:
+            sizes = tuple(t.shape)
+        return t.dtype, t.dim(), t.device.type, sizes
+
+    @property
+    def code(self) -> str:
+        return self.rewritten.code
+
+    def matches(self, args) -> bool:
+        leaves = tree_flatten(args)[0]
+        if len(leaves) != len(self.expected):
+            return False
+        for t, want in zip(leaves, self.expected):
+            if want is None:
+                continue
+            if not isinstance(t, torch.Tensor) or (t.dtype, t.dim(), t.device.type) != want[:3]:
+                return False
+            sizes = want[3]
+            if sizes is not None and tuple(t.shape[len(t.shape) - len(sizes) :]) != sizes:
+                return False
+        return True
+
+    def forward(self, *args):
+        if self.matches(args):
+            return self.rewritten(*args)
+        self.fallbacks += 1
+        return self.original(*args)

@@ -20,6 +20,10 @@ class AttentionRewrites:
     """Methods of `rewrite.Rewriter` that handle attention."""
 
     def attention(self, args, kwargs, meta, name):
+        """SDPA of candidate queries over replicated K/V → ikbo_attention. A key-length prefix mask written
+        as arange(L) < lengths[m] gives kv_len directly; any other mask that is one key mask per user
+        (boolean, or additive 0 / −inf, broadcast over heads and queries: checked on the example) has
+        each user's kept keys moved to the front at U rows (`ops.compact_keys`)."""
         q, k, v = args[:3]
         mask = _arg(args, kwargs, 3, "attn_mask")
         dropout, causal = _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
@@ -28,21 +32,51 @@ class AttentionRewrites:
             isinstance(k, Rep) and isinstance(v, Rep) and k.mapping is v.mapping and isinstance(q, Plain) and q.batched
         ):
             return None
-        if dropout or causal or _arg(args, kwargs, 7, "enable_gqa", False) or q.meta.ndim != 4 or k.meta.ndim != 4:
+        if dropout or causal or _arg(args, kwargs, 7, "enable_gqa", False) or k.row_dim or v.row_dim:
             return None
-        seq_len = k.meta.shape[2]
-        kv_len = None
+        ndim = q.meta.ndim
+        if not (ndim == k.meta.ndim == v.meta.ndim and ndim in (3, 4)):
+            return None
+        seq_len = k.meta.shape[-2]
+        k_user, v_user, q_node, kv_len = k.user, v.user, q.node, None
+        if ndim == 3:  # [B, S, d]: one head
+            q_node, k_user, v_user = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k_user, v_user))
+        how = ""
         if mask is not None:
-            lengths = self.prefix_lengths(mask, seq_len, k.mapping)
-            if lengths is None:
-                return None
-            kv_len = self.emit("call_function", ops.kv_len_from, (lengths, seq_len))
-        node = self.emit("call_function", ikbo_attention, (q.node, k.user, v.user, k.mapping.node, kv_len, scale))
-        masked = " (key-length mask)" if kv_len is not None else ""
+            lengths = self.prefix_lengths(mask, seq_len, k.mapping) if ndim == 4 else None
+            if lengths is not None:
+                kv_len = self.emit("call_function", ops.kv_len_from, (lengths, seq_len))
+                how = " (key-length mask)"
+            else:
+                keep = self.key_mask(mask, k.mapping, seq_len, ndim)
+                if keep is None:
+                    return None
+                packed = self.emit("call_function", ops.compact_keys, (k_user, v_user, keep))
+                k_user, v_user, kv_len = (self.emit("call_function", operator.getitem, (packed, i)) for i in range(3))
+                how = " (per-user key mask, kept keys moved first at U rows)"
+        node = self.emit("call_function", ikbo_attention, (q_node, k_user, v_user, k.mapping.node, kv_len, scale))
+        if ndim == 3:
+            node = self.emit("call_method", "squeeze", (node, 1))
         self.report.rewritten.append(
-            f"`{name}`: attention of candidate queries over replicated K/V → ikbo_attention{masked}"
+            f"{name}: attention of candidate queries over replicated K/V → ikbo_attention{how}"
         )
         return Plain(node, meta, True)
+
+    def key_mask(self, mask, mapping, seq_len, ndim):
+        """[U, L] bool node of the keys each user keeps, if `mask` is one key mask per user; else None."""
+        if not (isinstance(mask, Rep) and mask.mapping is mapping and not mask.row_dim and isinstance(mask.meta, Meta)):
+            return None
+        shape = mask.meta.shape
+        if len(shape) != ndim or shape[-1] != seq_len or any(d != 1 for d in shape[1:-1]):
+            return None
+        value = self.values[mask.user]
+        if value.dtype != torch.bool:
+            if not value.is_floating_point():
+                return None
+            dropped = value[value != 0]
+            if dropped.numel() and not bool((dropped <= -1e4).all()):
+                return None  # an additive bias, not a mask
+        return self.emit("call_function", ops.key_mask, (mask.user,))
 
     def attention_chain(self, scores):
         """(q, kᵀ, scaled, probs, out, v, scale) if `scores` starts matmul(q, kᵀ) [· c | / c] →
@@ -62,7 +96,7 @@ class AttentionRewrites:
         q, k_t = (self.env.get(a) for a in scores.args)
         if not (isinstance(q, Plain) and q.batched and isinstance(q.meta, Meta) and q.meta.ndim in (3, 4)):
             return None
-        if not (isinstance(k_t, Rep) and k_t.meta.ndim == q.meta.ndim):
+        if not (isinstance(k_t, Rep) and k_t.meta.ndim == q.meta.ndim and not k_t.row_dim):
             return None
         scaled, scale = next(iter(scores.users)), 1.0
         by_constant = scaled.op == "call_function" and scaled.target in (operator.mul, operator.truediv)
@@ -82,7 +116,7 @@ class AttentionRewrites:
             return None
         out = next(iter(probs.users))
         v = self.env.get(out.args[1]) if matmul(out) and len(out.args) == 2 and out.args[0] is probs else None
-        if not (isinstance(v, Rep) and v.mapping is k_t.mapping and v.meta.ndim == q.meta.ndim):
+        if not (isinstance(v, Rep) and v.mapping is k_t.mapping and v.meta.ndim == q.meta.ndim and not v.row_dim):
             return None
         return q, k_t, scaled, probs, out, v, scale
 
@@ -100,7 +134,7 @@ class AttentionRewrites:
                 self.fused[n] = None  # computed inside the fused op; nothing else reads it
         self.fused[out] = Plain(node, self.meta[out], True)
         self.report.rewritten.append(
-            f"`{scores.name}` … `{out.name}`: matmul-softmax-matmul of candidate queries over replicated K/V → ikbo_attention"
+            f"{self.where()}: matmul-softmax-matmul of candidate queries over replicated K/V → ikbo_attention"
         )
         return None
 

@@ -2,26 +2,24 @@
 the mapping `cand_to_user` [B], none of which copies a user tensor to B rows, plus the one explicit
 replication (`index_rows`) that the pass emits where it has no join for a consumer (and reports).
 
-`GroupedOp` is the general join: any elementwise op between candidate tensors and user tensors runs
-once per user on that user's candidates, the user row broadcast (a stride-0 view, never copied),
-the way the torch path of `kernels.ikbo_attention` groups candidates. `grouped_matmul` does the same
-for batched matmuls, packing a user's candidates into one GEMM against the user's matrix.
+Joins other than additions (`rows_join`, `rows_matmul`, `rows_einsum`) read the user rows a tile of
+candidates at a time; `select_user_rows` reads each candidate's own selection of its user's rows;
+`compact_keys` turns any per-user key mask into key lengths for `ikbo_attention`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from kernels import PackedLinearCompress, add_user_rows, group_by_user
+from kernels import PackedLinearCompress, add_user_rows
+from kernels._common import through_dispatcher
 
 
-def index_rows(user: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
-    """user[cand_to_user]: the materialized replication [B, ...] (what the pass could not avoid)."""
-    return user.index_select(0, cand_to_user)
+def index_rows(user: torch.Tensor, cand_to_user: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """user[cand_to_user] (along `dim`, the row dim): the materialized replication (what the pass could not
+    avoid)."""
+    return user.index_select(dim, cand_to_user)
 
 
 def index_rows_tuple(users, cand_to_user):
@@ -36,6 +34,13 @@ def mapping_rows(cand_to_user: torch.Tensor) -> int:
 def rep_shape(user_shape, cand_to_user: torch.Tensor) -> torch.Size:
     """Shape of user[cand_to_user] from the user tensor's shape."""
     return torch.Size((cand_to_user.shape[0], *user_shape[1:]))
+
+
+def cat_shape(shapes, dim: int) -> torch.Size:
+    """The shape of torch.cat(parts, dim) from the parts' shapes."""
+    first = list(shapes[0])
+    first[dim] = sum(s[dim] for s in shapes)
+    return torch.Size(first)
 
 
 def repeat_mapping(user: torch.Tensor, repeats) -> torch.Tensor:
@@ -57,6 +62,10 @@ def kv_len_from(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 def add_user_rows_broadcast(cand, user, cand_to_user, cand_sign: float = 1.0, user_sign: float = 1.0) -> torch.Tensor:
     """cand_sign·cand[b] + user_sign·user[m[b]] with broadcasting over the trailing dims (`add_user_rows`)."""
+    if not cand.is_cuda:  # on a CPU the tiled join beats the sparse selection matmul of add_user_rows
+        name = "add" if cand_sign == user_sign else "sub_cu" if user_sign != 1.0 else "sub_uc"
+        out = rows_join(name, cand, user, cand_to_user)
+        return -out if cand_sign == user_sign == -1.0 else out
     trailing = torch.broadcast_shapes(cand.shape[1:], user.shape[1:])
     dtype = torch.result_type(cand, user)
     cand = cand.to(dtype).expand(cand.shape[0], *trailing)
@@ -68,75 +77,202 @@ def add_user_rows_broadcast(cand, user, cand_to_user, cand_sign: float = 1.0, us
     return add_user_rows(cand, user, cand_to_user)
 
 
-def _groups(cand_to_user: torch.Tensor, num_users: int):
-    """(user, candidate rows) for every user with candidates."""
-    order, counts, _ = group_by_user(cand_to_user, num_users)
-    start = 0
-    for user, count in enumerate(counts.tolist()):
-        if count:
-            yield user, order[start : start + count]
-            start += count
+# ----------------------------------------------------------------------------- tiled joins
+# A join reads, for each candidate b, its user's row user[m[b]]. The ops below do so a tile of candidates at
+# a time: the tile's user rows are gathered into a buffer of at most TILE_BYTES (cache-resident on a CPU, like
+# the registers of a fused kernel) and combined with the tile's candidate rows; no tensor of user data at B rows
+# is made and nothing loops over users. They are custom ops (inference only), opaque to dispatch modes such as
+# ReplicationDetector, like the kernels' IKBO ops.
+
+TILE_BYTES = 1 << 20
 
 
-def grouped_matmul(cand: torch.Tensor, user: torch.Tensor, cand_to_user: torch.Tensor, cand_left: bool) -> torch.Tensor:
-    """matmul(cand[b], user[m[b]]) (cand_left) or matmul(user[m[b]], cand[b]) for every b.
+def _tile_rows(user: torch.Tensor) -> int:
+    row_bytes = max(1, user[0].numel() * user.element_size()) if user.shape[0] else 1
+    return max(1, TILE_BYTES // row_bytes)
 
-    cand [B, *batch, M, K] and user [U, *batch, K, N] (or the transposes): per user, its candidates
-    are packed into the M dimension of one GEMM against the user's matrix.
-    """
-    if not cand_left:  # (u @ c) = (cᵀ @ uᵀ)ᵀ
-        return grouped_matmul(cand.transpose(-1, -2), user.transpose(-1, -2), cand_to_user, True).transpose(-1, -2)
-    out_shape = (cand.shape[0], *cand.shape[1:-1], user.shape[-1])
-    out = cand.new_empty(out_shape, dtype=torch.result_type(cand, user))
-    for u, rows in _groups(cand_to_user, user.shape[0]):
-        block = cand[rows].movedim(0, -3)  # [*batch, n, M, K]
-        n, rows_m = block.shape[-3], block.shape[-2]
-        packed = block.reshape(*block.shape[:-3], n * rows_m, block.shape[-1])  # [*batch, n·M, K]
-        result = torch.matmul(packed, user[u])  # [*batch, n·M, N]
-        out[rows] = result.reshape(*result.shape[:-2], n, rows_m, result.shape[-1]).movedim(-3, 0)
+
+def _tiled(out, cand_to_user, user, step):
+    """out[t] = step(t, user rows of tile t) for tiles t of the candidates."""
+    mapping = cand_to_user.long()
+    rows = _tile_rows(user)
+    if rows >= out.shape[0]:
+        step(slice(None), user.index_select(0, mapping))
+        return out
+    for start in range(0, out.shape[0], rows):
+        tile = slice(start, start + rows)
+        step(tile, user.index_select(0, mapping[tile]))
     return out
 
 
-@dataclass(frozen=True)
-class Slot:
-    """A tensor argument of a `GroupedOp`: the `index`-th tensor passed to forward, in `role`."""
+JOINS = {  # name → (torch function, argument order: c = candidate rows, u = user rows, k = condition)
+    "add": (torch.add, "cu"),
+    "sub_cu": (torch.sub, "cu"),
+    "sub_uc": (torch.sub, "uc"),
+    "mul": (torch.mul, "cu"),
+    "div_cu": (torch.div, "cu"),
+    "div_uc": (torch.div, "uc"),
+    "pow_cu": (torch.pow, "cu"),
+    "pow_uc": (torch.pow, "uc"),
+    "maximum": (torch.maximum, "cu"),
+    "minimum": (torch.minimum, "cu"),
+    "where_uc": (torch.where, "kuc"),  # k ? user : cand
+    "where_cu": (torch.where, "kcu"),
+}
 
-    role: str  # "cand" (B rows), "user" (U rows) or "plain" (no candidate rows)
-    index: int
+
+def _join_args(op, cand, user, cond):
+    fn, order = JOINS[op]
+    return fn, [{"c": cand, "u": user, "k": cond}[x] for x in order]
 
 
-class GroupedOp(nn.Module):
-    """An elementwise op over candidate tensors and user tensors, run per user.
+def _join_empty(op, cand, user, cond, rows):
+    shapes = [cand.shape[1:], user.shape[1:]] + ([] if cond is None else [cond.shape[1:]])
+    dtype = torch.result_type(cand, user) if op != "pow_uc" else torch.result_type(user, cand)
+    return cand.new_empty((rows, *torch.broadcast_shapes(*shapes)), dtype=dtype)
 
-    `args` / `kwargs` are the op's arguments with every tensor replaced by a `Slot`. Candidate
-    tensors are sliced to the user's candidates, user tensors to the user's row [1, ...] (broadcast
-    by the op, not copied).
-    """
 
-    def __init__(self, fn, args, kwargs, description: str):
-        super().__init__()
-        self.fn, self.args, self.kwargs, self.description = fn, args, kwargs, description
+def _rows_join(op, cand, user, cand_to_user, cond=None):
+    out = _join_empty(op, cand, user, cond, cand.shape[0])
 
-    def extra_repr(self) -> str:
-        return self.description
+    def step(tile, rows):
+        fn, args = _join_args(op, cand[tile], rows, None if cond is None else cond[tile])
+        fn(*args, out=out[tile])
 
-    def _call(self, tensors, pick):
-        fill = lambda x: pick(x.role, tensors[x.index]) if isinstance(x, Slot) else x  # noqa: E731
-        is_slot = lambda x: isinstance(x, Slot)  # noqa: E731
-        return self.fn(*tree_map(fill, self.args, is_leaf=is_slot), **tree_map(fill, self.kwargs, is_leaf=is_slot))
+    return _tiled(out, cand_to_user, user, step)
 
-    def forward(self, cand_to_user, num_users: int, *tensors):
-        if cand_to_user.shape[0] == 0 or num_users == 0:
-            return self._call(tensors, lambda role, t: t[:0] if role == "user" else t)
-        out = None
-        for user, rows in _groups(cand_to_user, num_users):
-            result = self._call(
-                tensors, lambda role, t: t[rows] if role == "cand" else t[user : user + 1] if role == "user" else t
-            )
-            if out is None:
-                out = torch.empty((cand_to_user.shape[0], *result.shape[1:]), dtype=result.dtype, device=result.device)
-            out[rows] = result
-        return out
+
+@torch.library.custom_op("ikbo_transform::rows_join", mutates_args=())
+def _rows_join_op(
+    op: str, cand: torch.Tensor, user: torch.Tensor, cand_to_user: torch.Tensor, cond: torch.Tensor | None = None
+) -> torch.Tensor:
+    return _rows_join(op, cand, user, cand_to_user, cond)
+
+
+@_rows_join_op.register_fake
+def _(op, cand, user, cand_to_user, cond=None):
+    return _join_empty(op, cand, user, cond, cand.shape[0])
+
+
+def rows_join(op: str, cand, user, cand_to_user, cond=None) -> torch.Tensor:
+    """JOINS[op] of cand[b] and user[m[b]] (and cond[b] for where) for every candidate b, broadcast over the
+    trailing dims, a tile at a time (`ikbo_transform::rows_join`)."""
+    if through_dispatcher(cand, user, cand_to_user, cond):
+        return _rows_join_op(op, cand, user, cand_to_user, cond)
+    return _rows_join(op, cand, user, cand_to_user, cond)
+
+
+def _matmul_empty(cand, user, cand_left, rows):
+    a, b = (cand, user) if cand_left else (user, cand)
+    batch = torch.broadcast_shapes(a.shape[1:-2], b.shape[1:-2])
+    return cand.new_empty((rows, *batch, a.shape[-2], b.shape[-1]), dtype=torch.result_type(cand, user))
+
+
+def _rows_matmul(cand, user, cand_to_user, cand_left):
+    out = _matmul_empty(cand, user, cand_left, cand.shape[0])
+
+    def step(tile, rows):
+        if cand_left:
+            torch.matmul(cand[tile], rows, out=out[tile])
+        else:
+            torch.matmul(rows, cand[tile], out=out[tile])
+
+    return _tiled(out, cand_to_user, user, step)
+
+
+@torch.library.custom_op("ikbo_transform::rows_matmul", mutates_args=())
+def _rows_matmul_op(
+    cand: torch.Tensor, user: torch.Tensor, cand_to_user: torch.Tensor, cand_left: bool
+) -> torch.Tensor:
+    return _rows_matmul(cand, user, cand_to_user, cand_left)
+
+
+@_rows_matmul_op.register_fake
+def _(cand, user, cand_to_user, cand_left):
+    return _matmul_empty(cand, user, cand_left, cand.shape[0])
+
+
+def rows_matmul(cand, user, cand_to_user, cand_left: bool) -> torch.Tensor:
+    """matmul(cand[b], user[m[b]]) (cand_left) or matmul(user[m[b]], cand[b]) for every b, a tile at a time
+    (`ikbo_transform::rows_matmul`): cand [B, *batch, M, K], user [U, *batch, K, N] (or the transposes)."""
+    if through_dispatcher(cand, user, cand_to_user):
+        return _rows_matmul_op(cand, user, cand_to_user, cand_left)
+    return _rows_matmul(cand, user, cand_to_user, cand_left)
+
+
+def _einsum_empty(equation, cand, user, cand_first, rows):
+    user_b = user[:1].expand(1, *user.shape[1:]) if user.shape[0] else user.new_zeros(1, *user.shape[1:])
+    one = torch.einsum(equation, cand[:1], user_b) if cand_first else torch.einsum(equation, user_b, cand[:1])
+    return one.new_empty((rows, *one.shape[1:]))
+
+
+def _rows_einsum(equation, cand, user, cand_to_user, cand_first):
+    if cand.shape[0] == 0:
+        return _einsum_empty(equation, cand.new_zeros(1, *cand.shape[1:]), user, cand_first, 0)
+    out = _einsum_empty(equation, cand, user, cand_first, cand.shape[0])
+
+    def step(tile, rows):
+        out[tile] = torch.einsum(equation, cand[tile], rows) if cand_first else torch.einsum(equation, rows, cand[tile])
+
+    return _tiled(out, cand_to_user, user, step)
+
+
+@torch.library.custom_op("ikbo_transform::rows_einsum", mutates_args=())
+def _rows_einsum_op(
+    equation: str, cand: torch.Tensor, user: torch.Tensor, cand_to_user: torch.Tensor, cand_first: bool
+) -> torch.Tensor:
+    return _rows_einsum(equation, cand, user, cand_to_user, cand_first)
+
+
+@_rows_einsum_op.register_fake
+def _(equation, cand, user, cand_to_user, cand_first):
+    a, b = (cand, user) if cand_first else (user, cand)
+    inputs, output = equation.replace(" ", "").split("->")
+    sizes = {}
+    for spec, t in zip(inputs.split(","), (a, b)):
+        sizes.update(zip(spec, t.shape))
+    sizes[output[0]] = cand.shape[0]
+    return cand.new_empty([sizes[c] for c in output], dtype=torch.result_type(cand, user))
+
+
+def rows_einsum(equation: str, cand, user, cand_to_user, cand_first: bool) -> torch.Tensor:
+    """einsum(equation, cand[b], user[m[b]]) over operands that share their leading (row) index, a tile at a
+    time (`ikbo_transform::rows_einsum`)."""
+    if through_dispatcher(cand, user, cand_to_user):
+        return _rows_einsum_op(equation, cand, user, cand_to_user, cand_first)
+    return _rows_einsum(equation, cand, user, cand_to_user, cand_first)
+
+
+def select_user_rows(user: torch.Tensor, cand_to_user: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """torch.gather(user[m], 1, index) without user[m]: out[b, k, ...] = user[m[b], index[b, k, ...], ...].
+    Each candidate's own selection of its user's rows (a SIM-style search result), read from the U-row tensor."""
+    length = user.shape[1]
+    flat = user.flatten(0, 1)  # [U·L, ...]
+    shift = (cand_to_user.long() * length).view(-1, *([1] * (index.dim() - 1)))
+    rows = (index + shift).flatten(0, 1)  # [B·K, ...]
+    return torch.gather(flat, 0, rows).unflatten(0, index.shape[:2])
+
+
+def rows_constant(factory, shape, rows, *args, **kwargs):
+    """factory((U, *shape[1:]), ...): a tensor equal on every row, made at U rows (`rows` = U)."""
+    return factory((rows, *shape[1:]), *args, **kwargs)
+
+
+def key_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[U, L] bool of the keys each user attends to, from an SDPA mask over keys [U, 1, ..., L] (bool: True
+    keeps a key; additive float: 0 keeps it)."""
+    mask = mask.reshape(mask.shape[0], mask.shape[-1])
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def compact_keys(k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor):
+    """(k, v, kv_len) with each user's kept keys moved to the front (stable), so a key mask of any shape
+    becomes a key-length prefix: attention is the same function of the set of kept keys."""
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # [U, L]
+    index = order[:, None, :, None]
+    k = k.gather(2, index.expand(-1, k.shape[1], -1, k.shape[3]))
+    v = v.gather(2, index.expand(-1, v.shape[1], -1, v.shape[3]))
+    return k, v, keep.sum(dim=1)
 
 
 class LinearCompress(nn.Module):

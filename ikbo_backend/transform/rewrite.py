@@ -1,16 +1,21 @@
-"""The pass: trace a model with torch.fx, propagate where each value lives, rebuild the graph with
-user-side work at U rows.
+"""The pass: rebuild a captured graph (capture.py) with user-side work at U rows.
 
-Every value of the traced graph gets one of these forms while the new graph is built, in order:
+Every value of the captured graph gets one of these forms while the new graph is built, in order:
     Plain   — computed as in the original (candidate rows B, user rows U, or no batch dim);
     Rep     — user[mapping] kept virtual: only `user` [U, ...] exists in the new graph;
     Concat  — cat(parts, dim) of Rep and candidate parts, kept as its parts;
+    Sum     — cand + Σ ± user[mapping], an add / sub join kept as its terms;
+    Struct  — a tuple of forms (an RNN's output and state);
     RepShape / Rows — x.shape / x.shape[0] of a Rep (B in the original, U in the user-row graph).
-A Rep is created at each replication site (x[m], x.index_select(0, m), x.repeat_interleave(r, 0),
-x.expand(B, ...) of one row) and flows through ops that act row by row (they run on `user` at U
-rows). Where a Rep meets candidate rows, the op becomes a join (add_user_rows, the Type I split of a
-linear, ikbo_linear_compress, ikbo_attention, a grouped op); where no join exists, the Rep is
-materialized right there (`ops.index_rows`) and the report says where and why.
+A Rep starts where a user tensor is replicated, recognised by what the op computes (x[m], x[m, :],
+index_select(0, m), gather / take_along_dim with an index spread from m, embedding(m, x),
+repeat_interleave(counts, 0), expand / repeat of one row), and flows through ops that act row by row
+(they run at U rows). Where a Rep meets candidate rows the op becomes a join: the Type I split of a
+linear (sibling linears merged, candidate parts in one GEMM), ikbo_linear_compress, ikbo_attention
+(any per-user key mask), add_user_rows, or a tiled join (ops.rows_join / rows_matmul / rows_einsum).
+Where no join exists the Rep is materialized right there (`ops.index_rows`) and the report says where
+and why. Every node emitted is also run on the example (`values`), so checks look at values, not at
+spellings.
 """
 
 from __future__ import annotations
@@ -22,19 +27,27 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import nn
+from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import ops
 from .attention import AttentionRewrites, fuse_self_target_attention
+from .capture import node_source
 from .values import (
     ADD_SUB,
     CONVERSIONS,
     ELEMENTWISE_FUNCTIONS,
     ELEMENTWISE_METHODS,
+    FACTORIES,
+    IN_PLACE,
+    LIKE_FACTORIES,
     MATMUL,
+    REDUCTION_FUNCTIONS,
     REDUCTIONS,
     SDPA,
     SOFTMAX,
+    USER_FORMS,
     Concat,
     Mapping,
     Meta,
@@ -43,52 +56,88 @@ from .values import (
     Report,
     RepShape,
     Rows,
+    Struct,
+    Sum,
     _arg,
     _name,
     _norm,
     _off_rows,
     _tensors,
+    fmap,
     is_value,
+    leaves,
     to_meta,
 )  # fmt: skip
 
-# ----------------------------------------------------------------------------- the pass
+SPREADS = {"unsqueeze", "view", "reshape", "expand", "expand_as", "repeat", "broadcast_to", torch.unsqueeze,
+           torch.reshape, torch.broadcast_to, operator.getitem}  # fmt: skip
+JOIN_OPS = {  # elementwise op → ops.rows_join name for (cand, user) and (user, cand) operand orders
+    operator.mul: ("mul", "mul"), torch.mul: ("mul", "mul"), "mul": ("mul", "mul"),
+    operator.truediv: ("div_cu", "div_uc"), torch.div: ("div_cu", "div_uc"), "div": ("div_cu", "div_uc"),
+    torch.maximum: ("maximum", "maximum"), "maximum": ("maximum", "maximum"),
+    torch.minimum: ("minimum", "minimum"), "minimum": ("minimum", "minimum"),
+    operator.pow: ("pow_cu", "pow_uc"), torch.pow: ("pow_cu", "pow_uc"), "pow": ("pow_cu", "pow_uc"),
+}  # fmt: skip
+TRANSPOSES = {"transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims"}
+
+
+def _sizes(args):
+    """The size arguments of view / reshape / expand / repeat / a factory, as a list."""
+    return list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
 
 
 class Rewriter(AttentionRewrites):
-    def __init__(self, traced: fx.GraphModule, example_inputs, mapping_name: str):
+    def __init__(self, traced: fx.GraphModule, examples: dict, mapping_name: str, num_users: int, num_candidates):
         self.traced, self.mapping_name = traced, mapping_name
+        self.num_users, self.num_candidates = num_users, num_candidates
         self.graph = fx.Graph()
         self.report = Report()
         self.env: dict[fx.Node, Any] = {}
+        self.values: dict[fx.Node, Any] = {}  # new-graph node → its value on the example
         self.mappings: dict[Any, Mapping] = {}
         self.counter = 0
         self.sunk: Counter = Counter()  # op name → how many ran at U rows instead of B
         self.fused: dict[fx.Node, Any] = {}  # original nodes already computed by a fused op
-        self.meta = self._run_example(example_inputs)
-        placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-        names = [n.target for n in placeholders]
-        if mapping_name not in names:
-            raise ValueError(f"model: forward has no argument named {mapping_name!r} (arguments: {names})")
-        self.num_candidates = self.meta[placeholders[names.index(mapping_name)]].shape[0]
+        self.examples = examples
+        self.original = self._run_example()
+        self.meta = {n: to_meta(v) for n, v in self.original.items()}
+        self.node: fx.Node | None = None  # the original node being rebuilt
 
-    def _run_example(self, example_inputs):
-        meta = {}
+    def _run_example(self):
+        """Each captured node's value on the example (tensors copied: later in-place ops do not change them)."""
+        values = {}
+        examples = self.examples
 
         class Recorder(fx.Interpreter):
+            def placeholder(self, target, args, kwargs):
+                return examples.get(target, args[0] if args else None)
+
             def run_node(self, n):
                 out = super().run_node(n)
-                meta[n] = to_meta(out)
+                values[n] = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out)
                 return out
 
         with torch.no_grad():
-            Recorder(self.traced).run(*example_inputs)
-        return meta
+            Recorder(self.traced).run(*[None] * sum(n.op == "placeholder" for n in self.traced.graph.nodes))
+        return values
 
     # --- emitting ------------------------------------------------------------------------------
 
     def emit(self, op, target, args=(), kwargs=None):
-        return self.graph.create_node(op, target, tuple(args), dict(kwargs or {}))
+        node = self.graph.create_node(op, target, tuple(args), dict(kwargs or {}))
+        self.values[node] = self._evaluate(node)
+        return node
+
+    def _evaluate(self, node):
+        if node.op == "get_attr":
+            return self.fetch(node.target)
+        args, kwargs = map_arg((node.args, node.kwargs), lambda n: self.values[n])
+        with torch.no_grad():
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            return self.fetch(node.target)(*args, **kwargs)
 
     def attach(self, prefix, value) -> str:
         """Store a constant or module on the rewritten module; returns its attribute name."""
@@ -98,11 +147,17 @@ class Rewriter(AttentionRewrites):
         return name
 
     def fetch(self, target: str):
-        """The tensor behind a get_attr target ("top.0.weight")."""
+        """The tensor or module behind a get_attr / call_module target ("top.0.weight")."""
         value = self.traced
         for part in target.split("."):
             value = getattr(value, part)
         return value
+
+    def where(self) -> str:
+        """The original node being rebuilt, as `module.path (file:line)` (its name where nothing is known)."""
+        if self.node is None:
+            return "?"
+        return f"`{node_source(self.node) or self.node.name}`"
 
     def user_side(self, x):
         """A value's form in the user-row graph (Rep → U rows)."""
@@ -114,9 +169,7 @@ class Rewriter(AttentionRewrites):
             return x.user_shape
         if isinstance(x, Plain):
             return x.node
-        if isinstance(x, Concat):
-            raise AssertionError("a Concat has no user-row form")
-        return x
+        raise AssertionError(f"{type(x).__name__} has no user-row form")
 
     def materialize(self, x, consumer: str, why: str):
         """A value's form at B rows; replicates a Rep (and reports it)."""
@@ -126,6 +179,12 @@ class Rewriter(AttentionRewrites):
             return self.emit("call_function", ops.mapping_rows, (x.mapping.node,))
         if isinstance(x, RepShape):
             return self.emit("call_function", ops.rep_shape, (x.user_shape, x.mapping.node))
+        if isinstance(x, Struct):
+            return tuple(self.materialize(v, consumer, why) if is_value(v) else v for v in x.items)
+        if isinstance(x, Sum):
+            if x.materialized is None:
+                x.materialized = self.join_sum(x)
+            return x.materialized
         if isinstance(x, Concat):
             if x.materialized is None:
                 parts = [self.materialize(p, consumer, why) for p in x.parts]
@@ -134,10 +193,10 @@ class Rewriter(AttentionRewrites):
         if isinstance(x, Rep):
             if x.materialized is None:
                 fn = ops.index_rows_tuple if isinstance(x.meta, tuple) else ops.index_rows
-                x.materialized = self.emit("call_function", fn, (x.user, x.mapping.node))
-                small = isinstance(x.meta, Meta) and not x.meta.is_float
-                entry = f"{x.source} replicated to B rows at `{consumer}`: {why}"
-                if small:
+                args = (x.user, x.mapping.node) + ((x.row_dim,) if x.row_dim else ())
+                x.materialized = self.emit("call_function", fn, args)
+                entry = f"{x.source} replicated to B rows at {consumer}: {why}"
+                if isinstance(x.meta, Meta) and not x.meta.is_float:
                     self.report.notes.append(
                         f"{entry} (non-float, {x.meta.dtype}: index/mask data, not counted as a replication)"
                     )
@@ -146,15 +205,18 @@ class Rewriter(AttentionRewrites):
             return x.materialized
         return x
 
-    def plain(self, op, target, args, kwargs, meta, name, why):
+    def plain(self, op, target, args, kwargs, meta, why):
         """Emit the op as in the original, materializing what it reads."""
-        flat = tree_flatten((args, kwargs))[0]
+        flat = leaves((args, kwargs))
         batched = any(
-            isinstance(v, (Rep, Concat, Rows, RepShape)) or (isinstance(v, Plain) and (v.batched or v.mapping))
+            isinstance(v, USER_FORMS)
+            or isinstance(v, Plain)
+            and (v.batched or v.mapping or isinstance(v.meta, Meta) and self.num_candidates in v.meta.shape)
             for v in flat
-        )
-        m = lambda v: self.materialize(v, name, why) if is_value(v) else v  # noqa: E731
-        node = self.emit(op, target, tree_map(m, args, is_leaf=is_value), tree_map(m, kwargs, is_leaf=is_value))
+        )  # candidate rows in, at dim 0 or elsewhere (a sequence-first tensor)
+        where = self.where()
+        m = lambda v: self.materialize(v, where, why) if is_value(v) else v  # noqa: E731
+        node = self.emit(op, target, fmap(args, m), fmap(kwargs, m))
         rows_b = isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
         count_b = type(meta) is int and meta == self.num_candidates  # e.g. cand.shape[0]
         return Plain(node, meta, batched=batched and (rows_b or count_b or isinstance(meta, tuple)))
@@ -163,28 +225,32 @@ class Rewriter(AttentionRewrites):
 
     def run(self) -> tuple[fx.GraphModule, Report]:
         for node in self.traced.graph.nodes:
+            self.node = node
             meta = self.meta.get(node)
             if node.op == "placeholder":
-                new = self.graph.placeholder(node.target)
+                new = self.graph.create_node("placeholder", node.target, node.args)
+                self.values[new] = self.examples.get(node.target, node.args[0] if node.args else None)
                 if node.target == self.mapping_name:
-                    mapping = Mapping(("input",), new, node.target)
-                    self.env[node] = Plain(new, meta, batched=True, mapping=mapping)
+                    self.env[node] = Plain(new, meta, batched=True, mapping=self._input_mapping(new))
                 else:
-                    rows_b = isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
-                    self.env[node] = Plain(new, meta, batched=rows_b)
+                    self.env[node] = Plain(new, meta, batched=self._rows_b(meta))
             elif node.op == "get_attr":
                 self.env[node] = Plain(self.emit("get_attr", node.target), meta)
             elif node.op == "output":
-                returned = lambda v: self.materialize(v, "output", "the model returns it") if is_value(v) else v  # noqa: E731
-                out = tree_map(returned, self._lookup(node.args[0]), is_leaf=is_value)
-                self.graph.output(out)
+                returned = lambda v: self.materialize(v, "the output", "the model returns it") if is_value(v) else v  # noqa: E731
+                self.graph.output(fmap(self._lookup(node.args[0]), returned))
             elif node in self.fused:
                 self.env[node] = self.fused.pop(node)
             elif (chain := self.attention_chain(node)) is not None:
                 self.env[node] = self.fuse_attention_chain(node, *chain)
             else:
                 args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
-                self.env[node] = self.apply(node.op, node.target, args, kwargs, meta, node.name)
+                out = self.apply(node.op, node.target, args, kwargs, meta)
+                self.env[node] = out
+                in_place = node.op == "call_method" and node.target in IN_PLACE or node.target is operator.setitem
+                if in_place and isinstance(node.args[0], fx.Node):
+                    self.env[node.args[0]] = out  # later readers of the mutated tensor see the result
+        self.node = None
         if self.sunk:
             ops_run = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in self.sunk.most_common())
             self.report.rewritten.append(
@@ -198,27 +264,57 @@ class Rewriter(AttentionRewrites):
         return module, self.report
 
     def _lookup(self, tree):
-        return tree_map(lambda a: self.env[a] if isinstance(a, fx.Node) else a, tree)
+        return fmap(tree, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
+
+    def _input_mapping(self, node):
+        return Mapping(("input",), node, self.mapping_name)
+
+    def _rows_b(self, meta):
+        return isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
 
     # --- dispatch ------------------------------------------------------------------------------
 
-    def apply(self, op, target, args, kwargs, meta, name):
-        values = [v for v in tree_flatten((args, kwargs))[0] if is_value(v)]
-        key = target
+    def apply(self, op, target, args, kwargs, meta):
+        if target is operator.setitem:
+            return self.setitem(*args)
+        flat = leaves((args, kwargs))
         if op in ("call_function", "call_method"):
-            for handler in (self.replication_site, self.mapping_conversion):
-                out = handler(key, args, kwargs, meta, name)
+            for handler in (self.replication_site, self.mapping_conversion, self.containers):
+                out = handler(target, args, kwargs, meta)
                 if out is not None:
                     return out
-        if not any(isinstance(v, (Rep, Concat, Rows, RepShape)) for v in values):
-            return self.plain(op, target, args, kwargs, meta, name, "")
-        if op not in ("call_function", "call_method"):
-            return self.plain(op, target, args, kwargs, meta, name, f"{op} is not traced into")
-        for handler in (self.shape_access, self.concat_ops, self.rowwise, self.joins):
-            out = handler(op, key, args, kwargs, meta, name)
+        user = [v for v in flat if isinstance(v, USER_FORMS) or isinstance(v, Struct)]
+        if not user:
+            return self.plain(op, target, args, kwargs, meta, "")
+        if op == "call_module":
+            out = self.modules(target, args, kwargs, meta)
+            return out if out is not None else self.plain(op, target, args, kwargs, meta, self.why_module(target))
+        if op != "call_function" and op != "call_method":
+            return self.plain(op, target, args, kwargs, meta, f"{op} is not traced into")
+        handlers = (self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.sums, self.rowwise)
+        for handler in (*handlers, self.joins):
+            out = handler(op, target, args, kwargs, meta)
             if out is not None:
                 return out
-        return self.plain(op, target, args, kwargs, meta, name, self.why_not(key, args, kwargs, meta))
+        return self.plain(op, target, args, kwargs, meta, self.why_not(target, args, kwargs, meta))
+
+    def setitem(self, x, index, value):
+        """x[index] = value: the form of x afterwards (row-wise on a Rep's user rows where it can be)."""
+        unwrap = lambda v: v.node if isinstance(v, Plain) else v  # noqa: E731
+        entries = index if isinstance(index, tuple) else (index,)
+        row_wise = entries and entries[0] == slice(None) and not any(is_value(i) and self.batched(i) for i in entries)
+        if isinstance(x, Rep) and not x.row_dim and row_wise and not (is_value(value) and self.batched(value)):
+            self.emit("call_function", operator.setitem, (x.user, fmap(index, unwrap), unwrap(value)))
+            return Rep(x.user, x.mapping, x.meta, x.source)
+        node = self.materialize(x, self.where(), "it is assigned into") if is_value(x) else x
+        where = self.where()
+        value = self.materialize(value, where, "it is assigned into candidate rows") if is_value(value) else value
+        self.emit(
+            "call_function",
+            operator.setitem,
+            (node, fmap(index, lambda v: self.materialize(v, where, "") if is_value(v) else v), value),
+        )
+        return Plain(node, x.meta, self.batched(x))
 
     # --- replication sites ---------------------------------------------------------------------
 
@@ -226,92 +322,458 @@ class Rewriter(AttentionRewrites):
         return v.mapping if isinstance(v, Plain) else None
 
     def _user_tensor(self, v):
+        """A tensor with one row per user (dim 0 = U), not derived from candidates."""
         return (
             isinstance(v, Plain)
             and not v.batched
             and v.mapping is None
+            and v.spread is None
             and isinstance(v.meta, Meta)
             and v.meta.ndim > 0
+            and (v.meta.shape[0] == self.num_users or v.meta.shape[0] == 1)
         )
 
-    def replication_site(self, key, args, kwargs, meta, name):
-        if key is operator.getitem and len(args) == 2:
-            src, index = args
-            if self._user_tensor(src) and self._mapping_of(index):
-                return self.new_rep(src, self._mapping_of(index), meta, name, "x[cand_to_user]")
-        if key in (torch.index_select, "index_select"):
-            src, dim, index = args[0], _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "index")
-            if (
-                self._user_tensor(src)
-                and dim in (0, -src.meta.ndim if isinstance(src.meta, Meta) else 0)
-                and self._mapping_of(index)
-            ):
-                return self.new_rep(src, self._mapping_of(index), meta, name, "index_select(0, cand_to_user)")
-        if key in (torch.repeat_interleave, "repeat_interleave") and len(args) >= 2:
-            src, repeats, dim = args[0], args[1], _arg(args, kwargs, 2, "dim")
-            if self._user_tensor(src) and dim == 0 and not (isinstance(repeats, Plain) and repeats.batched):
+    def replication_site(self, key, args, kwargs, meta):
+        src = args[0] if args else None
+        if key is operator.getitem and len(args) == 2 and self._user_tensor(src):
+            index = args[1]
+            if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]):
+                index = index[0]
+            if self._mapping_of(index):
+                return self.new_rep(src, self._mapping_of(index), meta, "x[cand_to_user]")
+        if key in (torch.index_select, "index_select") and self._user_tensor(src):
+            dim, index = _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "index")
+            if _norm(dim, src.meta.ndim) == 0 and self._mapping_of(index):
+                return self.new_rep(src, self._mapping_of(index), meta, "index_select(0, cand_to_user)")
+        if key in (torch.gather, "gather", torch.take_along_dim, "take_along_dim") and self._user_tensor(src):
+            along = key in (torch.take_along_dim, "take_along_dim")
+            dim = _arg(args, kwargs, 2 if along else 1, "dim")
+            index = _arg(args, kwargs, 1 if along else 2, "indices" if along else "index")
+            if _norm(dim, src.meta.ndim) == 0 and isinstance(index, Plain) and index.spread is not None:
+                trailing = index.meta.shape[1:]
+                if len(trailing) == src.meta.ndim - 1 and all(a <= b for a, b in zip(trailing, src.meta.shape[1:])):
+                    user = src.node
+                    if trailing != src.meta.shape[1:]:
+                        user = self.emit(
+                            "call_function", operator.getitem, (user, (slice(None), *map(slice, trailing)))
+                        )
+                    return self.new_rep(
+                        Plain(user, meta), index.spread, meta, f"{_name(key)} with an index spread from cand_to_user"
+                    )
+        if key is F.embedding and self._mapping_of(src):
+            weight = _arg(args, kwargs, 1, "weight")
+            if self._user_tensor(weight) and weight.meta.shape[0] == self.num_users:
+                return self.new_rep(weight, self._mapping_of(src), meta, "embedding(cand_to_user, user rows)")
+        if key in (torch.repeat_interleave, "repeat_interleave") and len(args) >= 2 and self._user_tensor(src):
+            repeats, dim = args[1], _arg(args, kwargs, 2, "dim")
+            if dim == 0 and not (isinstance(repeats, Plain) and repeats.batched):
                 mkey = ("repeat_interleave", id(repeats) if is_value(repeats) else repeats)
                 if mkey not in self.mappings:
                     node = self.emit(
                         "call_function", ops.repeat_mapping, (src.node, repeats.node if is_value(repeats) else repeats)
                     )
-                    self.mappings[mkey] = Mapping(mkey, node, f"repeat_interleave at {name}")
-                return self.new_rep(src, self.mappings[mkey], meta, name, "repeat_interleave(counts, dim=0)")
-        if key == "expand" and self._user_tensor(args[0]) and args[0].meta.shape[0] == 1:
-            sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
-            if sizes and isinstance(meta, Meta) and meta.shape[0] == self.num_candidates and self.num_candidates != 1:
-                rows = sizes[0]
-                rows_b = self.materialize(rows, name, "") if is_value(rows) else rows
-                mkey = ("expand", id(rows) if is_value(rows) else rows)
-                if mkey not in self.mappings:
-                    node = self.emit("call_function", ops.expand_mapping, (rows_b, args[0].node))
-                    self.mappings[mkey] = Mapping(mkey, node, f"expand at {name}")
-                user = self.emit("call_method", "expand", (args[0].node, 1, *[self.user_side(s) for s in sizes[1:]]))
-                rep = Rep(user, self.mappings[mkey], meta, f"{name} (expand of one user row)")
-                self.report.rewritten.append(f"`{name}`: expand of a single user row to B rows kept virtual")
-                return rep
+                    self.mappings[mkey] = Mapping(mkey, node, f"repeat_interleave at {self.where()}")
+                return self.new_rep(src, self.mappings[mkey], meta, "repeat_interleave(counts, dim=0)")
+        if key in ("expand", "repeat", "expand_as") and self._user_tensor(src) and src.meta.shape[0] == 1:
+            return self.one_row(key, args, meta)
         return None
 
-    def new_rep(self, src, mapping, meta, name, how):
-        self.report.rewritten.append(f"`{name}`: replication {how} kept virtual (user rows stay at U)")
-        return Rep(src.node, mapping, meta, f"`{name}`")
-
-    def mapping_conversion(self, key, args, kwargs, meta, name):
-        if key in CONVERSIONS and args and self._mapping_of(args[0]):
-            node = self.emit(
-                "call_method", key, tree_map(lambda v: v.node if is_value(v) else v, args, is_leaf=is_value), kwargs
+    def one_row(self, key, args, meta):
+        """x.expand(B, ...) / x.repeat(B, ...) / x.expand_as(cand) of one user row: every candidate gets it."""
+        if not (isinstance(meta, Meta) and meta.shape[0] == self.num_candidates and self.num_candidates != 1):
+            return None
+        src = args[0]
+        if key == "expand_as":
+            rows, rest = args[1], [-1] * (src.meta.ndim - 1)
+            if not (isinstance(rows, Plain) and rows.batched and rows.meta.ndim == src.meta.ndim):
+                return None
+            rows_b = self.emit(
+                "call_function", operator.getitem, (self.emit("call_function", getattr, (rows.node, "shape")), 0)
             )
-            return Plain(node, meta, batched=True, mapping=args[0].mapping)
+            rest = list(meta.shape[1:])
+        else:
+            sizes = _sizes(args)
+            if key == "repeat" and (
+                len(sizes) != src.meta.ndim or any(s != 1 for s in sizes[1:] if isinstance(s, int))
+            ):
+                return None
+            rows, rest = sizes[0], sizes[1:]
+            if isinstance(rows, Rows):  # the row count of a Rep: a constant row of that mapping
+                user = self.emit("call_method", key, (src.node, rows.user_rows, *[self.user_side(s) for s in rest]))
+                return Rep(user, rows.mapping, meta, f"{self.where()} (one row for every user)")
+            rows_b = self.materialize(rows, self.where(), "") if is_value(rows) else rows
+        mkey = ("expand", id(rows) if is_value(rows) else rows)
+        if mkey not in self.mappings:
+            node = self.emit("call_function", ops.expand_mapping, (rows_b, src.node))
+            self.mappings[mkey] = Mapping(mkey, node, f"expand at {self.where()}")
+        user = self.emit(
+            "call_method", "expand", (src.node, 1, *[self.user_side(s) if is_value(s) else s for s in rest])
+        )
+        self.report.rewritten.append(f"{self.where()}: {key} of a single user row to B rows kept virtual")
+        return Rep(user, self.mappings[mkey], meta, f"{self.where()} ({key} of one user row)")
+
+    def new_rep(self, src, mapping, meta, how):
+        self.report.rewritten.append(f"{self.where()}: replication {how} kept virtual (user rows stay at U)")
+        return Rep(src.node, mapping, meta, self.where())
+
+    def mapping_conversion(self, key, args, kwargs, meta):
+        """Conversions of the mapping stay the mapping; view-like ops that spread it along new trailing
+        dims (m[:, None].expand(-1, d)) give an index whose every row b holds m[b] (checked on the example)."""
+        src = args[0] if args else None
+        if not (isinstance(src, Plain) and (src.mapping or src.spread)):
+            return None
+        unwrap = lambda v: v.node if is_value(v) else v  # noqa: E731
+        if any(isinstance(v, USER_FORMS) for v in leaves((args[1:], kwargs))):
+            return None
+        if src.mapping and key in CONVERSIONS:
+            node = self.emit("call_method", key, fmap(args, unwrap), fmap(kwargs, unwrap))
+            return Plain(node, meta, batched=True, mapping=src.mapping)
+        if key in SPREADS or key in CONVERSIONS:
+            op = "call_method" if isinstance(key, str) else "call_function"
+            node = self.emit(op, key, fmap(args, unwrap), fmap(kwargs, unwrap))
+            value, mapping = self.values[node], src.mapping or src.spread
+            m = self.values[mapping.node]
+            if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() >= 1:
+                if value.shape[0] == m.shape[0] and value.dim() >= 1:
+                    spread = bool((value == m.view(-1, *[1] * (value.dim() - 1))).all())
+                    if value.dim() == 1 and spread:
+                        return Plain(node, meta, batched=True, mapping=mapping)
+                    return Plain(node, meta, batched=True, spread=mapping if spread else None)
+            return Plain(node, meta, batched=self._rows_b(meta))
         return None
 
-    # --- shapes of Reps ------------------------------------------------------------------------
+    def containers(self, key, args, kwargs, meta):
+        """x[k] of a tuple / dict input or of a Struct."""
+        if key is not operator.getitem or len(args) != 2:
+            return None
+        src, index = args
+        if isinstance(src, Struct) and isinstance(index, int):
+            return src.items[index]
+        if (
+            isinstance(src, Plain)
+            and src.node.op == "placeholder"
+            and isinstance(src.meta, (dict, tuple))
+            and isinstance(index, (str, int))
+        ):
+            node = self.emit("call_function", operator.getitem, (src.node, index))
+            if index == self.mapping_name and src.node.op == "placeholder":
+                return Plain(node, meta, batched=True, mapping=Mapping(("input", index), node, index))
+            return Plain(node, meta, batched=self._rows_b(meta))
+        return None
 
-    def shape_access(self, op, key, args, kwargs, meta, name):
+    # --- shapes of Reps and constant rows ------------------------------------------------------
+
+    def shape_access(self, op, key, args, kwargs, meta):
         x = args[0] if args else None
-        if key is getattr and isinstance(x, Rep):
+        if isinstance(x, Concat) and (key is getattr and args[1] == "shape" or key == "size" and len(args) == 1):
+            shapes = [self._shape_node(p) for p in x.parts]
+            return Plain(self.emit("call_function", ops.cat_shape, (shapes, x.dim)), meta)
+        if isinstance(x, Concat) and (key is getattr and args[1] in ("dtype", "device", "ndim")):
+            return Plain(self.emit("call_function", getattr, (self._shape_source(x.parts[0]), args[1])), meta)
+        if not isinstance(x, Rep) or isinstance(x.meta, tuple):
+            return None
+        rows_at = x.row_dim
+        if key is getattr:
             if args[1] == "shape":
                 return RepShape(self.emit("call_function", getattr, (x.user, "shape")), x.mapping, meta)
             if args[1] in ("dtype", "device", "ndim", "is_cuda", "layout"):
                 return Plain(self.emit("call_function", getattr, (x.user, args[1])), meta)
-        if key is operator.getitem and isinstance(x, RepShape) and isinstance(args[1], int):
-            node = self.emit("call_function", operator.getitem, (x.user_shape, args[1]))
-            return Rows(node, x.mapping, meta) if _norm(args[1], len(x.meta)) == 0 else Plain(node, meta)
-        if key == "size" and isinstance(x, Rep):
+        if key == "size":
             dim = _arg(args, kwargs, 1, "dim")
             if dim is None:
                 return RepShape(self.emit("call_method", "size", (x.user,)), x.mapping, meta)
-            node = self.emit("call_method", "size", (x.user, dim))
             if _norm(dim, x.meta.ndim) is None:
                 return None
-            return Rows(node, x.mapping, meta) if _norm(dim, x.meta.ndim) == 0 else Plain(node, meta)
-        if key == "dim" and isinstance(x, Rep):
+            node = self.emit("call_method", "size", (x.user, dim))
+            return Rows(node, x.mapping, meta) if _norm(dim, x.meta.ndim) == rows_at else Plain(node, meta)
+        if key in ("dim", "ndimension"):
             return Plain(x.meta.ndim, meta)
         return None
+
+    def _shape_source(self, form):
+        return form.user if isinstance(form, Rep) else self.materialize(form, self.where(), "")
+
+    def _shape_node(self, form):
+        """The B-row shape of a form, without materializing a user tensor."""
+        if isinstance(form, Rep):
+            return self.emit(
+                "call_function",
+                ops.rep_shape,
+                (self.emit("call_function", getattr, (form.user, "shape")), form.mapping.node),
+            )
+        if isinstance(form, Concat):
+            return self.emit("call_function", ops.cat_shape, ([self._shape_node(p) for p in form.parts], form.dim))
+        return self.emit("call_function", getattr, (self.materialize(form, self.where(), ""), "shape"))
+
+    def constant_rows(self, op, key, args, kwargs, meta):
+        """torch.zeros(B_of_a_Rep, d) and the like: equal on every row, so made at U rows; x.shape[i] of a RepShape."""
+        if key is operator.getitem and isinstance(args[0], RepShape) and isinstance(args[1], int):
+            x = args[0]
+            node = self.emit("call_function", operator.getitem, (x.user_shape, args[1]))
+            return Rows(node, x.mapping, meta) if _norm(args[1], len(x.meta)) == 0 else Plain(node, meta)
+        if key in FACTORIES:
+            sizes = list(args[0]) if args and isinstance(args[0], (tuple, list)) else list(args)
+            rest_args = args[1:] if args and isinstance(args[0], (tuple, list)) else ()
+            if key is torch.full and not rest_args:
+                sizes, rest_args = (list(args[0]), args[1:]) if isinstance(args[0], (tuple, list)) else (sizes, ())
+            if sizes and isinstance(sizes[0], Rows) and not any(isinstance(s, USER_FORMS) for s in sizes[1:]):
+                size = (sizes[0].user_rows, *[self.user_side(s) if is_value(s) else s for s in sizes[1:]])
+                unwrap = lambda v: v.node if isinstance(v, Plain) else v  # noqa: E731
+                node = self.emit(
+                    "call_function",
+                    key,
+                    (size, *fmap(rest_args, unwrap)),
+                    fmap(kwargs, unwrap),
+                )
+                return Rep(node, sizes[0].mapping, meta, f"{self.where()} (a constant row)")
+        if key in ("expand", "repeat") and isinstance(args[0], Plain) and not args[0].batched:
+            sizes = _sizes(args)
+            src = args[0]
+            if sizes and isinstance(sizes[0], Rows) and isinstance(src.meta, Meta):
+                new_dim = len(sizes) > src.meta.ndim or (src.meta.ndim and src.meta.shape[0] == 1)
+                if key == "repeat" and len(sizes) == src.meta.ndim and src.meta.shape[0] != 1:
+                    new_dim = False
+                if new_dim and not any(isinstance(s, USER_FORMS) for s in sizes[1:]):
+                    node = self.emit(
+                        "call_method",
+                        key,
+                        (src.node, sizes[0].user_rows, *[self.user_side(s) if is_value(s) else s for s in sizes[1:]]),
+                    )
+                    return Rep(node, sizes[0].mapping, meta, f"{self.where()} (a constant row)")
+        return None
+
+    # --- ops that move the row dim (sequence-first tensors) ------------------------------------
+
+    def moved_rows(self, op, key, args, kwargs, meta):
+        x = args[0] if args else None
+        if not isinstance(x, Rep) or not isinstance(x.meta, Meta):
+            return None
+        if any(isinstance(v, USER_FORMS) or (isinstance(v, Plain) and v.batched) for v in leaves((args[1:], kwargs))):
+            return None
+        r, nd = x.row_dim, x.meta.ndim
+        new = None
+        if key in TRANSPOSES:
+            d0, d1 = _norm(_arg(args, kwargs, 1, "dim0"), nd), _norm(_arg(args, kwargs, 2, "dim1"), nd)
+            if d0 is None or d1 is None:
+                return None
+            new = d1 if r == d0 else d0 if r == d1 else r
+        elif key in ("permute", torch.permute):
+            dims = [_norm(d, nd) for d in _sizes(args)]
+            if None in dims:
+                return None
+            new = dims.index(r)
+        elif key in ("movedim", torch.movedim, "moveaxis"):
+            src, dst = _arg(args, kwargs, 1, "source"), _arg(args, kwargs, 2, "destination")
+            if not (isinstance(src, int) and isinstance(dst, int)):
+                return None
+            order = [d for d in range(nd) if d != _norm(src, nd)]
+            order.insert(_norm(dst, nd), _norm(src, nd))
+            new = order.index(r)
+        elif key in ("unsqueeze", torch.unsqueeze):
+            d = _norm(_arg(args, kwargs, 1, "dim"), nd + 1)
+            if d is None:
+                return None
+            new = r + (d <= r)
+        elif key in ("squeeze", torch.squeeze) and r != 0:
+            d = _norm(_arg(args, kwargs, 1, "dim"), nd)
+            if d is None or d == r:
+                return None
+            new = r - (d < r)
+        elif key is operator.getitem and r != 0:
+            new = self._row_after_index(args[1], r, nd)
+        elif r != 0 and key in ("contiguous", "clone", "float", "to", "detach", "double", "half", "bfloat16"):
+            new = r
+        if new is None or (r == 0 and new == 0):
+            return None
+        u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
+        node = self.emit(op, key, fmap(args, u), fmap(kwargs, u))
+        return Rep(node, x.mapping, meta, x.source, row_dim=new)
+
+    def _row_after_index(self, index, r, nd):
+        index = index if isinstance(index, tuple) else (index,)
+        p = q = 0
+        for i in index:
+            if i is None:
+                q += 1
+            elif isinstance(i, int) and not isinstance(i, bool):
+                if p == r:
+                    return None
+                p += 1
+            elif isinstance(i, slice):
+                if p == r:
+                    return q if i == slice(None) else None
+                p, q = p + 1, q + 1
+            else:
+                return None
+        return q + (r - p) if r >= p else None
+
+    # --- modules -------------------------------------------------------------------------------
+
+    def modules(self, target, args, kwargs, meta):
+        module = self.fetch(target)
+        if isinstance(module, nn.RNNBase):
+            return self.rnn(module, target, args, kwargs, meta)
+        return self.opaque(module, target, args, kwargs, meta)
+
+    def rnn(self, module, target, args, kwargs, meta):
+        """An RNN over replicated sequences runs at U rows: it acts row by row on the batch dim."""
+        x = args[0]
+        state = args[1] if len(args) > 1 else kwargs.get("hx")
+        rows = 0 if module.batch_first else 1
+        if not (isinstance(x, Rep) and x.row_dim == rows) or kwargs.keys() - {"hx"}:
+            return None
+        states = () if state is None else (state.items if isinstance(state, Struct) else (state,))
+        if not all(isinstance(s, Rep) and s.row_dim == 1 and s.mapping is x.mapping for s in states):
+            return None
+        user_state = None if state is None else (tuple(s.user for s in states) if len(states) > 1 else states[0].user)
+        node = self.emit("call_module", target, (x.user,) if state is None else (x.user, user_state))
+        out = Rep(self.emit("call_function", operator.getitem, (node, 0)), x.mapping, meta[0], x.source, rows)
+        hidden = self.emit("call_function", operator.getitem, (node, 1))
+        if isinstance(module, nn.LSTM):
+            h, c = (self.emit("call_function", operator.getitem, (hidden, i)) for i in (0, 1))
+            final = Struct(
+                (Rep(h, x.mapping, meta[1][0], x.source, 1), Rep(c, x.mapping, meta[1][1], x.source, 1)), meta[1]
+            )
+        else:
+            final = Rep(hidden, x.mapping, meta[1], x.source, 1)
+        self.sunk[type(module).__name__] += 1
+        return Struct((out, final), meta)
+
+    def opaque(self, module, target, args, kwargs, meta):
+        """A module kept whole that reads only user rows runs at U rows where it acts row by row on the
+        example: module(user)[m] equals module(user[m])."""
+        flat = [v for v in leaves((args, kwargs)) if is_value(v)]
+        reps = [v for v in flat if isinstance(v, Rep)]
+        if not reps or any(self.batched(v) and not isinstance(v, Rep) for v in flat):
+            return None
+        if len({r.mapping.key for r in reps}) != 1 or any(r.row_dim for r in reps):
+            return None
+        u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
+        node = self.emit("call_module", target, fmap(args, u), fmap(kwargs, u))
+        mapping = reps[0].mapping
+        m = self.values[mapping.node].long()
+        got, want = tree_flatten(self.values[node])[0], tree_flatten(self.original[self.node])[0]
+        ok = len(got) == len(want)
+        for g, w in zip(got, want):
+            if isinstance(w, torch.Tensor):
+                ok = ok and isinstance(g, torch.Tensor) and g.dim() > 0 and g.shape[0] == self.num_users
+                ok = (
+                    ok
+                    and w.shape[0] == self.num_candidates
+                    and torch.allclose(g.index_select(0, m), w, rtol=1e-4, atol=1e-6)
+                )
+        if not ok:
+            self.graph.erase_node(node)
+            return None
+        self.report.rewritten.append(
+            f"{self.where()}: module {type(module).__name__} kept whole, runs at U rows (row by row on the example)"
+        )
+        if isinstance(meta, Meta):
+            return Rep(node, mapping, meta, reps[0].source)
+        if isinstance(meta, tuple):
+            items = tuple(
+                Rep(self.emit("call_function", operator.getitem, (node, i)), mapping, mi, reps[0].source)
+                for i, mi in enumerate(meta)
+            )
+            return Struct(items, meta)
+        return None
+
+    def why_module(self, target):
+        return f"module `{target}` reads candidate rows, or does not act row by row on the example"
+
+    # --- sums (add / sub joins kept as terms) --------------------------------------------------
+
+    def sums(self, op, key, args, kwargs, meta):
+        flat = leaves((args, kwargs))
+        sums = [v for v in flat if isinstance(v, Sum)]
+        if not sums:
+            return None
+        s = sums[0]
+        if key is F.linear and args[0] is s and not any(self.batched(v) for v in flat if v is not s):
+            weight, bias = _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+            return self._sum_map(
+                s,
+                meta,
+                lambda x, with_bias: (
+                    F.linear,
+                    (x, weight.node, bias.node if with_bias and bias is not None else None),
+                ),
+            )
+        if key in MATMUL and len(args) == 2 and args[0] is s and not self.batched(args[1]) and args[1].meta.ndim == 2:
+            return self._sum_map(s, meta, lambda x, with_bias: (torch.matmul, (x, args[1].node)))
+        if key in ADD_SUB and len(args) == 2 and not kwargs and all(self.batched(a) for a in args if is_value(a)):
+            return self.add_terms(args[0], args[1], ADD_SUB[key], meta)
+        if key in (operator.neg, torch.neg, "neg") and len(args) == 1:
+            return Sum(self._neg(s.cand), [(u, m, -sign) for u, m, sign in s.users], meta)
+        # anything else reads the sum whole
+        where = self.where()
+        whole = lambda v: Plain(self.materialize(v, where, ""), v.meta, True) if isinstance(v, Sum) else v  # noqa: E731
+        return self.apply(op, key, fmap(args, whole), fmap(kwargs, whole), meta)
+
+    def _neg(self, node):
+        return None if node is None else self.emit("call_function", operator.neg, (node,))
+
+    def _sum_map(self, s, meta, fn):
+        """A linear map applied to every term of a Sum (the bias once, on the candidate term)."""
+        target, cand_args = fn(s.cand, True)
+        cand = self.linear_cand(target, cand_args) if s.cand is not None else None
+        users = []
+        for u, m, sign in s.users:
+            t, a = fn(u, cand is None and not users)
+            users.append((self.emit("call_function", t, a), m, sign))
+        self.sunk[_name(target)] += len(users)
+        return Sum(cand, users, meta)
+
+    def linear_cand(self, target, args):
+        """target(x, W, ...) on candidate rows; a candidate tensor expanded along a middle dim (a target
+        item broadcast over the history) is multiplied before it is expanded."""
+        x = args[0]
+        if x.op == "call_method" and x.target == "expand" and target in (F.linear, torch.matmul):
+            source = self.values[x.args[0]]
+            shape = self.values[x].shape
+            if source.dim() == len(shape) and source.shape[-1] == shape[-1] and source.shape[0] == shape[0]:
+                small = self.emit("call_function", target, (x.args[0], *args[1:]))
+                sizes = (
+                    list(x.args[1]) if len(x.args) == 2 and isinstance(x.args[1], (tuple, list)) else list(x.args[1:])
+                )
+                return self.emit("call_method", "expand", (small, *sizes[:-1], -1))
+        return self.emit("call_function", target, args)
+
+    def add_terms(self, a, b, sign, meta):
+        """a ± b where either is a Sum, a Rep or candidate rows."""
+
+        def terms(v, s):
+            if isinstance(v, Sum):
+                cand = v.cand if s > 0 else self._neg(v.cand)
+                return cand, [(u, m, sign_ * s) for u, m, sign_ in v.users]
+            if isinstance(v, Rep):
+                return None, [(v.user, v.mapping, s)]
+            node = self.materialize(v, self.where(), "")
+            return (node if s > 0 else self._neg(node)), []
+
+        ca, ua = terms(a, 1.0)
+        cb, ub = terms(b, sign)
+        cand = ca if cb is None else cb if ca is None else self.emit("call_function", operator.add, (ca, cb))
+        if any(
+            isinstance(u[0], tuple)
+            or (isinstance(self.values[u[0]], torch.Tensor) and not self.values[u[0]].is_floating_point())
+            for u in ua + ub
+        ):
+            return None
+        return Sum(cand, ua + ub, meta)
+
+    def join_sum(self, s: Sum):
+        """cand + Σ ± user[m] through add_user_rows (user terms of one mapping added at U rows first)."""
+        groups: dict = {}
+        for u, m, sign in s.users:
+            groups.setdefault(m, []).append(u if sign > 0 else self._neg(u))
+        self.report.rewritten.append(f"{self.where()}: candidate rows + user rows → add_user_rows")
+        return self._join(s.cand, groups, s.meta).node
 
     # --- row-wise ops: run at U rows -----------------------------------------------------------
 
     def rowwise_ok(self, key, args, kwargs, meta):
-        """Does the op act on dim 0 row by row (for the batched arguments)? None if unknown."""
+        """Does the op act on dim 0 row by row (for the batched arguments)?"""
         if not isinstance(meta, (Meta, tuple)):
             return False
         tensors = _tensors((args, kwargs))
@@ -327,7 +789,7 @@ class Rewriter(AttentionRewrites):
                 and _off_rows(dim, ndim)
             )
         xnd = x.meta.ndim if is_value(x) and isinstance(x.meta, Meta) else None
-        if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS:
+        if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS or key in LIKE_FACTORIES:
             if not isinstance(meta, Meta) or meta.ndim == 0:
                 return False
             if key in (F.dropout,) and _arg(args, kwargs, 2, "training", True):
@@ -341,35 +803,53 @@ class Rewriter(AttentionRewrites):
             return True
         if key in MATMUL and len(args) == 2 and is_value(args[1]) and self.batched(args[1]) and not self.batched(x):
             return is_value(x) and x.meta.ndim <= 2 and args[1].meta.ndim >= 3
+        if key is torch.einsum:
+            return self._einsum_rowwise(args)
         if xnd is None or not self.batched(x) or xnd == 0:
             return False
         others_plain = all(not self.batched(t) for t in tensors if t is not x)
         if key in SOFTMAX:
             return others_plain and _off_rows(_arg(args, kwargs, 1, "dim"), xnd)
-        if key in REDUCTIONS or key in (torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp):
+        if key in REDUCTIONS or key in REDUCTION_FUNCTIONS or key in ("max", "min", torch.max, torch.min):
             dim = _arg(args, kwargs, 1, "dim")
             dims = dim if isinstance(dim, (tuple, list)) else [dim]
             return dim is not None and all(_off_rows(d, xnd) for d in dims)
-        if key in ("cumsum", "cumprod", torch.cumsum, F.normalize):
+        if key in ("cumsum", "cumprod", torch.cumsum, F.normalize, "flip", torch.flip, "roll", torch.roll):
             dim = _arg(args, kwargs, 1, "dim", 1 if key is F.normalize else None)
-            return _off_rows(dim, xnd)
+            if key in ("roll", torch.roll):
+                dim = _arg(args, kwargs, 2, "dims")
+            dims = dim if isinstance(dim, (tuple, list)) else [dim]
+            return all(_off_rows(d, xnd) for d in dims)
+        if key in ("topk", torch.topk, "sort", torch.sort, "argsort", torch.argsort):
+            default = -1
+            dim = _arg(args, kwargs, 2 if key in ("topk", torch.topk) else 1, "dim", default)
+            return others_plain and _off_rows(dim, xnd)
+        if key in ("gather", torch.gather, "take_along_dim", torch.take_along_dim):
+            along = key in ("take_along_dim", torch.take_along_dim)
+            dim = _arg(args, kwargs, 2 if along else 1, "dim")
+            return _off_rows(dim, xnd) and all(isinstance(t, Rep) or not self.batched(t) for t in tensors)
         if key in ("flatten", torch.flatten):
             return _off_rows(_arg(args, kwargs, 1, "start_dim", 0), xnd)
+        if key in ("unflatten", torch.unflatten):
+            return _off_rows(_arg(args, kwargs, 1, "dim"), xnd)
         if key in ("unsqueeze", torch.unsqueeze):
             return _off_rows(_arg(args, kwargs, 1, "dim"), xnd + 1)
         if key in ("squeeze", torch.squeeze):
-            dim = _arg(args, kwargs, 1, "dim")
-            return _off_rows(dim, xnd)
-        if key in ("transpose", torch.transpose, "swapaxes"):
+            return _off_rows(_arg(args, kwargs, 1, "dim"), xnd)
+        if key in TRANSPOSES:
             return _off_rows(_arg(args, kwargs, 1, "dim0"), xnd) and _off_rows(_arg(args, kwargs, 2, "dim1"), xnd)
         if key in ("permute", torch.permute):
-            dims = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+            dims = _sizes(args)
             return bool(dims) and _norm(dims[0], xnd) == 0 and all(_norm(d, xnd) is not None for d in dims)
-        if key in ("chunk", torch.chunk, "split", torch.split, "unbind", torch.unbind):
+        if key in ("chunk", torch.chunk, "split", torch.split, "unbind", torch.unbind, "tensor_split"):
             dim = _arg(args, kwargs, 1 if key in ("unbind", torch.unbind) else 2, "dim", 0)
             return _off_rows(dim, xnd)
+        if key in ("tril", "triu", torch.tril, torch.triu):
+            return xnd >= 3
+        if key is F.pad:
+            return others_plain and len(_arg(args, kwargs, 1, "pad")) // 2 < xnd
         if key in ("view", "reshape", torch.reshape):
-            sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+            sizes = _sizes(args)
             if not sizes or not isinstance(meta, Meta) or meta.shape[0] != x.meta.shape[0]:
                 return False
             if any(isinstance(s, Rows) for s in sizes[1:]) or any(
@@ -378,20 +858,30 @@ class Rewriter(AttentionRewrites):
                 return False
             return self.is_count(sizes[0])
         if key == "expand":
-            sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+            sizes = _sizes(args)
             return bool(sizes) and self.is_count(sizes[0]) and not any(isinstance(s, Rows) for s in sizes[1:])
+        if key == "repeat":
+            sizes = _sizes(args)
+            return len(sizes) == xnd and sizes[0] == 1
         if key is operator.getitem:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             if any(is_value(i) for i in index) or not index:
                 return False
-            first = index[0]
-            return isinstance(first, slice) and first == slice(None)
-        if key in (F.linear,):
+            if index[0] is Ellipsis:  # x[..., i]: dims from the end, dim 0 kept
+                return index.count(Ellipsis) == 1 and sum(i is not None for i in index[1:]) < xnd
+            return isinstance(index[0], slice) and index[0] == slice(None)
+        if key is F.linear:
             return others_plain and xnd >= 2
-        if key in (F.layer_norm, getattr(F, "rms_norm", None)):
+        if key in (F.layer_norm, getattr(F, "rms_norm", None), F.group_norm):
             return others_plain and len(_arg(args, kwargs, 1, "normalized_shape")) < xnd
+        if key is F.batch_norm:
+            return others_plain and not _arg(args, kwargs, 5, "training", False) and xnd >= 2
+        if key is F.prelu:
+            return others_plain
         if key is F.embedding:
             return not self.batched(_arg(args, kwargs, 1, "weight"))
+        if key is F.embedding_bag:
+            return others_plain and xnd == 2 and _arg(args, kwargs, 2, "offsets") is None
         if key in MATMUL:
             a, b = args[0], args[1]
             if self.batched(a) and self.batched(b):
@@ -409,6 +899,24 @@ class Rewriter(AttentionRewrites):
             )
         return False
 
+    def _einsum_rowwise(self, args):
+        """einsum whose batched operands and output all start with the same (row) index, which no
+        unbatched operand uses."""
+        equation, operands = args[0], args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = tuple(operands[0])
+        if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+            return False
+        inputs, output = equation.replace(" ", "").split("->")
+        inputs = inputs.split(",")
+        if len(inputs) != len(operands) or not output:
+            return False
+        row = output[0]
+        for spec, v in zip(inputs, operands):
+            if self.batched(v) != (spec[:1] == row) or (not self.batched(v) and row in spec):
+                return False
+        return True
+
     def is_count(self, size):
         """A view size that is the row count B (or -1 there)."""
         return (
@@ -418,18 +926,24 @@ class Rewriter(AttentionRewrites):
         )
 
     def batched(self, v):
-        return isinstance(v, (Rep, Concat)) or (isinstance(v, Plain) and (v.batched or v.mapping is not None))
+        return isinstance(v, (Rep, Concat, Sum)) or (isinstance(v, Plain) and (v.batched or v.mapping is not None))
 
-    def rowwise(self, op, key, args, kwargs, meta, name):
+    def rowwise(self, op, key, args, kwargs, meta):
         if key is torch.cat or key is torch.stack:
             if not all(isinstance(p, Rep) for p in args[0]):
                 return None
-        reps = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, (Rep, Rows, RepShape))]
-        flat = tree_flatten((args, kwargs))[0]
+        flat = leaves((args, kwargs))
+        reps = [v for v in flat if isinstance(v, (Rep, Rows, RepShape))]
         batched_plain = [
-            v for v in flat if isinstance(v, (Plain, Concat)) and self.batched(v) and isinstance(v.meta, Meta)
+            v
+            for v in flat
+            if isinstance(v, (Plain, Concat, Sum, Struct)) and self.batched(v) and isinstance(v.meta, Meta)
         ]
-        if batched_plain or len({r.mapping.key for r in reps}) != 1:
+        if (
+            batched_plain
+            or len({r.mapping.key for r in reps}) != 1
+            or any(isinstance(r, Rep) and r.row_dim for r in reps)
+        ):
             return None
         if not self.rowwise_ok(key, args, kwargs, meta):
             return None
@@ -445,20 +959,30 @@ class Rewriter(AttentionRewrites):
             )
             args = (args[0], rows, *args[2:])
         u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
-        node = self.emit(op, key, tree_map(u, args, is_leaf=is_value), tree_map(u, kwargs, is_leaf=is_value))
-        rep = reps[0]
+        node = self.emit(op, key, fmap(args, u), fmap(kwargs, u))
+        rep = next(r for r in reps if isinstance(r, (Rep, Rows, RepShape)))
         source = next((r.source for r in reps if isinstance(r, Rep)), "")
         if key is SDPA:
             self.report.rewritten.append(
-                f"`{name}`: attention with replicated q, k, v runs at U rows (self-attention per user)"
+                f"{self.where()}: attention with replicated q, k, v runs at U rows (self-attention per user)"
             )
-        elif isinstance(meta, Meta) and meta.ndim:
+        elif isinstance(meta, Meta) and meta.ndim or isinstance(meta, tuple):
             self.sunk[_name(key)] += 1
+        if (
+            isinstance(meta, tuple)
+            and key not in (torch.cat, torch.stack)
+            and not isinstance(self.values[node], torch.Tensor)
+        ):
+            items = tuple(
+                Rep(self.emit("call_function", operator.getitem, (node, i)), rep.mapping, mi, source)
+                for i, mi in enumerate(meta)
+            )
+            return Struct(items, meta)
         return Rep(node, rep.mapping, meta, source)
 
     # --- concat of user and candidate parts ----------------------------------------------------
 
-    def concat_ops(self, op, key, args, kwargs, meta, name):
+    def concat_ops(self, op, key, args, kwargs, meta):
         if key is torch.cat:
             parts, dim = list(args[0]), _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim)
             if dim is None:
@@ -468,32 +992,180 @@ class Rewriter(AttentionRewrites):
                 flat += p.parts if isinstance(p, Concat) and p.dim == dim else [p]
             if (
                 dim == 0
-                or not any(isinstance(p, Rep) for p in flat)
+                or not any(isinstance(p, (Rep, Sum)) for p in flat)
                 or not all(self.batched(p) and isinstance(p.meta, Meta) for p in flat)
+                or any(isinstance(p, Rep) and p.row_dim for p in flat)
             ):
                 return None
             if all(isinstance(p, Rep) for p in flat) and len({p.mapping.key for p in flat}) == 1:
                 return None  # row-wise
             return Concat(flat, dim, meta)
-        concat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, Concat)]
+        concat = [v for v in leaves((args, kwargs)) if isinstance(v, Concat)]
         if not concat:
             return None
         c = concat[0]
-        if key is F.linear and args[0] is c and c.dim == c.meta.ndim - 1:
+        last = c.dim == c.meta.ndim - 1
+        if key is F.linear and args[0] is c:
             weight, bias = _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
-            if not self.batched(weight) and not (bias is not None and self.batched(bias)):
-                return self.split_linear(c, weight, bias, meta, name, weight_cols=True)
+            if self.batched(weight) or (bias is not None and self.batched(bias)):
+                return None
+            if last:
+                return self.split_linear(c, weight, bias, meta, weight_cols=True)
+            return self.per_part(op, key, args, kwargs, c, meta, c.dim)
         if key in MATMUL and len(args) == 2:
             a, b = args
-            if a is c and c.dim == c.meta.ndim - 1 and not self.batched(b) and b.meta.ndim == 2:
-                return self.split_linear(c, b, None, meta, name, weight_cols=False)
+            if a is c and last and not self.batched(b) and b.meta.ndim == 2:
+                return self.split_linear(c, b, None, meta, weight_cols=False)
             if b is c and c.meta.ndim == 3 and c.dim == 1 and not self.batched(a) and a.meta.ndim == 2:
-                return self.split_compress(a, c, meta, name)
+                return self.split_compress(a, c, meta)
         if (key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS) and self.rowwise_ok(key, args, kwargs, meta):
-            return self.split_elementwise(op, key, args, kwargs, c, meta, name)
+            return self.split_elementwise(op, key, args, kwargs, c, meta)
+        x = args[0] if args else None
+        if x is not c or any(self.batched(v) for v in leaves((args[1:], kwargs))):
+            return None
+        nd = c.meta.ndim
+        if key in REDUCTIONS or key in REDUCTION_FUNCTIONS:
+            dim = _arg(args, kwargs, 1, "dim")
+            keepdim = _arg(args, kwargs, 2, "keepdim", False)
+            dims = [_norm(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
+            if None in dims or 0 in dims:
+                return None
+            if dims == [c.dim] and key in ("sum", torch.sum, "mean", torch.mean):
+                return self.reduce_concat(op, key, args, kwargs, c, meta)
+            if c.dim not in dims:
+                shift = 0 if keepdim else sum(d < c.dim for d in dims)
+                return self.per_part(op, key, args, kwargs, c, meta, c.dim - shift)
+            return None
+        if key in SOFTMAX and _norm(_arg(args, kwargs, 1, "dim"), nd) not in (None, 0, c.dim):
+            return self.per_part(op, key, args, kwargs, c, meta, c.dim)
+        if (
+            key in (F.layer_norm, getattr(F, "rms_norm", None))
+            and nd - len(_arg(args, kwargs, 1, "normalized_shape")) > c.dim
+        ):
+            return self.per_part(op, key, args, kwargs, c, meta, c.dim)
+        if key in ("flatten", torch.flatten):
+            start, end = (
+                _norm(_arg(args, kwargs, 1, "start_dim", 0), nd),
+                _norm(_arg(args, kwargs, 2, "end_dim", -1), nd),
+            )
+            if start == c.dim and end == nd - 1:
+                return self.per_part(op, key, args, kwargs, c, meta, c.dim)
+            if start is not None and end is not None and (end < c.dim or start > c.dim) and start > 0:
+                return self.per_part(op, key, args, kwargs, c, meta, c.dim - (end - start if end < c.dim else 0))
+            return None
+        if key in ("unsqueeze", torch.unsqueeze):
+            d = _norm(_arg(args, kwargs, 1, "dim"), nd + 1)
+            if d not in (None, 0):
+                return self.per_part(op, key, args, kwargs, c, meta, c.dim + (d <= c.dim))
+        if key in ("unflatten", torch.unflatten):
+            d = _norm(_arg(args, kwargs, 1, "dim"), nd)
+            if d not in (None, 0, c.dim):
+                sizes = _arg(args, kwargs, 2, "sizes")
+                return self.per_part(op, key, args, kwargs, c, meta, c.dim + (len(sizes) - 1 if d < c.dim else 0))
+        if key in TRANSPOSES:
+            d0, d1 = _norm(_arg(args, kwargs, 1, "dim0"), nd), _norm(_arg(args, kwargs, 2, "dim1"), nd)
+            if d0 and d1:
+                return self.per_part(
+                    op, key, args, kwargs, c, meta, d1 if c.dim == d0 else d0 if c.dim == d1 else c.dim
+                )
+        if key is operator.getitem:
+            return self.index_concat(c, args[1], meta)
+        if key in ("chunk", torch.chunk, "split", torch.split) and isinstance(meta, tuple):
+            dim = _norm(_arg(args, kwargs, 2, "dim", 0), nd)
+            if dim in (None, 0, c.dim):
+                return None
+            pieces = [self.apply(op, key, (p, *args[1:]), kwargs, tuple(meta)) for p in c.parts]
+            if not all(isinstance(pc, Struct) or isinstance(pc, Plain) and isinstance(pc.meta, tuple) for pc in pieces):
+                return None
+            items = []
+            for i, mi in enumerate(meta):
+                parts = [
+                    pc.items[i]
+                    if isinstance(pc, Struct)
+                    else self.apply("call_function", operator.getitem, (pc, i), {}, mi)
+                    for pc in pieces
+                ]
+                for part in parts:
+                    part.meta = self.meta_of(part, mi.dtype)
+                items.append(Concat(parts, c.dim, mi))
+            return Struct(tuple(items), meta)
         return None
 
-    def _slice(self, v, dim_from_end, start, stop, name):
+    def per_part(self, op, key, args, kwargs, c, meta, new_dim):
+        """An op that leaves the concat dim alone, applied to each part (the concat kept along `new_dim`)."""
+        parts = []
+        for p in c.parts:
+            swap = lambda v, p=p: p if v is c else v  # noqa: E731
+            pargs, pkwargs = fmap(args, swap), fmap(kwargs, swap)
+            part = self.apply(op, key, pargs, pkwargs, meta)
+            part.meta = self.meta_of(part, meta.dtype)
+            parts.append(part)
+        if all(isinstance(p, Plain) for p in parts):
+            return Plain(
+                self.emit("call_function", torch.cat, ([p.node for p in parts],), {"dim": new_dim}), meta, True
+            )
+        if all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1:
+            node = self.emit("call_function", torch.cat, ([p.user for p in parts],), {"dim": new_dim})
+            return Rep(node, parts[0].mapping, meta, parts[0].source)
+        return Concat(parts, new_dim, meta)
+
+    def meta_of(self, form, dtype):
+        """A form's shape at B rows, from its value on the example."""
+        if isinstance(form, Rep):
+            value = self.values[form.user]
+            return Meta((self.num_candidates, *value.shape[1:]), value.dtype)
+        if isinstance(form, Plain):
+            return to_meta(self.values[form.node])
+        return form.meta
+
+    def reduce_concat(self, op, key, args, kwargs, c, meta):
+        """sum / mean over the concat dim: the parts' sums, joined (add_user_rows where user rows meet candidates)."""
+        keepdim = _arg(args, kwargs, 2, "keepdim", False)
+        total = None
+        for p in c.parts:
+            pargs = (p, c.dim, keepdim)
+            part = self.apply("call_method", "sum", pargs, {}, meta)
+            total = (
+                part
+                if total is None
+                else self.add_terms(total, part, 1.0, meta)
+                or Plain(
+                    self.emit(
+                        "call_function",
+                        operator.add,
+                        (self.materialize(total, self.where(), ""), self.materialize(part, self.where(), "")),
+                    ),
+                    meta,
+                    True,
+                )
+            )
+        if key in ("mean", torch.mean):
+            total = self.apply("call_function", operator.truediv, (total, c.meta.shape[c.dim]), {}, meta)
+        return total
+
+    def index_concat(self, c, index, meta):
+        """x[:, a:b] (or x[..., i]) that falls inside one part of a concat."""
+        index = index if isinstance(index, tuple) else (index,)
+        if any(is_value(i) or i is Ellipsis or i is None for i in index) or len(index) <= c.dim:
+            return None
+        if not all(i == slice(None) for i in index[: c.dim]):
+            return None
+        sel, offset = index[c.dim], 0
+        for p in c.parts:
+            size = p.meta.shape[c.dim]
+            lo, hi = offset, offset + size
+            offset = hi
+            if isinstance(sel, int) and lo <= sel % c.meta.shape[c.dim] < hi:
+                inner = (*index[: c.dim], sel % c.meta.shape[c.dim] - lo, *index[c.dim + 1 :])
+                return self.apply("call_function", operator.getitem, (p, inner), {}, meta)
+            if isinstance(sel, slice) and sel.step in (None, 1):
+                start, stop, _ = sel.indices(c.meta.shape[c.dim])
+                if lo <= start and stop <= hi:
+                    inner = (*index[: c.dim], slice(start - lo, stop - lo), *index[c.dim + 1 :])
+                    return self.apply("call_function", operator.getitem, (p, inner), {}, meta)
+        return None
+
+    def _slice(self, v, dim_from_end, start, stop):
         """v[..., start:stop, ...] along the dim `dim_from_end` from the end (v's form kept)."""
         if not is_value(v) or not isinstance(v.meta, Meta):
             return v
@@ -513,26 +1185,22 @@ class Rewriter(AttentionRewrites):
                 if (offset, offset + size) == (start, stop) and v.dim == dim:
                     return p
                 offset += size
-            whole = self.materialize(v, "slice", "split of a concat")
-            return Plain(self.emit("call_function", operator.getitem, (whole, index)), meta, True)
-        return Plain(self.emit("call_function", operator.getitem, (v.node, index)), meta, v.batched)
+        whole = self.materialize(v, self.where(), "split of a concat")
+        return Plain(self.emit("call_function", operator.getitem, (whole, index)), meta, self.batched(v))
 
-    def split_elementwise(self, op, key, args, kwargs, c, meta, name):
+    def split_elementwise(self, op, key, args, kwargs, c, meta):
         """An elementwise op over a concat: apply it to each part (the other operands sliced alike)."""
         dim_from_end = c.meta.ndim - c.dim
         parts, offset = [], 0
         for p in c.parts:
             size = p.meta.shape[c.dim]
-            s = lambda v, a=offset, b=offset + size: self._slice(v, dim_from_end, a, b, name) if is_value(v) else v  # noqa: E731
+            s = lambda v, a=offset, b=offset + size: self._slice(v, dim_from_end, a, b) if is_value(v) else v  # noqa: E731
             shape = list(meta.shape)
             shape[c.dim] = size
-            pargs, pkwargs = tree_map(s, args, is_leaf=is_value), tree_map(s, kwargs, is_leaf=is_value)
-            parts.append(
-                self.apply(op, key, pargs, pkwargs, Meta(tuple(shape), meta.dtype), f"{name}[part {len(parts)}]")
-            )
+            pargs, pkwargs = fmap(args, s), fmap(kwargs, s)
+            parts.append(self.apply(op, key, pargs, pkwargs, Meta(tuple(shape), meta.dtype)))
             offset += size
-        self.report.rewritten.append(f"`{name}`: {_name(key)} over a user+candidate concat applied per part")
-        if not any(isinstance(p, (Rep, Concat)) for p in parts):
+        if not any(isinstance(p, (Rep, Concat, Sum)) for p in parts):
             return Plain(self.emit("call_function", torch.cat, ([p.node for p in parts],), {"dim": c.dim}), meta, True)
         if all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1:
             node = self.emit("call_function", torch.cat, ([p.user for p in parts],), {"dim": c.dim})
@@ -564,33 +1232,152 @@ class Rewriter(AttentionRewrites):
             cand_sum = self.emit("call_function", ops.add_user_rows_broadcast, (cand_sum, total, mapping.node))
         return Plain(cand_sum, meta, True)
 
-    def split_linear(self, c, weight, bias, meta, name, weight_cols: bool):
-        """linear(cat(parts, -1), W, b) = Σ linear(part_i, W_i) + b; user parts at U rows (Type I)."""
-        cand_sum, user_terms, offset = None, {}, 0
+    def _siblings(self, weight_cols):
+        """Other linears over the same concat with constant weights: merged into this one."""
+        node = self.node
+        if node.target is not F.linear or not weight_cols:
+            return [node]
+        source = node.args[0]
+
+        def constant(n):
+            w, b = _arg(n.args, n.kwargs, 1, "weight"), _arg(n.args, n.kwargs, 2, "bias")
+            return (
+                isinstance(w, fx.Node)
+                and w.op == "get_attr"
+                and (b is None or isinstance(b, fx.Node) and b.op == "get_attr")
+            )
+
+        if not constant(node):
+            return [node]
+        return [node] + [
+            n
+            for n in source.users
+            if n is not node
+            and n.target is F.linear
+            and n.args[0] is source
+            and constant(n)
+            and n not in self.fused
+            and n.op == "call_function"
+        ]
+
+    def split_linear(self, c, weight, bias, meta, weight_cols: bool):
+        """linear(cat(parts, -1), W, b) = Σ linear(part_i, W_i) + b (Type I): the user parts of a mapping in
+        one GEMM at U rows, the candidate parts in one GEMM at B rows, joined by add_user_rows; linears
+        reading the same concat (experts, gates, towers) merged into one."""
+        siblings = self._siblings(weight_cols)
+        if len(siblings) > 1:
+            tensors = [self.fetch(_arg(n.args, n.kwargs, 1, "weight").target) for n in siblings]
+            biases = [_arg(n.args, n.kwargs, 2, "bias") for n in siblings]
+            merged_w = torch.cat(tensors, dim=0)
+            merged_b = None
+            if any(b is not None for b in biases):
+                merged_b = torch.cat(
+                    [
+                        self.fetch(b.target) if b is not None else t.new_zeros(t.shape[0])
+                        for b, t in zip(biases, tensors)
+                    ]
+                )
+            weight = Plain(
+                self.emit("get_attr", self.attach("weight", merged_w)), Meta(tuple(merged_w.shape), merged_w.dtype)
+            )
+            bias = (
+                None
+                if merged_b is None
+                else Plain(
+                    self.emit("get_attr", self.attach("bias", merged_b)), Meta(tuple(merged_b.shape), merged_b.dtype)
+                )
+            )
+            meta = Meta((*meta.shape[:-1], merged_w.shape[0]), meta.dtype)
+        cand_parts, user_parts, offset = [], {}, 0
         for p in c.parts:
             size = p.meta.shape[c.dim]
-            w = self._weight_slice(weight, offset, offset + size, cols=weight_cols)
+            cols = (offset, offset + size)
             offset += size
             if isinstance(p, Rep):
-                term = self.emit("call_function", F.linear if weight_cols else torch.matmul, (p.user, w))
-                user_terms.setdefault(p.mapping, []).append(term)
+                user_parts.setdefault(p.mapping, []).append((p.user, cols, 1.0))
+            elif isinstance(p, Sum) and (p.cand is None or p.cand.op == "call_method" and p.cand.target == "expand"):
+                # candidate term broadcast (or none): its GEMM is small, the user terms' run at U rows
+                if p.cand is not None:
+                    cand_parts.append((p.cand, cols))
+                for u, m, sign in p.users:
+                    user_parts.setdefault(m, []).append((u, cols, sign))
             else:
-                cand = self.materialize(p, name, "part of a concat")
-                term = self.emit("call_function", F.linear if weight_cols else torch.matmul, (cand, w))
-                cand_sum = term if cand_sum is None else self.emit("call_function", operator.add, (cand_sum, term))
-        if bias is not None:
-            b = bias.node if is_value(bias) else bias
-            cand_sum = self.emit("call_function", operator.add, (cand_sum, b)) if cand_sum is not None else None
-            if cand_sum is None:
+                cand_parts.append((self.materialize(p, self.where(), "part of a concat"), cols))
+        fn = F.linear if weight_cols else torch.matmul
+        cand_sum = None
+        expanded = [x for x, _ in cand_parts if x.op == "call_method" and x.target == "expand"]
+        groups = [[cp] for cp in cand_parts if cp[0] in expanded] + (
+            [[cp for cp in cand_parts if cp[0] not in expanded]] if len(cand_parts) > len(expanded) else []
+        )
+        b = None if bias is None else (bias.node if is_value(bias) else bias)
+        for group in groups:
+            x = (
+                group[0][0]
+                if len(group) == 1
+                else self.emit("call_function", torch.cat, ([g[0] for g in group],), {"dim": -1})
+            )
+            w = self._weight_columns(weight, [g[1] for g in group], weight_cols)
+            with_bias = cand_sum is None and b is not None and weight_cols and group is groups[-1]
+            term = self.linear_cand(fn, (x, w, b) if with_bias else (x, w))
+            if with_bias:
+                b = None  # added
+            cand_sum = term if cand_sum is None else self.emit("call_function", operator.add, (cand_sum, term))
+        user_terms = {}
+        for mapping, items in user_parts.items():
+            terms = []
+            for sign in (1.0, -1.0):
+                chosen = [it for it in items if it[2] == sign]
+                if not chosen:
+                    continue
+                x = (
+                    chosen[0][0]
+                    if len(chosen) == 1
+                    else self.emit("call_function", torch.cat, ([it[0] for it in chosen],), {"dim": -1})
+                )
+                term = self.emit(
+                    "call_function", fn, (x, self._weight_columns(weight, [it[1] for it in chosen], weight_cols))
+                )
+                terms.append(term if sign > 0 else self._neg(term))
+            user_terms[mapping] = terms
+        if b is not None:
+            if cand_sum is not None:
+                cand_sum = self.emit("call_function", operator.add, (cand_sum, b))
+            else:
                 first = next(iter(user_terms.values()))
                 first[0] = self.emit("call_function", operator.add, (first[0], b))
+        users = [(t, m, 1.0) for m, terms in user_terms.items() for t in terms]
+        merged = f" ({len(siblings)} linears over it merged)" if len(siblings) > 1 else ""
         self.report.rewritten.append(
-            f"`{name}`: linear over cat(user, candidate) split (Type I): user columns at U rows, "
-            "candidate columns at B rows, joined by add_user_rows"
+            f"{self.where()}: linear over cat(user, candidate) split (Type I){merged}: user columns at U rows, "
+            "candidate columns in one GEMM at B rows, joined by add_user_rows"
         )
-        return self._join(cand_sum, user_terms, meta)
+        out = Sum(cand_sum, users, meta)
+        if len(siblings) == 1:
+            return out
+        whole = Plain(self.materialize(out, self.where(), ""), meta, True)
+        start = 0
+        results = []
+        for n in siblings:
+            width = self.meta[n].shape[-1]
+            node = self.emit("call_function", operator.getitem, (whole.node, (Ellipsis, slice(start, start + width))))
+            results.append(Plain(node, self.meta[n], True))
+            start += width
+        for n, r in zip(siblings[1:], results[1:]):
+            self.fused[n] = r
+        return results[0]
 
-    def split_compress(self, weight, c, meta, name):
+    def _weight_columns(self, weight, ranges, cols: bool):
+        """The weight's columns (rows for a matmul weight) of the given ranges, as one tensor (constants once)."""
+        if len(ranges) == 1:
+            return self._weight_slice(weight, *ranges[0], cols=cols)
+        if isinstance(weight, Plain) and weight.node.op == "get_attr":
+            w = self.fetch(weight.node.target)
+            pieces = [w[:, a:b] if cols else w[a:b] for a, b in ranges]
+            return self.emit("get_attr", self.attach("weight", torch.cat(pieces, dim=1 if cols else 0).contiguous()))
+        pieces = [self._weight_slice(weight, a, b, cols) for a, b in ranges]
+        return self.emit("call_function", torch.cat, (pieces,), {"dim": 1 if cols else 0})
+
+    def split_compress(self, weight, c, meta):
         """matmul(W, cat(parts, dim=1)) over tokens: ikbo_linear_compress for [user, candidate]."""
         kinds = [isinstance(p, Rep) for p in c.parts]
         if kinds == [True, False] and isinstance(weight, Plain) and weight.node.op == "get_attr":
@@ -599,10 +1386,10 @@ class Rewriter(AttentionRewrites):
             node = self.emit(
                 "call_module",
                 self.attach("lce", module),
-                (user.user, self.materialize(cand, name, ""), user.mapping.node),
+                (user.user, self.materialize(cand, self.where(), ""), user.mapping.node),
             )
             self.report.rewritten.append(
-                f"`{name}`: matmul(W, cat(user tokens, candidate tokens)) → ikbo_linear_compress (weights packed once)"
+                f"{self.where()}: matmul(W, cat(user tokens, candidate tokens)) → ikbo_linear_compress (weights packed once)"
             )
             return Plain(node, meta, True)
         cand_sum, user_terms, offset = None, {}, 0
@@ -613,112 +1400,131 @@ class Rewriter(AttentionRewrites):
             if isinstance(p, Rep):
                 user_terms.setdefault(p.mapping, []).append(self.emit("call_function", torch.matmul, (w, p.user)))
             else:
-                term = self.emit("call_function", torch.matmul, (w, self.materialize(p, name, "")))
+                term = self.emit("call_function", torch.matmul, (w, self.materialize(p, self.where(), "")))
                 cand_sum = term if cand_sum is None else self.emit("call_function", operator.add, (cand_sum, term))
         self.report.rewritten.append(
-            f"`{name}`: matmul(W, cat over tokens) split (Type I): user tokens at U rows, joined by add_user_rows"
+            f"{self.where()}: matmul(W, cat over tokens) split (Type I): user tokens at U rows, joined by add_user_rows"
         )
         return self._join(cand_sum, user_terms, meta)
 
     # --- joins of user rows with candidate rows ------------------------------------------------
 
-    def joins(self, op, key, args, kwargs, meta, name):
-        flat = [v for v in tree_flatten((args, kwargs))[0] if is_value(v)]
-        if any(isinstance(v, Concat) for v in flat):
+    def joins(self, op, key, args, kwargs, meta):
+        flat = [v for v in leaves((args, kwargs)) if is_value(v)]
+        if any(isinstance(v, (Concat, Struct)) for v in flat):
             return None
         reps = [v for v in flat if isinstance(v, Rep)]
         # non-float user data (lengths, masks) is cheap to replicate: do it, then look again
         if any(isinstance(r.meta, Meta) and not r.meta.is_float for r in reps) and key is not SDPA:
             why = f"{_name(key)} combines it with candidate rows"
+            where = self.where()
 
             def small(v):
                 return (
-                    Plain(self.materialize(v, name, why), v.meta, True)
+                    Plain(self.materialize(v, where, why), v.meta, True)
                     if isinstance(v, Rep) and not v.meta.is_float
                     else v
                 )
 
-            args, kwargs = tree_map(small, args, is_leaf=is_value), tree_map(small, kwargs, is_leaf=is_value)
-            return self.apply(op, key, args, kwargs, meta, name)
-        if len({r.mapping.key for r in reps}) != 1 or any(isinstance(v, (Rows, RepShape)) for v in flat):
+            args, kwargs = fmap(args, small), fmap(kwargs, small)
+            return self.apply(op, key, args, kwargs, meta)
+        if not reps or len({r.mapping.key for r in reps}) != 1 or any(isinstance(v, (Rows, RepShape)) for v in flat):
+            return None
+        if any(r.row_dim for r in reps):
             return None
         mapping = reps[0].mapping
         if key is SDPA:
-            return self.attention(args, kwargs, meta, name)
-        if not self.rowwise_ok(key, args, kwargs, meta):
-            return None
+            return self.attention(args, kwargs, meta, self.where())
         if key in ADD_SUB and len(args) == 2 and not kwargs and all(is_value(a) and self.batched(a) for a in args):
-            a, b = args
-            sign = ADD_SUB[key]
-            if isinstance(a, Rep):
-                node = self.emit(
-                    "call_function", ops.add_user_rows_broadcast, (b.node, a.user, mapping.node), {"cand_sign": sign}
-                )
-            else:
-                node = self.emit(
-                    "call_function", ops.add_user_rows_broadcast, (a.node, b.user, mapping.node), {"user_sign": sign}
-                )
-            self.report.rewritten.append(
-                f"`{name}`: {_name(key)} of candidate rows and replicated user rows → add_user_rows"
-            )
-            return Plain(node, meta, True)
+            return self.add_terms(args[0], args[1], ADD_SUB[key], meta)
+        cands = [v for v in flat if self.batched(v) and not isinstance(v, Rep)]
+        if len(reps) != 1 or len(cands) < 1 or not isinstance(meta, Meta):
+            return None
+        rep = reps[0]
         if key in MATMUL and len(args) == 2 and all(self.batched(a) for a in args):
             a, b = args
             if a.meta.ndim == b.meta.ndim >= 3:
-                cand_left = isinstance(b, Rep)
-                cand, user = (a, b) if cand_left else (b, a)
-                node = self.emit("call_function", ops.grouped_matmul, (cand.node, user.user, mapping.node, cand_left))
+                cand_left = b is rep
+                cand = a if cand_left else b
+                node = self.emit("call_function", ops.rows_matmul, (cand.node, rep.user, mapping.node, cand_left))
                 self.report.rewritten.append(
-                    f"`{name}`: batched matmul of candidate rows with replicated user rows → grouped per user "
-                    "(user matrix read once per user)"
+                    f"{self.where()}: batched matmul of candidate rows with replicated user rows → rows_matmul (user rows read per tile)"
                 )
                 return Plain(node, meta, True)
             return None
-        if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS:
-            return self.grouped(op, key, args, kwargs, mapping, reps, meta, name)
-        return None
-
-    def grouped(self, op, key, args, kwargs, mapping, reps, meta, name):
-        tensors = []
-
-        def slot(v):
-            if not is_value(v):
-                return v
-            if isinstance(v, Rep):
-                role, node = "user", v.user
-            elif self.batched(v):
-                role, node = "cand", v.node
-            else:
-                role, node = "plain", v.node
-            tensors.append(node)
-            return ops.Slot(role, len(tensors) - 1)
-
-        sargs, skwargs = tree_map(slot, args, is_leaf=is_value), tree_map(slot, kwargs, is_leaf=is_value)
-        if op == "call_method":
-            fn = getattr(torch.Tensor, key)
-        else:
-            fn = key
-        module = ops.GroupedOp(fn, sargs, skwargs, f"{_name(key)} at {name}")
-        num_users = self.emit(
-            "call_function", operator.getitem, (self.emit("call_function", getattr, (reps[0].user, "shape")), 0)
+        if key in (torch.gather, "gather", torch.take_along_dim, "take_along_dim") and args[0] is rep:
+            along = key in (torch.take_along_dim, "take_along_dim")
+            dim = _norm(_arg(args, kwargs, 2 if along else 1, "dim"), rep.meta.ndim)
+            index = _arg(args, kwargs, 1 if along else 2, "indices" if along else "index")
+            if dim == 1 and isinstance(index, Plain) and index.batched and index.meta.ndim == rep.meta.ndim:
+                node = self.emit("call_function", ops.select_user_rows, (rep.user, mapping.node, index.node))
+                self.report.rewritten.append(
+                    f"{self.where()}: {_name(key)} of each candidate's own rows of a user tensor → select_user_rows "
+                    "(read from the U-row tensor; a per-candidate selection, not a replication)"
+                )
+                return Plain(node, meta, True)
+        if key is torch.einsum and len(args) == 3 and len(cands) == 1 and self._einsum_rowwise(args):
+            equation, first, second = args
+            cand_first = first is cands[0]
+            cand = first if cand_first else second
+            node = self.emit(
+                "call_function", ops.rows_einsum, (equation, cand.node, rep.user, mapping.node, cand_first)
+            )
+            self.report.rewritten.append(
+                f"{self.where()}: einsum of candidate rows with replicated user rows → rows_einsum (user rows read per tile)"
+            )
+            return Plain(node, meta, True)
+        if not self.rowwise_ok(key, args, kwargs, meta) or not rep.meta.is_float:
+            return None
+        joined = self._join_op(key, args, kwargs, rep, cands)
+        if joined is None:
+            return None
+        name, cand, cond = joined
+        node = self.emit(
+            "call_function",
+            ops.rows_join,
+            (name, cand.node, rep.user, mapping.node, None if cond is None else cond.node),
         )
-        node = self.emit("call_module", self.attach("grouped", module), (mapping.node, num_users, *tensors))
         self.report.rewritten.append(
-            f"`{name}`: {_name(key)} of candidate rows with replicated user rows → grouped per user (user row broadcast, not copied)"
+            f"{self.where()}: {_name(key)} of candidate rows with replicated user rows → rows_join (user rows read per tile)"
         )
         return Plain(node, meta, True)
+
+    def _join_op(self, key, args, kwargs, rep, cands):
+        """(rows_join op name, candidate operand, condition) for an elementwise op of one user and one
+        candidate operand; None where the op has no join."""
+        if kwargs:
+            return None
+        if key in JOIN_OPS and len(args) == 2 and len(cands) == 1:
+            a, b = args
+            if a is rep and b is cands[0]:
+                return JOIN_OPS[key][1], b, None
+            if b is rep and a is cands[0]:
+                return JOIN_OPS[key][0], a, None
+        if key in (torch.where, "where") and len(args) == 3:
+            cond, a, b = args
+            if isinstance(cond, Plain) and cond.batched and cond.meta.dtype == torch.bool:
+                if a is rep and isinstance(b, Plain) and b.batched:
+                    return "where_uc", b, cond
+                if b is rep and isinstance(a, Plain) and a.batched:
+                    return "where_cu", a, cond
+        return None
 
     # --- why an op was left --------------------------------------------------------------------
 
     def why_not(self, key, args, kwargs, meta):
-        flat = [v for v in tree_flatten((args, kwargs))[0] if is_value(v)]
+        flat = [v for v in leaves((args, kwargs)) if is_value(v)]
         reps = [v for v in flat if isinstance(v, Rep)]
         if len({r.mapping.key for r in reps}) > 1:
             return "it combines user rows replicated through different mappings"
         if any(isinstance(v, Concat) for v in flat):
+            if key is SDPA:
+                return "attention over a concat of user and candidate tokens (the user tokens' outputs depend on the candidate)"
             return f"{_name(key)} over a concat of user and candidate parts has no per-part form"
         if key is SDPA:
-            return "attention whose mask is not a key-length prefix mask, or with dropout / is_causal / candidate K/V"
+            return "attention whose mask is not a per-user key mask, or with dropout / is_causal / candidate K/V"
+        if any(isinstance(r, Rep) and r.row_dim for r in reps):
+            return f"{_name(key)} of a sequence-first (rows on dim 1) user tensor"
         if self.batched(args[0] if args else None) and not self.rowwise_ok(key, args, kwargs, meta):
             return f"{_name(key)} is not known to act row by row on dim 0 (e.g. it reduces or reorders candidates)"
         return f"no IKBO join for {_name(key)}"

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten
+from torch.fx.node import map_aggregate
 
 # ----------------------------------------------------------------------------- values
 
@@ -46,6 +46,7 @@ class Plain:
     meta: Any
     batched: bool = False  # has the B candidate rows as dim 0
     mapping: Mapping | None = None  # this value is the mapping (maybe converted)
+    spread: Mapping | None = None  # the mapping broadcast along trailing dims: value[b, ...] = m[b]
 
 
 @dataclass(eq=False)
@@ -55,6 +56,26 @@ class Rep:
     meta: Any  # of the replicated value (B rows)
     source: str
     materialized: fx.Node | None = None
+    row_dim: int = 0  # the dim that holds the rows (1 for sequence-first tensors)
+
+
+@dataclass(eq=False)
+class Sum:
+    """cand + Σ sign · user[mapping]: an add / sub join kept as its terms until something reads it
+    whole (a linear reads the terms, so user terms stay at U rows through it)."""
+
+    cand: Any  # new-graph node [B, ...] or None
+    users: list  # (user node [U, ...], Mapping, sign)
+    meta: Meta
+    materialized: fx.Node | None = None
+
+
+@dataclass(eq=False)
+class Struct:
+    """A tuple of forms (a module or op returning several values: RNN output and state, topk)."""
+
+    items: tuple
+    meta: Any
 
 
 @dataclass(eq=False)
@@ -79,7 +100,8 @@ class Rows:
     meta: int
 
 
-VALUES = (Plain, Rep, Concat, RepShape, Rows)
+VALUES = (Plain, Rep, Concat, RepShape, Rows, Sum, Struct)
+USER_FORMS = (Rep, Concat, RepShape, Rows, Sum)  # forms that stand for B rows built from user rows
 
 
 def is_value(x):
@@ -92,7 +114,9 @@ def to_meta(x):
     if isinstance(x, torch.Size):
         return tuple(x)
     if isinstance(x, (tuple, list)):
-        return type(x)(to_meta(v) for v in x)
+        return tuple(to_meta(v) for v in x)
+    if isinstance(x, dict):
+        return {k: to_meta(v) for k, v in x.items()}
     return x
 
 
@@ -101,11 +125,17 @@ def to_meta(x):
 
 @dataclass
 class Report:
-    """What the pass rewrote and what it left, for a person."""
+    """What the pass rewrote and what it left, for a person. Entries name the module path and the
+    model's source line (`module.path (file:line)`).
+
+    `left`: each user tensor still replicated to B rows, where and why (the model as a whole when it
+    is served unchanged); `kept`: modules kept whole; `timing`: the cost model's measurement."""
 
     rewritten: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    timing: str = ""
 
     @property
     def replications_left(self) -> int:
@@ -116,8 +146,12 @@ class Report:
         lines += [f"  - {r}" for r in self.rewritten] or ["  (nothing)"]
         lines += [f"left ({len(self.left)}):"]
         lines += [f"  - {r}" for r in self.left] or ["  (nothing: no user tensor is replicated to B rows)"]
+        if self.kept:
+            lines += ["modules kept whole:"] + [f"  - {k}" for k in self.kept]
         if self.notes:
             lines += ["notes:"] + [f"  - {n}" for n in self.notes]
+        if self.timing:
+            lines += [f"cost: {self.timing}"]
         return "\n".join(lines)
 
 
@@ -130,16 +164,27 @@ ELEMENTWISE_FUNCTIONS = {
     torch.add, torch.sub, torch.mul, torch.div, torch.where, torch.maximum, torch.minimum, torch.pow, torch.exp,
     torch.log, torch.sqrt, torch.rsqrt, torch.tanh, torch.sigmoid, torch.relu, torch.abs, torch.clamp, torch.neg,
     torch.logical_and, torch.logical_or, torch.logical_not, torch.masked_fill, torch.square, torch.reciprocal,
+    torch.nan_to_num, torch.erf, torch.floor, torch.ceil, torch.round, torch.remainder, torch.fmod, torch.sign,
+    torch.log1p, torch.expm1, torch.sin, torch.cos, torch.atan2, torch.eq, torch.ne, torch.lt, torch.le, torch.gt,
+    torch.ge, torch.bitwise_and, torch.bitwise_or, torch.bitwise_not, torch.clamp_min, torch.clamp_max,
     F.relu, F.gelu, F.silu, F.dropout, F.tanh, F.sigmoid, F.leaky_relu, F.elu, F.softplus, F.hardtanh, F.mish,
+    F.selu, F.celu, F.hardswish, F.hardsigmoid, F.logsigmoid, F.relu6, F.softsign, F.tanhshrink,
 }  # fmt: skip
 ELEMENTWISE_METHODS = {
     "add", "sub", "mul", "div", "masked_fill", "clamp", "clamp_min", "clamp_max", "relu", "sigmoid", "tanh", "exp",
     "log", "sqrt", "rsqrt", "pow", "abs", "neg", "float", "double", "half", "bfloat16", "long", "int", "bool", "to",
     "type_as", "contiguous", "clone", "detach", "sign", "where", "logical_not", "square", "reciprocal", "type",
-    "__and__", "__or__", "__invert__", "eq", "ne", "lt", "le", "gt", "ge",
+    "__and__", "__or__", "__invert__", "eq", "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "nan_to_num",
+    "floor", "ceil", "round", "remainder", "fmod", "log1p", "expm1", "logical_and", "logical_or", "sin", "cos",
+    "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "relu_", "sigmoid_", "tanh_", "exp_", "fill_", "zero_",
+    "neg_", "abs_", "pow_", "sqrt_", "nan_to_num_", "__rsub__", "__radd__", "__rmul__", "__rtruediv__",
 }  # fmt: skip
+IN_PLACE = {m for m in ELEMENTWISE_METHODS if m.endswith("_") and not m.startswith("__")}
 ADD_SUB = {operator.add: 1.0, torch.add: 1.0, "add": 1.0, operator.sub: -1.0, torch.sub: -1.0, "sub": -1.0}
-REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "all", "any", "count_nonzero"}  # dim = 2nd argument
+REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "all", "any", "count_nonzero", "std", "var", "norm"}
+REDUCTION_FUNCTIONS = {torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.prod, torch.std, torch.var}
+FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full}
+LIKE_FACTORIES = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
 SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
 MATMUL = {torch.matmul, torch.bmm, operator.matmul, "matmul", "bmm", "__matmul__"}
 CONVERSIONS = {"long", "int", "to", "type", "contiguous", "clone", "detach"}  # keep a mapping a mapping
@@ -168,5 +213,17 @@ def _arg(args, kwargs, pos, name, default=None):
     return args[pos] if len(args) > pos else default
 
 
+def fmap(tree, fn):
+    """fn applied to every leaf of nested tuples, lists, dicts and slices (forms are leaves)."""
+    return map_aggregate(tree, fn)
+
+
+def leaves(tree) -> list:
+    """The leaves of nested tuples, lists, dicts and slices."""
+    out = []
+    map_aggregate(tree, lambda v: out.append(v))
+    return out
+
+
 def _tensors(tree):
-    return [v for v in tree_flatten(tree)[0] if is_value(v) and isinstance(v.meta, Meta)]
+    return [v for v in leaves(tree) if is_value(v) and isinstance(v.meta, Meta)]

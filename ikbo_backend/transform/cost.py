@@ -1,0 +1,47 @@
+"""The cost model: the rewritten module is served only where it is not slower than the original.
+
+Both run on the example, alternately, after a few calls each (the first calls at new shapes build kernels), in inference mode (CUDA synchronized); each
+keeps its fastest round (the least disturbed by other work on the machine). The rewrite counts as
+slower when its fastest round is more than `TOLERANCE` above the original's: below that the two
+cannot be told apart on a shared machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+TOLERANCE = 0.03
+WARMUP, MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 5, 20, 0.5
+
+
+def _sync(inputs):
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_flatten(inputs)[0]):
+        torch.cuda.synchronize()
+
+
+def compare(original, rewritten, inputs) -> tuple[float, float]:
+    """(original, rewritten) seconds a call on `inputs`: the fastest of alternating rounds."""
+    best = [float("inf"), float("inf")]
+    with torch.inference_mode():
+        for _ in range(WARMUP):  # first calls at new shapes build kernels (oneDNN primitives, Triton)
+            for fn in (original, rewritten):
+                fn(*inputs)
+        _sync(inputs)
+        spent, rounds = 0.0, 0
+        while rounds < MIN_ROUNDS or (spent < BUDGET_S and rounds < MAX_ROUNDS):
+            for i, fn in enumerate((original, rewritten)):
+                start = time.perf_counter()
+                fn(*inputs)
+                _sync(inputs)
+                elapsed = time.perf_counter() - start
+                best[i] = min(best[i], elapsed)
+                spent += elapsed
+            rounds += 1
+    return best[0], best[1]
+
+
+def slower(original_s: float, rewritten_s: float) -> bool:
+    return rewritten_s > original_s * (1 + TOLERANCE)
