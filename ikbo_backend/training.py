@@ -340,6 +340,7 @@ class Trainer:
 
 def train(config: TrainConfig, cfg: RankerConfig | None = None) -> dict:
     """Run (or resume) a training run to `config.steps` steps; returns the summary written to metrics.json."""
+    import matplotlib  # noqa: F401  (plot_curves needs it: an ImportError now, not after the run)
     from tqdm import tqdm
 
     started = time.perf_counter()
