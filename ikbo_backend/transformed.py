@@ -28,15 +28,16 @@ class BaselineInteraction(nn.Module):
 
 
 def example_features(cfg: RankerConfig, device="cpu", seed: int = 0, dtype=torch.float32) -> Features:
-    """Random features with U and B unlike every model dim (row counts must tell them apart)."""
+    """Random features of a typical request, U ≈ 15 users and B ≈ 1024 candidates (the pass's cost model
+    times the rewrite at the example's U:B), both unlike every model dim (row counts tell them apart)."""
     dims = {
         v
         for f in fields(cfg)
         for v in (getattr(cfg, f.name) if isinstance(getattr(cfg, f.name), tuple) else (getattr(cfg, f.name),))
     }
     dims |= {cfg.user_tokens, cfg.cand_tokens, cfg.head_dim, cfg.mlp_input, 1}
-    num_users = next(n for n in range(3, 1000) if n not in dims)
-    num_candidates = next(n for n in range(4 * num_users + 1, 10_000) if n not in dims)
+    num_users = next(n for n in range(15, 1000) if n not in dims)
+    num_candidates = next(n for n in range(1024, 10_000) if n not in dims and n != num_users)
     gen = torch.Generator().manual_seed(seed)
     dim = cfg.embedding_dim
     return Features(

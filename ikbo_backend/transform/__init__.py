@@ -104,7 +104,7 @@ def to_ikbo(
     module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes)
     if measure:
         original_s, rewritten_s = cost.compare(model, module, example_inputs)
-        ratio = original_s / rewritten_s
+        ratio = report.speedup = original_s / rewritten_s
         report.timing = (
             f"at U:B = {num_users}:{num_candidates} the original takes {original_s * 1e3:.3g} ms, the rewrite "
             f"{rewritten_s * 1e3:.3g} ms ({ratio:.2f}×)"

@@ -12,27 +12,29 @@ class ReplicationDetector(TorchDispatchMode):
 
     That is a user tensor replicated to candidate count; combining a B-row candidate tensor with
     U-row user rows (the IKBO join) has a B-row input and is not recorded. Pick U and B distinct from
-    the model's other dims (and U > 1), so that row counts identify tensors.
+    the model's other dims (and U > 1), so that row counts identify tensors. `floats_only=False` also
+    records integer and boolean tensors (user ids replicated before their embedding lookups).
     """
 
-    def __init__(self, num_users, num_candidates):
+    def __init__(self, num_users, num_candidates, floats_only: bool = True):
         super().__init__()
         self.num_users, self.num_candidates = num_users, num_candidates
+        self.floats_only = floats_only
         self.replications = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = [
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()]
+        outputs = [
             t
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()
+            for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and t.dim() and (t.is_floating_point() or not self.floats_only)
         ]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()]
-        rows_in = {t.shape[0] for t in inputs}
-        if (
-            self.num_users in rows_in
-            and self.num_candidates not in rows_in
-            and any(t.shape[0] == self.num_candidates for t in outputs)
-        ):
+        user_rows = any(
+            t.shape[0] == self.num_users and (t.is_floating_point() or not self.floats_only) for t in inputs
+        )
+        # integer inputs with B rows are indices (cand_to_user and what is built from it), not candidate data
+        cand_rows = any(t.shape[0] == self.num_candidates and t.is_floating_point() for t in inputs)
+        if user_rows and not cand_rows and any(t.shape[0] == self.num_candidates for t in outputs):
             self.replications.append(str(func))
         return out

@@ -10,6 +10,7 @@ candidates at a time; `select_user_rows` reads each candidate's own selection of
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import PackedLinearCompress, add_user_rows
@@ -58,6 +59,50 @@ def kv_len_from(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
     if lengths.is_floating_point():
         lengths = torch.ceil(lengths)  # j < 2.5 keeps keys 0, 1, 2
     return lengths.clamp(0, seq_len).long()
+
+
+def linear_rows(x, weight, user, cand_to_user, extras=()) -> torch.Tensor:
+    """F.linear(x, weight) + user[m] + Σ extras: the Type I linear over cat(user, candidate) features, its
+    user part (`user`, bias included) computed at U rows. On a CPU each tile of candidates has its user rows
+    read into the output, the broadcast `extras` (small candidate terms) added, and the candidate GEMM
+    accumulated into it (one pass over the output, no user tensor at B rows); elsewhere linear +
+    add_user_rows."""
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    if (
+        x.is_cuda
+        or through_dispatcher(x, user, cand_to_user)
+        or tuple(user.shape[1:]) != out_shape[1:]
+        or user.dtype != x.dtype
+    ):
+        y = F.linear(x, weight)
+        for e in extras:
+            y = y + e
+        return add_user_rows_broadcast(y, user, cand_to_user)
+    out = x.new_empty(out_shape)
+    mapping, rows = cand_to_user.long(), _tile_rows(user)
+    weight_t = weight.t()
+    for start in range(0, out.shape[0], rows):
+        tile = slice(start, start + rows)
+        block = out[tile]
+        torch.index_select(user, 0, mapping[tile], out=block)
+        for e in extras:
+            block.add_(e[tile])
+        block.view(-1, out_shape[-1]).addmm_(x[tile].reshape(-1, x.shape[-1]), weight_t)
+    return out
+
+
+def add_rows_(cand: torch.Tensor, user: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
+    """cand[b] += user[m[b]] in place, a tile at a time, for a fresh candidate tensor nothing else reads (a
+    GEMM's output); on CUDA the add_user_rows kernel."""
+    if cand.is_cuda or through_dispatcher(cand, user, cand_to_user) or cand.shape[1:] != user.shape[1:]:
+        return add_user_rows_broadcast(cand, user, cand_to_user)
+    mapping = cand_to_user.long()
+    rows = _tile_rows(user)
+    if rows >= cand.shape[0]:
+        return cand.add_(user.index_select(0, mapping))
+    for start in range(0, cand.shape[0], rows):
+        cand[start : start + rows].add_(user.index_select(0, mapping[start : start + rows]))
+    return cand
 
 
 def add_user_rows_broadcast(cand, user, cand_to_user, cand_sign: float = 1.0, user_sign: float = 1.0) -> torch.Tensor:
@@ -133,6 +178,9 @@ def _join_empty(op, cand, user, cond, rows):
 
 
 def _rows_join(op, cand, user, cand_to_user, cond=None):
+    if _tile_rows(user) >= cand.shape[0]:  # one tile: no output buffer to fill
+        fn, args = _join_args(op, cand, user.index_select(0, cand_to_user.long()), cond)
+        return fn(*args)
     out = _join_empty(op, cand, user, cond, cand.shape[0])
 
     def step(tile, rows):
@@ -169,6 +217,9 @@ def _matmul_empty(cand, user, cand_left, rows):
 
 
 def _rows_matmul(cand, user, cand_to_user, cand_left):
+    if _tile_rows(user) >= cand.shape[0]:
+        rows = user.index_select(0, cand_to_user.long())
+        return torch.matmul(cand, rows) if cand_left else torch.matmul(rows, cand)
     out = _matmul_empty(cand, user, cand_left, cand.shape[0])
 
     def step(tile, rows):

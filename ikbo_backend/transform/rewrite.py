@@ -275,6 +275,9 @@ class Rewriter(AttentionRewrites):
     # --- dispatch ------------------------------------------------------------------------------
 
     def apply(self, op, target, args, kwargs, meta):
+        # a sum already joined (maybe into its candidate term, in place) is read as its result from then on
+        done = lambda v: Plain(v.materialized, v.meta, True) if isinstance(v, Sum) and v.materialized is not None else v  # noqa: E731
+        args, kwargs = fmap(args, done), fmap(kwargs, done)
         if target is operator.setitem:
             return self.setitem(*args)
         flat = leaves((args, kwargs))
@@ -704,7 +707,7 @@ class Rewriter(AttentionRewrites):
         if key in ADD_SUB and len(args) == 2 and not kwargs and all(self.batched(a) for a in args if is_value(a)):
             return self.add_terms(args[0], args[1], ADD_SUB[key], meta)
         if key in (operator.neg, torch.neg, "neg") and len(args) == 1:
-            return Sum(self._neg(s.cand), [(u, m, -sign) for u, m, sign in s.users], meta)
+            return Sum(self._neg(s.cand), [(u, m, -sign) for u, m, sign in s.users], meta, owned=s.cand is not None)
         # anything else reads the sum whole
         where = self.where()
         whole = lambda v: Plain(self.materialize(v, where, ""), v.meta, True) if isinstance(v, Sum) else v  # noqa: E731
@@ -722,7 +725,7 @@ class Rewriter(AttentionRewrites):
             t, a = fn(u, cand is None and not users)
             users.append((self.emit("call_function", t, a), m, sign))
         self.sunk[_name(target)] += len(users)
-        return Sum(cand, users, meta)
+        return Sum(cand, users, meta, owned=cand is not None)
 
     def linear_cand(self, target, args):
         """target(x, W, ...) on candidate rows; a candidate tensor expanded along a middle dim (a target
@@ -744,6 +747,8 @@ class Rewriter(AttentionRewrites):
 
         def terms(v, s):
             if isinstance(v, Sum):
+                if s > 0:
+                    v.owned = False  # its candidate term is now shared
                 cand = v.cand if s > 0 else self._neg(v.cand)
                 return cand, [(u, m, sign_ * s) for u, m, sign_ in v.users]
             if isinstance(v, Rep):
@@ -753,6 +758,7 @@ class Rewriter(AttentionRewrites):
 
         ca, ua = terms(a, 1.0)
         cb, ub = terms(b, sign)
+        fresh = ca is not None and cb is not None
         cand = ca if cb is None else cb if ca is None else self.emit("call_function", operator.add, (ca, cb))
         if any(
             isinstance(u[0], tuple)
@@ -760,7 +766,7 @@ class Rewriter(AttentionRewrites):
             for u in ua + ub
         ):
             return None
-        return Sum(cand, ua + ub, meta)
+        return Sum(cand, ua + ub, meta, owned=fresh)
 
     def join_sum(self, s: Sum):
         """cand + Σ ± user[m] through add_user_rows (user terms of one mapping added at U rows first)."""
@@ -768,7 +774,7 @@ class Rewriter(AttentionRewrites):
         for u, m, sign in s.users:
             groups.setdefault(m, []).append(u if sign > 0 else self._neg(u))
         self.report.rewritten.append(f"{self.where()}: candidate rows + user rows → add_user_rows")
-        return self._join(s.cand, groups, s.meta).node
+        return self._join(s.cand, groups, s.meta, owned=s.owned).node
 
     # --- row-wise ops: run at U rows -----------------------------------------------------------
 
@@ -1215,8 +1221,9 @@ class Rewriter(AttentionRewrites):
             return self.emit("get_attr", self.attach("weight", tensor))
         return self.emit("call_function", operator.getitem, (weight.node, index))
 
-    def _join(self, cand_sum, user_terms, meta):
-        """cand_sum [B, ...] (or None) + Σ user_terms[mapping][m] through add_user_rows."""
+    def _join(self, cand_sum, user_terms, meta, owned=False):
+        """cand_sum [B, ...] (or None) + Σ user_terms[mapping][m] through add_user_rows (into cand_sum in
+        place where it is `owned`: a fresh tensor nothing else reads)."""
         for mapping, terms in user_terms.items():
             total = terms[0]
             for t in terms[1:]:
@@ -1229,7 +1236,20 @@ class Rewriter(AttentionRewrites):
                 )
                 device = self.emit("call_function", getattr, (total, "device"))
                 cand_sum = self.emit("call_function", torch.zeros, (shape,), {"dtype": meta.dtype, "device": device})
-            cand_sum = self.emit("call_function", ops.add_user_rows_broadcast, (cand_sum, total, mapping.node))
+            fresh = (
+                owned
+                and cand_sum.op == "call_function"
+                and cand_sum.target in (F.linear, torch.matmul, operator.add)
+                and not cand_sum.users
+            )
+            owned = True  # the join's own output from here on
+            same = (
+                fresh
+                and self.values[cand_sum].shape[1:] == self.values[total].shape[1:]
+                and self.values[cand_sum].dtype == self.values[total].dtype
+            )
+            join = ops.add_rows_ if same else ops.add_user_rows_broadcast
+            cand_sum = self.emit("call_function", join, (cand_sum, total, mapping.node))
         return Plain(cand_sum, meta, True)
 
     def _siblings(self, weight_cols):
@@ -1295,7 +1315,11 @@ class Rewriter(AttentionRewrites):
             offset += size
             if isinstance(p, Rep):
                 user_parts.setdefault(p.mapping, []).append((p.user, cols, 1.0))
-            elif isinstance(p, Sum) and (p.cand is None or p.cand.op == "call_method" and p.cand.target == "expand"):
+            elif (
+                isinstance(p, Sum)
+                and p.materialized is None
+                and (p.cand is None or p.cand.op == "call_method" and p.cand.target == "expand")
+            ):
                 # candidate term broadcast (or none): its GEMM is small, the user terms' run at U rows
                 if p.cand is not None:
                     cand_parts.append((p.cand, cols))
@@ -1304,6 +1328,74 @@ class Rewriter(AttentionRewrites):
             else:
                 cand_parts.append((self.materialize(p, self.where(), "part of a concat"), cols))
         fn = F.linear if weight_cols else torch.matmul
+        fused = self._fused_linear(cand_parts, user_parts, weight, bias, meta, weight_cols)
+        if fused is not None:
+            out = fused
+        else:
+            out = self._split_terms(cand_parts, user_parts, weight, bias, meta, weight_cols, fn)
+        merged = f" ({len(siblings)} linears over it merged)" if len(siblings) > 1 else ""
+        self.report.rewritten.append(
+            f"{self.where()}: linear over cat(user, candidate) split (Type I){merged}: user columns at U rows, "
+            "candidate columns in one GEMM at B rows, joined "
+            + ("in the GEMM's output (linear_rows)" if fused is not None else "by add_user_rows")
+        )
+        if len(siblings) == 1:
+            return out
+        whole = Plain(self.materialize(out, self.where(), ""), meta, True)
+        start = 0
+        results = []
+        for n in siblings:
+            width = self.meta[n].shape[-1]
+            node = self.emit("call_function", operator.getitem, (whole.node, (Ellipsis, slice(start, start + width))))
+            node = self.emit("call_method", "contiguous", (node,))  # column blocks: strided ops are slow
+            results.append(Plain(node, self.meta[n], True))
+            start += width
+        for n, r in zip(siblings[1:], results[1:]):
+            self.fused[n] = r
+        return results[0]
+
+    def _fused_linear(self, cand_parts, user_parts, weight, bias, meta, weight_cols):
+        """ops.linear_rows for one mapping's user parts and a candidate GEMM: the user rows read into the
+        GEMM's output (broadcast candidate parts, a target item over its history, multiplied before)."""
+        if not weight_cols or len(user_parts) != 1 or not cand_parts:
+            return None
+        expanded = [cp for cp in cand_parts if cp[0].op == "call_method" and cp[0].target == "expand"]
+        main = [cp for cp in cand_parts if cp not in expanded]
+        if not main:
+            return None
+        ((mapping, items),) = user_parts.items()
+        user = None
+        for sign in (1.0, -1.0):
+            chosen = [it for it in items if it[2] == sign]
+            if not chosen:
+                continue
+            x = (
+                chosen[0][0]
+                if len(chosen) == 1
+                else self.emit("call_function", torch.cat, ([it[0] for it in chosen],), {"dim": -1})
+            )
+            term = self.emit(
+                "call_function", F.linear, (x, self._weight_columns(weight, [it[1] for it in chosen], True))
+            )
+            term = term if sign > 0 else self._neg(term)
+            user = term if user is None else self.emit("call_function", operator.add, (user, term))
+        if bias is not None:
+            user = self.emit("call_function", operator.add, (user, bias.node if is_value(bias) else bias))
+        if self.values[user].dim() != self.values[main[0][0]].dim():
+            return None
+        extras = []
+        for cp in expanded:
+            extras.append(self.linear_cand(F.linear, (cp[0], self._weight_columns(weight, [cp[1]], True))))
+        x = (
+            main[0][0]
+            if len(main) == 1
+            else self.emit("call_function", torch.cat, ([cp[0] for cp in main],), {"dim": -1})
+        )
+        w = self._weight_columns(weight, [cp[1] for cp in main], True)
+        return Plain(self.emit("call_function", ops.linear_rows, (x, w, user, mapping.node, extras)), meta, True)
+
+    def _split_terms(self, cand_parts, user_parts, weight, bias, meta, weight_cols, fn):
+        """The split as a Sum: candidate GEMMs (broadcast parts on their own) and user GEMMs per mapping."""
         cand_sum = None
         expanded = [x for x, _ in cand_parts if x.op == "call_method" and x.target == "expand"]
         groups = [[cp] for cp in cand_parts if cp[0] in expanded] + (
@@ -1346,25 +1438,7 @@ class Rewriter(AttentionRewrites):
                 first = next(iter(user_terms.values()))
                 first[0] = self.emit("call_function", operator.add, (first[0], b))
         users = [(t, m, 1.0) for m, terms in user_terms.items() for t in terms]
-        merged = f" ({len(siblings)} linears over it merged)" if len(siblings) > 1 else ""
-        self.report.rewritten.append(
-            f"{self.where()}: linear over cat(user, candidate) split (Type I){merged}: user columns at U rows, "
-            "candidate columns in one GEMM at B rows, joined by add_user_rows"
-        )
-        out = Sum(cand_sum, users, meta)
-        if len(siblings) == 1:
-            return out
-        whole = Plain(self.materialize(out, self.where(), ""), meta, True)
-        start = 0
-        results = []
-        for n in siblings:
-            width = self.meta[n].shape[-1]
-            node = self.emit("call_function", operator.getitem, (whole.node, (Ellipsis, slice(start, start + width))))
-            results.append(Plain(node, self.meta[n], True))
-            start += width
-        for n, r in zip(siblings[1:], results[1:]):
-            self.fused[n] = r
-        return results[0]
+        return Sum(cand_sum, users, meta, owned=cand_sum is not None)
 
     def _weight_columns(self, weight, ranges, cols: bool):
         """The weight's columns (rows for a matmul weight) of the given ranges, as one tensor (constants once)."""

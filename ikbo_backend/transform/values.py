@@ -68,6 +68,7 @@ class Sum:
     users: list  # (user node [U, ...], Mapping, sign)
     meta: Meta
     materialized: fx.Node | None = None
+    owned: bool = False  # `cand` is read by this sum only (a join may add into it in place)
 
 
 @dataclass(eq=False)
@@ -136,6 +137,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     timing: str = ""
+    speedup: float | None = None  # original time / rewritten time on the example (measured)
 
     @property
     def replications_left(self) -> int:
