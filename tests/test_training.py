@@ -40,6 +40,15 @@ CFG = ODD_DIMS  # no dim equal to the U and B below, so row counts identify tens
 USERS, CANDIDATES = 7, 37
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small tensors: one torch thread (on a shared 2-core machine, intra-op threads wait for busy cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def data_and_teacher(users=USERS, candidates=CANDIDATES, cfg=CFG, seed=SEED):
     data = ClickData(cfg, users, candidates, train_requests=1000, heldout_requests=4, seed=seed)
     return data, Teacher(data, seed=seed + 1, backend="torch")
@@ -48,14 +57,13 @@ def data_and_teacher(users=USERS, candidates=CANDIDATES, cfg=CFG, seed=SEED):
 def test_variants_follow_the_same_loss_curve():
     data, teacher = data_and_teacher()
     initial = make_demo_weights(CFG, SEED + 2)
+    batches = [data.batch(data.train_indices(step, 2), teacher) for step in range(50)]
     curves = {}
     for variant in ("ikbo", "baseline"):
-        torch.manual_seed(0)
         model = RankerModule(variant, CFG, initial, backend="torch")
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         curves[variant] = []
-        for step in range(50):
-            batch = data.batch(data.train_indices(step, 2), teacher)
+        for batch in batches:
             optimizer.zero_grad()
             loss = click_loss(model(batch), batch["labels"])
             loss.backward()
