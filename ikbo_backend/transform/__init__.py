@@ -68,11 +68,10 @@ def to_ikbo(
     mapping = _find_mapping(examples, mapping_name, signature)
     num_candidates = mapping.shape[0]
     num_users = _user_rows(examples, num_candidates)
-    if num_users is None or num_users == num_candidates:
+    if num_users is None:
         reason = (
-            f"the example has U = B = {num_candidates}: user and candidate tensors cannot be told apart by rows"
-            if num_users
-            else "the example has no tensor with a row count other than B: no user tensors"
+            f"every tensor of the example has B = {num_candidates} rows: if U = B = {num_candidates}, user and "
+            "candidate tensors cannot be told apart by rows"
         )
         warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged (pass an example with U ≠ B)", stacklevel=2)
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
@@ -88,14 +87,16 @@ def to_ikbo(
             left=[f"the whole model: the capture could not follow it ({type(e).__name__}: {e}); served unchanged"]
         )
     kept = [f"`{path}` ({kind}): {reason}" for path, kind, reason in captured.opaque]
+    captured.module.graph.eliminate_dead_code()
+    captured.module.recompile()
+    rewriter = None
     try:
-        captured.module.graph.eliminate_dead_code()
-        captured.module.recompile()
-        module, report = Rewriter(captured.module, examples, mapping_name, num_users, num_candidates).run()
+        rewriter = Rewriter(captured.module, examples, mapping_name, num_users, num_candidates)
+        module, report = rewriter.run()
     except Exception as e:
-        return model, Report(
-            left=[f"the whole model: the rewrite failed ({type(e).__name__}: {e}); served unchanged"], kept=kept
-        )
+        where = f" at {rewriter.where()}" if rewriter is not None and rewriter.node is not None else ""
+        reason = f"the rewrite failed{where} ({type(e).__name__}: {e})"
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
     report.kept = kept
     error = _disagreement(model, module, example_inputs)
     if not error <= rtol:

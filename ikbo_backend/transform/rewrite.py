@@ -354,6 +354,8 @@ class Rewriter(AttentionRewrites):
             index = _arg(args, kwargs, 1 if along else 2, "indices" if along else "index")
             if _norm(dim, src.meta.ndim) == 0 and isinstance(index, Plain) and index.spread is not None:
                 trailing = index.meta.shape[1:]
+                if along:  # take_along_dim broadcasts the index's size-1 dims
+                    trailing = tuple(b if a == 1 else a for a, b in zip(trailing, src.meta.shape[1:]))
                 if len(trailing) == src.meta.ndim - 1 and all(a <= b for a, b in zip(trailing, src.meta.shape[1:])):
                     user = src.node
                     if trailing != src.meta.shape[1:]:
@@ -630,15 +632,19 @@ class Rewriter(AttentionRewrites):
             return None
         user_state = None if state is None else (tuple(s.user for s in states) if len(states) > 1 else states[0].user)
         node = self.emit("call_module", target, (x.user,) if state is None else (x.user, user_state))
-        out = Rep(self.emit("call_function", operator.getitem, (node, 0)), x.mapping, meta[0], x.source, rows)
+        out = Rep(self.emit("call_function", operator.getitem, (node, 0)), x.mapping, meta[0], x.source, row_dim=rows)
         hidden = self.emit("call_function", operator.getitem, (node, 1))
         if isinstance(module, nn.LSTM):
             h, c = (self.emit("call_function", operator.getitem, (hidden, i)) for i in (0, 1))
             final = Struct(
-                (Rep(h, x.mapping, meta[1][0], x.source, 1), Rep(c, x.mapping, meta[1][1], x.source, 1)), meta[1]
+                (
+                    Rep(h, x.mapping, meta[1][0], x.source, row_dim=1),
+                    Rep(c, x.mapping, meta[1][1], x.source, row_dim=1),
+                ),
+                meta[1],
             )
         else:
-            final = Rep(hidden, x.mapping, meta[1], x.source, 1)
+            final = Rep(hidden, x.mapping, meta[1], x.source, row_dim=1)
         self.sunk[type(module).__name__] += 1
         return Struct((out, final), meta)
 

@@ -1,0 +1,336 @@
+"""The IKBO transformation on the spellings independent models use: replication by what it computes,
+key masks in every common form, Python control flow (guards), modules the capture cannot see into,
+RNNs, standard transformer layers, dict / tuple inputs, U == B, the cost model's decision, and the
+eval form of nn.MultiheadAttention against the module. Every rewrite is checked on fresh inputs at other
+U, B (unsorted mappings) against the original model.
+"""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ikbo_backend.transform import Guarded, ReplicationDetector, cost, to_ikbo
+from ikbo_backend.transform.standard import multihead_attention
+from kernels.reference import rel_err
+
+D, L, H, FU, FC = 16, 12, 2, 6, 9
+EXAMPLE, SIZES = (5, 37), [(3, 41), (7, 53)]
+RTOL = 1e-5
+
+
+def request(num_users, num_candidates, gen, sorted_mapping=False):
+    mapping = torch.randint(0, num_users, (num_candidates,), generator=gen)
+    if sorted_mapping:
+        mapping = mapping.sort().values
+    ids = torch.randint(1, 50, (num_users, L), generator=gen)
+    ids[torch.rand(num_users, L, generator=gen) < 0.3] = 0  # padding anywhere: not a prefix
+    ids[:, 0] = 1
+    return dict(
+        user=torch.randn(num_users, FU, generator=gen),
+        history=torch.randn(num_users, L, D, generator=gen),
+        lengths=torch.randint(1, L + 1, (num_users,), generator=gen),
+        ids=ids,
+        cand=torch.randn(num_candidates, FC, generator=gen),
+        cand_to_user=mapping,
+    )
+
+
+def args_for(model, inputs):
+    names = model.forward.__code__.co_varnames[1 : model.forward.__code__.co_argcount]
+    return tuple(inputs[n] for n in names)
+
+
+def check(model, make=request, expect_left=0, must=()):
+    """Transform on the example, then compare with the original on fresh requests; returns the report."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = model.eval()
+    module, report = to_ikbo(model, args_for(model, make(*EXAMPLE, gen)), measure=False)
+    assert module is not model, str(report)
+    assert report.replications_left == expect_left, str(report)
+    for word in must:
+        assert word in str(report), f"{word!r} not in\n{report}"
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, make(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+        if expect_left == 0:
+            with torch.inference_mode(), ReplicationDetector(num_users, num_candidates) as detector:
+                module(*args)
+            assert detector.replications == [], str(report)
+    return report
+
+
+class Replicated(nn.Module):
+    """An MLP over cat(user features replicated by `spell`, candidate features)."""
+
+    SPELLINGS = {
+        "index": lambda x, m: x[m],
+        "index_rows": lambda x, m: x[m, :],
+        "index_select": lambda x, m: torch.index_select(x, 0, m),
+        "gather": lambda x, m: torch.gather(x, 0, m.long().unsqueeze(1).expand(-1, x.shape[1])),
+        "gather_view": lambda x, m: x.gather(0, m.view(-1, 1).repeat(1, x.size(1))),
+        "take_along_dim": lambda x, m: torch.take_along_dim(x, m.view(-1, 1), dim=0),
+        "embedding": lambda x, m: F.embedding(m, x),
+    }
+
+    def __init__(self, spell):
+        super().__init__()
+        self.spell = self.SPELLINGS[spell]
+        self.net = nn.Sequential(nn.Linear(FU + FC, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, user, cand, cand_to_user):
+        return self.net(torch.cat([self.spell(user, cand_to_user), cand], dim=1))
+
+
+@pytest.mark.parametrize("spell", list(Replicated.SPELLINGS))
+def test_replication_spellings(spell):
+    check(Replicated(spell), must=("kept virtual", "linear_rows"))
+
+
+class Interleaved(nn.Module):
+    """Candidates sorted by user, the user rows repeated by count (repeat_interleave)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(FU + FC, 3)
+
+    def forward(self, user, cand, cand_to_user):
+        counts = torch.bincount(cand_to_user, minlength=user.shape[0])
+        return self.net(torch.cat([user.repeat_interleave(counts, dim=0), cand], dim=1))
+
+
+def test_repeat_interleave():
+    check(Interleaved(), make=lambda u, b, g: request(u, b, g, sorted_mapping=True), must=("repeat_interleave",))
+
+
+class Masked(nn.Module):
+    """Candidate queries attend to the user's history; the key mask in one of the spellings models use."""
+
+    MASKS = {
+        "arange_no_device": lambda k, n, ids: torch.arange(L) < n[:, None],
+        "shape_derived": lambda k, n, ids: torch.arange(k.shape[1], device=k.device)[None, :] < n.unsqueeze(1),
+        "negated": lambda k, n, ids: ~(torch.arange(L)[None, :] >= n[:, None]),
+        "additive": lambda k, n, ids: torch.zeros(n.shape[0], L).masked_fill(torch.arange(L) >= n[:, None], -math.inf),
+        "additive_finite": lambda k, n, ids: (torch.arange(L) >= n[:, None]).float() * -1e9,
+        "ids_nonzero": lambda k, n, ids: ids != 0,
+    }
+
+    def __init__(self, mask, replicate_first=True):
+        super().__init__()
+        self.mask, self.replicate_first = self.MASKS[mask], replicate_first
+        self.q, self.k, self.v = nn.Linear(FC, D), nn.Linear(D, D), nn.Linear(D, D)
+        self.out = nn.Linear(D, 1)
+
+    def forward(self, history, lengths, ids, cand, cand_to_user):
+        if self.replicate_first:
+            history, lengths, ids = history[cand_to_user], lengths[cand_to_user], ids[cand_to_user]
+            mask = self.mask(history, lengths, ids)
+        else:
+            mask = self.mask(history, lengths, ids)[cand_to_user]
+            history = history[cand_to_user]
+        q = self.q(cand).view(-1, H, 1, D // H)
+        k, v = (f(history).unflatten(-1, (H, -1)).transpose(1, 2) for f in (self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+        return self.out(out.flatten(1))
+
+
+@pytest.mark.parametrize("mask,first", list(itertools.product(Masked.MASKS, [True, False])))
+def test_key_mask_spellings(mask, first):
+    check(Masked(mask, first), must=("ikbo_attention",))
+
+
+class TargetMHA(nn.Module):
+    """nn.MultiheadAttention target attention with key_padding_mask, sequence-first or batch-first."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.batch_first = batch_first
+        self.q = nn.Linear(FC, D)
+        self.mha = nn.MultiheadAttention(D, H, batch_first=batch_first, dropout=0.1)
+        self.out = nn.Linear(D, 1)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        kv = history[cand_to_user]
+        padding = torch.arange(L)[None, :] >= lengths[cand_to_user].unsqueeze(1)
+        q = self.q(cand).unsqueeze(1)
+        if not self.batch_first:
+            q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+        out, _ = self.mha(q, kv, kv, key_padding_mask=padding)
+        return self.out(out.squeeze(1 if self.batch_first else 0))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_multihead_attention_key_padding_mask(batch_first):
+    check(TargetMHA(batch_first), must=("ikbo_attention",))
+
+
+class Recurrent(nn.Module):
+    """GRU (batch-first) and LSTM (sequence-first, final state) over the user's history, then the target."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(D, D, batch_first=True)
+        self.lstm = nn.LSTM(D, D, num_layers=2)
+        self.out = nn.Linear(2 * D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        seq = history[cand_to_user]
+        states, _ = self.gru(seq)
+        _, (h, c) = self.lstm(seq.transpose(0, 1))
+        return self.out(torch.cat([states[:, -1], h[-1], cand], dim=-1))
+
+
+def test_rnns_run_at_user_rows():
+    check(Recurrent(), must=("GRU", "LSTM"))
+
+
+class Encoder(nn.Module):
+    """A transformer encoder layer over the replicated history (users' tokens only), then the target."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=32, batch_first=True, norm_first=True)
+        self.q = nn.Linear(FC, D)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        padding = torch.arange(L)[None, :] >= lengths[:, None]
+        seq = self.layer(history[cand_to_user], src_key_padding_mask=padding[cand_to_user])
+        return (self.q(cand)[:, None, :] * seq).sum(-1)
+
+
+def test_transformer_layer_over_history():
+    check(Encoder())
+
+
+class Branchy(nn.Module):
+    """Python control flow on ndims and on the history length: followed on the example, checked per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        self.out = nn.Linear(D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        h = self.proj(history[cand_to_user])
+        if h.dim() == 3:
+            state = torch.zeros_like(h[:, 0])
+            for t in range(h.shape[1]):
+                state = torch.tanh(state + h[:, t])
+        return self.out(torch.cat([state, cand], dim=-1))
+
+
+def test_control_flow_followed_and_guarded():
+    check(Branchy(), must=("tanh",))
+    model = Branchy().eval()
+    gen = torch.Generator().manual_seed(4)
+    module, _ = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert isinstance(module, Guarded) and module.fixed_sizes
+    shorter = request(*SIZES[0], gen)
+    shorter["history"] = shorter["history"][:, :5]  # another length: the loop the capture followed differs
+    args = args_for(model, shorter)
+    with torch.inference_mode():
+        assert rel_err(module(*args), model(*args)) <= RTOL
+    assert module.fallbacks == 1
+
+
+class RowLoop(nn.Module):
+    """Loops over its rows in Python (the capture cannot follow it) but acts row by row."""
+
+    def forward(self, x):
+        return torch.stack([row * 2 if bool(row.sum() > 0) else row for row in x])
+
+
+class Centered(nn.Module):
+    """Branches on values and mixes rows (subtracts the batch mean): not row-wise."""
+
+    def forward(self, x):
+        return x - x.mean(0) if bool(x.sum() != 0) else x
+
+
+class WithOpaque(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.proj, self.out = inner, nn.Linear(FU, D), nn.Linear(D + FC, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        return self.out(torch.cat([self.inner(self.proj(user[cand_to_user])), cand], dim=-1))
+
+
+def test_opaque_module_runs_at_user_rows_where_row_wise():
+    report = check(WithOpaque(RowLoop()), must=("kept whole, runs at U rows",))
+    assert any("`inner` (RowLoop)" in k for k in report.kept), str(report)
+    report = check(WithOpaque(Centered()), expect_left=1, must=("`inner` reads candidate rows",))
+
+
+class DictInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(FU + FC, 2)
+
+    def forward(self, features: dict):
+        m = features["cand_to_user"]
+        return self.net(torch.cat([features["user"][m], features["cand"]], dim=1))
+
+
+def test_dict_inputs_and_clear_errors():
+    gen = torch.Generator().manual_seed(5)
+    model = DictInput().eval()
+    module, report = to_ikbo(model, (request(*EXAMPLE, gen),), measure=False)
+    assert report.replications_left == 0 and module is not model, str(report)
+    features = request(*SIZES[1], gen)
+    with torch.inference_mode():
+        assert rel_err(module(features), model(features)) <= RTOL
+
+    class TupleInput(nn.Module):
+        def forward(self, pair):
+            return pair[0][pair[1]]
+
+    with pytest.raises(ValueError, match="cand_to_user.*tuple"):
+        to_ikbo(TupleInput(), ((torch.randn(5, 3), torch.randint(0, 5, (37,))),))
+    with pytest.raises(ValueError, match="eval mode"):
+        to_ikbo(nn.Sequential(nn.Dropout(0.5)).train(), (torch.randn(3, 2),))
+
+
+def test_equal_row_counts_warn_and_return_the_model():
+    model = Replicated("index").eval()
+    gen = torch.Generator().manual_seed(6)
+    with pytest.warns(UserWarning, match="U = B = 8"):
+        module, report = to_ikbo(model, args_for(model, request(8, 8, gen)))
+    assert module is model and "U = B = 8" in str(report)
+
+
+def test_slower_rewrite_is_not_served(monkeypatch):
+    monkeypatch.setattr(cost, "compare", lambda original, rewritten, inputs: (1e-3, 2e-3))
+    model = Replicated("index").eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, torch.Generator().manual_seed(7))))
+    assert module is model and "slower" in report.left[0] and report.speedup == 0.5
+
+
+def test_multihead_attention_eval_form_matches_the_module():
+    gen = torch.Generator().manual_seed(8)
+    for batch_first, bias_kv, zero_attn, need, kpm, mask in itertools.product(
+        [True, False], [False, True], [False, True], [True, False], [None, "bool", "float"], [None, "bool", "float"]
+    ):
+        m = nn.MultiheadAttention(D, H, add_bias_kv=bias_kv, add_zero_attn=zero_attn, batch_first=batch_first).eval()
+        q, k = torch.randn(3, 4, D, generator=gen), torch.randn(3, 6, D, generator=gen)
+        if not batch_first:
+            q, k = q.transpose(0, 1), k.transpose(0, 1)
+        padding = torch.arange(6)[None, :] >= torch.tensor([6, 3, 1])[:, None]
+        kpm_value = {None: None, "bool": padding, "float": torch.zeros(3, 6).masked_fill(padding, -math.inf)}[kpm]
+        attn = {None: None, "bool": torch.ones(4, 6, dtype=torch.bool).triu(1), "float": torch.randn(3 * H, 4, 6)}[mask]
+        if attn is not None and attn.dtype == torch.bool:
+            attn[:, 0] = False
+        if kpm_value is not None and attn is not None and (kpm_value.dtype == torch.bool) != (attn.dtype == torch.bool):
+            continue  # mixed mask kinds: deprecated in the module
+        with torch.no_grad():
+            expected = m(q, k, k, key_padding_mask=kpm_value, need_weights=need, attn_mask=attn)
+            actual = multihead_attention(m, q, k, k, key_padding_mask=kpm_value, need_weights=need, attn_mask=attn)
+        assert rel_err(actual[0], expected[0]) <= RTOL
+        assert (actual[1] is None) == (expected[1] is None)
+        if need:
+            assert rel_err(actual[1], expected[1]) <= RTOL
