@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-E = 16  # embedding dim
+E = 32  # embedding dim (2 heads of 16: a head size the Triton attention kernels take)
 L = 50  # short history
 LL = 256  # long history (SIM)
 TOPK = 20  # items the SIM search keeps
