@@ -86,24 +86,28 @@ def run(names, num_users=15, num_candidates=1024, device="cpu", dtype=torch.floa
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for name in names:
-        gen = torch.Generator().manual_seed(seed)
-        model = zoo.build(name, seed=seed).to(device, dtype)
-        example = _cast(zoo.inputs(model, num_users, num_candidates, gen), device, dtype)
-        module, report = to_ikbo(model, example)
-        served = "kept" if module is model else "fully" if report.replications_left == 0 else "partly"
-        if module is model:
-            left = 0
-        else:
-            left = report.replications_left
-        args = _cast(zoo.inputs(model, num_users, num_candidates, gen), device, dtype)
-        with torch.inference_mode():
-            err = rel_err(module(*args), model(*args))
-            calls = [lambda f=f: f(*args) for f in (model, module)]
-            if graphs and cuda:
-                calls = [_graphed(f, args) for f in (model, module)]
-            (orig_s, served_s), ratio = paired(calls, rounds, sync)
-        rows.append(Row(name, served, left, orig_s * 1e3, orig_s / ratio * 1e3, ratio, report.speedup, err))
+        try:
+            rows.append(_one(name, num_users, num_candidates, device, dtype, rounds, graphs and cuda, seed, sync))
+        except Exception as e:  # one model's failure is a row of the table, not the end of the run
+            rows.append(Row(name, f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}", 0, 0, 0, 0, None, 0))
     return rows
+
+
+def _one(name, num_users, num_candidates, device, dtype, rounds, graphs, seed, sync) -> Row:
+    gen = torch.Generator().manual_seed(seed)
+    model = zoo.build(name, seed=seed).to(device, dtype)
+    example = _cast(zoo.inputs(model, num_users, num_candidates, gen), device, dtype)
+    module, report = to_ikbo(model, example)
+    served = "kept" if module is model else "fully" if report.replications_left == 0 else "partly"
+    left = 0 if module is model else report.replications_left
+    args = _cast(zoo.inputs(model, num_users, num_candidates, gen), device, dtype)
+    with torch.inference_mode():
+        err = rel_err(module(*args), model(*args))
+        calls = [lambda f=f: f(*args) for f in (model, module)]
+        if graphs:
+            calls = [_graphed(f, args) for f in (model, module)]
+        (orig_s, _), ratio = paired(calls, rounds, sync)
+    return Row(name, served, left, orig_s * 1e3, orig_s / ratio * 1e3, ratio, report.speedup, err)
 
 
 def table(rows) -> str:
