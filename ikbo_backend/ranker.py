@@ -283,8 +283,8 @@ class IkboRanker(_Interaction):
 
     Trains when its weights are Parameters that require grad (ikbo_backend/training.py): the LCE then
     trains its own Parameters (`self.lce`, packed from lce.weight and lce.bias), the first MLP layer's
-    two column blocks are views of mlp.0.weight taken at every call, and under autocast the LCE runs
-    in the autocast dtype as the baseline's matmul does (custom ops are not autocast)."""
+    two column blocks are views of mlp.0.weight taken at every call, and under autocast the IKBO ops run
+    in the autocast dtype, as the baseline's matmuls and attention do (`_op`)."""
 
     def __init__(self, cfg, weights, device="cpu", backend: str = "auto", batch_invariant: bool = False):
         super().__init__(cfg, weights, device, batch_invariant)
@@ -302,31 +302,37 @@ class IkboRanker(_Interaction):
             return first[:, : self.cfg.embedding_dim], first[:, self.cfg.embedding_dim :]
         return self.mlp0_user, self.mlp0_cand
 
+    def _op(self, op, *args, **kwargs):
+        """An IKBO op; under autocast as `torch.library.register_autocast` runs an op: floating inputs cast to the
+        autocast dtype, the op run with autocast off (autocast casts no custom op's inputs, and must not recast
+        the torch ops inside one)."""
+        device_type = args[0].device.type
+        if not torch.is_autocast_enabled(device_type):
+            return op(*args, **kwargs)
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        with torch.autocast(device_type, enabled=False):
+            return op(*cast, **kwargs)
+
     def _compress(self, f: Features) -> torch.Tensor:
         """LCE → [B, N, D]; under autocast in its dtype, from the Parameters cast at the call (as autocast
         casts a linear's weight)."""
-        device_type = f.user_tokens.device.type
-        if not torch.is_autocast_enabled(device_type):
-            return self.lce(f.user_tokens, f.cand_tokens, f.cand_to_user, backend=self.backend)
-        dtype, lce = torch.get_autocast_dtype(device_type), self.lce
-        with torch.autocast(device_type, enabled=False):
-            weight = torch.cat([lce.user_weight, lce.cand_weight], dim=1).to(dtype)
-            return ikbo_linear_compress(
-                f.user_tokens.to(dtype),
-                f.cand_tokens.to(dtype),
-                f.cand_to_user,
-                weight,
-                None if lce.bias is None else lce.bias.to(dtype),
-                backend=self.backend,
-            )
+        lce = self.lce
+        if not torch.is_autocast_enabled(f.user_tokens.device.type):
+            return lce(f.user_tokens, f.cand_tokens, f.cand_to_user, backend=self.backend)
+        weight = torch.cat([lce.user_weight, lce.cand_weight], dim=1)
+        args = (f.user_tokens, f.cand_tokens, f.cand_to_user, weight, lce.bias)
+        return self._op(ikbo_linear_compress, *args, backend=self.backend)
 
     def logits(self, f: Features) -> torch.Tensor:
         """[B, T], before the sigmoid."""
         compressed = self._compress(f)  # [B, N, D]
         user_q, k, v = self._history_qkv(f.history_tokens)  # [U, H, L, d]
-        user_seq, cand_seq = ikbo_self_target_attention(
+        cand_q = self._cand_queries(compressed)  # [B, H, S, d]
+        user_seq, cand_seq = self._op(
+            ikbo_self_target_attention,
             user_q,
-            self._cand_queries(compressed),
+            cand_q,
             k,
             v,
             f.cand_to_user,
@@ -337,7 +343,8 @@ class IkboRanker(_Interaction):
         user_repr = self._sequence_summary(user_seq, f.history_len)  # [U, D]
         mlp0_user, mlp0_cand = self._first_layer()
         cand_hidden = self.linear(self._cand_repr(compressed, cand_seq), mlp0_cand, self.w["mlp.0.bias"])  # [B, h1]
-        hidden = add_user_rows(cand_hidden, self.linear(user_repr, mlp0_user), f.cand_to_user)  # Type I
+        user_hidden = self.linear(user_repr, mlp0_user)  # [U, h1]
+        hidden = self._op(add_user_rows, cand_hidden, user_hidden, f.cand_to_user)  # Type I
         return self._mlp_tail(hidden)
 
 
