@@ -298,7 +298,7 @@ def test_users_without_candidates_and_empty_batches():
 
 
 class DataDependent(nn.Module):
-    """Python control flow on tensor values: torch.fx cannot trace it."""
+    """Python control flow on tensor values: the capture does not follow it."""
 
     def __init__(self):
         super().__init__()
@@ -314,18 +314,21 @@ def test_untraceable_model_is_served_unchanged():
     inputs = user_candidate_inputs(*EXAMPLE, torch.Generator().manual_seed(2))
     module, report = to_ikbo(model, args_for(model, inputs))
     assert module is model
-    assert report.replications_left == 1 and "could not trace" in str(report)
+    assert report.replications_left == 1 and "control flow on tensor values at" in str(report)
+    assert "test_transform.py:" in str(report)  # the line of the branch
 
 
 def test_rewrite_that_disagrees_is_not_served(monkeypatch):
     """The example check: a join that computes the wrong thing sends the model back unchanged."""
     from ikbo_backend.transform import ops
 
-    monkeypatch.setattr(
-        ops, "add_user_rows_broadcast", lambda cand, user, mapping, **signs: cand
-    )  # drops the user term
+    def linear_rows(x, weight, user, mapping, extras=()):
+        return torch.nn.functional.linear(x, weight)  # drops the user term
+
+    monkeypatch.setattr(ops, "linear_rows", linear_rows)
     model = ConcatMlp().eval()
-    module, report = to_ikbo(model, args_for(model, user_candidate_inputs(*EXAMPLE, torch.Generator().manual_seed(3))))
+    inputs = user_candidate_inputs(*EXAMPLE, torch.Generator().manual_seed(3))
+    module, report = to_ikbo(model, args_for(model, inputs), measure=False)
     assert module is model and "disagrees" in str(report)
 
 
