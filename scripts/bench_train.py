@@ -59,8 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--device {args.device}: torch sees no CUDA device")
     on_gpu = args.device.type == "cuda"
     args.dtype = DTYPES[args.dtype or ("bfloat16" if on_gpu else "float32")]
-    args.requests_per_step = args.requests_per_step or (8 if on_gpu else 2)
-    args.steps = args.steps or (40 if on_gpu else 10)
+    if args.requests_per_step is None:
+        args.requests_per_step = 8 if on_gpu else 2
+    if args.steps is None:
+        args.steps = 40 if on_gpu else 10
     for name in ("requests_per_step", "steps", "warmup", "block", "pool"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
