@@ -48,9 +48,13 @@ def parse_args(argv=None) -> TrainConfig:
         "--threads", type=int, default=default["threads"], help="torch CPU threads (0: one per core; 1 on a busy CPU)"
     )
     parser.add_argument(
-        "--weights", default=None, help="weights file to write (default: the one `make serve` loads for --profile)"
+        "--weights",
+        default=None,
+        help="weights file to write, relative to the project root (default: the one `make serve` loads for --profile)",
     )
-    parser.add_argument("--out", default=default["out"], help="folder of checkpoint.pt, metrics.json, curves.png")
+    parser.add_argument(
+        "--out", default=default["out"], help="folder of checkpoint.pt, metrics.json, curves.png (project-relative)"
+    )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     args = parser.parse_args(argv)
