@@ -108,6 +108,26 @@ def test_repeat_interleave():
     check(Interleaved(), make=lambda u, b, g: request(u, b, g, sorted_mapping=True), must=("repeat_interleave",))
 
 
+class PooledHistory(nn.Module):
+    """YouTube-DNN style: the user's ids through an EmbeddingBag and the history mean-pooled under its
+    mask, then a tower over [user, candidate]."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(50, D, mode="mean")
+        self.net = nn.Sequential(nn.Linear(2 * D + FC, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, ids, history, lengths, cand, cand_to_user):
+        ids, history, lengths = ids[cand_to_user], history[cand_to_user], lengths[cand_to_user]
+        valid = (torch.arange(history.shape[1]) < lengths[:, None]).float()
+        pooled = (history * valid.unsqueeze(-1)).sum(1) / valid.sum(1, keepdim=True)
+        return self.net(torch.cat([self.bag(ids), pooled, cand], dim=1))
+
+
+def test_embedding_bag_and_masked_pooling():
+    check(PooledHistory(), must=("embedding_bag", "linear_rows"))
+
+
 class Masked(nn.Module):
     """Candidate queries attend to the user's history; the key mask in one of the spellings models use."""
 
