@@ -1,10 +1,12 @@
 """Runtime pieces the rewritten graphs call: joins of user rows (U) with candidate rows (B) through
-the mapping `cand_to_user` [B], none of which copies a user tensor to B rows, plus the one explicit
-replication (`index_rows`) that the pass emits where it has no join for a consumer (and reports).
+the mapping `cand_to_user` [B], plus the one explicit replication (`index_rows`) that the pass emits
+where it has no join for a consumer (and reports).
 
-Joins other than additions (`rows_join`, `rows_matmul`, `rows_einsum`) read the user rows a tile of
-candidates at a time; `select_user_rows` reads each candidate's own selection of its user's rows;
-`compact_keys` turns any per-user key mask into key lengths for `ikbo_attention`.
+The joins (`linear_rows`, `rows_join`, `rows_matmul`, `rows_einsum`, the CPU add) read user rows a tile
+of candidates at a time, at most TILE_BYTES (1 MiB) of gathered user rows per tile: no tensor of user
+data at B rows, except that where all of B fits one tile the tile is all of B (a small copy).
+`select_user_rows` reads each candidate's own selection of its user's rows; `compact_keys` turns any
+per-user key mask into key lengths for `ikbo_attention`.
 """
 
 from __future__ import annotations
