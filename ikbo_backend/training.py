@@ -339,9 +339,9 @@ class Trainer:
 
 
 def train(config: TrainConfig, cfg: RankerConfig | None = None) -> dict:
-    """Run (or resume) a training run to `config.steps` steps; returns the summary written to metrics.json."""
+    """Run (or resume) a training run to `config.steps` steps; returns the summary written to metrics.json. With
+    `progress` a tqdm bar, else a line per evaluation."""
     import matplotlib  # noqa: F401  (plot_curves needs it: an ImportError now, not after the run)
-    from tqdm import tqdm
 
     started = time.perf_counter()
     if config.threads:
@@ -352,8 +352,13 @@ def train(config: TrainConfig, cfg: RankerConfig | None = None) -> dict:
     if not trainer.history["eval"]:
         trainer.record_eval()  # the initial weights' metrics: the curves start at step 0
     data, per_step = trainer.data, config.requests_per_step
-    bar = tqdm(total=config.steps, initial=trainer.step, disable=not config.progress, unit="step", dynamic_ncols=True)
-    shown = {"auc": f"{trainer.history['eval'][-1]['auc']:.4f}", "teacher": f"{trainer.teacher_metrics['auc']:.4f}"}
+    bar = None
+    if config.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, initial=trainer.step, unit="step", dynamic_ncols=True)
+    teacher = trainer.teacher_metrics
+    shown = {"auc": f"{trainer.history['eval'][-1]['auc']:.4f}", "teacher": f"{teacher['auc']:.4f}"}
     while trainer.step < config.steps:
         batch = data.batch(data.train_indices(trainer.step, per_step), trainer.teacher, trainer.device)
         loss = trainer.train_step(batch)
@@ -361,11 +366,21 @@ def train(config: TrainConfig, cfg: RankerConfig | None = None) -> dict:
         trainer.history["step"].append(trainer.step)
         trainer.history["loss"].append(loss)
         if trainer.step % config.eval_every == 0 or trainer.step == config.steps:
-            shown["auc"] = f"{trainer.record_eval()['auc']:.4f}"
+            metrics = trainer.record_eval()
             trainer.save_checkpoint()
-        bar.set_postfix({"loss": f"{loss:.4f}", **shown}, refresh=False)
-        bar.update(1)
-    bar.close()
+            shown["auc"] = f"{metrics['auc']:.4f}"
+            if bar is None:
+                print(
+                    f"step {trainer.step}: loss {loss:.4f}, held-out AUC {metrics['auc']:.4f} (teacher "
+                    f"{teacher['auc']:.4f}), log-loss {metrics['logloss']:.4f} (teacher {teacher['logloss']:.4f}), "
+                    f"{time.perf_counter() - started:.0f} s",
+                    flush=True,
+                )
+        if bar is not None:
+            bar.set_postfix({"loss": f"{loss:.4f}", **shown}, refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     return trainer.write_outputs(time.perf_counter() - started)
 
 

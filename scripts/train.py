@@ -15,6 +15,7 @@ OUT/curves.png (ikbo_backend/training.py; the data: ikbo_backend/clicks.py).
 import argparse
 import sys
 
+from ikbo_backend.paths import profile_weights_path
 from ikbo_backend.ranker import PROFILES
 from ikbo_backend.training import DTYPES, VARIANTS, TrainConfig, train
 
@@ -71,12 +72,19 @@ def main(argv=None) -> None:
     except (ValueError, FileNotFoundError) as error:
         sys.exit(f"train.py: error: {error}")
     final, teacher = summary["final"], summary["teacher"]
+    served = profile_weights_path(config.profile)
+    if config.profile != "demo":
+        serve = f"scripts/serve --config {config.profile}" + (
+            "" if config.weights_path() == served else f" (loads {served}: copy the weights there)"
+        )
+    else:
+        serve = "make serve" if config.weights_path() == served else f"IKBO_WEIGHTS={config.weights_path()} make serve"
     print(
         f"{summary['steps']} steps in {summary['seconds']:.0f} s on {summary['device']} ({summary['autocast']}): "
         f"held-out AUC {final['auc']:.4f} (teacher {teacher['auc']:.4f}), "
         f"log-loss {final['logloss']:.4f} (teacher {teacher['logloss']:.4f})\n"
         f"weights: {summary['weights']}\ncurves:  {config.out_dir() / 'curves.png'}\n"
-        f"serve:   {'make serve' if config.profile == 'demo' else f'scripts/serve --config {config.profile}'}"
+        f"serve:   {serve}"
     )
 
 
