@@ -102,8 +102,9 @@ class RankerModule(nn.Module):
 
 
 def click_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean binary cross-entropy over the B × T labels, in fp32."""
-    return F.binary_cross_entropy_with_logits(logits.float(), labels)
+    """Mean binary cross-entropy over the B × T labels, in fp32 at least (16-bit logits are widened)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return F.binary_cross_entropy_with_logits(logits.to(dtype), labels.to(dtype))
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
