@@ -719,6 +719,10 @@ class Rewriter(AttentionRewrites):
         whole = lambda v: Plain(self.materialize(v, where, ""), v.meta, True) if isinstance(v, Sum) else v  # noqa: E731
         return self.apply(op, key, fmap(args, whole), fmap(kwargs, whole), meta)
 
+    def _cat_columns(self, nodes):
+        """The one node, or several joined along the last dim (the columns a split GEMM reads together)."""
+        return nodes[0] if len(nodes) == 1 else self.emit("call_function", torch.cat, (nodes,), {"dim": -1})
+
     def _neg(self, node):
         return None if node is None else self.emit("call_function", operator.neg, (node,))
 
@@ -1375,11 +1379,7 @@ class Rewriter(AttentionRewrites):
             chosen = [it for it in items if it[2] == sign]
             if not chosen:
                 continue
-            x = (
-                chosen[0][0]
-                if len(chosen) == 1
-                else self.emit("call_function", torch.cat, ([it[0] for it in chosen],), {"dim": -1})
-            )
+            x = self._cat_columns([it[0] for it in chosen])
             term = self.emit(
                 "call_function", F.linear, (x, self._weight_columns(weight, [it[1] for it in chosen], True))
             )
@@ -1392,11 +1392,7 @@ class Rewriter(AttentionRewrites):
         extras = []
         for cp in expanded:
             extras.append(self.linear_cand(F.linear, (cp[0], self._weight_columns(weight, [cp[1]], True))))
-        x = (
-            main[0][0]
-            if len(main) == 1
-            else self.emit("call_function", torch.cat, ([cp[0] for cp in main],), {"dim": -1})
-        )
+        x = self._cat_columns([cp[0] for cp in main])
         w = self._weight_columns(weight, [cp[1] for cp in main], True)
         return Plain(self.emit("call_function", ops.linear_rows, (x, w, user, mapping.node, extras)), meta, True)
 
@@ -1409,11 +1405,7 @@ class Rewriter(AttentionRewrites):
         )
         b = None if bias is None else (bias.node if is_value(bias) else bias)
         for group in groups:
-            x = (
-                group[0][0]
-                if len(group) == 1
-                else self.emit("call_function", torch.cat, ([g[0] for g in group],), {"dim": -1})
-            )
+            x = self._cat_columns([g[0] for g in group])
             w = self._weight_columns(weight, [g[1] for g in group], weight_cols)
             with_bias = cand_sum is None and b is not None and weight_cols and group is groups[-1]
             term = self.linear_cand(fn, (x, w, b) if with_bias else (x, w))
@@ -1427,11 +1419,7 @@ class Rewriter(AttentionRewrites):
                 chosen = [it for it in items if it[2] == sign]
                 if not chosen:
                     continue
-                x = (
-                    chosen[0][0]
-                    if len(chosen) == 1
-                    else self.emit("call_function", torch.cat, ([it[0] for it in chosen],), {"dim": -1})
-                )
+                x = self._cat_columns([it[0] for it in chosen])
                 term = self.emit(
                     "call_function", fn, (x, self._weight_columns(weight, [it[1] for it in chosen], weight_cols))
                 )
