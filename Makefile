@@ -27,7 +27,7 @@ train: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 perf-configs: setup
 	$(PY) scripts/make_perf_configs.py
