@@ -116,3 +116,23 @@ def test_report_names_modules_and_lines(transformed):
     text = str(report)
     assert "zoo.py:" in text and "kept virtual" in text, text
     assert "cost: at U:B = 15:1024" in text
+
+
+@pytest.mark.parametrize("name", ["din", "dien", "target_mha"])
+def test_bfloat16_models_are_rewritten(name):
+    """A bf16 model (its dtype in its parameters; ids and the mapping its only inputs, or bf16 dense features) is
+    judged at bf16's tolerance, not fp32's: rewritten, as in fp32, and within bf16 rounding of the original."""
+    model = zoo.build(name, seed=_seed()).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(_seed())
+
+    def bf16_inputs(num_users, num_candidates):
+        args = zoo.inputs(model, num_users, num_candidates, gen)
+        return tuple(a.to(torch.bfloat16) if a.is_floating_point() else a for a in args)
+
+    module, report = to_ikbo(model, bf16_inputs(*SIZES[0]), measure=False)
+    assert module is not model, f"{name}: not rewritten:\n{report}"
+    args = bf16_inputs(*SIZES[2])
+    with torch.inference_mode():
+        expected, actual = model(*args), module(*args)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    assert rel_err(actual, expected) <= 2e-2, f"{name}\n{report}"

@@ -34,6 +34,14 @@ __all__ = ["MAPPING_ARGUMENT", "Guarded", "ReplicationDetector", "Report", "to_i
 RTOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2}  # default 1e-3 (fp32: tf32 on CUDA, fp64)
 
 
+def _float_dtypes(model: torch.nn.Module, example_inputs) -> set[torch.dtype]:
+    """Floating dtypes of the example's tensors and of the model's parameters and buffers (a bf16 model
+    fed integer ids computes in bf16)."""
+    tensors = [t for t in tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
+    tensors += [*model.parameters(), *model.buffers()]
+    return {t.dtype for t in tensors if t.is_floating_point()}
+
+
 def to_ikbo(
     model: torch.nn.Module,
     example_inputs,
@@ -52,8 +60,8 @@ def to_ikbo(
     (capture.py) are checked on each call; other inputs run the original model.
 
     Never wrong, never slower: a model that cannot be captured, whose rewrite fails or disagrees with it
-    on the example (relative error above `rtol`: a wrong rewrite, not rounding; default 1e-3, 2e-2 for
-    16-bit inputs: on CUDA the IKBO linear compression runs fp32 in tf32), or that runs slower than the
+    on the example (relative error above `rtol`: a wrong rewrite, not rounding; default 1e-3, 2e-2 where
+    the inputs or the model's parameters are 16-bit: on CUDA the IKBO linear compression runs fp32 in tf32), or that runs slower than the
     original on the example (`measure`; cost.py) comes back unchanged, with the reason in the report.
     """
     example_inputs = tuple(example_inputs)
@@ -76,10 +84,7 @@ def to_ikbo(
         warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged (pass an example with U ≠ B)", stacklevel=2)
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
     if rtol is None:
-        dtypes = {
-            t.dtype for t in tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
-        }
-        rtol = max([RTOL.get(d, 1e-3) for d in dtypes], default=1e-3)
+        rtol = max([RTOL.get(d, 1e-3) for d in _float_dtypes(model, example_inputs)], default=1e-3)
     try:
         captured = capture(model, examples, (num_users, num_candidates))
     except Exception as e:

@@ -81,6 +81,14 @@ JOIN_OPS = {  # elementwise op → ops.rows_join name for (cand, user) and (user
 TRANSPOSES = {"transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims"}
 
 
+def _row_tolerance(want: torch.Tensor) -> dict:
+    """allclose tolerances for a module's output run at U rows and gathered, against its output at B rows: the
+    same rows in another batch size round alike in fp32; a 16-bit GEMM may block them differently."""
+    if want.is_floating_point() and want.element_size() == 2:
+        return dict(rtol=2e-2, atol=2e-2 * float(want.abs().max()) if want.numel() else 0.0)
+    return dict(rtol=1e-4, atol=1e-6)
+
+
 def _sizes(args):
     """The size arguments of view / reshape / expand / repeat / a factory, as a list."""
     return list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
@@ -669,7 +677,7 @@ class Rewriter(AttentionRewrites):
                 ok = (
                     ok
                     and w.shape[0] == self.num_candidates
-                    and torch.allclose(g.index_select(0, m), w, rtol=1e-4, atol=1e-6)
+                    and torch.allclose(g.index_select(0, m), w, **_row_tolerance(w))
                 )
         if not ok:
             self.graph.erase_node(node)

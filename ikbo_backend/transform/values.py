@@ -4,6 +4,7 @@ tables (which ops act row by row on dim 0)."""
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,12 @@ def to_meta(x):
 # ----------------------------------------------------------------------------- report
 
 
+def _items(entries) -> list[str]:
+    """Report lines, an entry that recurs (a loop the capture unrolled) once with its count."""
+    counts = Counter(entries)
+    return [f"  - {e}" + (f" (×{counts[e]})" if counts[e] > 1 else "") for e in counts]
+
+
 @dataclass
 class Report:
     """What the pass rewrote and what it left, for a person. Entries name the module path and the
@@ -145,13 +152,13 @@ class Report:
 
     def __str__(self):
         lines = ["IKBO transformation report", f"rewritten ({len(self.rewritten)}):"]
-        lines += [f"  - {r}" for r in self.rewritten] or ["  (nothing)"]
+        lines += _items(self.rewritten) or ["  (nothing)"]
         lines += [f"left ({len(self.left)}):"]
-        lines += [f"  - {r}" for r in self.left] or ["  (nothing: no user tensor is replicated to B rows)"]
+        lines += _items(self.left) or ["  (nothing: no user tensor is replicated to B rows)"]
         if self.kept:
-            lines += ["modules kept whole:"] + [f"  - {k}" for k in self.kept]
+            lines += ["modules kept whole:"] + _items(self.kept)
         if self.notes:
-            lines += ["notes:"] + [f"  - {n}" for n in self.notes]
+            lines += ["notes:"] + _items(self.notes)
         if self.timing:
             lines += [f"cost: {self.timing}"]
         return "\n".join(lines)

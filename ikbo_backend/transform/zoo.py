@@ -175,7 +175,7 @@ class DIEN(nn.Module):
         mask = torch.arange(interests.size(1), device=hist_len.device)[None, :] < hist_len[:, None]
         scores = torch.bmm(interests, self.att(target).unsqueeze(-1)).squeeze(-1)  # [B, L]
         scores = F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        hx = torch.zeros(interests.size(0), interests.size(2), device=interests.device)
+        hx = interests.new_zeros(interests.size(0), interests.size(2))
         for t in range(interests.size(1)):
             h = self.evolution(interests[:, t], hx, scores[:, t])
             hx = torch.where(mask[:, t : t + 1], h, hx)
