@@ -48,6 +48,7 @@ def to_ikbo(
     mapping_name: str = MAPPING_ARGUMENT,
     rtol: float | None = None,
     measure: bool = True,
+    cuda_graphs: bool = False,
 ):
     """(module, report): `model` rewritten so that user tensors stay at U rows, and what was done.
 
@@ -62,7 +63,8 @@ def to_ikbo(
     Never wrong, never slower: a model that cannot be captured, whose rewrite fails or disagrees with it
     on the example (relative error above `rtol`: a wrong rewrite, not rounding; default 1e-3, 2e-2 where
     the inputs or the model's parameters are 16-bit: on CUDA the IKBO linear compression runs fp32 in tf32), or that runs slower than the
-    original on the example (`measure`; cost.py) comes back unchanged, with the reason in the report.
+    original on the example (`measure`; cost.py; `cuda_graphs`: both timed as CUDA-graph replays, for a module
+    served that way) comes back unchanged, with the reason in the report.
     """
     example_inputs = tuple(example_inputs)
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and _mode_matters(m)]
@@ -109,7 +111,7 @@ def to_ikbo(
         return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
     module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes)
     if measure:
-        original_s, rewritten_s = cost.compare(model, module, example_inputs)
+        original_s, rewritten_s = cost.compare(model, module, example_inputs, cuda_graphs)
         ratio = report.speedup = original_s / rewritten_s
         report.timing = (
             f"at U:B = {num_users}:{num_candidates} the original takes {original_s * 1e3:.3g} ms, the rewrite "

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 
 from kernels.reference import rel_err
 
-from . import to_ikbo, zoo
+from . import cost, to_ikbo, zoo
 
 
 @dataclass
@@ -41,26 +41,6 @@ def _cast(args, device, dtype):
         return t.to(dtype) if t.is_floating_point() else t
 
     return tree_map(one, args)
-
-
-def _graphed(fn, args):
-    """fn(*args) replayed from a CUDA graph over static copies of args."""
-    static = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*static)
-
-    def replay():
-        graph.replay()
-        return out
-
-    return replay
 
 
 def paired(fns, rounds: int, sync) -> tuple[list[float], float]:
@@ -97,7 +77,7 @@ def _one(name, num_users, num_candidates, device, dtype, rounds, graphs, seed, s
     gen = torch.Generator().manual_seed(seed)
     model = zoo.build(name, seed=seed).to(device, dtype)
     example = _cast(zoo.inputs(model, num_users, num_candidates, gen), device, dtype)
-    module, report = to_ikbo(model, example)
+    module, report = to_ikbo(model, example, cuda_graphs=graphs)
     served = "kept" if module is model else "fully" if report.replications_left == 0 else "partly"
     left = 0 if module is model else report.replications_left
     args = _cast(zoo.inputs(model, num_users, num_candidates, gen), device, dtype)
@@ -105,7 +85,7 @@ def _one(name, num_users, num_candidates, device, dtype, rounds, graphs, seed, s
         err = rel_err(module(*args), model(*args))
         calls = [lambda f=f: f(*args) for f in (model, module)]
         if graphs:
-            calls = [_graphed(f, args) for f in (model, module)]
+            calls = [cost.graphed(f, args) for f in (model, module)]
         (orig_s, _), ratio = paired(calls, rounds, sync)
     return Row(name, served, left, orig_s * 1e3, orig_s / ratio * 1e3, ratio, report.speedup, err)
 

@@ -43,6 +43,7 @@ from .values import (
     IN_PLACE,
     LIKE_FACTORIES,
     MATMUL,
+    NEW_FACTORIES,
     REDUCTION_FUNCTIONS,
     REDUCTIONS,
     SDPA,
@@ -519,7 +520,8 @@ class Rewriter(AttentionRewrites):
         return self.emit("call_function", getattr, (self.materialize(form, self.where(), ""), "shape"))
 
     def constant_rows(self, op, key, args, kwargs, meta):
-        """torch.zeros(B_of_a_Rep, d) and the like: equal on every row, so made at U rows; x.shape[i] of a RepShape."""
+        """torch.zeros(B_of_a_Rep, d), x.new_zeros(B_of_a_Rep, d) and the like: equal on every row, so made at U rows;
+        x.shape[i] of a RepShape."""
         if key is operator.getitem and isinstance(args[0], RepShape) and isinstance(args[1], int):
             x = args[0]
             node = self.emit("call_function", operator.getitem, (x.user_shape, args[1]))
@@ -537,6 +539,18 @@ class Rewriter(AttentionRewrites):
                     key,
                     (size, *fmap(rest_args, unwrap)),
                     fmap(kwargs, unwrap),
+                )
+                return Rep(node, sizes[0].mapping, meta, f"{self.where()} (a constant row)")
+        if key in NEW_FACTORIES and args and isinstance(args[0], (Rep, Plain)):
+            rest = list(args[1:])
+            sizes = list(rest[0]) if rest and isinstance(rest[0], (tuple, list)) else rest
+            extra = rest[1:] if rest and isinstance(rest[0], (tuple, list)) else []  # new_full's fill value
+            if sizes and isinstance(sizes[0], Rows) and not any(isinstance(s, USER_FORMS) for s in sizes[1:]):
+                size = (sizes[0].user_rows, *[self.user_side(s) if is_value(s) else s for s in sizes[1:]])
+                unwrap = lambda v: v.node if isinstance(v, Plain) else v  # noqa: E731
+                # x only gives dtype and device: its user-row form (or x itself) serves as well
+                node = self.emit(
+                    "call_method", key, (self.user_side(args[0]), size, *fmap(extra, unwrap)), fmap(kwargs, unwrap)
                 )
                 return Rep(node, sizes[0].mapping, meta, f"{self.where()} (a constant row)")
         if key in ("expand", "repeat") and isinstance(args[0], Plain) and not args[0].batched:

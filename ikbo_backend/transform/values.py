@@ -194,6 +194,7 @@ REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "all", "any", 
 REDUCTION_FUNCTIONS = {torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.prod, torch.std, torch.var}
 FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full}
 LIKE_FACTORIES = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
+NEW_FACTORIES = {"new_zeros", "new_ones", "new_empty", "new_full"}  # x.new_zeros(size): x gives dtype, device
 SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
 MATMUL = {torch.matmul, torch.bmm, operator.matmul, "matmul", "bmm", "__matmul__"}
 CONVERSIONS = {"long", "int", "to", "type", "contiguous", "clone", "detach"}  # keep a mapping a mapping
