@@ -17,7 +17,7 @@ import sys
 
 from ikbo_backend.paths import profile_weights_path
 from ikbo_backend.ranker import PROFILES
-from ikbo_backend.training import DTYPES, VARIANTS, TrainConfig, train
+from ikbo_backend.training import DEFAULT_LENGTH, DTYPES, VARIANTS, TrainConfig, train
 
 DEFAULTS = TrainConfig.__dataclass_fields__
 
@@ -31,11 +31,26 @@ def parse_args(argv=None) -> TrainConfig:
     default = {name: field.default for name, field in DEFAULTS.items()}
     parser.add_argument("--profile", default=default["profile"], choices=sorted(PROFILES), help="model dims")
     parser.add_argument("--variant", default=default["variant"], choices=VARIANTS)
-    parser.add_argument("--steps", type=int, default=default["steps"], help="optimizer steps in all (with --resume)")
-    parser.add_argument("--requests-per-step", type=int, default=default["requests_per_step"])
+    cpu, gpu = DEFAULT_LENGTH["cpu"], DEFAULT_LENGTH["cuda"]
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"optimizer steps in all, with --resume too (default {cpu[0]} on the CPU, {gpu[0]} on a GPU)",
+    )
+    parser.add_argument(
+        "--requests-per-step",
+        type=int,
+        help=f"requests of --users:--candidates a step (default {cpu[1]}; {gpu[1]} on a GPU)",
+    )
     parser.add_argument("--users", type=int, default=default["users"], help="U per request")
     parser.add_argument("--candidates", type=int, default=default["candidates"], help="B per request")
     parser.add_argument("--lr", type=float, default=default["lr"], help="AdamW learning rate")
+    parser.add_argument(
+        "--final-lr",
+        type=float,
+        default=default["final_lr"],
+        help="cosine decay to this fraction of --lr (1: constant)",
+    )
     parser.add_argument("--weight-decay", type=float, default=default["weight_decay"])
     parser.add_argument("--eval-every", type=int, default=default["eval_every"], help="steps between evaluations")
     parser.add_argument("--heldout-requests", type=int, default=default["heldout_requests"])

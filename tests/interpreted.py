@@ -14,6 +14,7 @@ numpy ≥ 2.4 needs a fix of triton 3.6's interpreter: the kernels apply it at t
 (`kernels._interpreter.interpreting`).
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -23,14 +24,23 @@ from pathlib import Path
 import numpy as np
 
 
-def run_interpreted(test_file: str, timeout: float = 600) -> None:
-    run_child_tests(test_file, "interpreted_", {"TRITON_INTERPRET": "1"}, timeout)
+def run_interpreted(test_file: str, timeout: float = 600, workers: int | None = None) -> None:
+    run_child_tests(test_file, "interpreted_", {"TRITON_INTERPRET": "1"}, timeout, workers)
 
 
-def run_child_tests(test_file: str, keyword: str, env: dict, timeout: float = 600) -> None:
-    """Run `test_file`'s tests matching `keyword` in a child pytest with `env` added; all must pass, none skip."""
+# the parent waits idle: the child's tests over both cores (pytest-xdist, where installed)
+CHILD_WORKERS = min(2, os.cpu_count() or 1) if importlib.util.find_spec("xdist") else 1
+
+
+def run_child_tests(test_file: str, keyword: str, env: dict, timeout: float = 600, workers: int | None = None) -> None:
+    """Run `test_file`'s tests matching `keyword` in a child pytest with `env` added; all must pass, none skip.
+    `workers` xdist processes (default CHILD_WORKERS; 1 where one long test is most of the child's time)."""
     env = dict(os.environ, **env)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file, "-k", keyword]
+    workers = CHILD_WORKERS if workers is None else workers
+    if workers > 1:  # one intra-op thread each: two workers of two OpenMP threads spin against each other
+        cmd += ["-n", str(workers)]
+        env.setdefault("OMP_NUM_THREADS", "1")
     done = subprocess.run(
         cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=timeout
     )

@@ -214,8 +214,9 @@ def test_triton_path_rejects_what_it_cannot_run():
 
 @pytest.mark.skipif(INTERPRETING, reason="already interpreting: the interpreted tests run directly")
 def test_triton_interpreted():
-    """Run the `interpreted` tests below in a child process with TRITON_INTERPRET=1."""
-    run_interpreted(__file__)
+    """Run the `interpreted` tests below in a child process with TRITON_INTERPRET=1 (one worker: the drawn test is
+    most of the time, and slower beside another worker)."""
+    run_interpreted(__file__, workers=1)
 
 
 INTERPRETED_CONFIGS = [None, TileConfig(16, 32, 16, num_warps=4, num_stages=1, epilogue_split=True)]

@@ -236,9 +236,21 @@ def test_train_learns_and_writes_served_weights(tmp_path):
     assert rel_err(got, want) <= 1e-6
 
 
-def test_resumed_run_ends_where_the_uninterrupted_one_ends(tmp_path):
+def test_resumed_run_ends_where_the_uninterrupted_one_ends(tmp_path, monkeypatch):
+    """A run killed after its step-3 checkpoint, resumed with the same settings, ends as the run never stopped
+    (weights, losses, evaluations: the learning-rate schedule is a function of the step)."""
     whole = train(small_run(tmp_path / "whole", steps=6, eval_every=3, variant="baseline"), CFG)
-    train(small_run(tmp_path / "parts", steps=3, eval_every=3, variant="baseline"), CFG)
+    step = Trainer.train_step
+
+    def killed_at_step_5(self, batch):
+        if self.step == 4:
+            raise KeyboardInterrupt
+        return step(self, batch)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "train_step", killed_at_step_5)
+        with pytest.raises(KeyboardInterrupt):
+            train(small_run(tmp_path / "parts", steps=6, eval_every=3, variant="baseline"), CFG)
     resumed = train(small_run(tmp_path / "parts", steps=6, eval_every=3, variant="baseline", resume=True), CFG)
     assert resumed["history"]["loss"] == whole["history"]["loss"]
     assert resumed["history"]["eval"] == whole["history"]["eval"]
@@ -261,6 +273,7 @@ def test_resumed_run_ends_where_the_uninterrupted_one_ends(tmp_path):
         ({"profile": "huge"}, "profile"),
         ({"lr": float("nan")}, "lr"),
         ({"weight_decay": -1.0}, "weight_decay"),
+        ({"final_lr": 1.5}, "final_lr"),
         ({"dtype": "float16"}, "dtype"),
         ({"backend": "cuda"}, "backend"),
         ({"device": "tpu"}, "device"),
@@ -269,6 +282,19 @@ def test_resumed_run_ends_where_the_uninterrupted_one_ends(tmp_path):
 def test_bad_settings_are_refused(tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
         small_run(tmp_path, **changes)
+
+
+def test_learning_rate_schedule(tmp_path):
+    """Cosine from lr at step 0 to final_lr·lr at the last step, never rising; final_lr 1 keeps lr constant."""
+    rng = np.random.default_rng()
+    lr, final, steps = float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(0, 0.5)), 2 * int(rng.integers(3, 250))
+    config = small_run(tmp_path, lr=lr, final_lr=final, steps=steps)
+    rates = [config.lr_at(step) for step in range(steps + 1)]
+    assert rates[0] == pytest.approx(lr) and rates[-1] == pytest.approx(final * lr)
+    assert all(b <= a + 1e-15 for a, b in zip(rates, rates[1:]))
+    assert rates[steps // 2] == pytest.approx(lr * (1 + final) / 2)
+    constant = small_run(tmp_path, lr=lr, final_lr=1.0, steps=steps)
+    assert all(constant.lr_at(step) == pytest.approx(lr) for step in range(steps + 1))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
