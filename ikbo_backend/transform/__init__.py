@@ -111,7 +111,7 @@ def to_ikbo(
         return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
     module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes)
     if measure:
-        original_s, rewritten_s = cost.compare(model, module, example_inputs, cuda_graphs)
+        original_s, rewritten_s = cost.compare(model, module, example_inputs, cuda_graphs=cuda_graphs)
         ratio = report.speedup = original_s / rewritten_s
         report.timing = (
             f"at U:B = {num_users}:{num_candidates} the original takes {original_s * 1e3:.3g} ms, the rewrite "
