@@ -62,9 +62,10 @@ def to_ikbo(
 
     Never wrong, never slower: a model that cannot be captured, whose rewrite fails or disagrees with it
     on the example (relative error above `rtol`: a wrong rewrite, not rounding; default 1e-3, 2e-2 where
-    the inputs or the model's parameters are 16-bit: on CUDA the IKBO linear compression runs fp32 in tf32), or that runs slower than the
-    original on the example (`measure`; cost.py; `cuda_graphs`: both timed as CUDA-graph replays, for a module
-    served that way) comes back unchanged, with the reason in the report.
+    the inputs or the model's parameters are 16-bit: on CUDA the IKBO linear compression runs fp32 in
+    tf32), or that runs slower than the original on the example (`measure`; cost.py; `cuda_graphs`: both
+    timed as CUDA-graph replays, for a module served that way) comes back unchanged, with the reason in
+    the report.
     """
     example_inputs = tuple(example_inputs)
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and _mode_matters(m)]
