@@ -158,12 +158,17 @@ def tritonserver_command(
     extra_args=(),
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) that serve `model_repository` (default: this project's) on these ports;
-    `config_name` loads <model>/configs/<config_name>.pbtxt where a model has one (e.g. "gpu")."""
+    `config_name` loads <model>/configs/<config_name>.pbtxt where a model has one (e.g. "gpu").
+
+    Auto-complete is off: every config is complete (generated, ikbo_backend.model_repository), and with it on the
+    python backend starts and stops one extra stub per model only to ask model.py for a config (one more
+    `import torch` each), whose exit leaves a zombie stub for a moment that looks like a dead one."""
     binary, backend_dir, env = find_tritonserver()
     cmd = [
         str(binary),
         f"--model-repository={Path(model_repository or MODEL_REPOSITORY).resolve()}",
         f"--backend-directory={backend_dir}",
+        "--disable-auto-complete-config",
         f"--http-port={http_port}",
         f"--grpc-port={grpc_port}",
         f"--metrics-port={metrics_port}",

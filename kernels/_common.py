@@ -248,7 +248,7 @@ def check_mapping_values(cand_to_user: torch.Tensor, num_users: int) -> None:
     DEFERRED.defer(HostReadback(index_range(cand_to_user)), check)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one binary for every batch size (no n == 1 or n % 16 variants)
 def _index_range_kernel(values_ptr, n, stride, out_ptr, BLOCK: tl.constexpr):
     """out [2] int64 = (min, max) of values[:n] (elements `stride` apart), n ≥ 1: one program, BLOCK values a step."""
     offsets = tl.arange(0, BLOCK)

@@ -1,6 +1,6 @@
 """Triton's interpreter (TRITON_INTERPRET=1): the kernels run on CPU tensors (the tests' interpreter children, the
-`--smoke` benchmarks). `interpreting()` says whether they do; its first True answer applies the one fix the
-interpreter needs here, so the fix is in place at the first interpreted launch and a compiled run patches nothing.
+`--smoke` benchmarks). `interpreting()` says whether they do. Under the interpreter, importing this module applies the one fix
+the interpreter needs here, so it is in place before any kernel runs; a compiled run patches nothing.
 """
 
 from __future__ import annotations
@@ -9,14 +9,10 @@ from triton import knobs
 
 # triton.jit builds interpreted kernels when TRITON_INTERPRET=1 at their definition, which follows this import.
 _INTERPRETED = bool(knobs.runtime.interpret)
-_fixed = False
 
 
 def interpreting() -> bool:
-    """True when the kernels were built for Triton's interpreter (they then run on CPU tensors). Every host path asks
-    this before it launches a Triton kernel."""
-    if _INTERPRETED and not _fixed:
-        _fix_scalar_index()
+    """True when the kernels were built for Triton's interpreter (they then run on CPU tensors)."""
     return _INTERPRETED
 
 
@@ -25,7 +21,6 @@ def _fix_scalar_index() -> None:
     for 1-element arrays ("only 0-dimensional arrays can be converted to Python scalars"), so every `tl.range` over a
     runtime bound fails. This applies the upstream one-line change (https://github.com/triton-lang/triton/pull/9172);
     under numpy < 2.4 it also silences each conversion's DeprecationWarning. Idempotent."""
-    global _fixed
     import triton.runtime.interpreter as interpreter
 
     if not getattr(interpreter, "_ikbo_index_fix", False):
@@ -37,4 +32,7 @@ def _fix_scalar_index() -> None:
 
         interpreter._patch_lang_tensor = patch_tensor_fixed
         interpreter._ikbo_index_fix = True
-    _fixed = True
+
+
+if _INTERPRETED:
+    _fix_scalar_index()

@@ -1,5 +1,7 @@
 """Model level: the IKBO and baseline rankers compute the same function, and IKBO never replicates."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from ikbo_backend.ranker import (
     save_weights,
     weight_shapes,
 )
+from ikbo_backend import transformed
 from ikbo_backend.synthetic import make_request, to_tensors
 from ikbo_backend.transform import ReplicationDetector
 from ikbo_backend.variants import build_ranker
@@ -108,8 +111,10 @@ def test_config_rejects_inconsistent_dims():
 
 @pytest.mark.parametrize("variant", ["ikbo", "baseline", "transformed"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_16bit_compute_matches_fp64(variant, dtype):
-    """The served GPU configs compute the interaction in bfloat16: float32 scores out, close to fp64."""
+def test_16bit_compute_matches_fp64(variant, dtype, monkeypatch):
+    """The served GPU configs compute the interaction in bfloat16: float32 scores out, close to fp64. The pass's cost
+    decision is off here (it times the CPU, which parallel workers load): this is about its 16-bit tolerance."""
+    monkeypatch.setattr(transformed, "to_ikbo", functools.partial(transformed.to_ikbo, measure=False))
     rng = np.random.default_rng()
     request = make_request(CFG, int(rng.integers(1, 6)), int(rng.integers(8, 40)), rng)
     reference = score("baseline", request, dtype=torch.float64)

@@ -296,7 +296,7 @@ class Tracer(fx.Tracer):
             return super().call_module(m, lambda *a, **k: form(m, *a, **k), args, kwargs)
         if self.is_leaf_module(m, ""):
             return super().call_module(m, forward, args, kwargs)
-        last = next(reversed(self.graph.nodes))
+        last = next(iter(reversed(self.graph.nodes)))  # reversed() gives a view in some torch versions
         stack, guards, fixed = dict(self.module_stack), self.guards, self.fixed_sizes
         try:
             return super().call_module(m, forward, args, kwargs)
