@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from stand_ins import ODD_DIMS
 
+from ikbo_backend import transformed
 from ikbo_backend.ranker import (
     RankerConfig,
     load_weights,
@@ -17,7 +18,6 @@ from ikbo_backend.ranker import (
     save_weights,
     weight_shapes,
 )
-from ikbo_backend import transformed
 from ikbo_backend.synthetic import make_request, to_tensors
 from ikbo_backend.transform import ReplicationDetector
 from ikbo_backend.variants import build_ranker
