@@ -14,12 +14,13 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from ikbo_backend.paths import REPO_ROOT
 from ikbo_backend.reliability import RANKERS
 from ikbo_backend.reliability.hardening import hardening
-from ikbo_backend.reliability.kill import kill_stubs
+from ikbo_backend.reliability.kill import attributed_failures, kill_stubs
 from ikbo_backend.reliability.load import probe
 from ikbo_backend.reliability.repositories import rankers_repository
 from ikbo_backend.reliability.served import serving, wait_ready
@@ -98,6 +99,36 @@ def test_readiness_probes_treat_a_port_that_echoes_the_request_as_not_up():
     assert not is_ready(f"localhost:{port}")
     thread.join(5)
     listener.close()
+
+
+def test_each_failed_request_belongs_to_one_kill():
+    """A request sent after one kill that is still in flight at the next is that next kill's in-flight failure, not
+    a failure of the first round's (a slow replacement on a loaded machine made one look like a request lost
+    after its replica was gone)."""
+    rng = np.random.default_rng()
+    t0 = float(rng.uniform(0, 100))
+    gap = float(rng.uniform(20, 90))  # kill 1 comes `gap` s after kill 0
+    times = [(t0, t0 + 0.2), (t0 + gap, t0 + gap + 0.2)]
+    spans = {
+        "in flight at kill 0": (t0 - 1, t0 + 0.1),
+        "sent while replica 0 was up": (t0 + 0.1, t0 + 0.15),
+        "sent after replica 0 was gone": (t0 + gap / 2, t0 + gap / 2 + 1),
+        "sent after kill 0, in flight at kill 1": (t0 + gap - 1, t0 + gap + 2),
+        "sent after kill 1": (t0 + gap + 5, t0 + gap + 6),
+    }
+    failed = [(start, end, name) for name, (start, end) in spans.items()]
+    rng.shuffle(failed)
+    (next0, in0, sent0, window0), (next1, in1, sent1, window1) = attributed_failures(failed, times, t0 + gap + 60)
+
+    def names(entries):
+        return sorted(e[2] for e in entries)
+
+    assert next0 == t0 + gap and next1 == t0 + gap + 60
+    assert names(in0) == ["in flight at kill 0"]
+    assert names(sent0) == ["sent after replica 0 was gone", "sent while replica 0 was up"]
+    assert names(window0) == ["sent while replica 0 was up"]
+    assert names(in1) == ["sent after kill 0, in flight at kill 1"]
+    assert names(sent1) == ["sent after kill 1"] and window1 == []
 
 
 @pytest.mark.parametrize("value", ["0", "-1"])

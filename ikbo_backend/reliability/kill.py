@@ -28,6 +28,21 @@ CLEAR_ERRORS = (
 )
 
 
+def attributed_failures(failed, times, t_end: float) -> list[tuple[float, list, list, list]]:
+    """Per kill (t_kill, t_down) of `times`: the next kill's time (or `t_end`); the failed requests (start, end,
+    error) in flight at the kill; those sent between it and the next kill and not in flight at that one (those are
+    the next kill's: a slow replacement leaves requests sent after one kill running into the next); and of those
+    the ones sent while its tritonserver was still up (start ≤ t_down)."""
+    bounds = [t for t, _ in times[1:]] + [t_end]
+    rounds = []
+    for i, ((t_kill, t_down), t_next) in enumerate(zip(times, bounds)):
+        in_flight = [e for e in failed if e[0] < t_kill <= e[1]]
+        last = i == len(times) - 1
+        sent = [e for e in failed if t_kill <= e[0] < t_next and (last or e[1] < t_next)]
+        rounds.append((t_next, in_flight, sent, [e for e in sent if e[0] <= t_down]))
+    return rounds
+
+
 def kill_stubs(
     served: Served, kills: int, recover_timeout: float = 30, settle: float = 2.0, down_bound: float = 2.0
 ) -> dict:
@@ -121,15 +136,13 @@ def kill_stubs(
                 )
         wait_ready(served)
         t_end = time.monotonic()
-    # Every failed request belongs to one kill: in flight at it, or sent between it and the next one.
+    # Every failed request belongs to one kill (attributed_failures).
     log = [e for load in loads for e in load.log if e[2]]
-    bounds = [t for t, _ in times[1:]] + [t_end]
-    for round_, (t_kill, t_down), t_next in zip(rounds, times, bounds):
-        in_flight = [e for e in log if e[0] < t_kill <= e[1]]
-        sent = [e for e in log if t_kill <= e[0] < t_next]
-        window = [e for e in sent if e[0] <= t_down]
+    entries = [e for load in loads for e in load.log]
+    attributed = attributed_failures(log, times, t_end)
+    for round_, (t_kill, t_down), (t_next, in_flight, sent, window) in zip(rounds, times, attributed):
         round_.update({
-            "in_flight": sum(e[0] < t_kill <= e[1] for load in loads for e in load.log),
+            "in_flight": sum(e[0] < t_kill <= e[1] for e in entries),
             "resent_by_client": sum(t_kill <= t < t_next for t in resends),
             "failed_in_flight": len(in_flight),
             "failed_sent_before_down": len(window),
