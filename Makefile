@@ -10,6 +10,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@command -v cc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq gcc libc6-dev; }  # builds the python_inprocess backend
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps recbole==1.2.1  # MovieLens-100k's files (train.py --data movielens); never imported: no deps
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .  # kernels, ikbo_backend importable from anywhere
 	@touch $(STAMP)
 
@@ -18,7 +19,8 @@ setup: $(STAMP)
 serve: setup
 	$(PY) scripts/serve $(SERVE_ARGS)
 
-# train the ranker (IKBO variant) on click data with a planted teacher; writes the weights `make serve` loads.
+# train the ranker (IKBO variant) on click data with a planted teacher (TRAIN_ARGS="--data movielens": on
+# MovieLens-100k); writes the weights `make serve` loads.
 # One torch thread by default: on a small shared CPU, intra-op threads waiting for a busy core cost 5x a step.
 TRAIN_THREADS ?= 1
 train: setup

@@ -21,6 +21,7 @@ and mappings offset: the IKBO ops take any U, so a training step is fed several 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -59,6 +60,8 @@ class ClickData:
     heldout_requests: int = 32
     seed: int = 0
     zipf: float = 1.05
+
+    reference: ClassVar[str] = "teacher"  # batches carry "teacher_logits"
 
     def __post_init__(self):
         if not 1 <= self.users <= self.candidates:

@@ -1,6 +1,6 @@
 """Training the ranker: either variant ("ikbo" or "baseline") of ranker.py as an nn.Module over trainable
-Parameters, AdamW on click data with a planted teacher (clicks.py), held-out evaluation, checkpoints, and a
-weights file that `make serve` loads.
+Parameters, AdamW on click data with a planted teacher (clicks.py) or on MovieLens-100k (movielens.py), held-out
+evaluation, checkpoints, and a weights file that `make serve` loads.
 
 `RankerModule` builds the feature stage and the interaction of ranker.py once, over nn.Parameters: every call
 reads the Parameters, so an optimizer step (in place) reaches the next call. The IKBO interaction trains its LCE
@@ -13,9 +13,9 @@ user tensor at B rows, forward or backward (tests/test_training.py).
 `train(TrainConfig)` runs the loop (scripts/train.py, `make train`): a step is `requests_per_step` requests of
 the training split concatenated, the loss the mean binary cross-entropy over the B × T click labels, bf16
 autocast on a GPU (fp32 Parameters and optimizer state), a tqdm progress bar, held-out AUC and log-loss every
-`eval_every` steps beside the teacher's own, a checkpoint (model, optimizer, step, history) at each evaluation,
-resumed with `resume=True`; at the end the weights file (RankerConfig in its metadata), the metrics as JSON and
-a PNG of the curves.
+`eval_every` steps beside the data's reference (`reference_metrics`: the teacher's, or item popularity's), a
+checkpoint (model, optimizer, step, history) at each evaluation, resumed with `resume=True`; at the end the weights
+file (RankerConfig in its metadata), the metrics as JSON and a PNG of the curves.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .clicks import ClickData, Teacher
+from .movielens import MovieLensData
 from .paths import REPO_ROOT, profile_weights_path
 from .ranker import PROFILES, BaselineRanker, FeatureStage, IkboRanker, RankerConfig, make_demo_weights, save_weights
 from .requests import INPUT_NAMES
 
 VARIANTS = ("ikbo", "baseline")
+DATA = {"clicks": ClickData, "movielens": MovieLensData}  # TrainConfig.source
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LCE_WEIGHTS = ("lce.weight", "lce.bias")
 
@@ -126,6 +128,15 @@ def click_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float
     return {"auc": float(np.nanmean(tasks)), "logloss": float(click_loss(logits, labels))}
 
 
+def reference_metrics(reference: str, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Held-out metrics of the data's reference scores (the batches' f"{reference}_logits"): the teacher's AUC and
+    log-loss (clicks.py: the ceiling), or item popularity's AUC (movielens.py: a baseline; its scores are log
+    counts, not probabilities, so no log-loss)."""
+    logits = torch.cat([b[f"{reference}_logits"] for b in batches])
+    metrics = click_metrics(logits, torch.cat([b["labels"] for b in batches]))
+    return metrics if reference == "teacher" else {"auc": metrics["auc"]}
+
+
 def autocast(device: torch.device, dtype: torch.dtype):
     """bf16 autocast where `dtype` asks for it, else a no-op context."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -162,6 +173,7 @@ class TrainConfig:
 
     profile: str = "demo"
     variant: str = "ikbo"
+    source: str = "clicks"  # the data: a key of DATA
     steps: int | None = None  # None: DEFAULT_LENGTH of the device
     requests_per_step: int | None = None
     users: int = 15  # U per request
@@ -173,7 +185,7 @@ class TrainConfig:
     heldout_requests: int = 16
     train_requests: int = 1 << 16
     seed: int = 0  # data
-    teacher_seed: int = 1
+    teacher_seed: int = 1  # clicks only
     init_seed: int = 2  # the student's initial weights
     device: str = "auto"  # cuda when there is one, else cpu
     dtype: str = "auto"  # autocast dtype: bfloat16 on a GPU, float32 on the CPU
@@ -194,6 +206,8 @@ class TrainConfig:
             raise ValueError(f"profile: expected one of {sorted(PROFILES)}, got {self.profile!r}")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant: expected one of {VARIANTS}, got {self.variant!r}")
+        if self.source not in DATA:
+            raise ValueError(f"source: expected one of {sorted(DATA)}, got {self.source!r}")
         for name in ("steps", "requests_per_step", "users", "candidates", "eval_every", "heldout_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an integer ≥ 1, got {getattr(self, name)}")
@@ -242,8 +256,8 @@ class TrainConfig:
     def out_dir(self) -> Path:
         return REPO_ROOT / self.out
 
-    def data(self, cfg: RankerConfig | None = None) -> ClickData:
-        return ClickData(
+    def data(self, cfg: RankerConfig | None = None) -> ClickData | MovieLensData:
+        return DATA[self.source](
             cfg or PROFILES[self.profile],
             self.users,
             self.candidates,
@@ -271,15 +285,17 @@ def _write_atomic(path: Path, write) -> None:
 
 
 class Trainer:
-    """The state of one run (model, optimizer, data, teacher, held-out batches, history); `train` drives it.
-    `cfg`: model dims other than the profile's (tests)."""
+    """The state of one run (model, optimizer, data, teacher (clicks only, else None), held-out batches, history);
+    `train` drives it. `cfg`: model dims other than the profile's (tests)."""
 
     def __init__(self, config: TrainConfig, cfg: RankerConfig | None = None):
         self.config = config
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.data = config.data(cfg)
         self.cfg = self.data.cfg
-        self.teacher = Teacher(self.data, config.teacher_seed, device=self.device, backend=config.backend)
+        self.teacher = None
+        if isinstance(self.data, ClickData):
+            self.teacher = Teacher(self.data, config.teacher_seed, device=self.device, backend=config.backend)
         initial = make_demo_weights(self.cfg, config.init_seed)
         self.model = RankerModule(config.variant, self.cfg, initial, self.device, config.backend)
         self.optimizer = make_optimizer(self.model, config.lr, config.weight_decay)
@@ -288,8 +304,7 @@ class Trainer:
         indices = self.data.heldout_indices()
         chunks = [indices[i : i + config.requests_per_step] for i in range(0, len(indices), config.requests_per_step)]
         self.heldout = [self.data.batch(chunk, self.teacher, self.device) for chunk in chunks]
-        teacher_logits = torch.cat([b["teacher_logits"] for b in self.heldout])
-        self.teacher_metrics = click_metrics(teacher_logits, torch.cat([b["labels"] for b in self.heldout]))
+        self.reference = {"name": self.data.reference, **reference_metrics(self.data.reference, self.heldout)}
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> float:
         """One AdamW step on a batch; returns its loss."""
@@ -320,7 +335,8 @@ class Trainer:
             raise FileNotFoundError(f"resume: no checkpoint at {path}")
         state = torch.load(path, map_location=self.device, weights_only=True)
         if state["run"] != self.run_key():
-            changed = sorted(k for k in state["run"] if state["run"][k] != self.run_key().get(k))
+            keys = state["run"].keys() | self.run_key().keys()
+            changed = sorted(k for k in keys if state["run"].get(k) != self.run_key().get(k))
             raise ValueError(f"resume: {path} is a checkpoint of another run (differs in {', '.join(changed)})")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -348,13 +364,14 @@ class Trainer:
             "candidates_per_step": config.requests_per_step * config.candidates,
             "heldout_candidates": sum(len(b["labels"]) for b in self.heldout),
             "final": self.history["eval"][-1],
-            "teacher": self.teacher_metrics,
+            "reference": self.reference,
             "history": self.history,
             "weights": str(config.weights_path()),
         }
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(summary, indent=1))
-        plot_curves(self.history, self.teacher_metrics, out / "curves.png", f"{config.variant}, {config.profile}")
+        title = f"{config.variant}, {config.profile}, {config.source}"
+        plot_curves(self.history, self.reference, out / "curves.png", title)
         return summary
 
 
@@ -376,9 +393,9 @@ def train(config: TrainConfig, cfg: RankerConfig | None = None) -> dict:
     if config.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=config.steps, initial=trainer.step, unit="step", dynamic_ncols=True)
-    teacher = trainer.teacher_metrics
-    shown = {"auc": f"{trainer.history['eval'][-1]['auc']:.4f}", "teacher": f"{teacher['auc']:.4f}"}
+        bar = tqdm(total=config.steps, initial=trainer.step, unit="step", desc=config.source, dynamic_ncols=True)
+    reference = trainer.reference
+    shown = {"auc": f"{trainer.history['eval'][-1]['auc']:.4f}", reference["name"]: f"{reference['auc']:.4f}"}
     while trainer.step < config.steps:
         batch = data.batch(data.train_indices(trainer.step, per_step), trainer.teacher, trainer.device)
         for group in trainer.optimizer.param_groups:
@@ -393,8 +410,7 @@ def train(config: TrainConfig, cfg: RankerConfig | None = None) -> dict:
             shown["auc"] = f"{metrics['auc']:.4f}"
             if bar is None:
                 print(
-                    f"step {trainer.step}: loss {loss:.4f}, held-out AUC {metrics['auc']:.4f} (teacher "
-                    f"{teacher['auc']:.4f}), log-loss {metrics['logloss']:.4f} (teacher {teacher['logloss']:.4f}), "
+                    f"{config.source} step {trainer.step}: loss {loss:.4f}, {held_out(metrics, reference)}, "
                     f"{time.perf_counter() - started:.0f} s",
                     flush=True,
                 )
@@ -406,8 +422,18 @@ def train(config: TrainConfig, cfg: RankerConfig | None = None) -> dict:
     return trainer.write_outputs(time.perf_counter() - started)
 
 
-def plot_curves(history: dict, teacher: dict[str, float], path: Path, title: str) -> None:
-    """Training loss (and its running mean) and held-out AUC and log-loss against steps, the teacher's as lines."""
+def held_out(metrics: dict[str, float], reference: dict) -> str:
+    """The held-out metrics beside the reference's, as printed (the reference's log-loss where it has one)."""
+    name = reference["name"]
+    logloss = f" ({name} {reference['logloss']:.4f})" if "logloss" in reference else ""
+    return (
+        f"held-out AUC {metrics['auc']:.4f} ({name} {reference['auc']:.4f}), log-loss {metrics['logloss']:.4f}{logloss}"
+    )
+
+
+def plot_curves(history: dict, reference: dict, path: Path, title: str) -> None:
+    """Training loss (and its running mean) and held-out AUC and log-loss against steps, the reference's (teacher
+    or popularity: `Trainer.reference`) as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -422,12 +448,13 @@ def plot_curves(history: dict, teacher: dict[str, float], path: Path, title: str
         window = max(1, len(losses) // 20)
         left.plot(steps[window - 1 :], np.convolve(losses, np.ones(window) / window, "valid"), label="running mean")
     left.plot(eval_steps, [e["logloss"] for e in evals], "o-", ms=3, label="held-out log-loss")
-    left.axhline(teacher["logloss"], color="k", ls="--", lw=1, label="teacher held-out log-loss")
+    if "logloss" in reference:
+        left.axhline(reference["logloss"], color="k", ls="--", lw=1, label=f"{reference['name']} held-out log-loss")
     left.set_xlabel("step")
     left.set_ylabel("binary cross-entropy")
     left.legend()
     right.plot(eval_steps, [e["auc"] for e in evals], "o-", ms=3, label="held-out AUC")
-    right.axhline(teacher["auc"], color="k", ls="--", lw=1, label="teacher AUC")
+    right.axhline(reference["auc"], color="k", ls="--", lw=1, label=f"{reference['name']} AUC")
     right.axhline(0.5, color="grey", ls=":", lw=1)
     right.set_xlabel("step")
     right.set_ylabel("AUC (mean over tasks)")

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Train the ranker on click data with a planted teacher and write the weights `make serve` loads (`make train`).
+"""Train the ranker on click data with a planted teacher (or MovieLens-100k) and write the weights `make serve` loads.
 
 AdamW over the IKBO variant (`--variant baseline`: the replicating one, same function), bf16 autocast on a GPU,
-held-out AUC and log-loss every --eval-every steps beside the teacher's, a checkpoint at each evaluation
-(`--resume` continues it), then the weights file (RankerConfig in its metadata), OUT/metrics.json and
-OUT/curves.png (ikbo_backend/training.py; the data: ikbo_backend/clicks.py).
+held-out AUC and log-loss every --eval-every steps beside the data's reference (the teacher's; on MovieLens item
+popularity's AUC), a checkpoint at each evaluation (`--resume` continues it), then the weights file (RankerConfig
+in its metadata), OUT/metrics.json and OUT/curves.png (ikbo_backend/training.py; the data:
+ikbo_backend/clicks.py, ikbo_backend/movielens.py).
 
     python scripts/train.py                                   # demo profile, CPU-sized: then `make serve`
     python scripts/train.py --steps 800 --resume              # continue the same run to 800 steps
+    python scripts/train.py --data movielens                  # MovieLens-100k (in the recbole wheel)
     python scripts/train.py --profile large --steps 2000 --requests-per-step 8   # on a GPU, bf16
     python scripts/serve --config large                        # serves weights/ranker_large.safetensors
 """
@@ -17,7 +19,7 @@ import sys
 
 from ikbo_backend.paths import profile_weights_path
 from ikbo_backend.ranker import PROFILES
-from ikbo_backend.training import DEFAULT_LENGTH, DTYPES, VARIANTS, TrainConfig, train
+from ikbo_backend.training import DATA, DEFAULT_LENGTH, DTYPES, VARIANTS, TrainConfig, held_out, train
 
 DEFAULTS = TrainConfig.__dataclass_fields__
 
@@ -31,6 +33,13 @@ def parse_args(argv=None) -> TrainConfig:
     default = {name: field.default for name, field in DEFAULTS.items()}
     parser.add_argument("--profile", default=default["profile"], choices=sorted(PROFILES), help="model dims")
     parser.add_argument("--variant", default=default["variant"], choices=VARIANTS)
+    parser.add_argument(
+        "--data",
+        dest="source",
+        default=default["source"],
+        choices=sorted(DATA),
+        help="clicks: generated, labelled by a planted teacher; movielens: MovieLens-100k ratings",
+    )
     cpu, gpu = DEFAULT_LENGTH["cpu"], DEFAULT_LENGTH["cuda"]
     parser.add_argument(
         "--steps",
@@ -55,7 +64,7 @@ def parse_args(argv=None) -> TrainConfig:
     parser.add_argument("--eval-every", type=int, default=default["eval_every"], help="steps between evaluations")
     parser.add_argument("--heldout-requests", type=int, default=default["heldout_requests"])
     parser.add_argument("--seed", type=int, default=default["seed"], help="data set seed")
-    parser.add_argument("--teacher-seed", type=int, default=default["teacher_seed"])
+    parser.add_argument("--teacher-seed", type=int, default=default["teacher_seed"], help="clicks only")
     parser.add_argument("--init-seed", type=int, default=default["init_seed"], help="the student's initial weights")
     parser.add_argument("--device", default=default["device"], help="auto, cpu or cuda[:i]")
     parser.add_argument("--dtype", default=default["dtype"], choices=["auto", *DTYPES], help="autocast dtype")
@@ -86,7 +95,7 @@ def main(argv=None) -> None:
         summary = train(config)
     except (ValueError, FileNotFoundError) as error:
         sys.exit(f"train.py: error: {error}")
-    final, teacher = summary["final"], summary["teacher"]
+    final = summary["final"]
     served = profile_weights_path(config.profile)
     if config.profile != "demo":
         serve = f"scripts/serve --config {config.profile}" + (
@@ -95,9 +104,8 @@ def main(argv=None) -> None:
     else:
         serve = "make serve" if config.weights_path() == served else f"IKBO_WEIGHTS={config.weights_path()} make serve"
     print(
-        f"{summary['steps']} steps in {summary['seconds']:.0f} s on {summary['device']} ({summary['autocast']}): "
-        f"held-out AUC {final['auc']:.4f} (teacher {teacher['auc']:.4f}), "
-        f"log-loss {final['logloss']:.4f} (teacher {teacher['logloss']:.4f})\n"
+        f"{summary['steps']} steps on {config.source} in {summary['seconds']:.0f} s on {summary['device']} "
+        f"({summary['autocast']}): {held_out(final, summary['reference'])}\n"
         f"weights: {summary['weights']}\ncurves:  {config.out_dir() / 'curves.png'}\n"
         f"serve:   {serve}"
     )
