@@ -49,6 +49,19 @@ def zipf_sampler(vocab_size: int, exponent: float, rng: np.random.Generator):
     return sample
 
 
+def check_sizes(data, max_requests: int) -> None:
+    """ValueError naming the field unless 1 ≤ users ≤ candidates and the two splits hold ≥ 1 and together
+    ≤ `max_requests` requests (a data set's `users`, `candidates`, `train_requests`, `heldout_requests`)."""
+    if not 1 <= data.users <= data.candidates:
+        raise ValueError(f"users: expected in [1, candidates={data.candidates}], got {data.users}")
+    if data.train_requests < 1 or data.heldout_requests < 1:
+        raise ValueError(
+            f"train_requests, heldout_requests: expected ≥ 1, got {data.train_requests}, {data.heldout_requests}"
+        )
+    if data.train_requests + data.heldout_requests > max_requests:
+        raise ValueError(f"train_requests + heldout_requests: expected ≤ {max_requests}")
+
+
 @dataclass(frozen=True)
 class ClickData:
     """A seeded data set of requests of `users` users and `candidates` candidates; see the module doc."""
@@ -64,14 +77,7 @@ class ClickData:
     reference: ClassVar[str] = "teacher"  # batches carry "teacher_logits"
 
     def __post_init__(self):
-        if not 1 <= self.users <= self.candidates:
-            raise ValueError(f"users: expected in [1, candidates={self.candidates}], got {self.users}")
-        if self.train_requests < 1 or self.heldout_requests < 1:
-            raise ValueError(
-                f"train_requests, heldout_requests: expected ≥ 1, got {self.train_requests}, {self.heldout_requests}"
-            )
-        if self.train_requests + self.heldout_requests > CALIBRATION_SEED:
-            raise ValueError(f"train_requests + heldout_requests: expected ≤ {CALIBRATION_SEED}")
+        check_sizes(self, CALIBRATION_SEED)
         if not self.zipf > 0:
             raise ValueError(f"zipf: expected an exponent > 0, got {self.zipf}")
         cfg, tables = self.cfg, np.random.default_rng([self.seed, CALIBRATION_SEED - 1])

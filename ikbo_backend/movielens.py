@@ -48,7 +48,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .clicks import ClickData, concatenate
+from .clicks import ClickData, check_sizes, concatenate
 from .ranker import RankerConfig
 from .synthetic import ragged_counts, to_tensors
 
@@ -155,14 +155,7 @@ class MovieLensData:
     def __post_init__(self):
         if self.cfg.tasks != len(TASKS):
             raise ValueError(f"cfg.tasks: MovieLens labels {len(TASKS)} tasks {TASKS}, got {self.cfg.tasks}")
-        if not 1 <= self.users <= self.candidates:
-            raise ValueError(f"users: expected in [1, candidates={self.candidates}], got {self.users}")
-        if self.train_requests < 1 or self.heldout_requests < 1:
-            raise ValueError(
-                f"train_requests, heldout_requests: expected ≥ 1, got {self.train_requests}, {self.heldout_requests}"
-            )
-        if self.train_requests + self.heldout_requests > SPLIT_KEY:
-            raise ValueError(f"train_requests + heldout_requests: expected ≤ {SPLIT_KEY}")
+        check_sizes(self, SPLIT_KEY)
         if not 0 < self.heldout_share < 1:
             raise ValueError(f"heldout_share: expected in (0, 1), got {self.heldout_share}")
         if not 0 < self.positive_share <= 1:

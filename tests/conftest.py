@@ -23,3 +23,15 @@ def _hand_back_cached_gpu_memory():
     if torch is not None and torch.cuda.is_initialized():
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Small tensors: one torch thread for the test (on a shared 2-core machine, intra-op threads wait for busy
+    cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from stand_ins import ODD_DIMS, odd_dims
 
 from ikbo_backend import movielens
@@ -38,12 +37,7 @@ DEMO = profile_config("demo")
 TRAIN_REQUESTS = 500
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tab_rows(kind):

@@ -40,13 +40,7 @@ CFG = ODD_DIMS  # no dim equal to the U and B below, so row counts identify tens
 USERS, CANDIDATES = 7, 37
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: one torch thread (on a shared 2-core machine, intra-op threads wait for busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def data_and_teacher(users=USERS, candidates=CANDIDATES, cfg=CFG, seed=SEED):
