@@ -594,11 +594,11 @@ MODELS = {
 }
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """The zoo model `name` in eval mode with random weights (BatchNorm statistics randomized, so that
-    eval-mode normalization is not the identity)."""
+def build(name: str, seed: int = 0, models: dict | None = None) -> nn.Module:
+    """The zoo model `name` (of `models`, default `MODELS`) in eval mode with random weights (BatchNorm
+    statistics randomized, so that eval-mode normalization is not the identity)."""
     torch.manual_seed(seed)
-    model = MODELS[name]()
+    model = (MODELS if models is None else models)[name]()
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.running_mean.normal_(0, 0.5)
