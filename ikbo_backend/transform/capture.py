@@ -53,6 +53,7 @@ META_ATTRIBUTES = {
 META_METHODS = {"dim", "ndimension", "is_floating_point", "is_complex", "get_device", "is_contiguous", "element_size"}
 META_FUNCTIONS = {torch.is_floating_point, torch.is_complex}
 SIZE_METHODS = {"size", "numel"}
+PIECES = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}  # ops returning a size-dependent count
 RNN_MODULES = (nn.RNNBase,)
 _HERE = __file__.rsplit("/", 1)[0]
 
@@ -63,7 +64,7 @@ def user_frame() -> str:
     inner = ""
     for frame in reversed(traceback.extract_stack()):
         name = frame.filename
-        if name.startswith(_HERE) and not name.endswith("zoo.py"):
+        if name.startswith(_HERE) and not name.rsplit("/", 1)[-1].startswith("zoo"):  # the pass, not a model
             continue
         if "/torch/" in name:
             if not inner and "/torch/fx/" not in name:
@@ -216,6 +217,8 @@ class Tracer(fx.Tracer):
         whole_shape = self._shape_source(proxy.node)
         if convert is len and whole_shape is not None and not isinstance(proxy.value, int):
             kind = "meta"  # len(x.shape): the number of dims
+        elif convert is len and isinstance(proxy.value, (tuple, list)) and proxy.node.op != "placeholder":
+            kind = self._pieces_depend_on(proxy.node)
         else:
             kind = self._depends_on(proxy.node)
         where = user_frame()
@@ -247,6 +250,35 @@ class Tracer(fx.Tracer):
                 kinds.add("data")
                 continue
             todo.extend(n.all_input_nodes)
+        for kind in ("data", "rows", "size"):
+            if kind in kinds:
+                return kind
+        return "meta"
+
+    def _pieces_depend_on(self, node) -> str:
+        """What the number of tensors an op returns depends on: for split / chunk / unbind / tensor_split, the
+        size of the dim they cut (a row count, or another size) and their other arguments; any other op returns
+        a fixed structure (topk's values and indices, an RNN's output and state); a slice of pieces, theirs."""
+        target = node.target
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        if name not in PIECES or not node.args:
+            sequences = [a for a in node.all_input_nodes if isinstance(a.meta.get("example_value"), (tuple, list))]
+            if not sequences:
+                return "meta"
+            if target is operator.getitem and isinstance(node.args[0], fx.Node):
+                return self._pieces_depend_on(node.args[0])
+            return self._depends_on(node)
+        source = node.args[0]
+        value = getattr(source, "meta", {}).get("example_value") if isinstance(source, fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            return self._depends_on(node)
+        position = 1 if name == "unbind" else 2
+        dim = node.kwargs.get("dim", node.args[position] if len(node.args) > position else 0)
+        if not isinstance(dim, int) or not value.dim():
+            return self._depends_on(node)
+        size = value.shape[dim]
+        kinds = {"rows" if dim % value.dim() == 0 or size in self.rows else "size"}
+        kinds |= {self._depends_on(a) for a in node.all_input_nodes if a is not source}
         for kind in ("data", "rows", "size"):
             if kind in kinds:
                 return kind

@@ -20,6 +20,7 @@ spellings.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import Counter
 from typing import Any
@@ -1108,9 +1109,19 @@ class Rewriter(AttentionRewrites):
                 )
         if key is operator.getitem:
             return self.index_concat(c, args[1], meta)
+        if (
+            key in ("unbind", torch.unbind)
+            and isinstance(meta, tuple)
+            and _norm(_arg(args, kwargs, 1, "dim", 0), nd) == c.dim
+        ):
+            return self.pieces_of_concat(c, [(i, None) for i in range(c.meta.shape[c.dim])], meta)
         if key in ("chunk", torch.chunk, "split", torch.split) and isinstance(meta, tuple):
             dim = _norm(_arg(args, kwargs, 2, "dim", 0), nd)
-            if dim in (None, 0, c.dim):
+            if dim == c.dim:
+                bounds = itertools.accumulate((m.shape[dim] for m in meta), initial=0)
+                starts = list(bounds)
+                return self.pieces_of_concat(c, list(zip(starts[:-1], starts[1:])), meta)
+            if dim in (None, 0):
                 return None
             pieces = [self.apply(op, key, (p, *args[1:]), kwargs, tuple(meta)) for p in c.parts]
             if not all(isinstance(pc, Struct) or isinstance(pc, Plain) and isinstance(pc.meta, tuple) for pc in pieces):
@@ -1128,6 +1139,19 @@ class Rewriter(AttentionRewrites):
                 items.append(Concat(parts, c.dim, mi))
             return Struct(tuple(items), meta)
         return None
+
+    def pieces_of_concat(self, c, ranges, meta):
+        """split / chunk (ranges (start, stop)) or unbind (ranges (i, None)) of a concat along its concat dim: a
+        Struct of each piece's form, where every piece falls inside one part; None where one spans two."""
+        lead = (slice(None),) * c.dim
+        items = []
+        for (start, stop), mi in zip(ranges, meta):
+            index = (*lead, start if stop is None else slice(start, stop))
+            piece = self.index_concat(c, index, mi)
+            if piece is None:
+                return None
+            items.append(piece)
+        return Struct(tuple(items), meta)
 
     def per_part(self, op, key, args, kwargs, c, meta, new_dim):
         """An op that leaves the concat dim alone, applied to each part (the concat kept along `new_dim`)."""
