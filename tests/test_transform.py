@@ -171,7 +171,7 @@ class ElementwiseJoins(nn.Module):
 
 class DlrmFull(nn.Module):
     """Textbook DLRM interaction: all pairwise dots of one concatenated feature set (user and candidate
-    features together), lower triangle. The bmm over the concat has no per-part form in the pass."""
+    features together), lower triangle: the bmm by blocks (user × user at U rows), the triangle read per block."""
 
     def __init__(self):
         super().__init__()
@@ -187,6 +187,20 @@ class DlrmFull(nn.Module):
         t = torch.cat([dense[:, None], self.user_emb(user_ids)[cand_to_user], self.cand_emb(cand_ids)], dim=1)
         z = torch.bmm(t, t.transpose(1, 2))[:, self.li, self.lj]
         return self.top(torch.cat([dense, z], dim=1))
+
+
+class FieldAttention(nn.Module):
+    """Self-attention over the user's and the candidate's field embeddings together (AutoInt): every field's
+    output depends on the candidate, so the pass has no per-part form for it (the user fields are replicated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.user_emb, self.cand_emb = nn.Embedding(VU, D), nn.Embedding(VC, D)
+        self.top = mlp((SU + SC) * D, 24, 1)
+
+    def forward(self, user_ids, cand_ids, cand_to_user):
+        t = torch.cat([self.user_emb(user_ids)[cand_to_user], self.cand_emb(cand_ids)], dim=1)
+        return self.top(F.scaled_dot_product_attention(t, t, t).flatten(1))
 
 
 RANKER_CFG = odd_dims(query_tokens=2)
@@ -216,7 +230,8 @@ MODELS = {
     "concat_mlp": (ConcatMlp, user_candidate_inputs, True),
     "two_replications": (TwoReplications, lambda u, b, g: user_candidate_inputs(u, b, g, sorted_mapping=True), True),
     "elementwise_joins": (ElementwiseJoins, user_candidate_inputs, True),
-    "dlrm_full": (DlrmFull, user_candidate_inputs, False),
+    "dlrm_full": (DlrmFull, user_candidate_inputs, True),
+    "field_attention": (FieldAttention, user_candidate_inputs, False),
 }
 
 

@@ -80,6 +80,15 @@ JOIN_OPS = {  # elementwise op → ops.rows_join name for (cand, user) and (user
     torch.minimum: ("minimum", "minimum"), "minimum": ("minimum", "minimum"),
     operator.pow: ("pow_cu", "pow_uc"), torch.pow: ("pow_cu", "pow_uc"), "pow": ("pow_cu", "pow_uc"),
 }  # fmt: skip
+SEQUENCE_OPS = {
+    torch.cat,
+    torch.stack,
+    torch.concat,
+    torch.hstack,
+    torch.vstack,
+    torch.dstack,
+}  # take a list of tensors
+NORMS = {F.layer_norm, *([F.rms_norm] if hasattr(F, "rms_norm") else [])}
 TRANSPOSES = {"transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims"}
 
 
@@ -290,6 +299,10 @@ class Rewriter(AttentionRewrites):
         args, kwargs = fmap(args, done), fmap(kwargs, done)
         if target is operator.setitem:
             return self.setitem(*args)
+        if target in SEQUENCE_OPS and args and isinstance(args[0], Struct):  # torch.stack(torch.split(x, ...))
+            args = (list(args[0].items), *args[1:])
+        if target is torch.tensordot and self._tensordot_is_matmul(args, kwargs):
+            op, target, args, kwargs = "call_function", torch.matmul, args[:2], {}
         flat = leaves((args, kwargs))
         if op in ("call_function", "call_method"):
             for handler in (self.replication_site, self.mapping_conversion, self.containers):
@@ -310,6 +323,21 @@ class Rewriter(AttentionRewrites):
             if out is not None:
                 return out
         return self.plain(op, target, args, kwargs, meta, self.why_not(target, args, kwargs, meta))
+
+    def _tensordot_is_matmul(self, args, kwargs) -> bool:
+        """tensordot(x, W, dims=([-1], [0])) (or dims=1) with a 2-D W: x @ W, as DeepCTR-Torch's layers write it."""
+        if len(args) < 2 or not all(is_value(a) and isinstance(a.meta, Meta) for a in args[:2]):
+            return False
+        x, w = args[:2]
+        dims = _arg(args, kwargs, 2, "dims", 2)
+        if w.meta.ndim != 2 or x.meta.ndim < 1 or self.batched(w) or set(kwargs) - {"dims", "out"} or kwargs.get("out"):
+            return False
+        if dims == 1:
+            return True
+        if not (isinstance(dims, (tuple, list)) and len(dims) == 2):
+            return False
+        left, right = (list(d) if isinstance(d, (tuple, list)) else [d] for d in dims)
+        return [_norm(d, x.meta.ndim) for d in left] == [x.meta.ndim - 1] and [_norm(d, 2) for d in right] == [0]
 
     def setitem(self, x, index, value):
         """x[index] = value: the form of x afterwards (row-wise on a Rep's user rows where it can be)."""
@@ -1038,7 +1066,17 @@ class Rewriter(AttentionRewrites):
                 return None
             if all(isinstance(p, Rep) for p in flat) and len({p.mapping.key for p in flat}) == 1:
                 return None  # row-wise
-            return Concat(flat, dim, meta)
+            merged = []  # neighbouring user parts of one mapping: one tensor at U rows
+            for p in flat:
+                last = merged[-1] if merged else None
+                if isinstance(p, Rep) and isinstance(last, Rep) and last.mapping is p.mapping:
+                    size = last.meta.shape[dim] + p.meta.shape[dim]
+                    shape = (*p.meta.shape[:dim], size, *p.meta.shape[dim + 1 :])
+                    node = self.emit("call_function", torch.cat, ([last.user, p.user],), {"dim": dim})
+                    merged[-1] = Rep(node, p.mapping, Meta(shape, p.meta.dtype), last.source)
+                else:
+                    merged.append(p)
+            return Concat(merged, dim, meta) if len(merged) > 1 else merged[0]
         concat = [v for v in leaves((args, kwargs)) if isinstance(v, Concat)]
         if not concat:
             return None
@@ -1055,8 +1093,13 @@ class Rewriter(AttentionRewrites):
             a, b = args
             if a is c and last and not self.batched(b) and b.meta.ndim == 2:
                 return self.split_linear(c, b, None, meta, weight_cols=False)
+            if a is c and not last and not self.batched(b) and b.meta.ndim <= 2:
+                return self.per_part(op, key, args, kwargs, c, meta, c.dim)  # x @ W leaves the concat dim alone
             if b is c and c.meta.ndim == 3 and c.dim == 1 and not self.batched(a) and a.meta.ndim == 2:
                 return self.split_compress(a, c, meta)
+            blocks = self.block_matmul(a, b, meta)
+            if blocks is not None:
+                return blocks
         if (key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS) and self.rowwise_ok(key, args, kwargs, meta):
             return self.split_elementwise(op, key, args, kwargs, c, meta)
         x = args[0] if args else None
@@ -1077,6 +1120,8 @@ class Rewriter(AttentionRewrites):
             return None
         if key in SOFTMAX and _norm(_arg(args, kwargs, 1, "dim"), nd) not in (None, 0, c.dim):
             return self.per_part(op, key, args, kwargs, c, meta, c.dim)
+        if key in NORMS and len(_arg(args, kwargs, 1, "normalized_shape")) == 1 and last:
+            return self.normalized_linears(key, args, kwargs, c, meta)
         if (
             key in (F.layer_norm, getattr(F, "rms_norm", None))
             and nd - len(_arg(args, kwargs, 1, "normalized_shape")) > c.dim
@@ -1087,8 +1132,9 @@ class Rewriter(AttentionRewrites):
                 _norm(_arg(args, kwargs, 1, "start_dim", 0), nd),
                 _norm(_arg(args, kwargs, 2, "end_dim", -1), nd),
             )
-            if start == c.dim and end == nd - 1:
-                return self.per_part(op, key, args, kwargs, c, meta, c.dim)
+            if start and end is not None and start <= c.dim <= end and all(s == 1 for s in c.meta.shape[start : c.dim]):
+                # the concat dim is the outermost of the flattened dims of size > 1: each part stays one range
+                return self.per_part(op, key, args, kwargs, c, meta, start)
             if start is not None and end is not None and (end < c.dim or start > c.dim) and start > 0:
                 return self.per_part(op, key, args, kwargs, c, meta, c.dim - (end - start if end < c.dim else 0))
             return None
@@ -1108,7 +1154,7 @@ class Rewriter(AttentionRewrites):
                     op, key, args, kwargs, c, meta, d1 if c.dim == d0 else d0 if c.dim == d1 else c.dim
                 )
         if key is operator.getitem:
-            return self.index_concat(c, args[1], meta)
+            return self.index_concat(c, args[1], meta) or self.gather_concat(c, args[1], meta)
         if (
             key in ("unbind", torch.unbind)
             and isinstance(meta, tuple)
@@ -1140,6 +1186,220 @@ class Rewriter(AttentionRewrites):
             return Struct(tuple(items), meta)
         return None
 
+    def _constant_linear(self, n, source) -> bool:
+        """n is F.linear(source, W, b) with W (and b) constants of the model."""
+        if not (n.op == "call_function" and n.target is F.linear and n.args and n.args[0] is source):
+            return False
+        if set(n.kwargs) - {"weight", "bias"}:
+            return False
+        w, b = _arg(n.args, n.kwargs, 1, "weight"), _arg(n.args, n.kwargs, 2, "bias")
+        return (
+            isinstance(w, fx.Node)
+            and w.op == "get_attr"
+            and (b is None or isinstance(b, fx.Node) and b.op == "get_attr")
+        )
+
+    def normalized_linears(self, key, args, kwargs, c, meta):
+        """Linears reading layer_norm / rms_norm over the last dim of cat(user[m], cand), split like Type I.
+
+        W·LN(x) + b = r ⊙ (A_u[m] + A_c + δ·k) + h for LN(x) = (x − μ)·r·γ + β, with the user columns centred on
+        their own mean and multiplied at U rows (A_u = (u − μ_u)·(W_u γ_u)ᵀ), the candidate columns at B rows
+        (A_c), the row statistics joined per candidate by Chan's update (δ = μ_c − μ_u[m], M2 = M2_u[m] + M2_c +
+        δ²·n_u·n_c/n, r = 1/√(M2/n + ε)), k = (n_u/n)·W_c γ_c − (n_c/n)·W_u γ_u and h = W β + b constants. RMSNorm:
+        W·(x·r·γ) + b = r ⊙ (A_u[m] + A_c) + b with r from the joined sums of squares. Centring each side first
+        keeps the rounding that of the original. Only where every reader of the normalization is such a linear
+        (else None: it runs at B rows)."""
+        node = self.node
+        rms = key is not F.layer_norm
+        readers = list(node.users)
+        if not readers or not all(self._constant_linear(n, node) and n not in self.fused for n in readers):
+            return None
+        reps = [p for p in c.parts if isinstance(p, Rep)]
+        if not reps or len({p.mapping.key for p in reps}) != 1 or len(reps) == len(c.parts):
+            return None
+        gamma = _arg(args, kwargs, 2, "weight")
+        beta = None if rms else _arg(args, kwargs, 3, "bias")
+        eps = _arg(args, kwargs, 3 if rms else 4, "eps", None if rms else 1e-5)
+        if any(v is not None and not (isinstance(v, Plain) and v.node.op == "get_attr") for v in (gamma, beta)):
+            return None
+        if eps is None:
+            eps = torch.finfo(c.meta.dtype).eps
+        if not isinstance(eps, (int, float)):
+            return None
+        mapping, where = reps[0].mapping, self.where()
+        user_cols, cand_cols, user_x, cand_x, offset = [], [], [], [], 0
+        for p in c.parts:
+            size = p.meta.shape[c.dim]
+            if isinstance(p, Rep):
+                user_cols += range(offset, offset + size)
+                user_x.append(p.user)
+            else:
+                cand_cols += range(offset, offset + size)
+                cand_x.append(self.materialize(p, where, "part of a normalized concat"))
+            offset += size
+        n_u, n_c, n = len(user_cols), len(cand_cols), offset
+        g = torch.ones(n, dtype=c.meta.dtype) if gamma is None else self.fetch(gamma.node.target).detach()
+
+        def side(x):  # (centred or raw columns, mean, M2 or sum of squares) of one side, at its own rows
+            x = self._cat_columns(x)
+            mean = None
+            if not rms:
+                mean = self.emit("call_method", "mean", (x, -1), {"keepdim": True})
+                x = self.emit("call_function", operator.sub, (x, mean))
+            square = self.emit("call_function", operator.mul, (x, x))
+            return x, mean, self.emit("call_method", "sum", (square, -1), {"keepdim": True})
+
+        (xu, mean_u, m2_u), (xc, mean_c, m2_c) = side(user_x), side(cand_x)
+        join = lambda name, cand, user: self.emit("call_function", ops.rows_join, (name, cand, user, mapping.node))  # noqa: E731
+        m2 = join("add", m2_c, m2_u)
+        if not rms:
+            delta = join("sub_cu", mean_c, mean_u)
+            spread = self.emit("call_function", operator.mul, (delta, delta))
+            m2 = self.emit("call_function", torch.add, (m2, spread), {"alpha": n_u * n_c / n})
+        variance = self.emit("call_function", operator.truediv, (m2, n))
+        r = self.emit("call_function", torch.rsqrt, (self.emit("call_function", operator.add, (variance, eps)),))
+        for reader in readers:
+            w = self.fetch(_arg(reader.args, reader.kwargs, 1, "weight").target).detach()
+            b = _arg(reader.args, reader.kwargs, 2, "bias")
+            scaled = w * g
+            w_u, w_c = scaled[:, user_cols].contiguous(), scaled[:, cand_cols].contiguous()
+            h = torch.zeros(w.shape[0], dtype=torch.float64)
+            if beta is not None:
+                h += w.double() @ self.fetch(beta.node.target).detach().double()
+            if b is not None:
+                h += self.fetch(b.target).detach().double()
+            const = lambda t, prefix: self.emit("get_attr", self.attach(prefix, t.to(w.dtype)))  # noqa: E731
+            a_u = self.emit("call_function", F.linear, (xu, const(w_u, "weight")))
+            y = self.emit("call_function", ops.linear_rows, (xc, const(w_c, "weight"), a_u, mapping.node))
+            if not rms:
+                k = (n_u / n) * w_c.double().sum(1) - (n_c / n) * w_u.double().sum(1)
+                y = self.emit("call_function", torch.addcmul, (y, delta, const(k, "bias")))
+            y = self.emit("call_function", torch.addcmul, (const(h, "bias"), y, r))
+            self.fused[reader] = Plain(y, self.meta[reader], True)
+        self.report.rewritten.append(
+            f"{where}: {_name(key)} over cat(user, candidate) and the {len(readers)} linear(s) reading it split: user "
+            "columns normalized and multiplied at U rows, row statistics joined per candidate (linear_rows)"
+        )
+        return Plain(None, meta, True)  # read only by the linears above, which are computed here
+
+    def block_matmul(self, a, b, meta):
+        """matmul(a, b) of batched [B, ..., M, K] @ [B, ..., K, N] where a is a concat along M or b along N (the
+        pairwise dot products of user and candidate vectors, DLRM's interaction): one matmul per block, user × user
+        at U rows, user × candidate by rows_matmul, the blocks kept as a concat along M of concats along N."""
+        if not (is_value(a) and is_value(b) and self.batched(a) and self.batched(b)):
+            return None
+        if not (isinstance(a.meta, Meta) and isinstance(b.meta, Meta) and a.meta.ndim == b.meta.ndim >= 3):
+            return None
+        nd = a.meta.ndim
+        rows = a.parts if isinstance(a, Concat) and a.dim == nd - 2 else None if isinstance(a, Concat) else [a]
+        cols = b.parts if isinstance(b, Concat) and b.dim == nd - 1 else None if isinstance(b, Concat) else [b]
+        if rows is None or cols is None or len(rows) == len(cols) == 1:
+            return None
+        if any(isinstance(p, (Concat, Struct)) or isinstance(p, Rep) and p.row_dim for p in rows + cols):
+            return None
+        lead = meta.shape[:-2]
+        row_forms = []
+        for pa in rows:
+            blocks = []
+            for pb in cols:
+                block_meta = Meta((*lead, pa.meta.shape[-2], pb.meta.shape[-1]), meta.dtype)
+                blocks.append(self.apply("call_function", torch.matmul, (pa, pb), {}, block_meta))
+            row_meta = Meta((*lead, pa.meta.shape[-2], meta.shape[-1]), meta.dtype)
+            row_forms.append(Concat(blocks, nd - 1, row_meta) if len(blocks) > 1 else blocks[0])
+        self.report.rewritten.append(
+            f"{self.where()}: matmul over a concat of user and candidate vectors split into blocks: user × user at U "
+            "rows, user × candidate joined by rows_matmul"
+        )
+        # blocks kept apart (not joined) until read: a selection of some (DLRM's triangle) leaves the others unused
+        return Concat(row_forms, nd - 2, meta) if len(row_forms) > 1 else row_forms[0]
+
+    def _constant(self, form):
+        """The value of a form computed from constants only (no input): an index the model keeps as a buffer or
+        builds from Python numbers; else None."""
+        if not (isinstance(form, Plain) and isinstance(form.node, fx.Node)):
+            return None
+        seen, todo = set(), [form.node]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder":
+                return None
+            todo.extend(n.all_input_nodes)
+        return self.values[form.node]
+
+    def gather_concat(self, c, index, meta):
+        """x[:, I, J, ...] of a (nested) concat with constant index tensors (DLRM's upper triangle of the
+        interactions): each run of selected entries read from the part that holds it (a user part at U rows), the
+        runs kept as a concat along the selected dim."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) < 2 or index[0] != slice(None):
+            return None
+        consts = [self._constant(i) for i in index[1:]]
+        if not consts or any(
+            not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool
+            for t in consts
+        ):
+            return None
+        count, k = consts[0].shape[0], len(consts)
+        if any(t.shape[0] != count for t in consts) or count == 0 or not isinstance(meta, Meta):
+            return None
+        coords = torch.stack([t.long() % c.meta.shape[d + 1] for d, t in enumerate(consts)], dim=1).tolist()
+
+        def locate(form, at):
+            while isinstance(form, Concat) and 1 <= form.dim <= k:
+                d, offset = form.dim - 1, 0
+                for part in form.parts:
+                    size = part.meta.shape[form.dim]
+                    if at[d] < offset + size:
+                        form, at = part, [*at[:d], at[d] - offset, *at[d + 1 :]]
+                        break
+                    offset += size
+            return (None, at) if isinstance(form, (Concat, Struct)) else (form, at)
+
+        runs = []  # [leaf form, local coordinates]
+        for at in coords:
+            leaf, local = locate(c, at)
+            if leaf is None:
+                return None
+            if runs and runs[-1][0] is leaf:
+                runs[-1][1].append(local)
+            else:
+                runs.append([leaf, [local]])
+        where = self.where()
+        parts = []
+        for leaf, local in runs:
+            picks = torch.tensor(local, dtype=torch.int64).t()
+            picked = (slice(None), *[self.emit("get_attr", self.attach("index", p.contiguous())) for p in picks])
+            shape = Meta((self.num_candidates, len(local), *meta.shape[2:]), meta.dtype)
+            if isinstance(leaf, Rep):
+                node = self.emit("call_function", operator.getitem, (leaf.user, picked))
+                parts.append(Rep(node, leaf.mapping, shape, leaf.source))
+            else:
+                node = self.emit("call_function", operator.getitem, (self.materialize(leaf, where, ""), picked))
+                parts.append(Plain(node, shape, True))
+        merged = []  # neighbouring candidate runs in one tensor, neighbouring user runs of a mapping in one
+        for part in parts:
+            if (
+                merged
+                and type(merged[-1][0]) is type(part)
+                and (isinstance(part, Plain) or part.mapping is merged[-1][0].mapping)
+            ):
+                merged[-1].append(part)
+            else:
+                merged.append([part])
+        pieces = []
+        for group in merged:
+            size = sum(p.meta.shape[1] for p in group)
+            pieces.append(self._joined(group, 1, Meta((self.num_candidates, size, *meta.shape[2:]), meta.dtype)))
+        if not any(isinstance(p, Rep) for p in pieces):
+            return None  # nothing stays at U rows: as the original
+        self.report.rewritten.append(
+            f"{where}: constant-index selection from a concat of user and candidate blocks: user entries at U rows"
+        )
+        return self._joined(pieces, 1, meta)
+
     def pieces_of_concat(self, c, ranges, meta):
         """split / chunk (ranges (start, stop)) or unbind (ranges (i, None)) of a concat along its concat dim: a
         Struct of each piece's form, where every piece falls inside one part; None where one spans two."""
@@ -1162,14 +1422,19 @@ class Rewriter(AttentionRewrites):
             part = self.apply(op, key, pargs, pkwargs, meta)
             part.meta = self.meta_of(part, meta.dtype)
             parts.append(part)
+        return self._joined(parts, new_dim, meta)
+
+    def _joined(self, parts, dim, meta):
+        """cat(parts, dim) of forms: one part as itself, candidate parts (or user parts of one mapping) as one
+        tensor, a mix as a Concat."""
+        if len(parts) == 1:
+            return parts[0]
         if all(isinstance(p, Plain) for p in parts):
-            return Plain(
-                self.emit("call_function", torch.cat, ([p.node for p in parts],), {"dim": new_dim}), meta, True
-            )
-        if all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1:
-            node = self.emit("call_function", torch.cat, ([p.user for p in parts],), {"dim": new_dim})
+            return Plain(self.emit("call_function", torch.cat, ([p.node for p in parts],), {"dim": dim}), meta, True)
+        if all(isinstance(p, Rep) and not p.row_dim for p in parts) and len({p.mapping.key for p in parts}) == 1:
+            node = self.emit("call_function", torch.cat, ([p.user for p in parts],), {"dim": dim})
             return Rep(node, parts[0].mapping, meta, parts[0].source)
-        return Concat(parts, new_dim, meta)
+        return Concat(parts, dim, meta)
 
     def meta_of(self, form, dtype):
         """A form's shape at B rows, from its value on the example."""
@@ -1262,12 +1527,7 @@ class Rewriter(AttentionRewrites):
             pargs, pkwargs = fmap(args, s), fmap(kwargs, s)
             parts.append(self.apply(op, key, pargs, pkwargs, Meta(tuple(shape), meta.dtype)))
             offset += size
-        if not any(isinstance(p, (Rep, Concat, Sum)) for p in parts):
-            return Plain(self.emit("call_function", torch.cat, ([p.node for p in parts],), {"dim": c.dim}), meta, True)
-        if all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1:
-            node = self.emit("call_function", torch.cat, ([p.user for p in parts],), {"dim": c.dim})
-            return Rep(node, parts[0].mapping, meta, parts[0].source)
-        return Concat(parts, c.dim, meta)
+        return self._joined(parts, c.dim, meta)
 
     def _weight_slice(self, weight, start, stop, cols: bool):
         """weight[:, start:stop] (cols) or weight[start:stop]; constants sliced once, here."""
