@@ -21,6 +21,7 @@ spellings.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections import Counter
 from typing import Any
@@ -492,6 +493,8 @@ class Rewriter(AttentionRewrites):
         src, index = args
         if isinstance(src, Struct) and isinstance(index, int):
             return src.items[index]
+        if isinstance(src, Struct) and isinstance(index, slice) and isinstance(meta, tuple):
+            return Struct(src.items[index], meta)
         if (
             isinstance(src, Plain)
             and src.node.op == "placeholder"
@@ -1050,6 +1053,20 @@ class Rewriter(AttentionRewrites):
     # --- concat of user and candidate parts ----------------------------------------------------
 
     def concat_ops(self, op, key, args, kwargs, meta):
+        if key is torch.stack and isinstance(meta, Meta):  # stack along dim d ≠ 0: cat of the parts unsqueezed at d
+            dim = _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim)
+            parts = list(args[0])
+            if not dim or not any(isinstance(p, (Rep, Sum, Concat)) for p in parts):
+                return None
+            if all(isinstance(p, Rep) for p in parts) and len({p.mapping.key for p in parts}) == 1:
+                return None  # row-wise
+            if not all(self.batched(p) and isinstance(p.meta, Meta) for p in parts):
+                return None
+            unsqueezed = []
+            for p in parts:
+                shape = (*p.meta.shape[:dim], 1, *p.meta.shape[dim:])
+                unsqueezed.append(self.apply("call_method", "unsqueeze", (p, dim), {}, Meta(shape, p.meta.dtype)))
+            return self.concat_ops("call_function", torch.cat, (unsqueezed, dim), {}, meta)
         if key is torch.cat:
             parts, dim = list(args[0]), _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim)
             if dim is None:
@@ -1112,8 +1129,8 @@ class Rewriter(AttentionRewrites):
             dims = [_norm(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
             if None in dims or 0 in dims:
                 return None
-            if dims == [c.dim] and key in ("sum", torch.sum, "mean", torch.mean):
-                return self.reduce_concat(op, key, args, kwargs, c, meta)
+            if c.dim in dims and key in ("sum", torch.sum, "mean", torch.mean) and not set(kwargs) - {"dim", "keepdim"}:
+                return self.reduce_concat(key, dims, keepdim, c, meta)
             if c.dim not in dims:
                 shift = 0 if keepdim else sum(d < c.dim for d in dims)
                 return self.per_part(op, key, args, kwargs, c, meta, c.dim - shift)
@@ -1445,12 +1462,12 @@ class Rewriter(AttentionRewrites):
             return to_meta(self.values[form.node])
         return form.meta
 
-    def reduce_concat(self, op, key, args, kwargs, c, meta):
-        """sum / mean over the concat dim: the parts' sums, joined (add_user_rows where user rows meet candidates)."""
-        keepdim = _arg(args, kwargs, 2, "keepdim", False)
+    def reduce_concat(self, key, dims, keepdim, c, meta):
+        """sum / mean over dims that include the concat dim: the parts' sums, joined (add_user_rows where user rows
+        meet candidates)."""
         total = None
         for p in c.parts:
-            pargs = (p, c.dim, keepdim)
+            pargs = (p, dims[0] if len(dims) == 1 else tuple(dims), keepdim)
             part = self.apply("call_method", "sum", pargs, {}, meta)
             total = (
                 part
@@ -1467,7 +1484,8 @@ class Rewriter(AttentionRewrites):
                 )
             )
         if key in ("mean", torch.mean):
-            total = self.apply("call_function", operator.truediv, (total, c.meta.shape[c.dim]), {}, meta)
+            count = math.prod(c.meta.shape[d] for d in dims)
+            total = self.apply("call_function", operator.truediv, (total, count), {}, meta)
         return total
 
     def index_concat(self, c, index, meta):
