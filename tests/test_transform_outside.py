@@ -21,7 +21,7 @@ SERVING = (15, 1024)
 SIZES = [(7, 300), (3, 40), (1, 1), (20, 20)]  # U = B = 20: the rewrite must not tell rows apart by count
 PARTIAL = {  # model → why its user fields are still replicated (the report must say so)
     "xdeepfm": "einsum over a concat of user and candidate parts",  # CIN's outer product, reshaped across fields
-    "autoint": "stack over a concat of user and candidate parts",  # attention over user and candidate fields
+    "autoint": "stack along dim 0 of a concat",  # heads stacked first, then attention over all fields
 }
 
 
@@ -198,10 +198,12 @@ def test_normalization_with_another_reader_runs_at_candidate_rows():
 
 
 class PairwiseDots(nn.Module):
-    """DLRM's interaction, facebookresearch style: the triangle by index lists built in forward."""
+    """DLRM's interaction, facebookresearch style: the vectors concatenated flat, viewed as [B, -1, d], the triangle
+    by index lists built in forward."""
 
     def forward(self, fields, cand_fields, cand_to_user):
-        t = torch.cat([fields[cand_to_user], cand_fields], dim=1)
+        (batch_size, _, d) = cand_fields.shape
+        t = torch.cat([fields.flatten(1)[cand_to_user], cand_fields.flatten(1)], dim=1).view((batch_size, -1, d))
         z = torch.bmm(t, torch.transpose(t, 1, 2))
         _, ni, nj = z.shape
         li = torch.tensor([i for i in range(ni) for j in range(i)])
@@ -231,3 +233,21 @@ class FieldPieces(nn.Module):
 
 def test_split_fields_of_a_concat():
     check(FieldPieces(), must=("rows_join",))
+
+
+class FieldSelfAttention(nn.Module):
+    """Self-attention over user and candidate fields (FuxiCTR's AutoInt layout: heads by view and transpose): the
+    scores by blocks, but the softmax mixes user and candidate keys, so the report says why the user fields are
+    replicated there."""
+
+    def forward(self, fields, cand_fields, cand_to_user):
+        x = torch.cat([fields[cand_to_user], cand_fields], dim=1)  # [B, 5, D]
+        q = x.view(x.shape[0], -1, 2, D // 2).transpose(1, 2)  # [B, 2, 5, D/2]
+        scores = torch.matmul(q, q.transpose(-2, -1)) / (D // 2) ** 0.5
+        out = torch.matmul(scores.softmax(dim=-1), q)
+        return out.transpose(1, 2).flatten(1).sum(-1)
+
+
+def test_attention_across_user_and_candidate_fields_is_reported():
+    report = check(FieldSelfAttention(), left=1, must=("softmax over user and candidate entries together",))
+    assert "into blocks" in str(report)

@@ -1120,6 +1120,8 @@ class Rewriter(AttentionRewrites):
         if (key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS) and self.rowwise_ok(key, args, kwargs, meta):
             return self.split_elementwise(op, key, args, kwargs, c, meta)
         x = args[0] if args else None
+        if key in ("view", "reshape", torch.reshape) and x is c and not kwargs and isinstance(meta, Meta):
+            return self.reshape_concat(c, _sizes(args), meta)  # the row count may come from a candidate tensor
         if x is not c or any(self.batched(v) for v in leaves((args[1:], kwargs))):
             return None
         nd = c.meta.ndim
@@ -1308,6 +1310,8 @@ class Rewriter(AttentionRewrites):
         if not (isinstance(a.meta, Meta) and isinstance(b.meta, Meta) and a.meta.ndim == b.meta.ndim >= 3):
             return None
         nd = a.meta.ndim
+        if isinstance(a, Concat) and a.dim == nd - 1 or isinstance(b, Concat) and b.dim == nd - 2:
+            return self.contract_concat(a, b, meta)
         rows = a.parts if isinstance(a, Concat) and a.dim == nd - 2 else None if isinstance(a, Concat) else [a]
         cols = b.parts if isinstance(b, Concat) and b.dim == nd - 1 else None if isinstance(b, Concat) else [b]
         if rows is None or cols is None or len(rows) == len(cols) == 1:
@@ -1329,6 +1333,43 @@ class Rewriter(AttentionRewrites):
         )
         # blocks kept apart (not joined) until read: a selection of some (DLRM's triangle) leaves the others unused
         return Concat(row_forms, nd - 2, meta) if len(row_forms) > 1 else row_forms[0]
+
+    def contract_concat(self, a, b, meta):
+        """matmul(a, b) contracting over a concat (attention weights over user and candidate values): Σ over the
+        parts' ranges of a[..., range] @ b[..., range, :], user × user at U rows, the terms kept as a Sum."""
+        nd = a.meta.ndim
+        bounds = {0, a.meta.shape[-1]}
+        for v, dim in ((a, nd - 1), (b, nd - 2)):
+            if isinstance(v, Concat):
+                if v.dim != dim:
+                    return None
+                bounds |= set(itertools.accumulate(p.meta.shape[dim] for p in v.parts))
+        bounds = sorted(bounds)
+        total = None
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            left, right = self._range(a, nd - 1, start, stop), self._range(b, nd - 2, start, stop)
+            if left is None or right is None:
+                return None
+            term = self.apply("call_function", torch.matmul, (left, right), {}, meta)
+            joined = None if total is None else self.add_terms(total, term, 1.0, meta)
+            if total is not None and joined is None:
+                return None
+            total = term if total is None else joined
+        self.report.rewritten.append(
+            f"{self.where()}: matmul contracting over a concat of user and candidate parts split into a sum of "
+            "block products (user × user at U rows)"
+        )
+        return total
+
+    def _range(self, v, dim, start, stop):
+        """v[..., start:stop, ...] along `dim`: a part (or a slice of one) of a concat along it, else a slice."""
+        if isinstance(v, Concat) and v.dim == dim:
+            index = (*(slice(None),) * dim, slice(start, stop))
+            shape = (*v.meta.shape[:dim], stop - start, *v.meta.shape[dim + 1 :])
+            return self.index_concat(v, index, Meta(shape, v.meta.dtype))
+        if isinstance(v, Concat):
+            return None
+        return self._slice(v, v.meta.ndim - dim, start, stop)
 
     def _constant(self, form):
         """The value of a form computed from constants only (no input): an index the model keeps as a buffer or
@@ -1416,6 +1457,46 @@ class Rewriter(AttentionRewrites):
             f"{where}: constant-index selection from a concat of user and candidate blocks: user entries at U rows"
         )
         return self._joined(pieces, 1, meta)
+
+    def reshape_concat(self, c, sizes, meta):
+        """view / reshape of a concat that keeps each part one range of one dim, per part: the dims after the
+        concat dim regrouped (heads split off the last dim), or the concat dim, when last, split into (-1, *rest)
+        (DLRM's cat(features, 1).view(B, -1, d)). The sizes after the concat dim are the model's own arguments
+        (ints or traced sizes), not the example's."""
+        before, after = c.meta.shape, meta.shape
+        d = c.dim
+        if len(sizes) != len(after) or before[:d] != after[:d]:
+            return None
+        rest = list(sizes[d + 1 :])
+        if any(is_value(s) and not (isinstance(s, Plain) and not self.batched(s)) for s in rest):
+            return None
+        if after[d] == before[d] and len(after) > d + 1:  # the trailing dims regrouped
+            steps = ([("flatten", d + 1)] if len(before) > d + 2 else []) + [("unflatten", d + 1)]
+            if len(before) == d + 1:
+                steps = [("unsqueeze", d + 1), ("unflatten", d + 1)]
+        elif len(before) == d + 1 and len(after) > d + 1 and -1 not in rest:  # the concat dim split
+            width = math.prod(after[d + 1 :])
+            if any(p.meta.shape[d] % width for p in c.parts):
+                return None
+            steps, rest = [("unflatten", d)], [-1, *rest]
+        else:
+            return None
+        parts = []
+        for p in c.parts:
+            form = p
+            for step, dim in steps:
+                shape = list(self.meta_of(form, meta.dtype).shape if form is not p else p.meta.shape)
+                if step == "flatten":
+                    args, shape = (form, dim), [*shape[:dim], math.prod(shape[dim:])]
+                elif step == "unsqueeze":
+                    args, shape = (form, dim), [*shape, 1]
+                else:
+                    widths = list(after[dim:]) if dim > d else [p.meta.shape[d] // width, *after[d + 1 :]]
+                    args, shape = (form, dim, rest), [*shape[:dim], *widths]
+                form = self.apply("call_method", step, args, {}, Meta(tuple(shape), meta.dtype))
+            form.meta = self.meta_of(form, meta.dtype)
+            parts.append(form)
+        return self._joined(parts, d, meta)
 
     def pieces_of_concat(self, c, ranges, meta):
         """split / chunk (ranges (start, stop)) or unbind (ranges (i, None)) of a concat along its concat dim: a
@@ -1912,6 +1993,16 @@ class Rewriter(AttentionRewrites):
         if any(isinstance(v, Concat) for v in flat):
             if key is SDPA:
                 return "attention over a concat of user and candidate tokens (the user tokens' outputs depend on the candidate)"
+            if key in SOFTMAX:
+                return (
+                    "softmax over user and candidate entries together (attention across user and candidate tokens: "
+                    "every output depends on the candidate)"
+                )
+            if (
+                key in SEQUENCE_OPS
+                and _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim if isinstance(meta, Meta) else 0) == 0
+            ):
+                return f"{_name(key)} along dim 0 of a concat of user and candidate parts (the rows move off dim 0)"
             return f"{_name(key)} over a concat of user and candidate parts has no per-part form"
         if key is SDPA:
             return "attention whose mask is not a per-user key mask, or with dropout / is_causal / candidate K/V"
