@@ -118,11 +118,19 @@ def _install_inprocess_backend(backend_dir: Path) -> None:
         print(f"ikbo_backend: the python_inprocess backend is not available: {e}", file=sys.stderr, flush=True)
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports nothing listens on right now (the OS picks them). Each socket stays bound until
+    all are picked: a port picked and released at once can be handed out again by the next pick."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for s in sockets:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def visible_gpu_count() -> int:
@@ -342,12 +350,9 @@ def running_tritonserver(
     ready, is not ready within `timeout` seconds, or died while the block ran. Close clients before
     the block ends: open HTTP connections hold a stopping server up to 30 s.
     """
-    ports: list[int] = []
-    for requested in (http_port, grpc_port, metrics_port):
-        port = requested
-        while port is None or (requested is None and port in ports):
-            port = free_port()
-        ports.append(port)
+    requested = (http_port, grpc_port, metrics_port)
+    fresh = iter(port for port in free_ports(2 * len(requested)) if port not in requested)
+    ports = [next(fresh) if port is None else port for port in requested]
     cmd, env = tritonserver_command(model_repository, *ports, config_name=config_name, extra_args=extra_args)
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")

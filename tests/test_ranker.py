@@ -19,7 +19,7 @@ from ikbo_backend.ranker import (
     weight_shapes,
 )
 from ikbo_backend.synthetic import make_request, to_tensors
-from ikbo_backend.transform import ReplicationDetector
+from ikbo_backend.transform import replications_in
 from ikbo_backend.variants import build_ranker
 from kernels.reference import rel_err
 
@@ -71,9 +71,7 @@ def run_detected(variant, batch_invariant=False):
     num_users, num_candidates = 5, 37  # neither a multiple of the batch-invariant mode's 64-row chunks
     request = make_request(CFG, num_users, num_candidates, np.random.default_rng())
     features, interaction = build_ranker(variant, CFG, WEIGHTS, backend="torch", batch_invariant=batch_invariant)
-    with torch.inference_mode(), ReplicationDetector(num_users, num_candidates) as detector:
-        interaction(features(**to_tensors(request)))
-    return detector.replications
+    return replications_in(lambda: interaction(features(**to_tensors(request))), (), num_users, num_candidates)
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])

@@ -101,6 +101,20 @@ def test_readiness_probes_treat_a_port_that_echoes_the_request_as_not_up():
     listener.close()
 
 
+def test_ports_picked_for_one_server_are_distinct_and_free():
+    """serve's HTTP, gRPC and metrics ports, picked together: never one port twice (tritonserver then refuses to
+    start: 'cannot listen to HTTP requests and GRPC requests at the same address and port')."""
+    from ikbo_backend.reliability.served import free_port_block
+    from ikbo_backend.tritonserver import free_ports, port_taken
+
+    for _ in range(50):
+        ports = free_ports(3)
+        metrics = free_port_block(2, avoid=ports)
+        picked = [*ports, metrics, metrics + 1]
+        assert len(set(picked)) == 5, picked
+        assert not any(port_taken(port) for port in picked), picked
+
+
 def test_each_failed_request_belongs_to_one_kill():
     """A request sent after one kill that is still in flight at the next is that next kill's in-flight failure, not
     a failure of the first round's (a slow replacement on a loaded machine made one look like a request lost

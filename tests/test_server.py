@@ -28,7 +28,7 @@ from ikbo_backend.pbtxt import read_config, render
 from ikbo_backend.perf.repository_copy import repository_copy
 from ikbo_backend.ranker import RankerConfig, load_weights, make_demo_weights, save_weights
 from ikbo_backend.synthetic import make_request, to_tensors
-from ikbo_backend.tritonserver import RunningServer, free_port, has_gpu, running_tritonserver, stop, wait_until_ready
+from ikbo_backend.tritonserver import RunningServer, free_ports, has_gpu, running_tritonserver, stop, wait_until_ready
 from ikbo_backend.variants import build_ranker
 from kernels.reference import rel_err
 
@@ -287,10 +287,7 @@ def test_bfloat16_features_cross_the_ensemble(tmp_path, monkeypatch):
 @contextlib.contextmanager
 def served(repository, log_path, *flags, timeout: float = 300):
     """`scripts/serve` over `repository` on free ports, until ready; stopped (SIGTERM, then kill) on exit."""
-    ports: list[int] = []
-    while len(ports) < 3:
-        port = free_port()
-        ports += [] if port in ports else [port]
+    ports = free_ports(3)
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve"), f"--model-repository={repository}"]
     cmd += [f"--{name}-port={port}" for name, port in zip(("http", "grpc", "metrics"), ports)] + list(flags)
     with open(log_path, "wb") as log:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ikbo_backend.ranker import Features, RankerConfig, make_demo_weights
 from ikbo_backend.synthetic import make_request, to_tensors
-from ikbo_backend.transform import ReplicationDetector, to_ikbo
+from ikbo_backend.transform import replications_in, to_ikbo
 from ikbo_backend.transformed import BaselineInteraction, TransformedInteraction
 from ikbo_backend.variants import build_ranker
 from kernels.reference import rel_err
@@ -241,10 +241,7 @@ def args_for(model, inputs):
 
 
 def replications(model, args):
-    num_users, num_candidates = args[0].shape[0], args[-1].shape[0]
-    with torch.inference_mode(), ReplicationDetector(num_users, num_candidates) as detector:
-        model(*args)
-    return detector.replications
+    return replications_in(model, args, args[0].shape[0], args[-1].shape[0])
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

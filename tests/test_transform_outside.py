@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ikbo_backend.transform import ReplicationDetector, cost, to_ikbo, zoo_more
+from ikbo_backend.transform import cost, replications_in, to_ikbo, zoo_more
 from kernels.reference import rel_err
 
 RTOL = 1e-5
@@ -105,13 +105,9 @@ def test_replication_detector_agrees_with_the_report(transformed):
     num_users, num_candidates = 9, 61
     args = zoo_more.inputs(model, num_users, num_candidates, gen)
 
-    def replications(fn, floats_only=True):
-        with torch.inference_mode(), ReplicationDetector(num_users, num_candidates, floats_only) as detector:
-            fn(*args)
-        return detector.replications
-
-    assert replications(model, floats_only=False), f"{name}: the check does not see the original's replication"
-    assert (replications(module) != []) == (name in PARTIAL), name
+    original = replications_in(model, args, num_users, num_candidates, floats_only=False)
+    assert original, f"{name}: the check does not see the original's replication"
+    assert (replications_in(module, args, num_users, num_candidates) != []) == (name in PARTIAL), name
 
 
 def test_served_where_faster_and_none_slower():
@@ -156,9 +152,8 @@ def check(model, must=(), left=0):
         args = make(num_users, num_candidates)
         assert_same(model, module, args, f"U={num_users} B={num_candidates}\n{report}")
         if left == 0:
-            with torch.inference_mode(), ReplicationDetector(num_users, num_candidates) as detector:
-                module(*args)
-            assert num_users == num_candidates or detector.replications == [], str(report)
+            left_in = replications_in(module, args, num_users, num_candidates)
+            assert num_users == num_candidates or left_in == [], str(report)
     return report
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ikbo_backend.transform import ReplicationDetector, cost, to_ikbo, zoo
+from ikbo_backend.transform import cost, replications_in, to_ikbo, zoo
 from kernels.reference import rel_err
 
 RTOL = 1e-5
@@ -87,14 +87,10 @@ def test_replication_detector(transformed):
     num_users, num_candidates = SIZES[1]
     args = zoo.inputs(model, num_users, num_candidates, gen)
 
-    def replications(fn, floats_only=True):
-        with torch.inference_mode(), ReplicationDetector(num_users, num_candidates, floats_only) as detector:
-            fn(*args)
-        return detector.replications
-
     # some originals replicate user ids and look them up at B rows: counted with the integer tensors
-    assert replications(model, floats_only=False), f"{name}: the check does not see the original's replication"
-    assert (replications(module) != []) == (name in PARTIAL), name
+    original = replications_in(model, args, num_users, num_candidates, floats_only=False)
+    assert original, f"{name}: the check does not see the original's replication"
+    assert (replications_in(module, args, num_users, num_candidates) != []) == (name in PARTIAL), name
 
 
 def test_nine_of_ten_fully_and_none_slower():

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..paths import REPO_ROOT
-from ..tritonserver import TritonServerError, free_port, stop, wait_until_ready
+from ..tritonserver import TritonServerError, free_ports, stop, wait_until_ready
 from .perf_analyzer import server_side_us
 from .repository_copy import copy_models, served_config, set_instances
 
@@ -95,9 +95,7 @@ def run_point(index: int, point: Point, tree: Path, args, out: Path) -> Result:
     backend_source = tree / "ikbo_backend" / "inprocess" / "backend.c"
     if backend_source.exists():
         backend_source.touch()
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    while len({http, grpc, metrics}) < 3:
-        grpc, metrics = free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     command = [sys.executable, "scripts/serve", "--model-repository", str(repository)]
     command += ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     command += [] if args.config is None else ["--config", args.config]

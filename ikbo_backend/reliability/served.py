@@ -15,7 +15,15 @@ from pathlib import Path
 
 from ..paths import REPO_ROOT
 from ..perf.prometheus import scrape
-from ..tritonserver import ADMIN_KEY_ENV, TritonServerError, free_port, is_ready, metrics_started, port_taken
+from ..tritonserver import (
+    ADMIN_KEY_ENV,
+    TritonServerError,
+    free_port,
+    free_ports,
+    is_ready,
+    metrics_started,
+    port_taken,
+)
 from . import RANKERS
 from .load import probe
 
@@ -70,11 +78,13 @@ def wait_ready(served: Served, timeout: float = 180) -> float:
     raise TritonServerError(f"serve not ready after {timeout} s\n{served.log_tail()}")
 
 
-def free_port_block(count: int) -> int:
-    """A port p with p .. p + count - 1 all free (serve --replicas puts replica i's metrics on p + i)."""
+def free_port_block(count: int, avoid=()) -> int:
+    """A port p with p .. p + count - 1 all free and none in `avoid` (serve --replicas puts replica i's metrics on
+    p + i)."""
     for _ in range(100):
         first = free_port()
-        if first + count <= 65536 and not any(port_taken(first + i) for i in range(1, count)):
+        block = range(first, first + count)
+        if block[-1] < 65536 and not any(p in avoid or (p != first and port_taken(p)) for p in block):
             return first
     raise OSError(f"no {count} consecutive free ports found")
 
@@ -83,7 +93,8 @@ def free_port_block(count: int) -> int:
 def serving(exit_timeout: int = 30, model_repository=None, env_extra=None, log_dir=None, replicas: int = 1):
     """scripts/serve --cpu on free ports with a known admin key (`--replicas` when > 1); stopped
     (SIGTERM, then kill) on exit."""
-    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port_block(replicas)
+    http_port, grpc_port = free_ports(2)
+    metrics_port = free_port_block(replicas, avoid=(http_port, grpc_port))
     admin_key = f"test-{os.getpid()}-{time.monotonic_ns()}"
     env = dict(os.environ, **{ADMIN_KEY_ENV: admin_key}, **(env_extra or {}))
     log_path = Path(tempfile.mkdtemp(prefix="serve-", dir=log_dir)) / "serve.log"

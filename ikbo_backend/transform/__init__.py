@@ -23,13 +23,13 @@ from torch.utils._pytree import tree_flatten
 
 from . import cost
 from .capture import capture
-from .detect import ReplicationDetector
+from .detect import ReplicationDetector, replications_in
 from .rewrite import Rewriter
 from .values import Report
 
 MAPPING_ARGUMENT = "cand_to_user"
 
-__all__ = ["MAPPING_ARGUMENT", "Guarded", "ReplicationDetector", "Report", "to_ikbo"]
+__all__ = ["MAPPING_ARGUMENT", "Guarded", "ReplicationDetector", "Report", "replications_in", "to_ikbo"]
 
 RTOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2}  # default 1e-3 (fp32: tf32 on CUDA, fp64)
 

@@ -38,3 +38,10 @@ class ReplicationDetector(TorchDispatchMode):
         if user_rows and not cand_rows and any(t.shape[0] == self.num_candidates for t in outputs):
             self.replications.append(str(func))
         return out
+
+
+def replications_in(fn, args, num_users: int, num_candidates: int, floats_only: bool = True) -> list[str]:
+    """The ops of `fn(*args)` (under inference mode) that replicate a user tensor to candidate rows."""
+    with torch.inference_mode(), ReplicationDetector(num_users, num_candidates, floats_only) as detector:
+        fn(*args)
+    return detector.replications
