@@ -388,4 +388,9 @@ def test_served_transformed_ranker_matches_ikbo_ranker(tmp_path, monkeypatch):
                 )
         finally:
             client.close()
-        assert "no user tensor is replicated to B rows" in server.log_path.read_text(errors="replace")
+        log = server.log_path.read_text(errors="replace")
+        assert "IKBO transformation report" in log and "cost: at U:B" in log, log[-4000:]
+        # the cost model decides at load: on a CPU the rewrite is the faster; on a GPU the demo model's rewrite can
+        # measure slower than the original's few launches, and the original is served (the report says so)
+        rewritten = "no user tensor is replicated to B rows" in log
+        assert rewritten or (gpu and "served unchanged" in log), log[-4000:]

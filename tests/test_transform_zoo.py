@@ -93,6 +93,7 @@ def test_replication_detector(transformed):
     assert (replications_in(module, args, num_users, num_candidates) != []) == (name in PARTIAL), name
 
 
+@pytest.mark.timing
 def test_nine_of_ten_fully_and_none_slower():
     """At least 9 of the zoo's models are served transformed fully at 15:1024 on one thread, each measured not
     slower than its original; the others come back unchanged (not faster on this CPU) or partly transformed."""
