@@ -183,10 +183,11 @@ class InteractionModel(ServedStage):
         self.variant = variant
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
         self.feature_dtype = feature_dtype  # of the float inputs
+        graphed = use_cuda_graphs(cuda_graphs, self.device)
         self.features, self.interaction = build_ranker(
-            variant, cfg, weights, self.device, dtype=compute_dtype
+            variant, cfg, weights, self.device, dtype=compute_dtype, cuda_graphs=graphed
         )  # features: warm-up only
-        if use_cuda_graphs(cuda_graphs, self.device):
+        if graphed:
             self.interaction = GraphedInteraction(self.interaction, ranges, self.device)
 
     @staticmethod
@@ -254,10 +255,16 @@ class RankerModel(ServedStage):
         super().__init__(cfg, ranges, device)
         self.variant = variant
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
-        self.features, self.interaction = build_ranker(
-            variant, cfg, weights, self.device, dtype=compute_dtype, batch_invariant=batch_invariant
-        )
         graphed = use_cuda_graphs(cuda_graphs, self.device)
+        self.features, self.interaction = build_ranker(
+            variant,
+            cfg,
+            weights,
+            self.device,
+            dtype=compute_dtype,
+            batch_invariant=batch_invariant,
+            cuda_graphs=graphed,
+        )
         self.graphed = GraphedRanker(self.features, self.interaction, cfg, ranges, self.device) if graphed else None
 
     @staticmethod

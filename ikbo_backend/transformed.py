@@ -52,9 +52,10 @@ def example_features(cfg: RankerConfig, device="cpu", seed: int = 0, dtype=torch
 class TransformedInteraction:
     """Features → scores with the rewritten BaselineRanker graph; `report` says what the pass did."""
 
-    def __init__(self, cfg: RankerConfig, weights, device="cpu", dtype=torch.float32):
+    def __init__(self, cfg: RankerConfig, weights, device="cpu", dtype=torch.float32, cuda_graphs: bool = False):
         baseline = BaselineInteraction(BaselineRanker(cfg, weights, device))
-        self.module, self.report = to_ikbo(baseline, astuple(example_features(cfg, device, dtype=dtype)))
+        example = astuple(example_features(cfg, device, dtype=dtype))
+        self.module, self.report = to_ikbo(baseline, example, cuda_graphs=cuda_graphs)  # timed as it will be served
 
     def __call__(self, f: Features) -> torch.Tensor:
         return self.module(f.user_tokens, f.cand_tokens, f.history_tokens, f.history_len, f.cand_to_user)

@@ -37,13 +37,15 @@ def build_ranker(
     backend: str = "auto",
     dtype=None,
     batch_invariant: bool = False,
+    cuda_graphs: bool = False,
 ):
     """(FeatureStage, interaction) for variant "ikbo", "baseline" or "transformed" (BaselineRanker
     after the IKBO transformation, ikbo_backend.transform). With `dtype` (a torch dtype or a
     COMPUTE_DTYPES name) the interaction's weights are cast to it once and a 16-bit interaction
     returns float32 scores; None keeps the weights' dtype (tests pass float64 weights).
     `batch_invariant` (ikbo and baseline, torch ops): each candidate's scores are bit-identical in
-    any batch (ikbo_backend/batch_invariant.py)."""
+    any batch (ikbo_backend/batch_invariant.py). `cuda_graphs`: the interaction will be replayed from CUDA graphs, so
+    the transformation's cost model times both sides as graph replays."""
     if dtype is not None:
         dtype = COMPUTE_DTYPES[dtype] if isinstance(dtype, str) and dtype in COMPUTE_DTYPES else dtype
         if dtype not in COMPUTE_DTYPES.values():
@@ -61,7 +63,7 @@ def build_ranker(
         interaction = BaselineRanker(cfg, cast, device, batch_invariant)
     elif variant == "transformed":
         interaction = TransformedInteraction(
-            cfg, cast, device, dtype or next(v.dtype for v in cast.values() if v.is_floating_point())
+            cfg, cast, device, dtype or next(v.dtype for v in cast.values() if v.is_floating_point()), cuda_graphs
         )
     else:
         raise ValueError(f"variant: expected 'ikbo', 'baseline' or 'transformed', got {variant!r}")
