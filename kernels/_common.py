@@ -77,42 +77,87 @@ def check_mapping(cand_to_user, num_candidates: int, num_users: int, device: tor
         raise ValueError(f"cand_to_user: value {int(bad)} is outside [0, U={num_users})")
 
 
-class HostReadback:
-    """A small CUDA tensor on its way to the host: a copy into pinned memory and an event, enqueued
-    where it is made. `values()` waits for that copy (and what ran before it on the stream), not for
-    work enqueued after it; `done()` says, without waiting, whether it has arrived. Kernels launched
-    before the values are read must read and write nothing out of bounds for bad values."""
+class HostFlag:
+    """A verdict that a kernel writes straight into pinned host memory (a word of `_HostFlagRing`): 0 until the
+    kernel has run, then 1 + its value (0: the index values are in range, 1: one is not). No copy and no event
+    are enqueued: pinned memory is mapped into the device's address space (unified addressing), so the kernel's
+    store crosses the bus itself. `done()` reads the word; `values()` waits for the stream it was enqueued on
+    where it has not arrived. Kernels launched before the verdict is read must read and write nothing out of
+    bounds for bad values."""
 
-    def __init__(self, t: torch.Tensor):
-        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self.host.copy_(t, non_blocking=True)
-        self.ready = torch.cuda.Event()
-        self.ready.record(torch.cuda.current_stream(t.device))
+    __slots__ = ("ring", "index", "stream")
+
+    def __init__(self, device: torch.device):
+        self.ring = _HostFlagRing.of(device)
+        self.index = self.ring.take()
+        self.stream = torch.cuda.current_stream(device)
+
+    @property
+    def slot(self) -> torch.Tensor:
+        """The word the kernel writes: pass it as the kernel's host-flag pointer."""
+        at = self.index * _HostFlagRing.STRIDE
+        return self.ring.words[at : at + 1]
 
     def done(self) -> bool:
-        return self.ready.query()
+        return bool(self.ring.view[self.index * _HostFlagRing.STRIDE])
 
     def values(self) -> list:
-        self.ready.synchronize()
-        return self.host.tolist()
+        if not self.done():
+            self.stream.synchronize()
+        word = int(self.ring.view[self.index * _HostFlagRing.STRIDE])
+        if word == 0:
+            raise RuntimeError("an IKBO kernel that checks index values did not run (its host flag is unwritten)")
+        return [word - 1]
+
+
+class _HostFlagRing:
+    """Per device, pinned int32 words that kernels write their index-value verdicts to, handed out in turn. A word
+    is zeroed when it is handed out and read once (`HostFlag`); SIZE exceeds the deferred checks that can be
+    pending (`_DeferredChecks.MAX_PENDING`), so a word comes round again only after its check ran. Words lie
+    16 bytes apart: Triton specializes pointers on 16-byte alignment, and one alignment keeps one binary."""
+
+    SIZE = 4096
+    STRIDE = 4  # int32 words between flags (16 bytes)
+    _rings: dict = {}
+    _lock = threading.Lock()
+
+    def __init__(self, device: torch.device):
+        with torch.cuda.device(device):
+            self.words = torch.zeros(self.SIZE * self.STRIDE, dtype=torch.int32, pin_memory=True)
+        self.view = self.words.numpy()  # host reads and writes without a torch call
+        self.next = 0
+
+    @classmethod
+    def of(cls, device: torch.device) -> _HostFlagRing:
+        ring = cls._rings.get(device)
+        if ring is None:
+            with cls._lock:
+                ring = cls._rings.setdefault(device, cls(device))
+        return ring
+
+    def take(self) -> int:
+        with self._lock:
+            index, self.next = self.next, (self.next + 1) % self.SIZE
+        self.view[index * self.STRIDE] = 0
+        return index
 
 
 class _DeferredChecks:
     """Index-value checks of eager CUDA calls, read when their values have reached the host instead of
-    waiting for them: an op launches its kernels (which clamp or skip bad values), hands its readback
-    and a `check(values)` that raises the ValueError naming the input to `defer`, and returns. Each
-    later IKBO call first runs the checks whose values have arrived (`poll`); `check_deferred()` waits
-    for all of them. In strict mode (`strict_checks()`, or IKBO_STRICT_CHECKS=1) `defer` waits and
+    waiting for them: an op launches its kernels (which clamp or skip bad values), hands its `HostFlag` (or
+    anything with `done()` and `values()`) and a `check(values)` that raises the ValueError naming the input to
+    `defer`, and returns. Each later IKBO call first runs the checks whose values have arrived (`poll`);
+    `check_deferred()` waits for all of them. In strict mode (`strict_checks()`, or IKBO_STRICT_CHECKS=1) `defer` waits and
     raises at once, as a synchronous check would."""
 
     MAX_PENDING = 1024  # beyond this, the oldest check waits (a caller that never synchronizes)
 
     def __init__(self):
-        self.pending: list[tuple[HostReadback, object]] = []
+        self.pending: list[tuple[HostFlag, object]] = []
         self.lock = threading.Lock()
         self.strict = os.environ.get("IKBO_STRICT_CHECKS") == "1"
 
-    def defer(self, readback: HostReadback, check) -> None:
+    def defer(self, readback: HostFlag, check) -> None:
         if self.strict:
             check(readback.values())
             return
@@ -228,9 +273,10 @@ def selection_matrix(cand_to_user: torch.Tensor, num_users: int, dtype: torch.dt
 
 def check_mapping_values(cand_to_user: torch.Tensor, num_users: int) -> None:
     """The value check of `check_mapping` without a host wait on CUDA: on the CPU (and inside a CUDA-graph
-    capture, where the caller checks) as `check_mapping`; on CUDA the mapping's min and max travel to the host
-    behind the caller's kernels and are checked when they arrive (`DEFERRED`; at once in strict mode). The
-    kernels that run before the check must clamp or skip out-of-range values."""
+    capture, where the caller checks) as `check_mapping`; on CUDA one program compares the mapping with [0, U)
+    behind the caller's kernels and writes its verdict to pinned host memory (`HostFlag`), checked when it has
+    arrived (`DEFERRED`; at once in strict mode). The kernels that run before the check must clamp or skip
+    out-of-range values."""
     num_candidates = cand_to_user.shape[0]
     if not cand_to_user.is_cuda:
         check_mapping(cand_to_user, num_candidates, num_users, cand_to_user.device)
@@ -239,38 +285,42 @@ def check_mapping_values(cand_to_user: torch.Tensor, num_users: int) -> None:
         return
     if num_users == 0:
         raise ValueError(f"cand_to_user: {num_candidates} candidates but no users (U = 0)")
-
-    def check(values):
-        lowest, highest = values
-        if lowest < 0 or highest >= num_users:
-            raise ValueError(f"cand_to_user: value {lowest if lowest < 0 else highest} is outside [0, U={num_users})")
-
-    DEFERRED.defer(HostReadback(index_range(cand_to_user)), check)
+    flag = HostFlag(cand_to_user.device)
+    index_check(cand_to_user, num_users - 1, flag.slot)
+    DEFERRED.defer(flag, functools.partial(raise_bad_mapping, cand_to_user, num_users))
 
 
-@triton.jit(do_not_specialize=["n"])  # one binary for every batch size (no n == 1 or n % 16 variants)
-def _index_range_kernel(values_ptr, n, stride, out_ptr, BLOCK: tl.constexpr):
-    """out [2] int64 = (min, max) of values[:n] (elements `stride` apart), n ≥ 1: one program, BLOCK values a step."""
+def raise_bad_mapping(cand_to_user: torch.Tensor, num_users: int, verdict: list, kv_len=None, seq_len=0) -> None:
+    """The ValueError of a deferred check whose device verdict (`HostFlag` values) says a value was out of range:
+    the bad value read again from the tensors (the host waits here, on the error path only)."""
+    if not verdict[0]:
+        return
+    check_mapping(cand_to_user, cand_to_user.shape[0], num_users, cand_to_user.device)
+    if kv_len is not None:
+        check_kv_len(kv_len, num_users, seq_len, kv_len.device)
+    names = "cand_to_user" if kv_len is None else "cand_to_user or kv_len"
+    raise ValueError(f"{names}: a value was out of range when the op ran (the tensor has changed since)")
+
+
+@triton.jit(do_not_specialize=["n", "high"])  # one binary for every batch size (no n == 1 or n % 16 variants)
+def _index_check_kernel(values_ptr, n, stride, high, flag_ptr, BLOCK: tl.constexpr):
+    """flag [1] int32 = 1 + (any of values[:n] (elements `stride` apart) outside [0, high]), n ≥ 1: one program,
+    BLOCK values a step. 0 is left for "not written yet" (`HostFlag`)."""
     offsets = tl.arange(0, BLOCK)
-    lowest = tl.full([BLOCK], 9223372036854775807, tl.int64)
-    highest = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
+    bad = tl.full([BLOCK], 0, tl.int32)
     for start in tl.range(0, n, BLOCK):
         mask = start + offsets < n
         value = tl.load(values_ptr + (start + offsets).to(tl.int64) * stride, mask=mask, other=0).to(tl.int64)
-        lowest = tl.where(mask, tl.minimum(lowest, value), lowest)
-        highest = tl.where(mask, tl.maximum(highest, value), highest)
-    tl.store(out_ptr, tl.min(lowest, 0))
-    tl.store(out_ptr + 1, tl.max(highest, 0))
+        bad = tl.maximum(bad, (mask & ((value < 0) | (value > high))).to(tl.int32))
+    tl.store(flag_ptr, 1 + tl.max(bad, 0))
 
 
-def index_range(values: torch.Tensor) -> torch.Tensor:
-    """[min, max] (int64, on values' device) of a non-empty 1-D int32/int64 tensor in one launch, where
-    aminmax and a stack take two: an eager call's host time is mostly launches. One program walks the values (about
-    a microsecond per 4,096 on the H200), far below the kernels a batch that size feeds."""
-    out = torch.empty(2, dtype=torch.int64, device=values.device)
+def index_check(values: torch.Tensor, high: int, flag: torch.Tensor) -> None:
+    """flag[0] = 1 + (any value of a non-empty 1-D int32/int64 tensor outside [0, high]), in one launch; `flag` a
+    pinned host word (`HostFlag.slot`) or a device tensor. One program walks the values (about a microsecond per
+    4,096 on the H200), far below the kernels a batch that size feeds."""
     block = 256 if interpreting() else 4096
-    _index_range_kernel[(1,)](values, values.shape[0], values.stride(0), out, BLOCK=block, num_warps=8)
-    return out
+    _index_check_kernel[(1,)](values, values.shape[0], values.stride(0), high, flag, BLOCK=block, num_warps=8)
 
 
 @triton.jit

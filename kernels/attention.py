@@ -23,9 +23,9 @@ block holds all S tokens of all that user's candidates, so each user's K/V is re
 computes the same blocks' gradients (explicit formulas, fp32), dK[u] and dV[u] summed in the block's products.
 
 Triton path (CUDA, bf16/fp16, d ∈ {16, 32, 64, 128}): two launches per call, no wait for the device: the
-plan's range flag is copied to pinned memory behind the plan kernel and its check (the ValueError naming a bad
-index value) is deferred to a later IKBO call, `kernels.check_deferred()`, or made at once in strict mode
-(`kernels.strict_checks()`); the kernels clamp or skip bad values.
+plan kernel writes its range flag straight to pinned host memory (`HostFlag`) and its check (the ValueError
+naming a bad index value) is deferred to a later IKBO call, `kernels.check_deferred()`, or made at once in
+strict mode (`kernels.strict_checks()`); the kernels clamp or skip bad values.
   1. `_plan_kernel`, one program per user, segments `cand_to_user` by user: the candidates in
      user order (`order`, stable) and a table of query tiles. A user's candidates are laid out as
      count·S "virtual" query rows (candidate-major, S tokens each) cut into BLOCK_M-row tiles, so
@@ -64,7 +64,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
     DEFERRED,
-    HostReadback,
+    HostFlag,
     check_kv_len,
     check_kv_len_shape,
     check_mapping,
@@ -73,6 +73,7 @@ from ._common import (
     check_tensor,
     group_by_user,
     poll_deferred,
+    raise_bad_mapping,
     resolve_backend,
     through_dispatcher,
 )
@@ -120,8 +121,9 @@ def _plan_kernel(
     tile_ptr,  # [B·S // BLOCK_M + U, 4] int32 out: (user or -1, first candidate slot, first row, row end)
     flag_ptr,  # [3] int32 out: flag (1 when a mapping or kv_len value is out of range), then two zeros
     users_ptr,  # [U, 2] int32 out with HAS_USERS: (first candidate slot, candidate count) of each user
+    host_flag_ptr,  # [1] int32 out with HOST_FLAG, in pinned host memory: 1 + the flag (kernels._common.HostFlag)
     num_candidates, num_users, seq_len, num_queries, HAS_KV_LEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr, HAS_USERS: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_USERS: tl.constexpr, HOST_FLAG: tl.constexpr,
 ):
     """Program u reads the whole mapping twice: first = #candidates of users in [0, u) and count = #of u,
     then writes its candidates to order[first, first + count) and its tiles to the slots
@@ -132,7 +134,8 @@ def _plan_kernel(
     Out-of-range values are never matched (their rows are left unwritten, and no tile refers to
     them); program 0 writes the flag (1 on such a value, on which the host raises the ValueError)
     and zeroes the two words after it (the Gluon kernel's item counter and finished-program count).
-    With HAS_USERS (the backward) it also writes its (first, count) to users[u]."""
+    With HAS_USERS (the backward) it also writes its (first, count) to users[u]; with HOST_FLAG program 0 also
+    writes 1 + the flag to the host's word, which the host reads without a copy or an event."""
     user = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     first = tl.full((), 0, tl.int32)
@@ -179,6 +182,8 @@ def _plan_kernel(
         tl.store(flag_ptr, bad)
         tl.store(flag_ptr + 1, 0)
         tl.store(flag_ptr + 2, 0)
+        if HOST_FLAG:
+            tl.store(host_flag_ptr, bad + 1)
 # fmt: on
 
 
@@ -989,20 +994,30 @@ def plan_buffers(num_candidates: int, max_tiles: int, device):
     return buf[:1], buf[order_at : order_at + num_candidates], buf[tiles_at:].view(max_tiles, 4)
 
 
-def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int, kv_len=None, seq_len: int = 0, users=None):
+def plan_tiles(
+    cand_to_user,
+    num_users: int,
+    num_queries: int,
+    block_m: int,
+    kv_len=None,
+    seq_len: int = 0,
+    users=None,
+    host_flag=None,
+):
     """Run `_plan_kernel` → (order [B] int32, tiles [max_tiles, 4] int32, max_tiles, flag [1] int32),
     with max_tiles = B·S // BLOCK_M + U, known without a device→host sync. flag is 1 when a
     mapping value lies outside [0, U) or a kv_len value outside [0, L]. With `users` ([U, 2] int32) each
-    user's (first candidate slot in `order`, candidate count) is written there too (the backward's table)."""
+    user's (first candidate slot in `order`, candidate count) is written there too (the backward's table); with
+    `host_flag` (a pinned host word, `HostFlag.slot`) 1 + the flag too."""
     num_candidates = cand_to_user.shape[0]
     max_tiles = num_candidates * num_queries // block_m + num_users
     flag, order, tiles = plan_buffers(num_candidates, max_tiles, cand_to_user.device)
     _plan_kernel[(num_users,)](
         cand_to_user, cand_to_user if kv_len is None else kv_len, order, tiles, flag,
-        flag if users is None else users,
+        flag if users is None else users, flag if host_flag is None else host_flag,
         num_candidates, num_users, seq_len, num_queries,
         HAS_KV_LEN=kv_len is not None, BLOCK_M=block_m, CHUNK=64 if interpreting() else 1024,
-        HAS_USERS=users is not None, num_warps=4,
+        HAS_USERS=users is not None, HOST_FLAG=host_flag is not None, num_warps=4,
     )  # fmt: skip
     return order, tiles, max_tiles, flag
 
@@ -1010,12 +1025,13 @@ def plan_tiles(cand_to_user, num_users: int, num_queries: int, block_m: int, kv_
 # fmt: off
 def _launch(
     q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None, out=None, user_out=None, plan=None,
-    on_plan=None, lse=None,
+    host_flag=None, lse=None,
 ):
     """Triton path. q [B, H, S, d] (B may be 0), k/v [U, H, L, d] (U ≥ 1), kv_len [U] int32/int64 or
     None; with user_q [U, H, L, d] the self-attention tiles run in the same grid. `out` / `user_out`
     may be given (the tests poison them), and `plan` (from `plan_tiles` with the same BLOCK_M) when
-    one batch's grouping serves several calls; `on_plan(flag)` is called between the two launches.
+    one batch's grouping serves several calls; with `host_flag` (a pinned host word) the plan writes 1 + its flag
+    there too.
     With `lse` (fp32, `lse_size` elements) the rows' log-sum-exp for the backward goes there: the candidate rows
     [B, H, S] first, then the user rows [U, H, L] (`split_lse`); the Gluon kernel writes it where it runs, into
     contiguous outputs. Nothing here waits for the device.
@@ -1044,7 +1060,7 @@ def _launch(
             takes_ws = ws_supported(q, k)
         if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
             out, flag = launch_ws(
-                q, k, v, cand_to_user, kv_len, scale, out=out, on_plan=on_plan, user_q=user_q, user_out=user_out,
+                q, k, v, cand_to_user, kv_len, scale, out=out, host_flag=host_flag, user_q=user_q, user_out=user_out,
                 causal=causal, lse=lse,
             )
             return out, user_out, flag
@@ -1054,10 +1070,8 @@ def _launch(
         rows_per_user = num_candidates * num_queries / num_users + (0 if user_q is None else seq_len)
         config = pick_config(rows_per_user, interpreting())
     if plan is None:
-        plan = plan_tiles(cand_to_user, num_users, num_queries, config.block_m, kv_len, seq_len)
+        plan = plan_tiles(cand_to_user, num_users, num_queries, config.block_m, kv_len, seq_len, host_flag=host_flag)
     order, tiles, max_tiles, flag = plan
-    if on_plan is not None:
-        on_plan(flag)
     if heads * seq_len == 0 or (num_candidates == 0 and user_q is None):
         out.zero_()
         if lse is not None:
@@ -1190,7 +1204,7 @@ def _capturing(device) -> bool:
 
 def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, with_lse=False):
     """The Triton path of the forward ops → (out, user_out or None, lse: `lse_size` fp32 elements with_lse, else
-    None). No wait for the device: on CUDA the plan's range flag goes to the host behind the plan kernel and its
+    None). No wait for the device: on CUDA the plan kernel writes its range flag to pinned host memory and its
     check (the ValueError naming the bad value) is deferred (kernels._common.DEFERRED: raised by a later IKBO
     call, `check_deferred()`, or at once in strict mode). Not while a CUDA graph is being captured: values are
     then the caller's to check; the kernels still read nothing out of bounds (bad rows are left unwritten,
@@ -1204,14 +1218,13 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, w
         user_out = None if user_q is None else user_q.new_zeros(user_q.shape)
         return q.new_zeros(q.shape), user_out, lse
     capturing = _capturing(device)
-    readback = []
-    on_plan = (lambda flag: readback.append(HostReadback(flag))) if device.type == "cuda" and not capturing else None
-    out, user_out, flag = _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, on_plan=on_plan, lse=lse)
-    check = partial(_check_index_values, cand_to_user, kv_len, num_candidates, num_users, seq_len, device)
-    if readback:
-        DEFERRED.defer(readback[0], check)
+    host_flag = HostFlag(device) if device.type == "cuda" and not capturing else None
+    slot = None if host_flag is None else host_flag.slot
+    out, user_out, flag = _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, host_flag=slot, lse=lse)
+    if host_flag is not None:
+        DEFERRED.defer(host_flag, partial(raise_bad_mapping, cand_to_user, num_users, kv_len=kv_len, seq_len=seq_len))
     elif not capturing:
-        check(flag.tolist())
+        _check_index_values(cand_to_user, kv_len, num_candidates, num_users, seq_len, device, flag.tolist())
     return out, user_out, lse
 
 

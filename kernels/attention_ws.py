@@ -1127,7 +1127,7 @@ def launch_ws(
     config: WSAttentionConfig | None = None,
     out=None,
     plan=None,
-    on_plan=None,
+    host_flag=None,
     num_programs: int | None = None,
     user_q=None,
     user_out=None,
@@ -1137,8 +1137,8 @@ def launch_ws(
     """Target attention through `_attention_ws_kernel` for inputs that passed ikbo_attention's checks
     and `ws_supported`. q [B, H, S, d], k/v [U, H, L, d] (U ≥ 1); `plan` from
     `attention.plan_tiles(..., block_m=TILE_M)` when one batch's grouping serves several calls (not by
-    two launches at once: the kernel's item counter lives in it); `on_plan(flag)` between the two
-    launches; `num_programs` overrides the persistent grid (tests). With user_q [U, H, L, d] (and
+    two launches at once: the kernel's item counter lives in it); `host_flag` (a pinned host word) gets 1 +
+    the plan's flag; `num_programs` overrides the persistent grid (tests). With user_q [U, H, L, d] (and
     user_out, written in place; where `self_target_ws_ok`) the user's own (causal) self-attention tiles
     run in the same launch over the same K/V, as `attention.ikbo_self_target_attention`. q or out rows
     that are not 16-byte aligned go through aligned copies. With `lse` (fp32, `attention.lse_size` elements; out
@@ -1156,10 +1156,8 @@ def launch_ws(
     num_users, _, seq_len, _ = k.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if plan is None:
-        plan = _attn.plan_tiles(cand_to_user, num_users, num_queries, TILE_M, kv_len, seq_len)
+        plan = _attn.plan_tiles(cand_to_user, num_users, num_queries, TILE_M, kv_len, seq_len, host_flag=host_flag)
     order, tiles, max_tiles, flag = plan
-    if on_plan is not None:
-        on_plan(flag)
     if heads * seq_len * num_candidates * num_queries == 0:
         if user_q is not None:
             user_out.zero_()

@@ -361,15 +361,19 @@ def _check_plan_slots(cand_to_user, num_users, num_queries, order, tiles, flag):
 @given(num_users=st.integers(1, 70), data=st.data(), num_queries=st.integers(1, 40), block_m=st.sampled_from([16, 64]))
 def test_interp_plan(monkeypatch, num_users, data, num_queries, block_m):
     """`order` groups the candidates by user, stable; the tiles cover each user's count·S rows
-    exactly once; the flag stays down for valid values and goes up for any value out of range. The
+    exactly once; the flag stays down for valid values and goes up for any value out of range (and the host's
+    word, where given, reads 1 + the flag). The
     buffers start as garbage: the plan kernel writes every slot, also for a bad mapping."""
     _poisoned_plan_buffers(monkeypatch)
     mapping = data.draw(st.lists(st.integers(0, num_users - 1), min_size=0, max_size=150))
     cand_to_user = torch.tensor(mapping, dtype=torch.int64)
     seq_len = data.draw(st.integers(0, 9))
     kv_len = data.draw(st.none() | st.just(torch.randint(0, seq_len + 1, (num_users,))))
-    order, tiles, max_tiles, flag = attention.plan_tiles(cand_to_user, num_users, num_queries, block_m, kv_len, seq_len)
-    assert flag.item() == 0 and tiles.shape == (max_tiles, 4)
+    host_flag = torch.zeros(1, dtype=torch.int32)  # stands in for a pinned host word (kernels._common.HostFlag)
+    order, tiles, max_tiles, flag = attention.plan_tiles(
+        cand_to_user, num_users, num_queries, block_m, kv_len, seq_len, host_flag=host_flag
+    )
+    assert flag.item() == 0 and host_flag.item() == 1 and tiles.shape == (max_tiles, 4)
     assert order.tolist() == torch.argsort(cand_to_user, stable=True).tolist()
     _check_plan_slots(cand_to_user, num_users, num_queries, order, tiles, flag)
     counts = torch.bincount(cand_to_user, minlength=num_users).tolist()
@@ -392,8 +396,10 @@ def test_interp_plan(monkeypatch, num_users, data, num_queries, block_m):
     else:
         kv_len = torch.randint(0, seq_len + 1, (num_users,))
         kv_len[data.draw(st.integers(0, num_users - 1))] = -1 if bad.endswith("low") else seq_len + 1
-    order, tiles, _, flag = attention.plan_tiles(cand_to_user, num_users, num_queries, block_m, kv_len, seq_len)
-    assert flag.item() == 1
+    order, tiles, _, flag = attention.plan_tiles(
+        cand_to_user, num_users, num_queries, block_m, kv_len, seq_len, host_flag=host_flag
+    )
+    assert flag.item() == 1 and host_flag.item() == 2
     _check_plan_slots(cand_to_user, num_users, num_queries, order, tiles, flag)
 
 
@@ -522,7 +528,7 @@ def test_cuda_tile_options(case, options):
 )
 def test_cuda_bad_index_values_raise(name, change, strict):
     """On CUDA the op does not wait for the device: a bad shape or dtype raises at the call, a bad value (the
-    plan's flag, copied to the host behind the plan kernel) the ValueError naming the argument at check_deferred(),
+    plan's flag, written to pinned host memory by the plan kernel) the ValueError naming the argument at check_deferred(),
     or at the call in strict mode; the next valid call is unaffected."""
     args = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in {**_good(), **change}.items()}
     args["q"], args["k"], args["v"] = (

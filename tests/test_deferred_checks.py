@@ -1,6 +1,7 @@
 """Deferred index-value checks (kernels._common._DeferredChecks): a bad value found after an eager call
 returned raises at the next IKBO call that finds its readback arrived, at check_deferred(), or at once in
-strict mode. Readbacks here are stand-ins (the real ones copy CUDA tensors to pinned memory)."""
+strict mode. Verdicts here are stand-ins (the real ones are words of pinned host memory that kernels write), but
+for the CUDA test of the ring of those words."""
 
 from __future__ import annotations
 
@@ -109,21 +110,46 @@ def test_a_poll_stops_at_the_oldest_readback_in_flight(deferred):
     assert behind[3].waited and not behind[4].waited and deferred.pending == [(behind[4], deferred.pending[0][1])]
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="runs in test_index_range_kernel_interpreted's child process")
+@pytest.mark.skipif(not INTERPRETING, reason="runs in test_index_check_kernel_interpreted's child process")
 @settings(max_examples=12, deadline=None)
 @given(
     values=st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=700),
     dtype=st.sampled_from([torch.int32, torch.int64]),
     step=st.integers(1, 3),
+    high=st.integers(0, 2**40),
 )
-def test_interpreted_index_range(values, dtype, step):
-    """The readback's [min, max] in one launch: any length (several blocks), int32 and int64, a strided view."""
+def test_interpreted_index_check(values, dtype, step, high):
+    """The verdict 1 + (a value outside [0, high]) in one launch: any length (several blocks), int32 and int64, a
+    strided view."""
     if dtype == torch.int32:
         values = [max(-(2**31), min(2**31 - 1, v)) for v in values]
     spread = torch.tensor([v for v in values for _ in range(step)], dtype=dtype)[::step]
-    assert _common.index_range(spread).tolist() == [min(values), max(values)]
+    flag = torch.full((1,), -7, dtype=torch.int32)
+    _common.index_check(spread, high, flag)
+    assert flag.item() == 1 + any(v < 0 or v > high for v in values)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="already interpreting")
-def test_index_range_kernel_interpreted():
+def test_index_check_kernel_interpreted():
     run_interpreted(__file__)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host flags are pinned words that CUDA kernels write")
+def test_cuda_host_flags_come_round(monkeypatch, deferred):
+    """More eager calls than the ring has words: each word is handed out again only after its check ran, a bad
+    value on a word that came round still raises, naming the value, and good calls after it pass."""
+    monkeypatch.setattr(_common._HostFlagRing, "SIZE", 8)
+    monkeypatch.setattr(_common._HostFlagRing, "_rings", {})
+    monkeypatch.setattr(deferred, "MAX_PENDING", 5)
+    good = torch.randint(0, 3, (1000,), device="cuda")
+    for _ in range(20):
+        _common.check_mapping_values(good, 3)
+        assert len(deferred.pending) <= 5
+    bad = good.clone()
+    bad[617] = 3
+    _common.check_mapping_values(bad, 3)
+    with pytest.raises(ValueError, match=r"cand_to_user: value 3 is outside \[0, U=3\)"):
+        check_deferred()
+    for _ in range(10):
+        _common.check_mapping_values(good, 3)
+    check_deferred()

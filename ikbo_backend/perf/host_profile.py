@@ -1,0 +1,93 @@
+"""Where an eager IKBO call's host time goes: per op at the canonical shapes, the host µs of calls enqueued back to
+back against the call's device time, and a cProfile of those calls (the functions with the most own time).
+
+    python scripts/profile_host.py [--calls 200] [--top 25]      # GPU; writes $OUT/host_profile.md
+
+An eager call runs within its device time when its host µs (`device_time.host_us`) stay below it; the ops' target is
+≤ 50 µs a forward call. Raw launch costs are timed too: an empty Triton kernel, the plan kernel, torch's index_select,
+so the op's time reads as launches plus Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+
+import torch
+import triton
+import triton.language as tl
+
+from ikbo_backend.perf import attention_cases, lce_cases
+from ikbo_backend.perf.device_time import host_us
+from ikbo_backend.perf.machine import environment
+
+
+@triton.jit
+def _empty_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+
+
+def _cases(device) -> dict:
+    """name → a no-argument eager call (no autograd)."""
+    import kernels
+    from kernels import attention
+
+    dtype = torch.bfloat16
+    p = attention_cases.make_problem(attention_cases.CANONICAL, device, dtype, seed=1, with_user_q=True)
+    q, k, v, m = p["q"], p["k"], p["v"], p["cand_to_user"]
+    user_emb, cand_emb, mapping, weight, bias = lce_cases.make_inputs(lce_cases.CANONICAL, device, dtype, seed=2)
+    packed = kernels.PackedLinearCompress.from_weight(weight, lce_cases.CANONICAL.ku, bias)
+    cand_part = torch.randn(1024, 512, device=device, dtype=dtype)
+    user_part = torch.randn(15, 512, device=device, dtype=dtype)
+    x = torch.randn(16, device=device)
+    return {
+        "empty Triton kernel (1 launch)": lambda: _empty_kernel[(1,)](x, 16, BLOCK=16),
+        "torch index_select K to B rows (1 launch)": lambda: k.index_select(0, m),
+        "attention plan kernel": lambda: attention.plan_tiles(m, 15, 64, 128),
+        "ikbo_attention": lambda: kernels.ikbo_attention(q, k, v, m),
+        "ikbo_self_target_attention": lambda: kernels.ikbo_self_target_attention(p["user_q"], q, k, v, m),
+        "PackedLinearCompress": lambda: packed(user_emb, cand_emb, mapping),
+        "add_user_rows": lambda: kernels.add_user_rows(cand_part, user_part, m),
+    }
+
+
+def profile(calls: int, top: int) -> str:
+    device = torch.device("cuda")
+    lines = [f"# Host time of eager calls ({environment()})", ""]
+    lines += ["| call | host µs a call | device ms (graph replay) |", "|---|---:|---:|"]
+    reports = []
+    with torch.no_grad():
+        for name, fn in _cases(device).items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            device_ms = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+            host = host_us(fn, calls=calls)
+            profiler = cProfile.Profile()
+            torch.cuda.synchronize()
+            profiler.enable()
+            for _ in range(calls):
+                fn()
+            profiler.disable()
+            torch.cuda.synchronize()
+            stream = io.StringIO()
+            pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(top)
+            lines.append(f"| {name} | {host:.1f} | {device_ms:.4f} |")
+            reports += [f"## {name}", "", "```", stream.getvalue().strip(), "```", ""]
+    return "\n".join(lines + [""] + reports)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    text = profile(args.calls, args.top)
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "host_profile.md"), "w") as f:
+        f.write(text)
+    print(text.split("\n## ")[0])
