@@ -19,6 +19,7 @@ import triton.language as tl
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ._interpreter import interpreting
+from ._launch import CachedLaunch
 
 BACKENDS = ("auto", "torch", "triton")
 INDEX_TYPES = (torch.int32, torch.int64)
@@ -85,25 +86,25 @@ class HostFlag:
     where it has not arrived. Kernels launched before the verdict is read must read and write nothing out of
     bounds for bad values."""
 
-    __slots__ = ("ring", "index", "stream")
+    __slots__ = ("ring", "index", "device", "stream")
 
     def __init__(self, device: torch.device):
         self.ring = _HostFlagRing.of(device)
         self.index = self.ring.take()
-        self.stream = torch.cuda.current_stream(device)
+        self.device = device.index if device.index is not None else torch.cuda.current_device()
+        self.stream = torch._C._cuda_getCurrentRawStream(self.device)
 
     @property
     def slot(self) -> torch.Tensor:
         """The word the kernel writes: pass it as the kernel's host-flag pointer."""
-        at = self.index * _HostFlagRing.STRIDE
-        return self.ring.words[at : at + 1]
+        return self.ring.slot(self.index)
 
     def done(self) -> bool:
         return bool(self.ring.view[self.index * _HostFlagRing.STRIDE])
 
     def values(self) -> list:
         if not self.done():
-            self.stream.synchronize()
+            torch.cuda.ExternalStream(self.stream, device=self.device).synchronize()
         word = int(self.ring.view[self.index * _HostFlagRing.STRIDE])
         if word == 0:
             raise RuntimeError("an IKBO kernel that checks index values did not run (its host flag is unwritten)")
@@ -125,7 +126,15 @@ class _HostFlagRing:
         with torch.cuda.device(device):
             self.words = torch.zeros(self.SIZE * self.STRIDE, dtype=torch.int32, pin_memory=True)
         self.view = self.words.numpy()  # host reads and writes without a torch call
+        self.slots: list = [None] * self.SIZE  # each word's one-element view, made once
         self.next = 0
+
+    def slot(self, index: int) -> torch.Tensor:
+        view = self.slots[index]
+        if view is None:
+            at = index * self.STRIDE
+            view = self.slots[index] = self.words[at : at + 1]
+        return view
 
     @classmethod
     def of(cls, device: torch.device) -> _HostFlagRing:
@@ -315,12 +324,15 @@ def _index_check_kernel(values_ptr, n, stride, high, flag_ptr, BLOCK: tl.constex
     tl.store(flag_ptr, 1 + tl.max(bad, 0))
 
 
+_index_check_launch = CachedLaunch(_index_check_kernel)
+
+
 def index_check(values: torch.Tensor, high: int, flag: torch.Tensor) -> None:
     """flag[0] = 1 + (any value of a non-empty 1-D int32/int64 tensor outside [0, high]), in one launch; `flag` a
     pinned host word (`HostFlag.slot`) or a device tensor. One program walks the values (about a microsecond per
     4,096 on the H200), far below the kernels a batch that size feeds."""
     block = 256 if interpreting() else 4096
-    _index_check_kernel[(1,)](values, values.shape[0], values.stride(0), high, flag, BLOCK=block, num_warps=8)
+    _index_check_launch[(1,)](values, values.shape[0], values.stride(0), high, flag, BLOCK=block, num_warps=8)
 
 
 @triton.jit
@@ -333,6 +345,9 @@ def _add_user_rows_kernel(out_ptr, cand_ptr, user_ptr, m_ptr, row_len, num_users
     cand = tl.load(cand_ptr + b * row_len + offsets, mask=mask).to(tl.float32)
     value = cand + tl.load(user_ptr + user * row_len + offsets, mask=mask).to(tl.float32)
     tl.store(out_ptr + b * row_len + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_add_user_rows_launch = CachedLaunch(_add_user_rows_kernel)
 
 
 def _add_user_rows_sparse(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
@@ -372,7 +387,7 @@ def add_user_rows_triton(cand_part, user_part, cand_to_user, out=None) -> torch.
     if row_len and user.shape[0]:
         block = min(4096, triton.next_power_of_2(row_len))
         grid = (cand.shape[0], triton.cdiv(row_len, block))
-        _add_user_rows_kernel[grid](out, cand, user, cand_to_user, row_len, user.shape[0], BLOCK=block)
+        _add_user_rows_launch[grid](out, cand, user, cand_to_user, row_len, user.shape[0], BLOCK=block)
     return out
 
 

@@ -78,6 +78,7 @@ from ._common import (
     through_dispatcher,
 )
 from ._interpreter import interpreting
+from ._launch import CachedLaunch
 from .configs import TileConfig, tuned_config
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -185,6 +186,9 @@ def _plan_kernel(
         if HOST_FLAG:
             tl.store(host_flag_ptr, bad + 1)
 # fmt: on
+
+
+_plan_launch = CachedLaunch(_plan_kernel)
 
 
 @triton.jit
@@ -453,6 +457,9 @@ def _attention_kernel(
 # fmt: on
 
 
+_attention_launch = CachedLaunch(_attention_kernel)
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward kernels
 # ---------------------------------------------------------------------------------------------
@@ -617,6 +624,9 @@ def _attention_bwd_dq_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES,
         )
 # fmt: on
+
+
+_attention_bwd_dq_launch = CachedLaunch(_attention_bwd_dq_kernel)
 
 
 # fmt: off
@@ -792,6 +802,9 @@ def _attention_bwd_dkdv_kernel(
     tl.store(dk_ptr + at, (dk * scale).to(dk_ptr.dtype.element_ty), mask=key_ok)
     tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=key_ok)
 # fmt: on
+
+
+_attention_bwd_dkdv_launch = CachedLaunch(_attention_bwd_dkdv_kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1012,7 +1025,7 @@ def plan_tiles(
     num_candidates = cand_to_user.shape[0]
     max_tiles = num_candidates * num_queries // block_m + num_users
     flag, order, tiles = plan_buffers(num_candidates, max_tiles, cand_to_user.device)
-    _plan_kernel[(num_users,)](
+    _plan_launch[(num_users,)](
         cand_to_user, cand_to_user if kv_len is None else kv_len, order, tiles, flag,
         flag if users is None else users, flag if host_flag is None else host_flag,
         num_candidates, num_users, seq_len, num_queries,
@@ -1087,7 +1100,7 @@ def _launch(
     grid = (num_tiles, heads)
     uq, uo = (q, out) if user_q is None else (user_q, user_out)
     cand_lse, user_lse = (out, out) if lse is None else split_lse(lse, q.shape, k.shape, user_q is not None)
-    _attention_kernel[grid](
+    _attention_launch[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
         uq, uq.stride(0), uq.stride(1), uq.stride(2),
@@ -1169,7 +1182,7 @@ def _launch_backward(
     num_self_tiles = num_users * triton.cdiv(seq_len, dq_cfg.block_m) if with_self else 0
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     qk_scale = scale * LOG2E
-    _attention_bwd_dq_kernel[(num_self_tiles + num_target_tiles, heads)](
+    _attention_bwd_dq_launch[(num_self_tiles + num_target_tiles, heads)](
         q, q.stride(0), q.stride(1), q.stride(2), out, grad_out, dq, cand_lse, cand_delta,
         user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), user_out, grad_user_out, duq, user_lse,
         user_delta, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_arg, order, tiles,
@@ -1178,7 +1191,7 @@ def _launch_backward(
         HAS_KV_LEN=kv_len is not None, NUM_STAGES=dq_cfg.num_stages, num_warps=dq_cfg.num_warps,
         maxnreg=dq_cfg.maxnreg,
     )
-    _attention_bwd_dkdv_kernel[(num_users * heads * triton.cdiv(seq_len, kv_cfg.block_n),)](
+    _attention_bwd_dkdv_launch[(num_users * heads * triton.cdiv(seq_len, kv_cfg.block_n),)](
         q, q.stride(0), q.stride(1), q.stride(2), grad_out, cand_lse, cand_delta,
         user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), grad_user_out, user_lse, user_delta,
         kv_k_desc, kv_v_desc, stride_ku, stride_kh, stride_kl, dk, dv, kv_len_arg, order, users,

@@ -70,6 +70,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import _hopper
 from . import attention as _attn
 from ._hopper import GLUON_TYPES, smem_layout
+from ._launch import CachedLaunch
 
 WS_HEAD_DIMS = (64, 128)
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M)
@@ -1019,6 +1020,9 @@ def _attention_ws_kernel(
 # fmt: on
 
 
+_attention_ws_launch = CachedLaunch(_attention_ws_kernel)
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -1178,7 +1182,7 @@ def launch_ws(
     rows_tma = rows_by_tma(q, dest) and (user_q is None or self_rows_by_tma(user_q, user_out))
     q_desc, o_desc = _row_descriptors(q, dest) if rows_tma else (k_desc, k_desc)
     uq_desc, uo_desc = _row_descriptors(user_q, user_out) if rows_tma and user_q is not None else (q_desc, o_desc)
-    _attention_ws_kernel[grid](
+    _attention_ws_launch[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         dest, dest.stride(0), dest.stride(1), dest.stride(2),
         k_desc, v_desc, stride_ku, stride_kh, stride_kl,

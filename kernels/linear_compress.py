@@ -76,6 +76,7 @@ from ._common import (
     tma_ok,
 )
 from ._interpreter import interpreting
+from ._launch import CachedLaunch
 from .configs import TileConfig, tuned_config
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -264,6 +265,9 @@ def _lce_tile_kernel(
 # fmt: on
 
 
+_lce_tile_launch = CachedLaunch(_lce_tile_kernel)
+
+
 # fmt: off
 @triton.jit(do_not_specialize=["U"])
 def _lce_add_user_kernel(
@@ -287,6 +291,9 @@ def _lce_add_user_kernel(
         value += tl.load(bias_ptr + offsets // D, mask=mask).to(tl.float32)
     tl.store(row, value.to(out_ptr.dtype.element_ty), mask=mask)
 # fmt: on
+
+
+_lce_add_user_launch = CachedLaunch(_lce_add_user_kernel)
 
 
 @triton.jit
@@ -391,6 +398,9 @@ def _lce_persistent_kernel(
 # fmt: on
 
 
+_lce_persistent_launch = CachedLaunch(_lce_persistent_kernel)
+
+
 # ----------------------------------------------------------------------------- kernels: backward
 
 
@@ -410,6 +420,9 @@ def _user_offsets_kernel(sorted_ptr, offsets_ptr, U, B, STEPS, BLOCK: tl.constex
         hi = tl.where(active & ~below, mid, hi)
     offsets = tl.where(u == 0, 0, tl.where(u >= U, B, lo))
     tl.store(offsets_ptr + u, offsets, mask=u <= U)
+
+
+_user_offsets_launch = CachedLaunch(_user_offsets_kernel)
 
 
 @triton.jit
@@ -432,6 +445,9 @@ def _user_grad_sum_kernel(g_ptr, order_ptr, offsets_ptr, sums_ptr, ND, BLOCK: tl
         acc += tl.load(g_ptr + rows[:, None] * ND + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     total = tl.sum(acc, axis=0).to(sums_ptr.dtype.element_ty)
     tl.store(sums_ptr + u.to(tl.int64) * ND + cols, total, mask=col_mask)
+
+
+_user_grad_sum_launch = CachedLaunch(_user_grad_sum_kernel)
 
 
 # fmt: off
@@ -556,6 +572,9 @@ def _lce_weight_grad_kernel(
 # fmt: on
 
 
+_lce_weight_grad_launch = CachedLaunch(_lce_weight_grad_kernel)
+
+
 @triton.jit
 def _user_sum_fixup_kernel(slots_ptr, sums_ptr, offsets_ptr, ROWS_PER_SPLIT, ND, BLOCK: tl.constexpr):
     """The user sums the fused weight-gradient kernel leaves: zeros for a user without candidates; for a user whose
@@ -581,6 +600,9 @@ def _user_sum_fixup_kernel(slots_ptr, sums_ptr, offsets_ptr, ROWS_PER_SPLIT, ND,
         tl.store(out, total.to(sums_ptr.dtype.element_ty), mask=mask)
 
 
+_user_sum_fixup_launch = CachedLaunch(_user_sum_fixup_kernel)
+
+
 @triton.jit
 def _split_sum_kernel(part_ptr, out_ptr, SPLITS, NUMEL, BLOCK: tl.constexpr):
     """out[i] = Σ_s part[s, i] in fp32, cast to out's dtype: the split-K reduction of a weight gradient, in a fixed
@@ -593,6 +615,9 @@ def _split_sum_kernel(part_ptr, out_ptr, SPLITS, NUMEL, BLOCK: tl.constexpr):
         acc += tl.load(ptrs, mask=mask, other=0.0)
         ptrs += NUMEL  # pointer arithmetic is 64-bit: no int32 overflow past 2³¹ elements
     tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_split_sum_launch = CachedLaunch(_split_sum_kernel)
 
 
 # ----------------------------------------------------------------------------- host side: forward
@@ -678,7 +703,7 @@ def _launch_tile(weight, w_desc, x, out, fused_user, bias, cfg: TileConfig) -> N
     out_desc = _out_desc(out, cfg) if tma and not cfg.warp_specialize else None  # WS splits the tile: pointer stores
     user_part, mapping = fused_user if fused_user is not None else (None, None)
     grid = (out.shape[0] * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_n),)
-    _lce_tile_kernel[grid](
+    _lce_tile_launch[grid](
         weight, w_desc, weight.stride(0), x, x_desc, x.stride(0), x.stride(1), x.stride(2), out, out_desc, user_part,
         mapping, bias, rows, dim, depth, max(user_part.shape[0], 1) if user_part is not None else 1,
         BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_n, BLOCK_K=cfg.block_k, W_TMA=tma, X_TMA=x_desc is not None,
@@ -801,7 +826,7 @@ class PackedWeights:
         _launch_tile(weight, w_desc, cand_emb, out, fused_user, self.bias if fuse else None, cfg)
         if not fuse and (has_user or self.bias is not None):
             block = min(4096, triton.next_power_of_2(rows * dim))
-            _lce_add_user_kernel[(num_candidates, triton.cdiv(rows * dim, block))](
+            _lce_add_user_launch[(num_candidates, triton.cdiv(rows * dim, block))](
                 out, user_part, cand_to_user, self.bias, rows, dim, max(user_part.shape[0], 1), HAS_USER=has_user,
                 HAS_BIAS=self.bias is not None, BLOCK=block,
             )
@@ -827,7 +852,7 @@ class PackedWeights:
         out_desc = _out_desc(out, cfg)
         num_tiles = (num_users * has_user + num_candidates) * tiles_per_row
         num_programs = min(_num_programs(out.device), num_tiles)
-        _lce_persistent_kernel[(num_programs,)](
+        _lce_persistent_launch[(num_programs,)](
             wu_desc, user_emb, xu_desc, user_emb.stride(0), user_emb.stride(1), user_emb.stride(2),
             wc_desc, cand_emb, xc_desc, cand_emb.stride(0), cand_emb.stride(1), cand_emb.stride(2),
             user_part, out, out_desc, cand_to_user, self.bias, flags, epoch, num_users, num_candidates, rows, dim,
@@ -979,7 +1004,7 @@ def _weight_grad(
         sorted_users, order, offsets = (None, None, None) if ranges is None else ranges
         a_desc = _operand_desc(a, cfg.block_m, cfg.block_k)
         x_desc = _operand_desc(x, cfg.block_n, cfg.block_k)
-        _lce_weight_grad_kernel[(count * tiles,)](
+        _lce_weight_grad_launch[(count * tiles,)](
             a, a_desc, a.stride(0), a.stride(1), a.stride(2), x, x_desc, x.stride(0), x.stride(1), x.stride(2), part,
             order, sorted_users, offsets, sums, slots, num_rows, rows, depth, dim, per_split,
             1 if sums is None else sums.shape[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_k,
@@ -989,8 +1014,8 @@ def _weight_grad(
         block = 1024 if not interpreting() else 32
         if sums is not None:
             grid = (sums.shape[0], triton.cdiv(rows * dim, block))
-            _user_sum_fixup_kernel[grid](slots, sums, offsets, per_split, rows * dim, BLOCK=block)
-        _split_sum_kernel[(triton.cdiv(rows * depth, block),)](part, out, count, rows * depth, BLOCK=block)
+            _user_sum_fixup_launch[grid](slots, sums, offsets, per_split, rows * dim, BLOCK=block)
+        _split_sum_launch[(triton.cdiv(rows * depth, block),)](part, out, count, rows * depth, BLOCK=block)
 
     configs = [config] if config is not None else list(weight_grad_configs(a.dtype, dim, sums is not None))
     key = None if config is not None else ("dW", sums is not None, a.dtype, dim, a.device)
@@ -1044,7 +1069,7 @@ def _user_ranges(cand_to_user, num_users: int):
     sorted_users, order = torch.sort(cand_to_user, stable=True)
     offsets = torch.empty(num_users + 1, dtype=torch.int32, device=cand_to_user.device)
     block = 128
-    _user_offsets_kernel[(triton.cdiv(num_users + 1, block),)](
+    _user_offsets_launch[(triton.cdiv(num_users + 1, block),)](
         sorted_users, offsets, num_users, num_candidates, num_candidates.bit_length(), BLOCK=block
     )
     return sorted_users, order, offsets
@@ -1077,7 +1102,7 @@ def _user_gradients(g, cand_to_user, num_users: int, out=None, method: str | Non
     block, step_rows = (32, 2) if interpreting() else (1024, 4)
     while block > 256 and num_users * triton.cdiv(numel, block) < 2 * _num_programs(g.device):
         block //= 2  # few users: narrower column blocks, so that every SM gets programs
-    _user_grad_sum_kernel[(num_users, triton.cdiv(numel, block))](
+    _user_grad_sum_launch[(num_users, triton.cdiv(numel, block))](
         g, order, offsets, sums, numel, BLOCK=block, ROWS=step_rows
     )
     return sums

@@ -57,6 +57,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import _hopper
 from ._common import tma_ok
 from ._hopper import GLUON_TYPES, SMEM_LIMIT, smem_layout
+from ._launch import CachedLaunch
 from .linear_compress import PackedWeights
 
 MAX_STAGES = 6
@@ -320,6 +321,9 @@ def _lce_ws_kernel(
 # fmt: on
 
 
+_lce_ws_launch = CachedLaunch(_lce_ws_kernel)
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -382,7 +386,7 @@ def _launch_kernel(
     w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
     grid = min(num_programs or _hopper.device_info(out.device)[1], num_tiles)
-    _lce_ws_kernel[(grid,)](
+    _lce_ws_launch[(grid,)](
         w_desc,
         x_desc,
         y_desc,

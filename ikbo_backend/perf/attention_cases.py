@@ -226,6 +226,11 @@ TRAIN_SWEEP_CANDIDATES, TRAIN_SWEEP_RATIOS = (64, 1024, 16384), (1, 16, 70, 256)
 SMOKE_TRAIN_SWEEP = [Shape(3, 7, 4, 20, 1, 16)]
 TRAIN_TOL = 2e-2
 TRAIN_BASELINE, TRAIN_OURS = "baseline (index_select + SDPA), autograd", "ours: public op, autograd"
+# The baseline's dK and dV are index_select's backward: an index_add of each candidate's gradient into its user's
+# rows in bf16, whose rounding grows with the candidates a user has (rel. error 4e-2 at 256 a user on the H200): it is
+# timed against this looser bound, its error in the table.
+BASELINE_TRAIN_TOL = 1e-1
+BASELINE_TRAIN_NOTE = "dK/dV summed in bf16 (index_add)"
 TRAIN_KERNELS = "ours: kernels (plan + forward with LSE; plan, dQ, dK/dV)"
 TRAIN_APART = "apart: SDPA causal self + our target, autograd"
 # backward tiles (dQ, dK/dV) besides `attention.pick_backward_configs`' at the canonical shape: two programs an SM
@@ -414,6 +419,7 @@ def train_sweep_case(shape: Shape, device, dtype) -> Case:
         TRAIN_KERNELS: partial(kernels_train, p),
     }
     providers = {name: Provider(fn, checked(fn)) for name, fn in runs.items()}
+    providers[TRAIN_BASELINE].tol, providers[TRAIN_BASELINE].note = BASELINE_TRAIN_TOL, BASELINE_TRAIN_NOTE
     return Case(providers, ref, shape.train_flops(), shape.train_min_bytes(q.element_size()))
 
 

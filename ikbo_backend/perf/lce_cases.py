@@ -140,6 +140,11 @@ def grad_reference(inputs, grad_out, head: int, probes) -> tuple:
     )
 
 
+# The baseline's d_user_emb is index_select's backward: each candidate's gradient added into its user's row in bf16,
+# whose rounding grows with the candidates a user has: it is timed against this looser bound, its error in the table.
+BASELINE_TRAIN_TOL = 1e-1
+
+
 def train_providers(inputs, grad_out, shape: Shape, ref, probes, canonical: bool) -> dict[str, Provider]:
     """Forward + backward, each returning (out, d_user_emb, d_cand_emb, d_user_weight, d_cand_weight, d_bias), checked
     with the weight gradients projected; at the canonical shape also ours in parts (each checked on its part)."""
@@ -166,7 +171,9 @@ def train_providers(inputs, grad_out, shape: Shape, ref, probes, canonical: bool
         return out, *torch.autograd.grad(out, leaves, grad_out)
 
     table = {
-        TRAIN_BASELINE: Provider(materialized, check=_checked(materialized, probes), note="user_emb replicated"),
+        TRAIN_BASELINE: Provider(
+            materialized, check=_checked(materialized, probes), note="user_emb replicated", tol=BASELINE_TRAIN_TOL
+        ),
         DECOMPOSED: Provider(decomposed, check=_checked(decomposed, probes)),
         OURS: Provider(ours, check=_checked(ours, probes), host=True, note="PackedLinearCompress, the op's backward"),
     }
