@@ -16,6 +16,7 @@ passes no hooks (Triton's empty hook chains would be called for nothing).
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 from triton import knobs
@@ -23,6 +24,7 @@ from triton import knobs
 from ._interpreter import interpreting
 
 _INT32 = (-(2**31), 2**31)
+ENABLED = os.environ.get("IKBO_LAUNCH_CACHE", "1") != "0"  # IKBO_LAUNCH_CACHE=0: every launch takes Triton's path
 
 
 def _hooked() -> bool:
@@ -65,7 +67,7 @@ class CachedLaunch:
     MAX_KEYS = 512  # beyond this many argument keys the oldest half is dropped (a bound, not a working set)
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        if interpreting() or _hooked() or callable(grid):
+        if not ENABLED or interpreting() or _hooked() or callable(grid):
             return self.kernel[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         try:
