@@ -39,11 +39,16 @@ class StandInKernel:
         return run
 
 
+class StandInDriver:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 77)
+
+
 @pytest.fixture
 def kernel(monkeypatch):
     monkeypatch.setattr(_launch, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    monkeypatch.setattr(_launch, "driver", StandInDriver())
     return StandInKernel()
 
 
