@@ -89,9 +89,9 @@ class HostFlag:
     __slots__ = ("ring", "index", "device", "stream")
 
     def __init__(self, device: torch.device):
-        self.ring = _HostFlagRing.of(device)
-        self.index = self.ring.take()
         self.device = device.index if device.index is not None else torch.cuda.current_device()
+        self.ring = _HostFlagRing.of(self.device)
+        self.index = self.ring.take()
         self.stream = torch._C._cuda_getCurrentRawStream(self.device)
 
     @property
@@ -122,7 +122,7 @@ class _HostFlagRing:
     _rings: dict = {}
     _lock = threading.Lock()
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: int):
         with torch.cuda.device(device):
             self.words = torch.zeros(self.SIZE * self.STRIDE, dtype=torch.int32, pin_memory=True)
         self.view = self.words.numpy()  # host reads and writes without a torch call
@@ -137,7 +137,8 @@ class _HostFlagRing:
         return view
 
     @classmethod
-    def of(cls, device: torch.device) -> _HostFlagRing:
+    def of(cls, device: int) -> _HostFlagRing:
+        """The ring of CUDA device number `device`."""
         ring = cls._rings.get(device)
         if ring is None:
             with cls._lock:
@@ -156,8 +157,8 @@ class _DeferredChecks:
     waiting for them: an op launches its kernels (which clamp or skip bad values), hands its `HostFlag` (or
     anything with `done()` and `values()`) and a `check(values)` that raises the ValueError naming the input to
     `defer`, and returns. Each later IKBO call first runs the checks whose values have arrived (`poll`);
-    `check_deferred()` waits for all of them. In strict mode (`strict_checks()`, or IKBO_STRICT_CHECKS=1) `defer` waits and
-    raises at once, as a synchronous check would."""
+    `check_deferred()` waits for all of them. In strict mode (`strict_checks()`, or IKBO_STRICT_CHECKS=1)
+    `defer` waits and raises at once, as a synchronous check would."""
 
     MAX_PENDING = 1024  # beyond this, the oldest check waits (a caller that never synchronizes)
 

@@ -1204,13 +1204,6 @@ def _launch_backward(
 # fmt: on
 
 
-def _check_index_values(cand_to_user, kv_len, num_candidates, num_users, seq_len, device, flag_values) -> None:
-    """The ValueError naming cand_to_user or kv_len and the bad value, when the plan's flag (`flag_values`) is up."""
-    if flag_values[0]:
-        check_mapping(cand_to_user, num_candidates, num_users, device)
-        check_kv_len(kv_len, num_users, seq_len, device)
-
-
 def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -1237,7 +1230,7 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, w
     if host_flag is not None:
         DEFERRED.defer(host_flag, partial(raise_bad_mapping, cand_to_user, num_users, kv_len=kv_len, seq_len=seq_len))
     elif not capturing:
-        _check_index_values(cand_to_user, kv_len, num_candidates, num_users, seq_len, device, flag.tolist())
+        raise_bad_mapping(cand_to_user, num_users, flag.tolist(), kv_len=kv_len, seq_len=seq_len)
     return out, user_out, lse
 
 
