@@ -76,6 +76,7 @@ from ._common import (
     raise_bad_mapping,
     resolve_backend,
     through_dispatcher,
+    tma_ok,
 )
 from ._interpreter import interpreting
 from ._launch import CachedLaunch
@@ -606,11 +607,12 @@ def _attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Grid (self tiles + candidate tiles, H), the forward's tiles: each program computes Δ = rowsum(dO ∘ O) of its
-    rows (stored for `_attention_bwd_dkdv_kernel`, launched after it) and their dQ over the user's keys."""
+    """Grid (tiles, H), the forward's tiles: HAS_SELF, the self tiles (num_self_tiles), else the candidate tiles.
+    Each program computes Δ = rowsum(dO ∘ O) of its rows (stored for `_attention_bwd_dkdv_kernel`, launched after
+    it) and their dQ over the user's keys."""
     tile = tl.program_id(0)
     head = tl.program_id(1)
-    if HAS_SELF and tile < num_self_tiles:
+    if HAS_SELF:
         _dq_self_tile(
             tile, head, uq_ptr, stride_uqu, stride_uqh, stride_uql, uo_ptr, udo_ptr, duq_ptr, ulse_ptr, udelta_ptr,
             k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, num_users, seq_len, num_self_tiles, qk_scale,
@@ -618,8 +620,7 @@ def _attention_bwd_dq_kernel(
         )
     else:
         _dq_target_tile(
-            tile - num_self_tiles,
-            head, q_ptr, stride_qb, stride_qh, stride_qs, o_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, k_desc, v_desc,
+            tile, head, q_ptr, stride_qb, stride_qh, stride_qs, o_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, k_desc, v_desc,
             stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale, scale,
             HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES,
         )
@@ -629,6 +630,9 @@ def _attention_bwd_dq_kernel(
 _attention_bwd_dq_launch = CachedLaunch(_attention_bwd_dq_kernel)
 
 
+DKDV_EARLY_DP = tl.constexpr(True)  # dP's product issued beside S's, so the exponentials overlap it (3 % faster)
+
+
 # fmt: off
 @triton.jit
 def _dkdv_step(
@@ -636,13 +640,18 @@ def _dkdv_step(
 ):
     """One step of a K/V block's walk over BLOCK_M query rows, transposed (keys are the rows here):
     Pᵀ = exp2(k·qᵀ·qk_scale − lse), dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (v·dOᵀ − Δ), dK += dSᵀ·q (scaled by the caller)."""
-    p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M] fp32
+    s_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M] fp32
+    if DKDV_EARLY_DP:
+        dp_t = tl.dot(v, tl.trans(do))
+    p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
     if MASK_KEYS:
         p_t = tl.where((keys < kv_len)[:, None], p_t, 0.0)
     if MASK_CAUSAL:
         p_t = tl.where(keys[:, None] <= rows[None, :], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
-    ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+    if not DKDV_EARLY_DP:
+        dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
 # fmt: on
@@ -651,14 +660,27 @@ def _dkdv_step(
 # fmt: off
 @triton.jit
 def _dkdv_target_rows(
-    dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, order_ptr, first, row_end, head,
-    heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASK_KEYS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc, order_ptr,
+    first, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASK_KEYS: tl.constexpr, NUM_STAGES: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
     """A K/V block's walk over its user's candidate query rows [0, row_end) (virtual rows: candidate-major, S tokens;
-    candidates from order[first …]), BLOCK_M at a time; rows past row_end load as zeros with lse = +inf."""
+    candidates from order[first …]), BLOCK_M at a time; rows past row_end load as zeros with lse = +inf. ROWS_TMA
+    (BLOCK_M divides S; q and dO contiguous): each step is BLOCK_M consecutive rows of one candidate, which q_desc
+    and do_desc (views [B·H·S, d]) copy by TMA."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    if ROWS_TMA:
+        for r0 in tl.range(0, row_end, BLOCK_M, num_stages=NUM_STAGES):
+            slot = r0 // num_queries
+            cand = tl.load(order_ptr + first + slot)
+            row0 = (cand * heads + head) * num_queries + (r0 - slot * num_queries)  # < 2**31 (launch check)
+            q = q_desc.load([row0, 0])
+            do = do_desc.load([row0, 0])
+            lse = tl.load(lse_ptr + row0 + offs_m)
+            delta = tl.load(delta_ptr + row0 + offs_m)
+            dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, offs_m, kv_len, qk_scale, MASK_KEYS, False)
+        return dk, dv
     for r0 in tl.range(0, row_end, BLOCK_M, num_stages=NUM_STAGES):
         rows = r0 + offs_m
         row_ok = rows < row_end
@@ -682,7 +704,7 @@ def _dkdv_self_rows(
     MASK_CAUSAL: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """A K/V block's walk over its user's own query rows [lo, hi), BLOCK_M at a time (rows ≥ hi load as zeros with
-    lse = +inf)."""
+    lse = +inf). (Copying these rows by TMA as the candidate rows are measured 1 % slower: the extra loops spill.)"""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     base = user.to(tl.int64) * stride_uqu + head * stride_uqh
@@ -729,11 +751,13 @@ def _attention_bwd_dkdv_kernel(
     uq_ptr, stride_uqu, stride_uqh, stride_uql,  # [U, H, L, D] user queries (unused without HAS_SELF)
     udo_ptr, ulse_ptr, udelta_ptr,  # [U, H, L, D] contiguous gradient of user_out, [U, H, L] fp32 lse and Δ
     k_desc, v_desc, stride_ku, stride_kh, stride_kl,  # as `_attention_kernel`, blocks [BLOCK_N, D]
+    q_desc, do_desc,  # ROWS_TMA: [B·H·S, D] views of q and dO, blocks [BLOCK_M, D] (else stand-ins)
     dk_ptr, dv_ptr,  # [U, H, L, D] contiguous out
     kv_len_ptr, order_ptr, users_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order, users [U, 2]
     num_users, heads, seq_len, num_queries, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, RANK_USERS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ROWS_TMA: tl.constexpr,
 ):
     """1-D grid over (user rank, head, key block), key blocks fastest: a program owns K/V[u, h] rows
     [BLOCK_N·j, BLOCK_N·j + BLOCK_N) in registers and walks all of user u's candidate query rows (and, with
@@ -765,13 +789,15 @@ def _attention_bwd_dkdv_kernel(
         row_end = tl.load(users_ptr + 2 * user + 1) * num_queries
         if start_n + BLOCK_N <= kv_len:
             dk, dv = _dkdv_target_rows(
-                dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, order_ptr, first,
-                row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, False, NUM_STAGES,
+                dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
+                order_ptr, first, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, False,
+                NUM_STAGES, ROWS_TMA,
             )
         else:
             dk, dv = _dkdv_target_rows(
-                dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, order_ptr, first,
-                row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, True, NUM_STAGES,
+                dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
+                order_ptr, first, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, True,
+                NUM_STAGES, ROWS_TMA,
             )
         if HAS_SELF:
             if CAUSAL:  # rows before the block see none of its keys; the first BLOCK_N rows from it, some
@@ -1119,22 +1145,45 @@ def _launch(
 # fmt: on
 
 
-def pick_backward_configs(
-    rows_per_user: float, head_dim: int, interpret: bool, with_self: bool = False
-) -> tuple[TileConfig, TileConfig]:
+def pick_backward_configs(rows_per_user: float, head_dim: int, interpret: bool) -> tuple[TileConfig, TileConfig]:
     """(dQ kernel tiles: BLOCK_M query rows × BLOCK_N keys a step, the forward's tiles with three products a step
-    instead of two, so no register cap (190 registers at d = 128), three stages from 128 rows (two with self tiles,
-    whose extra buffers leave no room for a third: 262 KB of the 227 KB at d = 128); dK/dV kernel tiles:
-    BLOCK_M = 64 query rows a step × BLOCK_N = 128 keys a program, 8 warps, whose fp32 dK and dV [128, d] stay in
-    registers for the whole walk. At d = 128 that spills a little, and still beats 32 rows a step (no spill): on the
-    H200 at the canonical shape the backward takes 1.39 ms against 1.61 (docs/design/attention.md)."""
+    instead of two, so no register cap (190 registers at d = 128), three stages from 128 rows a user; dK/dV kernel
+    tiles: BLOCK_M = 64 query rows a step × BLOCK_N = 128 keys a program, 8 warps, whose fp32 dK and dV [128, d]
+    stay in registers for the whole walk (232 registers at d = 128 with the rows copied by TMA, 255 and a few
+    spilled without); 32 rows a step measured 25 % slower, 64-key blocks 45 % (docs/design/attention.md).
+    rows_per_user: the query rows a user's keys see (B·S / U for the candidate tiles, L for the self tiles)."""
     if interpret:
         return TileConfig(16, 16, num_warps=4, num_stages=1), TileConfig(16, 32, num_warps=4, num_stages=1)
     if rows_per_user <= 64:
         dq = TileConfig(64, 64, num_warps=4, num_stages=2)
     else:
-        dq = TileConfig(128, 64, num_warps=8, num_stages=2 if with_self else 3)
+        dq = TileConfig(128, 64, num_warps=8, num_stages=3)
     return dq, TileConfig(64, 128, num_warps=8, num_stages=2)
+
+
+DKDV_ROWS_TMA = True  # the dK/dV walk copies q and dO rows by TMA where `_dkdv_rows_tma` allows
+
+
+def _dkdv_rows_tma(q: torch.Tensor, grad_out: torch.Tensor, block_m: int) -> bool:
+    """Whether the dK/dV walk can copy its candidate query rows by TMA: every step's block_m rows are consecutive
+    rows of one candidate (S a multiple of block_m), q and dO contiguous and 16-byte aligned, row numbers within
+    TMA's int32 coordinates."""
+    num_candidates, heads, num_queries, _ = q.shape
+    return (
+        DKDV_ROWS_TMA
+        and num_queries % block_m == 0
+        and all(t.is_contiguous() and tma_ok(t) for t in (q, grad_out))
+        and num_candidates * heads * num_queries < 2**31
+    )
+
+
+def _row_views(q: torch.Tensor, grad_out: torch.Tensor, block_m: int):
+    """Descriptors over the [B·H·S, d] row views of q and dO, blocks [block_m, d]."""
+    head_dim = q.shape[3]
+    return [
+        TensorDescriptor(t, [t.numel() // head_dim, head_dim], [head_dim, 1], [block_m, head_dim])
+        for t in (q, grad_out)
+    ]
 
 
 RANKED_USERS = 64  # up to this many users, the dK/dV programs of the users with the most query rows start first
@@ -1146,11 +1195,11 @@ def _launch_backward(
     causal=True, grads=None, config=None,
 ):
     """Triton backward of `_launch`'s attention: out, lse from its forward (lse: `lse_size` fp32 elements), grad_out
-    (and with user_q, grad_user_out) the gradients of its outputs. Three launches: the plan (with each user's
-    candidate range), `_attention_bwd_dq_kernel` (Δ = rowsum(dO ∘ O) and dQ, over the forward's tiles) and
-    `_attention_bwd_dkdv_kernel` (dK, dV, each user's K/V blocks walking its query rows). `grads` (dq, dk, dv, duq)
-    may be given, contiguous (the tests poison them); `config` (dQ tiles, dK/dV tiles) overrides
-    `pick_backward_configs`. Nothing here waits for the device; bad index values read and write nothing out of
+    (and with user_q, grad_user_out) the gradients of its outputs. Launches: the plan (with each user's candidate
+    range), `_attention_bwd_dq_kernel` (Δ = rowsum(dO ∘ O) and dQ, over the forward's tiles: once for the self
+    tiles, once for the candidate tiles) and `_attention_bwd_dkdv_kernel` (dK, dV, each user's K/V blocks walking
+    its query rows). `grads` (dq, dk, dv, duq) may be given, contiguous (the tests poison them); `config` (dQ tiles,
+    dK/dV tiles) overrides `pick_backward_configs`. Nothing here waits for the device; bad index values read and write nothing out of
     bounds (their rows of dq are left unwritten). Returns (dq, dk, dv, duq or None)."""
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
@@ -1161,8 +1210,8 @@ def _launch_backward(
     dq, dk, dv, duq = grads
     if num_users * heads * seq_len == 0 or (num_candidates == 0 and not with_self):
         return dq.zero_(), dk.zero_(), dv.zero_(), None if duq is None else duq.zero_()
-    rows_per_user = num_candidates * num_queries / num_users + (seq_len if with_self else 0)
-    dq_cfg, kv_cfg = config or pick_backward_configs(rows_per_user, head_dim, interpreting(), with_self)
+    dq_cfg, kv_cfg = config or pick_backward_configs(num_candidates * num_queries / num_users, head_dim, interpreting())
+    self_cfg = config[0] if config else pick_backward_configs(seq_len, head_dim, interpreting())[0]
     users = torch.empty(num_users, 2, dtype=torch.int32, device=q.device)
     order, tiles, max_tiles, _ = plan_tiles(cand_to_user, num_users, num_queries, dq_cfg.block_m, kv_len, seq_len, users)
     delta = torch.empty_like(lse)
@@ -1176,29 +1225,37 @@ def _launch_backward(
     else:  # the self arguments stand for themselves, unused
         user_q, grad_user_out, user_out, duq, user_lse, user_delta = q, grad_out, out, dq, cand_lse, cand_delta
     kv_len_arg = order if kv_len is None else kv_len
-    k_desc, v_desc, (stride_ku, stride_kh, stride_kl), (kv_k_desc, kv_v_desc) = _kv_views(
-        k, v, dq_cfg.block_n, kv_cfg.block_n
+    k_desc, v_desc, (stride_ku, stride_kh, stride_kl), (kv_k_desc, kv_v_desc), self_descs = _kv_views(
+        k, v, dq_cfg.block_n, kv_cfg.block_n, self_cfg.block_n
     )
-    num_self_tiles = num_users * triton.cdiv(seq_len, dq_cfg.block_m) if with_self else 0
+    num_self_tiles = num_users * triton.cdiv(seq_len, self_cfg.block_m) if with_self else 0
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     qk_scale = scale * LOG2E
-    _attention_bwd_dq_launch[(num_self_tiles + num_target_tiles, heads)](
-        q, q.stride(0), q.stride(1), q.stride(2), out, grad_out, dq, cand_lse, cand_delta,
-        user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), user_out, grad_user_out, duq, user_lse,
-        user_delta, k_desc, v_desc, stride_ku, stride_kh, stride_kl, kv_len_arg, order, tiles,
-        num_users, seq_len, num_queries, num_self_tiles, qk_scale, scale,
-        HEAD_DIM=head_dim, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, HAS_SELF=with_self, CAUSAL=causal,
-        HAS_KV_LEN=kv_len is not None, NUM_STAGES=dq_cfg.num_stages, num_warps=dq_cfg.num_warps,
-        maxnreg=dq_cfg.maxnreg,
-    )
+    # dQ and Δ: the self tiles and the candidate tiles in launches of their own (each its own stages and tiles)
+    for has_self, num_tiles, cfg, (kd, vd) in (
+        (True, num_self_tiles, self_cfg, self_descs), (False, num_target_tiles, dq_cfg, (k_desc, v_desc))
+    ):
+        if num_tiles == 0:
+            continue
+        _attention_bwd_dq_launch[(num_tiles, heads)](
+            q, q.stride(0), q.stride(1), q.stride(2), out, grad_out, dq, cand_lse, cand_delta,
+            user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), user_out, grad_user_out, duq, user_lse,
+            user_delta, kd, vd, stride_ku, stride_kh, stride_kl, kv_len_arg, order, tiles,
+            num_users, seq_len, num_queries, num_self_tiles, qk_scale, scale,
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SELF=has_self, CAUSAL=causal,
+            HAS_KV_LEN=kv_len is not None, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        )
+    rows_tma = num_candidates > 0 and _dkdv_rows_tma(q, grad_out, kv_cfg.block_m)
+    q_desc, do_desc = _row_views(q, grad_out, kv_cfg.block_m) if rows_tma else (kv_k_desc, kv_v_desc)
     _attention_bwd_dkdv_launch[(num_users * heads * triton.cdiv(seq_len, kv_cfg.block_n),)](
         q, q.stride(0), q.stride(1), q.stride(2), grad_out, cand_lse, cand_delta,
         user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), grad_user_out, user_lse, user_delta,
-        kv_k_desc, kv_v_desc, stride_ku, stride_kh, stride_kl, dk, dv, kv_len_arg, order, users,
-        num_users, heads, seq_len, num_queries, qk_scale, scale,
+        kv_k_desc, kv_v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, dk, dv, kv_len_arg,
+        order, users, num_users, heads, seq_len, num_queries, qk_scale, scale,
         HEAD_DIM=head_dim, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, HAS_SELF=with_self, CAUSAL=causal,
         HAS_KV_LEN=kv_len is not None, RANK_USERS=RANKED_USERS if num_users <= RANKED_USERS else 0,
-        NUM_STAGES=kv_cfg.num_stages, num_warps=kv_cfg.num_warps, maxnreg=kv_cfg.maxnreg,
+        NUM_STAGES=kv_cfg.num_stages, ROWS_TMA=rows_tma, num_warps=kv_cfg.num_warps,
+        maxnreg=kv_cfg.maxnreg,
     )
     return dq, dk, dv, duq if with_self else None
 # fmt: on
