@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import _hopper
 from ._common import (
     DEFERRED,
     HostFlag,
@@ -661,17 +662,18 @@ def _dkdv_step(
 @triton.jit
 def _dkdv_target_rows(
     dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc, order_ptr,
-    first, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASK_KEYS: tl.constexpr, NUM_STAGES: tl.constexpr, ROWS_TMA: tl.constexpr,
+    first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASK_KEYS: tl.constexpr, NUM_STAGES: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
-    """A K/V block's walk over its user's candidate query rows [0, row_end) (virtual rows: candidate-major, S tokens;
-    candidates from order[first …]), BLOCK_M at a time; rows past row_end load as zeros with lse = +inf. ROWS_TMA
+    """A K/V block's walk over its user's candidate query rows [row_lo, row_end) (virtual rows: candidate-major, S
+    tokens; candidates from order[first …]; row_lo a multiple of BLOCK_M), BLOCK_M at a time; rows past row_end load
+    as zeros with lse = +inf. ROWS_TMA
     (BLOCK_M divides S; q and dO contiguous): each step is BLOCK_M consecutive rows of one candidate, which q_desc
     and do_desc (views [B·H·S, d]) copy by TMA."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     if ROWS_TMA:
-        for r0 in tl.range(0, row_end, BLOCK_M, num_stages=NUM_STAGES):
+        for r0 in tl.range(row_lo, row_end, BLOCK_M, num_stages=NUM_STAGES):
             slot = r0 // num_queries
             cand = tl.load(order_ptr + first + slot)
             row0 = (cand * heads + head) * num_queries + (r0 - slot * num_queries)  # < 2**31 (launch check)
@@ -681,7 +683,7 @@ def _dkdv_target_rows(
             delta = tl.load(delta_ptr + row0 + offs_m)
             dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, offs_m, kv_len, qk_scale, MASK_KEYS, False)
         return dk, dv
-    for r0 in tl.range(0, row_end, BLOCK_M, num_stages=NUM_STAGES):
+    for r0 in tl.range(row_lo, row_end, BLOCK_M, num_stages=NUM_STAGES):
         rows = r0 + offs_m
         row_ok = rows < row_end
         slot = rows // num_queries
@@ -752,23 +754,25 @@ def _attention_bwd_dkdv_kernel(
     udo_ptr, ulse_ptr, udelta_ptr,  # [U, H, L, D] contiguous gradient of user_out, [U, H, L] fp32 lse and Δ
     k_desc, v_desc, stride_ku, stride_kh, stride_kl,  # as `_attention_kernel`, blocks [BLOCK_N, D]
     q_desc, do_desc,  # ROWS_TMA: [B·H·S, D] views of q and dO, blocks [BLOCK_M, D] (else stand-ins)
-    dk_ptr, dv_ptr,  # [U, H, L, D] contiguous out
+    dk_ptr, dv_ptr,  # [U, H, L, D] contiguous out (fp32 and zeroed where SPLIT)
     kv_len_ptr, order_ptr, users_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order, users [U, 2]
-    num_users, heads, seq_len, num_queries, qk_scale, scale,
+    num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, RANK_USERS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ROWS_TMA: tl.constexpr,
+    ROWS_TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """1-D grid over (user rank, head, key block), key blocks fastest: a program owns K/V[u, h] rows
-    [BLOCK_N·j, BLOCK_N·j + BLOCK_N) in registers and walks all of user u's candidate query rows (and, with
-    HAS_SELF, its own rows that see the block), accumulating dK and dV in fp32; each block is written once, zeros
-    past kv_len. The blocks of one (user, head) run side by side and read the same q / dO rows (L2). RANK_USERS > 0
-    (a power of two ≥ U): users with the longest walks first; 0: grid order."""
+    """1-D grid over (user rank, split, head, key block), key blocks fastest: a program owns K/V[u, h] rows
+    [BLOCK_N·j, BLOCK_N·j + BLOCK_N) in registers and walks its split's share of user u's candidate query rows (the
+    first split also u's own rows that see the block, with HAS_SELF), accumulating dK and dV in fp32; each block is
+    written once, zeros past kv_len, or with SPLIT (splits > 1) added atomically into fp32 dK, dV. The blocks of one
+    (user, split, head) run side by side and read the same q / dO rows (L2). RANK_USERS > 0 (a power of two ≥ U):
+    users with the longest walks first; 0: grid order."""
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
     pid = tl.program_id(0)
     block = pid % num_blocks
     head = (pid // num_blocks) % heads
-    rank = pid // (num_blocks * heads)
+    split = (pid // (num_blocks * heads)) % splits
+    rank = pid // (num_blocks * heads * splits)
     if RANK_USERS > 0:
         user = _ranked_user(rank, users_ptr, kv_len_ptr, num_users, num_queries, seq_len, HAS_SELF, HAS_KV_LEN,
                             RANK_USERS)  # fmt: skip
@@ -787,19 +791,22 @@ def _attention_bwd_dkdv_kernel(
         v = v_desc.load([kv_row, kv_col])
         first = tl.load(users_ptr + 2 * user)
         row_end = tl.load(users_ptr + 2 * user + 1) * num_queries
+        chunk = tl.cdiv(tl.cdiv(row_end, splits), BLOCK_M) * BLOCK_M
+        row_lo = tl.minimum(split * chunk, row_end)
+        row_end = tl.minimum(row_lo + chunk, row_end)
         if start_n + BLOCK_N <= kv_len:
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
-                order_ptr, first, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, False,
+                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, False,
                 NUM_STAGES, ROWS_TMA,
             )
         else:
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
-                order_ptr, first, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, True,
+                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, True,
                 NUM_STAGES, ROWS_TMA,
             )
-        if HAS_SELF:
+        if HAS_SELF and split == 0:
             if CAUSAL:  # rows before the block see none of its keys; the first BLOCK_N rows from it, some
                 diag_end = tl.minimum(start_n + tl.cdiv(BLOCK_N, BLOCK_M) * BLOCK_M, kv_len)
                 dk, dv = _dkdv_self_rows(
@@ -825,8 +832,13 @@ def _attention_bwd_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     at = ((user.to(tl.int64) * heads + head) * seq_len + keys)[:, None] * HEAD_DIM + offs_d[None, :]
     key_ok = (keys < seq_len)[:, None]
-    tl.store(dk_ptr + at, (dk * scale).to(dk_ptr.dtype.element_ty), mask=key_ok)
-    tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=key_ok)
+    if SPLIT:
+        if start_n < kv_len:  # the buffers start at zero
+            tl.atomic_add(dk_ptr + at, dk * scale, mask=key_ok, sem="relaxed")
+            tl.atomic_add(dv_ptr + at, dv, mask=key_ok, sem="relaxed")
+    else:
+        tl.store(dk_ptr + at, (dk * scale).to(dk_ptr.dtype.element_ty), mask=key_ok)
+        tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=key_ok)
 # fmt: on
 
 
@@ -1186,6 +1198,20 @@ def _row_views(q: torch.Tensor, grad_out: torch.Tensor, block_m: int):
     ]
 
 
+DKDV_WAVES = 2  # the dK/dV grid splits users' walks until it has this many programs an SM (where walks are long)
+DKDV_MIN_STEPS = 4  # steps of BLOCK_M rows a split walks at least, on average
+
+
+def dkdv_splits(programs: int, rows_per_user: float, kv_cfg: TileConfig, device: torch.device) -> int:
+    """Into how many parts the dK/dV kernel splits each user's walk over its candidate rows: 1 (each block written
+    once) where the (user, head, key block) programs fill DKDV_WAVES programs an SM, else enough parts for that,
+    each walking DKDV_MIN_STEPS steps or more on average (few users with many candidates each)."""
+    if interpreting() or device.type != "cuda" or programs == 0:
+        return 1
+    wanted = triton.cdiv(DKDV_WAVES * _hopper.device_info(device)[1], programs)
+    return max(1, min(wanted, int(rows_per_user // (DKDV_MIN_STEPS * kv_cfg.block_m))))
+
+
 RANKED_USERS = 64  # up to this many users, the dK/dV programs of the users with the most query rows start first
 
 
@@ -1245,18 +1271,24 @@ def _launch_backward(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SELF=has_self, CAUSAL=causal,
             HAS_KV_LEN=kv_len is not None, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
         )
+    num_blocks = triton.cdiv(seq_len, kv_cfg.block_n)
+    splits = dkdv_splits(num_users * heads * num_blocks, num_candidates * num_queries / num_users, kv_cfg, q.device)
+    dk_acc, dv_acc = (dk, dv) if splits == 1 else (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (dk, dv))
     rows_tma = num_candidates > 0 and _dkdv_rows_tma(q, grad_out, kv_cfg.block_m)
     q_desc, do_desc = _row_views(q, grad_out, kv_cfg.block_m) if rows_tma else (kv_k_desc, kv_v_desc)
-    _attention_bwd_dkdv_launch[(num_users * heads * triton.cdiv(seq_len, kv_cfg.block_n),)](
+    _attention_bwd_dkdv_launch[(num_users * heads * num_blocks * splits,)](
         q, q.stride(0), q.stride(1), q.stride(2), grad_out, cand_lse, cand_delta,
         user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), grad_user_out, user_lse, user_delta,
-        kv_k_desc, kv_v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, dk, dv, kv_len_arg,
-        order, users, num_users, heads, seq_len, num_queries, qk_scale, scale,
+        kv_k_desc, kv_v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, dk_acc, dv_acc, kv_len_arg,
+        order, users, num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
         HEAD_DIM=head_dim, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, HAS_SELF=with_self, CAUSAL=causal,
         HAS_KV_LEN=kv_len is not None, RANK_USERS=RANKED_USERS if num_users <= RANKED_USERS else 0,
-        NUM_STAGES=kv_cfg.num_stages, ROWS_TMA=rows_tma, num_warps=kv_cfg.num_warps,
+        NUM_STAGES=kv_cfg.num_stages, ROWS_TMA=rows_tma, SPLIT=splits > 1, num_warps=kv_cfg.num_warps,
         maxnreg=kv_cfg.maxnreg,
     )
+    if splits > 1:
+        dk.copy_(dk_acc)
+        dv.copy_(dv_acc)
     return dq, dk, dv, duq if with_self else None
 # fmt: on
 

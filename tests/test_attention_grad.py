@@ -407,16 +407,21 @@ def test_interpreted_self_target_backward(p, causal, tiles):
 
 @interpreted
 @INTERP_SETTINGS
-@given(p=small_problems, tokens=st.sampled_from([16, 32]), with_self=st.booleans(), rows_tma=st.booleans())
-def test_interpreted_dkdv_rows_by_tma(p, tokens, with_self, rows_tma):
+@given(
+    p=small_problems, tokens=st.sampled_from([16, 32]), with_self=st.booleans(), rows_tma=st.booleans(),
+    splits=st.sampled_from([1, 3]),
+)  # fmt: skip
+def test_interpreted_dkdv_walks(p, tokens, with_self, rows_tma, splits):
     """S a multiple of the dK/dV step's rows, q contiguous: the walk copies each step's candidate rows by TMA
-    (`attention.DKDV_ROWS_TMA`; off: the gathered rows), and both match fp64, with and without self rows."""
+    (`attention.DKDV_ROWS_TMA`; off: the gathered rows), each user's walk whole or split in parts whose dK and dV
+    add up atomically (`attention.dkdv_splits`); all match fp64, with and without self rows."""
     p = {**p, "num_queries": tokens, "layout": "bhsd", "mapping": p["mapping"] or [0]}
     q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, torch.float16)
     grad_out, grad_user_out = torch.randn(q.shape).half(), torch.randn(user_q.shape).half()
     step_rows = attention.pick_backward_configs(1, q.shape[3], interpret=True)[1].block_m
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(attention, "DKDV_ROWS_TMA", rows_tma)
+        patch.setattr(attention, "dkdv_splits", lambda *args: splits)
         assert attention._dkdv_rows_tma(q, q, step_rows) == rows_tma
         if with_self:
             got = triton_grads(q, k, v, cand_to_user, kv_len, p["scale"], grad_out, user_q, grad_user_out)
@@ -554,9 +559,10 @@ GPU_TOL = 2e-2
 
 
 CANONICAL = (15, 1024, 64, 1024, 4, 128)  # U, B, S, L, H, d
-# other sizes: d = 64, L not a multiple of a key block, S not of a tile; more users than RANKED_USERS (grid order)
+# other sizes: d = 64, L not a multiple of a key block, S not of a tile; more users than RANKED_USERS (grid order);
+# few users with many candidates each (the dK/dV walks split, `attention.dkdv_splits`)
 OTHER_SIZES = [((7, 300, 8, 1000, 2, 64), torch.float16), ((3, 700, 5, 333, 4, 64), torch.bfloat16),
-               ((70, 300, 3, 256, 2, 128), torch.bfloat16)]  # fmt: skip
+               ((70, 300, 3, 256, 2, 128), torch.bfloat16), ((1, 200, 64, 512, 2, 128), torch.bfloat16)]  # fmt: skip
 
 
 def gpu_problem(ragged_kv_len: bool, with_self: bool, size=CANONICAL, dtype=torch.bfloat16, seed=0, device="cuda"):
