@@ -1199,7 +1199,9 @@ def _row_views(q: torch.Tensor, grad_out: torch.Tensor, block_m: int):
 
 
 DKDV_WAVES = 2  # the dK/dV grid splits users' walks until it has this many programs an SM (where walks are long)
-DKDV_MIN_STEPS = 4  # steps of BLOCK_M rows a split walks at least, on average
+DKDV_MIN_STEPS = 64  # steps of BLOCK_M rows a part walks at least, on average (shorter: the zeroed fp32
+# buffers and their copies cost more than the parallelism gains; on the H200 at U = 1, B = 64, S = 64, 16 parts
+# were slower than one)
 
 
 def dkdv_splits(programs: int, rows_per_user: float, kv_cfg: TileConfig, device: torch.device) -> int:
@@ -1273,7 +1275,7 @@ def _launch_backward(
         )
     num_blocks = triton.cdiv(seq_len, kv_cfg.block_n)
     splits = dkdv_splits(num_users * heads * num_blocks, num_candidates * num_queries / num_users, kv_cfg, q.device)
-    dk_acc, dv_acc = (dk, dv) if splits == 1 else (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (dk, dv))
+    dk_acc, dv_acc = (dk, dv) if splits == 1 else torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device)
     rows_tma = num_candidates > 0 and _dkdv_rows_tma(q, grad_out, kv_cfg.block_m)
     q_desc, do_desc = _row_views(q, grad_out, kv_cfg.block_m) if rows_tma else (kv_k_desc, kv_v_desc)
     _attention_bwd_dkdv_launch[(num_users * heads * num_blocks * splits,)](

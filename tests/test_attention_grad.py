@@ -504,6 +504,26 @@ def test_interpreted_bad_index_values_stay_in_bounds():
 STANDIN = os.environ.get("IKBO_STANDIN_DRIVER") == "1"
 
 
+@given(programs=st.integers(1, 2000), rows_per_user=st.floats(0, 1e6), sms=st.sampled_from([16, 78, 132]))
+def test_dkdv_splits_rule(programs, rows_per_user, sms):
+    """A user's dK/dV walk is split only where the programs do not fill DKDV_WAVES per SM, into parts that each walk
+    DKDV_MIN_STEPS steps or more on average, and no more parts than it takes to fill the GPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention._hopper, "device_info", lambda device: ((9, 0), sms))
+        cfg = attention.pick_backward_configs(rows_per_user, 128, interpret=False)[1]
+        parts = attention.dkdv_splits(programs, rows_per_user, cfg, torch.device("cuda"))
+    wanted = attention.DKDV_WAVES * sms
+    steps = rows_per_user / cfg.block_m
+    assert parts >= 1
+    if programs >= wanted:
+        assert parts == 1
+    if parts > 1:
+        assert steps / parts >= attention.DKDV_MIN_STEPS
+        assert (parts - 1) * programs < wanted
+    else:
+        assert programs >= wanted or steps < 2 * attention.DKDV_MIN_STEPS
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETING, reason="the GPU tests compile these kernels for real")
 def test_backward_kernels_compile_for_sm90():
     """The forward with its log-sum-exp and both backward kernels through their host wrappers, compiled for an H200
