@@ -37,11 +37,13 @@ strict mode (`kernels.strict_checks()`); the kernels clamp or skip bad values.
      With self-attention fused, the users' causal query tiles (longest first) come before the
      candidate tiles in the same grid, over the same K/V. When autograd will need the backward, each
      row's log-sum-exp (base 2) is stored too (WRITE_LSE).
-Backward (`_launch_backward`), three launches: the plan again (with each user's candidate range),
-`_attention_bwd_dq_kernel` over the forward's tiles (Δ of its rows, stored, then dQ over the user's keys, the
-probabilities recomputed from the stored log-sum-exp) and `_attention_bwd_dkdv_kernel`, one program per (user,
-head, 128-key block): its K/V block stays in registers while it walks all of the user's candidate query rows (and
-its own causal rows), dK and dV accumulated in fp32 and written once; users with the most rows start first.
+Backward (`_launch_backward`): the plan again (with each user's candidate range), `_attention_bwd_dq_kernel` over
+the forward's tiles, self tiles and candidate tiles in launches of their own (Δ of its rows, stored, then dQ over
+the user's keys, the probabilities recomputed from the stored log-sum-exp) and `_attention_bwd_dkdv_kernel`, one
+program per (user, head, 128-key block): its K/V block stays in registers while it walks all of the user's
+candidate query rows (copied by TMA where S is a multiple of the step) and its own causal rows, dK and dV
+accumulated in fp32 and written once (or, for few users with long walks, the walks split in parts that add up
+atomically); users with the most rows start first.
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; FlashAttention-2
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
 Hopper: attention (no plan given, no tuned tile) goes to the warp-specialized Gluon kernel of
