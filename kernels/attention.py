@@ -623,9 +623,9 @@ def _attention_bwd_dq_kernel(
         )
     else:
         _dq_target_tile(
-            tile, head, q_ptr, stride_qb, stride_qh, stride_qs, o_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, k_desc, v_desc,
-            stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale, scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES,
+            tile, head, q_ptr, stride_qb, stride_qh, stride_qs, o_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, k_desc,
+            v_desc, stride_ku, stride_kh, stride_kl, kv_len_ptr, order_ptr, tile_ptr, seq_len, num_queries, qk_scale,
+            scale, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_KV_LEN, NUM_STAGES,
         )
 # fmt: on
 
@@ -799,13 +799,15 @@ def _attention_bwd_dkdv_kernel(
         if start_n + BLOCK_N <= kv_len:
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
-                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, False,
+                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M,
+                False,
                 NUM_STAGES, ROWS_TMA,
             )
         else:
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
-                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M, True,
+                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M,
+                True,
                 NUM_STAGES, ROWS_TMA,
             )
         if HAS_SELF and split == 0:
@@ -1229,8 +1231,8 @@ def _launch_backward(
     range), `_attention_bwd_dq_kernel` (Δ = rowsum(dO ∘ O) and dQ, over the forward's tiles: once for the self
     tiles, once for the candidate tiles) and `_attention_bwd_dkdv_kernel` (dK, dV, each user's K/V blocks walking
     its query rows). `grads` (dq, dk, dv, duq) may be given, contiguous (the tests poison them); `config` (dQ tiles,
-    dK/dV tiles) overrides `pick_backward_configs`. Nothing here waits for the device; bad index values read and write nothing out of
-    bounds (their rows of dq are left unwritten). Returns (dq, dk, dv, duq or None)."""
+    dK/dV tiles) overrides `pick_backward_configs`. Nothing here waits for the device; bad index values read and
+    write nothing out of bounds (their rows of dq are left unwritten). Returns (dq, dk, dv, duq or None)."""
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
     with_self = user_q is not None
