@@ -1158,7 +1158,7 @@ def pick_backward_configs(rows_per_user: float, head_dim: int, interpret: bool) 
     """(dQ kernel tiles: BLOCK_M query rows × BLOCK_N keys a step, the forward's tiles with three products a step
     instead of two, so no register cap (190 registers at d = 128), three stages from 128 rows a user; dK/dV kernel
     tiles: BLOCK_M = 64 query rows a step × BLOCK_N = 128 keys a program, 8 warps, whose fp32 dK and dV [128, d]
-    stay in registers for the whole walk (232 registers at d = 128 with the rows copied by TMA, 255 and a few
+    stay in registers for the whole walk (235 registers at d = 128 with the rows copied by TMA, 255 and a few
     spilled without); 32 rows a step measured 25 % slower, 64-key blocks 45 % (docs/design/attention.md).
     rows_per_user: the query rows a user's keys see (B·S / U for the candidate tiles, L for the self tiles)."""
     if interpret:
