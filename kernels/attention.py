@@ -79,7 +79,6 @@ from ._common import (
     raise_bad_mapping,
     resolve_backend,
     through_dispatcher,
-    tma_ok,
 )
 from ._interpreter import interpreting
 from ._launch import CachedLaunch
@@ -793,15 +792,13 @@ def _attention_bwd_dkdv_kernel(
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
                 order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M,
-                False,
-                NUM_STAGES, ROWS_TMA,
+                False, NUM_STAGES, ROWS_TMA,
             )
         else:
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
                 order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M,
-                True,
-                NUM_STAGES, ROWS_TMA,
+                True, NUM_STAGES, ROWS_TMA,
             )
         if HAS_SELF and split == 0:
             if CAUSAL:  # rows before the block see none of its keys; the first BLOCK_N rows from it, some
@@ -1170,20 +1167,20 @@ def pick_backward_configs(rows_per_user: float, head_dim: int, interpret: bool) 
     return dq, TileConfig(64, 128, num_warps=8, num_stages=2)
 
 
-DKDV_ROWS_TMA = True  # the dK/dV walk copies q and dO rows by TMA where `_dkdv_rows_tma` allows
+DKDV_ROWS_TMA = True  # the dK/dV walk copies q and dO rows by TMA where `rows_by_tma` allows
 
 
-def _dkdv_rows_tma(q: torch.Tensor, grad_out: torch.Tensor, block_m: int) -> bool:
-    """Whether the dK/dV walk can copy its candidate query rows by TMA: every step's block_m rows are consecutive
-    rows of one candidate (S a multiple of block_m), q and dO contiguous and 16-byte aligned, row numbers within
-    TMA's int32 coordinates."""
-    num_candidates, heads, num_queries, _ = q.shape
+def rows_by_tma(t: torch.Tensor, other: torch.Tensor, block_rows: int) -> bool:
+    """Whether t [·, H, R, d] and `other` (its output or gradient, same shape) can move by TMA as [·H·R, d] row
+    views, block_rows rows at a time, each block one contiguous run of one (row, head): R a multiple of
+    block_rows, both contiguous with 16-byte aligned base and rows, row numbers within TMA's int32 coordinates."""
+    rows, heads, per_row, _ = t.shape
     return (
-        DKDV_ROWS_TMA
-        and num_queries % block_m == 0
-        and all(t.is_contiguous() and tma_ok(t) for t in (q, grad_out))
-        and num_candidates * heads * num_queries < 2**31
-    )
+        per_row % block_rows == 0
+        and all(x.is_contiguous() and x.data_ptr() % 16 == 0 and x.shape[-1] * x.element_size() % 16 == 0
+                for x in (t, other))
+        and rows * heads * per_row < 2**31
+    )  # fmt: skip
 
 
 def _row_views(q: torch.Tensor, grad_out: torch.Tensor, block_m: int):
@@ -1273,7 +1270,7 @@ def _launch_backward(
     num_blocks = triton.cdiv(seq_len, kv_cfg.block_n)
     splits = dkdv_splits(num_users * heads * num_blocks, num_candidates * num_queries / num_users, kv_cfg, q.device)
     dk_acc, dv_acc = (dk, dv) if splits == 1 else torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device)
-    rows_tma = num_candidates > 0 and _dkdv_rows_tma(q, grad_out, kv_cfg.block_m)
+    rows_tma = DKDV_ROWS_TMA and num_candidates > 0 and rows_by_tma(q, grad_out, kv_cfg.block_m)
     q_desc, do_desc = _row_views(q, grad_out, kv_cfg.block_m) if rows_tma else (kv_k_desc, kv_v_desc)
     _attention_bwd_dkdv_launch[(num_users * heads * num_blocks * splits,)](
         q, q.stride(0), q.stride(1), q.stride(2), grad_out, cand_lse, cand_delta,

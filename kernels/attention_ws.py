@@ -1072,33 +1072,15 @@ def _rows_aligned(t: torch.Tensor) -> bool:
 
 
 def rows_by_tma(q: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether launch_ws moves q and out rows by TMA (ROWS_TMA; with self tiles also `self_rows_by_tma`): every 64-row half of a
-    128-row tile is then one contiguous run of q and out rows (S a multiple of 64, both contiguous), and the
-    row numbers fit TMA's int32 coordinates (and both are 16-byte aligned)."""
-    num_candidates, heads, num_queries, _ = q.shape
-    return (
-        num_queries % 64 == 0
-        and q.is_contiguous()
-        and out.is_contiguous()
-        and _rows_aligned(q)
-        and _rows_aligned(out)
-        and num_candidates * heads * num_queries < 2**31
-    )
+    """Whether launch_ws moves q and out rows by TMA (ROWS_TMA; with self tiles also `self_rows_by_tma`): every
+    64-row half of a 128-row tile is then one contiguous run of q and out rows (`attention.rows_by_tma`)."""
+    return _attn.rows_by_tma(q, out, 64)
 
 
 def self_rows_by_tma(user_q: torch.Tensor, user_out: torch.Tensor) -> bool:
-    """Whether the self tiles' rows can come and go by TMA beside the target rows (`rows_by_tma`): user_q and user_out
-    contiguous and 16-byte aligned, L a multiple of 64 (so no 64-row half of a self tile crosses into the next
-    (user, head)), and the row numbers within TMA's int32 coordinates."""
-    num_users, heads, seq_len, _ = user_q.shape
-    return (
-        seq_len % 64 == 0
-        and user_q.is_contiguous()
-        and user_out.is_contiguous()
-        and _rows_aligned(user_q)
-        and _rows_aligned(user_out)
-        and num_users * heads * seq_len < 2**31
-    )
+    """Whether the self tiles' rows can come and go by TMA beside the target rows (`rows_by_tma`): L a multiple of
+    64, so no 64-row half of a self tile crosses into the next (user, head) (`attention.rows_by_tma`)."""
+    return _attn.rows_by_tma(user_q, user_out, 64)
 
 
 def _row_descriptors(q: torch.Tensor, out: torch.Tensor):

@@ -422,7 +422,7 @@ def test_interpreted_dkdv_walks(p, tokens, with_self, rows_tma, splits):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(attention, "DKDV_ROWS_TMA", rows_tma)
         patch.setattr(attention, "dkdv_splits", lambda *args: splits)
-        assert attention._dkdv_rows_tma(q, q, step_rows) == rows_tma
+        assert attention.rows_by_tma(q, q, step_rows)
         if with_self:
             got = triton_grads(q, k, v, cand_to_user, kv_len, p["scale"], grad_out, user_q, grad_user_out)
         else:
