@@ -68,17 +68,19 @@ from . import _hopper
 from ._common import (
     DEFERRED,
     HostFlag,
+    backward_call,
     check_kv_len,
     check_kv_len_shape,
     check_mapping,
     check_mapping_shape,
     check_same,
     check_tensor,
+    eager_function,
     group_by_user,
     poll_deferred,
     raise_bad_mapping,
     resolve_backend,
-    through_dispatcher,
+    route,
 )
 from ._interpreter import interpreting
 from ._launch import CachedLaunch
@@ -1361,8 +1363,7 @@ def _no_lse(like):
     return like.new_empty(0, dtype=torch.float32)
 
 
-@torch.library.custom_op("ikbo::attention", mutates_args=())
-def _attention_op(
+def _attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -1378,14 +1379,16 @@ def _attention_op(
     return out, _no_lse(q) if lse is None else lse
 
 
+_attention_op = torch.library.custom_op("ikbo::attention", _attention_impl, mutates_args=())
+
+
 @_attention_op.register_fake
 def _(q, k, v, cand_to_user, kv_len, scale, backend, with_lse):
     rows = lse_size(q.shape, k.shape, False) if with_lse and backend == "triton" else 0
     return q.new_empty(q.shape), q.new_empty(rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("ikbo::attention_backward", mutates_args=())
-def _attention_backward_op(
+def _attention_backward_impl(
     grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1399,6 +1402,9 @@ def _attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `ikbo::attention`: dK[u], dV[u] summed over user u's candidates, K/V never at B rows."""
     return _backward(grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, backend)[:3]
+
+
+_attention_backward_op = torch.library.custom_op("ikbo::attention_backward", _attention_backward_impl, mutates_args=())
 
 
 @_attention_backward_op.register_fake
@@ -1416,15 +1422,16 @@ def _attention_setup_context(ctx, inputs, output):
 
 def _attention_grad(ctx, grad_out, _grad_lse):
     q, k, v, cand_to_user, kv_len, out, lse = ctx.saved_tensors
-    grads = torch.ops.ikbo.attention_backward(grad_out, q, k, v, out, lse, cand_to_user, kv_len, ctx.scale, ctx.backend)
+    run = backward_call(ctx, _attention_backward_op, _attention_backward_impl, grad_out)
+    grads = run(grad_out, q, k, v, out, lse, cand_to_user, kv_len, ctx.scale, ctx.backend)
     return *grads, None, None, None, None, None
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup_context)
+_Attention = eager_function("_Attention", _attention_impl, _attention_setup_context, _attention_grad)
 
 
-@torch.library.custom_op("ikbo::self_target_attention", mutates_args=())
-def _self_target_attention_op(
+def _self_target_attention_impl(
     user_q: torch.Tensor,
     cand_q: torch.Tensor,
     k: torch.Tensor,
@@ -1442,14 +1449,18 @@ def _self_target_attention_op(
     return user_out, cand_out, _no_lse(k) if lse is None else lse
 
 
+_self_target_attention_op = torch.library.custom_op(
+    "ikbo::self_target_attention", _self_target_attention_impl, mutates_args=()
+)
+
+
 @_self_target_attention_op.register_fake
 def _(user_q, cand_q, k, v, cand_to_user, kv_len, causal, scale, backend, with_lse):
     rows = lse_size(cand_q.shape, k.shape, True) if with_lse and backend == "triton" else 0
     return user_q.new_empty(user_q.shape), cand_q.new_empty(cand_q.shape), k.new_empty(rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("ikbo::self_target_attention_backward", mutates_args=())
-def _self_target_attention_backward_op(
+def _self_target_attention_backward_impl(
     grad_user_out: torch.Tensor,
     grad_cand_out: torch.Tensor,
     user_q: torch.Tensor,
@@ -1474,6 +1485,11 @@ def _self_target_attention_backward_op(
     return duser_q, dcand_q, dk, dv
 
 
+_self_target_attention_backward_op = torch.library.custom_op(
+    "ikbo::self_target_attention_backward", _self_target_attention_backward_impl, mutates_args=()
+)
+
+
 @_self_target_attention_backward_op.register_fake
 def _(grad_user_out, grad_cand_out, user_q, cand_q, k, v, user_out, cand_out, lse, cand_to_user, kv_len, causal, scale,
       backend):  # fmt: skip
@@ -1490,7 +1506,10 @@ def _self_target_setup_context(ctx, inputs, output):
 
 def _self_target_grad(ctx, grad_user_out, grad_cand_out, _grad_lse):
     user_q, cand_q, k, v, cand_to_user, kv_len, user_out, cand_out, lse = ctx.saved_tensors
-    grads = torch.ops.ikbo.self_target_attention_backward(
+    run = backward_call(
+        ctx, _self_target_attention_backward_op, _self_target_attention_backward_impl, grad_user_out, grad_cand_out
+    )
+    grads = run(
         grad_user_out, grad_cand_out, user_q, cand_q, k, v, user_out, cand_out, lse, cand_to_user, kv_len, ctx.causal,
         ctx.scale, ctx.backend,
     )  # fmt: skip
@@ -1498,6 +1517,9 @@ def _self_target_grad(ctx, grad_user_out, grad_cand_out, _grad_lse):
 
 
 _self_target_attention_op.register_autograd(_self_target_grad, setup_context=_self_target_setup_context)
+_SelfTargetAttention = eager_function(
+    "_SelfTargetAttention", _self_target_attention_impl, _self_target_setup_context, _self_target_grad
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1521,10 +1543,11 @@ def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str 
         check_kv_len_shape(kv_len, k.shape[0], k.device)
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
-    keeps_lse = _keeps_lse(q, k, v)
-    if not through_dispatcher(q, k, v, cand_to_user, kv_len):
+    way = route(q, k, v, cand_to_user, kv_len)
+    if way == "direct":
         return _forward(q, k, v, cand_to_user, kv_len, scale, chosen, False)[0]
-    return torch.ops.ikbo.attention.default(q, k, v, cand_to_user, kv_len, scale, chosen, keeps_lse)[0]
+    args = (q, k, v, cand_to_user, kv_len, scale, chosen, _keeps_lse(q, k, v))
+    return (_Attention.apply if way == "autograd" else torch.ops.ikbo.attention.default)(*args)[0]
 
 
 def ikbo_self_target_attention(
@@ -1542,11 +1565,11 @@ def ikbo_self_target_attention(
         check_kv_len_shape(kv_len, k.shape[0], k.device)
     chosen = _choose_backend(backend, k)
     scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
-    keeps_lse = _keeps_lse(user_q, cand_q, k, v)
-    if not through_dispatcher(user_q, cand_q, k, v, cand_to_user, kv_len):
+    way = route(user_q, cand_q, k, v, cand_to_user, kv_len)
+    if way == "direct":
         cand_out, user_out, _ = _forward(cand_q, k, v, cand_to_user, kv_len, scale, chosen, False, user_q, causal)
         return user_out, cand_out
-    user_out, cand_out, _ = torch.ops.ikbo.self_target_attention.default(
-        user_q, cand_q, k, v, cand_to_user, kv_len, bool(causal), scale, chosen, keeps_lse
-    )
+    args = (user_q, cand_q, k, v, cand_to_user, kv_len, bool(causal), scale, chosen, _keeps_lse(user_q, cand_q, k, v))
+    op = _SelfTargetAttention.apply if way == "autograd" else torch.ops.ikbo.self_target_attention.default
+    user_out, cand_out, _ = op(*args)
     return user_out, cand_out

@@ -66,13 +66,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
     add_user_rows,
+    backward_call,
     check_mapping_shape,
     check_mapping_values,
     check_same,
     check_tensor,
+    eager_function,
     poll_deferred,
     resolve_backend,
-    through_dispatcher,
+    route,
     tma_ok,
 )
 from ._interpreter import interpreting
@@ -624,9 +626,11 @@ _split_sum_launch = CachedLaunch(_split_sum_kernel)
 
 
 def _pad_columns(weight: torch.Tensor, multiple: int) -> torch.Tensor:
-    """weight [N, K] (any strides) → a contiguous [N, K'] copy with K' = max(K, 1) rounded up to `multiple`; new
-    columns are zeros."""
+    """weight [N, K] (any strides) → a contiguous [N, K'] tensor with K' = max(K, 1) rounded up to `multiple`; new
+    columns are zeros. Where K' = K: `weight.contiguous()` (one copy launch, none for a contiguous weight)."""
     cols = triton.cdiv(max(weight.shape[1], 1), multiple) * multiple
+    if cols == weight.shape[1]:
+        return weight.contiguous()
     padded = weight.new_zeros(weight.shape[0], cols)
     padded[:, : weight.shape[1]] = weight
     return padded
@@ -1155,10 +1159,8 @@ def _linear_compress_backward_triton(
         result[2] = buffer(2)
         if sums is not None and num_user_tokens:
             _weight_grad(sums, user_emb, result[2], splits)
-    if need_bias:
-        result[4] = buffer(4)
-        per_row = (g if sums is None else sums).sum(2, dtype=torch.float32)  # [·, N]: a contiguous inner reduce
-        result[4].copy_(per_row.sum(0))
+    if need_bias:  # one reduction, fp32 accumulation (torch's for 16-bit inputs)
+        result[4] = torch.sum(g if sums is None else sums, (0, 2), out=buffer(4))
     return tuple(result)
 # fmt: on
 
@@ -1190,8 +1192,7 @@ def _linear_compress_fake(user_emb, cand_emb, cand_to_user, user_weight, cand_we
     return user_emb.new_empty(cand_emb.shape[0], cand_weight.shape[0], user_emb.shape[2])
 
 
-@torch.library.custom_op("ikbo::linear_compress_backward", mutates_args=())
-def _linear_compress_backward_op(
+def _linear_compress_backward_impl(
     grad_out: torch.Tensor,
     user_emb: torch.Tensor,
     cand_emb: torch.Tensor,
@@ -1208,6 +1209,11 @@ def _linear_compress_backward_op(
     )
     grads = impl(grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs)
     return tuple(grad_out.new_empty(0) if grad is None else grad.contiguous() for grad in grads)  # the fake's strides
+
+
+_linear_compress_backward_op = torch.library.custom_op(
+    "ikbo::linear_compress_backward", _linear_compress_backward_impl, mutates_args=()
+)
 
 
 @_linear_compress_backward_op.register_fake
@@ -1229,14 +1235,24 @@ def _backward(ctx, grad_out):
     user_emb, cand_emb, cand_to_user, user_weight, cand_weight = ctx.saved_tensors
     wanted = ctx.needs_input_grad
     needs = [wanted[0], wanted[1], wanted[3], wanted[4], ctx.has_bias and wanted[5]]
-    grads = _linear_compress_backward_op(
-        grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs, ctx.backend
-    )
+    run = backward_call(ctx, _linear_compress_backward_op, _linear_compress_backward_impl, grad_out)
+    grads = run(grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs, ctx.backend)
     d_user, d_cand, d_user_weight, d_cand_weight, d_bias = (g if need else None for g, need in zip(grads, needs))
     return d_user, d_cand, None, d_user_weight, d_cand_weight, d_bias, None, None, None, None
 
 
 _linear_compress_op.register_autograd(_backward, setup_context=_setup_context)
+_LinearCompress = eager_function("_LinearCompress", _linear_compress, _setup_context, _backward)
+
+
+def _call(args: tuple, tensors: tuple) -> torch.Tensor:
+    """`ikbo::linear_compress` on `args`, the way `route` picks from `tensors` (the float inputs and the mapping)."""
+    way = route(*tensors)
+    if way == "direct":
+        return _linear_compress(*args)
+    if way == "autograd":
+        return _LinearCompress.apply(*args)
+    return _linear_compress_op(*args)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -1325,9 +1341,7 @@ class PackedLinearCompress(torch.nn.Module):
             None if padded is None else padded.cand_weight_padded,
             backend, variant,
         )  # fmt: skip
-        if through_dispatcher(user_emb, cand_emb, cand_to_user, *weights):
-            return _linear_compress_op(*args)
-        return _linear_compress(*args)
+        return _call(args, (user_emb, cand_emb, cand_to_user, *weights))
 
     def _packed(self) -> PackedWeights:
         """The Parameters as the kernels take them (detached, with padded copies), rebuilt after a Parameter changed."""
@@ -1392,6 +1406,4 @@ def ikbo_linear_compress(
     user_weight, cand_weight = weight[:, :num_user_tokens], weight[:, num_user_tokens:]
     _check_inputs(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, backend, variant)
     args = (user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias, None, None, backend, variant)
-    if through_dispatcher(user_emb, cand_emb, cand_to_user, weight, bias):
-        return _linear_compress_op(*args)
-    return _linear_compress(*args)
+    return _call(args, (user_emb, cand_emb, cand_to_user, weight, bias))

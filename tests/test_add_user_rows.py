@@ -61,6 +61,17 @@ def test_forward_and_gradients_against_fp64(shape):
         assert not d_user.any()
 
 
+def test_eager_autograd_twin_twice_differentiable():
+    """An eager call that autograd differentiates runs the op's eager twin; its backward is torch ops, so a
+    second derivative exists (gradgradcheck in fp64), as through the op."""
+    cand, user, mapping = problem(3, 7, [2, 3])
+    cand.requires_grad_(True)
+    user.requires_grad_(True)
+    out = add_user_rows(cand, user, mapping)
+    assert type(out.grad_fn).__name__ == "_AddUserRowsBackward"
+    assert torch.autograd.gradgradcheck(lambda c, u: add_user_rows(c, u, mapping), (cand, user))
+
+
 def test_op_registration():
     cand, user, mapping = problem(3, 11, [4])
     torch.library.opcheck(torch.ops.ikbo.add_user_rows.default, (cand.requires_grad_(), user, mapping))

@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from interpreted import run_child_tests, run_interpreted
 from test_attention import make_inputs, problems
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ikbo_backend.transform import ReplicationDetector
 from kernels import attention, check_deferred, ikbo_attention, ikbo_self_target_attention, strict_checks
@@ -290,6 +291,29 @@ def test_compile_fullgraph_matches_eager(module):
         torch.testing.assert_close(got, want)
     with torch.no_grad():
         torch.testing.assert_close(compiled(*inputs), module(*inputs))
+
+
+class _Watch(TorchDispatchMode):
+    """A dispatch mode that only passes calls on: under it the public ops take their custom ops."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("module", [Target(), SelfTarget()], ids=["target", "self_target"])
+def test_eager_twin_matches_the_op(module):
+    """An eager call that autograd differentiates runs the op's eager twin (an autograd.Function around the same
+    implementations, no dispatcher): its outputs and gradients equal the custom op's, taken under a dispatch mode."""
+    inputs = _module_inputs(module)
+    twin = _outputs_and_grads(module, inputs)
+    with _Watch():
+        through_op = _outputs_and_grads(module, inputs)
+    for got, want in zip(twin, through_op, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    out = module(*leaves)
+    names = {type(o.grad_fn.next_functions[0][0]).__name__ for o in (out if isinstance(out, tuple) else (out,))}
+    assert names <= {"_AttentionBackward", "_SelfTargetAttentionBackward"}, names
 
 
 @pytest.mark.parametrize("module", [Target(), SelfTarget()], ids=["target", "self_target"])

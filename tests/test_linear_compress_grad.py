@@ -9,8 +9,8 @@
 - an optimizer step on PackedLinearCompress: its padded-weight cache follows the updated Parameters;
 - torch.compile(fullgraph=True) (aot_eager: the backward graph too; and under no_grad) of a module calling
   `ikbo_linear_compress` and of one holding a PackedLinearCompress, against eager; torch.export of both; eager calls
-  without autograd skip the dispatcher, the others do not (inductor on the CPU also matches, in about a minute: not
-  run here);
+  run the implementation without autograd, the op's eager twin with it, the op under a dispatch mode (inductor on
+  the CPU also matches, in about a minute: not run here);
 - the Triton backward kernels under TRITON_INTERPRET=1 (the `interpreted_*` tests, run by `test_triton_interpreted`
   in a child process, with the out-of-bounds memcheck of tests/interpreted.py) on small fp16 shapes against fp64
   autograd of a replicated reference, every gradient written into NaN-poisoned buffers, the user sums both in the
@@ -342,11 +342,14 @@ def test_compile_fullgraph_without_grad(which):
         assert rel_err(compiled(*inputs), modules[which](*inputs)) <= 1e-12
 
 
-def test_eager_calls_without_autograd_skip_the_dispatcher(monkeypatch):
-    """The op runs through the dispatcher where autograd differentiates it or a dispatch mode watches; else its
-    implementation runs directly (host time)."""
+def test_eager_calls_take_the_op_only_where_traced_or_intercepted(monkeypatch):
+    """The op runs through the dispatcher where a dispatch mode watches (or torch.compile, torch.export trace it);
+    where autograd differentiates an eager call, through the op's eager twin (the same graph without the
+    dispatcher's Python path); else its implementation runs directly (host time)."""
     calls = []
-    monkeypatch.setattr(lce, "_linear_compress_op", lambda *args: calls.append(1) or lce._linear_compress(*args))
+    monkeypatch.setattr(lce, "_linear_compress_op", lambda *args: calls.append("op") or lce._linear_compress(*args))
+    twin = lce._LinearCompress.apply
+    monkeypatch.setattr(lce._LinearCompress, "apply", lambda *args: calls.append("twin") or twin(*args))
     case = COMPILE_CASE
     user_emb, cand_emb, cand_to_user, weight, bias, _ = make_inputs(case)
     packed = PackedLinearCompress.from_weight(weight, case.num_user_tokens, bias)
@@ -359,13 +362,19 @@ def test_eager_calls_without_autograd_skip_the_dispatcher(monkeypatch):
         assert calls == []  # nothing requires grad
         with ReplicationDetector(case.num_users, len(case.mapping)):
             call()
-        assert calls == [1]
+        assert calls == ["op"]
         user_emb.requires_grad_()
-        call()
+        out = call()
+        assert calls == ["op", "twin"]
+        (d_user,) = torch.autograd.grad(out, user_emb, torch.ones_like(out))
         user_emb.requires_grad_(False)
         with torch.no_grad():
             call()
-        assert calls == [1, 1]
+        assert calls == ["op", "twin"]
+        w_u = weight[:, : case.num_user_tokens].double()
+        counts = torch.bincount(cand_to_user.long(), minlength=case.num_users).double()
+        expected = counts[:, None, None] * w_u.sum(0)[None, :, None].expand(-1, -1, user_emb.shape[2])
+        assert rel_err(d_user, expected) <= 1e-12
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["functional", "packed"])
