@@ -1065,6 +1065,12 @@ def _input_grad(weight, g, out, gemm: str | None = None) -> torch.Tensor:
     return _shared_weight_gemm(weight_t, g, out)
 
 
+def _user_emb_grad(user_weight, sums, out) -> torch.Tensor:
+    """out [U, Ku, D] = W_uᵀ dY_u[u] for every user: one cuBLAS GEMM batched over the users, W_uᵀ a transposed
+    stride-0 view (no copy; a small GEMM, U·Ku·N·D products)."""
+    return torch.matmul(user_weight.t(), sums, out=out)
+
+
 def _user_ranges(cand_to_user, num_users: int):
     """(sorted mapping values [B], order [B] int64, offsets [U + 1] int32): the mapping sorted on the device (stable),
     candidates order[offsets[u]:offsets[u + 1]] belong to user u (`_user_offsets_kernel`; a bad value counts for
@@ -1121,7 +1127,7 @@ def _linear_compress_backward_triton(
     (fp32 accumulation; fp32 inputs as tf32):
         dY_u = Σ_{b: m[b]=u} dout[b]                 `_user_gradients` (one-hot GEMM or sort + segment sum), or with
                                                      `fuse_sums` in the dW_c pass (`_weight_grad` with user_sums)
-        d_user_emb[u] = W_uᵀ dY_u[u]                 `_input_grad` (the forward's tile GEMM, weight W_uᵀ)
+        d_user_emb[u] = W_uᵀ dY_u[u]                 `_user_emb_grad` (cuBLAS, batched over the users)
         d_cand_emb[b] = W_cᵀ dout[b]                 `_input_grad` (the forward's ws kernel on Hopper, else tile)
         d_user_weight = Σ_u dY_u[u] user_emb[u]ᵀ     `_weight_grad` (split-K over users)
         d_cand_weight = Σ_b dout[b] cand_emb[b]ᵀ     `_weight_grad` (split-K over candidates)
@@ -1152,7 +1158,7 @@ def _linear_compress_backward_triton(
     if need_user:
         result[0] = buffer(0)
         if sums is not None and num_user_tokens:
-            _input_grad(user_weight, sums, result[0], gemm="tile")
+            _user_emb_grad(user_weight, sums, result[0])
     if need_cand:
         result[1] = _input_grad(cand_weight, g, buffer(1), gemm=cand_gemm)
     if need_user_weight:

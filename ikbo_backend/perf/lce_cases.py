@@ -197,7 +197,7 @@ def part_providers(packed, args, grad_out, shape: Shape, ref, probes) -> dict[st
 
     def user_grad():
         sums = lce._user_gradients(grad_out, cand_to_user, shape.num_users)
-        return lce._input_grad(weights.user_weight, sums, torch.empty_like(user_emb), gemm="tile")
+        return lce._user_emb_grad(weights.user_weight, sums, torch.empty_like(user_emb))
 
     table = {
         "ours: forward": Provider(lambda: packed(*args, backend="triton").detach(), ref=ref[0], flops=shape.flops()),
