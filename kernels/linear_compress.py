@@ -678,22 +678,24 @@ def default_variant(num_users: int, num_candidates: int, ws_runs: bool = False) 
     return "fused"
 
 
-def _launch_first_fitting(key, configs: list, launch) -> None:
-    """Launch with the first of `configs` that fits (shared memory decides) and remember it under `key`; a
-    remembered config launches at once. `key` None remembers nothing (a config the caller fixed)."""
+def _launch_first_fitting(key, configs, launch) -> None:
+    """Launch with the first of `configs` (an iterable, read only where `key` has no remembered config) that fits
+    (shared memory decides) and remember it under `key`; a remembered config launches at once. `key` None remembers
+    nothing (a config the caller fixed). Raises the last OutOfResources where none fits."""
     if key is not None and key in _CONFIG_CHOICE:
         launch(_CONFIG_CHOICE[key])
         return
-    for index, cfg in enumerate(configs):
+    error = None
+    for cfg in configs:
         try:
             launch(cfg)
-        except triton.runtime.errors.OutOfResources:
-            if index == len(configs) - 1:
-                raise
+        except triton.runtime.errors.OutOfResources as exc:
+            error = exc
             continue
         if key is not None:
             _CONFIG_CHOICE[key] = cfg
         return
+    raise error
 
 
 # fmt: off
@@ -806,7 +808,7 @@ class PackedWeights:
             user_part = torch.empty(num_users if num_user_tokens else 0, rows, dim, dtype=out.dtype, device=out.device)
         if variant == "persistent" and out.is_cuda and torch.cuda.is_current_stream_capturing():
             variant = "fused"  # the per-call epoch would be frozen into a CUDA graph: take the graph-safe fused
-        configs = [config] if config is not None else list(tile_configs(variant, user_emb.dtype, dim))
+        configs = [config] if config is not None else tile_configs(variant, user_emb.dtype, dim)
         key = None if config is not None else (variant, user_emb.dtype, dim, user_emb.device)
         _launch_first_fitting(
             key, configs, lambda cfg: self._launch(variant, user_emb, cand_emb, cand_to_user, out, user_part, cfg)
@@ -1021,7 +1023,7 @@ def _weight_grad(
             _user_sum_fixup_launch[grid](slots, sums, offsets, per_split, rows * dim, BLOCK=block)
         _split_sum_launch[(triton.cdiv(rows * depth, block),)](part, out, count, rows * depth, BLOCK=block)
 
-    configs = [config] if config is not None else list(weight_grad_configs(a.dtype, dim, sums is not None))
+    configs = [config] if config is not None else weight_grad_configs(a.dtype, dim, sums is not None)
     key = None if config is not None else ("dW", sums is not None, a.dtype, dim, a.device)
     _launch_first_fitting(key, configs, launch)
     return out
@@ -1041,7 +1043,7 @@ def _shared_weight_gemm(weight_padded, x, out, config: TileConfig | None = None)
         w_desc = TensorDescriptor.from_tensor(weight_padded, [cfg.block_m, cfg.block_k])
         _launch_tile(weight_padded, w_desc, x, out, None, None, cfg)
 
-    configs = [config] if config is not None else list(tile_configs("aligned", x.dtype, dim))
+    configs = [config] if config is not None else tile_configs("aligned", x.dtype, dim)
     _launch_first_fitting(None if config is not None else ("gemm", x.dtype, dim, x.device), configs, launch)
     return out
 

@@ -391,3 +391,29 @@ def test_gpu_bad_mapping_raises_after_launch(variant, bad):
     out = packed(user_emb, cand_emb, cand_to_user, backend="triton", variant=variant)
     ref = linear_compress_reference(user_emb, cand_emb, cand_to_user, weight, bias)
     assert rel_err(out, ref) <= BF16_TOL, (variant, rel_err(out, ref))
+
+
+def test_first_fitting_config_is_kept_and_the_last_error_raised(monkeypatch):
+    """`_launch_first_fitting` reads configs lazily, launches the first that fits, remembers it under its key (the
+    next call tries nothing else), and raises the last OutOfResources where none fits."""
+    from triton.runtime.errors import OutOfResources
+
+    from kernels import linear_compress as lce
+
+    monkeypatch.setattr(lce, "_CONFIG_CHOICE", {})
+    tried = []
+
+    def launch(cfg):
+        tried.append(cfg)
+        if cfg > 2:
+            raise OutOfResources(cfg, 2, "shared memory")
+
+    def configs():
+        yield from (4, 3, 2, 1)
+
+    lce._launch_first_fitting("key", configs(), launch)
+    assert tried == [4, 3, 2]
+    lce._launch_first_fitting("key", configs(), launch)
+    assert tried == [4, 3, 2, 2]
+    with pytest.raises(OutOfResources, match="3"):
+        lce._launch_first_fitting(None, iter((5, 3)), launch)
