@@ -451,15 +451,28 @@ def test_triton_kernels_on_cpu():
 cuda_only = pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU")
 
 
+REFERENCE_SCORE_BYTES = 1 << 30  # fp64 self-attention scores a reference chunk of users holds at most
+
+
 def _fp64_on_device(q, k, v, cand_to_user, kv_len, user_q=None, causal=True):
-    """fp64 reference at real sizes: the grouped torch path on upcast inputs (SDPA math in fp64)."""
+    """fp64 reference at real sizes: the grouped torch path on upcast inputs (SDPA math in fp64); the self part a few
+    users at a time, so that its [users, H, L, L] fp64 scores stay within REFERENCE_SCORE_BYTES (at U = 64,
+    L = 4096 all of them would take 17 GB, and the GPU tests run twelve at once)."""
     up = [t.double() for t in (q, k, v)]
+    cand_out = ikbo_attention(*up, cand_to_user, kv_len, backend="torch")
     if user_q is None:
-        return ikbo_attention(*up, cand_to_user, kv_len, backend="torch"), None
-    user_out, cand_out = ikbo_self_target_attention(
-        user_q.double(), up[0], up[1], up[2], cand_to_user, kv_len, causal=causal, backend="torch"
-    )
-    return cand_out, user_out
+        return cand_out, None
+    num_users, heads, seq_len, head_dim = k.shape
+    lengths = torch.full((num_users,), seq_len, device=k.device) if kv_len is None else kv_len.long()
+    step = max(1, REFERENCE_SCORE_BYTES // (heads * seq_len * seq_len * 8))
+    parts = [
+        attention._self_attention_torch(
+            user_q[u : u + step].double(), up[1][u : u + step], up[2][u : u + step], lengths[u : u + step], causal,
+            1.0 / math.sqrt(head_dim),
+        )
+        for u in range(0, num_users, step)
+    ]  # fmt: skip
+    return cand_out, torch.cat(parts)
 
 
 GPU_CASES = [

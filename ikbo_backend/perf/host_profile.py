@@ -53,7 +53,7 @@ def _cases(device) -> dict:
     leaves = [t.clone().requires_grad_() for t in (p["user_q"], q, k, v)]
     lce_leaves = [user_emb.clone().requires_grad_(), cand_emb.clone().requires_grad_()]
     trained = kernels.PackedLinearCompress.from_weight(weight.clone().requires_grad_(), lce_cases.CANONICAL.ku, bias)
-    lce_leaves += list(trained.parameters())
+    lce_leaves += [w for w in trained.parameters() if w.requires_grad]
     grads = {name: torch.randn_like(t) for name, t in (("user", p["user_q"]), ("q", q))}
     grads["lce"] = torch.randn(1024, 512, 256, device=device, dtype=dtype)
 
