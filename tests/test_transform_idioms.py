@@ -74,6 +74,9 @@ class Replicated(nn.Module):
         "gather_view": lambda x, m: x.gather(0, m.view(-1, 1).repeat(1, x.size(1))),
         "take_along_dim": lambda x, m: torch.take_along_dim(x, m.view(-1, 1), dim=0),
         "embedding": lambda x, m: F.embedding(m, x),
+        "one_hot_matmul": lambda x, m: F.one_hot(m, x.shape[0]).to(x.dtype) @ x,
+        "compare_matmul": lambda x, m: torch.mm((m[:, None] == torch.arange(x.shape[0])).float(), x),
+        "eye_rows_matmul": lambda x, m: torch.matmul(torch.eye(x.shape[0])[m], x),
     }
 
     def __init__(self, spell):
@@ -88,6 +91,45 @@ class Replicated(nn.Module):
 @pytest.mark.parametrize("spell", list(Replicated.SPELLINGS))
 def test_replication_spellings(spell):
     check(Replicated(spell), must=("kept virtual", "linear_rows"))
+
+
+def test_soft_selection_is_not_a_replication():
+    """A [B, U] matrix computed from the mapping that is not one-hot (label smoothing) mixes users: it is not taken
+    for a replication, and the model's outputs stay the same."""
+    model = Replicated("one_hot_matmul").eval()
+    model.spell = lambda x, m: (0.9 * F.one_hot(m, x.shape[0]) + 0.1 / x.shape[0]) @ x
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert "selection" not in str(report), str(report)
+    args = args_for(model, request(7, 53, gen))
+    with torch.inference_mode():
+        assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+
+
+class AddProducts(nn.Module):
+    """baddbmm / addmm over replicated user rows: scores = bias + q · kᵀ (baddbmm, a scaled additive key mask as
+    the bias, as some attention code writes it) and a user projection by addmm."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(FC, D)
+        self.proj = nn.Parameter(torch.randn(FU, D) / FU**0.5)
+        self.bias = nn.Parameter(torch.randn(D))
+        self.out = nn.Linear(2 * D + FC, 1)
+
+    def forward(self, user, history, lengths, cand, cand_to_user):
+        keys = history[cand_to_user]
+        mask = torch.arange(history.shape[1])[None, :] < lengths[cand_to_user][:, None]
+        bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")).unsqueeze(1)
+        q = self.q(cand).unsqueeze(1)
+        scores = torch.baddbmm(bias, q, keys.transpose(1, 2), beta=1.0, alpha=D**-0.5)
+        pooled = torch.bmm(torch.softmax(scores, -1), keys).squeeze(1)
+        projected = torch.addmm(self.bias, user[cand_to_user], self.proj, alpha=0.5)
+        return self.out(torch.cat([pooled, projected, cand], dim=1))
+
+
+def test_baddbmm_and_addmm_decomposed():
+    check(AddProducts(), must=("rows_matmul",))
 
 
 class Interleaved(nn.Module):

@@ -9,7 +9,7 @@ Every value of the captured graph gets one of these forms while the new graph is
     RepShape / Rows — x.shape / x.shape[0] of a Rep (B in the original, U in the user-row graph).
 A Rep starts where a user tensor is replicated, recognised by what the op computes (x[m], x[m, :],
 index_select(0, m), gather / take_along_dim with an index spread from m, embedding(m, x),
-repeat_interleave(counts, 0), expand / repeat of one row), and flows through ops that act row by row
+repeat_interleave(counts, 0), expand / repeat of one row, a one-hot selection matrix of m times x), and flows through ops that act row by row
 (they run at U rows). Where a Rep meets candidate rows the op becomes a join: the Type I split of a
 linear (sibling linears merged, candidate parts in one GEMM), ikbo_linear_compress, ikbo_attention
 (any per-user key mask), add_user_rows, or a tiled join (ops.rows_join / rows_matmul / rows_einsum).
@@ -72,6 +72,8 @@ from .values import (
     to_meta,
 )  # fmt: skip
 
+ADD_PRODUCTS = {torch.baddbmm: torch.bmm, "baddbmm": torch.bmm, torch.addmm: torch.matmul, "addmm": torch.matmul}
+MATMULS = {torch.matmul, operator.matmul, torch.mm, "matmul", "mm"}
 SPREADS = {"unsqueeze", "view", "reshape", "expand", "expand_as", "repeat", "broadcast_to", torch.unsqueeze,
            torch.reshape, torch.broadcast_to, operator.getitem}  # fmt: skip
 JOIN_OPS = {  # elementwise op → ops.rows_join name for (cand, user) and (user, cand) operand orders
@@ -115,6 +117,7 @@ class Rewriter(AttentionRewrites):
         self.env: dict[fx.Node, Any] = {}
         self.values: dict[fx.Node, Any] = {}  # new-graph node → its value on the example
         self.mappings: dict[Any, Mapping] = {}
+        self.input_mappings: dict[fx.Node, Mapping] = {}  # the mapping input's node → its Mapping
         self.counter = 0
         self.sunk: Counter = Counter()  # op name → how many ran at U rows instead of B
         self.fused: dict[fx.Node, Any] = {}  # original nodes already computed by a fused op
@@ -286,8 +289,10 @@ class Rewriter(AttentionRewrites):
     def _lookup(self, tree):
         return fmap(tree, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
 
-    def _input_mapping(self, node):
-        return Mapping(("input",), node, self.mapping_name)
+    def _input_mapping(self, node, name=None):
+        mapping = Mapping(("input",) if name is None else ("input", name), node, name or self.mapping_name)
+        self.input_mappings[node] = mapping
+        return mapping
 
     def _rows_b(self, meta):
         return isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
@@ -304,6 +309,9 @@ class Rewriter(AttentionRewrites):
             args = (list(args[0].items), *args[1:])
         if target is torch.tensordot and self._tensordot_is_matmul(args, kwargs):
             op, target, args, kwargs = "call_function", torch.matmul, args[:2], {}
+        if target in ADD_PRODUCTS and len(args) == 3 and set(kwargs) <= {"beta", "alpha"}:
+            if any(isinstance(v, USER_FORMS) for v in leaves(args)):
+                return self.add_product(target, args, kwargs, meta)
         flat = leaves((args, kwargs))
         if op in ("call_function", "call_method"):
             for handler in (self.replication_site, self.mapping_conversion, self.containers):
@@ -324,6 +332,20 @@ class Rewriter(AttentionRewrites):
             if out is not None:
                 return out
         return self.plain(op, target, args, kwargs, meta, self.why_not(target, args, kwargs, meta))
+
+    def add_product(self, target, args, kwargs, meta):
+        """baddbmm / addmm(base, a, b, beta=, alpha=) as beta · base + alpha · (a @ b), each op through the rules (the
+        product may be a join, the add a Sum)."""
+        base, left, right = args[:3]
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        product = self.apply("call_function", ADD_PRODUCTS[target], (left, right), {}, meta)
+        if alpha != 1:
+            product = self.apply("call_function", operator.mul, (product, alpha), {}, meta)
+        if beta == 0:  # base ignored, as baddbmm does (NaN in it does not propagate)
+            return product
+        if beta != 1:
+            base = self.apply("call_function", operator.mul, (base, beta), {}, getattr(base, "meta", meta))
+        return self.apply("call_function", operator.add, (base, product), {}, meta)
 
     def _tensordot_is_matmul(self, args, kwargs) -> bool:
         """tensordot(x, W, dims=([-1], [0])) (or dims=1) with a 2-D W: x @ W, as DeepCTR-Torch's layers write it."""
@@ -420,6 +442,34 @@ class Rewriter(AttentionRewrites):
                 return self.new_rep(src, self.mappings[mkey], meta, "repeat_interleave(counts, dim=0)")
         if key in ("expand", "repeat", "expand_as") and self._user_tensor(src) and src.meta.shape[0] == 1:
             return self.one_row(key, args, meta)
+        if key in MATMULS and len(args) == 2 and self._user_tensor(args[1]) and args[1].meta.ndim == 2:
+            mapping = self._selection_of(src)
+            if mapping is not None and args[1].meta.shape[0] == self.num_users:
+                return self.new_rep(args[1], mapping, meta, "one-hot selection matrix of cand_to_user @ x")
+        return None
+
+    def _selection_of(self, v):
+        """The input mapping m whose one-hot selection matrix v [B, U] is (F.one_hot(m, U), eye(U)[m], m[:, None] ==
+        arange(U), in any dtype): v computed from m, and on the example 1 at (b, m[b]) and 0 elsewhere."""
+        if not (isinstance(v, Plain) and v.batched and isinstance(v.meta, Meta) and v.meta.ndim == 2):
+            return None
+        if v.meta.shape != (self.num_candidates, self.num_users) or not isinstance(v.node, fx.Node):
+            return None
+        value = self.values.get(v.node)
+        if not isinstance(value, torch.Tensor):
+            return None
+        seen, stack = set(), [v.node]
+        while stack:  # the mapping input among v's ancestors
+            node = stack.pop()
+            if node in self.input_mappings:
+                m = self.values[node].long()
+                expected = F.one_hot(m.clamp(0, self.num_users - 1), self.num_users).to(value.dtype)
+                ok = bool(((m >= 0) & (m < self.num_users)).all()) and torch.equal(value, expected)
+                return self.input_mappings[node] if ok else None
+            for parent in node.all_input_nodes:
+                if parent not in seen:
+                    seen.add(parent)
+                    stack.append(parent)
         return None
 
     def one_row(self, key, args, meta):
@@ -503,7 +553,7 @@ class Rewriter(AttentionRewrites):
         ):
             node = self.emit("call_function", operator.getitem, (src.node, index))
             if index == self.mapping_name and src.node.op == "placeholder":
-                return Plain(node, meta, batched=True, mapping=Mapping(("input", index), node, index))
+                return Plain(node, meta, batched=True, mapping=self._input_mapping(node, index))
             return Plain(node, meta, batched=self._rows_b(meta))
         return None
 
