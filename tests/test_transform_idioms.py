@@ -132,6 +132,34 @@ def test_baddbmm_and_addmm_decomposed():
     check(AddProducts(), must=("rows_matmul",))
 
 
+class Routed(nn.Module):
+    """MIND-style interests by dynamic routing over the replicated history, whose routing logits start from a
+    constant repeated to the history's row count (`B0.unsqueeze(0).repeat(h.size(0), 1, 1)`), then label-aware
+    attention with the candidate: the routing runs at U rows."""
+
+    def __init__(self, interests=3):
+        super().__init__()
+        self.bilinear = nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.start = nn.Parameter(torch.randn(interests, L) * 0.1)
+        self.q = nn.Linear(FC, D)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        h = history[cand_to_user] @ self.bilinear  # [B, L, D]
+        valid = (torch.arange(L)[None, :] < lengths[cand_to_user][:, None]).float()
+        logits = self.start.unsqueeze(0).repeat(h.size(0), 1, 1)  # [B, K, L]
+        for _ in range(2):
+            weights = torch.softmax(logits.masked_fill(valid[:, None, :] == 0, -1e9), dim=1) * valid[:, None, :]
+            caps = torch.bmm(weights, h)
+            caps = caps * torch.rsqrt((caps * caps).sum(-1, keepdim=True) + 1.0)
+            logits = logits + torch.bmm(caps, h.transpose(1, 2))
+        att = torch.softmax(torch.bmm(caps, self.q(cand).unsqueeze(-1)).squeeze(-1), -1)
+        return (att.unsqueeze(-1) * caps).sum(1)
+
+
+def test_constant_repeated_to_a_replicated_row_count():
+    check(Routed(), must=("rows_matmul",))
+
+
 class Interleaved(nn.Module):
     """Candidates sorted by user, the user rows repeated by count (repeat_interleave)."""
 

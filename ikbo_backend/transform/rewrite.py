@@ -493,7 +493,8 @@ class Rewriter(AttentionRewrites):
                 return None
             rows, rest = sizes[0], sizes[1:]
             if isinstance(rows, Rows):  # the row count of a Rep: a constant row of that mapping
-                user = self.emit("call_method", key, (src.node, rows.user_rows, *[self.user_side(s) for s in rest]))
+                sizes = [self.user_side(s) if is_value(s) else s for s in rest]
+                user = self.emit("call_method", key, (src.node, rows.user_rows, *sizes))
                 return Rep(user, rows.mapping, meta, f"{self.where()} (one row for every user)")
             rows_b = self.materialize(rows, self.where(), "") if is_value(rows) else rows
         mkey = ("expand", id(rows) if is_value(rows) else rows)
