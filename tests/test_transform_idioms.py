@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from ikbo_backend.transform import Guarded, cost, replications_in, to_ikbo
 from ikbo_backend.transform.standard import multihead_attention
@@ -275,6 +276,46 @@ class Recurrent(nn.Module):
 
 def test_rnns_run_at_user_rows():
     check(Recurrent(), must=("GRU", "LSTM"))
+
+
+class PackedRecurrent(nn.Module):
+    """RNNs over packed histories (pack_padded_sequence by length, as GRU4Rec / DIEN code writes them): a GRU's final
+    state (`nn.utils.rnn.pack_padded_sequence`), an LSTM's outputs padded back to L (`pad_packed_sequence` imported by
+    name, total_length fixed) and mean-pooled; `fixed` False pads to the longest length instead."""
+
+    def __init__(self, fixed=True):
+        super().__init__()
+        self.fixed = fixed
+        self.gru = nn.GRU(D, D, batch_first=True)
+        self.lstm = nn.LSTM(D, D)
+        self.out = nn.Linear(2 * D + FC, 1)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        seq, n = history[cand_to_user], lengths[cand_to_user]
+        packed = nn.utils.rnn.pack_padded_sequence(seq, n.cpu(), batch_first=True, enforce_sorted=False)
+        _, h = self.gru(packed)
+        steps, _ = self.lstm(pack_padded_sequence(seq.transpose(0, 1), n.cpu(), enforce_sorted=False))
+        padded, _ = pad_packed_sequence(steps, batch_first=True, total_length=L if self.fixed else None)  # [B, T, D]
+        pooled = padded.sum(1) / n[:, None]
+        return self.out(torch.cat([h[-1], pooled, cand], dim=-1))
+
+
+def _some_empty_histories(num_users, num_candidates, gen):
+    """A request whose users without candidates have empty histories (length 0: no pack would take them)."""
+    inputs = request(num_users, num_candidates, gen)
+    without = torch.ones(num_users, dtype=torch.bool)
+    without[inputs["cand_to_user"]] = False
+    inputs["lengths"][without] = 0
+    return inputs
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["total_length", "longest"])
+def test_packed_sequences_run_at_user_rows(fixed):
+    """The packs, both RNNs and (with a fixed total_length) the padding run at U rows; padded to the longest length
+    (which depends on which users have candidates) the LSTM's output is repacked at B rows, reported."""
+    report = check(PackedRecurrent(fixed), make=_some_empty_histories, expect_left=0 if fixed else 1,
+                   must=("pack_padded_sequence of replicated rows", "GRU", "LSTM"))  # fmt: skip
+    assert fixed or "packed sequence replicated to B rows" in str(report), str(report)
 
 
 class Encoder(nn.Module):

@@ -18,6 +18,7 @@ Modules (`call_module`):
 - `nn.MultiheadAttention` and `nn.TransformerEncoder` are traced through their eval forms
   (`standard.py`): the same function written with linear / SDPA, which the pass can rewrite;
 - RNNs (`nn.GRU`, `nn.LSTM`, `nn.RNN`) stay leaves: the pass knows they act row by row on the batch;
+  so do `pack_padded_sequence` and `pad_packed_sequence` (their bodies branch on length values), one node each;
 - any other module is traced into; where that fails (control flow on tensor values, an unsupported
   Python construct), its nodes are dropped and it becomes a leaf, kept whole (`Capture.opaque` says
   which and why). The pass runs such a leaf at U rows when it reads only user rows and does so
@@ -55,6 +56,10 @@ META_FUNCTIONS = {torch.is_floating_point, torch.is_complex}
 SIZE_METHODS = {"size", "numel"}
 PIECES = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}  # ops returning a size-dependent count
 RNN_MODULES = (nn.RNNBase,)
+PACKING = {
+    "pack_padded_sequence": nn.utils.rnn.pack_padded_sequence,
+    "pad_packed_sequence": nn.utils.rnn.pad_packed_sequence,
+}
 _HERE = __file__.rsplit("/", 1)[0]
 
 
@@ -349,9 +354,11 @@ FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "eye"
 
 
 @contextlib.contextmanager
-def _traced_factories(tracer):
+def _traced_factories(tracer, model: nn.Module):
     """torch.zeros(n, d) and the like with a traced size become graph nodes (torch's argument parser
-    rejects a proxy inside a size list before __torch_function__ is consulted)."""
+    rejects a proxy inside a size list before __torch_function__ is consulted); so do the sequence packing
+    functions, reached through `nn.utils.rnn` or imported by name into the module of a forward the model runs
+    (fx's own autowrap would mark their nodes for codegen with a dotted name its next trace cannot find)."""
 
     def wrap(original):
         def factory(*args, **kwargs):
@@ -362,13 +369,21 @@ def _traced_factories(tracer):
         return factory
 
     originals = {name: getattr(torch, name) for name in FACTORIES}
+    scopes = {id(g): g for m in model.modules() if (g := getattr(type(m).forward, "__globals__", None)) is not None}
+    scopes[id(vars(nn.utils.rnn))] = vars(nn.utils.rnn)
+    packing = {id(fn) for fn in PACKING.values()}
+    imported = [(g, key, value) for g in scopes.values() for key, value in list(g.items()) if id(value) in packing]
     try:
         for name, fn in originals.items():
             setattr(torch, name, wrap(fn))
+        for scope, key, fn in imported:
+            scope[key] = wrap(fn)
         yield
     finally:
         for name, fn in originals.items():
             setattr(torch, name, fn)
+        for scope, key, fn in imported:
+            scope[key] = fn
 
 
 def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
@@ -377,7 +392,7 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
     uninteresting_files()  # its lazy imports must not happen inside the trace (fx patches Module.__call__)
     tracer = Tracer(examples, rows)
     concrete = {k: v for k, v in examples.items() if not _traced(v)}
-    with _traced_factories(tracer):
+    with _traced_factories(tracer, model):
         graph = tracer.trace(model, concrete_args=concrete or None)
     module = fx.GraphModule(model, graph, class_name=type(model).__name__)
     return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards)

@@ -29,6 +29,23 @@ def index_rows_tuple(users, cand_to_user):
     return tuple(index_rows(u, cand_to_user) for u in users)
 
 
+def pack_user_rows(x: torch.Tensor, lengths: torch.Tensor, batch_first: bool):
+    """pack_padded_sequence of user rows: lengths at least 1 (a user without candidates may have none; the rows of a
+    user with candidates and length 0 would have failed the original's pack), any order."""
+    lengths = lengths.to("cpu", torch.int64).clamp(min=1)
+    return nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=batch_first, enforce_sorted=False)
+
+
+def packed_rows(packed, cand_to_user: torch.Tensor):
+    """A packed sequence of user rows at B rows: padded, its rows replicated through the mapping, packed again
+    (enforce_sorted off: the same order a pack of the replicated rows takes)."""
+    padded, lengths = nn.utils.rnn.pad_packed_sequence(packed, batch_first=True)
+    rows = cand_to_user.long()
+    return nn.utils.rnn.pack_padded_sequence(
+        padded.index_select(0, rows), lengths.index_select(0, rows.cpu()), batch_first=True, enforce_sorted=False
+    )
+
+
 def mapping_rows(cand_to_user: torch.Tensor) -> int:
     """B, the number of candidates."""
     return cand_to_user.shape[0]

@@ -54,6 +54,7 @@ from .values import (
     Concat,
     Mapping,
     Meta,
+    Packed,
     Plain,
     Rep,
     Report,
@@ -190,8 +191,8 @@ class Rewriter(AttentionRewrites):
             return x.user_rows
         if isinstance(x, RepShape):
             return x.user_shape
-        if isinstance(x, Plain):
-            return x.node
+        if isinstance(x, (Plain, Packed)):
+            return x.user if isinstance(x, Packed) else x.node
         raise AssertionError(f"{type(x).__name__} has no user-row form")
 
     def materialize(self, x, consumer: str, why: str):
@@ -212,6 +213,11 @@ class Rewriter(AttentionRewrites):
             if x.materialized is None:
                 parts = [self.materialize(p, consumer, why) for p in x.parts]
                 x.materialized = self.emit("call_function", torch.cat, (parts,), {"dim": x.dim})
+            return x.materialized
+        if isinstance(x, Packed):
+            if x.materialized is None:
+                x.materialized = self.emit("call_function", ops.packed_rows, (x.user, x.mapping.node))
+                self.report.left.append(f"{x.source} packed sequence replicated to B rows at {consumer}: {why}")
             return x.materialized
         if isinstance(x, Rep):
             if x.materialized is None:
@@ -314,7 +320,7 @@ class Rewriter(AttentionRewrites):
                 return self.add_product(target, args, kwargs, meta)
         flat = leaves((args, kwargs))
         if op in ("call_function", "call_method"):
-            for handler in (self.replication_site, self.mapping_conversion, self.containers):
+            for handler in (self.replication_site, self.mapping_conversion, self.containers, self.packing):
                 out = handler(target, args, kwargs, meta)
                 if out is not None:
                     return out
@@ -537,6 +543,40 @@ class Rewriter(AttentionRewrites):
             return Plain(node, meta, batched=self._rows_b(meta))
         return None
 
+    def packing(self, key, args, kwargs, meta):
+        """pack_padded_sequence of replicated rows and their replicated lengths packs the user rows (an RNN then runs
+        over them at U rows); pad_packed_sequence of such a pack with a fixed total_length pads at U rows (without
+        one, the padded length is the longest of the candidates' users, so the pack is repacked at B rows)."""
+        if key is nn.utils.rnn.pack_padded_sequence:
+            x, lengths = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "lengths")
+            batch_first = _arg(args, kwargs, 2, "batch_first", False)
+            ok = isinstance(x, Rep) and isinstance(lengths, Rep) and lengths.mapping.key == x.mapping.key
+            if not (ok and x.row_dim == (0 if batch_first else 1) and lengths.row_dim == 0):
+                return None
+            node = self.emit("call_function", ops.pack_user_rows, (x.user, lengths.user, batch_first))
+            self.report.rewritten.append(f"{self.where()}: pack_padded_sequence of replicated rows packed at U rows")
+            return Packed(node, x.mapping, meta, self.where())
+        if key is nn.utils.rnn.pad_packed_sequence and isinstance(args[0] if args else None, Packed):
+            packed, total = args[0], _arg(args, kwargs, 3, "total_length")
+            batch_first = _arg(args, kwargs, 1, "batch_first", False)
+            if total is None or (is_value(total) and not isinstance(total, Plain)):
+                return None
+            options = {
+                "batch_first": batch_first,
+                "padding_value": _arg(args, kwargs, 2, "padding_value", 0.0),
+                "total_length": total.node if is_value(total) else total,
+            }
+            node = self.emit("call_function", nn.utils.rnn.pad_packed_sequence, (packed.user,), options)
+            padded, lengths = (self.emit("call_function", operator.getitem, (node, i)) for i in (0, 1))
+            return Struct(
+                (
+                    Rep(padded, packed.mapping, meta[0], packed.source, row_dim=0 if batch_first else 1),
+                    Rep(lengths, packed.mapping, meta[1], packed.source),
+                ),
+                meta,
+            )
+        return None
+
     def containers(self, key, args, kwargs, meta):
         """x[k] of a tuple / dict input or of a Struct."""
         if key is not operator.getitem or len(args) != 2:
@@ -730,14 +770,18 @@ class Rewriter(AttentionRewrites):
         x = args[0]
         state = args[1] if len(args) > 1 else kwargs.get("hx")
         rows = 0 if module.batch_first else 1
-        if not (isinstance(x, Rep) and x.row_dim == rows) or kwargs.keys() - {"hx"}:
+        if not (isinstance(x, Packed) or isinstance(x, Rep) and x.row_dim == rows) or kwargs.keys() - {"hx"}:
             return None
         states = () if state is None else (state.items if isinstance(state, Struct) else (state,))
         if not all(isinstance(s, Rep) and s.row_dim == 1 and s.mapping is x.mapping for s in states):
             return None
         user_state = None if state is None else (tuple(s.user for s in states) if len(states) > 1 else states[0].user)
         node = self.emit("call_module", target, (x.user,) if state is None else (x.user, user_state))
-        out = Rep(self.emit("call_function", operator.getitem, (node, 0)), x.mapping, meta[0], x.source, row_dim=rows)
+        output = self.emit("call_function", operator.getitem, (node, 0))
+        if isinstance(x, Packed):  # a packed output, the rows of the packed input
+            out = Packed(output, x.mapping, meta[0], x.source)
+        else:
+            out = Rep(output, x.mapping, meta[0], x.source, row_dim=rows)
         hidden = self.emit("call_function", operator.getitem, (node, 1))
         if isinstance(module, nn.LSTM):
             h, c = (self.emit("call_function", operator.getitem, (hidden, i)) for i in (0, 1))

@@ -102,8 +102,20 @@ class Rows:
     meta: int
 
 
-VALUES = (Plain, Rep, Concat, RepShape, Rows, Sum, Struct)
-USER_FORMS = (Rep, Concat, RepShape, Rows, Sum)  # forms that stand for B rows built from user rows
+@dataclass(eq=False)
+class Packed:
+    """pack_padded_sequence of replicated rows kept virtual: `user` packs the U user rows (enforce_sorted off, lengths
+    at least 1), so an RNN runs over it at U rows; at B rows it is that sequence's rows repacked (`ops.packed_rows`)."""
+
+    user: fx.Node
+    mapping: Mapping
+    meta: Any
+    source: str
+    materialized: fx.Node | None = None
+
+
+VALUES = (Plain, Rep, Concat, RepShape, Rows, Sum, Struct, Packed)
+USER_FORMS = (Rep, Concat, RepShape, Rows, Sum, Packed)  # forms that stand for B rows built from user rows
 
 
 def is_value(x):
@@ -182,7 +194,7 @@ ELEMENTWISE_FUNCTIONS = {
 ELEMENTWISE_METHODS = {
     "add", "sub", "mul", "div", "masked_fill", "clamp", "clamp_min", "clamp_max", "relu", "sigmoid", "tanh", "exp",
     "log", "sqrt", "rsqrt", "pow", "abs", "neg", "float", "double", "half", "bfloat16", "long", "int", "bool", "to",
-    "type_as", "contiguous", "clone", "detach", "sign", "where", "logical_not", "square", "reciprocal", "type",
+    "type_as", "contiguous", "clone", "detach", "cpu", "cuda", "sign", "where", "logical_not", "square", "reciprocal", "type",
     "__and__", "__or__", "__invert__", "eq", "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "nan_to_num",
     "floor", "ceil", "round", "remainder", "fmod", "log1p", "expm1", "logical_and", "logical_or", "sin", "cos",
     "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "relu_", "sigmoid_", "tanh_", "exp_", "fill_", "zero_",
