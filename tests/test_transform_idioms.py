@@ -161,6 +161,40 @@ def test_constant_repeated_to_a_replicated_row_count():
     check(Routed(), must=("rows_matmul",))
 
 
+class PairProducts(nn.Module):
+    """AFM-style attention over pairwise products of field embeddings (user fields replicated, then candidate
+    fields): pairs from `itertools.combinations` over `torch.split` pieces, gathered by two `torch.cat`s whose user /
+    candidate boundaries differ, multiplied, scored by an MLP, softmax over the pairs."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = nn.Sequential(nn.Linear(D, 8), nn.ReLU(), nn.Linear(8, 1, bias=False))
+        self.user_fields, self.cand_fields = nn.Linear(FU, 4 * D), nn.Linear(FC, 2 * D)  # 6 fields: not U or B
+
+    def forward(self, user, cand, cand_to_user):
+        users = self.user_fields(user).view(-1, 4, D)[cand_to_user]
+        fields = torch.cat([users, self.cand_fields(cand).view(-1, 2, D)], dim=1)
+        left, right = zip(*itertools.combinations(torch.split(fields, 1, dim=1), 2))
+        products = torch.cat(left, dim=1) * torch.cat(right, dim=1)  # [B, 15, D]
+        weights = torch.softmax(self.att(products), dim=1)
+        return (weights * products).sum(1)
+
+
+def test_products_of_concats_with_other_boundaries_run_per_piece():
+    """The products split at the boundaries of both concats: user × user pairs at U rows, user × candidate pairs
+    joined; only the pair scores (one value a pair) meet candidates in the softmax, reported as such."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = PairProducts().eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    text = str(report)
+    assert "rows_join" in text and "row-wise ops run at U rows" in text, text
+    assert report.left and all("softmax over user and candidate entries" in e for e in report.left), text
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, text
+
+
 class Interleaved(nn.Module):
     """Candidates sorted by user, the user rows repeated by count (repeat_interleave)."""
 

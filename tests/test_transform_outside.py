@@ -177,8 +177,8 @@ class NormedConcat(nn.Module):
     def forward(self, user, cand, cand_to_user):
         x = torch.cat([torch.tanh(user)[cand_to_user], cand], dim=-1)
         y = self.norm(x)
-        out = torch.cat([self.a(y), self.b(y)], dim=-1)
-        return out.sum(-1) + (y.sum(-1) if self.residual else 0)
+        out = torch.cat([self.a(y), self.b(y)], dim=-1)  # [B, 20]: a sum of it can cancel to ~0 at B = 1
+        return out + (y.sum(-1, keepdim=True) if self.residual else 0)
 
 
 NORMS = {

@@ -1699,28 +1699,39 @@ class Rewriter(AttentionRewrites):
         meta = Meta(tuple(shape), v.meta.dtype)
         if isinstance(v, Rep):
             return Rep(self.emit("call_function", operator.getitem, (v.user, index)), v.mapping, meta, v.source)
-        if isinstance(v, Concat):
-            offset = 0
+        if isinstance(v, Concat) and v.dim == dim:  # the parts the range covers, each sliced: the form kept
+            pieces, offset = [], 0
             for p in v.parts:
                 size = p.meta.shape[v.dim]
-                if (offset, offset + size) == (start, stop) and v.dim == dim:
-                    return p
+                lo, hi = max(start, offset), min(stop, offset + size)
+                if lo < hi:
+                    pieces.append(
+                        p
+                        if (lo, hi) == (offset, offset + size)
+                        else self._slice(p, dim_from_end, lo - offset, hi - offset)
+                    )
                 offset += size
+            return pieces[0] if len(pieces) == 1 else Concat(pieces, dim, meta)
         whole = self.materialize(v, self.where(), "split of a concat")
         return Plain(self.emit("call_function", operator.getitem, (whole, index)), meta, self.batched(v))
 
     def split_elementwise(self, op, key, args, kwargs, c, meta):
-        """An elementwise op over a concat: apply it to each part (the other operands sliced alike)."""
+        """An elementwise op over a concat: apply it to each piece between the part boundaries of every operand that
+        is a concat along the same dim (AFM's pairwise products of user and candidate fields: user × user pieces at
+        U rows, user × candidate pieces joined), the other operands sliced alike."""
         dim_from_end = c.meta.ndim - c.dim
-        parts, offset = [], 0
-        for p in c.parts:
-            size = p.meta.shape[c.dim]
-            s = lambda v, a=offset, b=offset + size: self._slice(v, dim_from_end, a, b) if is_value(v) else v  # noqa: E731
+        bounds = set()
+        for v in leaves((args, kwargs)):
+            if isinstance(v, Concat) and v.meta.ndim - v.dim == dim_from_end:
+                bounds.update(itertools.accumulate((p.meta.shape[v.dim] for p in v.parts), initial=0))
+        bounds = sorted(bounds)
+        parts = []
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            s = lambda v, a=start, b=stop: self._slice(v, dim_from_end, a, b) if is_value(v) else v  # noqa: E731
             shape = list(meta.shape)
-            shape[c.dim] = size
+            shape[c.dim] = stop - start
             pargs, pkwargs = fmap(args, s), fmap(kwargs, s)
             parts.append(self.apply(op, key, pargs, pkwargs, Meta(tuple(shape), meta.dtype)))
-            offset += size
         return self._joined(parts, c.dim, meta)
 
     def _weight_slice(self, weight, start, stop, cols: bool):
