@@ -236,7 +236,7 @@ def eager_function(name: str, forward, setup_context, backward, once: bool = Tru
     backward can run its op's implementation directly (`backward_call`). `once`: the backward runs kernels that
     autograd cannot see through (as the ops' backward ops, which have no autograd), so a second derivative
     raises instead of coming out wrong. The context is set up inside forward: a Function with a separate
-    setup_context binds its arguments through inspect.signature on every call (as long as the op's kernels)."""
+    setup_context binds its arguments through inspect.signature on every call (longer than the op's launches)."""
 
     def run(ctx, *inputs):
         output = forward(*inputs)
