@@ -9,9 +9,10 @@ Every value of the captured graph gets one of these forms while the new graph is
     RepShape / Rows — x.shape / x.shape[0] of a Rep (B in the original, U in the user-row graph).
 A Rep starts where a user tensor is replicated, recognised by what the op computes (x[m], x[m, :],
 index_select(0, m), gather / take_along_dim with an index spread from m, embedding(m, x),
-repeat_interleave(counts, 0), expand / repeat of one row, a one-hot selection matrix of m times x), and flows through ops that act row by row
-(they run at U rows). Where a Rep meets candidate rows the op becomes a join: the Type I split of a
-linear (sibling linears merged, candidate parts in one GEMM), ikbo_linear_compress, ikbo_attention
+repeat_interleave(counts, 0), expand / repeat of one row, a one-hot selection matrix of m times x), and
+flows through ops that act row by row (they run at U rows). Where a Rep meets candidate rows the op
+becomes a join: the Type I split of a linear (sibling linears merged, candidate parts in one GEMM),
+ikbo_linear_compress, ikbo_attention
 (any per-user key mask), add_user_rows, or a tiled join (ops.rows_join / rows_matmul / rows_einsum).
 Where no join exists the Rep is materialized right there (`ops.index_rows`) and the report says where
 and why. Every node emitted is also run on the example (`values`), so checks look at values, not at
@@ -191,8 +192,10 @@ class Rewriter(AttentionRewrites):
             return x.user_rows
         if isinstance(x, RepShape):
             return x.user_shape
-        if isinstance(x, (Plain, Packed)):
-            return x.user if isinstance(x, Packed) else x.node
+        if isinstance(x, Packed):
+            return x.user
+        if isinstance(x, Plain):
+            return x.node
         raise AssertionError(f"{type(x).__name__} has no user-row form")
 
     def materialize(self, x, consumer: str, why: str):
