@@ -12,8 +12,8 @@ index_select(0, m), gather / take_along_dim with an index spread from m, embeddi
 repeat_interleave(counts, 0), expand / repeat of one row, a one-hot selection matrix of m times x), and
 flows through ops that act row by row (they run at U rows). Where a Rep meets candidate rows the op
 becomes a join: the Type I split of a linear (sibling linears merged, candidate parts in one GEMM),
-ikbo_linear_compress, ikbo_attention
-(any per-user key mask), add_user_rows, or a tiled join (ops.rows_join / rows_matmul / rows_einsum).
+ikbo_linear_compress, ikbo_attention (any per-user key mask), add_user_rows, or a tiled join
+(ops.rows_join / rows_matmul / rows_einsum).
 Where no join exists the Rep is materialized right there (`ops.index_rows`) and the report says where
 and why. Every node emitted is also run on the example (`values`), so checks look at values, not at
 spellings.
