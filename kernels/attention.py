@@ -649,33 +649,18 @@ def _dkdv_step(
     if MASK_CAUSAL:
         p_t = tl.where(keys[:, None] <= rows[None, :], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-    dk = tl.dot(ds_t, q, dk)
-    return dk, dv, ds_t
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
 # fmt: on
-
-
-@triton.jit
-def _add_dq(dq_desc, dq_ptr, ds_t, k, row0, rows, row_ok, DQ_TMA: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """dQ of one step's rows, dSᵀ·k over the block's keys (unscaled), added into the fp32 accumulator
-    [B·H·S, d]: by one TMA reduction at rows [row0, row0 + BLOCK_M) (DQ_TMA: all valid) or by element atomics at
-    `rows` where row_ok."""
-    dq = tl.dot(tl.trans(ds_t), k)  # [BLOCK_M, D] fp32
-    if DQ_TMA:
-        dq_desc.atomic_add([row0, 0], dq)
-    else:
-        offs_d = tl.arange(0, HEAD_DIM)
-        tl.atomic_add(dq_ptr + (rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]), dq, mask=row_ok[:, None],
-                      sem="relaxed")  # fmt: skip
 
 
 # fmt: off
 @triton.jit
 def _dkdv_target_rows(
-    dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc, dq_desc,
-    dq_ptr, order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KEYS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ROWS_TMA: tl.constexpr, FUSE_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc, order_ptr,
+    first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASK_KEYS: tl.constexpr, NUM_STAGES: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
     """A K/V block's walk over its user's candidate query rows [row_lo, row_end) (virtual rows: candidate-major, S
     tokens; candidates from order[first …]; row_lo a multiple of BLOCK_M), BLOCK_M at a time; rows past row_end load
@@ -692,10 +677,7 @@ def _dkdv_target_rows(
             do = do_desc.load([row0, 0])
             lse = tl.load(lse_ptr + row0 + offs_m)
             delta = tl.load(delta_ptr + row0 + offs_m)
-            dk, dv, ds_t = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, offs_m, kv_len, qk_scale, MASK_KEYS,
-                                      False)  # fmt: skip
-            if FUSE_DQ:
-                _add_dq(dq_desc, dq_ptr, ds_t, k, row0, row0 + offs_m, offs_m < BLOCK_M, DQ_TMA, HEAD_DIM)
+            dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, offs_m, kv_len, qk_scale, MASK_KEYS, False)
         return dk, dv
     for r0 in tl.range(row_lo, row_end, BLOCK_M, num_stages=NUM_STAGES):
         rows = r0 + offs_m
@@ -705,11 +687,9 @@ def _dkdv_target_rows(
         cand = tl.load(order_ptr + first + slot, mask=row_ok, other=0).to(tl.int64)
         q_rows = cand * stride_qb + head * stride_qh + token * stride_qs
         q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
-        at = (cand * heads + head) * num_queries + token
-        do, lse, delta = _row_grads(do_ptr, lse_ptr, delta_ptr, at, row_ok, HEAD_DIM)
-        dk, dv, ds_t = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, False)
-        if FUSE_DQ:
-            _add_dq(dq_desc, dq_ptr, ds_t, k, 0, at, row_ok, False, HEAD_DIM)
+        do, lse, delta = _row_grads(do_ptr, lse_ptr, delta_ptr, (cand * heads + head) * num_queries + token, row_ok,
+                                    HEAD_DIM)
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, False)
     return dk, dv
 # fmt: on
 
@@ -732,8 +712,7 @@ def _dkdv_self_rows(
         row_ok = rows < hi
         q = tl.load(uq_ptr + (base + rows[:, None] * stride_uql + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
         do, lse, delta = _row_grads(udo_ptr, ulse_ptr, udelta_ptr, first_row + rows, row_ok, HEAD_DIM)
-        dk, dv, _ = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS,
-                               MASK_CAUSAL)  # fmt: skip
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, MASK_CAUSAL)
     return dk, dv
 # fmt: on
 
@@ -771,13 +750,12 @@ def _attention_bwd_dkdv_kernel(
     udo_ptr, ulse_ptr, udelta_ptr,  # [U, H, L, D] contiguous gradient of user_out, [U, H, L] fp32 lse and Δ
     k_desc, v_desc, stride_ku, stride_kh, stride_kl,  # as `_attention_kernel`, blocks [BLOCK_N, D]
     q_desc, do_desc,  # ROWS_TMA: [B·H·S, D] views of q and dO, blocks [BLOCK_M, D] (else stand-ins)
-    dq_desc, dq_ptr,  # FUSE_DQ: the zeroed fp32 dQ accumulator [B·H·S, D], by TMA (DQ_TMA) and by pointer
     dk_ptr, dv_ptr,  # [U, H, L, D] contiguous out (fp32 and zeroed where SPLIT)
     kv_len_ptr, order_ptr, users_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order, users [U, 2]
     num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, RANK_USERS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ROWS_TMA: tl.constexpr, SPLIT: tl.constexpr, FUSE_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    ROWS_TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """1-D grid over (user rank, split, head, key block), key blocks fastest: a program owns K/V[u, h] rows
     [BLOCK_N·j, BLOCK_N·j + BLOCK_N) in registers and walks its split's share of user u's candidate query rows (the
@@ -815,14 +793,14 @@ def _attention_bwd_dkdv_kernel(
         if start_n + BLOCK_N <= kv_len:
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
-                dq_desc, dq_ptr, order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale,
-                HEAD_DIM, BLOCK_M, False, NUM_STAGES, ROWS_TMA, FUSE_DQ, DQ_TMA,
+                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M,
+                False, NUM_STAGES, ROWS_TMA,
             )
         else:
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
-                dq_desc, dq_ptr, order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale,
-                HEAD_DIM, BLOCK_M, True, NUM_STAGES, ROWS_TMA, FUSE_DQ, DQ_TMA,
+                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M,
+                True, NUM_STAGES, ROWS_TMA,
             )
         if HAS_SELF and split == 0:
             if CAUSAL:  # rows before the block see none of its keys; the first BLOCK_N rows from it, some
@@ -861,23 +839,6 @@ def _attention_bwd_dkdv_kernel(
 
 
 _attention_bwd_dkdv_launch = CachedLaunch(_attention_bwd_dkdv_kernel)
-
-
-@triton.jit
-def _delta_kernel(o_ptr, do_ptr, delta_ptr, dq_acc_ptr, num_rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Δ = Σ_d dO·O of BLOCK_R rows of the contiguous [rows, d] output and its gradient, stored, and the same rows
-    of the fp32 dQ accumulator zeroed (where the dK/dV walk adds dQ: `_add_dq`)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < num_rows
-    offs_d = tl.arange(0, HEAD_DIM)
-    at = rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
-    o = tl.load(o_ptr + at, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + at, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    tl.store(delta_ptr + rows, tl.sum(o * do, 1), mask=row_ok)
-    tl.store(dq_acc_ptr + at, tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32), mask=row_ok[:, None])
-
-
-_delta_launch = CachedLaunch(_delta_kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1249,16 +1210,13 @@ def dkdv_splits(programs: int, rows_per_user: float, kv_cfg: TileConfig, device:
     return max(1, min(wanted, int(rows_per_user // (DKDV_MIN_STEPS * kv_cfg.block_m))))
 
 
-FUSE_DQ = False  # the candidate rows' dQ added (fp32) by the dK/dV walk instead of a dQ launch of their own
-DQ_BY_TMA = True  # fused dQ added by TMA reductions where the rows move by TMA (else element atomics)
-DELTA_ROWS = 32  # rows a program of `_delta_kernel`
 RANKED_USERS = 64  # up to this many users, the dK/dV programs of the users with the most query rows start first
 
 
 # fmt: off
 def _launch_backward(
     grad_out, q, k, v, out, lse, cand_to_user, kv_len, scale, user_q=None, grad_user_out=None, user_out=None,
-    causal=True, grads=None, config=None, fuse_dq=None,
+    causal=True, grads=None, config=None,
 ):
     """Triton backward of `_launch`'s attention: out, lse from its forward (lse: `lse_size` fp32 elements), grad_out
     (and with user_q, grad_user_out) the gradients of its outputs. Launches: the plan (with each user's candidate
@@ -1297,13 +1255,9 @@ def _launch_backward(
     num_self_tiles = num_users * triton.cdiv(seq_len, self_cfg.block_m) if with_self else 0
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     qk_scale = scale * LOG2E
-    fuse_dq = FUSE_DQ if fuse_dq is None else fuse_dq
-    fuse_dq = fuse_dq and num_target_tiles > 0
-    # dQ and Δ: the self tiles and the candidate tiles in launches of their own (each its own stages and tiles);
-    # with fuse_dq the candidate rows' Δ first and their dQ in the dK/dV walk
+    # dQ and Δ: the self tiles and the candidate tiles in launches of their own (each its own stages and tiles)
     for has_self, num_tiles, cfg, (kd, vd) in (
-        (True, num_self_tiles, self_cfg, self_descs),
-        (False, 0 if fuse_dq else num_target_tiles, dq_cfg, (k_desc, v_desc)),
+        (True, num_self_tiles, self_cfg, self_descs), (False, num_target_tiles, dq_cfg, (k_desc, v_desc))
     ):
         if num_tiles == 0:
             continue
@@ -1320,29 +1274,16 @@ def _launch_backward(
     dk_acc, dv_acc = (dk, dv) if splits == 1 else torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device)
     rows_tma = DKDV_ROWS_TMA and num_candidates > 0 and rows_by_tma(q, grad_out, kv_cfg.block_m)
     q_desc, do_desc = _row_views(q, grad_out, kv_cfg.block_m) if rows_tma else (kv_k_desc, kv_v_desc)
-    dq_acc, dq_desc = dq, q_desc  # stand-ins without fuse_dq
-    if fuse_dq:
-        dq_acc = torch.empty(dq.shape, dtype=torch.float32, device=dq.device)
-        num_rows = dq_acc.numel() // head_dim
-        _delta_launch[(triton.cdiv(num_rows, DELTA_ROWS),)](
-            out, grad_out, cand_delta, dq_acc, num_rows, HEAD_DIM=head_dim, BLOCK_R=DELTA_ROWS, num_warps=4
-        )
-        if rows_tma:
-            dq_desc = TensorDescriptor(dq_acc, [num_rows, head_dim], [head_dim, 1], [kv_cfg.block_m, head_dim])
     _attention_bwd_dkdv_launch[(num_users * heads * num_blocks * splits,)](
         q, q.stride(0), q.stride(1), q.stride(2), grad_out, cand_lse, cand_delta,
         user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), grad_user_out, user_lse, user_delta,
-        kv_k_desc, kv_v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, dq_desc, dq_acc, dk_acc, dv_acc,
-        kv_len_arg,
+        kv_k_desc, kv_v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, dk_acc, dv_acc, kv_len_arg,
         order, users, num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
         HEAD_DIM=head_dim, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, HAS_SELF=with_self, CAUSAL=causal,
         HAS_KV_LEN=kv_len is not None, RANK_USERS=RANKED_USERS if num_users <= RANKED_USERS else 0,
-        NUM_STAGES=kv_cfg.num_stages, ROWS_TMA=rows_tma, SPLIT=splits > 1, FUSE_DQ=fuse_dq,
-        DQ_TMA=fuse_dq and rows_tma and DQ_BY_TMA and not interpreting(), num_warps=kv_cfg.num_warps,
+        NUM_STAGES=kv_cfg.num_stages, ROWS_TMA=rows_tma, SPLIT=splits > 1, num_warps=kv_cfg.num_warps,
         maxnreg=kv_cfg.maxnreg,
     )
-    if fuse_dq:
-        torch.mul(dq_acc, scale, out=dq)
     if splits > 1:
         dk.copy_(dk_acc)
         dv.copy_(dv_acc)
