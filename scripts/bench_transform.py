@@ -6,8 +6,10 @@ still replicated, ms a call of the original and of the served module (fastest ro
 ratio (median of paired rounds), the pass's own measurement at load, and the relative error on a fresh
 request (ikbo_backend.transform.bench).
 
-    python scripts/bench_transform.py --threads 1                       # CPU, 15:1024, fp32
+    python scripts/bench_transform.py --threads 1                       # CPU, 15:1024, fp32, small dims
     python scripts/bench_transform.py --device cuda --dtype bfloat16 --cuda-graphs
+    python scripts/bench_transform.py --models din dien bst target_mha sim hstu --dims large --device cuda \
+        --dtype bfloat16 --cuda-graphs                                  # production-like sizes (zoo.DIMS)
 """
 
 import argparse
@@ -29,6 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=20, help="timed calls of each, alternating")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay each call from a CUDA graph")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dims", default="small", choices=list(zoo.DIMS), help="the zoo's sizes (zoo.DIMS)")
     return parser.parse_args(argv)
 
 
@@ -38,11 +41,14 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     rows = bench.run(
         args.models, args.users, args.candidates, args.device, getattr(torch, args.dtype), args.rounds,
-        args.cuda_graphs, args.seed,
+        args.cuda_graphs, args.seed, args.dims,
     )  # fmt: skip
     graphs = ", CUDA graphs" if args.cuda_graphs and args.device.startswith("cuda") else ""
+    d = zoo.DIMS[args.dims]
     print(
-        f"U:B = {args.users}:{args.candidates}, {args.dtype}, threads {torch.get_num_threads()}{graphs}; {environment()}"
+        f"U:B = {args.users}:{args.candidates}, {args.dtype}, threads {torch.get_num_threads()}{graphs}; "
+        f"dims {args.dims} (emb {d.emb}, heads {d.heads}, history {d.history}, long history {d.long_history}, "
+        f"top-k {d.topk}, hidden {d.hidden}, item vocab {d.item_vocab}); {environment()}"
     )
     print(bench.table(rows))
 

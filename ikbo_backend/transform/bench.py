@@ -1,5 +1,6 @@
 """Side-by-side timing of the zoo's models (zoo.py) and what `to_ikbo` serves for them, on one request
-shape: `scripts/bench_transform.py` prints the table of docs/results.md (Transformation).
+shape and one set of the zoo's sizes (`zoo.DIMS`: "small", or "large", near production for the
+attention-bearing models): `scripts/bench_transform.py` prints the table of docs/results.md (Transformation).
 
 Each model runs the pass as a server would (its cost model on, the example at the benchmark's U:B),
 then the original and the served module run alternately, `rounds` times after a warm-up; the speed
@@ -60,22 +61,29 @@ def paired(fns, rounds: int, sync) -> tuple[list[float], float]:
     return [min(t) for t in times], ratios[len(ratios) // 2]
 
 
-def run(names, num_users=15, num_candidates=1024, device="cpu", dtype=torch.float32, rounds=20, graphs=False, seed=0):
-    """One Row per zoo model `names` at U:B = num_users:num_candidates."""
-    rows = []
+def run(
+    names, num_users=15, num_candidates=1024, device="cpu", dtype=torch.float32, rounds=20, graphs=False, seed=0,
+    dims="small",
+):  # fmt: skip
+    """One Row per zoo model `names` at U:B = num_users:num_candidates and sizes `zoo.DIMS[dims]`."""
+    if dims not in zoo.DIMS:
+        raise ValueError(f"dims must be one of {list(zoo.DIMS)}, got {dims!r}")
+    sizes, rows = zoo.DIMS[dims], []
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for name in names:
         try:
-            rows.append(_one(name, num_users, num_candidates, device, dtype, rounds, graphs and cuda, seed, sync))
+            rows.append(
+                _one(name, num_users, num_candidates, device, dtype, rounds, graphs and cuda, seed, sync, sizes)
+            )
         except Exception as e:  # one model's failure is a row of the table, not the end of the run
             rows.append(Row(name, f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}", 0, 0, 0, 0, None, 0))
     return rows
 
 
-def _one(name, num_users, num_candidates, device, dtype, rounds, graphs, seed, sync) -> Row:
+def _one(name, num_users, num_candidates, device, dtype, rounds, graphs, seed, sync, dims) -> Row:
     gen = torch.Generator().manual_seed(seed)
-    model = zoo.build(name, seed=seed).to(device, dtype)
+    model = zoo.build(name, seed=seed, dims=dims).to(device, dtype)
     example = _cast(zoo.inputs(model, num_users, num_candidates, gen), device, dtype)
     module, report = to_ikbo(model, example, cuda_graphs=graphs)
     served = "kept" if module is model else "fully" if report.replications_left == 0 else "partly"

@@ -4,31 +4,59 @@ with the BatchNorm / LayerNorm / Dropout those have, and replicates the user's f
 rows itself, each in another common spelling.
 
 Every model takes user tensors at U rows, candidate tensors at B rows and `cand_to_user` [B] last;
-`MODELS[name]` gives (model factory, input names) and `inputs(names, U, B, gen)` draws a request.
-Dims are chosen unlike the U and B of the tests and of the 15:1024 benchmark (row counts tell user
-tensors from candidate tensors).
+`MODELS[name]` gives the model class, `build(name, seed, dims=...)` makes it and `inputs(model, U, B, gen)`
+draws a request for it. Its sizes are a `Dims` (`DIMS["small"]`, the default, or `DIMS["large"]`, near
+production for the attention-bearing models), each unlike the U and B of the tests and of the 15:1024
+benchmark (row counts tell user tensors from candidate tensors).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-E = 32  # embedding dim (2 heads of 16: a head size the Triton attention kernels take)
-L = 50  # short history
-LL = 256  # long history (SIM)
-TOPK = 20  # items the SIM search keeps
-UF, UV = 4, 1000  # user sparse fields, vocab
-UD = 8  # user dense features
-CF, CV = 2, 1000  # candidate sparse fields, vocab
-CD = 6  # candidate dense features
-IV, KV = 2000, 100  # item and category vocab
-HEADS = 2
-HIDDEN = (256, 128)
-TASKS = 2
+HEAD_SIZES = (16, 32, 64, 128)  # the head sizes the Triton attention kernels take
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes the zoo's models and their inputs read."""
+
+    emb: int = 32  # embedding dim
+    history: int = 50  # short history
+    long_history: int = 256  # long history (SIM)
+    topk: int = 20  # items the SIM search keeps
+    heads: int = 2
+    hidden: tuple[int, ...] = (256, 128)  # the MLP widths most models share
+    tasks: int = 2
+    user_fields: int = 4  # user sparse fields
+    user_vocab: int = 1000
+    user_dense: int = 8  # user dense features
+    cand_fields: int = 2  # candidate sparse fields
+    cand_vocab: int = 1000
+    cand_dense: int = 6  # candidate dense features
+    item_vocab: int = 2000
+    cat_vocab: int = 100  # item categories
+
+    def __post_init__(self):
+        if self.emb % self.heads or self.emb // self.heads not in HEAD_SIZES:
+            raise ValueError(f"Dims: emb / heads must be one of {HEAD_SIZES}, got {self.emb} / {self.heads}")
+        if not 0 < self.topk <= self.long_history:
+            raise ValueError(f"Dims: topk must be in [1, long_history = {self.long_history}], got {self.topk}")
+
+
+DIMS = {
+    "small": Dims(),
+    # history 512: at B = 1024, bf16, a B·heads·L² score tensor (HSTU, BST) is 1.1 GB; HSTU's forward peaks ~3.3 GB
+    "large": Dims(
+        emb=128, history=512, long_history=2048, topk=128, hidden=(512, 256),
+        user_vocab=100_000, cand_vocab=100_000, item_vocab=100_000, cat_vocab=1000,
+    ),
+}  # fmt: skip
 
 
 def mlp(widths, norm="bn", act=nn.ReLU, dropout=0.1):
@@ -72,7 +100,7 @@ class Dice(nn.Module):
 class LocalActivationUnit(nn.Module):
     """DIN's attention unit: an MLP over [q, k, q − k, q·k] (DeepCTR-Torch `layers.core`)."""
 
-    def __init__(self, hidden_units=(64, 16), embedding_dim=E):
+    def __init__(self, embedding_dim, hidden_units=(64, 16)):
         super().__init__()
         widths = (4 * embedding_dim, *hidden_units)
         self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
@@ -90,9 +118,9 @@ class LocalActivationUnit(nn.Module):
 
 
 class AttentionSequencePoolingLayer(nn.Module):
-    def __init__(self, embedding_dim=E):
+    def __init__(self, embedding_dim):
         super().__init__()
-        self.local_att = LocalActivationUnit(embedding_dim=embedding_dim)
+        self.local_att = LocalActivationUnit(embedding_dim)
 
     def forward(self, query, keys, keys_length):
         batch_size, max_length, _ = keys.size()
@@ -110,12 +138,14 @@ class DIN(nn.Module):
     """Deep Interest Network (Zhou et al. 2018): target-conditioned pooling of the history, then a DNN
     with BatchNorm and Dice. Replicates the user's raw features with `x[cand_to_user]`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.user_emb = nn.Embedding(UV, E)
-        self.item_emb, self.cat_emb = nn.Embedding(IV, E // 2), nn.Embedding(KV, E // 2)
-        self.attention = AttentionSequencePoolingLayer()
-        self.dnn = mlp((UF * E + 2 * E, 200, 80), norm="bn", act=lambda: nn.PReLU())
+        self.dims = dims
+        E = dims.emb
+        self.user_emb = nn.Embedding(dims.user_vocab, E)
+        self.item_emb, self.cat_emb = nn.Embedding(dims.item_vocab, E // 2), nn.Embedding(dims.cat_vocab, E // 2)
+        self.attention = AttentionSequencePoolingLayer(E)
+        self.dnn = mlp((dims.user_fields * E + 2 * E, 200, 80), norm="bn", act=lambda: nn.PReLU())
         self.out = nn.Linear(80, 1)
 
     def forward(self, user_ids, hist_items, hist_cats, hist_len, cand_items, cand_cats, cand_to_user):
@@ -157,14 +187,17 @@ class DIEN(nn.Module):
     """Deep Interest Evolution Network (Zhou et al. 2019): a GRU extracts interests from the history,
     target attention scores them, an AUGRU evolves them. Replicates with `index_select`."""
 
-    def __init__(self, hidden=E):
+    def __init__(self, hidden: int | None = None, dims: Dims = Dims()):
         super().__init__()
-        self.item_emb = nn.Embedding(IV, E)
-        self.user_emb = nn.Embedding(UV, E)
+        self.dims = dims
+        E = dims.emb
+        hidden = E if hidden is None else hidden
+        self.item_emb = nn.Embedding(dims.item_vocab, E)
+        self.user_emb = nn.Embedding(dims.user_vocab, E)
         self.interest_extractor = nn.GRU(E, hidden, batch_first=True)
         self.att = nn.Linear(E, hidden, bias=False)
         self.evolution = AUGRUCell(hidden, hidden)
-        self.dnn = mlp((UF * E + E + hidden, 200, 80), norm="bn")
+        self.dnn = mlp((dims.user_fields * E + E + hidden, 200, 80), norm="bn")
         self.out = nn.Linear(80, 1)
 
     def forward(self, user_ids, hist_items, hist_len, cand_items, cand_to_user):
@@ -191,14 +224,16 @@ class BST(nn.Module):
     target item appended, position embeddings, key padding mask; the outputs flattened into an MLP with
     LeakyReLU. Replicates with `x[cand_to_user]`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.item_emb = nn.Embedding(IV, E)
+        self.dims = dims
+        E, L = dims.emb, dims.history
+        self.item_emb = nn.Embedding(dims.item_vocab, E)
         self.pos_emb = nn.Parameter(torch.randn(L + 1, E) * 0.1)
-        layer = nn.TransformerEncoderLayer(E, HEADS, dim_feedforward=4 * E, dropout=0.1, batch_first=True)
+        layer = nn.TransformerEncoderLayer(E, dims.heads, dim_feedforward=4 * E, dropout=0.1, batch_first=True)
         self.transformer = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
-        self.user_emb = nn.Embedding(UV, E)
-        self.dnn = mlp(((L + 1) * E + UF * E, 256, 64), norm=None, act=nn.LeakyReLU, dropout=0.2)
+        self.user_emb = nn.Embedding(dims.user_vocab, E)
+        self.dnn = mlp(((L + 1) * E + dims.user_fields * E, 256, 64), norm=None, act=nn.LeakyReLU, dropout=0.2)
         self.out = nn.Linear(64, 1)
 
     def forward(self, user_ids, hist_items, hist_len, cand_items, cand_to_user):
@@ -233,14 +268,16 @@ class DCNv2(nn.Module):
     """DCN-v2, parallel: a cross network and a deep network over the same features (BatchNorm on the
     dense features, as in FuxiCTR). Replicates with `torch.gather` over an index expanded from the mapping."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.user_norm, self.cand_norm = nn.BatchNorm1d(UD), nn.BatchNorm1d(CD)
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
-        dim = UD + UF * E + CD + CF * E
+        self.dims = dims
+        E = dims.emb
+        self.user_norm, self.cand_norm = nn.BatchNorm1d(dims.user_dense), nn.BatchNorm1d(dims.cand_dense)
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
+        dim = dims.user_dense + dims.user_fields * E + dims.cand_dense + dims.cand_fields * E
         self.cross = CrossNetV2(dim)
-        self.deep = mlp((dim, *HIDDEN), norm="bn")
-        self.out = nn.Linear(dim + HIDDEN[-1], 1)
+        self.deep = mlp((dim, *dims.hidden), norm="bn")
+        self.out = nn.Linear(dim + dims.hidden[-1], 1)
 
     def forward(self, user_dense, user_ids, cand_dense, cand_ids, cand_to_user):
         user = torch.cat([self.user_norm(user_dense), self.user_emb(user_ids).flatten(1)], dim=1)
@@ -268,14 +305,16 @@ class DeepFM(nn.Module):
     """DeepFM (Guo et al. 2017): a linear part, an FM over all field embeddings and a DNN with
     BatchNorm and Dropout over the same embeddings. Replicates with `Tensor.index_select`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
-        self.user_linear, self.cand_linear = nn.Embedding(UV, 1), nn.Embedding(CV, 1)
-        self.dense_linear = nn.Linear(UD + CD, 1, bias=False)
+        self.dims = dims
+        E, dense = dims.emb, dims.user_dense + dims.cand_dense
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
+        self.user_linear, self.cand_linear = nn.Embedding(dims.user_vocab, 1), nn.Embedding(dims.cand_vocab, 1)
+        self.dense_linear = nn.Linear(dense, 1, bias=False)
         self.fm = FM()
-        self.dnn = mlp(((UF + CF) * E + UD + CD, *HIDDEN), norm="bn", dropout=0.2)
-        self.dnn_linear = nn.Linear(HIDDEN[-1], 1, bias=False)
+        self.dnn = mlp(((dims.user_fields + dims.cand_fields) * E + dense, *dims.hidden), norm="bn", dropout=0.2)
+        self.dnn_linear = nn.Linear(dims.hidden[-1], 1, bias=False)
 
     def forward(self, user_ids, user_dense, cand_ids, cand_dense, cand_to_user):
         rows = cand_to_user.long()
@@ -297,20 +336,23 @@ class WideDeep(nn.Module):
 
     CROSS = 10_007
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.wide_dense = nn.Linear(UD + CD, 1)
+        self.dims = dims
+        E = dims.emb
+        self.wide_dense = nn.Linear(dims.user_dense + dims.cand_dense, 1)
         self.wide_cross = nn.Embedding(self.CROSS, 1)
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
         self.deep = nn.Sequential(
-            nn.Linear(UF * E + UD + CF * E + CD, 256), nn.ReLU(), nn.Dropout(0.5),
+            nn.Linear(dims.user_fields * E + dims.user_dense + dims.cand_fields * E + dims.cand_dense, 256),
+            nn.ReLU(), nn.Dropout(0.5),
             nn.Linear(256, 128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 1),
         )  # fmt: skip
 
     def forward(self, user_ids, user_dense, cand_ids, cand_dense, cand_to_user):
         rows = cand_to_user.long()
         user_ids, user_dense = user_ids[rows], user_dense[rows]
-        crossed = (user_ids[:, 0] * CV + cand_ids[:, 0]) % self.CROSS
+        crossed = (user_ids[:, 0] * self.dims.cand_vocab + cand_ids[:, 0]) % self.CROSS
         wide = self.wide_dense(torch.cat([user_dense, cand_dense], dim=1)) + self.wide_cross(crossed)
         deep_in = torch.cat(
             [self.user_emb(user_ids).flatten(1), user_dense, self.cand_emb(cand_ids).flatten(1), cand_dense], dim=1
@@ -325,14 +367,16 @@ class MMoE(nn.Module):
     """Multi-gate mixture of experts (Ma et al. 2018): shared experts, a softmax gate and a tower per
     task (towers with BatchNorm and Dropout). Replicates with `torch.index_select`."""
 
-    def __init__(self, experts=4, expert_dim=64):
+    def __init__(self, experts=4, expert_dim=64, dims: Dims = Dims()):
         super().__init__()
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
-        dim = UF * E + UD + CF * E + CD
+        self.dims = dims
+        E = dims.emb
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
+        dim = dims.user_fields * E + dims.user_dense + dims.cand_fields * E + dims.cand_dense
         self.experts = nn.ModuleList(mlp((dim, 128, expert_dim), norm=None) for _ in range(experts))
-        self.gates = nn.ModuleList(nn.Linear(dim, experts) for _ in range(TASKS))
+        self.gates = nn.ModuleList(nn.Linear(dim, experts) for _ in range(dims.tasks))
         self.towers = nn.ModuleList(
-            nn.Sequential(mlp((expert_dim, 32), norm="bn"), nn.Linear(32, 1)) for _ in range(TASKS)
+            nn.Sequential(mlp((expert_dim, 32), norm="bn"), nn.Linear(32, 1)) for _ in range(dims.tasks)
         )
 
     def forward(self, user_ids, user_dense, cand_ids, cand_dense, cand_to_user):
@@ -351,17 +395,17 @@ class CGC(nn.Module):
     """One customized gate control layer of PLE: task-specific and shared experts, a gate per task
     (and one for the shared output when another layer follows)."""
 
-    def __init__(self, dim, expert_dim, specific=2, shared=2, last=False):
+    def __init__(self, dim, expert_dim, tasks, specific=2, shared=2, last=False):
         super().__init__()
         self.specific, self.shared, self.last = specific, shared, last
 
         def experts(n):
             return nn.ModuleList(mlp((dim, expert_dim), norm=None) for _ in range(n))
 
-        self.task_experts = nn.ModuleList(experts(specific) for _ in range(TASKS))
+        self.task_experts = nn.ModuleList(experts(specific) for _ in range(tasks))
         self.shared_experts = experts(shared)
-        self.task_gates = nn.ModuleList(nn.Linear(dim, specific + shared) for _ in range(TASKS))
-        self.shared_gate = None if last else nn.Linear(dim, TASKS * specific + shared)
+        self.task_gates = nn.ModuleList(nn.Linear(dim, specific + shared) for _ in range(tasks))
+        self.shared_gate = None if last else nn.Linear(dim, tasks * specific + shared)
 
     def forward(self, task_inputs, shared_input):
         shared = [e(shared_input) for e in self.shared_experts]
@@ -383,22 +427,25 @@ class PLE(nn.Module):
     """Progressive layered extraction (Tang et al. 2020): two CGC layers and a tower per task.
     Replicates with `x[cand_to_user, :]`."""
 
-    def __init__(self, expert_dim=64):
+    def __init__(self, expert_dim=64, dims: Dims = Dims()):
         super().__init__()
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
-        dim = UF * E + UD + CF * E + CD
-        self.layers = nn.ModuleList([CGC(dim, expert_dim), CGC(expert_dim, expert_dim, last=True)])
+        self.dims = dims
+        E, tasks = dims.emb, dims.tasks
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
+        dim = dims.user_fields * E + dims.user_dense + dims.cand_fields * E + dims.cand_dense
+        self.layers = nn.ModuleList([CGC(dim, expert_dim, tasks), CGC(expert_dim, expert_dim, tasks, last=True)])
         self.towers = nn.ModuleList(
-            nn.Sequential(nn.Linear(expert_dim, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)) for _ in range(TASKS)
+            nn.Sequential(nn.Linear(expert_dim, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)) for _ in range(tasks)
         )
 
     def forward(self, user_ids, user_dense, cand_ids, cand_dense, cand_to_user):
         user = torch.cat([self.user_emb(user_ids).flatten(1), user_dense], dim=1)[cand_to_user, :]
         x = torch.cat([user, self.cand_emb(cand_ids).flatten(1), cand_dense], dim=1)
-        task_inputs, shared = [x] * TASKS, x
+        tasks = self.dims.tasks
+        task_inputs, shared = [x] * tasks, x
         for layer in self.layers:
             outs = layer(task_inputs, shared)
-            task_inputs, shared = outs[:TASKS], outs[-1]
+            task_inputs, shared = outs[:tasks], outs[-1]
         return torch.cat([torch.sigmoid(t(x)) for t, x in zip(self.towers, task_inputs)], dim=1)
 
 
@@ -410,15 +457,17 @@ class TargetMHA(nn.Module):
     attends to the user's history with a key padding mask, residual + LayerNorm and a feed-forward
     block, then an MLP. Replicates the embedded history with `x[cand_to_user]`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.item_emb, self.user_emb = nn.Embedding(IV, E), nn.Embedding(UV, E)
-        self.pos_emb = nn.Embedding(L, E)
-        self.mha = nn.MultiheadAttention(E, HEADS, dropout=0.1)
+        self.dims = dims
+        E = dims.emb
+        self.item_emb, self.user_emb = nn.Embedding(dims.item_vocab, E), nn.Embedding(dims.user_vocab, E)
+        self.pos_emb = nn.Embedding(dims.history, E)
+        self.mha = nn.MultiheadAttention(E, dims.heads, dropout=0.1)
         self.norm1, self.norm2 = nn.LayerNorm(E), nn.LayerNorm(E)
         self.ffn = nn.Sequential(nn.Linear(E, 4 * E), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * E, E))
-        self.dnn = mlp((2 * E + UF * E, *HIDDEN), norm="ln")
-        self.out = nn.Linear(HIDDEN[-1], 1)
+        self.dnn = mlp((2 * E + dims.user_fields * E, *dims.hidden), norm="ln")
+        self.out = nn.Linear(dims.hidden[-1], 1)
 
     def forward(self, user_ids, hist_items, hist_len, cand_items, cand_to_user):
         positions = torch.arange(hist_items.shape[1], device=hist_items.device)
@@ -440,14 +489,16 @@ class SIM(nn.Module):
     multi-head attention; a short-term attention over the recent history beside it. Replicates with
     `torch.index_select`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.item_emb, self.user_emb = nn.Embedding(IV, E), nn.Embedding(UV, E)
+        self.dims = dims
+        E = dims.emb
+        self.item_emb, self.user_emb = nn.Embedding(dims.item_vocab, E), nn.Embedding(dims.user_vocab, E)
         self.search = nn.Linear(E, E, bias=False)
-        self.esu = nn.MultiheadAttention(E, HEADS, batch_first=True)
-        self.short = nn.MultiheadAttention(E, HEADS, batch_first=True)
-        self.dnn = mlp((3 * E + UF * E, *HIDDEN), norm="bn")
-        self.out = nn.Linear(HIDDEN[-1], 1)
+        self.esu = nn.MultiheadAttention(E, dims.heads, batch_first=True)
+        self.short = nn.MultiheadAttention(E, dims.heads, batch_first=True)
+        self.dnn = mlp((3 * E + dims.user_fields * E, *dims.hidden), norm="bn")
+        self.out = nn.Linear(dims.hidden[-1], 1)
 
     def forward(self, user_ids, long_items, long_len, hist_items, hist_len, cand_items, cand_to_user):
         rows = cand_to_user.long()
@@ -457,7 +508,7 @@ class SIM(nn.Module):
         relevance = torch.bmm(long_seq, self.search(target).unsqueeze(-1)).squeeze(-1)  # [B, LL]
         valid = torch.arange(long_seq.size(1), device=long_seq.device) < long_len.unsqueeze(-1)
         relevance = relevance.masked_fill(~valid, -1e9)
-        top = relevance.topk(TOPK, dim=1).indices  # [B, K]
+        top = relevance.topk(self.dims.topk, dim=1).indices  # [B, K]
         selected = torch.gather(long_seq, 1, top.unsqueeze(-1).expand(-1, -1, long_seq.size(-1)))
         query = target.unsqueeze(1)
         long_interest, _ = self.esu(query, selected, selected)
@@ -474,7 +525,7 @@ class HSTUBlock(nn.Module):
     U, V, Q, K from one SiLU projection, pointwise SiLU attention with a relative position bias and a
     causal mask, normalized and gated by U."""
 
-    def __init__(self, dim=E, heads=HEADS, max_len=L):
+    def __init__(self, dim, heads, max_len):
         super().__init__()
         self.heads, self.dim = heads, dim
         self.uvqk = nn.Linear(dim, 4 * dim)
@@ -499,10 +550,12 @@ class HSTURanker(nn.Module):
     """HSTU-style ranking: HSTU blocks over the user's history (causal), then the candidate attends to
     the block outputs with the same pointwise SiLU attention, and an MLP. Replicates with `x[cand_to_user]`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.item_emb = nn.Embedding(IV, E)
-        self.blocks = nn.ModuleList(HSTUBlock() for _ in range(2))
+        self.dims = dims
+        E = dims.emb
+        self.item_emb = nn.Embedding(dims.item_vocab, E)
+        self.blocks = nn.ModuleList(HSTUBlock(E, dims.heads, dims.history) for _ in range(2))
         self.q, self.kv = nn.Linear(E, E), nn.Linear(E, 2 * E)
         self.dnn = mlp((2 * E, 128, 64), norm="ln")
         self.out = nn.Linear(64, 1)
@@ -528,11 +581,17 @@ class TwoTower(nn.Module):
     head over [u, v, u ⊙ v] (as in YouTube DNN-style rankers re-using retrieval towers). Replicates the
     user tower's output with `x[cand_to_user]`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
-        self.user_tower = nn.Sequential(mlp((UF * E + UD, 256), norm="ln"), nn.Linear(256, 64))
-        self.item_tower = nn.Sequential(mlp((CF * E + CD, 256), norm="ln"), nn.Linear(256, 64))
+        self.dims = dims
+        E = dims.emb
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
+        self.user_tower = nn.Sequential(
+            mlp((dims.user_fields * E + dims.user_dense, 256), norm="ln"), nn.Linear(256, 64)
+        )
+        self.item_tower = nn.Sequential(
+            mlp((dims.cand_fields * E + dims.cand_dense, 256), norm="ln"), nn.Linear(256, 64)
+        )
         self.head = nn.Sequential(mlp((3 * 64, 128), norm="bn"), nn.Linear(128, 1))
 
     def forward(self, user_ids, user_dense, cand_ids, cand_dense, cand_to_user):
@@ -546,36 +605,43 @@ class TwoTower(nn.Module):
 # ----------------------------------------------------------------------------- inputs
 
 
-def _feature(name, num_users, num_candidates, gen):
-    """One input tensor by name (user tensors at U rows, candidate tensors at B rows)."""
-    U, B = num_users, num_candidates
+def _feature(name, num_users, num_candidates, gen, dims: Dims):
+    """One input tensor by name (user tensors at U rows, candidate tensors at B rows) at `dims`."""
+    U, B, d = num_users, num_candidates, dims
+    L, LL = d.history, d.long_history
 
     def ints(high, *shape):
         return torch.randint(0, high, shape, generator=gen)
 
     table = {
-        "user_ids": lambda: ints(UV, U, UF),
-        "user_dense": lambda: torch.randn(U, UD, generator=gen),
-        "hist_items": lambda: ints(IV, U, L),
-        "hist_cats": lambda: ints(KV, U, L),
+        "user_ids": lambda: ints(d.user_vocab, U, d.user_fields),
+        "user_dense": lambda: torch.randn(U, d.user_dense, generator=gen),
+        "hist_items": lambda: ints(d.item_vocab, U, L),
+        "hist_cats": lambda: ints(d.cat_vocab, U, L),
         "hist_len": lambda: torch.randint(1, L + 1, (U,), generator=gen),
-        "long_items": lambda: ints(IV, U, LL),
-        "long_len": lambda: torch.randint(TOPK, LL + 1, (U,), generator=gen),
-        "cand_items": lambda: ints(IV, B),
-        "cand_cats": lambda: ints(KV, B),
-        "cand_ids": lambda: ints(CV, B, CF),
-        "cand_dense": lambda: torch.randn(B, CD, generator=gen),
+        "long_items": lambda: ints(d.item_vocab, U, LL),
+        "long_len": lambda: torch.randint(d.topk, LL + 1, (U,), generator=gen),
+        "cand_items": lambda: ints(d.item_vocab, B),
+        "cand_cats": lambda: ints(d.cat_vocab, B),
+        "cand_ids": lambda: ints(d.cand_vocab, B, d.cand_fields),
+        "cand_dense": lambda: torch.randn(B, d.cand_dense, generator=gen),
     }
     return table[name]()
 
 
+def dims_of(model: nn.Module) -> Dims:
+    """The sizes `model` was built with (`model.dims`; the small ones for a model without)."""
+    return getattr(model, "dims", DIMS["small"])
+
+
 def inputs(model: nn.Module, num_users: int, num_candidates: int, gen: torch.Generator, mapping=None) -> tuple:
-    """A request for `model` (its forward's arguments in order): random features and, unless given, a
-    random unsorted `cand_to_user`."""
+    """A request for `model` (its forward's arguments in order) at its dims: random features and, unless
+    given, a random unsorted `cand_to_user`."""
     names = list(model.forward.__code__.co_varnames[1 : model.forward.__code__.co_argcount])
     if mapping is None:
         mapping = torch.randint(0, num_users, (num_candidates,), generator=gen)
-    return tuple(mapping if n == "cand_to_user" else _feature(n, num_users, num_candidates, gen) for n in names)
+    dims = dims_of(model)
+    return tuple(mapping if n == "cand_to_user" else _feature(n, num_users, num_candidates, gen, dims) for n in names)
 
 
 MODELS = {
@@ -594,11 +660,11 @@ MODELS = {
 }
 
 
-def build(name: str, seed: int = 0, models: dict | None = None) -> nn.Module:
-    """The zoo model `name` (of `models`, default `MODELS`) in eval mode with random weights (BatchNorm
-    statistics randomized, so that eval-mode normalization is not the identity)."""
+def build(name: str, seed: int = 0, models: dict | None = None, dims: Dims | None = None) -> nn.Module:
+    """The zoo model `name` (of `models`, default `MODELS`) at `dims` (default `DIMS["small"]`) in eval mode
+    with random weights (BatchNorm statistics randomized, so that eval-mode normalization is not the identity)."""
     torch.manual_seed(seed)
-    model = (MODELS if models is None else models)[name]()
+    model = (MODELS if models is None else models)[name](dims=DIMS["small"] if dims is None else dims)
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.running_mean.normal_(0, 0.5)

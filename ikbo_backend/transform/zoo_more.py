@@ -6,8 +6,9 @@ user), a dict of tensors in and out, an index spread over three dims for `torch.
 mapping, and `Tensor.expand` of a one-user request.
 
 Every model takes user tensors at U rows, candidate tensors at B rows and the mapping `cand_to_user` [B];
-`MODELS[name]` gives the model class, `inputs(model, U, B, gen)` draws a request for it and `build(name, seed)`
-makes it (eval mode, BatchNorm statistics randomized). Dims are unlike the U and B of the tests.
+`MODELS[name]` gives the model class, `inputs(model, U, B, gen)` draws a request for it and
+`build(name, seed, dims)` makes it (eval mode, BatchNorm statistics randomized). Its sizes are a `zoo.Dims`
+(default `zoo.DIMS["small"]`), unlike the U and B of the tests.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import zoo
-from .zoo import CD, CF, CV, HEADS, HIDDEN, IV, UD, UF, UV, E, L, mlp
+from .zoo import Dims, mlp
 
 HIST_VOCAB = 500  # ids of the pooled watch history (EmbeddingBag)
 
@@ -36,13 +37,14 @@ class DeepCTRInput(nn.Module):
     values, sliced per feature (`X[:, i:i + 1].long()` into an embedding per field). Here X is made by
     concatenating the user's row of X, replicated with `x[cand_to_user]`, and the candidate's."""
 
-    def __init__(self, sparse_fields=UF + CF, dense_fields=UD + CD):
+    def __init__(self, dims: Dims):
         super().__init__()
-        vocabs = [UV] * UF + [CV] * CF
-        self.embedding_dict = nn.ModuleDict({f"s{i}": nn.Embedding(v, E) for i, v in enumerate(vocabs)})
+        UF, UD, CF, CD = dims.user_fields, dims.user_dense, dims.cand_fields, dims.cand_dense
+        vocabs = [dims.user_vocab] * UF + [dims.cand_vocab] * CF
+        self.embedding_dict = nn.ModuleDict({f"s{i}": nn.Embedding(v, dims.emb) for i, v in enumerate(vocabs)})
         self.linear_dict = nn.ModuleDict({f"s{i}": nn.Embedding(v, 1) for i, v in enumerate(vocabs)})
-        self.dense_weight = nn.Parameter(torch.randn(dense_fields, 1) * 0.01)
-        self.sparse_fields, self.dense_fields = sparse_fields, dense_fields
+        self.dense_weight = nn.Parameter(torch.randn(UD + CD, 1) * 0.01)
+        self.sparse_fields, self.dense_fields = UF + CF, UD + CD
         # column layout of X: user ids, user dense, candidate ids, candidate dense
         self.sparse_cols = list(range(UF)) + list(range(UF + UD, UF + UD + CF))
         self.dense_cols = list(range(UF, UF + UD)) + list(range(UF + UD + CF, UF + UD + CF + CD))
@@ -104,14 +106,15 @@ class XDeepFM(nn.Module):
     """xDeepFM (Lian et al. 2018): a linear part, a CIN over the field embeddings and a DNN with BatchNorm, in
     DeepCTR-Torch's layout (one feature matrix X). Replicates the user's row of X with `x[cand_to_user]`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.features = DeepCTRInput()
-        fields = UF + CF
+        self.dims = dims
+        self.features = DeepCTRInput(dims)
+        fields = dims.user_fields + dims.cand_fields
         self.cin = CIN(fields)
         self.cin_linear = nn.Linear(32 + 32, 1, bias=False)
-        self.dnn = mlp((fields * E + UD + CD, *HIDDEN), norm="bn")
-        self.dnn_linear = nn.Linear(HIDDEN[-1], 1, bias=False)
+        self.dnn = mlp((fields * dims.emb + dims.user_dense + dims.cand_dense, *dims.hidden), norm="bn")
+        self.dnn_linear = nn.Linear(dims.hidden[-1], 1, bias=False)
 
     def forward(self, user_ids, user_dense, cand_ids, cand_dense, cand_to_user):
         X = _feature_matrix(user_ids, user_dense, cand_ids, cand_dense, cand_to_user)
@@ -129,7 +132,7 @@ class InteractingLayer(nn.Module):
     """Multi-head self-attention over the field embeddings (Song et al. 2019; DeepCTR-Torch
     `InteractingLayer`: tensordot projections, heads stacked on dim 0, residual, ReLU)."""
 
-    def __init__(self, embedding_size=E, head_num=HEADS, use_res=True, scaling=True):
+    def __init__(self, embedding_size, head_num, use_res=True, scaling=True):
         super().__init__()
         self.att_embedding_size = embedding_size // head_num
         self.head_num, self.use_res, self.scaling = head_num, use_res, scaling
@@ -160,13 +163,15 @@ class AutoInt(nn.Module):
     fields, beside a DNN with BatchNorm. Replicates the user's field embeddings with `torch.gather` over an
     index spread to [B, F, E]."""
 
-    def __init__(self, layers=2):
+    def __init__(self, layers=2, dims: Dims = Dims()):
         super().__init__()
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
-        self.int_layers = nn.ModuleList(InteractingLayer() for _ in range(layers))
-        fields = UF + CF
-        self.dnn = mlp((fields * E + UD + CD, *HIDDEN), norm="bn")
-        self.dnn_linear = nn.Linear(fields * E + HIDDEN[-1], 1, bias=False)
+        self.dims = dims
+        E = dims.emb
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
+        self.int_layers = nn.ModuleList(InteractingLayer(E, dims.heads) for _ in range(layers))
+        fields = dims.user_fields + dims.cand_fields
+        self.dnn = mlp((fields * E + dims.user_dense + dims.cand_dense, *dims.hidden), norm="bn")
+        self.dnn_linear = nn.Linear(fields * E + dims.hidden[-1], 1, bias=False)
 
     def forward(self, user_ids, user_dense, cand_ids, cand_dense, cand_to_user):
         user = self.user_emb(user_ids)  # [U, UF, E]
@@ -222,15 +227,16 @@ class FiBiNET(nn.Module):
     re-weighted fields feed a DNN with BatchNorm, beside a linear part, in DeepCTR-Torch's layout. Replicates the
     user's row of X with `x[cand_to_user]`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        fields = UF + CF
-        self.features = DeepCTRInput()
+        self.dims = dims
+        fields = dims.user_fields + dims.cand_fields
+        self.features = DeepCTRInput(dims)
         self.SE = SENETLayer(fields)
-        self.Bilinear = BilinearInteraction(fields, E)
+        self.Bilinear = BilinearInteraction(fields, dims.emb)
         pairs = fields * (fields - 1) // 2
-        self.dnn = mlp((2 * pairs * E + UD + CD, *HIDDEN), norm="bn")
-        self.dnn_linear = nn.Linear(HIDDEN[-1], 1, bias=False)
+        self.dnn = mlp((2 * pairs * dims.emb + dims.user_dense + dims.cand_dense, *dims.hidden), norm="bn")
+        self.dnn_linear = nn.Linear(dims.hidden[-1], 1, bias=False)
 
     def forward(self, user_ids, user_dense, cand_ids, cand_dense, cand_to_user):
         X = _feature_matrix(user_ids, user_dense, cand_ids, cand_dense, cand_to_user)
@@ -254,11 +260,13 @@ class DLRM(nn.Module):
 
     sorted_mapping = True
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
-        self.dense_arch = nn.Sequential(nn.Linear(UD, 64), nn.ReLU(), nn.Linear(64, E), nn.ReLU())
-        features = 1 + UF + CF
+        self.dims = dims
+        E = dims.emb
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
+        self.dense_arch = nn.Sequential(nn.Linear(dims.user_dense, 64), nn.ReLU(), nn.Linear(64, E), nn.ReLU())
+        features = 1 + dims.user_fields + dims.cand_fields
         self.register_buffer("triu_indices", torch.triu_indices(features, features, offset=1), persistent=False)
         self.over_arch = nn.Sequential(
             nn.Linear(E + features * (features - 1) // 2, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(),
@@ -284,12 +292,14 @@ class ESMM(nn.Module):
     shared embeddings; pCTCVR = pCTR · pCVR. Takes and returns dicts of tensors; replicates with
     `features["user_ids"][features["cand_to_user"]]`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
-        dim = (UF + CF) * E + UD + CD
-        self.ctr = nn.Sequential(mlp((dim, *HIDDEN), norm="bn", dropout=0.3), nn.Linear(HIDDEN[-1], 1))
-        self.cvr = nn.Sequential(mlp((dim, *HIDDEN), norm="bn", dropout=0.3), nn.Linear(HIDDEN[-1], 1))
+        self.dims = dims
+        E, hidden = dims.emb, dims.hidden
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
+        dim = (dims.user_fields + dims.cand_fields) * E + dims.user_dense + dims.cand_dense
+        self.ctr = nn.Sequential(mlp((dim, *hidden), norm="bn", dropout=0.3), nn.Linear(hidden[-1], 1))
+        self.cvr = nn.Sequential(mlp((dim, *hidden), norm="bn", dropout=0.3), nn.Linear(hidden[-1], 1))
 
     def forward(self, features: dict):
         m = features["cand_to_user"]
@@ -335,23 +345,25 @@ class CAN(nn.Module):
     profile, beside a DIN-style sum-pooled history and a DNN with BatchNorm. Replicates with `F.embedding` of
     the mapping (the user rows as the table)."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
+        self.dims = dims
+        E, IV = dims.emb, dims.item_vocab
         self.co_action = CoAction()
         self.item_param = nn.Embedding(IV, self.co_action.param_size)
         self.item_co = nn.Embedding(IV, self.co_action.dim)
-        self.item_emb, self.user_emb = nn.Embedding(IV, E), nn.Embedding(UV, E)
+        self.item_emb, self.user_emb = nn.Embedding(IV, E), nn.Embedding(dims.user_vocab, E)
         out = self.co_action.orders * self.co_action.hidden[-1]
-        self.dnn = mlp((UF * E + 2 * E + 2 * out, *HIDDEN), norm="bn")
-        self.out = nn.Linear(HIDDEN[-1], 1)
+        self.dnn = mlp((dims.user_fields * E + 2 * E + 2 * out, *dims.hidden), norm="bn")
+        self.out = nn.Linear(dims.hidden[-1], 1)
 
     def forward(self, user_ids, hist_items, hist_len, cand_items, cand_to_user):
         valid = (torch.arange(hist_items.shape[1])[None, :] < hist_len[:, None]).float()  # [U, L]
-        hist_co = F.embedding(cand_to_user, self.item_co(hist_items).flatten(1)).unflatten(1, (L, -1))
+        hist_co = F.embedding(cand_to_user, self.item_co(hist_items).flatten(1)).unflatten(1, (self.dims.history, -1))
         mask = F.embedding(cand_to_user, valid)
         param = self.item_param(cand_items)  # [B, P]
         co_hist = self.co_action(param, hist_co, mask)
-        profile = F.embedding(cand_to_user, self.item_co(user_ids).flatten(1)).unflatten(1, (UF, -1))
+        profile = F.embedding(cand_to_user, self.item_co(user_ids).flatten(1)).unflatten(1, (self.dims.user_fields, -1))
         co_profile = self.co_action(param, profile, torch.ones_like(profile[..., 0]))
         pooled = F.embedding(cand_to_user, (self.item_emb(hist_items) * valid.unsqueeze(-1)).sum(1))
         user = F.embedding(cand_to_user, self.user_emb(user_ids).flatten(1))
@@ -367,15 +379,17 @@ class HistoryDecoder(nn.Module):
     user's history with position embeddings and a key padding mask (as in generative-retrieval rankers),
     then an MLP with SiLU. Replicates the embedded history with `x[cand_to_user]`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.item_emb, self.user_emb = nn.Embedding(IV, E), nn.Embedding(UV, E)
-        self.pos_emb = nn.Embedding(L, E)
-        self.cand_proj = nn.Linear(E + CD, E)
+        self.dims = dims
+        E = dims.emb
+        self.item_emb, self.user_emb = nn.Embedding(dims.item_vocab, E), nn.Embedding(dims.user_vocab, E)
+        self.pos_emb = nn.Embedding(dims.history, E)
+        self.cand_proj = nn.Linear(E + dims.cand_dense, E)
         self.decoder = nn.TransformerDecoderLayer(
-            E, HEADS, dim_feedforward=2 * E, dropout=0.1, activation="gelu", batch_first=True, norm_first=True
+            E, dims.heads, dim_feedforward=2 * E, dropout=0.1, activation="gelu", batch_first=True, norm_first=True
         )
-        self.dnn = mlp((E + UF * E, 128, 64), norm="ln", act=nn.SiLU)
+        self.dnn = mlp((E + dims.user_fields * E, 128, 64), norm="ln", act=nn.SiLU)
         self.out = nn.Linear(64, 1)
 
     def forward(self, user_ids, hist_items, hist_len, cand_items, cand_dense, cand_to_user):
@@ -398,11 +412,13 @@ class YouTubeDNN(nn.Module):
 
     sorted_mapping = True
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
+        self.dims = dims
+        E = dims.emb
         self.watch = nn.EmbeddingBag(HIST_VOCAB, E, mode="mean")
-        self.user_emb, self.cand_emb = nn.Embedding(UV, E), nn.Embedding(CV, E)
-        dim = E + UF * E + UD + CF * E + CD
+        self.user_emb, self.cand_emb = nn.Embedding(dims.user_vocab, E), nn.Embedding(dims.cand_vocab, E)
+        dim = E + dims.user_fields * E + dims.user_dense + dims.cand_fields * E + dims.cand_dense
         self.norm = nn.LayerNorm(dim)
         self.tower = nn.Sequential(nn.Linear(dim, 256), nn.GELU(), nn.Linear(256, 64), nn.GELU(), nn.Linear(64, 1))
 
@@ -424,12 +440,14 @@ class CosineTargetAttention(nn.Module):
     (`F.normalize`, `einsum`), an MLP with LayerNorm and SiLU. Replicates with `torch.gather` over an index
     spread to [B, L, E] and the mask with `index_select`."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = Dims()):
         super().__init__()
-        self.item_emb, self.user_emb = nn.Embedding(IV, E), nn.Embedding(UV, E)
-        self.q, self.k, self.v = nn.Linear(E + CD, E), nn.Linear(E, E), nn.Linear(E, E)
-        self.dnn = mlp((3 * E + UF * E, *HIDDEN), norm="ln", act=nn.SiLU)
-        self.out = nn.Linear(HIDDEN[-1], 1)
+        self.dims = dims
+        E = dims.emb
+        self.item_emb, self.user_emb = nn.Embedding(dims.item_vocab, E), nn.Embedding(dims.user_vocab, E)
+        self.q, self.k, self.v = nn.Linear(E + dims.cand_dense, E), nn.Linear(E, E), nn.Linear(E, E)
+        self.dnn = mlp((3 * E + dims.user_fields * E, *dims.hidden), norm="ln", act=nn.SiLU)
+        self.out = nn.Linear(dims.hidden[-1], 1)
 
     def forward(self, user_ids, hist_items, hist_len, cand_items, cand_dense, cand_to_user):
         hist = self.item_emb(hist_items)  # [U, L, E]
@@ -437,9 +455,10 @@ class CosineTargetAttention(nn.Module):
         keys = torch.gather(hist, 0, index)  # [B, L, E]
         valid = (torch.arange(hist.size(1)) < hist_len.unsqueeze(1)).float().index_select(0, cand_to_user)
         target = self.item_emb(cand_items)
-        q = self.q(torch.cat([target, cand_dense], dim=-1)).view(-1, HEADS, 1, E // HEADS)
-        k = self.k(keys).view(keys.size(0), -1, HEADS, E // HEADS).transpose(1, 2)
-        v = self.v(keys).view(keys.size(0), -1, HEADS, E // HEADS).transpose(1, 2)
+        H, d = self.dims.heads, self.dims.emb // self.dims.heads
+        q = self.q(torch.cat([target, cand_dense], dim=-1)).view(-1, H, 1, d)
+        k = self.k(keys).view(keys.size(0), -1, H, d).transpose(1, 2)
+        v = self.v(keys).view(keys.size(0), -1, H, d).transpose(1, 2)
         bias = ((1.0 - valid) * -10000.0)[:, None, None, :]
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=bias).flatten(1)  # [B, E]
         cosine = torch.einsum("bd,bld->bl", F.normalize(target, dim=-1), F.normalize(keys, dim=-1))
@@ -452,17 +471,18 @@ class CosineTargetAttention(nn.Module):
 # ----------------------------------------------------------------------------- inputs
 
 
-def _feature(name, num_users, num_candidates, gen):
-    """One input tensor by name: the zoo's, and the ragged watch history of the YouTube DNN."""
+def _feature(name, num_users, num_candidates, gen, dims: Dims):
+    """One input tensor by name at `dims`: the zoo's, and the ragged watch history of the YouTube DNN."""
     if name == "watch_ids":  # ragged: 1 to 2L ids per user, flattened (offsets below)
-        lengths = torch.randint(1, 2 * L, (num_users,), generator=gen)
+        lengths = torch.randint(1, 2 * dims.history, (num_users,), generator=gen)
         return torch.randint(0, HIST_VOCAB, (int(lengths.sum()),), generator=gen), lengths
-    return zoo._feature(name, num_users, num_candidates, gen)
+    return zoo._feature(name, num_users, num_candidates, gen, dims)
 
 
 def inputs(model: nn.Module, num_users: int, num_candidates: int, gen: torch.Generator, mapping=None) -> tuple:
-    """A request for `model` (its forward's arguments in order; a dict for models that take one): random
-    features and, unless given, a random `cand_to_user` (sorted where the model's `sorted_mapping` asks)."""
+    """A request for `model` (its forward's arguments in order; a dict for models that take one) at its dims:
+    random features and, unless given, a random `cand_to_user` (sorted where the model's `sorted_mapping` asks)."""
+    dims = zoo.dims_of(model)
     if mapping is None:
         mapping = torch.randint(0, num_users, (num_candidates,), generator=gen)
     if getattr(model, "sorted_mapping", False):
@@ -470,17 +490,18 @@ def inputs(model: nn.Module, num_users: int, num_candidates: int, gen: torch.Gen
     code = model.forward.__code__
     names = list(code.co_varnames[1 : code.co_argcount])
     if names == ["features"]:
-        return ({n: _feature(n, num_users, num_candidates, gen) for n in ESMM_FEATURES} | {"cand_to_user": mapping},)
+        features = {n: _feature(n, num_users, num_candidates, gen, dims) for n in ESMM_FEATURES}
+        return (features | {"cand_to_user": mapping},)
     values = {}
     for n in names:
         if n == "cand_to_user":
             values[n] = mapping
         elif n == "watch_ids":
-            ids, lengths = _feature(n, num_users, num_candidates, gen)
+            ids, lengths = _feature(n, num_users, num_candidates, gen, dims)
             values[n] = ids
             values["watch_offsets"] = torch.cumsum(lengths, 0) - lengths
         elif n != "watch_offsets":
-            values[n] = _feature(n, num_users, num_candidates, gen)
+            values[n] = _feature(n, num_users, num_candidates, gen, dims)
     return tuple(values[n] for n in names)
 
 
@@ -499,6 +520,7 @@ MODELS = {
 }
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """The model `name` in eval mode with random weights (BatchNorm statistics randomized: `zoo.build`)."""
-    return zoo.build(name, seed, models=MODELS)
+def build(name: str, seed: int = 0, dims: Dims | None = None) -> nn.Module:
+    """The model `name` at `dims` (default small) in eval mode with random weights (BatchNorm statistics
+    randomized: `zoo.build`)."""
+    return zoo.build(name, seed, models=MODELS, dims=dims)
