@@ -3,13 +3,16 @@ the mapping `cand_to_user` [B], plus the one explicit replication (`index_rows`)
 where it has no join for a consumer (and reports).
 
 The joins (`linear_rows`, `rows_join`, `rows_matmul`, `rows_einsum`, the CPU add) read user rows a tile
-of candidates at a time, at most TILE_BYTES (1 MiB) of gathered user rows per tile: no tensor of user
-data at B rows, except that where all of B fits one tile the tile is all of B (a small copy).
+of candidates at a time, at most a cache's worth of gathered user rows per tile (`_tile_bytes`: 1 MiB on a
+CPU, a quarter of L2 on a GPU): no tensor of user data at B rows, except that where all of B fits one tile
+the tile is all of B (a small copy).
 `select_user_rows` reads each candidate's own selection of its user's rows; `compact_keys` turns any
 per-user key mask into key lengths for `ikbo_attention`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -148,12 +151,21 @@ def add_user_rows_broadcast(cand, user, cand_to_user, cand_sign: float = 1.0, us
 # is made and nothing loops over users. They are custom ops (inference only), opaque to dispatch modes such as
 # ReplicationDetector, like the kernels' IKBO ops.
 
-TILE_BYTES = 1 << 20
+TILE_BYTES = 1 << 20  # on a CPU: about a core's L2
+GPU_TILE_L2_SHARE = 4  # on a GPU a tile is this share of its L2 (H200: 15 MiB of 60), so that a join of long user
+# rows (SIM's 2,048-item history at E = 128: 512 KiB a candidate) is a few launches, not hundreds
+
+
+@functools.cache
+def _tile_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return TILE_BYTES
+    return max(TILE_BYTES, torch.cuda.get_device_properties(device).L2_cache_size // GPU_TILE_L2_SHARE)
 
 
 def _tile_rows(user: torch.Tensor) -> int:
     row_bytes = max(1, user[0].numel() * user.element_size()) if user.shape[0] else 1
-    return max(1, TILE_BYTES // row_bytes)
+    return max(1, _tile_bytes(user.device) // row_bytes)
 
 
 def _tiled(out, cand_to_user, user, step):
