@@ -70,6 +70,7 @@ class Replicated(nn.Module):
     SPELLINGS = {
         "index": lambda x, m: x[m],
         "index_rows": lambda x, m: x[m, :],
+        "index_ellipsis": lambda x, m: x[m, ...],
         "index_select": lambda x, m: torch.index_select(x, 0, m),
         "gather": lambda x, m: torch.gather(x, 0, m.long().unsqueeze(1).expand(-1, x.shape[1])),
         "gather_view": lambda x, m: x.gather(0, m.view(-1, 1).repeat(1, x.size(1))),
@@ -193,6 +194,69 @@ def test_products_of_concats_with_other_boundaries_run_per_piece():
         args = args_for(model, request(num_users, num_candidates, gen))
         with torch.inference_mode():
             assert rel_err(module(*args), model(*args)) <= RTOL, text
+
+
+class InPlace(nn.Module):
+    """In-place ops as public code writes them: a padding mask applied with an unassigned masked_fill_ (no padding
+    id in the example, so the example cannot tell it is there), a user gate multiplied into candidate rows with
+    mul_, `+=`, and nn.ReLU(inplace=True) on a value that is read again afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, D)
+        self.gate = nn.Linear(FU, FC)
+        self.act = nn.ReLU(inplace=True)
+        self.net = nn.Linear(D + 2 * FC, 1)
+
+    def forward(self, ids, user, cand, cand_to_user):
+        h = self.emb(ids)  # [U, L, D]; id 0 is padding
+        h.masked_fill_((ids == 0).unsqueeze(-1), 0.0)
+        x = cand.clone()
+        x.mul_(torch.sigmoid(self.gate(user))[cand_to_user] * 2)
+        x += 1.0
+        y = self.act(x - 1.5)  # x - 1.5 is changed in place
+        return self.net(torch.cat([h[cand_to_user].sum(1), x, y], dim=1))
+
+
+def request_without_padding(num_users, num_candidates, gen):
+    inputs = request(num_users, num_candidates, gen)
+    inputs["ids"] = inputs["ids"].clamp(min=1)
+    return inputs
+
+
+def test_in_place_ops_keep_their_effect():
+    """An in-place op counts for its effect even where its result is unused: the example (no padding) cannot tell
+    the padding mask is there, and the rewrite still applies it on requests with padding."""
+    model = InPlace().eval()
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    module, report = to_ikbo(model, args_for(model, request_without_padding(*EXAMPLE, gen)), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request(num_users, num_candidates, gen))  # with padding
+        assert (args[0] == 0).any()
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+        assert replications_in(module, args, num_users, num_candidates) == [], str(report)
+
+
+class TopKSelection(nn.Module):
+    """Each candidate's top items of its user's history by score, taken with take_along_dim and an index that
+    broadcasts over the embedding dim (ETA / SIM style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Linear(FC, D)
+        self.net = nn.Linear(D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        keys = history[cand_to_user]  # [B, L, D]
+        top = (keys @ self.query(cand).unsqueeze(-1)).squeeze(-1).topk(4, dim=1).indices  # [B, 4]
+        chosen = torch.take_along_dim(keys, top.unsqueeze(-1), dim=1)  # [B, 4, D]
+        return self.net(torch.cat([chosen.mean(1), cand], dim=1))
+
+
+def test_take_along_dim_with_a_broadcast_index():
+    check(TopKSelection(), must=("select_user_rows",))
 
 
 class Interleaved(nn.Module):

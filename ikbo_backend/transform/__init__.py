@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import cost
-from .capture import capture
+from .capture import capture, mutated_input
 from .detect import ReplicationDetector, replications_in
 from .rewrite import Rewriter
 from .values import Report
@@ -95,8 +95,9 @@ def to_ikbo(
             left=[f"the whole model: the capture could not follow it ({type(e).__name__}: {e}); served unchanged"]
         )
     kept = [f"`{path}` ({kind}): {reason}" for path, kind, reason in captured.opaque]
-    captured.module.graph.eliminate_dead_code()
-    captured.module.recompile()
+    module = captured.module
+    module.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated_input(n, module) is not None)
+    module.recompile()
     rewriter = None
     try:
         rewriter = Rewriter(captured.module, examples, mapping_name, num_users, num_candidates)

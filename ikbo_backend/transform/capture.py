@@ -398,6 +398,35 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
     return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards)
 
 
+IN_PLACE_OPERATORS = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+}  # fmt: skip
+
+
+def mutated_input(node: fx.Node, root: nn.Module) -> fx.Node | None:
+    """The node whose tensor `node` changes in place, or None: `x.mul_(…)` and every method ending in `_`,
+    `F.relu_(x)` and every function ending in `_`, `F.relu(x, inplace=True)`, a module with `inplace=True`
+    (nn.ReLU(inplace=True)), `x[i] = v`, `operator.iadd`. Such a node counts for its effect even where its result goes unused
+    (`h.masked_fill_(pad, 0)`): later readers of x see the result."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function":
+        if node.target in IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True:
+            return first
+        if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+            return None  # operator.and_ is `&`, not in place
+        name = getattr(node.target, "__name__", "")
+    elif node.op == "call_module":
+        return first if getattr(root.get_submodule(node.target), "inplace", False) is True else None
+    else:
+        return None
+    return first if name.endswith("_") and not name.endswith("__") else None
+
+
 def _traced(value) -> bool:
     """Inputs that become placeholders: tensors and containers of tensors."""
     if isinstance(value, torch.Tensor):

@@ -325,9 +325,15 @@ def rows_einsum(equation: str, cand, user, cand_to_user, cand_first: bool) -> to
     return _rows_einsum(equation, cand, user, cand_to_user, cand_first)
 
 
-def select_user_rows(user: torch.Tensor, cand_to_user: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def select_user_rows(
+    user: torch.Tensor, cand_to_user: torch.Tensor, index: torch.Tensor, broadcast: bool = False
+) -> torch.Tensor:
     """torch.gather(user[m], 1, index) without user[m]: out[b, k, ...] = user[m[b], index[b, k, ...], ...].
-    Each candidate's own selection of its user's rows (a SIM-style search result), read from the U-row tensor."""
+    Each candidate's own selection of its user's rows (a SIM-style search result), read from the U-row tensor.
+    broadcast: torch.take_along_dim's form, index and user broadcast against each other past dim 1 (as views)."""
+    if broadcast:
+        trailing = torch.broadcast_shapes(index.shape[2:], user.shape[2:])
+        index, user = index.expand(*index.shape[:2], *trailing), user.expand(*user.shape[:2], *trailing)
     length = user.shape[1]
     flat = user.flatten(0, 1)  # [U·L, ...]
     shift = (cand_to_user.long() * length).view(-1, *([1] * (index.dim() - 1)))

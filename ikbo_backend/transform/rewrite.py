@@ -36,14 +36,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import ops
 from .attention import AttentionRewrites, fuse_self_target_attention
-from .capture import node_source
+from .capture import mutated_input, node_source
 from .values import (
     ADD_SUB,
     CONVERSIONS,
     ELEMENTWISE_FUNCTIONS,
     ELEMENTWISE_METHODS,
     FACTORIES,
-    IN_PLACE,
     LIKE_FACTORIES,
     MATMUL,
     NEW_FACTORIES,
@@ -279,9 +278,8 @@ class Rewriter(AttentionRewrites):
                 args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
                 out = self.apply(node.op, node.target, args, kwargs, meta)
                 self.env[node] = out
-                in_place = node.op == "call_method" and node.target in IN_PLACE or node.target is operator.setitem
-                if in_place and isinstance(node.args[0], fx.Node):
-                    self.env[node.args[0]] = out  # later readers of the mutated tensor see the result
+                if (mutated := mutated_input(node, self.traced)) is not None:
+                    self.env[mutated] = out  # later readers of the mutated tensor see the result
         self.node = None
         if self.sunk:
             ops_run = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in self.sunk.most_common())
@@ -330,6 +328,8 @@ class Rewriter(AttentionRewrites):
         user = [v for v in flat if isinstance(v, USER_FORMS) or isinstance(v, Struct)]
         if not user:
             return self.plain(op, target, args, kwargs, meta, "")
+        if op == "call_method" and target.endswith("_") and target[:-1] in ELEMENTWISE_METHODS:
+            target = target[:-1]  # x.mul_(y) as x.mul(y): later readers of x get its result (`mutated_input`)
         if op == "call_module":
             out = self.modules(target, args, kwargs, meta)
             return out if out is not None else self.plain(op, target, args, kwargs, meta, self.why_module(target))
@@ -410,8 +410,8 @@ class Rewriter(AttentionRewrites):
         src = args[0] if args else None
         if key is operator.getitem and len(args) == 2 and self._user_tensor(src):
             index = args[1]
-            if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]):
-                index = index[0]
+            if isinstance(index, tuple) and index and all(i is Ellipsis or i == slice(None) for i in index[1:]):
+                index = index[0]  # x[m], x[m, :], x[m, ...]
             if self._mapping_of(index):
                 return self.new_rep(src, self._mapping_of(index), meta, "x[cand_to_user]")
         if key in (torch.index_select, "index_select") and self._user_tensor(src):
@@ -2039,7 +2039,7 @@ class Rewriter(AttentionRewrites):
             dim = _norm(_arg(args, kwargs, 2 if along else 1, "dim"), rep.meta.ndim)
             index = _arg(args, kwargs, 1 if along else 2, "indices" if along else "index")
             if dim == 1 and isinstance(index, Plain) and index.batched and index.meta.ndim == rep.meta.ndim:
-                node = self.emit("call_function", ops.select_user_rows, (rep.user, mapping.node, index.node))
+                node = self.emit("call_function", ops.select_user_rows, (rep.user, mapping.node, index.node, along))
                 self.report.rewritten.append(
                     f"{self.where()}: {_name(key)} of each candidate's own rows of a user tensor → select_user_rows "
                     "(read from the U-row tensor; a per-candidate selection, not a replication)"

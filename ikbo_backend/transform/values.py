@@ -200,7 +200,6 @@ ELEMENTWISE_METHODS = {
     "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "relu_", "sigmoid_", "tanh_", "exp_", "fill_", "zero_",
     "neg_", "abs_", "pow_", "sqrt_", "nan_to_num_", "__rsub__", "__radd__", "__rmul__", "__rtruediv__",
 }  # fmt: skip
-IN_PLACE = {m for m in ELEMENTWISE_METHODS if m.endswith("_") and not m.startswith("__")}
 ADD_SUB = {operator.add: 1.0, torch.add: 1.0, "add": 1.0, operator.sub: -1.0, torch.sub: -1.0, "sub": -1.0}
 REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "all", "any", "count_nonzero", "std", "var", "norm"}
 REDUCTION_FUNCTIONS = {torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.prod, torch.std, torch.var}
