@@ -259,6 +259,47 @@ def test_take_along_dim_with_a_broadcast_index():
     check(TopKSelection(), must=("select_user_rows",))
 
 
+class ConvolvedHistory(nn.Module):
+    """Caser style: horizontal and vertical convolutions over the user's history as an image, max-pooled."""
+
+    def __init__(self):
+        super().__init__()
+        self.horizontal = nn.Conv2d(1, 4, (3, D))
+        self.vertical = nn.Conv2d(1, 2, (L, 1))
+        self.net = nn.Linear(4 + 2 * D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        image = history[cand_to_user].unsqueeze(1)  # [B, 1, L, D]
+        h = F.max_pool1d(F.relu(self.horizontal(image)).squeeze(3), L - 2).squeeze(2)  # [B, 4]
+        v = self.vertical(image).flatten(1)  # [B, 2·D]
+        return self.net(torch.cat([h, v, cand], dim=1))
+
+
+def test_convolutions_and_pooling_run_at_user_rows():
+    check(ConvolvedHistory(), must=("row-wise ops run at U rows",))
+
+
+class SequenceFirst(nn.Module):
+    """A replication along dim 1 of a sequence-first history ([L, U, D] → [L, B, D]), which the pass does not
+    recognise: the report says so instead of claiming nothing is left."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        seq = history.transpose(0, 1)[:, cand_to_user]  # [L, B, D]
+        return self.net(torch.cat([seq.mean(0), cand], dim=1))
+
+
+def test_unrecognised_replication_is_reported():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = SequenceFirst().eval()
+    _, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert report.replications_left >= 1, str(report)
+    assert "does not recognise" in str(report) and "aten.index.Tensor" in str(report), str(report)
+
+
 class Interleaved(nn.Module):
     """Candidates sorted by user, the user rows repeated by count (repeat_interleave)."""
 

@@ -111,6 +111,16 @@ def to_ikbo(
     if not error <= rtol:
         reason = f"the rewrite disagrees with it on the example (rel. error {error:.1e})"
         return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
+    seen = (
+        []
+        if report.replications_left
+        else replications_in(module, example_inputs, num_users, num_candidates, row_dims=(0, 1))
+    )
+    if seen:
+        report.left.append(
+            f"user tensors replicated to B rows by spellings the pass does not recognise, seen on the example: "
+            f"{', '.join(sorted(set(seen)))}"
+        )
     module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes)
     if measure:
         original_s, rewritten_s = cost.compare(model, module, example_inputs, cuda_graphs=cuda_graphs)

@@ -16,10 +16,11 @@ class ReplicationDetector(TorchDispatchMode):
     records integer and boolean tensors (user ids replicated before their embedding lookups).
     """
 
-    def __init__(self, num_users, num_candidates, floats_only: bool = True):
+    def __init__(self, num_users, num_candidates, floats_only: bool = True, row_dims=(0,)):
         super().__init__()
         self.num_users, self.num_candidates = num_users, num_candidates
         self.floats_only = floats_only
+        self.row_dims = row_dims  # (0, 1) also finds sequence-first replications ([L, U, E] → [L, B, E])
         self.replications = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -30,18 +31,28 @@ class ReplicationDetector(TorchDispatchMode):
             for t in tree_flatten(out)[0]
             if isinstance(t, torch.Tensor) and t.dim() and (t.is_floating_point() or not self.floats_only)
         ]
-        user_rows = any(
-            t.shape[0] == self.num_users and (t.is_floating_point() or not self.floats_only) for t in inputs
-        )
-        # integer inputs with B rows are indices (cand_to_user and what is built from it), not candidate data
-        cand_rows = any(t.shape[0] == self.num_candidates and t.is_floating_point() for t in inputs)
-        if user_rows and not cand_rows and any(t.shape[0] == self.num_candidates for t in outputs):
-            self.replications.append(str(func))
+        for d in self.row_dims:
+            user_rows = any(
+                t.dim() > d and t.shape[d] == self.num_users and (t.is_floating_point() or not self.floats_only)
+                for t in inputs
+            )
+            # integer inputs with B rows are indices (cand_to_user and what is built from it), not candidate data
+            cand_rows = any(
+                t.dim() > e and t.shape[e] == self.num_candidates and t.is_floating_point()
+                for t in inputs
+                for e in self.row_dims
+            )
+            if user_rows and not cand_rows and any(t.dim() > d and t.shape[d] == self.num_candidates for t in outputs):
+                self.replications.append(str(func))
+                break
         return out
 
 
-def replications_in(fn, args, num_users: int, num_candidates: int, floats_only: bool = True) -> list[str]:
-    """The ops of `fn(*args)` (under inference mode) that replicate a user tensor to candidate rows."""
-    with torch.inference_mode(), ReplicationDetector(num_users, num_candidates, floats_only) as detector:
+def replications_in(
+    fn, args, num_users: int, num_candidates: int, floats_only: bool = True, row_dims=(0,)
+) -> list[str]:
+    """The ops of `fn(*args)` (under inference mode) that replicate a user tensor to candidate rows (on dim 0, or
+    on each of `row_dims`)."""
+    with torch.inference_mode(), ReplicationDetector(num_users, num_candidates, floats_only, row_dims) as detector:
         fn(*args)
     return detector.replications

@@ -94,6 +94,12 @@ SEQUENCE_OPS = {
 }  # take a list of tensors
 NORMS = {F.layer_norm, *([F.rms_norm] if hasattr(F, "rms_norm") else [])}
 TRANSPOSES = {"transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims"}
+# functions that compute each sample of a batched input (dim 0) alone → the input's dims when batched
+PER_SAMPLE = {
+    F.conv1d: 3, F.conv2d: 4, F.conv3d: 5, F.conv_transpose1d: 3, F.conv_transpose2d: 4, F.max_pool1d: 3,
+    F.max_pool2d: 4, F.max_pool3d: 5, F.avg_pool1d: 3, F.avg_pool2d: 4, F.avg_pool3d: 5, F.adaptive_avg_pool1d: 3,
+    F.adaptive_avg_pool2d: 4, F.adaptive_max_pool1d: 3, F.adaptive_max_pool2d: 4, F.lp_pool1d: 3, F.lp_pool2d: 4,
+}  # fmt: skip
 
 
 def _row_tolerance(want: torch.Tensor) -> dict:
@@ -988,6 +994,8 @@ class Rewriter(AttentionRewrites):
                 dim = _arg(args, kwargs, 2, "dims")
             dims = dim if isinstance(dim, (tuple, list)) else [dim]
             return all(_off_rows(d, xnd) for d in dims)
+        if key in PER_SAMPLE:
+            return others_plain and xnd == PER_SAMPLE[key]
         if key in ("topk", torch.topk, "sort", torch.sort, "argsort", torch.argsort):
             default = -1
             dim = _arg(args, kwargs, 2 if key in ("topk", torch.topk) else 1, "dim", default)
