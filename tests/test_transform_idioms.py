@@ -475,6 +475,25 @@ def test_transformer_layer_over_history():
     check(Encoder())
 
 
+class NestedEncoder(nn.Module):
+    """nn.TransformerEncoder with its nested-tensor fast path on (the default): kept whole, run at U rows."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=32, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2)
+        self.q = nn.Linear(FC, D)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        padding = torch.arange(L)[None, :] >= lengths[:, None]
+        seq = self.encoder(history[cand_to_user, ...], src_key_padding_mask=padding[cand_to_user])
+        return (self.q(cand)[:, None, :] * seq).sum(-1)
+
+
+def test_nested_tensor_encoder_kept_whole():
+    check(NestedEncoder())
+
+
 class Branchy(nn.Module):
     """Python control flow on ndims and on the history length: followed on the example, checked per call."""
 

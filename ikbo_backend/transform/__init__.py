@@ -111,11 +111,12 @@ def to_ikbo(
     if not error <= rtol:
         reason = f"the rewrite disagrees with it on the example (rel. error {error:.1e})"
         return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
-    seen = (
-        []
-        if report.replications_left
-        else replications_in(module, example_inputs, num_users, num_candidates, row_dims=(0, 1))
-    )
+    seen = []
+    if not report.replications_left:
+        try:
+            seen = replications_in(module, example_inputs, num_users, num_candidates, row_dims=(0, 1))
+        except Exception as e:  # a check of the report, not of the rewrite (already checked on the example)
+            report.notes.append(f"the replication check of the rewrite could not run ({type(e).__name__}: {e})")
     if seen:
         report.left.append(
             f"user tensors replicated to B rows by spellings the pass does not recognise, seen on the example: "

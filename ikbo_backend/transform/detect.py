@@ -25,12 +25,12 @@ class ReplicationDetector(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()]
-        outputs = [
-            t
-            for t in tree_flatten(out)[0]
-            if isinstance(t, torch.Tensor) and t.dim() and (t.is_floating_point() or not self.floats_only)
-        ]
+
+        def dense(t):  # nested tensors have no sizes to compare
+            return isinstance(t, torch.Tensor) and not t.is_nested and t.dim()
+
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if dense(t)]
+        outputs = [t for t in tree_flatten(out)[0] if dense(t) and (t.is_floating_point() or not self.floats_only)]
         for d in self.row_dims:
             user_rows = any(
                 t.dim() > d and t.shape[d] == self.num_users and (t.is_floating_point() or not self.floats_only)
