@@ -95,12 +95,12 @@ def to_ikbo(
             left=[f"the whole model: the capture could not follow it ({type(e).__name__}: {e}); served unchanged"]
         )
     kept = [f"`{path}` ({kind}): {reason}" for path, kind, reason in captured.opaque]
-    module = captured.module
-    module.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated_input(n, module) is not None)
-    module.recompile()
+    traced = captured.module  # in-place ops count for their effect, also where their result goes unused
+    traced.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated_input(n, traced) is not None)
+    traced.recompile()
     rewriter = None
     try:
-        rewriter = Rewriter(captured.module, examples, mapping_name, num_users, num_candidates)
+        rewriter = Rewriter(traced, examples, mapping_name, num_users, num_candidates)
         module, report = rewriter.run()
     except Exception as e:
         where = f" at {rewriter.where()}" if rewriter is not None and rewriter.node is not None else ""
