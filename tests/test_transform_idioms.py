@@ -46,8 +46,10 @@ def args_for(model, inputs):
     return tuple(inputs[n] for n in names)
 
 
-def check(model, make=request, expect_left=0, must=()):
-    """Transform on the example, then compare with the original on fresh requests; returns the report."""
+def check(model, make=request, expect_left=0, must=(), sizes=SIZES, row_dims=(0,)):
+    """Transform on the example, then compare with the original on fresh requests at `sizes` (U:B); where nothing is
+    left, the rewrite must not replicate on `row_dims` (checked where U, B and 1 differ: rows tell tensors apart);
+    returns the report."""
     gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
     model = model.eval()
     module, report = to_ikbo(model, args_for(model, make(*EXAMPLE, gen)), measure=False)
@@ -55,12 +57,12 @@ def check(model, make=request, expect_left=0, must=()):
     assert report.replications_left == expect_left, str(report)
     for word in must:
         assert word in str(report), f"{word!r} not in\n{report}"
-    for num_users, num_candidates in SIZES:
+    for num_users, num_candidates in sizes:
         args = args_for(model, make(num_users, num_candidates, gen))
         with torch.inference_mode():
             assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
-        if expect_left == 0:
-            assert replications_in(module, args, num_users, num_candidates) == [], str(report)
+        if expect_left == 0 and 1 < num_candidates != num_users:
+            assert replications_in(module, args, num_users, num_candidates, row_dims=row_dims) == [], str(report)
     return report
 
 
@@ -280,15 +282,15 @@ def test_convolutions_and_pooling_run_at_user_rows():
 
 
 class SequenceFirst(nn.Module):
-    """A replication along dim 1 of a sequence-first history ([L, U, D] → [L, B, D]), which the pass does not
-    recognise: the report says so instead of claiming nothing is left."""
+    """A replication along dim 1 of a sequence-first history ([L, U, D] → [L, B, D]) by a pair of broadcast indices,
+    which the pass does not recognise: the report says so instead of claiming nothing is left."""
 
     def __init__(self):
         super().__init__()
         self.net = nn.Linear(D + FC, 1)
 
     def forward(self, history, cand, cand_to_user):
-        seq = history.transpose(0, 1)[:, cand_to_user]  # [L, B, D]
+        seq = history.transpose(0, 1)[torch.arange(L)[:, None], cand_to_user]  # [L, B, D]
         return self.net(torch.cat([seq.mean(0), cand], dim=1))
 
 
@@ -298,6 +300,88 @@ def test_unrecognised_replication_is_reported():
     _, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
     assert report.replications_left >= 1, str(report)
     assert "does not recognise" in str(report) and "aten.index.Tensor" in str(report), str(report)
+
+
+# U:B for sequence-first replications: ragged, users without candidates (11:5), U = B, one candidate
+SEQUENCE_SIZES = [*SIZES, (11, 5), (6, 6), (4, 1)]
+
+
+class SequenceFirstGRU(nn.Module):
+    """GRU4Rec style: the history's item embeddings laid out sequence-first at U rows (`emb(ids).transpose(0, 1)`),
+    replicated along dim 1 (`h[:, m]`), an nn.GRU (batch_first=False) over them; its final state joins the candidate
+    in an MLP, its outputs (back to batch-first) are scored against the candidate elementwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, D)
+        self.gru = nn.GRU(D, D)
+        self.cand = nn.Linear(FC, D)
+        self.mlp = nn.Sequential(nn.Linear(3 * D, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, ids, cand, cand_to_user):
+        h = self.emb(ids).transpose(0, 1)  # [L, U, D]
+        states, final = self.gru(h[:, cand_to_user])  # [L, B, D], [1, B, D]
+        target = self.cand(cand)  # [B, D]
+        scored = (states.transpose(0, 1) * target.unsqueeze(1)).mean(1)  # [B, D]
+        return self.mlp(torch.cat([final[-1], scored, target], dim=-1))
+
+
+def test_sequence_first_replication_into_a_gru():
+    check(SequenceFirstGRU(), sizes=SEQUENCE_SIZES, row_dims=(0, 1),
+          must=("x[:, cand_to_user] (sequence-first)", "GRU", "linear_rows"))  # fmt: skip
+
+
+class SequenceFirstMHA(nn.Module):
+    """Target attention with nn.MultiheadAttention (batch_first=False): the candidate's query [1, B, D], K/V the
+    sequence-first history replicated along dim 1 (`hist[:, m]`), a key padding mask from `lengths[m]`."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(FC, D)
+        self.mha = nn.MultiheadAttention(D, H, dropout=0.1)
+        self.out = nn.Linear(D + FC, 1)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        hist = history.transpose(0, 1)  # [L, U, D]
+        kv = hist[:, cand_to_user]  # [L, B, D]
+        padding = torch.arange(L)[None, :] >= lengths[cand_to_user][:, None]  # [B, L]
+        out, _ = self.mha(self.q(cand).unsqueeze(0), kv, kv, key_padding_mask=padding)  # [1, B, D]
+        return self.out(torch.cat([out[0], cand], dim=-1))
+
+
+def test_sequence_first_replication_into_multihead_attention():
+    check(SequenceFirstMHA(), sizes=SEQUENCE_SIZES, row_dims=(0, 1),
+          must=("x[:, cand_to_user] (sequence-first)", "ikbo_attention"))  # fmt: skip
+
+
+class SequenceFirstSelect(nn.Module):
+    """A sequence-first history replicated along dim 1 in another spelling, then batch-first again and pooled against
+    the candidate elementwise."""
+
+    SPELLINGS = {
+        "method": lambda x, m: x.index_select(1, m),
+        "function": lambda x, m: torch.index_select(x, 1, m),
+        "negative_dim": lambda x, m: x.index_select(-2, m),
+        "index_rest": lambda x, m: x[:, m, :],
+        "index_ellipsis": lambda x, m: x[..., m, :],
+    }
+
+    def __init__(self, spell):
+        super().__init__()
+        self.spell = self.SPELLINGS[spell]
+        self.q = nn.Linear(FC, D)
+        self.out = nn.Linear(D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        seq = self.spell(history.transpose(0, 1), cand_to_user)  # [L, B, D]
+        pooled = (seq.transpose(0, 1) * self.q(cand).unsqueeze(1)).sum(1)  # [B, D]
+        return self.out(torch.cat([pooled, cand], dim=-1))
+
+
+@pytest.mark.parametrize("spell", list(SequenceFirstSelect.SPELLINGS))
+def test_sequence_first_replication_spellings(spell):
+    how = "index_select(1, cand_to_user)" if "index_" not in spell else "x[:, cand_to_user]"
+    check(SequenceFirstSelect(spell), sizes=SEQUENCE_SIZES, row_dims=(0, 1), must=(how, "rows_join"))
 
 
 class Interleaved(nn.Module):

@@ -9,11 +9,11 @@ Every value of the captured graph gets one of these forms while the new graph is
     RepShape / Rows — x.shape / x.shape[0] of a Rep (B in the original, U in the user-row graph).
 A Rep starts where a user tensor is replicated, recognised by what the op computes (x[m], x[m, :],
 index_select(0, m), gather / take_along_dim with an index spread from m, embedding(m, x),
-repeat_interleave(counts, 0), expand / repeat of one row, a one-hot selection matrix of m times x), and
-flows through ops that act row by row (they run at U rows). Where a Rep meets candidate rows the op
-becomes a join: the Type I split of a linear (sibling linears merged, candidate parts in one GEMM),
-ikbo_linear_compress, ikbo_attention (any per-user key mask), add_user_rows, or a tiled join
-(ops.rows_join / rows_matmul / rows_einsum).
+repeat_interleave(counts, 0), expand / repeat of one row, a one-hot selection matrix of m times x; x[:, m] and
+index_select(1, m) of a sequence-first [L, U, ...] tensor give a Rep with its rows on dim 1), and flows through
+ops that act row by row (they run at U rows). Where a Rep meets candidate rows the op becomes a join: the Type I
+split of a linear (sibling linears merged, candidate parts in one GEMM), ikbo_linear_compress, ikbo_attention
+(any per-user key mask), add_user_rows, or a tiled join (ops.rows_join / rows_matmul / rows_einsum).
 Where no join exists the Rep is materialized right there (`ops.index_rows`) and the report says where
 and why. Every node emitted is also run on the example (`values`), so checks look at values, not at
 spellings.
@@ -412,18 +412,50 @@ class Rewriter(AttentionRewrites):
             and (v.meta.shape[0] == self.num_users or v.meta.shape[0] == 1)
         )
 
+    def _sequence_first_user_tensor(self, v, meta):
+        """A tensor with one row per user on dim 1 ([L, U, ...], as sequence-first RNNs and attention read it), not
+        derived from candidates, whose replication `meta` has the B candidate rows on dim 1."""
+        return (
+            isinstance(v, Plain)
+            and not v.batched
+            and v.mapping is None
+            and v.spread is None
+            and isinstance(v.meta, Meta)
+            and v.meta.ndim > 1
+            and v.meta.shape[1] == self.num_users
+            and isinstance(meta, Meta)
+            and meta.ndim == v.meta.ndim
+            and meta.shape[1] == self.num_candidates
+        )
+
+    def _indexed_dim(self, index, ndim):
+        """(dim, mapping) where `x[index]` indexes one dim by the mapping and takes every other dim whole (x[m],
+        x[m, :], x[m, ...], x[:, m], x[:, m, :], x[..., m, :]); (None, None) for any other index."""
+        entries = index if isinstance(index, tuple) else (index,)
+        at = [i for i, e in enumerate(entries) if self._mapping_of(e)]
+        if len(at) != 1 or sum(e is Ellipsis for e in entries) > 1:
+            return None, None
+        k = at[0]
+        if any(not (e is Ellipsis or e == slice(None)) for i, e in enumerate(entries) if i != k):
+            return None, None
+        dim = ndim - (len(entries) - k) if any(e is Ellipsis for e in entries[:k]) else k
+        return dim, self._mapping_of(entries[k])
+
     def replication_site(self, key, args, kwargs, meta):
         src = args[0] if args else None
-        if key is operator.getitem and len(args) == 2 and self._user_tensor(src):
-            index = args[1]
-            if isinstance(index, tuple) and index and all(i is Ellipsis or i == slice(None) for i in index[1:]):
-                index = index[0]  # x[m], x[m, :], x[m, ...]
-            if self._mapping_of(index):
-                return self.new_rep(src, self._mapping_of(index), meta, "x[cand_to_user]")
-        if key in (torch.index_select, "index_select") and self._user_tensor(src):
-            dim, index = _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "index")
-            if _norm(dim, src.meta.ndim) == 0 and self._mapping_of(index):
+        if key is operator.getitem and len(args) == 2 and isinstance(src, Plain) and isinstance(src.meta, Meta):
+            dim, mapping = self._indexed_dim(args[1], src.meta.ndim)
+            if dim == 0 and self._user_tensor(src):
+                return self.new_rep(src, mapping, meta, "x[cand_to_user]")
+            if dim == 1 and self._sequence_first_user_tensor(src, meta):
+                return self.new_rep(src, mapping, meta, "x[:, cand_to_user] (sequence-first)", row_dim=1)
+        if key in (torch.index_select, "index_select") and isinstance(src, Plain) and isinstance(src.meta, Meta):
+            dim, index = _norm(_arg(args, kwargs, 1, "dim"), src.meta.ndim), _arg(args, kwargs, 2, "index")
+            if dim == 0 and self._user_tensor(src) and self._mapping_of(index):
                 return self.new_rep(src, self._mapping_of(index), meta, "index_select(0, cand_to_user)")
+            if dim == 1 and self._sequence_first_user_tensor(src, meta) and self._mapping_of(index):
+                how = "index_select(1, cand_to_user) (sequence-first)"
+                return self.new_rep(src, self._mapping_of(index), meta, how, row_dim=1)
         if key in (torch.gather, "gather", torch.take_along_dim, "take_along_dim") and self._user_tensor(src):
             along = key in (torch.take_along_dim, "take_along_dim")
             dim = _arg(args, kwargs, 2 if along else 1, "dim")
@@ -522,9 +554,9 @@ class Rewriter(AttentionRewrites):
         self.report.rewritten.append(f"{self.where()}: {key} of a single user row to B rows kept virtual")
         return Rep(user, self.mappings[mkey], meta, f"{self.where()} ({key} of one user row)")
 
-    def new_rep(self, src, mapping, meta, how):
+    def new_rep(self, src, mapping, meta, how, row_dim=0):
         self.report.rewritten.append(f"{self.where()}: replication {how} kept virtual (user rows stay at U)")
-        return Rep(src.node, mapping, meta, self.where())
+        return Rep(src.node, mapping, meta, self.where(), row_dim=row_dim)
 
     def mapping_conversion(self, key, args, kwargs, meta):
         """Conversions of the mapping stay the mapping; view-like ops that spread it along new trailing
