@@ -43,7 +43,9 @@ the user's keys, the probabilities recomputed from the stored log-sum-exp) and `
 program per (user, head, 128-key block): its K/V block stays in registers while it walks all of the user's
 candidate query rows (copied by TMA where S is a multiple of the step) and its own causal rows, dK and dV
 accumulated in fp32 and written once (or, for few users with long walks, the walks split in parts that add up
-atomically); users with the most rows start first.
+atomically); users with the most rows start first. Where its scratch fits (`DQ_FROM_DS_BYTES`), the walk also
+stores each step's dS and the candidate rows' dQ is one product a key block over it
+(`_attention_bwd_dq_ds_kernel`, after Δ from `_row_delta_kernel`) instead of three in the dQ kernel.
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; FlashAttention-2
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
 Hopper: attention (no plan given, no tuned tile) goes to the warp-specialized Gluon kernel of
