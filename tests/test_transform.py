@@ -390,7 +390,9 @@ def test_served_transformed_ranker_matches_ikbo_ranker(tmp_path, monkeypatch):
             client.close()
         log = server.log_path.read_text(errors="replace")
         assert "IKBO transformation report" in log and "cost: at U:B" in log, log[-4000:]
-        # the cost model decides at load: on a CPU the rewrite is the faster; on a GPU the demo model's rewrite can
-        # measure slower than the original's few launches, and the original is served (the report says so)
+        # the cost model decides at load, by timing both on the example: on an idle CPU the rewrite is the faster;
+        # on a GPU, or on CPU cores shared with other heavy work, the demo model's rewrite can measure slower and the
+        # original is served (the report says so). Either way the answers above match ikbo_ranker's; the rewrite
+        # itself is checked in process (test_transformed_baseline_matches_ikbo_ranker).
         rewritten = "no user tensor is replicated to B rows" in log
-        assert rewritten or (gpu and "served unchanged" in log), log[-4000:]
+        assert rewritten or "served unchanged" in log, log[-4000:]

@@ -7,6 +7,7 @@ U, B (unsorted mappings) against the original model.
 
 import itertools
 import math
+import operator
 
 import numpy as np
 import pytest
@@ -46,13 +47,13 @@ def args_for(model, inputs):
     return tuple(inputs[n] for n in names)
 
 
-def check(model, make=request, expect_left=0, must=(), sizes=SIZES, row_dims=(0,)):
-    """Transform on the example, then compare with the original on fresh requests at `sizes` (U:B); where nothing is
-    left, the rewrite must not replicate on `row_dims` (checked where U, B and 1 differ: rows tell tensors apart);
-    returns the report."""
+def check(model, make=request, expect_left=0, must=(), sizes=SIZES, row_dims=(0,), example=None):
+    """Transform on the example (made by `example`, default `make`), then compare with the original on fresh requests
+    at `sizes` (U:B); where nothing is left, the rewrite must not replicate on `row_dims` (checked where U, B and 1
+    differ: rows tell tensors apart); returns the report."""
     gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
     model = model.eval()
-    module, report = to_ikbo(model, args_for(model, make(*EXAMPLE, gen)), measure=False)
+    module, report = to_ikbo(model, args_for(model, (example or make)(*EXAMPLE, gen)), measure=False)
     assert module is not model, str(report)
     assert report.replications_left == expect_left, str(report)
     for word in must:
@@ -239,6 +240,157 @@ def test_in_place_ops_keep_their_effect():
         with torch.inference_mode():
             assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
         assert replications_in(module, args, num_users, num_candidates) == [], str(report)
+
+
+def request_to_change(num_users, num_candidates, gen, triggered=True):
+    """Requests for models that change a tensor in place where its values call for it: `triggered`, large features
+    (past a clip) and cold-start users (length 0), the last user without candidates; else none of these (the
+    example: the change is not there to see)."""
+    inputs = request(num_users, num_candidates, gen)
+    inputs["user"] *= 3.0 if triggered else 0.05
+    inputs["cand"] *= 3.0 if triggered else 0.05
+    if triggered:
+        inputs["lengths"][::2] = 0
+        inputs["cand_to_user"] %= max(num_users - 1, 1)
+    return inputs
+
+
+def example_to_change(num_users, num_candidates, gen):
+    return request_to_change(num_users, num_candidates, gen, triggered=False)
+
+
+class ChangedAfterReplication(nn.Module):
+    """A user tensor changed in place after its replication `u[m]` (a copy taken before the change) and read again
+    afterwards: a clip, cold-start users' rows zeroed (the assignment from an outside tester's reproducer) or their
+    infinities replaced."""
+
+    CHANGES = {
+        "clamp_": lambda u, n: u.clamp_(-1.0, 1.0),
+        "masked_fill_": lambda u, n: u.masked_fill_((n == 0).unsqueeze(-1), 0.0),
+        "nan_to_num_": lambda u, n: u.nan_to_num_(posinf=5.0, neginf=-5.0),
+        "setitem": lambda u, n: operator.setitem(u, n == 0, 0.0),
+    }
+
+    def __init__(self, change):
+        super().__init__()
+        self.change = self.CHANGES[change]
+        self.out, self.user_out = nn.Linear(FU + FC, 1), nn.Linear(FU, 1)
+
+    def forward(self, user, lengths, cand, cand_to_user):
+        u = 2.0 * user / lengths.unsqueeze(-1)  # [U, FU]; ±inf for cold-start users
+        u_b = u[cand_to_user]
+        self.change(u, lengths)
+        scores = self.out(torch.cat([u_b.clamp(-10.0, 10.0), cand], dim=-1))
+        return scores + self.user_out(u)[cand_to_user]
+
+
+@pytest.mark.parametrize("change", list(ChangedAfterReplication.CHANGES))
+def test_in_place_change_of_a_replicated_source(change):
+    """The replica keeps the values from before the change; the source is changed on a copy at U rows."""
+    check(ChangedAfterReplication(change), make=request_to_change, example=example_to_change, must=("kept virtual",))
+
+
+class ChangedAfterAJoin(nn.Module):
+    """Candidate rows clipped in place after a join kept as its terms read them: `x + u[m]` (a Sum) or
+    `cat([u[m], x])` (a Concat) holds the values from before the clip."""
+
+    def __init__(self, join):
+        super().__init__()
+        self.join = join
+        self.out, self.cand_out = nn.Linear(2 * FU if join == "cat" else FU, 1), nn.Linear(FU, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        x = 2.0 * cand[:, :FU]
+        u_b = user[cand_to_user]
+        joined = x + u_b if self.join == "add" else torch.cat([u_b, x], dim=-1)
+        x.clamp_(-1.0, 1.0)
+        return self.out(joined) + self.cand_out(x)
+
+
+@pytest.mark.parametrize("join", ["add", "cat"])
+def test_in_place_change_of_candidate_rows_a_join_holds(join):
+    """The change runs on a copy of the candidate rows; the join reads the rows from before."""
+    check(ChangedAfterAJoin(join), make=request_to_change, example=example_to_change)
+
+
+class ChangedThroughAView(nn.Module):
+    """An in-place op on a view of a replica, `u[:, :3].clamp_(...)` (din_bmm's clip of heavy-tailed features, from
+    an outside tester's reproducer), or cold-start users' features zeroed through `u[:, 0]` or `v *= ...`: the
+    replica sees the change."""
+
+    CHANGES = {
+        "clamp_": lambda u, n: u[:, :3].clamp_(-1.0, 1.0),
+        "masked_fill_": lambda u, n: u[:, 0].masked_fill_(n == 0, 0.0),
+        "imul": lambda u, n: operator.imul(u[:, 1:4], (n > 0).unsqueeze(-1)),  # v = u[:, 1:4]; v *= ...
+    }
+
+    def __init__(self, change):
+        super().__init__()
+        self.change = self.CHANGES[change]
+        self.out = nn.Linear(FU + FC, 1)
+
+    def forward(self, user, lengths, cand, cand_to_user):
+        u = user[cand_to_user]
+        self.change(u, lengths[cand_to_user])
+        return self.out(torch.cat([u, cand], dim=-1))
+
+
+@pytest.mark.parametrize("change", list(ChangedThroughAView.CHANGES))
+def test_in_place_change_through_a_view_of_a_replica(change):
+    """Written back into the replica: `t = u[:, :3].clamp(...)`, `u[:, :3] = t` at U rows."""
+    check(ChangedThroughAView(change), make=request_to_change, example=example_to_change, must=("linear_rows",))
+
+
+class AssignedIntoAReplica(nn.Module):
+    """`u_b[:, 0] = 0` into the replica, then the source read again: the source keeps its first column."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = nn.Linear(FU, FU), nn.Linear(FU, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        u = self.proj(user)
+        u_b = u[cand_to_user]
+        u_b[:, 0] = 0.0
+        return self.out(u_b * cand[:, :FU]) + self.out(u)[cand_to_user]
+
+
+def test_assignment_into_a_replica_leaves_its_source():
+    check(AssignedIntoAReplica(), must=("rows_join",))
+
+
+class ChangedThroughOtherViews(nn.Module):
+    """A clip through a view that is not an index (`u.t()`, `u.view(...)`): the replica sees the change."""
+
+    VIEWS = {
+        "t": lambda u: u.t(),
+        "view": lambda u: u.view(-1, 2, FU // 2),
+        "view_index": lambda u: u.view(-1, 2, FU // 2)[:, 0],
+    }
+
+    def __init__(self, view):
+        super().__init__()
+        self.view = self.VIEWS[view]
+        self.out = nn.Linear(FU + FC, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        u = user[cand_to_user]
+        self.view(u).clamp_(-1.0, 1.0)
+        return self.out(torch.cat([u, cand], dim=-1))
+
+
+@pytest.mark.parametrize("view", list(ChangedThroughOtherViews.VIEWS))
+def test_in_place_change_through_other_views_is_exact_or_refused(view):
+    """Either exact, or the model comes back unchanged with the reason in the report."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = ChangedThroughOtherViews(view).eval()
+    module, report = to_ikbo(model, args_for(model, example_to_change(*EXAMPLE, gen)), measure=False)
+    if module is model:
+        assert "in-place clamp_ through an alias of a user tensor" in str(report), str(report)
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request_to_change(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
 
 
 class TopKSelection(nn.Module):

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import cost
-from .capture import capture, mutated_input
+from .capture import capture, mutated_input, write_back_views
 from .detect import ReplicationDetector, replications_in
 from .rewrite import Rewriter
 from .values import Report
@@ -96,6 +96,7 @@ def to_ikbo(
         )
     kept = [f"`{path}` ({kind}): {reason}" for path, kind, reason in captured.opaque]
     traced = captured.module  # in-place ops count for their effect, also where their result goes unused
+    write_back_views(traced)  # an in-place op through a view as an assignment into the viewed tensor
     traced.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated_input(n, traced) is not None)
     traced.recompile()
     rewriter = None

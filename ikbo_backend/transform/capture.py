@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.fx.experimental.symbolic_shapes import uninteresting_files
@@ -41,6 +42,7 @@ from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten
 
 from . import standard
+from .values import _name
 
 
 class CaptureError(Exception):
@@ -56,6 +58,12 @@ META_FUNCTIONS = {torch.is_floating_point, torch.is_complex}
 SIZE_METHODS = {"size", "numel"}
 PIECES = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}  # ops returning a size-dependent count
 RNN_MODULES = (nn.RNNBase,)
+OUT_OF_PLACE_OPERATORS = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
+    operator.ipow: operator.pow, operator.imatmul: operator.matmul, operator.iand: operator.and_,
+    operator.ior: operator.or_, operator.ixor: operator.xor,
+}  # fmt: skip
 PACKING = {
     "pack_padded_sequence": nn.utils.rnn.pack_padded_sequence,
     "pad_packed_sequence": nn.utils.rnn.pad_packed_sequence,
@@ -140,6 +148,19 @@ class ShadowProxy(fx.Proxy):
         if form is not None:
             return form(*args, **(kwargs or {}))
         return super().__torch_function__(func, types, args, kwargs)
+
+
+def _in_place_operator(op):
+    def method(self, other):
+        if not isinstance(self.value, torch.Tensor):
+            return NotImplemented  # an int or a tuple: Python rebinds the name to `x + y`
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+for _op in OUT_OF_PLACE_OPERATORS:  # `x += y` on a tensor changes x in place: other views of x see the change
+    setattr(ShadowProxy, f"__{_op.__name__}__", _in_place_operator(_op))
 
 
 class ShadowAttribute(fx.proxy.Attribute, ShadowProxy):
@@ -398,10 +419,7 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
     return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards)
 
 
-IN_PLACE_OPERATORS = {
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
-}  # fmt: skip
+IN_PLACE_OPERATORS = {operator.setitem, *OUT_OF_PLACE_OPERATORS}
 
 
 def mutated_input(node: fx.Node, root: nn.Module) -> fx.Node | None:
@@ -425,6 +443,112 @@ def mutated_input(node: fx.Node, root: nn.Module) -> fx.Node | None:
     else:
         return None
     return first if name.endswith("_") and not name.endswith("__") else None
+
+
+# ops whose result may share its first argument's storage: views, and conversions that return their input as is
+# (`to`, `float`, `contiguous` of a tensor that is already so; dropout in eval)
+VIEW_METHODS = {
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute", "t", "narrow",
+    "select", "squeeze", "unsqueeze", "expand", "expand_as", "split", "chunk", "unbind", "tensor_split",
+    "split_with_sizes", "diagonal", "unfold", "as_strided", "detach", "contiguous", "movedim", "moveaxis",
+    "swapaxes", "swapdims", "view_as_real", "view_as_complex", "to", "type", "type_as", "float", "double", "half",
+    "bfloat16", "long", "int", "bool", "cpu", "cuda",
+}  # fmt: skip
+VIEW_FUNCTIONS = {
+    torch.reshape, torch.flatten, torch.unflatten, torch.transpose, torch.permute, torch.t, torch.narrow,
+    torch.select, torch.squeeze, torch.unsqueeze, torch.split, torch.chunk, torch.unbind, torch.tensor_split,
+    torch.diagonal, torch.as_strided, torch.detach, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims,
+    torch.real, torch.imag, torch.view_as_real, torch.view_as_complex, torch.broadcast_to, F.dropout, F.dropout1d,
+    F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+}  # fmt: skip
+VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag", "data"}
+RESHAPING_IN_PLACE = {"squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "resize_", "resize_as_",
+                      "as_strided_", "set_", "detach_", "requires_grad_"}  # fmt: skip
+
+
+def basic_index(index) -> bool:
+    """`x[index]` is a view of x: ints, slices, None, Ellipsis (and 0-dim integer tensors), no tensor index."""
+
+    def basic(entry):
+        if isinstance(entry, fx.Node):
+            value = entry.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
+            return isinstance(value, int)
+        if isinstance(entry, slice):
+            return all(e is None or basic(e) for e in (entry.start, entry.stop, entry.step))
+        return entry is None or entry is Ellipsis or isinstance(entry, int)
+
+    return all(basic(e) for e in (index if isinstance(index, tuple) else (index,)))
+
+
+def aliased_input(node: fx.Node, root: nn.Module) -> fx.Node | None:
+    """The node whose storage `node`'s value may share, or None: the input of a view (VIEW_METHODS,
+    VIEW_FUNCTIONS, `x.T`, `x[basic index]`, a piece of split / chunk / unbind: an item of their tuple) and of an
+    in-place op (`mutated_input`: `x.clamp_()` returns x)."""
+    mutated = mutated_input(node, root)
+    if mutated is not None:
+        return mutated
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if node.op == "call_method" and node.target in VIEW_METHODS:
+        return first
+    if node.op != "call_function":
+        return None
+    if node.target in VIEW_FUNCTIONS or node.target is getattr and node.args[1] in VIEW_ATTRIBUTES:
+        return first
+    if node.target is operator.getitem:
+        container = isinstance(first.meta.get("example_value"), (tuple, list))
+        return first if container or basic_index(node.args[1]) else None
+    return None
+
+
+def alias_root(node: fx.Node, root: nn.Module) -> fx.Node:
+    """The node that owns the storage `node`'s value may share (`aliased_input` followed back)."""
+    while (up := aliased_input(node, root)) is not None:
+        node = up
+    return node
+
+
+def write_back_views(module: fx.GraphModule) -> None:
+    """An in-place op through a view `x = r[index]` (basic index) of a tensor r that is no view itself, as in
+    `u[:, :3].clamp_(-3, 3)` or `u[i][j] = v`, becomes a write into r: `t = x.clamp(-3, 3)` (where the op has no
+    out-of-place form, a clone of x changed in place), `r[index] = t`, and every later reader of x or of the op's
+    result reads `r[index]` again. The rewrite handles an assignment into r for every form of r (into a replicated
+    tensor at U rows); through the view it would change x alone, not r."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        view = mutated_input(node, module)
+        if view is None or view.op != "call_function" or view.target is not operator.getitem:
+            continue
+        base, index = view.args
+        if not isinstance(base, fx.Node) or not isinstance(base.meta.get("example_value"), torch.Tensor):
+            continue
+        if not basic_index(index) or aliased_input(base, module) is not None or node.target in RESHAPING_IN_PLACE:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        later = [u for u in view.users if order[u] > order[node]]
+        with graph.inserting_before(node):
+            name, kwargs = node.target, {k: v for k, v in node.kwargs.items() if k != "inplace"}
+            if node.op == "call_method" and hasattr(torch.Tensor, name[:-1]):
+                value = graph.call_method(name[:-1], node.args, kwargs)
+            elif node.op == "call_function" and (name in OUT_OF_PLACE_OPERATORS or node.kwargs.get("inplace")):
+                value = graph.call_function(OUT_OF_PLACE_OPERATORS.get(name, name), node.args, kwargs)
+            else:
+                value = graph.call_method("clone", (view,))
+                graph.node_copy(node, lambda a: value if a is view else a)
+            write = graph.call_function(operator.setitem, (base, index, value))
+            fresh = graph.call_function(operator.getitem, (base, index))
+        for new in (value, write, fresh, *value.users):
+            new.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
+        write.meta["in_place"] = _name(node.target)
+        fresh.meta["example_value"] = view.meta.get("example_value")
+        for user in later:
+            user.replace_input_with(view, fresh)
+        node.replace_all_uses_with(fresh)
+        graph.erase_node(node)
+    module.recompile()
 
 
 def _traced(value) -> bool:

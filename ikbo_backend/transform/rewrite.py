@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import ops
 from .attention import AttentionRewrites, fuse_self_target_attention
-from .capture import mutated_input, node_source
+from .capture import OUT_OF_PLACE_OPERATORS, alias_root, mutated_input, node_source
 from .values import (
     ADD_SUB,
     CONVERSIONS,
@@ -132,6 +132,12 @@ class Rewriter(AttentionRewrites):
         self.original = self._run_example()
         self.meta = {n: to_meta(v) for n, v in self.original.items()}
         self.node: fx.Node | None = None  # the original node being rebuilt
+        self.order = {n: i for i, n in enumerate(traced.graph.nodes)}
+        self.roots = {n: alias_root(n, traced) for n in traced.graph.nodes}  # the node owning each value's storage
+        self.aliases: dict[fx.Node, list] = {}  # root → the nodes whose values may share its storage
+        for n, root in self.roots.items():
+            self.aliases.setdefault(root, []).append(n)
+        self.converted = False  # the node being rebuilt was in place and is emitted out of place
 
     def _run_example(self):
         """Each captured node's value on the example (tensors copied: later in-place ops do not change them)."""
@@ -281,10 +287,17 @@ class Rewriter(AttentionRewrites):
             elif (chain := self.attention_chain(node)) is not None:
                 self.env[node] = self.fuse_attention_chain(node, *chain)
             else:
+                mutated = mutated_input(node, self.traced)
                 args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
+                copied = False
+                if mutated is not None and self.out_of_place(node.op, node.target, args, kwargs) is None:
+                    copied = self.private_copy(node, mutated)  # run in place: on a copy where x's nodes are shared
+                    args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
+                self.converted = False
                 out = self.apply(node.op, node.target, args, kwargs, meta)
                 self.env[node] = out
-                if (mutated := mutated_input(node, self.traced)) is not None:
+                if mutated is not None:
+                    self.check_aliases(node, mutated, copied or self.converted)
                     self.env[mutated] = out  # later readers of the mutated tensor see the result
         self.node = None
         if self.sunk:
@@ -301,6 +314,63 @@ class Rewriter(AttentionRewrites):
 
     def _lookup(self, tree):
         return fmap(tree, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
+
+    # --- in-place ops --------------------------------------------------------------------------
+
+    def out_of_place(self, op, target, args, kwargs):
+        """The op an in-place op with user-side operands runs as, or None: `x.mul_(y)` as `x.mul(y)`, `x += y` as
+        `x + y` (later readers of x get its result: `mutated_input`)."""
+        if not any(isinstance(v, (*USER_FORMS, Struct)) for v in leaves((args, kwargs))):
+            return None
+        if op == "call_method" and target.endswith("_") and target[:-1] in ELEMENTWISE_METHODS:
+            return target[:-1]
+        return OUT_OF_PLACE_OPERATORS.get(target) if op == "call_function" else None
+
+    def private_copy(self, node, x) -> bool:
+        """Before the in-place op `node` on x: where x's nodes may be read by other values of the new graph, x's
+        form over copies of them (a Rep's U-row `user` is its source's node, other Reps and joins read it later; a
+        user-row Plain may be a Rep's source; a candidate-row Plain that a Sum or Concat read keeps its node as a
+        term), so the op changes x alone, as in the original where x[m] is a copy. True if it copied."""
+        form = self.env[x]
+        user_side = isinstance(form, (Rep, Concat)) or isinstance(form, Plain) and not form.batched
+        held = any(
+            isinstance(self.env.get(reader), (Rep, Sum, Concat, Packed, Struct))
+            for alias in self.aliases[self.roots[x]]
+            for reader in alias.users
+            if self.order[reader] < self.order[node]
+        )
+        if not (user_side or held):
+            return False
+        copy = self._copied(form)
+        self.env[x] = copy
+        return copy is not form
+
+    def _copied(self, form):
+        clone = lambda n: self.emit("call_method", "clone", (n,))  # noqa: E731
+        if isinstance(form, Plain) and isinstance(form.meta, Meta) and isinstance(form.node, fx.Node):
+            return Plain(clone(form.node), form.meta, form.batched, form.mapping, form.spread)
+        if isinstance(form, Rep) and isinstance(form.meta, Meta):
+            return Rep(clone(form.user), form.mapping, form.meta, form.source, row_dim=form.row_dim)
+        if isinstance(form, Concat):
+            return Concat([self._copied(p) for p in form.parts], form.dim, form.meta)
+        return form
+
+    def check_aliases(self, node, x, detached: bool):
+        """After the in-place op `node` on x: other views of x's storage read again afterwards see the change in
+        the original; in the new graph they do only where the op ran in place on x's own node and they are views of
+        it there too (candidate rows emitted as written). Otherwise (x or an alias is a user-side form, or the op
+        ran on a copy or out of place: `detached`) the rewrite would give them the old values: it raises, and the
+        pass returns the model."""
+        later = lambda a: any(self.order[u] > self.order[node] for u in a.users)  # noqa: E731
+        stale = [a for a in self.aliases[self.roots[x]] if a is not x and self.order[a] < self.order[node] and later(a)]
+        user_side = lambda v: isinstance(v, USER_FORMS) or isinstance(v, Plain) and not v.batched  # noqa: E731
+        if stale and (detached or any(user_side(self.env[a]) for a in (x, *stale))):
+            op = node.meta.get("in_place", _name(node.target))
+            aliases = ", ".join(sorted({node_source(a) or a.name for a in stale}))
+            raise ValueError(
+                f"in-place {op} through an alias of a user tensor: another view of its storage ({aliases}) is read "
+                "afterwards and would not see the change (user rows are kept apart from their per-candidate copies)"
+            )
 
     def _input_mapping(self, node, name=None):
         mapping = Mapping(("input",) if name is None else ("input", name), node, name or self.mapping_name)
@@ -334,8 +404,8 @@ class Rewriter(AttentionRewrites):
         user = [v for v in flat if isinstance(v, USER_FORMS) or isinstance(v, Struct)]
         if not user:
             return self.plain(op, target, args, kwargs, meta, "")
-        if op == "call_method" and target.endswith("_") and target[:-1] in ELEMENTWISE_METHODS:
-            target = target[:-1]  # x.mul_(y) as x.mul(y): later readers of x get its result (`mutated_input`)
+        if (out_of_place := self.out_of_place(op, target, args, kwargs)) is not None:
+            target, self.converted = out_of_place, True
         if op == "call_module":
             out = self.modules(target, args, kwargs, meta)
             return out if out is not None else self.plain(op, target, args, kwargs, meta, self.why_module(target))
@@ -382,8 +452,12 @@ class Rewriter(AttentionRewrites):
         unwrap = lambda v: v.node if isinstance(v, Plain) else v  # noqa: E731
         entries = index if isinstance(index, tuple) else (index,)
         row_wise = entries and entries[0] == slice(None) and not any(is_value(i) and self.batched(i) for i in entries)
-        if isinstance(x, Rep) and not x.row_dim and row_wise and not (is_value(value) and self.batched(value)):
-            self.emit("call_function", operator.setitem, (x.user, fmap(index, unwrap), unwrap(value)))
+        # a value without candidate rows, or replicated like x (then read at its user rows)
+        same_rows = isinstance(x, Rep) and isinstance(value, Rep) and value.mapping.key == x.mapping.key
+        at_user_rows = not (is_value(value) and self.batched(value)) or same_rows and not value.row_dim
+        if isinstance(x, Rep) and not x.row_dim and row_wise and at_user_rows:  # x.user: a copy (`private_copy`)
+            user_value = self.user_side(value) if is_value(value) else value
+            self.emit("call_function", operator.setitem, (x.user, fmap(index, unwrap), user_value))
             return Rep(x.user, x.mapping, x.meta, x.source)
         node = self.materialize(x, self.where(), "it is assigned into") if is_value(x) else x
         where = self.where()
