@@ -819,6 +819,41 @@ def test_dict_inputs_and_clear_errors():
         to_ikbo(nn.Sequential(nn.Dropout(0.5)).train(), (torch.randn(3, 2),))
 
 
+class DictLoop(nn.Module):
+    """User features as a dict, replicated entry by entry in a loop over `.items()` and read back by `.values()`."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FU + L * D + FC, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, user: dict, cand, cand_to_user):
+        rows = {name: x[cand_to_user] for name, x in user.items()}
+        return self.net(torch.cat([x.flatten(1) for x in rows.values()] + [cand], dim=1))
+
+
+def test_loops_over_dict_inputs():
+    """A loop over a dict input is unrolled over the example's keys; inputs with other keys run the original."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = DictLoop().eval()
+
+    def make(num_users, num_candidates, names=("user", "history")):
+        r = request(num_users, num_candidates, gen)
+        return {names[0]: r["user"], names[1]: r["history"]}, r["cand"], r["cand_to_user"]
+
+    module, report = to_ikbo(model, make(*EXAMPLE), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in SIZES:
+        args = make(num_users, num_candidates)
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+        if 1 < num_candidates != num_users:
+            assert replications_in(module, args, num_users, num_candidates) == [], str(report)
+    other = make(5, 40, names=("user", "long_history"))
+    with torch.inference_mode():
+        assert rel_err(module(*other), model(*other)) <= RTOL
+    assert module.fallbacks == 1
+
+
 def test_equal_row_counts_warn_and_return_the_model():
     model = Replicated("index").eval()
     gen = torch.Generator().manual_seed(6)

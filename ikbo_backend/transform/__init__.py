@@ -204,14 +204,15 @@ def _disagreement(model, module, example_inputs) -> float:
 
 class Guarded(torch.nn.Module):
     """The rewritten graph (`rewritten`, a torch.fx.GraphModule) for inputs shaped like the example's:
-    the same dtypes and ndims and, where the capture followed a branch on them, the same non-row sizes;
-    the original model for other inputs (`fallbacks` counts them)."""
+    the same structure (containers, dict keys), dtypes and ndims and, where the capture followed a branch on
+    them, the same non-row sizes; the original model for other inputs (`fallbacks` counts them)."""
 
     def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool):
         super().__init__()
         self.rewritten, self.original = rewritten, original
         self.fixed_sizes, self.fallbacks = fixed_sizes, 0
-        self.expected = [self._key(t, rows) for t in tree_flatten(example_inputs)[0]]
+        leaves, self.structure = tree_flatten(example_inputs)  # dict keys included: the graph reads entries by key
+        self.expected = [self._key(t, rows) for t in leaves]
 
     def _key(self, t, rows):
         if not isinstance(t, torch.Tensor):
@@ -226,8 +227,8 @@ class Guarded(torch.nn.Module):
         return self.rewritten.code
 
     def matches(self, args) -> bool:
-        leaves = tree_flatten(args)[0]
-        if len(leaves) != len(self.expected):
+        leaves, structure = tree_flatten(args)
+        if structure != self.structure:
             return False
         for t, want in zip(leaves, self.expected):
             if want is None:

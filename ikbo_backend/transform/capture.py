@@ -58,6 +58,7 @@ META_FUNCTIONS = {torch.is_floating_point, torch.is_complex}
 SIZE_METHODS = {"size", "numel"}
 PIECES = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}  # ops returning a size-dependent count
 RNN_MODULES = (nn.RNNBase,)
+DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 OUT_OF_PLACE_OPERATORS = {
     operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
     operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
@@ -233,7 +234,26 @@ class Tracer(fx.Tracer):
         return self.concrete(obj, bool)
 
     def iter(self, obj):
+        value = getattr(obj, "value", None)
+        if isinstance(value, (dict, *DICT_VIEWS)):
+            return iter(self._dict_entries(obj.node, value))
         return iter([obj[i] for i in range(self.concrete(obj, len))])
+
+    def _dict_entries(self, node, value) -> list:
+        """A loop over a dict of tensors (`for k, v in d.items()`, `d.values()`, `d.keys()`, `d`): its keys are the
+        example's (structure, not data: `Guarded` serves the original to inputs of another structure), its values
+        the traced `d[k]`."""
+        self.guards += 1
+        if isinstance(value, dict):
+            return list(value)
+        whole = self.proxy(node.args[0])
+        whole.value = node.args[0].meta["example_value"]
+        keys = list(whole.value)
+        if node.target == "keys":
+            return keys
+        if node.target == "values":
+            return [whole[k] for k in keys]
+        return [(k, whole[k]) for k in keys]
 
     def keys(self, obj):
         return self.concrete(obj, lambda v: list(v.keys()))
