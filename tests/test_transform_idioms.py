@@ -854,6 +854,29 @@ def test_loops_over_dict_inputs():
     assert module.fallbacks == 1
 
 
+class SessionIds(nn.Module):
+    """DSIN-style: each user's history ids cut into sessions after the replication, so the rows become B · sessions
+    and the embedding runs there."""
+
+    def __init__(self, sessions=2):
+        super().__init__()
+        self.sessions = sessions
+        self.emb = nn.Embedding(50, D)
+        self.out = nn.Linear(D + FC, 1)
+
+    def forward(self, ids, cand, cand_to_user):
+        rows = ids[cand_to_user].reshape(cand.shape[0] * self.sessions, -1)  # [B·sessions, L / sessions]
+        pooled = self.emb(rows).mean(1).view(cand.shape[0], self.sessions, D).mean(1)
+        return self.out(torch.cat([pooled, cand], dim=1))
+
+
+def test_replicated_ids_before_a_lookup_are_reported():
+    """Integer ids replicated to B rows whose lookup then runs at B rows count as a replication left (the report
+    must not say nothing is left); a crossed id (user and candidate ids mixed) is the candidate's own data."""
+    report = check(SessionIds(), expect_left=1, must=("ids, torch.int64: the lookups they feed",))
+    assert "nothing" not in str(report)
+
+
 def test_equal_row_counts_warn_and_return_the_model():
     model = Replicated("index").eval()
     gen = torch.Generator().manual_seed(6)

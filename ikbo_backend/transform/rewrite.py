@@ -92,6 +92,8 @@ SEQUENCE_OPS = {
     torch.vstack,
     torch.dstack,
 }  # take a list of tensors
+LOOKUP_MODULES = (nn.Embedding, nn.EmbeddingBag)
+LOOKUP_FUNCTIONS = {F.embedding, F.embedding_bag, torch.embedding}
 NORMS = {F.layer_norm, *([F.rms_norm] if hasattr(F, "rms_norm") else [])}
 TRANSPOSES = {"transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims"}
 # functions that compute each sample of a batched input (dim 0) alone → the input's dims when batched
@@ -239,7 +241,11 @@ class Rewriter(AttentionRewrites):
                 args = (x.user, x.mapping.node) + ((x.row_dim,) if x.row_dim else ())
                 x.materialized = self.emit("call_function", fn, args)
                 entry = f"{x.source} replicated to B rows at {consumer}: {why}"
-                if isinstance(x.meta, Meta) and not x.meta.is_float:
+                if isinstance(x.meta, Meta) and not x.meta.is_float and self._feeds_lookup(self.node):
+                    self.report.left.append(
+                        f"{entry} (ids, {x.meta.dtype}: the lookups they feed, and what follows, run at B rows)"
+                    )
+                elif isinstance(x.meta, Meta) and not x.meta.is_float:
                     self.report.notes.append(
                         f"{entry} (non-float, {x.meta.dtype}: index/mask data, not counted as a replication)"
                     )
@@ -247,6 +253,26 @@ class Rewriter(AttentionRewrites):
                     self.report.left.append(entry)
             return x.materialized
         return x
+
+    def _feeds_lookup(self, node) -> bool:
+        """Whether integer user data materialized at `node` (of the captured graph) reaches an embedding lookup
+        through integer ops of one tensor (reshapes, slices, casts): the user rows it looks up are then computed at
+        B rows. An op that mixes in another tensor (a crossed id `u * V + c`) makes per-candidate data: not counted."""
+        todo, seen = [node] if node is not None else [], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "call_module" and isinstance(self.traced.get_submodule(n.target), LOOKUP_MODULES):
+                return True
+            if n.op == "call_function" and n.target in LOOKUP_FUNCTIONS:
+                return True
+            value = n.meta.get("example_value")
+            tensors = [a for a in n.all_input_nodes if isinstance(a.meta.get("example_value"), torch.Tensor)]
+            if len(tensors) == 1 and isinstance(value, torch.Tensor) and not value.is_floating_point():
+                todo.extend(n.users)
+        return False
 
     def plain(self, op, target, args, kwargs, meta, why):
         """Emit the op as in the original, materializing what it reads."""
