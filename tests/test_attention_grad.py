@@ -406,7 +406,7 @@ def assert_grads_close(got, want: Want, tol):
 
 def _dq_from_ds(patch, on: bool):
     """The candidate rows' dQ from the dS the dK/dV kernel stores (on) or recomputed (`attention.DQ_FROM_DS_BYTES`)."""
-    patch.setattr(attention, "DQ_FROM_DS_BYTES", attention.DQ_FROM_DS_BYTES if on else 0)
+    patch.setattr(attention, "DQ_FROM_DS_BYTES", attention.DQ_FROM_DS_OPT_IN if on else 0)
 
 
 @interpreted
@@ -593,7 +593,11 @@ def test_standin_backward_compiles(num_users, num_candidates, num_queries, seq_l
     lse = torch.zeros(attention.lse_size(q.shape, k.shape, with_self))
     out, user_out, _ = attention._launch(q, k, v, cand_to_user, kv_len, 0.1, user_q, causal, lse=lse)
     out, user_out = torch.zeros_like(q), None if user_q is None else torch.zeros_like(user_q)
-    attention._launch_backward(out, q, k, v, out, lse, cand_to_user, kv_len, 0.1, user_q, user_out, user_out, causal)
+    for from_ds in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            _dq_from_ds(patch, from_ds)
+            attention._launch_backward(out, q, k, v, out, lse, cand_to_user, kv_len, 0.1, user_q, user_out, user_out,
+                                       causal)  # fmt: skip
     if with_self:
         return
     kernels = (attention._attention_bwd_dq_kernel, attention._attention_bwd_dq_ds_kernel,
@@ -668,16 +672,20 @@ def check_cuda_gradients(p, with_self):
 
 
 @cuda_only
+@pytest.mark.parametrize("from_ds", [False, True], ids=["dq_recomputed", "dq_from_ds"])
 @pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
 @pytest.mark.parametrize("ragged", [False, True], ids=["full", "kv_len"])
-def test_cuda_gradients_at_the_canonical_size(ragged, with_self):
+def test_cuda_gradients_at_the_canonical_size(ragged, with_self, from_ds, monkeypatch):
+    _dq_from_ds(monkeypatch, from_ds)
     check_cuda_gradients(gpu_problem(ragged, with_self), with_self)
 
 
 @cuda_only
 @pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
+@pytest.mark.parametrize("from_ds", [False, True], ids=["dq_recomputed", "dq_from_ds"])
 @pytest.mark.parametrize("size, dtype", OTHER_SIZES, ids=lambda x: str(x))
-def test_cuda_gradients_at_other_sizes(size, dtype, with_self):
+def test_cuda_gradients_at_other_sizes(size, dtype, with_self, from_ds, monkeypatch):
+    _dq_from_ds(monkeypatch, from_ds)
     check_cuda_gradients(gpu_problem(True, with_self, size, dtype, seed=1), with_self)
 
 
