@@ -500,28 +500,27 @@ class Rewriter(AttentionRewrites):
     def _mapping_of(self, v):
         return v.mapping if isinstance(v, Plain) else None
 
-    def _user_tensor(self, v):
-        """A tensor with one row per user (dim 0 = U), not derived from candidates."""
+    @staticmethod
+    def _own_tensor(v, min_dims: int) -> bool:
+        """A plain tensor of at least `min_dims` dims, neither derived from candidates nor the mapping."""
         return (
             isinstance(v, Plain)
             and not v.batched
             and v.mapping is None
             and v.spread is None
             and isinstance(v.meta, Meta)
-            and v.meta.ndim > 0
-            and (v.meta.shape[0] == self.num_users or v.meta.shape[0] == 1)
+            and v.meta.ndim >= min_dims
         )
+
+    def _user_tensor(self, v):
+        """A tensor with one row per user (dim 0 = U), not derived from candidates."""
+        return self._own_tensor(v, 1) and (v.meta.shape[0] == self.num_users or v.meta.shape[0] == 1)
 
     def _sequence_first_user_tensor(self, v, meta):
         """A tensor with one row per user on dim 1 ([L, U, ...], as sequence-first RNNs and attention read it), not
         derived from candidates, whose replication `meta` has the B candidate rows on dim 1."""
         return (
-            isinstance(v, Plain)
-            and not v.batched
-            and v.mapping is None
-            and v.spread is None
-            and isinstance(v.meta, Meta)
-            and v.meta.ndim > 1
+            self._own_tensor(v, 2)
             and v.meta.shape[1] == self.num_users
             and isinstance(meta, Meta)
             and meta.ndim == v.meta.ndim
