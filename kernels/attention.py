@@ -1333,18 +1333,18 @@ def _launch_backward(
     else:  # the self arguments stand for themselves, unused
         user_q, grad_user_out, user_out, duq, user_lse, user_delta = q, grad_out, out, dq, cand_lse, cand_delta
     kv_len_arg = order if kv_len is None else kv_len
-    ds_block_n = min(DQ_DS_BLOCK_N, kv_cfg.block_n)
-    k_desc, v_desc, (stride_ku, stride_kh, stride_kl), (kv_k_desc, kv_v_desc), self_descs, (ds_k_desc, _) = _kv_views(
-        k, v, dq_cfg.block_n, kv_cfg.block_n, self_cfg.block_n, ds_block_n
-    )
     num_self_tiles = num_users * triton.cdiv(seq_len, self_cfg.block_m) if with_self else 0
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     qk_scale = scale * LOG2E
     ds_keys = triton.cdiv(seq_len, kv_cfg.block_n) * kv_cfg.block_n
+    ds_block_n = min(DQ_DS_BLOCK_N, kv_cfg.block_n)
     store_ds = (
         num_target_tiles > 0
         and dq_cfg.block_m % kv_cfg.block_m == 0
         and heads * ds_keys * num_target_tiles * dq_cfg.block_m * q.element_size() <= DQ_FROM_DS_BYTES
+    )
+    k_desc, v_desc, (stride_ku, stride_kh, stride_kl), (kv_k_desc, kv_v_desc), self_descs, *ds_descs = _kv_views(
+        k, v, dq_cfg.block_n, kv_cfg.block_n, self_cfg.block_n, *([ds_block_n] if store_ds else [])
     )
     # dQ and Δ: the self tiles and the candidate tiles in launches of their own (each its own stages and tiles);
     # with store_ds the candidate rows' Δ here and their dQ from the stored dS after the dK/dV kernel
@@ -1391,7 +1391,7 @@ def _launch_backward(
     )
     if store_ds:
         _attention_bwd_dq_ds_launch[(num_target_tiles, heads)](
-            dq, ds_load_desc, ds_keys, ds_k_desc, stride_ku, stride_kh, stride_kl, kv_len_arg, order, tiles,
+            dq, ds_load_desc, ds_keys, ds_descs[0][0], stride_ku, stride_kh, stride_kl, kv_len_arg, order, tiles,
             seq_len, num_queries, scale, HEAD_DIM=head_dim, BLOCK_M=dq_cfg.block_m, BLOCK_N=ds_block_n,
             HAS_KV_LEN=kv_len is not None, NUM_STAGES=DQ_DS_STAGES, num_warps=dq_cfg.num_warps,
         )
