@@ -43,9 +43,7 @@ the user's keys, the probabilities recomputed from the stored log-sum-exp) and `
 program per (user, head, 128-key block): its K/V block stays in registers while it walks all of the user's
 candidate query rows (copied by TMA where S is a multiple of the step) and its own causal rows, dK and dV
 accumulated in fp32 and written once (or, for few users with long walks, the walks split in parts that add up
-atomically); users with the most rows start first. Opted in (`DQ_FROM_DS_BYTES`), where its scratch fits, the walk also
-stores each step's dS and the candidate rows' dQ is one product a key block over it
-(`_attention_bwd_dq_ds_kernel`, after Δ from `_row_delta_kernel`) instead of three in the dQ kernel.
+atomically); users with the most rows start first.
 Source: "In-Kernel Broadcast Optimization" (Meta, 2025), target attention; FlashAttention-2
 (Dao, 2023, https://arxiv.org/abs/2307.08691) and Triton's tutorial 06-fused-attention.
 Hopper: attention (no plan given, no tuned tile) goes to the warp-specialized Gluon kernel of
@@ -636,74 +634,13 @@ def _attention_bwd_dq_kernel(
 _attention_bwd_dq_launch = CachedLaunch(_attention_bwd_dq_kernel)
 
 
-@triton.jit
-def _row_delta_kernel(o_ptr, do_ptr, delta_ptr, num_rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Δ = Σ_d dO·O of BLOCK_R rows of the contiguous [rows, D] output and its gradient, fp32."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < num_rows
-    at = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    o = tl.load(o_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(delta_ptr + rows, tl.sum(o * do, 1), mask=ok)
-
-
-_row_delta_launch = CachedLaunch(_row_delta_kernel)
-
-
-# fmt: off
-@triton.jit(do_not_specialize=["seq_len", "ds_keys"])
-def _attention_bwd_dq_ds_kernel(
-    dq_ptr,  # [B, H, S, D] contiguous out
-    ds_desc, ds_keys,  # dSᵀ [H·ds_keys, tile rows] from `_attention_bwd_dkdv_kernel` (STORE_DS), blocks [BLOCK_N, BLOCK_M]
-    k_desc, stride_ku, stride_kh, stride_kl,  # as `_attention_kernel`, blocks [BLOCK_N, D]
-    kv_len_ptr, order_ptr, tile_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order and tiles
-    seq_len, num_queries, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    """Grid (candidate tiles, H): dQ of a plan tile = scale · dS·K[u] over the user's valid keys, one product a key
-    block (dS read back, not recomputed). The tile's dSᵀ columns are [tile·BLOCK_M, tile·BLOCK_M + BLOCK_M); keys
-    past kv_len within the dK/dV kernel's last block were stored as zeros, so the walk needs no mask."""
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    entry = tile_ptr + tile * 4
-    entry_user = tl.load(entry)
-    if entry_user >= 0:
-        first_slot = tl.load(entry + 1)
-        rows = tl.load(entry + 2) + tl.arange(0, BLOCK_M)
-        row_ok = rows < tl.load(entry + 3)
-        kv_len = _kv_len(kv_len_ptr, entry_user, seq_len, HAS_KV_LEN)
-        kv_offset = entry_user.to(tl.int64) * stride_ku + head * stride_kh
-        kv_row = (kv_offset // stride_kl).to(tl.int32)
-        kv_col = (kv_offset % stride_kl).to(tl.int32)
-        ds_row = head * ds_keys
-        col = tile * BLOCK_M
-        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for start_n in tl.range(0, kv_len, BLOCK_N, num_stages=NUM_STAGES):
-            ds_t = ds_desc.load([ds_row + start_n, col])  # [BLOCK_N, BLOCK_M]
-            k = k_desc.load([kv_row + start_n, kv_col])  # [BLOCK_N, D]
-            dq = tl.dot(ds_t.T, k, dq)
-        slot = rows // num_queries
-        token = rows - slot * num_queries
-        cand = tl.load(order_ptr + first_slot + slot, mask=row_ok, other=0).to(tl.int64)
-        at = (cand * tl.num_programs(1) + head) * num_queries + token  # row of [B·H·S, D]
-        offs_d = tl.arange(0, HEAD_DIM)
-        tl.store(dq_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-# fmt: on
-
-
-_attention_bwd_dq_ds_launch = CachedLaunch(_attention_bwd_dq_ds_kernel)
-
-
 # fmt: off
 @triton.jit
 def _dkdv_step(
     dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr,
 ):
     """One step of a K/V block's walk over BLOCK_M query rows, transposed (keys are the rows here):
-    Pᵀ = exp2(k·qᵀ·qk_scale − lse), dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (v·dOᵀ − Δ), dK += dSᵀ·q (scaled by the caller)
-    → (dK, dV, dSᵀ [BLOCK_N, BLOCK_M] in q's dtype)."""
+    Pᵀ = exp2(k·qᵀ·qk_scale − lse), dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (v·dOᵀ − Δ), dK += dSᵀ·q (scaled by the caller)."""
     s_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M] fp32
     dp_t = tl.dot(v, tl.trans(do))  # issued beside s_t: the exponentials overlap it (3 % faster than after them)
     p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
@@ -712,9 +649,9 @@ def _dkdv_step(
     if MASK_CAUSAL:
         p_t = tl.where(keys[:, None] <= rows[None, :], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-    dk = tl.dot(ds_t, q, dk)
-    return dk, dv, ds_t
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
 # fmt: on
 
 
@@ -722,15 +659,13 @@ def _dkdv_step(
 @triton.jit
 def _dkdv_target_rows(
     dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc, order_ptr,
-    first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, ds_desc, ds_row, ds_col,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KEYS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ROWS_TMA: tl.constexpr, STORE_DS: tl.constexpr,
+    first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASK_KEYS: tl.constexpr, NUM_STAGES: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
     """A K/V block's walk over its user's candidate query rows [row_lo, row_end) (virtual rows: candidate-major, S
     tokens; candidates from order[first …]; row_lo a multiple of BLOCK_M), BLOCK_M at a time; rows past row_end load
     as zeros with lse = +inf. ROWS_TMA (BLOCK_M divides S; q and dO contiguous): each step is BLOCK_M consecutive
-    rows of one candidate, which q_desc and do_desc (views [B·H·S, d]) copy by TMA. STORE_DS: each step's dSᵀ
-    block goes to ds_desc at [ds_row, ds_col + its first row] (`_attention_bwd_dq_ds_kernel` reads it)."""
+    rows of one candidate, which q_desc and do_desc (views [B·H·S, d]) copy by TMA."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     if ROWS_TMA:
@@ -742,9 +677,7 @@ def _dkdv_target_rows(
             do = do_desc.load([row0, 0])
             lse = tl.load(lse_ptr + row0 + offs_m)
             delta = tl.load(delta_ptr + row0 + offs_m)
-            dk, dv, ds_t = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, offs_m, kv_len, qk_scale, MASK_KEYS, False)
-            if STORE_DS:
-                ds_desc.store([ds_row, ds_col + r0], ds_t)
+            dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, offs_m, kv_len, qk_scale, MASK_KEYS, False)
         return dk, dv
     for r0 in tl.range(row_lo, row_end, BLOCK_M, num_stages=NUM_STAGES):
         rows = r0 + offs_m
@@ -756,9 +689,7 @@ def _dkdv_target_rows(
         q = tl.load(q_ptr + (q_rows[:, None] + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
         do, lse, delta = _row_grads(do_ptr, lse_ptr, delta_ptr, (cand * heads + head) * num_queries + token, row_ok,
                                     HEAD_DIM)
-        dk, dv, ds_t = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, False)
-        if STORE_DS:
-            ds_desc.store([ds_row, ds_col + r0], ds_t)
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, False)
     return dk, dv
 # fmt: on
 
@@ -781,7 +712,7 @@ def _dkdv_self_rows(
         row_ok = rows < hi
         q = tl.load(uq_ptr + (base + rows[:, None] * stride_uql + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
         do, lse, delta = _row_grads(udo_ptr, ulse_ptr, udelta_ptr, first_row + rows, row_ok, HEAD_DIM)
-        dk, dv, _ = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, MASK_CAUSAL)
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, keys, rows, kv_len, qk_scale, MASK_KEYS, MASK_CAUSAL)
     return dk, dv
 # fmt: on
 
@@ -821,20 +752,17 @@ def _attention_bwd_dkdv_kernel(
     q_desc, do_desc,  # ROWS_TMA: [B·H·S, D] views of q and dO, blocks [BLOCK_M, D] (else stand-ins)
     dk_ptr, dv_ptr,  # [U, H, L, D] contiguous out (fp32 and zeroed where SPLIT)
     kv_len_ptr, order_ptr, users_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order, users [U, 2]
-    ds_desc, ds_keys,  # STORE_DS: dSᵀ [H·ds_keys, tile rows] (`_launch_backward`), blocks [BLOCK_N, BLOCK_M]
     num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SELF: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, RANK_USERS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ROWS_TMA: tl.constexpr, SPLIT: tl.constexpr, STORE_DS: tl.constexpr, DS_BLOCK_M: tl.constexpr,
+    ROWS_TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """1-D grid over (user rank, split, head, key block), key blocks fastest: a program owns K/V[u, h] rows
     [BLOCK_N·j, BLOCK_N·j + BLOCK_N) in registers and walks its split's share of user u's candidate query rows (the
     first split also u's own rows that see the block, with HAS_SELF), accumulating dK and dV in fp32; each block is
     written once, zeros past kv_len, or with SPLIT (splits > 1) added atomically into fp32 dK, dV. The blocks of one
     (user, split, head) run side by side and read the same q / dO rows (L2). RANK_USERS > 0 (a power of two ≥ U):
-    users with the longest walks first; 0: grid order. STORE_DS: the candidate rows' dSᵀ blocks are stored too,
-    user u's rows from column DS_BLOCK_M·(first·S // DS_BLOCK_M + u) on (its first slot in the plan's tiles of
-    DS_BLOCK_M rows), key n of head h at row h·ds_keys + n."""
+    users with the longest walks first; 0: grid order."""
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
     pid = tl.program_id(0)
     block = pid % num_blocks
@@ -862,19 +790,17 @@ def _attention_bwd_dkdv_kernel(
         chunk = tl.cdiv(tl.cdiv(row_end, splits), BLOCK_M) * BLOCK_M
         row_lo = tl.minimum(split * chunk, row_end)
         row_end = tl.minimum(row_lo + chunk, row_end)
-        ds_row = head * ds_keys + start_n
-        ds_col = ((first * num_queries) // DS_BLOCK_M + user) * DS_BLOCK_M
         if start_n + BLOCK_N <= kv_len:
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
-                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, ds_desc, ds_row,
-                ds_col, HEAD_DIM, BLOCK_M, False, NUM_STAGES, ROWS_TMA, STORE_DS,
+                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M,
+                False, NUM_STAGES, ROWS_TMA,
             )
         else:
             dk, dv = _dkdv_target_rows(
                 dk, dv, k, v, q_ptr, stride_qb, stride_qh, stride_qs, do_ptr, lse_ptr, delta_ptr, q_desc, do_desc,
-                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, ds_desc, ds_row,
-                ds_col, HEAD_DIM, BLOCK_M, True, NUM_STAGES, ROWS_TMA, STORE_DS,
+                order_ptr, first, row_lo, row_end, head, heads, num_queries, keys, kv_len, qk_scale, HEAD_DIM, BLOCK_M,
+                True, NUM_STAGES, ROWS_TMA,
             )
         if HAS_SELF and split == 0:
             if CAUSAL:  # rows before the block see none of its keys; the first BLOCK_N rows from it, some
@@ -1284,16 +1210,6 @@ def dkdv_splits(programs: int, rows_per_user: float, kv_cfg: TileConfig, device:
     return max(1, min(wanted, int(rows_per_user // (DKDV_MIN_STEPS * kv_cfg.block_m))))
 
 
-# dQ of the candidate rows from dS stored by the dK/dV kernel (one product a key block) instead of recomputed
-# (three): where the dSᵀ scratch, H · L (rounded up to 128 keys) · the plan's tile rows in q's dtype, takes at most
-# this many bytes. 0 (recompute always) by default: the stored-dS path is checked under the interpreter and compiled
-# for sm_90a without spills, but not yet run or timed on a GPU; set it (e.g. 2 * 2**30) to opt in
-DQ_FROM_DS_BYTES = 0
-DQ_FROM_DS_OPT_IN = 2 * 2**30  # the scratch bound the tests and the benchmark use for the stored-dS path
-DQ_DS_BLOCK_N = 64  # keys a step of `_attention_bwd_dq_ds_kernel` (a divisor of the dK/dV kernel's key block)
-DQ_DS_STAGES = 3
-DELTA_ROWS = 64  # rows a program of `_row_delta_kernel`
-
 RANKED_USERS = 64  # up to this many users, the dK/dV programs of the users with the most query rows start first
 
 
@@ -1333,24 +1249,15 @@ def _launch_backward(
     else:  # the self arguments stand for themselves, unused
         user_q, grad_user_out, user_out, duq, user_lse, user_delta = q, grad_out, out, dq, cand_lse, cand_delta
     kv_len_arg = order if kv_len is None else kv_len
+    k_desc, v_desc, (stride_ku, stride_kh, stride_kl), (kv_k_desc, kv_v_desc), self_descs = _kv_views(
+        k, v, dq_cfg.block_n, kv_cfg.block_n, self_cfg.block_n
+    )
     num_self_tiles = num_users * triton.cdiv(seq_len, self_cfg.block_m) if with_self else 0
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     qk_scale = scale * LOG2E
-    ds_keys = triton.cdiv(seq_len, kv_cfg.block_n) * kv_cfg.block_n
-    ds_block_n = min(DQ_DS_BLOCK_N, kv_cfg.block_n)
-    store_ds = (
-        num_target_tiles > 0
-        and dq_cfg.block_m % kv_cfg.block_m == 0
-        and heads * ds_keys * num_target_tiles * dq_cfg.block_m * q.element_size() <= DQ_FROM_DS_BYTES
-    )
-    k_desc, v_desc, (stride_ku, stride_kh, stride_kl), (kv_k_desc, kv_v_desc), self_descs, *ds_descs = _kv_views(
-        k, v, dq_cfg.block_n, kv_cfg.block_n, self_cfg.block_n, *([ds_block_n] if store_ds else [])
-    )
-    # dQ and Δ: the self tiles and the candidate tiles in launches of their own (each its own stages and tiles);
-    # with store_ds the candidate rows' Δ here and their dQ from the stored dS after the dK/dV kernel
+    # dQ and Δ: the self tiles and the candidate tiles in launches of their own (each its own stages and tiles)
     for has_self, num_tiles, cfg, (kd, vd) in (
-        (True, num_self_tiles, self_cfg, self_descs),
-        (False, 0 if store_ds else num_target_tiles, dq_cfg, (k_desc, v_desc)),
+        (True, num_self_tiles, self_cfg, self_descs), (False, num_target_tiles, dq_cfg, (k_desc, v_desc))
     ):
         if num_tiles == 0:
             continue
@@ -1362,18 +1269,6 @@ def _launch_backward(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SELF=has_self, CAUSAL=causal,
             HAS_KV_LEN=kv_len is not None, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
         )
-    if store_ds:
-        rows = cand_delta.numel()
-        _row_delta_launch[(triton.cdiv(rows, DELTA_ROWS),)](
-            out, grad_out, cand_delta, rows, HEAD_DIM=head_dim, BLOCK_R=DELTA_ROWS, num_warps=4
-        )
-        ds = torch.empty(heads * ds_keys, num_target_tiles * dq_cfg.block_m, dtype=q.dtype, device=q.device)
-        ds_store_desc, ds_load_desc = (
-            TensorDescriptor(ds, list(ds.shape), [ds.shape[1], 1], block)
-            for block in ([kv_cfg.block_n, kv_cfg.block_m], [ds_block_n, dq_cfg.block_m])
-        )
-    else:
-        ds_store_desc = kv_k_desc  # a stand-in, unused
     num_blocks = triton.cdiv(seq_len, kv_cfg.block_n)
     splits = dkdv_splits(num_users * heads * num_blocks, num_candidates * num_queries / num_users, kv_cfg, q.device)
     dk_acc, dv_acc = (dk, dv) if splits == 1 else torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device)
@@ -1383,18 +1278,12 @@ def _launch_backward(
         q, q.stride(0), q.stride(1), q.stride(2), grad_out, cand_lse, cand_delta,
         user_q, user_q.stride(0), user_q.stride(1), user_q.stride(2), grad_user_out, user_lse, user_delta,
         kv_k_desc, kv_v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, dk_acc, dv_acc, kv_len_arg,
-        order, users, ds_store_desc, ds_keys, num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
+        order, users, num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
         HEAD_DIM=head_dim, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, HAS_SELF=with_self, CAUSAL=causal,
         HAS_KV_LEN=kv_len is not None, RANK_USERS=RANKED_USERS if num_users <= RANKED_USERS else 0,
-        NUM_STAGES=kv_cfg.num_stages, ROWS_TMA=rows_tma, SPLIT=splits > 1, STORE_DS=store_ds,
-        DS_BLOCK_M=dq_cfg.block_m, num_warps=kv_cfg.num_warps, maxnreg=kv_cfg.maxnreg,
+        NUM_STAGES=kv_cfg.num_stages, ROWS_TMA=rows_tma, SPLIT=splits > 1, num_warps=kv_cfg.num_warps,
+        maxnreg=kv_cfg.maxnreg,
     )
-    if store_ds:
-        _attention_bwd_dq_ds_launch[(num_target_tiles, heads)](
-            dq, ds_load_desc, ds_keys, ds_descs[0][0], stride_ku, stride_kh, stride_kl, kv_len_arg, order, tiles,
-            seq_len, num_queries, scale, HEAD_DIM=head_dim, BLOCK_M=dq_cfg.block_m, BLOCK_N=ds_block_n,
-            HAS_KV_LEN=kv_len is not None, NUM_STAGES=DQ_DS_STAGES, num_warps=dq_cfg.num_warps,
-        )
     if splits > 1:
         dk.copy_(dk_acc)
         dv.copy_(dv_acc)

@@ -404,33 +404,24 @@ def assert_grads_close(got, want: Want, tol):
         assert diff <= allowed, f"{name}: |error| {diff:.2e} > {allowed:.2e} (|ref| {norm:.2e}, terms {bound:.2e})"
 
 
-def _dq_from_ds(patch, on: bool):
-    """The candidate rows' dQ from the dS the dK/dV kernel stores (on) or recomputed (`attention.DQ_FROM_DS_BYTES`)."""
-    patch.setattr(attention, "DQ_FROM_DS_BYTES", attention.DQ_FROM_DS_OPT_IN if on else 0)
-
-
 @interpreted
 @INTERP_SETTINGS
-@given(p=small_problems, tiles=st.sampled_from(BACKWARD_TILES), from_ds=st.booleans())
-def test_interpreted_target_backward(p, tiles, from_ds):
+@given(p=small_problems, tiles=st.sampled_from(BACKWARD_TILES))
+def test_interpreted_target_backward(p, tiles):
     q, k, v, _, cand_to_user, kv_len = make_inputs(p, torch.float16)
     grad_out = torch.randn(q.shape).half()
-    with pytest.MonkeyPatch.context() as patch:
-        _dq_from_ds(patch, from_ds)
-        got = triton_grads(q, k, v, cand_to_user, kv_len, p["scale"], grad_out, config=tiles)
+    got = triton_grads(q, k, v, cand_to_user, kv_len, p["scale"], grad_out, config=tiles)
     want = reference_grads((q, k, v), (grad_out,), cand_to_user=cand_to_user, kv_len=kv_len, scale=p["scale"])
     assert_grads_close(got, want, HALF_TOL)
 
 
 @interpreted
 @INTERP_SETTINGS
-@given(p=small_problems, causal=st.booleans(), tiles=st.sampled_from(BACKWARD_TILES), from_ds=st.booleans())
-def test_interpreted_self_target_backward(p, causal, tiles, from_ds):
+@given(p=small_problems, causal=st.booleans(), tiles=st.sampled_from(BACKWARD_TILES))
+def test_interpreted_self_target_backward(p, causal, tiles):
     q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, torch.float16)
     grad_out, grad_user_out = torch.randn(q.shape).half(), torch.randn(user_q.shape).half()
-    with pytest.MonkeyPatch.context() as patch:
-        _dq_from_ds(patch, from_ds)
-        got = triton_grads(q, k, v, cand_to_user, kv_len, p["scale"], grad_out, user_q, grad_user_out, causal, tiles)
+    got = triton_grads(q, k, v, cand_to_user, kv_len, p["scale"], grad_out, user_q, grad_user_out, causal, tiles)
     want = reference_grads(
         (q, k, v, user_q), (grad_out, grad_user_out), cand_to_user=cand_to_user, kv_len=kv_len, scale=p["scale"],
         causal=causal,
@@ -442,13 +433,12 @@ def test_interpreted_self_target_backward(p, causal, tiles, from_ds):
 @INTERP_SETTINGS
 @given(
     p=small_problems, tokens=st.sampled_from([16, 32]), with_self=st.booleans(), rows_tma=st.booleans(),
-    splits=st.sampled_from([1, 3]), from_ds=st.booleans(),
+    splits=st.sampled_from([1, 3]),
 )  # fmt: skip
-def test_interpreted_dkdv_walks(p, tokens, with_self, rows_tma, splits, from_ds):
+def test_interpreted_dkdv_walks(p, tokens, with_self, rows_tma, splits):
     """S a multiple of the dK/dV step's rows, q contiguous: the walk copies each step's candidate rows by TMA
     (`attention.DKDV_ROWS_TMA`; off: the gathered rows), each user's walk whole or split in parts whose dK and dV
-    add up atomically (`attention.dkdv_splits`), storing its dS for dQ or not; all match fp64, with and without
-    self rows."""
+    add up atomically (`attention.dkdv_splits`); all match fp64, with and without self rows."""
     p = {**p, "num_queries": tokens, "layout": "bhsd", "mapping": p["mapping"] or [0]}
     q, k, v, user_q, cand_to_user, kv_len = make_inputs(p, torch.float16)
     grad_out, grad_user_out = torch.randn(q.shape).half(), torch.randn(user_q.shape).half()
@@ -456,7 +446,6 @@ def test_interpreted_dkdv_walks(p, tokens, with_self, rows_tma, splits, from_ds)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(attention, "DKDV_ROWS_TMA", rows_tma)
         patch.setattr(attention, "dkdv_splits", lambda *args: splits)
-        _dq_from_ds(patch, from_ds)
         assert attention.rows_by_tma(q, q, step_rows)
         if with_self:
             got = triton_grads(q, k, v, cand_to_user, kv_len, p["scale"], grad_out, user_q, grad_user_out)
@@ -580,8 +569,8 @@ def test_backward_kernels_compile_for_sm90():
 )
 def test_standin_backward_compiles(num_users, num_candidates, num_queries, seq_len, heads, head_dim, dtype,
                                    with_self, causal):  # fmt: skip
-    """At the canonical shape neither the dQ kernels nor the dK/dV kernel (dK, dV [128, d] fp32 in registers across
-    64-row steps copied by TMA, each step's dS stored) spills a register (kernels.attention.pick_backward_configs)."""
+    """At the canonical shape neither the dQ kernel nor the dK/dV kernel (dK, dV [128, d] fp32 in registers across
+    64-row steps copied by TMA) spills a register (kernels.attention.pick_backward_configs)."""
     from kernels.devtools import disassemble, install_standin_driver
 
     install_standin_driver()
@@ -593,17 +582,11 @@ def test_standin_backward_compiles(num_users, num_candidates, num_queries, seq_l
     lse = torch.zeros(attention.lse_size(q.shape, k.shape, with_self))
     out, user_out, _ = attention._launch(q, k, v, cand_to_user, kv_len, 0.1, user_q, causal, lse=lse)
     out, user_out = torch.zeros_like(q), None if user_q is None else torch.zeros_like(user_q)
-    for from_ds in (False, True):
-        with pytest.MonkeyPatch.context() as patch:
-            _dq_from_ds(patch, from_ds)
-            attention._launch_backward(out, q, k, v, out, lse, cand_to_user, kv_len, 0.1, user_q, user_out, user_out,
-                                       causal)  # fmt: skip
+    attention._launch_backward(out, q, k, v, out, lse, cand_to_user, kv_len, 0.1, user_q, user_out, user_out, causal)
     if with_self:
         return
-    kernels = (attention._attention_bwd_dq_kernel, attention._attention_bwd_dq_ds_kernel,
-               attention._attention_bwd_dkdv_kernel)  # fmt: skip
-    for kernel in kernels:
-        for compiled in (c for cache in kernel.device_caches.values() for c in cache[0].values()):
+    for kernel in (attention._attention_bwd_dq_kernel, attention._attention_bwd_dkdv_kernel):
+        for compiled in next(iter(kernel.device_caches.values()))[0].values():
             disassembled = disassemble(compiled)
             if disassembled is not None:
                 sass, usage = disassembled
@@ -672,20 +655,16 @@ def check_cuda_gradients(p, with_self):
 
 
 @cuda_only
-@pytest.mark.parametrize("from_ds", [False, True], ids=["dq_recomputed", "dq_from_ds"])
 @pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
 @pytest.mark.parametrize("ragged", [False, True], ids=["full", "kv_len"])
-def test_cuda_gradients_at_the_canonical_size(ragged, with_self, from_ds, monkeypatch):
-    _dq_from_ds(monkeypatch, from_ds)
+def test_cuda_gradients_at_the_canonical_size(ragged, with_self):
     check_cuda_gradients(gpu_problem(ragged, with_self), with_self)
 
 
 @cuda_only
 @pytest.mark.parametrize("with_self", [False, True], ids=["target", "self_target"])
-@pytest.mark.parametrize("from_ds", [False, True], ids=["dq_recomputed", "dq_from_ds"])
 @pytest.mark.parametrize("size, dtype", OTHER_SIZES, ids=lambda x: str(x))
-def test_cuda_gradients_at_other_sizes(size, dtype, with_self, from_ds, monkeypatch):
-    _dq_from_ds(monkeypatch, from_ds)
+def test_cuda_gradients_at_other_sizes(size, dtype, with_self):
     check_cuda_gradients(gpu_problem(True, with_self, size, dtype, seed=1), with_self)
 
 

@@ -301,21 +301,15 @@ def with_grads(p: dict, with_user_q=False) -> dict:
     return {**p, **grads}
 
 
-def kernels_train(p: dict, poisoned=False, config=None, dq_from_ds=False) -> tuple:
+def kernels_train(p: dict, poisoned=False, config=None) -> tuple:
     """Ours without autograd: the forward keeping its log-sum-exp, then the backward's launches → (out, dq, dk, dv);
-    `poisoned`: every output and gradient written into NaN-filled buffers; `dq_from_ds`: the candidate rows' dQ read
-    from the dS the dK/dV kernel stores (`attention.DQ_FROM_DS_OPT_IN`) instead of recomputed."""
+    `poisoned`: every output and gradient written into NaN-filled buffers."""
     q, k, v, m, scale = p["q"], p["k"], p["v"], p["cand_to_user"], p["scale"]
     lse = torch.empty(attention.lse_size(q.shape, k.shape, False), device=q.device)
     out = attention._launch(q, k, v, m, None, scale, out=nan_like(q) if poisoned else None, lse=lse)[0]
     grads = ([nan_like(t) for t in (q, k, v)] + [None]) if poisoned else None
-    cap = attention.DQ_FROM_DS_BYTES
-    attention.DQ_FROM_DS_BYTES = attention.DQ_FROM_DS_OPT_IN if dq_from_ds else 0
-    try:
-        return (out, *attention._launch_backward(p["grad_out"], q, k, v, out, lse, m, None, scale, grads=grads,
-                                                 config=config)[:3])  # fmt: skip
-    finally:
-        attention.DQ_FROM_DS_BYTES = cap
+    return (out, *attention._launch_backward(p["grad_out"], q, k, v, out, lse, m, None, scale, grads=grads,
+                                             config=config)[:3])  # fmt: skip
 
 
 def packed_train_providers(shape: Shape, device, dtype) -> dict[str, Provider]:
@@ -377,9 +371,6 @@ def train_cases(shape: Shape, device, dtype) -> list[Case]:
             backward_only(ours(m), target, (g,)), ref=ref[1:], flops=backward_flops, host=True
         ),
     }
-    providers["ours: kernels, dQ from the stored dS"] = Provider(
-        partial(kernels_train, p, dq_from_ds=True), note="one product a key block (opt-in)"
-    )
     for name, tiles in BACKWARD_TILES.items():
         providers[f"ours: kernels, {name}"] = Provider(partial(kernels_train, p, config=tiles), note="backward tiles")
     title = f"Target attention, forward + backward, {shape}, counts {p['counts'].tolist()}, non-causal"
