@@ -82,6 +82,8 @@ class Replicated(nn.Module):
         "one_hot_matmul": lambda x, m: F.one_hot(m, x.shape[0]).to(x.dtype) @ x,
         "compare_matmul": lambda x, m: torch.mm((m[:, None] == torch.arange(x.shape[0])).float(), x),
         "eye_rows_matmul": lambda x, m: torch.matmul(torch.eye(x.shape[0])[m], x),
+        "one_hot_einsum": lambda x, m: torch.einsum("bu,uf->bf", F.one_hot(m, x.shape[0]).float(), x),
+        "one_hot_einsum_swapped": lambda x, m: torch.einsum("u...,bu->b...", x, F.one_hot(m, x.shape[0]).to(x.dtype)),
     }
 
     def __init__(self, spell):
@@ -411,6 +413,52 @@ class TopKSelection(nn.Module):
 
 def test_take_along_dim_with_a_broadcast_index():
     check(TopKSelection(), must=("select_user_rows",))
+
+
+class Similarity(nn.Module):
+    """A two-tower / retrieval-style head: similarities and distances between a candidate vector and replicated
+    user vectors or history rows (`F.cosine_similarity`, its module, `F.pairwise_distance`, `torch.cdist` in its
+    matrix-product and difference forms, norms of a join)."""
+
+    SPELLINGS = {
+        "cosine": lambda s, u, h, c, m: F.cosine_similarity(u[m], c, dim=-1)[:, None],
+        "cosine_module": lambda s, u, h, c, m: s.cosine(c, u[m])[:, None],
+        "cosine_history_max": lambda s, u, h, c, m: F.cosine_similarity(h[m], c[:, None], dim=-1).amax(
+            -1, keepdim=True
+        ),
+        "pairwise_distance": lambda s, u, h, c, m: F.pairwise_distance(c, u[m], p=1.0, keepdim=True),
+        "cdist_matrix_product": lambda s, u, h, c, m: torch.cdist(c[:, None], h[m]).squeeze(1).amin(-1, keepdim=True),
+        "cdist_one_row": lambda s, u, h, c, m: torch.cdist(h[m][:, :7], c[:, None], p=3).squeeze(-1),
+        "norm_of_difference": lambda s, u, h, c, m: torch.norm(c - u[m], 2, -1, True),
+        "vector_norm": lambda s, u, h, c, m: torch.linalg.vector_norm(c * u[m], dim=1, keepdim=True),
+    }
+
+    def __init__(self, spell):
+        super().__init__()
+        self.spell = self.SPELLINGS[spell]
+        self.user, self.cand, self.history = nn.Linear(FU, D), nn.Linear(FC, D), nn.Linear(D, D)
+        self.cosine = nn.CosineSimilarity()
+        self.out = nn.Linear(FC + 1 if spell != "cdist_one_row" else FC + 7, 1)
+
+    def forward(self, user, history, cand, cand_to_user):
+        sim = self.spell(self, self.user(user), self.history(history), self.cand(cand), cand_to_user)
+        return self.out(torch.cat([sim, cand], dim=1))
+
+
+@pytest.mark.parametrize("spell", list(Similarity.SPELLINGS))
+def test_similarities_and_distances_join_user_rows(spell):
+    check(Similarity(spell))
+
+
+class RowNorm(nn.Module):
+    """A norm over the rows (dim 0) of a replicated tensor, its dim given after p: not row-wise, kept exact."""
+
+    def forward(self, user, cand, cand_to_user):
+        return cand * user[cand_to_user].norm(2, 0).sum() + torch.linalg.vector_norm(user[cand_to_user], 2, 0).sum()
+
+
+def test_norm_over_rows_is_not_row_wise():
+    check(RowNorm(), expect_left=2)
 
 
 class ConvolvedHistory(nn.Module):

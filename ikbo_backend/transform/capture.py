@@ -146,8 +146,8 @@ class ShadowProxy(fx.Proxy):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         form = standard.FUNCTION_FORMS.get(func)
-        if form is not None:
-            return form(*args, **(kwargs or {}))
+        if form is not None and (out := form(*args, **(kwargs or {}))) is not NotImplemented:
+            return out
         return super().__torch_function__(func, types, args, kwargs)
 
 

@@ -46,6 +46,7 @@ from .values import (
     LIKE_FACTORIES,
     MATMUL,
     NEW_FACTORIES,
+    NORM_REDUCTIONS,
     REDUCTION_FUNCTIONS,
     REDUCTIONS,
     SDPA,
@@ -592,6 +593,28 @@ class Rewriter(AttentionRewrites):
             mapping = self._selection_of(src)
             if mapping is not None and args[1].meta.shape[0] == self.num_users:
                 return self.new_rep(args[1], mapping, meta, "one-hot selection matrix of cand_to_user @ x")
+        if key is torch.einsum and len(args) == 3 and isinstance(args[0], str):
+            return self._einsum_selection(args[0], args[1:], meta)
+        return None
+
+    def _einsum_selection(self, equation: str, operands, meta):
+        """einsum("bu,ud->bd", S, x) (either order, "bu,u...->b...", any letters) with S [B, U] the one-hot selection
+        matrix of the mapping and x a user tensor [U, ...]: x replicated."""
+        inputs, _, out = equation.replace(" ", "").partition("->")
+        terms = inputs.split(",")
+        if not out or len(terms) != 2:
+            return None
+        for sel, x, (ts, tx) in ((operands[0], operands[1], terms), (operands[1], operands[0], terms[::-1])):
+            letters = ts + tx.replace("...", "")
+            if (
+                len(ts) != 2
+                or not tx.startswith(ts[1])
+                or out != ts[0] + tx[1:]
+                or len(set(letters)) != len(letters) - 1
+            ):
+                continue
+            if self._user_tensor(x) and x.meta.shape[0] == self.num_users and (mapping := self._selection_of(sel)):
+                return self.new_rep(x, mapping, meta, "einsum of the one-hot selection matrix of cand_to_user and x")
         return None
 
     def _selection_of(self, v):
@@ -1116,7 +1139,7 @@ class Rewriter(AttentionRewrites):
         if key in SOFTMAX:
             return others_plain and _off_rows(_arg(args, kwargs, 1, "dim"), xnd)
         if key in REDUCTIONS or key in REDUCTION_FUNCTIONS or key in ("max", "min", torch.max, torch.min):
-            dim = _arg(args, kwargs, 1, "dim")
+            dim = _arg(args, kwargs, 2 if key in NORM_REDUCTIONS else 1, "dim")
             dims = dim if isinstance(dim, (tuple, list)) else [dim]
             return dim is not None and all(_off_rows(d, xnd) for d in dims)
         if key in ("cumsum", "cumprod", torch.cumsum, F.normalize, "flip", torch.flip, "roll", torch.roll):
@@ -1363,8 +1386,8 @@ class Rewriter(AttentionRewrites):
             return None
         nd = c.meta.ndim
         if key in REDUCTIONS or key in REDUCTION_FUNCTIONS:
-            dim = _arg(args, kwargs, 1, "dim")
-            keepdim = _arg(args, kwargs, 2, "keepdim", False)
+            at = 2 if key in NORM_REDUCTIONS else 1
+            dim, keepdim = _arg(args, kwargs, at, "dim"), _arg(args, kwargs, at + 1, "keepdim", False)
             dims = [_norm(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
             if None in dims or 0 in dims:
                 return None

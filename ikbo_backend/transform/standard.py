@@ -131,5 +131,54 @@ def multi_head_attention_forward(
     )  # fmt: skip
 
 
+def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+    """`F.cosine_similarity` as ATen computes it (each side divided by its norm clamped to eps, then a product
+    summed): the norms of a replicated side run at its U rows and the product is a join."""
+    norms = (torch.linalg.vector_norm(x, dim=dim, keepdim=True).clamp_min(eps) for x in (x1, x2))
+    return ((x1 / next(norms)) * (x2 / next(norms))).sum(dim)
+
+
+def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
+    """`F.pairwise_distance` as ATen computes it: the p-norm of `x1 - x2 + eps` over the last dim."""
+    return torch.linalg.vector_norm(x1 - x2 + eps, p, dim=-1, keepdim=keepdim)
+
+
+CDIST_MM_ROWS = 25  # torch.cdist's default mode uses the matrix-product form past this many rows on either side
+
+
+def cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
+    """Batched `torch.cdist` ([..., P, M] × [..., R, M] → [..., P, R]) in the form ATen takes for these sizes: for
+    p = 2 past 25 rows (or compute_mode="use_mm_for_euclid_dist") ‖x1‖² − 2·x1·x2ᵀ + ‖x2‖², clamped at 0, square
+    root (a batched-matmul join and row norms); else, where one side has one row, the norm of the differences.
+    Other calls (2-D inputs, whose rows are the batch; P, R > 1 below the threshold, whose differences would be
+    [..., P, R, M]) run as written (`NotImplemented`)."""
+    if x1.dim() < 3 or x2.dim() < 3:
+        return NotImplemented
+    rows = max(x1.shape[-2], x2.shape[-2])
+    mm = compute_mode == "use_mm_for_euclid_dist" or (
+        compute_mode == "use_mm_for_euclid_dist_if_necessary" and rows > CDIST_MM_ROWS
+    )
+    if p == 2 and mm:
+        n1, n2 = (x.pow(2).sum(-1, keepdim=True) for x in (x1, x2))
+        return (n1 - 2 * torch.matmul(x1, x2.transpose(-1, -2)) + n2.transpose(-1, -2)).clamp_min(0).sqrt()
+    if x1.shape[-2] != 1 and x2.shape[-2] != 1:
+        return NotImplemented
+    diff = (x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs()
+    if p == 0:
+        return (diff != 0).to(x1.dtype).sum(-1)
+    if p == math.inf:
+        return diff.amax(-1)
+    if p == 1:
+        return diff.sum(-1)
+    if p == 2:
+        return diff.pow(2).sum(-1).sqrt()
+    return diff.pow(p).sum(-1).pow(1 / p)
+
+
 MODULE_FORMS = {nn.MultiheadAttention: multihead_attention}
-FUNCTION_FORMS = {F.multi_head_attention_forward: multi_head_attention_forward}
+FUNCTION_FORMS = {
+    F.multi_head_attention_forward: multi_head_attention_forward,
+    torch.cosine_similarity: cosine_similarity,  # F.cosine_similarity is the same function
+    torch.pairwise_distance: pairwise_distance,
+    torch.cdist: cdist,
+}

@@ -202,7 +202,9 @@ ELEMENTWISE_METHODS = {
 }  # fmt: skip
 ADD_SUB = {operator.add: 1.0, torch.add: 1.0, "add": 1.0, operator.sub: -1.0, torch.sub: -1.0, "sub": -1.0}
 REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "all", "any", "count_nonzero", "std", "var", "norm"}
-REDUCTION_FUNCTIONS = {torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.prod, torch.std, torch.var}
+REDUCTION_FUNCTIONS = {torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.prod, torch.std, torch.var,
+                       torch.norm, torch.linalg.vector_norm, torch.linalg.norm}  # fmt: skip
+NORM_REDUCTIONS = {"norm", torch.norm, torch.linalg.vector_norm, torch.linalg.norm}  # (x, p / ord, dim, keepdim)
 FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full}
 LIKE_FACTORIES = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
 NEW_FACTORIES = {"new_zeros", "new_ones", "new_empty", "new_full"}  # x.new_zeros(size): x gives dtype, device
