@@ -450,6 +450,52 @@ def test_similarities_and_distances_join_user_rows(spell):
     check(Similarity(spell))
 
 
+class ShapedLike(nn.Module):
+    """Shapes taken from a replicated tensor (`expand_as(u[m])`, `expand(u[m].shape)`) and a squeeze of one dim over
+    a concat of user and candidate parts."""
+
+    SPELLINGS = {
+        "candidate_expand_as": lambda s, u, c, m: torch.cat([u[m], c.expand_as(u[m])], -1),
+        "candidate_expand_to_shape": lambda s, u, c, m: torch.cat([u[m], c.expand(u[m].shape)], -1),
+        "parameter_expand_as": lambda s, u, c, m: torch.cat([u[m], s.bias[None].expand_as(u[m]) * c], -1),
+        "squeeze_over_concat": lambda s, u, c, m: torch.cat([u[m][:, None], c[:, None]], -1).squeeze(1),
+        "squeeze_dims_over_concat": lambda s, u, c, m: torch.cat([u[m][:, None], c[:, None]], -1).squeeze((1,)),
+    }
+
+    def __init__(self, spell):
+        super().__init__()
+        self.spell = self.SPELLINGS[spell]
+        self.user, self.cand = nn.Linear(FU, D), nn.Linear(FC, D)
+        self.bias = nn.Parameter(torch.randn(D))
+        self.out = nn.Sequential(nn.Linear(2 * D, D), nn.ReLU(), nn.Linear(D, 1))
+
+    def forward(self, user, cand, cand_to_user):
+        return self.out(self.spell(self, self.user(user), self.cand(cand), cand_to_user))
+
+
+@pytest.mark.parametrize("spell", list(ShapedLike.SPELLINGS))
+def test_shapes_of_replicas_and_squeezed_concats(spell):
+    check(ShapedLike(spell))
+
+
+class SizesOfAConcat(nn.Module):
+    """Sizes read from a concat of user and candidate tokens (`seq.size(1)`, `seq.size(-1)`) and the candidate count
+    as `len(cand_to_user)`: sizes, not replications."""
+
+    def __init__(self):
+        super().__init__()
+        self.history, self.cand = nn.Linear(D, D), nn.Linear(FC, D)
+
+    def forward(self, history, cand, cand_to_user):
+        seq = torch.cat([self.history(history)[cand_to_user], self.cand(cand)[:, None]], 1)
+        tokens, width, num_candidates = seq.size(1), seq.size(-1), len(cand_to_user)
+        return seq.sum(1) / tokens + torch.ones(num_candidates, width) * tokens
+
+
+def test_sizes_of_a_concat_and_len_of_the_mapping():
+    check(SizesOfAConcat())
+
+
 class RowNorm(nn.Module):
     """A norm over the rows (dim 0) of a replicated tensor, its dim given after p: not row-wise, kept exact."""
 
@@ -630,6 +676,8 @@ class Masked(nn.Module):
         "additive": lambda k, n, ids: torch.zeros(n.shape[0], L).masked_fill(torch.arange(L) >= n[:, None], -math.inf),
         "additive_finite": lambda k, n, ids: (torch.arange(L) >= n[:, None]).float() * -1e9,
         "ids_nonzero": lambda k, n, ids: ids != 0,
+        "expanded_to_rows": lambda k, n, ids: torch.arange(k.size(1)).expand(len(n), k.size(1)) < n.unsqueeze(-1),
+        "repeated_to_rows": lambda k, n, ids: torch.arange(L).repeat(n.shape[0], 1) < n[:, None],
     }
 
     def __init__(self, mask, replicate_first=True):

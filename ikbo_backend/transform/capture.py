@@ -399,7 +399,8 @@ def _traced_factories(tracer, model: nn.Module):
     """torch.zeros(n, d) and the like with a traced size become graph nodes (torch's argument parser
     rejects a proxy inside a size list before __torch_function__ is consulted); so do the sequence packing
     functions, reached through `nn.utils.rnn` or imported by name into the module of a forward the model runs
-    (fx's own autowrap would mark their nodes for codegen with a dotted name its next trace cannot find)."""
+    (fx's own autowrap would mark their nodes for codegen with a dotted name its next trace cannot find); `len`
+    of a traced tensor in those modules is its traced size(0)."""
 
     def wrap(original):
         def factory(*args, **kwargs):
@@ -409,8 +410,14 @@ def _traced_factories(tracer, model: nn.Module):
 
         return factory
 
+    def traced_len(obj):  # len(x) of a traced tensor is x.size(0), like x.shape[0] (e.g. `B = len(cand_to_user)`)
+        if isinstance(obj, ShadowProxy) and isinstance(obj.value, torch.Tensor) and obj.value.dim() > 0:
+            return obj.size(0)
+        return len(obj)
+
     originals = {name: getattr(torch, name) for name in FACTORIES}
     scopes = {id(g): g for m in model.modules() if (g := getattr(type(m).forward, "__globals__", None)) is not None}
+    lens = [g for g in scopes.values() if "len" not in g]  # the forwards' modules: their `len` is the builtin
     scopes[id(vars(nn.utils.rnn))] = vars(nn.utils.rnn)
     packing = {id(fn) for fn in PACKING.values()}
     imported = [(g, key, value) for g in scopes.values() for key, value in list(g.items()) if id(value) in packing]
@@ -419,12 +426,16 @@ def _traced_factories(tracer, model: nn.Module):
             setattr(torch, name, wrap(fn))
         for scope, key, fn in imported:
             scope[key] = wrap(fn)
+        for scope in lens:
+            scope["len"] = traced_len
         yield
     finally:
         for name, fn in originals.items():
             setattr(torch, name, fn)
         for scope, key, fn in imported:
             scope[key] = fn
+        for scope in lens:
+            scope.pop("len", None)
 
 
 def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:

@@ -74,6 +74,7 @@ from .values import (
     to_meta,
 )  # fmt: skip
 
+EQUAL_ROWS = {"expand", "repeat", "broadcast_to", torch.broadcast_to}  # of a tensor without rows: equal rows
 ADD_PRODUCTS = {torch.baddbmm: torch.bmm, "baddbmm": torch.bmm, torch.addmm: torch.matmul, "addmm": torch.matmul}
 MATMULS = {torch.matmul, operator.matmul, torch.mm, "matmul", "mm"}
 SPREADS = {"unsqueeze", "view", "reshape", "expand", "expand_as", "repeat", "broadcast_to", torch.unsqueeze,
@@ -289,7 +290,27 @@ class Rewriter(AttentionRewrites):
         node = self.emit(op, target, fmap(args, m), fmap(kwargs, m))
         rows_b = isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
         count_b = type(meta) is int and meta == self.num_candidates  # e.g. cand.shape[0]
-        return Plain(node, meta, batched=batched and (rows_b or count_b or isinstance(meta, tuple)))
+        out = Plain(node, meta, batched=batched and (rows_b or count_b or isinstance(meta, tuple)))
+        src = args[0] if args else None
+        if target in EQUAL_ROWS and out.batched and isinstance(src, Plain) and not src.batched and src.mapping is None:
+            if isinstance(src.meta, Meta) and (src.meta.ndim < meta.ndim or src.meta.shape[0] == 1):
+                out.rows_of = src  # arange(L).expand(B, L): every candidate row the same
+        return out
+
+    def unexpanded(self, target, args, kwargs, meta):
+        """An elementwise op with user rows whose other operands include tensors expanded to B equal rows (rows_of)
+        reads their sources instead where broadcasting gives the same shape (`arange(L).expand(B, L) < len[m][:,
+        None]` is `arange(L) < len[m][:, None]`, a per-user mask)."""
+        if not (target in ELEMENTWISE_FUNCTIONS or target in ELEMENTWISE_METHODS) or not isinstance(meta, Meta):
+            return args, kwargs
+        swap = lambda v: v.rows_of if isinstance(v, Plain) and v.rows_of is not None else v  # noqa: E731
+        new_args, new_kwargs = fmap(args, swap), fmap(kwargs, swap)
+        shapes = [v.meta.shape for v in leaves((new_args, new_kwargs)) if is_value(v) and isinstance(v.meta, Meta)]
+        try:
+            same = tuple(torch.broadcast_shapes(*shapes)) == tuple(meta.shape)
+        except RuntimeError:
+            same = False
+        return (new_args, new_kwargs) if same else (args, kwargs)
 
     # --- main loop -----------------------------------------------------------------------------
 
@@ -417,6 +438,9 @@ class Rewriter(AttentionRewrites):
             return self.setitem(*args)
         if target in SEQUENCE_OPS and args and isinstance(args[0], Struct):  # torch.stack(torch.split(x, ...))
             args = (list(args[0].items), *args[1:])
+        if target == "expand_as" and len(args) == 2 and isinstance(args[1], Rep) and args[1].row_dim == 0:
+            shape = RepShape(self.emit("call_function", getattr, (args[1].user, "shape")), args[1].mapping, None)
+            return self.apply("call_method", "expand", (args[0], shape), {}, meta)  # only the shape of a Rep is read
         if target is torch.tensordot and self._tensordot_is_matmul(args, kwargs):
             op, target, args, kwargs = "call_function", torch.matmul, args[:2], {}
         if target in ADD_PRODUCTS and len(args) == 3 and set(kwargs) <= {"beta", "alpha"}:
@@ -431,6 +455,7 @@ class Rewriter(AttentionRewrites):
         user = [v for v in flat if isinstance(v, USER_FORMS) or isinstance(v, Struct)]
         if not user:
             return self.plain(op, target, args, kwargs, meta, "")
+        args, kwargs = self.unexpanded(target, args, kwargs, meta)
         if (out_of_place := self.out_of_place(op, target, args, kwargs)) is not None:
             target, self.converted = out_of_place, True
         if op == "call_module":
@@ -587,7 +612,8 @@ class Rewriter(AttentionRewrites):
                     )
                     self.mappings[mkey] = Mapping(mkey, node, f"repeat_interleave at {self.where()}")
                 return self.new_rep(src, self.mappings[mkey], meta, "repeat_interleave(counts, dim=0)")
-        if key in ("expand", "repeat", "expand_as") and self._user_tensor(src) and src.meta.shape[0] == 1:
+        one_row = key in ("expand", "repeat", "expand_as") and self._user_tensor(src) and src.meta.shape[0] == 1
+        if one_row and not any(isinstance(a, RepShape) for a in args[1:]):
             return self.one_row(key, args, meta)
         if key in MATMULS and len(args) == 2 and self._user_tensor(args[1]) and args[1].meta.ndim == 2:
             mapping = self._selection_of(src)
@@ -768,6 +794,16 @@ class Rewriter(AttentionRewrites):
         if isinstance(x, Concat) and (key is getattr and args[1] == "shape" or key == "size" and len(args) == 1):
             shapes = [self._shape_node(p) for p in x.parts]
             return Plain(self.emit("call_function", ops.cat_shape, (shapes, x.dim)), meta)
+        if isinstance(x, Concat) and key == "size" and len(args) == 2 and isinstance(args[1], int):
+            dim = _norm(args[1], x.meta.ndim)  # x.size(d): a part's, or the parts' sum along the concat dim
+            if dim is not None and dim != x.dim:
+                return self.apply("call_method", "size", (x.parts[0], dim), {}, meta)
+            if dim is not None:
+                total = None
+                for part in x.parts:
+                    size = self.apply("call_method", "size", (part, dim), {}, part.meta.shape[dim])
+                    total = size if total is None else self.apply("call_function", operator.add, (total, size), {}, 0)
+                return Plain(total.node, meta)
         if isinstance(x, Concat) and (key is getattr and args[1] in ("dtype", "device", "ndim")):
             return Plain(self.emit("call_function", getattr, (self._shape_source(x.parts[0]), args[1])), meta)
         if not isinstance(x, Rep) or isinstance(x.meta, tuple):
@@ -842,6 +878,12 @@ class Rewriter(AttentionRewrites):
         if key in ("expand", "repeat") and isinstance(args[0], Plain) and not args[0].batched:
             sizes = _sizes(args)
             src = args[0]
+            if key == "expand" and len(sizes) == 1 and isinstance(sizes[0], RepShape) and isinstance(src.meta, Meta):
+                if isinstance(meta, Meta) and (
+                    src.meta.ndim < meta.ndim or src.meta.shape[0] == 1
+                ):  # x.expand(u[m].shape)
+                    node = self.emit("call_method", "expand", (src.node, sizes[0].user_shape))
+                    return Rep(node, sizes[0].mapping, meta, f"{self.where()} (a constant row)")
             if sizes and isinstance(sizes[0], Rows) and isinstance(src.meta, Meta):
                 new_dim = len(sizes) > src.meta.ndim or (src.meta.ndim and src.meta.shape[0] == 1)
                 if key == "repeat" and len(sizes) == src.meta.ndim and src.meta.shape[0] != 1:
@@ -1061,6 +1103,11 @@ class Rewriter(AttentionRewrites):
                 sizes = (
                     list(x.args[1]) if len(x.args) == 2 and isinstance(x.args[1], (tuple, list)) else list(x.args[1:])
                 )
+                if len(sizes) == 1 and isinstance(sizes[0], fx.Node):  # a shape computed at run time (a Rep's)
+                    head = self.emit("call_function", operator.getitem, (sizes[0], slice(None, -1)))
+                    return self.emit(
+                        "call_method", "expand", (small, self.emit("call_function", operator.add, (head, (-1,))))
+                    )
                 return self.emit("call_method", "expand", (small, *sizes[:-1], -1))
         return self.emit("call_function", target, args)
 
@@ -1165,7 +1212,8 @@ class Rewriter(AttentionRewrites):
         if key in ("unsqueeze", torch.unsqueeze):
             return _off_rows(_arg(args, kwargs, 1, "dim"), xnd + 1)
         if key in ("squeeze", torch.squeeze):
-            return _off_rows(_arg(args, kwargs, 1, "dim"), xnd)
+            dim = _arg(args, kwargs, 1, "dim")
+            return all(_off_rows(d, xnd) for d in (dim if isinstance(dim, (tuple, list)) else [dim]))
         if key in TRANSPOSES:
             return _off_rows(_arg(args, kwargs, 1, "dim0"), xnd) and _off_rows(_arg(args, kwargs, 2, "dim1"), xnd)
         if key in ("permute", torch.permute):
@@ -1421,6 +1469,13 @@ class Rewriter(AttentionRewrites):
             d = _norm(_arg(args, kwargs, 1, "dim"), nd + 1)
             if d not in (None, 0):
                 return self.per_part(op, key, args, kwargs, c, meta, c.dim + (d <= c.dim))
+        if key in ("squeeze", torch.squeeze) and _arg(args, kwargs, 1, "dim") is not None:
+            dim = _arg(args, kwargs, 1, "dim")  # explicit dims only: squeeze() would drop the rows where B = 1
+            dims = [_norm(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
+            if None not in dims and 0 not in dims and c.dim not in dims:
+                return self.per_part(
+                    op, key, args, kwargs, c, meta, c.dim - sum(d < c.dim and c.meta.shape[d] == 1 for d in dims)
+                )
         if key in ("unflatten", torch.unflatten):
             d = _norm(_arg(args, kwargs, 1, "dim"), nd)
             if d not in (None, 0, c.dim):

@@ -48,6 +48,7 @@ class Plain:
     batched: bool = False  # has the B candidate rows as dim 0
     mapping: Mapping | None = None  # this value is the mapping (maybe converted)
     spread: Mapping | None = None  # the mapping broadcast along trailing dims: value[b, ...] = m[b]
+    rows_of: Plain | None = None  # a tensor without candidate rows expanded to B equal rows: value[b] = rows_of
 
 
 @dataclass(eq=False)
