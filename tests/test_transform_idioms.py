@@ -496,6 +496,28 @@ def test_sizes_of_a_concat_and_len_of_the_mapping():
     check(SizesOfAConcat())
 
 
+class FieldEinsums(nn.Module):
+    """Einsums over a feature matrix of user and candidate fields (Wukong / DHEN style): a projection contracting
+    the field index, then one keeping it."""
+
+    def __init__(self):
+        super().__init__()
+        self.user, self.cand = nn.Linear(FU, 3 * D), nn.Linear(FC, 2 * D)
+        self.fields = nn.Parameter(torch.randn(5, 4) / 5**0.5)
+        self.width = nn.Parameter(torch.randn(D, 8) / D**0.5)
+        self.out = nn.Linear(4 * 8 + 5 * 8, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        x = torch.cat([self.user(user)[cand_to_user].unflatten(1, (3, D)), self.cand(cand).unflatten(1, (2, D))], 1)
+        mixed = torch.einsum("bnd,nr->brd", x, self.fields)  # contracts the field index
+        widened = torch.einsum("bnd,de->bne", x, self.width)  # keeps it
+        return self.out(torch.cat([torch.einsum("brd,de->bre", mixed, self.width).flatten(1), widened.flatten(1)], 1))
+
+
+def test_einsums_over_user_and_candidate_fields():
+    check(FieldEinsums(), must=("einsum over a concat",))
+
+
 class RowNorm(nn.Module):
     """A norm over the rows (dim 0) of a replicated tensor, its dim given after p: not row-wise, kept exact."""
 
@@ -790,21 +812,31 @@ def test_packed_sequences_run_at_user_rows(fixed):
 
 
 class Encoder(nn.Module):
-    """A transformer encoder layer over the replicated history (users' tokens only), then the target."""
+    """A transformer encoder (a layer, or the stack with a causal mask made in the forward from a traced size, float
+    or boolean) over the replicated history (users' tokens only), then the target."""
 
-    def __init__(self):
+    def __init__(self, causal=None):
         super().__init__()
-        self.layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=32, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=32, batch_first=True, norm_first=True)
+        self.causal = causal
+        self.layer = layer if causal is None else nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
         self.q = nn.Linear(FC, D)
 
     def forward(self, history, lengths, cand, cand_to_user):
         padding = torch.arange(L)[None, :] >= lengths[:, None]
-        seq = self.layer(history[cand_to_user], src_key_padding_mask=padding[cand_to_user])
+        tokens = history.size(1)
+        if self.causal == "float":
+            mask = nn.Transformer.generate_square_subsequent_mask(tokens, device=history.device)
+        elif self.causal == "bool":
+            mask = torch.triu(torch.ones(tokens, tokens, dtype=torch.bool), 1)
+        kwargs = {} if self.causal is None else {"mask": mask}
+        seq = self.layer(history[cand_to_user], src_key_padding_mask=padding[cand_to_user], **kwargs)
         return (self.q(cand)[:, None, :] * seq).sum(-1)
 
 
-def test_transformer_layer_over_history():
-    check(Encoder())
+@pytest.mark.parametrize("causal", [None, "float", "bool"])
+def test_transformer_layer_over_history(causal):
+    check(Encoder(causal))
 
 
 class NestedEncoder(nn.Module):

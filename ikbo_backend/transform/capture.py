@@ -400,7 +400,8 @@ def _traced_factories(tracer, model: nn.Module):
     rejects a proxy inside a size list before __torch_function__ is consulted); so do the sequence packing
     functions, reached through `nn.utils.rnn` or imported by name into the module of a forward the model runs
     (fx's own autowrap would mark their nodes for codegen with a dotted name its next trace cannot find); `len`
-    of a traced tensor in those modules is its traced size(0)."""
+    of a traced tensor in those modules is its traced size(0); the transformer layers' `F._none_or_dtype` takes a
+    traced mask."""
 
     def wrap(original):
         def factory(*args, **kwargs):
@@ -415,6 +416,13 @@ def _traced_factories(tracer, model: nn.Module):
             return obj.size(0)
         return len(obj)
 
+    none_or_dtype = getattr(F, "_none_or_dtype", None)
+
+    def traced_none_or_dtype(mask):  # the transformer layers' mask check: a traced mask has its example's dtype
+        if isinstance(mask, ShadowProxy) and isinstance(mask.value, torch.Tensor):
+            return mask.value.dtype
+        return none_or_dtype(mask)
+
     originals = {name: getattr(torch, name) for name in FACTORIES}
     scopes = {id(g): g for m in model.modules() if (g := getattr(type(m).forward, "__globals__", None)) is not None}
     lens = [g for g in scopes.values() if "len" not in g]  # the forwards' modules: their `len` is the builtin
@@ -428,6 +436,8 @@ def _traced_factories(tracer, model: nn.Module):
             scope[key] = wrap(fn)
         for scope in lens:
             scope["len"] = traced_len
+        if none_or_dtype is not None:
+            F._none_or_dtype = traced_none_or_dtype
         yield
     finally:
         for name, fn in originals.items():
@@ -436,6 +446,8 @@ def _traced_factories(tracer, model: nn.Module):
             scope[key] = fn
         for scope in lens:
             scope.pop("len", None)
+        if none_or_dtype is not None:
+            F._none_or_dtype = none_or_dtype
 
 
 def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:

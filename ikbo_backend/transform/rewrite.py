@@ -1361,6 +1361,8 @@ class Rewriter(AttentionRewrites):
     # --- concat of user and candidate parts ----------------------------------------------------
 
     def concat_ops(self, op, key, args, kwargs, meta):
+        if key is torch.einsum and len(args) >= 3 and any(isinstance(v, Concat) for v in args[1:]):
+            return self.einsum_concat(args[0], list(args[1:]), meta)
         if key is torch.stack and isinstance(meta, Meta):  # stack along dim d ≠ 0: cat of the parts unsqueezed at d
             dim = _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim)
             parts = list(args[0])
@@ -1675,6 +1677,51 @@ class Rewriter(AttentionRewrites):
             "block products (user × user at U rows)"
         )
         return total
+
+    def einsum_concat(self, equation, operands, meta):
+        """einsum over a concat (not along its rows): along a kept index, one einsum a part (a concat of the results);
+        along a contracted index, Σ over the parts' ranges of the einsum of every operand's range (user × user terms
+        at U rows, kept as a Sum): Wukong / DHEN's `einsum("bnd,nr->bdr", cat(user_fields, cand_fields), W)`."""
+        if not isinstance(equation, str) or "." in equation or "->" not in equation or not isinstance(meta, Meta):
+            return None
+        inputs, out = equation.replace(" ", "").split("->")
+        terms = inputs.split(",")
+        if len(terms) != len(operands) or not all(is_value(v) and isinstance(v.meta, Meta) for v in operands):
+            return None
+        if any(len(t) != v.meta.ndim for t, v in zip(terms, operands)):
+            return None
+        c = next(v for v in operands if isinstance(v, Concat))
+        letter = terms[operands.index(c)][c.dim]
+        if letter == out[:1] or any(isinstance(v, Concat) and t[v.dim] != letter for t, v in zip(terms, operands)):
+            return None  # the rows' index, or concats along other indices
+        bounds = {0, c.meta.shape[c.dim]}
+        for t, v in zip(terms, operands):
+            if isinstance(v, Concat):
+                bounds |= set(itertools.accumulate(p.meta.shape[v.dim] for p in v.parts))
+        bounds, pieces = sorted(bounds), []
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            ranged = [self._slice(v, v.meta.ndim - t.index(letter), start, stop) if letter in t else v
+                      for t, v in zip(terms, operands)]  # fmt: skip
+            if any(isinstance(v, Concat) and v.dim == t.index(letter) for t, v in zip(terms, ranged)):
+                return None  # a range that covers more than one part
+            shape = list(meta.shape)
+            if letter in out:
+                shape[out.index(letter)] = stop - start
+            pieces.append(
+                self.apply("call_function", torch.einsum, (equation, *ranged), {}, Meta(tuple(shape), meta.dtype))
+            )
+        if letter in out:
+            how = "one einsum a part, the results kept as a concat"
+            result = Concat(pieces, out.index(letter), meta)
+        else:
+            how = "a sum of the parts' einsums (user × user at U rows)"
+            result = pieces[0]
+            for piece in pieces[1:]:
+                result = self.add_terms(result, piece, 1.0, meta)
+                if result is None:
+                    return None
+        self.report.rewritten.append(f"{self.where()}: einsum over a concat of user and candidate parts: {how}")
+        return result
 
     def _range(self, v, dim, start, stop):
         """v[..., start:stop, ...] along `dim`: a part (or a slice of one) of a concat along it, else a slice."""
