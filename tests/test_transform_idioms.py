@@ -113,6 +113,67 @@ def test_soft_selection_is_not_a_replication():
         assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
 
 
+class MaskedSelection(nn.Module):
+    """A one-hot selection matrix scaled by a per-candidate validity mask (all ones on the example): not a
+    replication, since other inputs' values enter it."""
+
+    def forward(self, user, cand, valid, cand_to_user):
+        selection = F.one_hot(cand_to_user, user.shape[0]).float() * valid[:, None]
+        return torch.cat([selection @ user, cand], 1)
+
+
+def test_selection_scaled_by_other_inputs_is_not_a_replication():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    inputs = lambda u, b, valid: (*args_for(Replicated("index"), request(u, b, gen)), valid)  # noqa: E731
+    model = MaskedSelection().eval()
+    user, cand, mapping, _ = inputs(*EXAMPLE, None)
+    module, report = to_ikbo(model, (user, cand, torch.ones(EXAMPLE[1]), mapping), measure=False)
+    for num_users, num_candidates in SIZES:
+        user, cand, mapping, _ = inputs(num_users, num_candidates, None)
+        valid = (torch.rand(num_candidates, generator=gen) > 0.3).float()
+        with torch.inference_mode():
+            assert rel_err(module(user, cand, valid, mapping), model(user, cand, valid, mapping)) <= RTOL, str(report)
+
+
+class RowCounts(nn.Module):
+    """Row counts used as numbers and in branches: `x.shape[0]` of a replica as a fill value (B in the original),
+    a branch on `cand.numel()` or on the size of a flattened replica (both count candidates)."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+
+    def forward(self, user, cand, cand_to_user):
+        x = user[cand_to_user]
+        if self.use == "fill":
+            return torch.cat([x * torch.full_like(x[:, :1], x.shape[0]).clamp(max=EXAMPLE[0] - 1), cand], 1)
+        count = cand.numel() // FC if self.use == "numel" else x.reshape(-1).shape[0] // FU
+        return torch.cat([x * 2, cand], 1) if count >= EXAMPLE[1] else torch.cat([x, cand], 1)
+
+
+@pytest.mark.parametrize("use", ["fill", "numel", "flattened_size"])
+def test_row_counts_as_values_and_in_branches(use):
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = RowCounts(use).eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    for num_users, num_candidates in [(3, 41), (4, 2), (1, 1)]:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+
+
+def test_keyword_arguments():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Replicated("index").eval()
+    module, _ = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    user, cand, mapping = args_for(model, request(7, 53, gen))
+    with torch.inference_mode():
+        want = model(user, cand, mapping)
+        assert rel_err(module(user=user, cand=cand, cand_to_user=mapping), want) <= RTOL
+        assert rel_err(module(user, cand_to_user=mapping, cand=cand), want) <= RTOL
+    assert module.fallbacks == 0
+
+
 class AddProducts(nn.Module):
     """baddbmm / addmm over replicated user rows: scores = bias + q · kᵀ (baddbmm, a scaled additive key mask as
     the bias, as some attention code writes it) and a user projection by addmm."""
@@ -460,6 +521,7 @@ class ShapedLike(nn.Module):
         "parameter_expand_as": lambda s, u, c, m: torch.cat([u[m], s.bias[None].expand_as(u[m]) * c], -1),
         "squeeze_over_concat": lambda s, u, c, m: torch.cat([u[m][:, None], c[:, None]], -1).squeeze(1),
         "squeeze_dims_over_concat": lambda s, u, c, m: torch.cat([u[m][:, None], c[:, None]], -1).squeeze((1,)),
+        "new_dims_over_concat": lambda s, u, c, m: torch.cat([u[m], c], -1)[:, None, ..., None].flatten(1),
     }
 
     def __init__(self, spell):
@@ -516,6 +578,32 @@ class FieldEinsums(nn.Module):
 
 def test_einsums_over_user_and_candidate_fields():
     check(FieldEinsums(), must=("einsum over a concat",))
+
+
+class NormedFields(nn.Module):
+    """BatchNorm (eval, trained statistics) over a stack of user and candidate fields: channels on the fields (the
+    concat dim) or on the embedding; then a weighted bag of history ids with per-position weights."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.channels = channels
+        self.user, self.cand = nn.Linear(FU, D), nn.Linear(FC, D)
+        self.norm = nn.BatchNorm1d(2 if channels == "fields" else D)
+        self.norm.running_mean.normal_(), self.norm.running_var.uniform_(0.5, 2), self.norm.weight.data.normal_()
+        self.bag = nn.EmbeddingBag(50, D, mode="sum")
+        self.position = nn.Parameter(torch.rand(L))
+        self.out = nn.Linear(3 * D, 1)
+
+    def forward(self, user, ids, cand, cand_to_user):
+        fields = torch.stack([self.user(user)[cand_to_user], self.cand(cand)], 1)  # [B, 2, D]
+        normed = self.norm(fields) if self.channels == "fields" else self.norm(fields.transpose(1, 2)).transpose(1, 2)
+        bag = self.bag(ids[cand_to_user], per_sample_weights=self.position.expand(len(cand_to_user), L))
+        return self.out(torch.cat([normed.flatten(1), bag], 1))
+
+
+@pytest.mark.parametrize("channels", ["fields", "embedding"])
+def test_batch_norm_over_fields_and_weighted_bags(channels):
+    check(NormedFields(channels))
 
 
 class RowNorm(nn.Module):
@@ -903,6 +991,13 @@ class Centered(nn.Module):
         return x - x.mean(0) if bool(x.sum() != 0) else x
 
 
+class ScaledWhenLarge(nn.Module):
+    """Branches on a statistic of all its rows: row by row on small inputs (the example's), not on large ones."""
+
+    def forward(self, x):
+        return x / x.norm() if bool(x.abs().max() > 10) else x
+
+
 class WithOpaque(nn.Module):
     def __init__(self, inner):
         super().__init__()
@@ -916,6 +1011,7 @@ def test_opaque_module_runs_at_user_rows_where_row_wise():
     report = check(WithOpaque(RowLoop()), must=("kept whole, runs at U rows",))
     assert any("`inner` (RowLoop)" in k for k in report.kept), str(report)
     report = check(WithOpaque(Centered()), expect_left=1, must=("`inner` reads candidate rows",))
+    check(WithOpaque(ScaledWhenLarge()), expect_left=1, must=("`inner` reads candidate rows",))
 
 
 class DictInput(nn.Module):

@@ -213,6 +213,8 @@ class Guarded(torch.nn.Module):
         self.fixed_sizes, self.fallbacks = fixed_sizes, 0
         leaves, self.structure = tree_flatten(example_inputs)  # dict keys included: the graph reads entries by key
         self.expected = [self._key(t, rows) for t in leaves]
+        self.signature = inspect.signature(original.forward)
+        self.names = list(self.signature.parameters)[: len(example_inputs)]  # the graph's inputs, in order
 
     def _key(self, t, rows):
         if not isinstance(t, torch.Tensor):
@@ -240,8 +242,15 @@ class Guarded(torch.nn.Module):
                 return False
         return True
 
-    def forward(self, *args):
-        if self.matches(args):
+    def forward(self, *args, **kwargs):
+        if kwargs:  # the example's arguments by name, in the forward's order; other arguments: the original
+            try:
+                bound = self.signature.bind(*args, **kwargs).arguments
+            except TypeError:
+                bound = {}
+            if set(bound) == set(self.names):
+                args, kwargs = tuple(bound[n] for n in self.names), {}
+        if not kwargs and self.matches(args):
             return self.rewritten(*args)
         self.fallbacks += 1
-        return self.original(*args)
+        return self.original(*args, **kwargs)

@@ -55,7 +55,8 @@ META_ATTRIBUTES = {
 }  # fmt: skip
 META_METHODS = {"dim", "ndimension", "is_floating_point", "is_complex", "get_device", "is_contiguous", "element_size"}
 META_FUNCTIONS = {torch.is_floating_point, torch.is_complex}
-SIZE_METHODS = {"size", "numel"}
+SIZE_METHODS = {"size"}
+COUNT_METHODS = {"numel", "nelement"}  # products of every dim
 PIECES = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}  # ops returning a size-dependent count
 RNN_MODULES = (nn.RNNBase,)
 DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
@@ -334,15 +335,34 @@ class Tracer(fx.Tracer):
         """(tensor node, sizes read) if `n` reads sizes of a tensor (x.shape, x.size(), x.shape[i]...)."""
         value = n.meta.get("example_value")
         if n.op == "call_function" and n.target is getattr and n.args[1] == "shape":
-            return n.args[0], tuple(value)
+            return n.args[0], tuple(value) + self._folded_rows(n.args[0])
+        if n.op == "call_method" and n.target in COUNT_METHODS and isinstance(n.args[0], fx.Node):
+            inner = self._shape_source(n.args[0])  # x.shape.numel()
+            if inner is not None:
+                return inner
+            shape = getattr(n.args[0].meta.get("example_value"), "shape", None)  # x.numel(): every dim
+            return n.args[0], (*tuple(shape or ()), value) + self._folded_rows(n.args[0])
         if n.op == "call_method" and n.target in SIZE_METHODS:
             sizes = (value,) if isinstance(value, int) else tuple(value)
-            return n.args[0], sizes
+            return n.args[0], sizes + self._folded_rows(n.args[0])
         if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
             inner = self._shape_source(n.args[0])
             if inner is not None and isinstance(value, int):
-                return inner[0], (value,)
+                return inner[0], (value,) + self._folded_rows(inner[0])
         return None
+
+    def _folded_rows(self, n) -> tuple:
+        """The row count a view-like op folded into another dim of its result (`x.view(-1)`, `x.flatten()`,
+        `x.reshape(-1, 4)` of x with rows on dim 0), so that a size read from it counts as reading the rows."""
+        if not (isinstance(n, fx.Node) and n.op in ("call_method", "call_function") and n.args):
+            return ()
+        if _name(n.target) not in ("view", "reshape", "flatten", "ravel", "unflatten", "view_as", "reshape_as"):
+            return ()
+        source, result = n.args[0], n.meta.get("example_value")
+        before = getattr(source.meta.get("example_value"), "shape", None) if isinstance(source, fx.Node) else None
+        if not before or not isinstance(result, torch.Tensor) or before[0] not in self.rows:
+            return ()
+        return () if result.dim() and result.shape[0] == before[0] else (before[0],)
 
     def _is_meta(self, n) -> bool:
         if n.op == "call_function" and n.target is getattr and n.args[1] in META_ATTRIBUTES:

@@ -74,6 +74,8 @@ from .values import (
     to_meta,
 )  # fmt: skip
 
+METADATA = {"shape", "dtype", "device", "ndim", "is_cuda", "layout"}
+SIZE_OPS = {"view", "reshape", torch.reshape, "expand", "repeat"}  # their row size at U rows is U
 EQUAL_ROWS = {"expand", "repeat", "broadcast_to", torch.broadcast_to}  # of a tensor without rows: equal rows
 ADD_PRODUCTS = {torch.baddbmm: torch.bmm, "baddbmm": torch.bmm, torch.addmm: torch.matmul, "addmm": torch.matmul}
 MATMULS = {torch.matmul, operator.matmul, torch.mm, "matmul", "mm"}
@@ -296,6 +298,24 @@ class Rewriter(AttentionRewrites):
             if isinstance(src.meta, Meta) and (src.meta.ndim < meta.ndim or src.meta.shape[0] == 1):
                 out.rows_of = src  # arange(L).expand(B, L): every candidate row the same
         return out
+
+    def constant_rows_beside(self, args, kwargs):
+        """Operands expanded to B equal rows (rows_of) beside Reps of one mapping: Reps of their source expanded to
+        U rows (any mapping selects the same row), so a row-wise op runs at U rows."""
+        flat = leaves((args, kwargs))
+        reps = [v for v in flat if isinstance(v, Rep) and not v.row_dim]
+        consts = [v for v in flat if isinstance(v, Plain) and v.rows_of is not None]
+        if not reps or not consts or len({r.mapping.key for r in reps}) != 1:
+            return args, kwargs
+        rows = self.emit(
+            "call_function", operator.getitem, (self.emit("call_function", getattr, (reps[0].user, "shape")), 0)
+        )
+        swapped = {}
+        for v in consts:
+            node = self.emit("call_method", "expand", (v.rows_of.node, rows, *v.meta.shape[1:]))
+            swapped[id(v)] = Rep(node, reps[0].mapping, v.meta, f"{self.where()} (a constant row)")
+        swap = lambda v: swapped.get(id(v), v)  # noqa: E731
+        return fmap(args, swap), fmap(kwargs, swap)
 
     def unexpanded(self, target, args, kwargs, meta):
         """An elementwise op with user rows whose other operands include tensors expanded to B equal rows (rows_of)
@@ -645,7 +665,8 @@ class Rewriter(AttentionRewrites):
 
     def _selection_of(self, v):
         """The input mapping m whose one-hot selection matrix v [B, U] is (F.one_hot(m, U), eye(U)[m], m[:, None] ==
-        arange(U), in any dtype): v computed from m, and on the example 1 at (b, m[b]) and 0 elsewhere."""
+        arange(U), in any dtype): v computed from m and constants alone (no other input's values), and on the
+        example 1 at (b, m[b]) and 0 elsewhere."""
         if not (isinstance(v, Plain) and v.batched and isinstance(v.meta, Meta) and v.meta.ndim == 2):
             return None
         if v.meta.shape != (self.num_candidates, self.num_users) or not isinstance(v.node, fx.Node):
@@ -653,19 +674,30 @@ class Rewriter(AttentionRewrites):
         value = self.values.get(v.node)
         if not isinstance(value, torch.Tensor):
             return None
-        seen, stack = set(), [v.node]
-        while stack:  # the mapping input among v's ancestors
+        seen, stack, found = set(), [v.node], set()
+        while stack:  # v's inputs: the mapping and constants only (sizes of other inputs aside)
             node = stack.pop()
             if node in self.input_mappings:
-                m = self.values[node].long()
-                expected = F.one_hot(m.clamp(0, self.num_users - 1), self.num_users).to(value.dtype)
-                ok = bool(((m >= 0) & (m < self.num_users)).all()) and torch.equal(value, expected)
-                return self.input_mappings[node] if ok else None
-            for parent in node.all_input_nodes:
+                found.add(node)
+                continue
+            if node.op == "placeholder":
+                return None  # other data (a per-candidate mask would scale the selection on other inputs)
+            if node.target is getattr and node.args[1] in METADATA or node.target in ("size", "dim"):
+                continue  # x.shape, x.dtype, x.device: metadata
+            parents = node.all_input_nodes
+            if node.op == "call_method" and node.target in ("to", "type_as") and isinstance(node.args[0], fx.Node):
+                parents = [node.args[0]]  # `.to(x)`, `.type_as(x)`: x's dtype and device only
+            for parent in parents:
                 if parent not in seen:
                     seen.add(parent)
                     stack.append(parent)
-        return None
+        if len(found) != 1:
+            return None
+        (node,) = found
+        m = self.values[node].long()
+        expected = F.one_hot(m.clamp(0, self.num_users - 1), self.num_users).to(value.dtype)
+        ok = bool(((m >= 0) & (m < self.num_users)).all()) and torch.equal(value, expected)
+        return self.input_mappings[node] if ok else None
 
     def one_row(self, key, args, meta):
         """x.expand(B, ...) / x.repeat(B, ...) / x.expand_as(cand) of one user row: every candidate gets it."""
@@ -1025,7 +1057,7 @@ class Rewriter(AttentionRewrites):
                     and w.shape[0] == self.num_candidates
                     and torch.allclose(g.index_select(0, m), w, **_row_tolerance(w))
                 )
-        if not ok:
+        if not (ok and self._row_wise_on_probes(module, args, kwargs, m)):
             self.graph.erase_node(node)
             return None
         self.report.rewritten.append(
@@ -1040,6 +1072,36 @@ class Rewriter(AttentionRewrites):
             )
             return Struct(items, meta)
         return None
+
+    def _row_wise_on_probes(self, module, args, kwargs, m) -> bool:
+        """module(x)[m] equals module(x[m]) also where the user rows' float values are scaled by 1e-3 and 1e3 and
+        replaced by fresh normal values (a module that branches on its values, `if x.abs().max() > 10: x = x /
+        x.norm()`, may act row by row on the example alone); an error counts as not row-wise."""
+        gen = torch.Generator().manual_seed(0)
+        for probe in (lambda t: t * 1e-3, lambda t: t * 1e3, lambda t: torch.randn(t.shape, generator=gen).to(t)):
+            probed = {}  # each Rep's probe values, the same at U and at B rows
+
+            def value(v, rows, probe=probe, probed=probed):
+                if isinstance(v, Rep):
+                    if id(v) not in probed:
+                        t = self.values[v.user]
+                        probed[id(v)] = probe(t) if t.is_floating_point() else t
+                    return probed[id(v)].index_select(0, m) if rows else probed[id(v)]
+                return self.values[v.node] if isinstance(v, Plain) and isinstance(v.node, fx.Node) else v
+
+            try:
+                with torch.inference_mode():
+                    at_u = module(*fmap(args, lambda v: value(v, False)), **fmap(kwargs, lambda v: value(v, False)))
+                    at_b = module(*fmap(args, lambda v: value(v, True)), **fmap(kwargs, lambda v: value(v, True)))
+            except Exception:
+                return False
+            for g, w in zip(tree_flatten(at_u)[0], tree_flatten(at_b)[0]):
+                if isinstance(w, torch.Tensor) and not (
+                    isinstance(g, torch.Tensor)
+                    and torch.allclose(g.index_select(0, m), w, equal_nan=True, **_row_tolerance(w))
+                ):
+                    return False
+        return True
 
     def why_module(self, target):
         return f"module `{target}` reads candidate rows, or does not act row by row on the example"
@@ -1258,8 +1320,13 @@ class Rewriter(AttentionRewrites):
             return others_plain
         if key is F.embedding:
             return not self.batched(_arg(args, kwargs, 1, "weight"))
-        if key is F.embedding_bag:
-            return others_plain and xnd == 2 and _arg(args, kwargs, 2, "offsets") is None
+        if key is F.embedding_bag:  # per_sample_weights, if any, replicated with the ids
+            weights = _arg(args, kwargs, 8, "per_sample_weights")
+            others = [t for t in tensors if t is not x and t is not weights]
+            return (
+                xnd == 2 and _arg(args, kwargs, 2, "offsets") is None and not any(self.batched(t) for t in others)
+                and (weights is None or isinstance(weights, Rep) or not self.batched(weights))
+            )  # fmt: skip
         if key in MATMUL:
             a, b = args[0], args[1]
             if self.batched(a) and self.batched(b):
@@ -1310,6 +1377,13 @@ class Rewriter(AttentionRewrites):
         if key is torch.cat or key is torch.stack:
             if not all(isinstance(p, Rep) for p in args[0]):
                 return None
+        args, kwargs = self.constant_rows_beside(args, kwargs)
+        if key not in SIZE_OPS:  # a row count used as a number (x * x.shape[0], a fill value) is B, as in the original
+            as_value = lambda v: (  # noqa: E731
+                Plain(self.materialize(v, self.where(), "a row count used as a value"), v.meta)
+                if isinstance(v, (Rows, RepShape)) else v
+            )  # fmt: skip
+            args, kwargs = fmap(args, as_value), fmap(kwargs, as_value)
         flat = leaves((args, kwargs))
         reps = [v for v in flat if isinstance(v, (Rep, Rows, RepShape))]
         batched_plain = [
@@ -1427,6 +1501,9 @@ class Rewriter(AttentionRewrites):
             blocks = self.block_matmul(a, b, meta)
             if blocks is not None:
                 return blocks
+        if key is F.batch_norm and args[0] is c and not _arg(args, kwargs, 5, "training", False):
+            if not any(self.batched(v) for v in leaves((args[1:], kwargs))):
+                return self.batch_norm_concat(op, key, args, kwargs, c, meta)
         if (key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS) and self.rowwise_ok(key, args, kwargs, meta):
             return self.split_elementwise(op, key, args, kwargs, c, meta)
         x = args[0] if args else None
@@ -1490,6 +1567,9 @@ class Rewriter(AttentionRewrites):
                     op, key, args, kwargs, c, meta, d1 if c.dim == d0 else d0 if c.dim == d1 else c.dim
                 )
         if key is operator.getitem:
+            new_dim = self._new_dims_only(args[1], c)
+            if new_dim is not None:  # x[:, :, None]: unsqueezes, per part
+                return self.per_part(op, key, args, kwargs, c, meta, new_dim)
             return self.index_concat(c, args[1], meta) or self.gather_concat(c, args[1], meta)
         if (
             key in ("unbind", torch.unbind)
@@ -1884,6 +1964,24 @@ class Rewriter(AttentionRewrites):
             parts.append(part)
         return self._joined(parts, new_dim, meta)
 
+    def batch_norm_concat(self, op, key, args, kwargs, c, meta):
+        """batch_norm in eval (a per-channel affine map) over a concat: each part on its own, with its channels'
+        statistics and weights where the channels (dim 1) are the concat dim."""
+        if c.dim != 1:
+            return self.per_part(op, key, args, kwargs, c, meta, c.dim)
+        names = ("running_mean", "running_var", "weight", "bias")
+        parts, start = [], 0
+        for p in c.parts:
+            stop = start + p.meta.shape[1]
+            channels = lambda v: self._slice(v, 1, start, stop) if is_value(v) else v  # noqa: E731
+            pargs = (p, *map(channels, args[1:5]), *args[5:])
+            pkwargs = {k: channels(v) if k in names else v for k, v in kwargs.items()}
+            part = self.apply(op, key, pargs, pkwargs, meta)
+            part.meta = self.meta_of(part, meta.dtype)
+            parts.append(part)
+            start = stop
+        return self._joined(parts, 1, meta)
+
     def _joined(self, parts, dim, meta):
         """cat(parts, dim) of forms: one part as itself, candidate parts (or user parts of one mapping) as one
         tensor, a mix as a Concat."""
@@ -1930,6 +2028,29 @@ class Rewriter(AttentionRewrites):
             count = math.prod(c.meta.shape[d] for d in dims)
             total = self.apply("call_function", operator.truediv, (total, count), {}, meta)
         return total
+
+    def _new_dims_only(self, index, c):
+        """Where c's concat dim goes under an index of full slices, None and at most one Ellipsis (new dims only,
+        the rows kept first), else None."""
+        index = index if isinstance(index, tuple) else (index,)
+        if not all(i is None or i is Ellipsis or i == slice(None) for i in index) or index.count(Ellipsis) > 1:
+            return None
+        consumed = sum(i is not None and i is not Ellipsis for i in index)
+        if consumed > c.meta.ndim:
+            return None
+        expanded = []
+        for i in index:
+            expanded += [slice(None)] * (c.meta.ndim - consumed) if i is Ellipsis else [i]
+        expanded += [slice(None)] * (c.meta.ndim - sum(i is not None for i in expanded))
+        if expanded[0] is None:
+            return None  # the rows would move off dim 0
+        seen = 0
+        for position, i in enumerate(expanded):
+            if i is not None:
+                if seen == c.dim:
+                    return position
+                seen += 1
+        return None
 
     def index_concat(self, c, index, meta):
         """x[:, a:b] (or x[..., i]) that falls inside one part of a concat."""
