@@ -174,6 +174,64 @@ def test_keyword_arguments():
     assert module.fallbacks == 0
 
 
+class Written(nn.Module):
+    """Ops that write their inputs: `out=` on a user input, a lookup that renormalizes the rows it reads
+    (`F.embedding(m, user, max_norm=1)`), `user.add_(1)` (the caller's example must stay as it was)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.out = how, nn.Linear(FU + FC, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        if self.how == "out":
+            torch.tanh(user, out=user)
+            torch.add(cand, 1.0, out=cand)
+            replica = user[cand_to_user]
+        elif self.how == "max_norm":
+            replica = F.embedding(cand_to_user, user, max_norm=1.0)
+        else:
+            replica = user.add_(1)[cand_to_user]
+        return self.out(torch.cat([replica, cand], 1))
+
+
+@pytest.mark.parametrize("how", ["out", "max_norm", "add_"])
+def test_ops_that_write_their_inputs(how):
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Written(how).eval()
+    example = args_for(model, request(*EXAMPLE, gen))
+    before = [t.clone() for t in example]
+    module, report = to_ikbo(model, example, measure=False)
+    assert all(torch.equal(a, b) for a, b in zip(example, before)), "to_ikbo changed the caller's example"
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            want = model(*[t.clone() for t in args])
+            assert rel_err(module(*[t.clone() for t in args]), want) <= RTOL, str(report)
+
+
+class LookupTable(nn.Module):
+    """A [U_example, d] argument that is not per user (a lookup table with as many rows as the example's users)."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(FU + FC, 1)
+
+    def forward(self, user, table, cand, cand_to_user):
+        return self.out(torch.cat([user[cand_to_user] * table[cand_to_user], cand], 1))
+
+
+def test_argument_with_as_many_rows_as_users_is_checked_per_call():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    table = torch.randn(EXAMPLE[0], FU, generator=gen)
+    model = LookupTable().eval()
+    inputs = lambda u, b: (lambda r: (r["user"], table, r["cand"], r["cand_to_user"]))(request(u, b, gen))  # noqa: E731
+    module, report = to_ikbo(model, inputs(*EXAMPLE), measure=False)
+    for num_users, num_candidates in [(3, 41), (4, 9), (1, 1)]:  # the table's rows cover these users
+        args = inputs(num_users, num_candidates)
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+
+
 class AddProducts(nn.Module):
     """baddbmm / addmm over replicated user rows: scores = bias + q · kᵀ (baddbmm, a scaled additive key mask as
     the bias, as some attention code writes it) and a user projection by addmm."""

@@ -19,7 +19,7 @@ import warnings
 from collections import Counter
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from . import cost
 from .capture import capture, mutated_input, write_back_views
@@ -67,7 +67,7 @@ def to_ikbo(
     timed as CUDA-graph replays, for a module served that way) comes back unchanged, with the reason in
     the report.
     """
-    example_inputs = tuple(example_inputs)
+    example_inputs = _copied(tuple(example_inputs))  # the caller's tensors stay as they are, whatever the model does
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and _mode_matters(m)]
     if training:
         raise ValueError(f"model: expected eval mode (call model.eval()), got training mode in {training[:3]}")
@@ -180,10 +180,18 @@ def _user_rows(examples, num_candidates):
     return rows.most_common(1)[0][0] if rows else None
 
 
+def _copied(tree):
+    """The tensors of `tree` copied (each side of a comparison gets its own: a model that changes its inputs in place
+    must not hand its changes to the other)."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
 def _disagreement(model, module, example_inputs) -> float:
-    """Largest relative error of `module` against `model` over their tensor outputs."""
+    """Largest relative error of `module` against `model` over their tensor outputs, each run on its own copy of the
+    example."""
     with torch.no_grad():
-        expected, actual = tree_flatten(model(*example_inputs))[0], tree_flatten(module(*example_inputs))[0]
+        expected = tree_flatten(model(*_copied(example_inputs)))[0]
+        actual = tree_flatten(module(*_copied(example_inputs)))[0]
     if len(expected) != len(actual):
         return float("inf")
     worst = 0.0
@@ -204,8 +212,9 @@ def _disagreement(model, module, example_inputs) -> float:
 
 class Guarded(torch.nn.Module):
     """The rewritten graph (`rewritten`, a torch.fx.GraphModule) for inputs shaped like the example's:
-    the same structure (containers, dict keys), dtypes and ndims and, where the capture followed a branch on
-    them, the same non-row sizes; the original model for other inputs (`fallbacks` counts them)."""
+    the same structure (containers, dict keys), dtypes and ndims, one row count among the inputs that had U rows and
+    one among those that had B and, where the capture followed a branch on them, the same non-row sizes; the
+    original model for other inputs (`fallbacks` counts them)."""
 
     def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool):
         super().__init__()
@@ -213,6 +222,10 @@ class Guarded(torch.nn.Module):
         self.fixed_sizes, self.fallbacks = fixed_sizes, 0
         leaves, self.structure = tree_flatten(example_inputs)  # dict keys included: the graph reads entries by key
         self.expected = [self._key(t, rows) for t in leaves]
+        # which inputs had U rows and which B: at each call the tensors of a role share their row count (a [15, d]
+        # lookup table passed with 15 users in the example would otherwise be taken for user rows at every U)
+        self.roles = [rows.index(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] in rows
+                      else None for t in leaves]  # fmt: skip
         self.signature = inspect.signature(original.forward)
         self.names = list(self.signature.parameters)[: len(example_inputs)]  # the graph's inputs, in order
 
@@ -231,6 +244,12 @@ class Guarded(torch.nn.Module):
     def matches(self, args) -> bool:
         leaves, structure = tree_flatten(args)
         if structure != self.structure:
+            return False
+        counts = ({}, {})
+        for t, role in zip(leaves, self.roles):
+            if role is not None and isinstance(t, torch.Tensor) and t.dim():
+                counts[role][t.shape[0]] = True
+        if any(len(c) > 1 for c in counts):
             return False
         for t, want in zip(leaves, self.expected):
             if want is None:

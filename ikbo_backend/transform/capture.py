@@ -488,8 +488,10 @@ IN_PLACE_OPERATORS = {operator.setitem, *OUT_OF_PLACE_OPERATORS}
 def mutated_input(node: fx.Node, root: nn.Module) -> fx.Node | None:
     """The node whose tensor `node` changes in place, or None: `x.mul_(…)` and every method ending in `_`,
     `F.relu_(x)` and every function ending in `_`, `F.relu(x, inplace=True)`, a module with `inplace=True`
-    (nn.ReLU(inplace=True)), `x[i] = v`, `operator.iadd`. Such a node counts for its effect even where its
-    result goes unused (`h.masked_fill_(pad, 0)`): later readers of x see the result."""
+    (nn.ReLU(inplace=True)), `x[i] = v`, `operator.iadd`, the `out=` of any op. Such a node counts for its effect
+    even where its result goes unused (`h.masked_fill_(pad, 0)`): later readers of x see the result."""
+    if isinstance(node.kwargs.get("out"), fx.Node):  # torch.tanh(x, out=y) writes y
+        return node.kwargs["out"]
     first = node.args[0] if node.args else None
     if not isinstance(first, fx.Node):
         return None

@@ -116,6 +116,15 @@ def _row_tolerance(want: torch.Tensor) -> dict:
     return dict(rtol=1e-4, atol=1e-6)
 
 
+def _norm_dims(args, kwargs) -> int:
+    """The number of dims a layer / group / RMS norm normalizes over; a shape read from a tensor (x.shape) may count
+    its rows: taken as every dim."""
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    if isinstance(shape, int):
+        return 1
+    return len(shape) if isinstance(shape, (tuple, list)) and not any(is_value(s) for s in shape) else 1 << 30
+
+
 def _sizes(args):
     """The size arguments of view / reshape / expand / repeat / a factory, as a list."""
     return list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
@@ -357,12 +366,15 @@ class Rewriter(AttentionRewrites):
             else:
                 mutated = mutated_input(node, self.traced)
                 args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
-                copied = False
-                if mutated is not None and self.out_of_place(node.op, node.target, args, kwargs) is None:
+                copied, into = False, mutated is not None and node.kwargs.get("out") is mutated
+                if into:  # torch.tanh(x, out=y): run out of place, later readers of y get the result
+                    kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+                elif mutated is not None and self.out_of_place(node.op, node.target, args, kwargs) is None:
                     copied = self.private_copy(node, mutated)  # run in place: on a copy where x's nodes are shared
                     args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
-                self.converted = False
+                self.converted = into
                 out = self.apply(node.op, node.target, args, kwargs, meta)
+                self.converted |= into
                 self.env[node] = out
                 if mutated is not None:
                     self.check_aliases(node, mutated, copied or self.converted)
@@ -618,8 +630,8 @@ class Rewriter(AttentionRewrites):
                     return self.new_rep(
                         Plain(user, meta), index.spread, meta, f"{_name(key)} with an index spread from cand_to_user"
                     )
-        if key is F.embedding and self._mapping_of(src):
-            weight = _arg(args, kwargs, 1, "weight")
+        if key is F.embedding and self._mapping_of(src) and _arg(args, kwargs, 3, "max_norm") is None:
+            weight = _arg(args, kwargs, 1, "weight")  # (max_norm renormalizes the rows it reads, in place)
             if self._user_tensor(weight) and weight.meta.shape[0] == self.num_users:
                 return self.new_rep(weight, self._mapping_of(src), meta, "embedding(cand_to_user, user rows)")
         if key in (torch.repeat_interleave, "repeat_interleave") and len(args) >= 2 and self._user_tensor(src):
@@ -1313,7 +1325,7 @@ class Rewriter(AttentionRewrites):
         if key is F.linear:
             return others_plain and xnd >= 2
         if key in (F.layer_norm, getattr(F, "rms_norm", None), F.group_norm):
-            return others_plain and len(_arg(args, kwargs, 1, "normalized_shape")) < xnd
+            return others_plain and _norm_dims(args, kwargs) < xnd
         if key is F.batch_norm:
             return others_plain and not _arg(args, kwargs, 5, "training", False) and xnd >= 2
         if key is F.prelu:
@@ -1526,12 +1538,9 @@ class Rewriter(AttentionRewrites):
             return None
         if key in SOFTMAX and _norm(_arg(args, kwargs, 1, "dim"), nd) not in (None, 0, c.dim):
             return self.per_part(op, key, args, kwargs, c, meta, c.dim)
-        if key in NORMS and len(_arg(args, kwargs, 1, "normalized_shape")) == 1 and last:
+        if key in NORMS and _norm_dims(args, kwargs) == 1 and last:
             return self.normalized_linears(key, args, kwargs, c, meta)
-        if (
-            key in (F.layer_norm, getattr(F, "rms_norm", None))
-            and nd - len(_arg(args, kwargs, 1, "normalized_shape")) > c.dim
-        ):
+        if key in (F.layer_norm, getattr(F, "rms_norm", None)) and nd - _norm_dims(args, kwargs) > c.dim:
             return self.per_part(op, key, args, kwargs, c, meta, c.dim)
         if key in ("flatten", torch.flatten):
             start, end = (
