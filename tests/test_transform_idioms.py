@@ -232,6 +232,19 @@ def test_argument_with_as_many_rows_as_users_is_checked_per_call():
             assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
 
 
+def test_other_feature_widths_run_the_original():
+    """The concat's user / candidate split is the example's: a call whose widths differ (same total) runs the
+    original."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Replicated("index").eval()
+    module, _ = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    user, cand, mapping = args_for(model, request(7, 53, gen))
+    moved = torch.cat([user, cand[:7]], 1)[:, : FU - 2], torch.cat([user[:1].expand(53, -1)[:, :2], cand], 1)
+    with torch.inference_mode():
+        assert rel_err(module(*moved, mapping), model(*moved, mapping)) <= RTOL
+    assert module.fallbacks == 1
+
+
 class AddProducts(nn.Module):
     """baddbmm / addmm over replicated user rows: scores = bias + q · kᵀ (baddbmm, a scaled additive key mask as
     the bias, as some attention code writes it) and a user projection by addmm."""

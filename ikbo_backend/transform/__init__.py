@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import cost
+from . import cost, ops
 from .capture import capture, mutated_input, write_back_views
 from .detect import ReplicationDetector, replications_in
 from .rewrite import Rewriter
@@ -214,7 +214,8 @@ class Guarded(torch.nn.Module):
     """The rewritten graph (`rewritten`, a torch.fx.GraphModule) for inputs shaped like the example's:
     the same structure (containers, dict keys), dtypes and ndims, one row count among the inputs that had U rows and
     one among those that had B and, where the capture followed a branch on them, the same non-row sizes; the
-    original model for other inputs (`fallbacks` counts them)."""
+    original model for other inputs (`fallbacks` counts them), also where a concat the rewrite keeps as its parts
+    meets other widths than the example's (`ops.WidthsChanged`, raised before any output is made)."""
 
     def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool):
         super().__init__()
@@ -270,6 +271,9 @@ class Guarded(torch.nn.Module):
             if set(bound) == set(self.names):
                 args, kwargs = tuple(bound[n] for n in self.names), {}
         if not kwargs and self.matches(args):
-            return self.rewritten(*args)
+            try:
+                return self.rewritten(*args)
+            except ops.WidthsChanged:
+                pass
         self.fallbacks += 1
         return self.original(*args, **kwargs)

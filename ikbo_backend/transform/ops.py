@@ -66,6 +66,18 @@ def cat_shape(shapes, dim: int) -> torch.Size:
     return torch.Size(first)
 
 
+class WidthsChanged(RuntimeError):
+    """A concat the rewrite keeps as its parts met other widths than the example's (it splits at those)."""
+
+
+@torch.fx.node.has_side_effect
+def check_widths(parts, dim: int, widths: list) -> None:
+    """Raises WidthsChanged where the parts' sizes along the concat dim differ from the example's (`Guarded` then
+    runs the original model); reads shapes only."""
+    if [int(p[dim]) for p in parts] != widths:
+        raise WidthsChanged(f"concat parts of widths {[int(p[dim]) for p in parts]}, the rewrite's are {widths}")
+
+
 def repeat_mapping(user: torch.Tensor, repeats) -> torch.Tensor:
     """The mapping of user.repeat_interleave(repeats, dim=0): row b comes from user row out[b]."""
     return torch.repeat_interleave(torch.arange(user.shape[0], device=user.device), repeats)

@@ -870,6 +870,18 @@ class Rewriter(AttentionRewrites):
             return Plain(x.meta.ndim, meta)
         return None
 
+    def check_widths(self, parts, dim):
+        """ops.check_widths on the parts' shapes along `dim` (Reps: their U-row tensors; joins and nested concats are
+        not read for it, nothing is materialized)."""
+        shapes, widths = [], []
+        for p in parts:
+            node = p.user if isinstance(p, Rep) else p.node if isinstance(p, Plain) else None
+            if isinstance(node, fx.Node) and isinstance(p.meta, Meta):
+                shapes.append(self.emit("call_function", getattr, (node, "shape")))
+                widths.append(p.meta.shape[dim])
+        if shapes:
+            self.emit("call_function", ops.check_widths, (shapes, dim, widths))
+
     def _shape_source(self, form):
         return form.user if isinstance(form, Rep) else self.materialize(form, self.where(), "")
 
@@ -1489,6 +1501,8 @@ class Rewriter(AttentionRewrites):
                     merged[-1] = Rep(node, p.mapping, Meta(shape, p.meta.dtype), last.source)
                 else:
                     merged.append(p)
+            if len(merged) > 1:  # kept as its parts, split at the example's widths: each call checks them
+                self.check_widths(merged, dim)
             return Concat(merged, dim, meta) if len(merged) > 1 else merged[0]
         concat = [v for v in leaves((args, kwargs)) if isinstance(v, Concat)]
         if not concat:
