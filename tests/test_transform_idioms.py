@@ -245,6 +245,40 @@ def test_other_feature_widths_run_the_original():
     assert module.fallbacks == 1
 
 
+class JaggedHistory(nn.Module):
+    """A jagged history (values [N], offsets [U + 1]) pooled by an EmbeddingBag, beside user features [U, FU]: one
+    tensor of each row count, so U is the one the mapping can index, the smallest of the tie."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag, self.user = nn.EmbeddingBag(50, D, mode="mean"), nn.Linear(FU, D)
+        self.out = nn.Linear(2 * D + FC, 1)
+
+    def forward(self, values, offsets, user, cand, cand_to_user):
+        pooled = self.bag(values, offsets[:-1])
+        return self.out(torch.cat([pooled[cand_to_user], self.user(user)[cand_to_user], cand], 1))
+
+
+def test_user_rows_beside_jagged_inputs():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+
+    def inputs(num_users, num_candidates):
+        r = request(num_users, num_candidates, gen)
+        lengths = torch.randint(1, 6, (num_users,), generator=gen)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        values = torch.randint(0, 50, (int(offsets[-1]),), generator=gen)
+        return values, offsets, r["user"], r["cand"], r["cand_to_user"]
+
+    model = JaggedHistory().eval()
+    module, report = to_ikbo(model, inputs(*EXAMPLE), measure=False)
+    assert "kept virtual" in str(report) and report.replications_left == 0, str(report)
+    for num_users, num_candidates in SIZES:
+        args = inputs(num_users, num_candidates)
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+        assert replications_in(module, args, num_users, num_candidates) == [], str(report)
+
+
 class AddProducts(nn.Module):
     """baddbmm / addmm over replicated user rows: scores = bias + q · kᵀ (baddbmm, a scaled additive key mask as
     the bias, as some attention code writes it) and a user projection by addmm."""

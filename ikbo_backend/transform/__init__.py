@@ -55,8 +55,8 @@ def to_ikbo(
     `example_inputs`: forward's positional arguments for one request (tensors, or dicts / tuples of
     tensors), in eval mode. The mapping is the argument named `mapping_name` ([B] integer, candidate →
     user row), or the entry with that key in a dict argument. Rows tell tensors apart: a tensor with B
-    rows is per candidate, one with U rows (the most common other row count) per user, so pick U ≠ B
-    and both unlike the model's other dims; with U == B the model comes back unchanged, with a warning.
+    rows is per candidate, one with U rows (the most common other row count the mapping can index) per user, so
+    pick U ≠ B and both unlike the model's other dims; with U == B the model comes back unchanged, with a warning.
     Values are not baked in: the module takes any U and B. Shapes the model branched on in Python
     (capture.py) are checked on each call; other inputs run the original model.
 
@@ -78,7 +78,7 @@ def to_ikbo(
         raise ValueError(f"example_inputs: do not match forward{signature} ({e})") from None
     mapping = _find_mapping(examples, mapping_name, signature)
     num_candidates = mapping.shape[0]
-    num_users = _user_rows(examples, num_candidates)
+    num_users = _user_rows(examples, num_candidates, mapping)
     if num_users is None:
         reason = (
             f"every tensor of the example has B = {num_candidates} rows: if U = B = {num_candidates}, user and "
@@ -108,21 +108,38 @@ def to_ikbo(
         reason = f"the rewrite failed{where} ({type(e).__name__}: {e})"
         return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
     report.kept = kept
-    error = _disagreement(model, module, example_inputs)
+    report.notes.append(f"rows: U = {num_users}, B = {num_candidates}")
+    unchanged = not report.rewritten  # nothing to gain: the model itself (no guards, no fixed branches)
+    error = 0.0 if unchanged else _disagreement(model, module, example_inputs)
     if not error <= rtol:
         reason = f"the rewrite disagrees with it on the example (rel. error {error:.1e})"
         return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
-    seen = []
+    seen, other_rows = [], None
     if not report.replications_left:
+        others = [r for r in _row_counts(examples, num_candidates) if r != num_users]
+        checked = model if unchanged else module
         try:
-            seen = replications_in(module, example_inputs, num_users, num_candidates, row_dims=(0, 1))
+            seen = replications_in(checked, _copied(example_inputs), num_users, num_candidates, row_dims=(0, 1))
+            for rows in others if not seen else []:  # tensors of another row count replicated: U was taken wrong
+                seen = replications_in(checked, _copied(example_inputs), rows, num_candidates, row_dims=(0, 1))
+                if seen:
+                    other_rows = rows
+                    break
         except Exception as e:  # a check of the report, not of the rewrite (already checked on the example)
             report.notes.append(f"the replication check of the rewrite could not run ({type(e).__name__}: {e})")
-    if seen:
+    if seen and other_rows is not None:
+        report.left.append(
+            f"tensors with {other_rows} rows replicated to B rows, seen on the example, while the pass took U = "
+            f"{num_users} (the most common row count the mapping can index): pass an example where the user tensors "
+            f"have the most common row count"
+        )
+    elif seen:
         report.left.append(
             f"user tensors replicated to B rows by spellings the pass does not recognise, seen on the example: "
             f"{', '.join(sorted(set(seen)))}"
         )
+    if unchanged:
+        return model, report
     module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes)
     if measure:
         original_s, rewritten_s = cost.compare(model, module, example_inputs, cuda_graphs=cuda_graphs)
@@ -170,14 +187,21 @@ def _find_mapping(examples, mapping_name, signature):
     return mapping
 
 
-def _user_rows(examples, num_candidates):
-    """U: the most common row count of the example's tensors other than B (None if there is none)."""
-    rows = Counter(
+def _row_counts(examples, num_candidates) -> Counter:
+    """How many of the example's tensors have each row count other than B."""
+    return Counter(
         t.shape[0]
         for t in tree_flatten(list(examples.values()))[0]
         if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] != num_candidates
     )
-    return rows.most_common(1)[0][0] if rows else None
+
+
+def _user_rows(examples, num_candidates, mapping):
+    """U: the most common row count of the example's tensors other than B that the mapping can index (> its largest
+    value), the smallest on a tie (jagged inputs beside the user rows: values [N], offsets [U + 1]); None if none."""
+    least = int(mapping.max()) + 1 if mapping.numel() else 0
+    rows = {r: n for r, n in _row_counts(examples, num_candidates).items() if r >= least}
+    return max(rows, key=lambda r: (rows[r], -r)) if rows else None
 
 
 def _copied(tree):
