@@ -139,6 +139,11 @@ def to_ikbo(
             f"{', '.join(sorted(set(seen)))}"
         )
     if unchanged:
+        if not report.left:
+            report.left.append(
+                f"the whole model: nothing to rewrite (no tensor with U = {num_users} rows is replicated to B rows on "
+                "the example); served unchanged"
+            )
         return model, report
     module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes)
     if measure:
