@@ -326,21 +326,6 @@ class Rewriter(AttentionRewrites):
         swap = lambda v: swapped.get(id(v), v)  # noqa: E731
         return fmap(args, swap), fmap(kwargs, swap)
 
-    def unexpanded(self, target, args, kwargs, meta):
-        """An elementwise op with user rows whose other operands include tensors expanded to B equal rows (rows_of)
-        reads their sources instead where broadcasting gives the same shape (`arange(L).expand(B, L) < len[m][:,
-        None]` is `arange(L) < len[m][:, None]`, a per-user mask)."""
-        if not (target in ELEMENTWISE_FUNCTIONS or target in ELEMENTWISE_METHODS) or not isinstance(meta, Meta):
-            return args, kwargs
-        swap = lambda v: v.rows_of if isinstance(v, Plain) and v.rows_of is not None else v  # noqa: E731
-        new_args, new_kwargs = fmap(args, swap), fmap(kwargs, swap)
-        shapes = [v.meta.shape for v in leaves((new_args, new_kwargs)) if is_value(v) and isinstance(v.meta, Meta)]
-        try:
-            same = tuple(torch.broadcast_shapes(*shapes)) == tuple(meta.shape)
-        except RuntimeError:
-            same = False
-        return (new_args, new_kwargs) if same else (args, kwargs)
-
     # --- main loop -----------------------------------------------------------------------------
 
     def run(self) -> tuple[fx.GraphModule, Report]:
@@ -487,7 +472,6 @@ class Rewriter(AttentionRewrites):
         user = [v for v in flat if isinstance(v, USER_FORMS) or isinstance(v, Struct)]
         if not user:
             return self.plain(op, target, args, kwargs, meta, "")
-        args, kwargs = self.unexpanded(target, args, kwargs, meta)
         if (out_of_place := self.out_of_place(op, target, args, kwargs)) is not None:
             target, self.converted = out_of_place, True
         if op == "call_module":
