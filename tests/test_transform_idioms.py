@@ -881,6 +881,80 @@ def test_embedding_bag_and_masked_pooling():
     check(PooledHistory(), must=("embedding_bag", "linear_rows"))
 
 
+class FlatAttention(nn.Module):
+    """DIN's attention unit over the pair rows flattened before its MLP (FuxiCTR's `DIN_Attention`:
+    `attention_input.view(-1, 4 * d)`, an MLP with BatchNorm1d, `.view(-1, L)`), in the spelling `flatten` picks."""
+
+    FLATTEN = {
+        "view": lambda x: x.view(-1, 4 * D),
+        "reshape": lambda x: x.reshape(-1, x.size(-1)),
+        "flatten": lambda x: torch.flatten(x, 0, 1),
+        "flatten_end": lambda x: x.flatten(end_dim=1),
+        "view_rows": lambda x: x.view(x.shape[0] * x.shape[1], -1),
+        "dropout_after": lambda x: F.dropout(x.contiguous().view(-1, 4 * D), 0.1, False),
+    }
+
+    def __init__(self, flatten, heads=False):
+        super().__init__()
+        self.flatten, self.heads = self.FLATTEN[flatten], heads
+        self.att = nn.Sequential(nn.Linear(4 * D, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Linear(24, 1))
+        self.gate = nn.Linear(4 * D, 1)  # a second linear over the same flattened rows (merged with the first)
+        self.item = nn.Linear(FC, D)
+        self.out = nn.Linear(2 * D, 1)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        keys, lengths = history[cand_to_user], lengths[cand_to_user]
+        seq_len = keys.size(1)
+        target = self.item(cand)
+        query = target.unsqueeze(1).expand(-1, seq_len, -1)
+        pairs = self.flatten(torch.cat([query, keys, query - keys, query * keys], dim=-1))
+        weight = self.att(pairs)
+        if self.heads:
+            weight = weight + torch.sigmoid(self.gate(pairs))
+        weight = weight.view(-1, seq_len) * (torch.arange(seq_len) < lengths[:, None]).float()
+        pooled = (weight.unsqueeze(-1) * keys).sum(dim=1)
+        return self.out(torch.cat([target, pooled], dim=-1))
+
+
+@pytest.mark.parametrize("flatten,heads", [*((f, False) for f in FlatAttention.FLATTEN), ("view", True)])
+def test_pair_rows_flattened_before_an_mlp(flatten, heads):
+    model = FlatAttention(flatten, heads)
+    for bn in model.modules():
+        if isinstance(bn, nn.BatchNorm1d):  # eval-mode statistics that are not the identity
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    check(model, must=("linear_rows",))
+
+
+class FlatOthers(nn.Module):
+    """Pair rows flattened, then read by ops that act across rows or on a replica alone: the rewrite flattens
+    them where it must and stays exact."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.proj, self.out, self.alone = nn.Linear(2 * D, 8), nn.Linear(8, 1), nn.Linear(D, 8)
+        self.item = nn.Linear(FC, D)
+
+    def forward(self, history, cand, cand_to_user):
+        keys = history[cand_to_user]
+        query = self.item(cand).unsqueeze(1).expand(-1, keys.size(1), -1)
+        if self.kind == "replica_only":  # user rows alone: all of it runs at U rows, replicated as the output
+            y = self.out(torch.relu(self.alone(keys.reshape(-1, D))))
+        else:
+            flat = torch.cat([query, keys], -1).view(-1, 2 * D)
+            y = self.out(torch.relu(self.proj(flat)))
+        if self.kind == "column_sums":
+            y = y + flat.sum(0, keepdim=True)[:, :1]  # a reduction over the pair rows: flattened
+        return (y.view(-1, keys.size(1)) * keys[..., 0]).sum(1)
+
+
+@pytest.mark.parametrize("kind", ["column_sums", "replica_only"])
+def test_pair_rows_flattened_then_read_whole(kind):
+    report = check(FlatOthers(kind), expect_left=1)
+    assert ("reads the flattened pair rows" if kind == "column_sums" else "at the output") in str(report)
+
+
 class Masked(nn.Module):
     """Candidate queries attend to the user's history; the key mask in one of the spellings models use."""
 

@@ -53,6 +53,7 @@ from .values import (
     SOFTMAX,
     USER_FORMS,
     Concat,
+    Folded,
     Mapping,
     Meta,
     Packed,
@@ -243,6 +244,11 @@ class Rewriter(AttentionRewrites):
                 parts = [self.materialize(p, consumer, why) for p in x.parts]
                 x.materialized = self.emit("call_function", torch.cat, (parts,), {"dim": x.dim})
             return x.materialized
+        if isinstance(x, Folded):
+            if x.materialized is None:
+                inner = self.materialize(x.inner, consumer, why)
+                x.materialized = self.emit("call_method", "flatten", (inner, 0, x.lead - 1))
+            return x.materialized
         if isinstance(x, Packed):
             if x.materialized is None:
                 x.materialized = self.emit("call_function", ops.packed_rows, (x.user, x.mapping.node))
@@ -293,15 +299,19 @@ class Rewriter(AttentionRewrites):
         batched = any(
             isinstance(v, USER_FORMS)
             or isinstance(v, Plain)
-            and (v.batched or v.mapping or isinstance(v.meta, Meta) and self.num_candidates in v.meta.shape)
+            and (v.batched or v.mapping or v.pairs or isinstance(v.meta, Meta) and self.num_candidates in v.meta.shape)
             for v in flat
         )  # candidate rows in, at dim 0 or elsewhere (a sequence-first tensor)
+        pair_rows = {
+            v.meta.shape[0] for v in flat if isinstance(v, Folded) or isinstance(v, Plain) and v.pairs and v.meta.ndim
+        }
         where = self.where()
         m = lambda v: self.materialize(v, where, why) if is_value(v) else v  # noqa: E731
         node = self.emit(op, target, fmap(args, m), fmap(kwargs, m))
         rows_b = isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] == self.num_candidates
         count_b = type(meta) is int and meta == self.num_candidates  # e.g. cand.shape[0]
         out = Plain(node, meta, batched=batched and (rows_b or count_b or isinstance(meta, tuple)))
+        out.pairs = not out.batched and isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] in pair_rows
         src = args[0] if args else None
         if target in EQUAL_ROWS and out.batched and isinstance(src, Plain) and not src.batched and src.mapping is None:
             if isinstance(src.meta, Meta) and (src.meta.ndim < meta.ndim or src.meta.shape[0] == 1):
@@ -451,6 +461,17 @@ class Rewriter(AttentionRewrites):
         # a sum already joined (maybe into its candidate term, in place) is read as its result from then on
         done = lambda v: Plain(v.materialized, v.meta, True) if isinstance(v, Sum) and v.materialized is not None else v  # noqa: E731
         args, kwargs = fmap(args, done), fmap(kwargs, done)
+        if any(isinstance(v, Folded) for v in leaves((args, kwargs))):
+            out = self.through_fold(op, target, args, kwargs, meta)
+            if out is not None:
+                return out
+            why = f"{_name(target)} reads the flattened pair rows"
+            args, kwargs = (
+                fmap(args, lambda v: self._flattened(v, why)),
+                fmap(kwargs, lambda v: self._flattened(v, why)),
+            )
+        elif (folded := self.fold(target, args, kwargs, meta)) is not None:
+            return folded
         if target is operator.setitem:
             return self.setitem(*args)
         if target in SEQUENCE_OPS and args and isinstance(args[0], Struct):  # torch.stack(torch.split(x, ...))
@@ -485,6 +506,100 @@ class Rewriter(AttentionRewrites):
             if out is not None:
                 return out
         return self.plain(op, target, args, kwargs, meta, self.why_not(target, args, kwargs, meta))
+
+    # --- pair rows flattened: x.view(-1, d) of [B, L, d] ----------------------------------------------------------
+
+    FOLDS = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
+
+    def fold(self, key, args, kwargs, meta):
+        """x.view(-1, *rest) / reshape / flatten(0, k) of a concat, replica or sum x [B, L, …, *rest] merging its
+        leading dims: a Folded, so that the ops reading it can still act on x's parts (`through_fold`)."""
+        x = args[0] if args else None
+        if key not in self.FOLDS or not isinstance(x, (Rep, Concat, Sum)) or not isinstance(meta, Meta):
+            return None
+        if isinstance(x, Rep) and (x.row_dim or not isinstance(x.meta, Meta)):
+            return None
+        shape = x.meta.shape
+        lead = len(shape) - meta.ndim + 1
+        if lead < 2 or shape[0] != self.num_candidates or meta.shape[1:] != shape[lead:]:
+            return None
+        if key in ("flatten", torch.flatten):
+            start, end = _arg(args, kwargs, 1, "start_dim", 0), _arg(args, kwargs, 2, "end_dim", -1)
+            if (
+                set(kwargs) - {"start_dim", "end_dim"}
+                or _norm(start, len(shape)) != 0
+                or _norm(end, len(shape)) != lead - 1
+            ):
+                return None
+        else:
+            sizes = _sizes(args)
+            if kwargs or len(sizes) != meta.ndim or (isinstance(sizes[0], int) and sizes[0] != -1):
+                return None  # a row count written as a number holds for the example only
+            if not all(type(s) is int or isinstance(s, Plain) and not self.batched(s) for s in sizes[1:]):
+                return None
+        return Folded(x, lead, meta)
+
+    def _flattened(self, v, why):
+        if not isinstance(v, Folded):
+            return v
+        return Plain(self.materialize(v, self.where(), why), v.meta, pairs=True)
+
+    def through_fold(self, op, key, args, kwargs, meta):
+        """An op reading Folded values that acts on trailing dims alone (a linear or matmul by a weight, an
+        elementwise op with operands broadcast over the trailing dims, a concat along them): run on the unflattened
+        values (a linear over a concat splits), flattened after it. None: the Folded values are flattened."""
+        folds = [v for v in leaves((args, kwargs)) if isinstance(v, Folded)]
+        first = folds[0]
+        lead_shape = first.inner.meta.shape[: first.lead]
+        if not isinstance(meta, Meta) or meta.ndim == 0:
+            return None
+        if any(f.lead != first.lead or f.inner.meta.shape[: f.lead] != lead_shape for f in folds):
+            return None
+        if op == "call_method" and isinstance(key, str) and key.endswith("_"):
+            return None  # in place: the flattened view's storage is read as written
+        nd = meta.ndim
+
+        def trailing(v):  # broadcast over the trailing dims only
+            if not is_value(v):
+                return True
+            if not isinstance(v, Plain) or self.batched(v) or v.pairs or not isinstance(v.meta, Meta):
+                return False
+            return v.meta.ndim < nd or v.meta.ndim == nd and v.meta.shape[0] == 1
+
+        x = args[0] if args else None
+        if key in ("view", "reshape", torch.reshape) and x is first and len(folds) == 1 and not kwargs:
+            return self.apply(op, key, (first.inner, *args[1:]), {}, meta)  # same row-major order: x's view
+        if key is F.linear or key in MATMUL:
+            weights = [w for w in (*args[1:], *kwargs.values()) if is_value(w)]
+            constant = lambda w: isinstance(w, Plain) and not (self.batched(w) or w.pairs)  # noqa: E731
+            if not (x in folds and len(folds) == 1 and all(constant(w) for w in weights)):
+                return None
+            if key in MATMUL and not (len(args) == 2 and args[1].meta.ndim in (1, 2)):
+                return None
+        elif key is torch.cat:
+            dim = _norm(_arg(args, kwargs, 1, "dim", 0), nd)
+            if dim in (None, 0) or not all(isinstance(p, Folded) for p in args[0]):
+                return None
+            args, kwargs = (args[0], dim + first.lead - 1), {}
+        elif key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS:
+            if not all(isinstance(v, Folded) or trailing(v) for v in leaves((args, kwargs))):
+                return None
+        else:
+            return None
+        if meta.shape[0] != first.meta.shape[0]:
+            return None
+        unfold = lambda v: v.inner if isinstance(v, Folded) else v  # noqa: E731
+        inner_meta = Meta((*lead_shape, *meta.shape[1:]), meta.dtype)
+        fused = set(self.fused)
+        out = self.apply(op, key, fmap(args, unfold), fmap(kwargs, unfold), inner_meta)
+        for n in set(self.fused) - fused:  # linears over the same flattened concat, merged into this one
+            self.fused[n] = self._folded_result(self.fused[n], first.lead, self.meta[n])
+        return self._folded_result(out, first.lead, meta)
+
+    def _folded_result(self, out, lead, meta):
+        if isinstance(out, Plain):
+            return Plain(self.emit("call_method", "flatten", (out.node, 0, lead - 1)), meta, pairs=True)
+        return Folded(out, lead, meta)
 
     def add_product(self, target, args, kwargs, meta):
         """baddbmm / addmm(base, a, b, beta=, alpha=) as beta · base + alpha · (a @ b), each op through the rules (the

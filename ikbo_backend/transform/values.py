@@ -49,6 +49,7 @@ class Plain:
     mapping: Mapping | None = None  # this value is the mapping (maybe converted)
     spread: Mapping | None = None  # the mapping broadcast along trailing dims: value[b, ...] = m[b]
     rows_of: Plain | None = None  # a tensor without candidate rows expanded to B equal rows: value[b] = rows_of
+    pairs: bool = False  # rows are the B candidates' pairs flattened (B·L rows of a Folded value, or ops on them)
 
 
 @dataclass(eq=False)
@@ -115,8 +116,20 @@ class Packed:
     materialized: fx.Node | None = None
 
 
-VALUES = (Plain, Rep, Concat, RepShape, Rows, Sum, Struct, Packed)
-USER_FORMS = (Rep, Concat, RepShape, Rows, Sum, Packed)  # forms that stand for B rows built from user rows
+@dataclass(eq=False)
+class Folded:
+    """x.view(-1, *rest) of a value x [B, L, …, *rest] with user rows in it (a concat, a replica, a sum): the pair
+    rows flattened before an MLP. Kept as `inner` (x unflattened) for the ops that act on trailing dims alone (a
+    linear then still splits), flattened where anything else reads it."""
+
+    inner: Any
+    lead: int  # the leading dims of `inner` the view merged (≥ 2)
+    meta: Meta  # of the flattened value
+    materialized: fx.Node | None = None
+
+
+VALUES = (Plain, Rep, Concat, RepShape, Rows, Sum, Struct, Packed, Folded)
+USER_FORMS = (Rep, Concat, RepShape, Rows, Sum, Packed, Folded)  # forms that stand for B rows built from user rows
 
 
 def is_value(x):
