@@ -952,7 +952,140 @@ class FlatOthers(nn.Module):
 @pytest.mark.parametrize("kind", ["column_sums", "replica_only"])
 def test_pair_rows_flattened_then_read_whole(kind):
     report = check(FlatOthers(kind), expect_left=1)
-    assert ("reads the flattened pair rows" if kind == "column_sums" else "at the output") in str(report)
+    assert ("has no per-part form" if kind == "column_sums" else "at the output") in str(report)
+
+
+class FlatInPlace(nn.Module):
+    """In-place ops on flattened pair rows whose storage other values read: a flattened difference or replica that
+    a concat copied before, and two linears over flattened rows changed in place between them (not one merged
+    GEMM)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.item, self.l1, self.l2, self.l = (
+            nn.Linear(FC, D),
+            nn.Linear(4 * D, 8),
+            nn.Linear(4 * D, 8),
+            nn.Linear(D, 8),
+        )
+
+    def forward(self, history, ids, cand, cand_to_user):
+        keys = history[cand_to_user]
+        q = self.item(cand).unsqueeze(1).expand(-1, keys.size(1), -1)
+        pad = (ids[cand_to_user] == 0).view(-1, 1)
+        if self.kind == "difference":
+            d = q - keys
+            c = torch.cat([q, keys, d, q * keys], -1)  # a copy of d, before the change
+            flat = d.view(-1, D)
+            flat.masked_fill_(pad, 0.0)
+            return self.l1(c).sum(1) + flat.view(cand.size(0), -1).sum(1, keepdim=True)
+        if self.kind == "replica":
+            c = torch.cat([q, keys], -1)
+            flat = keys.view(-1, D)
+            flat.masked_fill_(pad, 0.0)
+            return self.l(flat).view(cand.size(0), -1).sum(1, keepdim=True) + c.cumsum(0).sum((1, 2))[:, None]
+        flat = torch.cat([q, keys, q - keys, q * keys], -1).view(-1, 4 * D)
+        a = self.l1(flat)
+        flat.masked_fill_(pad, 0.0)
+        return (a * self.l2(flat)).view(cand.size(0), -1).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("kind", ["difference", "replica", "siblings"])
+def test_in_place_ops_on_flattened_rows(kind):
+    """The example has no padding, the requests have: the in-place mask must act where the original's does."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = FlatInPlace(kind).eval()
+    module, report = to_ikbo(model, args_for(model, request_without_padding(*EXAMPLE, gen)), measure=False)
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*[a.clone() for a in args]), model(*[a.clone() for a in args])) <= RTOL, str(report)
+
+
+class ShapeCoincidence(nn.Module):
+    """Views whose meaning the example's shapes cannot tell (history length 1, or equal to the feature width):
+    the rewrite checks them on each call and runs the original where they mean another view."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.item, self.l1 = nn.Linear(FC, D), nn.Linear(4 * D, 8)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        keys = history[cand_to_user]
+        q = self.item(cand).unsqueeze(1).expand(-1, keys.size(1), -1)
+        if self.kind == "rows_kept":  # [B, 1, d] on the example: the view keeps the rows there only
+            return keys.view(keys.size(0), -1).sum(1, keepdim=True) * q[:, 0, :1]
+        if self.kind == "width_as_length":  # L == d on the example
+            f = keys.reshape(-1, keys.size(1))
+            return f[:, :1].view(keys.size(0), -1).sum(1, keepdim=True) * q[:, 0, :1]
+        if self.kind == "mask_rows":  # a [B, L] mask viewed as (-1, 1): B rows where L = 1
+            mask = (ids[cand_to_user] != 0).view(-1, 1).float()
+            y = self.l1(torch.cat([q, keys, q - keys, q * keys], -1).view(-1, 4 * D)) * mask
+            return y.reshape(keys.size(0), keys.size(1), -1).sum(1)
+        pairs = torch.cat([q, keys, q - keys, q * keys], -1)
+        return self.l1(pairs.view(-1, 4 * D)).view(keys.size(0), -1).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "kind,example_length", [("rows_kept", 1), ("width_as_length", D), ("mask_rows", 1), ("flat_mlp", 1)]
+)
+def test_views_checked_where_the_example_cannot_tell(kind, example_length):
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+
+    def make(num_users, num_candidates, length):
+        inputs = request(num_users, num_candidates, gen)
+        inputs["history"] = torch.randn(num_users, length, D, generator=gen)
+        inputs["ids"] = torch.randint(0, 5, (num_users, length), generator=gen)
+        return inputs
+
+    model = ShapeCoincidence(kind).eval()
+    module, report = to_ikbo(model, args_for(model, make(*EXAMPLE, example_length)), measure=False)
+    for (num_users, num_candidates), length in itertools.product(SIZES, [example_length, 3, L]):
+        args = args_for(model, make(num_users, num_candidates, length))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, f"L = {length}\n{report}"
+
+
+class ReassignedAttribute(nn.Module):
+    """RecBole's Dice: a plain tensor attribute reassigned in the forward (`self.alpha = self.alpha.to(x.device)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(FU + FC, 8)
+        self.alpha = torch.full((8,), 0.3)
+
+    def forward(self, user, cand, cand_to_user):
+        score = self.lin(torch.cat([user[cand_to_user], cand], -1))
+        self.alpha = self.alpha.to(score.device)
+        p = torch.sigmoid(score)
+        return self.alpha * (1 - p) * score + p * score
+
+
+def test_forward_assigning_attributes_leaves_the_model_as_it_was():
+    model = ReassignedAttribute().eval()
+    alpha = model.alpha
+    check(model, must=("linear_rows",))
+    assert model.alpha is alpha and type(model.alpha) is torch.Tensor
+    assert not [k for k in vars(model) if k.startswith("_tensor_constant")]
+
+
+class RowKeepingViews(nn.Module):
+    """DeepCTR-Torch's `combined_dnn_input`: [B, 1, d] embeddings concatenated, `view(B, -1)`, then `flatten(1)`:
+    views that keep the rows, read by a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.user, self.item, self.lin = nn.Linear(FU, D), nn.Linear(FC, D), nn.Linear(2 * D, 3)
+
+    def forward(self, user, cand, cand_to_user):
+        x = torch.cat([self.user(user)[cand_to_user].unsqueeze(1), self.item(cand).unsqueeze(1)], dim=-1)
+        return self.lin(torch.flatten(x.view(x.size(0), -1), start_dim=1))
+
+
+def test_row_keeping_views_of_a_concat():
+    check(RowKeepingViews(), must=("linear_rows",))
 
 
 class Masked(nn.Module):

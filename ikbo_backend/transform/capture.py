@@ -476,10 +476,32 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
     uninteresting_files()  # its lazy imports must not happen inside the trace (fx patches Module.__call__)
     tracer = Tracer(examples, rows)
     concrete = {k: v for k, v in examples.items() if not _traced(v)}
-    with _traced_factories(tracer, model):
-        graph = tracer.trace(model, concrete_args=concrete or None)
-    module = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    saved = [(m, {k: dict(v) if k in REGISTRIES else v for k, v in vars(m).items()}) for m in model.modules()]
+    try:  # a forward that assigns attributes (RecBole's Dice: `self.alpha = self.alpha.to(x.device)`) leaves proxies
+        with _traced_factories(tracer, model):
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        for m, state in saved:  # the graph reads them by get_attr: their values before the trace
+            _restore(m, state, drop_new=False)
+        module = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    finally:  # the model as it was; attributes the trace added (fx's `_tensor_constant*`) now live in `module`
+        for m, state in saved:
+            _restore(m, state, drop_new=True)
     return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards)
+
+
+REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+def _restore(module: nn.Module, state: dict, drop_new: bool) -> None:
+    attributes = vars(module)
+    for key in [k for k in attributes if k not in state] if drop_new else []:
+        del attributes[key]
+    for key, value in state.items():
+        if key in REGISTRIES:
+            attributes[key].clear()
+            attributes[key].update(value)
+        else:
+            attributes[key] = value
 
 
 IN_PLACE_OPERATORS = {operator.setitem, *OUT_OF_PLACE_OPERATORS}

@@ -13,6 +13,7 @@ per-user key mask into key lengths for `ikbo_attention`.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +77,26 @@ def check_widths(parts, dim: int, widths: list) -> None:
     runs the original model); reads shapes only."""
     if [int(p[dim]) for p in parts] != widths:
         raise WidthsChanged(f"concat parts of widths {[int(p[dim]) for p in parts]}, the rewrite's are {widths}")
+
+
+@torch.fx.node.has_side_effect
+def check_fold(shape, lead: int, sizes: list) -> None:
+    """Raises WidthsChanged unless viewing a tensor of `shape` as `sizes` merges its first `lead` dims and keeps the
+    rest (the rewrite keeps such a view unflattened; on the example it was one); reads shapes only."""
+    shape, sizes = [int(s) for s in shape], [int(s) for s in sizes]
+    if sizes.count(-1) == 1:
+        known = math.prod(s for s in sizes if s != -1)
+        sizes[sizes.index(-1)] = math.prod(shape) // known if known else -1
+    if sizes != [math.prod(shape[:lead]), *shape[lead:]]:
+        raise WidthsChanged(f"a view of {shape} as {sizes} does not merge its first {lead} dims, as on the example")
+
+
+@torch.fx.node.has_side_effect
+def check_same_rows(view_shape, source_shape) -> None:
+    """Raises WidthsChanged unless a view with an inferred row count (`x.view(-1, d)`) kept x's rows, as it did on
+    the example (where x's other dims may have been 1)."""
+    if int(view_shape[0]) != int(source_shape[0]):
+        raise WidthsChanged(f"a view of {list(source_shape)} as {list(view_shape)} moves rows, unlike on the example")
 
 
 def repeat_mapping(user: torch.Tensor, repeats) -> torch.Tensor:

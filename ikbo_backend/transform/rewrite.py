@@ -154,6 +154,7 @@ class Rewriter(AttentionRewrites):
         for n, root in self.roots.items():
             self.aliases.setdefault(root, []).append(n)
         self.converted = False  # the node being rebuilt was in place and is emitted out of place
+        self.folding = True  # flattened pair rows become Folded (off while a Folded's own view op runs)
 
     def _run_example(self):
         """Each captured node's value on the example (tensors copied: later in-place ops do not change them)."""
@@ -245,10 +246,7 @@ class Rewriter(AttentionRewrites):
                 x.materialized = self.emit("call_function", torch.cat, (parts,), {"dim": x.dim})
             return x.materialized
         if isinstance(x, Folded):
-            if x.materialized is None:
-                inner = self.materialize(x.inner, consumer, why)
-                x.materialized = self.emit("call_method", "flatten", (inner, 0, x.lead - 1))
-            return x.materialized
+            return self.materialize(self.flat_form(x), consumer, why)
         if isinstance(x, Packed):
             if x.materialized is None:
                 x.materialized = self.emit("call_function", ops.packed_rows, (x.user, x.mapping.node))
@@ -302,9 +300,7 @@ class Rewriter(AttentionRewrites):
             and (v.batched or v.mapping or v.pairs or isinstance(v.meta, Meta) and self.num_candidates in v.meta.shape)
             for v in flat
         )  # candidate rows in, at dim 0 or elsewhere (a sequence-first tensor)
-        pair_rows = {
-            v.meta.shape[0] for v in flat if isinstance(v, Folded) or isinstance(v, Plain) and v.pairs and v.meta.ndim
-        }
+        pair_rows = {v.meta.shape[0] for v in flat if isinstance(v, Plain) and v.pairs and v.meta.ndim}
         where = self.where()
         m = lambda v: self.materialize(v, where, why) if is_value(v) else v  # noqa: E731
         node = self.emit(op, target, fmap(args, m), fmap(kwargs, m))
@@ -407,7 +403,7 @@ class Rewriter(AttentionRewrites):
         user-row Plain may be a Rep's source; a candidate-row Plain that a Sum or Concat read keeps its node as a
         term), so the op changes x alone, as in the original where x[m] is a copy. True if it copied."""
         form = self.env[x]
-        user_side = isinstance(form, (Rep, Concat)) or isinstance(form, Plain) and not form.batched
+        user_side = isinstance(form, (Rep, Concat, Folded)) or isinstance(form, Plain) and not form.batched
         held = any(
             isinstance(self.env.get(reader), (Rep, Sum, Concat, Packed, Struct))
             for alias in self.aliases[self.roots[x]]
@@ -428,6 +424,9 @@ class Rewriter(AttentionRewrites):
             return Rep(clone(form.user), form.mapping, form.meta, form.source, row_dim=form.row_dim)
         if isinstance(form, Concat):
             return Concat([self._copied(p) for p in form.parts], form.dim, form.meta)
+        if isinstance(form, Folded):  # changed in place: flattened, on a copy
+            node = self.materialize(form, self.where(), "an in-place op changes the flattened rows")
+            return Plain(clone(node), form.meta, pairs=True)
         return form
 
     def check_aliases(self, node, x, detached: bool):
@@ -462,14 +461,13 @@ class Rewriter(AttentionRewrites):
         done = lambda v: Plain(v.materialized, v.meta, True) if isinstance(v, Sum) and v.materialized is not None else v  # noqa: E731
         args, kwargs = fmap(args, done), fmap(kwargs, done)
         if any(isinstance(v, Folded) for v in leaves((args, kwargs))):
+            if (out_of_place := self.out_of_place(op, target, args, kwargs)) is not None:
+                target, self.converted = out_of_place, True  # before the value is flattened: then it is no user form
             out = self.through_fold(op, target, args, kwargs, meta)
             if out is not None:
                 return out
-            why = f"{_name(target)} reads the flattened pair rows"
-            args, kwargs = (
-                fmap(args, lambda v: self._flattened(v, why)),
-                fmap(kwargs, lambda v: self._flattened(v, why)),
-            )
+            flat = lambda v: self.flat_form(v) if isinstance(v, Folded) else v  # noqa: E731
+            args, kwargs = fmap(args, flat), fmap(kwargs, flat)
         elif (folded := self.fold(target, args, kwargs, meta)) is not None:
             return folded
         if target is operator.setitem:
@@ -515,14 +513,16 @@ class Rewriter(AttentionRewrites):
         """x.view(-1, *rest) / reshape / flatten(0, k) of a concat, replica or sum x [B, L, …, *rest] merging its
         leading dims: a Folded, so that the ops reading it can still act on x's parts (`through_fold`)."""
         x = args[0] if args else None
-        if key not in self.FOLDS or not isinstance(x, (Rep, Concat, Sum)) or not isinstance(meta, Meta):
+        if not self.folding or key not in self.FOLDS or not isinstance(x, (Rep, Concat, Sum)):
+            return None
+        if not isinstance(meta, Meta) or not isinstance(x.meta, Meta):
             return None
         if isinstance(x, Rep) and (x.row_dim or not isinstance(x.meta, Meta)):
             return None
         shape = x.meta.shape
         lead = len(shape) - meta.ndim + 1
-        if lead < 2 or shape[0] != self.num_candidates or meta.shape[1:] != shape[lead:]:
-            return None
+        if lead < 2 or shape[0] != self.num_candidates or meta.shape[1:] != shape[lead:] or meta.shape[0] == shape[0]:
+            return None  # not a merge of rows, or one that keeps them (x.view(B, -1) of [B, 1, d]): the rules below
         if key in ("flatten", torch.flatten):
             start, end = _arg(args, kwargs, 1, "start_dim", 0), _arg(args, kwargs, 2, "end_dim", -1)
             if (
@@ -535,14 +535,31 @@ class Rewriter(AttentionRewrites):
             sizes = _sizes(args)
             if kwargs or len(sizes) != meta.ndim or (isinstance(sizes[0], int) and sizes[0] != -1):
                 return None  # a row count written as a number holds for the example only
-            if not all(type(s) is int or isinstance(s, Plain) and not self.batched(s) for s in sizes[1:]):
+            if not all(type(s) is int or isinstance(s, Plain) and not self.batched(s) for s in sizes):
                 return None
-        return Folded(x, lead, meta)
+            if isinstance(x, Sum) and not (x.cand is not None and self.values[x.cand].shape == shape):
+                return None  # its shape would need it joined
+            # a merge of the first `lead` dims on the example; each call checks it is one there too (sizes traced
+            # from other dims, or a dim that equals another on the example only): else the original model runs
+            shape_node = self.emit("call_function", getattr, (x.cand, "shape")) if isinstance(x, Sum) else None
+            shape_node = shape_node or self._shape_node(x)
+            unwrap = lambda v: v.node if is_value(v) else v  # noqa: E731
+            self.emit("call_function", ops.check_fold, (shape_node, lead, [unwrap(v) for v in sizes]))
+        return Folded(x, lead, meta, ("call_method" if isinstance(key, str) else "call_function", key, args, kwargs))
 
-    def _flattened(self, v, why):
-        if not isinstance(v, Folded):
-            return v
-        return Plain(self.materialize(v, self.where(), why), v.meta, pairs=True)
+    def flat_form(self, v):
+        """The form of a Folded value read flattened: its view op run as the model wrote it, through the rules
+        (once; rows of B candidates' pairs are marked `pairs`)."""
+        if v.flat is None:
+            op, key, args, kwargs = v.view
+            self.folding = False
+            try:
+                v.flat = self.apply(op, key, args, kwargs, v.meta)
+            finally:
+                self.folding = True
+            if isinstance(v.flat, Plain) and not v.flat.batched:
+                v.flat.pairs = True
+        return v.flat
 
     def through_fold(self, op, key, args, kwargs, meta):
         """An op reading Folded values that acts on trailing dims alone (a linear or matmul by a weight, an
@@ -582,7 +599,8 @@ class Rewriter(AttentionRewrites):
                 return None
             args, kwargs = (args[0], dim + first.lead - 1), {}
         elif key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS:
-            if not all(isinstance(v, Folded) or trailing(v) for v in leaves((args, kwargs))):
+            same_rank = lambda v: isinstance(v, Folded) and v.meta.ndim == nd  # noqa: E731
+            if not all(same_rank(v) or trailing(v) for v in leaves((args, kwargs))):
                 return None
         else:
             return None
@@ -599,7 +617,7 @@ class Rewriter(AttentionRewrites):
     def _folded_result(self, out, lead, meta):
         if isinstance(out, Plain):
             return Plain(self.emit("call_method", "flatten", (out.node, 0, lead - 1)), meta, pairs=True)
-        return Folded(out, lead, meta)
+        return Folded(out, lead, meta, ("call_method", "flatten", (out, 0, lead - 1), {}))
 
     def add_product(self, target, args, kwargs, meta):
         """baddbmm / addmm(base, a, b, beta=, alpha=) as beta · base + alpha · (a @ b), each op through the rules (the
@@ -980,6 +998,14 @@ class Rewriter(AttentionRewrites):
                 widths.append(p.meta.shape[dim])
         if shapes:
             self.emit("call_function", ops.check_widths, (shapes, dim, widths))
+
+    def _check_ones(self, c, dims):
+        """Each call checks that the concat's `dims`, of size 1 on the example, are 1 (else the original runs): a
+        flatten over them keeps each part one range only then."""
+        if dims:
+            shape = self._shape_node(c)
+            for dim in dims:
+                self.emit("call_function", ops.check_widths, ([shape], dim, [1]))
 
     def _shape_source(self, form):
         return form.user if isinstance(form, Rep) else self.materialize(form, self.where(), "")
@@ -1535,6 +1561,9 @@ class Rewriter(AttentionRewrites):
             args = (args[0], rows, *args[2:])
         u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
         node = self.emit(op, key, fmap(args, u), fmap(kwargs, u))
+        if key in ("view", "reshape", torch.reshape) and len(args) > 1 and args[1] == -1:
+            shapes = [self.emit("call_function", getattr, (n, "shape")) for n in (node, u(args[0]))]
+            self.emit("call_function", ops.check_same_rows, tuple(shapes))
         rep = next(r for r in reps if isinstance(r, (Rep, Rows, RepShape)))
         source = next((r.source for r in reps if isinstance(r, Rep)), "")
         if key is SDPA:
@@ -1662,6 +1691,7 @@ class Rewriter(AttentionRewrites):
             )
             if start and end is not None and start <= c.dim <= end and all(s == 1 for s in c.meta.shape[start : c.dim]):
                 # the concat dim is the outermost of the flattened dims of size > 1: each part stays one range
+                self._check_ones(c, range(start, c.dim))
                 return self.per_part(op, key, args, kwargs, c, meta, start)
             if start is not None and end is not None and (end < c.dim or start > c.dim) and start > 0:
                 return self.per_part(op, key, args, kwargs, c, meta, c.dim - (end - start if end < c.dim else 0))
@@ -2029,6 +2059,20 @@ class Rewriter(AttentionRewrites):
         (ints or traced sizes), not the example's."""
         before, after = c.meta.shape, meta.shape
         d = c.dim
+        merged = len(before) - len(after)
+        if merged > 0 and len(sizes) == len(after) and sizes[0] != -1 and self.is_count(sizes[0]):
+            for start in range(1, d + 1):  # x.view(x.size(0), -1): dims [start, start + merged] into one
+                end = start + merged
+                if (
+                    end >= d
+                    and sizes[start] == -1
+                    and all(type(size) is int for size in sizes[start + 1 :])
+                    and before[:start] == after[:start]
+                    and before[end + 1 :] == after[start + 1 :]
+                    and all(size == 1 for size in before[start:d])
+                ):
+                    self._check_ones(c, range(start, d))
+                    return self.per_part("call_method", "flatten", (c, start, end), {}, c, meta, start)
         if len(sizes) != len(after) or before[:d] != after[:d]:
             return None
         rest = list(sizes[d + 1 :])
@@ -2300,6 +2344,10 @@ class Rewriter(AttentionRewrites):
 
         if not constant(node):
             return [node]
+        changed = [  # in-place ops on the source's storage: a linear after one reads other values
+            self.order[n] for n in self.traced.graph.nodes
+            if (x := mutated_input(n, self.traced)) is not None and self.roots[x] is self.roots[source]
+        ]  # fmt: skip
         return [node] + [
             n
             for n in source.users
@@ -2309,6 +2357,9 @@ class Rewriter(AttentionRewrites):
             and constant(n)
             and n not in self.fused
             and n.op == "call_function"
+            and not any(
+                min(self.order[node], self.order[n]) < k < max(self.order[node], self.order[n]) for k in changed
+            )
         ]
 
     def split_linear(self, c, weight, bias, meta, weight_cols: bool):

@@ -125,7 +125,8 @@ class Folded:
     inner: Any
     lead: int  # the leading dims of `inner` the view merged (≥ 2)
     meta: Meta  # of the flattened value
-    materialized: fx.Node | None = None
+    view: tuple  # (op, target, args, kwargs) that flatten `inner` (args[0]), as the model wrote it
+    flat: Any = None  # the form of that op's result, once something reads the value flattened
 
 
 VALUES = (Plain, Rep, Concat, RepShape, Rows, Sum, Struct, Packed, Folded)
