@@ -1071,6 +1071,40 @@ def test_forward_assigning_attributes_leaves_the_model_as_it_was():
     assert not [k for k in vars(model) if k.startswith("_tensor_constant")]
 
 
+class ConstantRows(nn.Module):
+    """A key mask from a position row of the model ([1, L]: a buffer, a plain attribute, or made in the forward)
+    expanded or repeated to the candidates' rows by a traced size (RecBole's `mask_mat.repeat(B, 1)`, HF-style
+    `position_ids.expand(B, -1)`)."""
+
+    SPELLINGS = {
+        "buffer_repeat": lambda s, x: s.pos.repeat(x.size(0), 1),
+        "buffer_expand": lambda s, x: s.pos.expand(x.size(0), -1),
+        "buffer_expand_sizes": lambda s, x: s.pos.expand(x.shape[0], x.shape[1]),
+        "buffer_expand_size": lambda s, x: s.pos.expand(x.size()),
+        "attribute_expand": lambda s, x: s.pos_attribute.expand(len(x), -1),
+        "forward_repeat": lambda s, x: torch.arange(L).view(1, -1).repeat(x.size(0), 1),
+        "forward_expand": lambda s, x: torch.arange(L).unsqueeze(0).expand(x.size(0), L),
+    }
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spell = self.SPELLINGS[spelling]
+        self.register_buffer("pos", torch.arange(L).view(1, -1))
+        self.pos_attribute = torch.arange(L).view(1, -1)
+        self.item, self.out = nn.Linear(FC, D), nn.Linear(D, 1)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        keys, lengths = history[cand_to_user], lengths[cand_to_user]
+        scores = (keys * self.item(cand).unsqueeze(1)).sum(-1)  # [B, L]
+        scores = scores.masked_fill(self.spell(self, scores) >= lengths.unsqueeze(1), -1e9)
+        return self.out((scores.softmax(-1).unsqueeze(-1) * keys).sum(1))
+
+
+@pytest.mark.parametrize("spelling", list(ConstantRows.SPELLINGS))
+def test_constant_rows_expanded_by_a_traced_size(spelling):
+    check(ConstantRows(spelling), make=lambda u, b, g: request(u, b, g))
+
+
 class RowKeepingViews(nn.Module):
     """DeepCTR-Torch's `combined_dnn_input`: [B, 1, d] embeddings concatenated, `view(B, -1)`, then `flatten(1)`:
     views that keep the rows, read by a linear."""

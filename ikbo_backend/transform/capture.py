@@ -412,6 +412,8 @@ class Tracer(fx.Tracer):
 
 
 FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "eye")
+SIZED_METHODS = ("expand", "repeat", "view", "reshape", "broadcast_to", "tile", "new_zeros", "new_ones", "new_empty",
+                 "new_full")  # fmt: skip  # sizes as ints: a traced size on a constant tensor is recorded too
 
 
 @contextlib.contextmanager
@@ -443,7 +445,16 @@ def _traced_factories(tracer, model: nn.Module):
             return mask.value.dtype
         return none_or_dtype(mask)
 
+    def wrap_method(name, original):
+        def method(self, *args, **kwargs):
+            if any(isinstance(a, fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
+                return tracer.create_proxy("call_method", name, (self, *args), kwargs)
+            return original(self, *args, **kwargs)
+
+        return method
+
     originals = {name: getattr(torch, name) for name in FACTORIES}
+    methods = {name: (getattr(torch.Tensor, name), name in vars(torch.Tensor)) for name in SIZED_METHODS}
     scopes = {id(g): g for m in model.modules() if (g := getattr(type(m).forward, "__globals__", None)) is not None}
     lens = [g for g in scopes.values() if "len" not in g]  # the forwards' modules: their `len` is the builtin
     scopes[id(vars(nn.utils.rnn))] = vars(nn.utils.rnn)
@@ -452,6 +463,8 @@ def _traced_factories(tracer, model: nn.Module):
     try:
         for name, fn in originals.items():
             setattr(torch, name, wrap(fn))
+        for name, (fn, _) in methods.items():  # a buffer or constant of the model expanded by a traced size
+            setattr(torch.Tensor, name, wrap_method(name, fn))
         for scope, key, fn in imported:
             scope[key] = wrap(fn)
         for scope in lens:
@@ -462,6 +475,11 @@ def _traced_factories(tracer, model: nn.Module):
     finally:
         for name, fn in originals.items():
             setattr(torch, name, fn)
+        for name, (fn, own) in methods.items():
+            if own:
+                setattr(torch.Tensor, name, fn)
+            else:
+                delattr(torch.Tensor, name)  # inherited from torch._C.TensorBase
         for scope, key, fn in imported:
             scope[key] = fn
         for scope in lens:

@@ -843,10 +843,12 @@ class Rewriter(AttentionRewrites):
             rest = list(meta.shape[1:])
         else:
             sizes = _sizes(args)
-            if key == "repeat" and (
-                len(sizes) != src.meta.ndim or any(s != 1 for s in sizes[1:] if isinstance(s, int))
-            ):
+            if key == "repeat" and (len(sizes) != src.meta.ndim or any(s != 1 for s in sizes[1:])):
                 return None
+            if len(sizes) == 1 and isinstance(sizes[0], Plain) and isinstance(sizes[0].meta, tuple):  # expand(x.size())
+                shape = self.materialize(sizes[0], self.where(), "")
+                sizes = [self.emit("call_function", operator.getitem, (shape, i)) for i in range(len(meta.shape))]
+                sizes = [Plain(n, meta.shape[i], batched=i == 0) for i, n in enumerate(sizes)]
             rows, rest = sizes[0], sizes[1:]
             if isinstance(rows, Rows):  # the row count of a Rep: a constant row of that mapping
                 sizes = [self.user_side(s) if is_value(s) else s for s in rest]
@@ -857,9 +859,12 @@ class Rewriter(AttentionRewrites):
         if mkey not in self.mappings:
             node = self.emit("call_function", ops.expand_mapping, (rows_b, src.node))
             self.mappings[mkey] = Mapping(mkey, node, f"expand at {self.where()}")
-        user = self.emit(
-            "call_method", "expand", (src.node, 1, *[self.user_side(s) if is_value(s) else s for s in rest])
-        )
+        if key == "repeat":  # repeat(B, 1, …): the row itself
+            user = src.node
+        else:
+            user = self.emit(
+                "call_method", "expand", (src.node, 1, *[self.user_side(s) if is_value(s) else s for s in rest])
+            )
         self.report.rewritten.append(f"{self.where()}: {key} of a single user row to B rows kept virtual")
         return Rep(user, self.mappings[mkey], meta, f"{self.where()} ({key} of one user row)")
 
