@@ -1160,6 +1160,80 @@ def test_key_mask_spellings(mask, first):
     check(Masked(mask, first), must=("ikbo_attention",))
 
 
+class MaskedScores(nn.Module):
+    """Target attention written out (FuxiCTR's / DeepCTR's / RecBole's): scores, a key mask in one of the fills
+    public code uses, softmax, values. Users whose keys are all masked get what the original gives them: the mean of
+    the values for a fill that rounds the scores away, NaN for −inf, the scores themselves for −1e4 in fp32 (that
+    one runs as written)."""
+
+    FILLS = {
+        "masked_fill_1e9": lambda s, keep: s.masked_fill(~keep, -1e9),
+        "masked_fill_inf": lambda s, keep: s.masked_fill(keep == 0, float("-inf")),
+        "masked_fill_in_place": lambda s, keep: s.masked_fill_(keep.float() == 0, -(2**32) + 1),
+        "masked_fill_function": lambda s, keep: torch.masked_fill(s, ~keep, torch.finfo(torch.float32).min),
+        "additive_1e9": lambda s, keep: s + (1.0 - keep.float()) * -1e9,
+        "additive_inf": lambda s, keep: s + torch.where(keep, 0.0, float("-inf")),
+        "bert_1e4": lambda s, keep: s + (1.0 - keep.float()) * -10000.0,
+    }
+
+    def __init__(self, fill, heads):
+        super().__init__()
+        self.fill, self.heads = self.FILLS[fill], heads
+        self.q, self.out = nn.Linear(FC, D), nn.Linear(D, 1)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        keys, keep = history[cand_to_user], (ids[cand_to_user] != 0).unsqueeze(1)  # [B, L, D], [B, 1, L]
+        q = self.q(cand).unsqueeze(1)  # [B, 1, D]
+        if self.heads:
+            q, k = q.view(-1, 1, H, D // H).transpose(1, 2), keys.view(keys.size(0), -1, H, D // H).transpose(1, 2)
+            keep = keep.unsqueeze(1)
+        else:
+            k = keys
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(k.size(-1))
+        scores = self.fill(scores, keep)
+        out = torch.matmul(scores.softmax(dim=-1), k)
+        return self.out(out.transpose(1, 2).flatten(1) if self.heads else out.squeeze(1))
+
+
+def request_with_empty_histories(num_users, num_candidates, gen):
+    inputs = request(num_users, num_candidates, gen)
+    inputs["ids"][0] = 0  # user 0 keeps no key
+    return inputs
+
+
+@pytest.mark.parametrize("fill,heads", [*((f, False) for f in MaskedScores.FILLS), ("masked_fill_1e9", True)])
+def test_masked_scores_softmax_values_become_ikbo_attention(fill, heads):
+    model = MaskedScores(fill, heads).eval()
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert ("ikbo_attention" in str(report)) == (fill != "bert_1e4"), str(report)
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request_with_empty_histories(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            want, got = model(*args), module(*args)
+        assert torch.equal(want.isnan(), got.isnan()), str(report)
+        assert rel_err(got.nan_to_num(), want.nan_to_num()) <= RTOL, str(report)
+
+
+@pytest.mark.parametrize("fill", [-1e9, float("-inf"), torch.finfo(torch.float32).min, -1e4])
+def test_sdpa_additive_masks_of_users_without_history(fill):
+    """An additive SDPA mask: a user whose keys are all masked gets the mean of its values (a fill that rounds the
+    scores away) or zeros (−inf), as SDPA gives; −1e4 in fp32 runs as written."""
+
+    class Additive(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(FC, D), nn.Linear(D, D)
+
+        def forward(self, history, ids, cand, cand_to_user):
+            keys = self.k(history)[cand_to_user].view(-1, L, H, D // H).transpose(1, 2)
+            bias = torch.zeros(ids.shape).masked_fill(ids == 0, fill)[cand_to_user][:, None, None, :]
+            q = self.q(cand).view(-1, H, 1, D // H)
+            return F.scaled_dot_product_attention(q, keys, keys, attn_mask=bias).flatten(1)
+
+    check(Additive(), make=request_with_empty_histories, expect_left=2 if fill == -1e4 else 0)
+
+
 class TargetMHA(nn.Module):
     """nn.MultiheadAttention target attention with key_padding_mask, sequence-first or batch-first."""
 
@@ -1183,6 +1257,20 @@ class TargetMHA(nn.Module):
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_multihead_attention_key_padding_mask(batch_first):
     check(TargetMHA(batch_first), must=("ikbo_attention",))
+
+
+def test_multihead_attention_of_users_without_history():
+    """A user with every key padded: the module gives NaN (its weights path), and so does the rewrite."""
+    model = TargetMHA(True).eval()
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    inputs = request(7, 53, gen)
+    inputs["lengths"][0] = 0
+    args = args_for(model, inputs)
+    with torch.inference_mode():
+        want, got = model(*args), module(*args)
+    assert want.isnan().any() and torch.equal(want.isnan(), got.isnan()), str(report)
+    assert rel_err(got.nan_to_num(), want.nan_to_num()) <= RTOL
 
 
 class Recurrent(nn.Module):

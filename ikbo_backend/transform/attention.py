@@ -5,6 +5,7 @@ mask, or matmul-softmax-matmul), and the causal self-attention of the same K/V f
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -26,6 +27,7 @@ class AttentionRewrites:
         each user's kept keys moved to the front at U rows (`ops.compact_keys`)."""
         q, k, v = args[:3]
         mask = _arg(args, kwargs, 3, "attn_mask")
+        self.mask_why = None
         dropout, causal = _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
         scale = _arg(args, kwargs, 6, "scale")
         if not (
@@ -38,7 +40,7 @@ class AttentionRewrites:
         if not (ndim == k.meta.ndim == v.meta.ndim and ndim in (3, 4)):
             return None
         seq_len = k.meta.shape[-2]
-        k_user, v_user, q_node, kv_len = k.user, v.user, q.node, None
+        k_user, v_user, q_node, kv_len, fill = k.user, v.user, q.node, None, None
         if ndim == 3:  # [B, S, d]: one head
             q_node, k_user, v_user = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k_user, v_user))
         how = ""
@@ -48,13 +50,17 @@ class AttentionRewrites:
                 kv_len = self.emit("call_function", ops.kv_len_from, (lengths, seq_len))
                 how = " (key-length mask)"
             else:
-                keep = self.key_mask(mask, k.mapping, seq_len, ndim)
-                if keep is None:
+                found = self.key_mask(mask, k.mapping, seq_len, ndim, q.meta.dtype)
+                if found is None:
                     return None
+                keep, fill = found
+                all_values = v_user
                 packed = self.emit("call_function", ops.compact_keys, (k_user, v_user, keep))
                 k_user, v_user, kv_len = (self.emit("call_function", operator.getitem, (packed, i)) for i in range(3))
                 how = " (per-user key mask, kept keys moved first at U rows)"
         node = self.emit("call_function", ikbo_attention, (q_node, k_user, v_user, k.mapping.node, kv_len, scale))
+        if fill is not None:  # users whose keys are all masked: what the original's softmax gives there
+            node = self.emit("call_function", ops.empty_users, (node, all_values, kv_len, k.mapping.node, fill))
         if ndim == 3:
             node = self.emit("call_method", "squeeze", (node, 1))
         self.report.rewritten.append(
@@ -62,26 +68,41 @@ class AttentionRewrites:
         )
         return Plain(node, meta, True)
 
-    def key_mask(self, mask, mapping, seq_len, ndim):
-        """[U, L] bool node of the keys each user keeps, if `mask` is one key mask per user; else None."""
+    def key_mask(self, mask, mapping, seq_len, ndim, dtype, softmax=False):
+        """([U, L] bool node of the keys each user keeps, fill) if `mask` is one key mask per user, else None. fill:
+        what SDPA gives a user whose keys are all masked where that is not zeros (`ops.empty_users`): an additive
+        mask of one finite value that rounds the scores away ("mean"); another finite value (−1e4 in fp32) leaves
+        them, so it is taken for a bias (None: SDPA runs as written)."""
         if not (isinstance(mask, Rep) and mask.mapping is mapping and not mask.row_dim and isinstance(mask.meta, Meta)):
             return None
         shape = mask.meta.shape
-        if len(shape) != ndim or shape[-1] != seq_len or any(d != 1 for d in shape[1:-1]):
+        if len(shape) != ndim or seq_len is not None and shape[-1] != seq_len or any(d != 1 for d in shape[1:-1]):
             return None
-        value = self.values[mask.user]
+        value, fill = self.values[mask.user], None
         if value.dtype != torch.bool:
             if not value.is_floating_point():
                 return None
-            dropped = value[value != 0]
-            if dropped.numel() and not bool((dropped <= -1e4).all()):
-                return None  # an additive bias, not a mask
-        return self.emit("call_function", ops.key_mask, (mask.user,))
+            dropped = value[value != 0].unique()
+            if dropped.numel() != 1:
+                return None  # an additive bias, or a mask whose value the example does not show
+            if bool(dropped.isfinite()):
+                if not (float(dropped) < 0 and ops.rounds_away(float(dropped), dtype)):
+                    self.mask_why = (
+                        f"attention under an additive mask of {float(dropped):g}, which leaves the {dtype} scores of a "
+                        "user whose keys are all masked as they are (SDPA then attends all its keys): runs as written"
+                    )
+                    return None
+                fill = "mean"
+            elif not bool(dropped.isneginf()):
+                return None
+            elif softmax:  # softmax over all −inf: NaN (SDPA gives zeros)
+                fill = "nan"
+        return self.emit("call_function", ops.key_mask, (mask.user,)), fill
 
     def attention_chain(self, scores):
-        """(q, kᵀ, scaled, probs, out, v, scale) if `scores` starts matmul(q, kᵀ) [· c | / c] →
-        softmax(-1) → matmul(·, v) with single-use intermediates, q candidate rows [B, (H,) S, d],
-        kᵀ and v replicated through one mapping (v computed before); else None."""
+        """A Chain if `scores` starts matmul(q, kᵀ) [· c | / c] [key mask] → softmax(-1) → matmul(·, v) with
+        single-use intermediates, q candidate rows [B, (H,) S, d], kᵀ replicated; else None. The mask and v are
+        read when the chain's last node comes (`fuse_attention_chain`)."""
 
         def matmul(n):
             return (
@@ -98,45 +119,117 @@ class AttentionRewrites:
             return None
         if not (isinstance(k_t, Rep) and k_t.meta.ndim == q.meta.ndim and not k_t.row_dim):
             return None
-        scaled, scale = next(iter(scores.users)), 1.0
+        source, scale, inner = scores, 1.0, [scores]
+        scaled = next(iter(scores.users))
         by_constant = scaled.op == "call_function" and scaled.target in (operator.mul, operator.truediv)
-        if by_constant and scaled.args[0] is scores and isinstance(scaled.args[1], (int, float)):
-            scale = scaled.args[1] if scaled.target is operator.mul else 1.0 / scaled.args[1]
-            if len(scaled.users) != 1:
+        factor = scaled.args[1] if by_constant and len(scaled.args) == 2 and scaled.args[0] is scores else None
+        scalar = isinstance(factor, fx.Node) and type(factor.meta.get("example_value")) in (int, float)
+        if isinstance(factor, (int, float)) or scalar:  # a number, or one traced (math.sqrt(k.size(-1)))
+            scale = (factor, scaled.target is operator.truediv)  # scores · factor, or scores / factor
+            source = scaled
+            inner.append(scaled)
+        mask = None
+        probs = next(iter(source.users)) if len(source.users) == 1 else None
+        if len(source.users) == 2:  # scores.masked_fill_(mask, c); softmax(scores)
+            first, second = sorted(source.users, key=self.order.get)
+            if first.op == "call_method" and first.target == "masked_fill_" and not first.users:
+                mask, probs = first, second
+        elif probs is not None and probs.target not in SOFTMAXES:
+            mask = probs
+            probs = next(iter(mask.users)) if len(mask.users) == 1 else None
+        masked_from = source
+        if mask is not None:
+            if _mask_operand(mask, source) is None:
                 return None
-            probs = next(iter(scaled.users))
-        else:
-            probs, scaled = scaled, None
-        source = scaled or scores
-        is_softmax = probs.target in (F.softmax, torch.softmax, "softmax") and probs.args[0] is source
+            inner.append(mask)
+            source = mask if probs is not None and probs.args and probs.args[0] is mask else source
+        if probs is None or probs.target not in SOFTMAXES or not probs.args or probs.args[0] is not source:
+            return None
         dim = _arg(probs.args, probs.kwargs, 1, "dim")
-        if not (
-            is_softmax and dim in (-1, q.meta.ndim - 1) and not probs.kwargs.get("dtype") and len(probs.users) == 1
-        ):
+        if not (dim in (-1, q.meta.ndim - 1) and not probs.kwargs.get("dtype") and len(probs.users) == 1):
             return None
         out = next(iter(probs.users))
-        v = self.env.get(out.args[1]) if matmul(out) and len(out.args) == 2 and out.args[0] is probs else None
-        if not (isinstance(v, Rep) and v.mapping is k_t.mapping and v.meta.ndim == q.meta.ndim and not v.row_dim):
+        if not (matmul(out) and len(out.args) == 2 and out.args[0] is probs):
             return None
-        return q, k_t, scaled, probs, out, v, scale
+        return Chain(scores, q, k_t, scale, mask, masked_from, probs, out, [*inner, probs])
 
-    def fuse_attention_chain(self, scores, q, k_t, scaled, probs, out, v, scale):
-        """matmul-softmax-matmul over replicated K/V → ikbo_attention (3-D inputs get a head dim)."""
+    def fuse_attention_chain(self, chain) -> bool:
+        """The chain as ikbo_attention (3-D inputs get a head dim), a key mask before the softmax as kv lengths
+        with each user's kept keys moved first at U rows; False where V or the mask is not one the kernel takes."""
+        q, k_t = chain.q, chain.k_t
+        v = self.env.get(chain.out.args[1])
+        if not (isinstance(v, Rep) and v.mapping is k_t.mapping and v.meta.ndim == q.meta.ndim and not v.row_dim):
+            return False
+        if isinstance(chain.scale, tuple) and isinstance(chain.scale[0], fx.Node):
+            form = self.env.get(chain.scale[0])
+            if not (isinstance(form, Plain) and type(form.meta) in (int, float) and not form.batched):
+                return False
+        masking = None
+        if chain.mask is not None:
+            masking = self._chain_mask(chain.mask, chain.masked_from, q, k_t.mapping)
+            if masking is None:
+                return False
         k = self.emit("call_method", "transpose", (k_t.user, -2, -1))
-        q_node, v_node = q.node, v.user
+        q_node, v_node, kv_len, all_values = q.node, v.user, None, None
         if q.meta.ndim == 3:
             q_node, k, v_node = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k, v_node))
-        node = self.emit("call_function", ikbo_attention, (q_node, k, v_node, k_t.mapping.node, None, scale))
+        how = ""
+        if masking is not None:
+            keep, fill = masking
+            if q.meta.ndim == 3:
+                keep = self.emit("call_method", "unsqueeze", (keep, 1))
+            keep = self.emit("call_function", ops.key_mask, (keep,))
+            all_values = v_node
+            packed = self.emit("call_function", ops.compact_keys, (k, v_node, keep))
+            k, v_node, kv_len = (self.emit("call_function", operator.getitem, (packed, i)) for i in range(3))
+            how = " (per-user key mask, kept keys moved first at U rows)"
+        scale = chain.scale
+        if isinstance(scale, tuple):
+            factor, divides = scale
+            if isinstance(factor, fx.Node):
+                form = self.env.get(factor)
+                if not (isinstance(form, Plain) and type(form.meta) in (int, float)):
+                    return False
+                scale = self.emit("call_function", operator.truediv, (1.0, form.node)) if divides else form.node
+            else:
+                scale = 1.0 / factor if divides else factor
+        node = self.emit("call_function", ikbo_attention, (q_node, k, v_node, k_t.mapping.node, kv_len, scale))
+        if masking is not None and masking[1] is not None:
+            node = self.emit("call_function", ops.empty_users, (node, all_values, kv_len, k_t.mapping.node, masking[1]))
         if q.meta.ndim == 3:
             node = self.emit("call_method", "squeeze", (node, 1))
-        for n in (scaled, probs):
-            if n is not None:
-                self.fused[n] = None  # computed inside the fused op; nothing else reads it
-        self.fused[out] = Plain(node, self.meta[out], True)
+        for n in chain.inner:
+            self.env[n] = None  # computed inside the fused op; nothing else reads it
+            self.pending.discard(n)
+        self.env[chain.out] = Plain(node, self.meta[chain.out], True)
         self.report.rewritten.append(
-            f"{self.where()}: matmul-softmax-matmul of candidate queries over replicated K/V → ikbo_attention"
+            f"{self.where()}: matmul-softmax-matmul of candidate queries over replicated K/V → ikbo_attention{how}"
         )
-        return None
+        return True
+
+    def _chain_mask(self, node, source, q, mapping):
+        """(keep node [U, 1, (1,) L] bool, fill) for a key mask of the scores before the softmax, one per user:
+        `masked_fill(mask, c)` (in place or not; c = −inf, or a value that rounds the scores away) or `+ mask` (additive,
+        as SDPA's); None otherwise. fill: what the original gives a user whose keys are all masked
+        (`ops.empty_users`: a softmax over equal scores averages the values, over −inf it is NaN)."""
+        kind, operand, value = _mask_operand(node, source)
+        mask = self.env.get(operand) if isinstance(operand, fx.Node) else None
+        if not (isinstance(mask, Rep) and mask.mapping is mapping and not mask.row_dim and isinstance(mask.meta, Meta)):
+            return None
+        shape = mask.meta.shape
+        if len(shape) != q.meta.ndim or any(d != 1 for d in shape[1:-1]):
+            return None
+        if kind == "add":
+            return self.key_mask(mask, mapping, None, q.meta.ndim, q.meta.dtype, softmax=True)
+        if mask.meta.dtype != torch.bool or not isinstance(value, (int, float)):
+            return None
+        if value == float("-inf"):
+            fill = "nan"
+        elif value < 0 and ops.rounds_away(float(value), q.meta.dtype):
+            fill = "mean"
+        else:
+            return None
+        return self.emit("call_function", torch.logical_not, (mask.user,)), fill
 
     def prefix_lengths(self, mask, seq_len, mapping):
         """The user-row lengths node if `mask` is arange(L) < lengths[m][:, None] broadcast over
@@ -176,6 +269,48 @@ class AttentionRewrites:
         if not (indexed or unsqueezed):
             return None
         return column.args[0]
+
+
+SOFTMAXES = (F.softmax, torch.softmax, "softmax")
+
+
+@dataclass
+class Chain:
+    """matmul(q, kᵀ) [· scale] [key mask] → softmax → matmul(·, v), found at its first node."""
+
+    scores: fx.Node
+    q: Plain
+    k_t: Rep
+    scale: float
+    mask: fx.Node | None  # masked_fill(_) or + of the scores
+    masked_from: fx.Node  # the scores the mask applies to (scaled or not)
+    probs: fx.Node
+    out: fx.Node
+    inner: list  # scores … probs
+
+
+def _mask_operand(node, source):
+    """("fill", mask node, value) for masked_fill(_)(source, mask, value), ("add", mask node, None) for source + mask
+    or mask + source; None for anything else."""
+    first = node.args[0] if node.args else None
+    if first is not source and node.target not in (operator.add, torch.add):
+        return None
+    if (
+        node.op == "call_method"
+        and node.target in ("masked_fill", "masked_fill_")
+        or (node.op == "call_function" and node.target is torch.masked_fill)
+    ):
+        if len(node.args) != 3 or node.kwargs:
+            return None
+        return "fill", node.args[1], node.args[2]
+    if node.op == "call_function" and node.target in (operator.add, torch.add) and len(node.args) == 2:
+        if node.kwargs:
+            return None
+        a, b = node.args
+        if source not in (a, b) or a is b:
+            return None
+        return "add", b if a is source else a, None
+    return None
 
 
 # ----------------------------------------------------------------------------- self + target fusion

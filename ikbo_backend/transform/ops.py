@@ -386,6 +386,27 @@ def key_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask == 0
 
 
+def empty_users(out: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor, cand_to_user, fill: str) -> torch.Tensor:
+    """out, except for candidates whose user keeps no key: there what the original's softmax gives over scores that
+    all got the same mask value — "mean": a finite fill large enough to round the scores away (−1e9 in fp32), the
+    mean of the user's values over all its keys; "nan": −inf everywhere. v [U, H, L, d], out [B, H, S, d]."""
+    if fill == "mean":
+        user = v.mean(dim=-2, keepdim=True)
+    else:
+        user = torch.full_like(v[..., :1, :], float("nan"))
+    cond = (kv_len == 0).index_select(0, cand_to_user.long()).view(-1, *[1] * (out.dim() - 1))
+    return rows_join("where_uc", out, user.to(out.dtype), cand_to_user, cond)
+
+
+def rounds_away(fill: float, dtype: torch.dtype) -> bool:
+    """Whether adding `fill` to attention scores of `dtype` leaves the same value for every score |s| < 16 (fill's
+    ulp ≥ 32), so that a user whose keys are all masked gets equal scores: softmax averages its values."""
+    if not math.isfinite(fill) or fill == 0:
+        return False
+    mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}.get(dtype)
+    return mantissa is not None and 2.0 ** (math.floor(math.log2(abs(fill))) - mantissa) >= 32
+
+
 def compact_keys(k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor):
     """(k, v, kv_len) with each user's kept keys moved to the front (stable), so a key mask of any shape
     becomes a key-length prefix: attention is the same function of the set of kept keys."""

@@ -155,6 +155,9 @@ class Rewriter(AttentionRewrites):
             self.aliases.setdefault(root, []).append(n)
         self.converted = False  # the node being rebuilt was in place and is emitted out of place
         self.folding = True  # flattened pair rows become Folded (off while a Folded's own view op runs)
+        self.mask_why: str | None = None  # why the last attention's additive mask was not taken for a key mask
+        self.chains: dict = {}  # last node of a matmul-softmax-matmul chain → the chain (attention.Chain)
+        self.pending: set = set()  # the chains' inner nodes, rebuilt with their last node
 
     def _run_example(self):
         """Each captured node's value on the example (tensors copied: later in-place ops do not change them)."""
@@ -352,24 +355,23 @@ class Rewriter(AttentionRewrites):
                 self.graph.output(fmap(self._lookup(node.args[0]), returned))
             elif node in self.fused:
                 self.env[node] = self.fused.pop(node)
+            elif node in self.pending:  # inside an attention chain: rebuilt with its last node
+                continue
+            elif node in self.chains:
+                chain = self.chains.pop(node)
+                if not self.fuse_attention_chain(chain):  # as written, node by node
+                    for n in sorted(chain.inner, key=self.order.get):
+                        self.pending.discard(n)
+                        self.node = n
+                        self.rebuild(n)
+                    self.node = node
+                    self.rebuild(node)
             elif (chain := self.attention_chain(node)) is not None:
-                self.env[node] = self.fuse_attention_chain(node, *chain)
+                self.chains[chain.out] = chain  # fused when its last matmul comes: masks and V are known then
+                self.pending.update(chain.inner[1:])
+                self.env[node] = None
             else:
-                mutated = mutated_input(node, self.traced)
-                args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
-                copied, into = False, mutated is not None and node.kwargs.get("out") is mutated
-                if into:  # torch.tanh(x, out=y): run out of place, later readers of y get the result
-                    kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-                elif mutated is not None and self.out_of_place(node.op, node.target, args, kwargs) is None:
-                    copied = self.private_copy(node, mutated)  # run in place: on a copy where x's nodes are shared
-                    args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
-                self.converted = into
-                out = self.apply(node.op, node.target, args, kwargs, meta)
-                self.converted |= into
-                self.env[node] = out
-                if mutated is not None:
-                    self.check_aliases(node, mutated, copied or self.converted)
-                    self.env[mutated] = out  # later readers of the mutated tensor see the result
+                self.rebuild(node)
         self.node = None
         if self.sunk:
             ops_run = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in self.sunk.most_common())
@@ -382,6 +384,25 @@ class Rewriter(AttentionRewrites):
         module.graph.lint()
         module.recompile()
         return module, self.report
+
+    def rebuild(self, node):
+        """node's form in the new graph, through the rules (in-place ops as above)."""
+        meta = self.meta.get(node)
+        mutated = mutated_input(node, self.traced)
+        args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
+        copied, into = False, mutated is not None and node.kwargs.get("out") is mutated
+        if into:  # torch.tanh(x, out=y): run out of place, later readers of y get the result
+            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        elif mutated is not None and self.out_of_place(node.op, node.target, args, kwargs) is None:
+            copied = self.private_copy(node, mutated)  # run in place: on a copy where x's nodes are shared
+            args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
+        self.converted = into
+        out = self.apply(node.op, node.target, args, kwargs, meta)
+        self.converted |= into
+        self.env[node] = out
+        if mutated is not None:
+            self.check_aliases(node, mutated, copied or self.converted)
+            self.env[mutated] = out  # later readers of the mutated tensor see the result
 
     def _lookup(self, tree):
         return fmap(tree, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
@@ -2677,6 +2698,8 @@ class Rewriter(AttentionRewrites):
                 return f"{_name(key)} along dim 0 of a concat of user and candidate parts (the rows move off dim 0)"
             return f"{_name(key)} over a concat of user and candidate parts has no per-part form"
         if key is SDPA:
+            if self.mask_why is not None:
+                return self.mask_why
             return "attention whose mask is not a per-user key mask, or with dropout / is_causal / candidate K/V"
         if any(isinstance(r, Rep) and r.row_dim for r in reps):
             return f"{_name(key)} of a sequence-first (rows on dim 1) user tensor"

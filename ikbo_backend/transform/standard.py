@@ -5,8 +5,8 @@ functional ops the pass rewrites (linear, scaled_dot_product_attention, masks as
 in-projections (one packed linear for self-attention), heads split with `unflatten`, the key padding
 mask and the attention mask merged into one SDPA mask (boolean where both are boolean, additive
 otherwise, as `F._canonical_mask` makes them), SDPA, out-projection; the averaged attention weights
-are computed beside it only where the caller reads them. Differences from the module: a query row
-with every key masked gives zeros here (SDPA) where the module's weights path gives NaN.
+are computed beside it only where the caller reads them. A query row with every key masked gives what the
+module gives: NaN where it computes the weights (`need_weights`, the default), zeros (SDPA) where not.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def attention_forward(
     mask = _merge(mask, keep_keys)
     q, k, v = (t.unflatten(-1, (num_heads, -1)).transpose(1, 2) for t in (q, k, v))  # [N, H, T, d]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if need_weights and mask is not None:  # the module's weights path: a row with every key masked gives NaN
+        dead = ~mask.any(-1) if mask.dtype == torch.bool else mask.isneginf().all(-1)
+        out = out.masked_fill(dead.unsqueeze(-1), math.nan)
     out = F.linear(out.transpose(1, 2).flatten(2), out_proj_weight, out_proj_bias)  # [N, T, E]
     weights = None
     if need_weights:
