@@ -1105,6 +1105,133 @@ def test_constant_rows_expanded_by_a_traced_size(spelling):
     check(ConstantRows(spelling), make=lambda u, b, g: request(u, b, g))
 
 
+class ConcatIdLookups(nn.Module):
+    """RecBole's item → category table read with the history and the target item's ids concatenated
+    (`item_cate[cat((item_seq[m], next_items[:, None]), -1)]`), both lookups' embeddings concatenated."""
+
+    LOOKUPS = {
+        "index": lambda s, ids: s.item_cate[ids],
+        "embedding": lambda s, ids: F.embedding(ids, s.item_cate[:, None]).squeeze(-1),
+    }
+
+    def __init__(self, lookup):
+        super().__init__()
+        self.lookup = self.LOOKUPS[lookup]
+        self.register_buffer("item_cate", torch.randint(0, 10, (50,)))
+        self.cate, self.item, self.out = nn.Embedding(10, D), nn.Embedding(50, D), nn.Linear(2 * D, 1)
+
+    def forward(self, ids, cand, cand_to_user):
+        next_items = (cand[:, 0].abs() * 10).long() % 50
+        seq = torch.cat((ids[cand_to_user], next_items[:, None]), -1)  # [B, L + 1]
+        x = torch.cat([self.item(seq), self.cate(self.lookup(self, seq))], -1)
+        return self.out(x.mean(1))
+
+
+@pytest.mark.parametrize("lookup", list(ConcatIdLookups.LOOKUPS))
+def test_lookups_of_concatenated_ids(lookup):
+    check(ConcatIdLookups(lookup), must=("embedding",))
+
+
+class OneRowOrUsers(nn.Module):
+    """`u.repeat(B, 1)` of a user tensor on an example with one user: one row there, U rows at other calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(FU + FC, 4)
+
+    def forward(self, user, cand, cand_to_user):
+        rows = cand.size(0)
+        return self.lin(torch.cat([user.repeat(rows, 1)[:rows], cand], -1)) + cand_to_user[:, None] * 0
+
+
+def test_one_row_on_the_example_is_checked_on_each_call():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = OneRowOrUsers().eval()
+    module, report = to_ikbo(model, args_for(model, request(1, 37, gen)), measure=False)
+    for num_users, num_candidates in [(1, 20), *SIZES]:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+
+
+class WidthsOfFlattenedParts(nn.Module):
+    """A concat of [B, F, d] parts along F viewed as [B, F·d], or squeezed where F = 1 on the example: the parts'
+    widths on the example (F·d, d) hold at each call or the original runs."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, history, cand, cand_to_user):
+        c = cand[:, None, : history.size(-1)].expand(-1, history.size(1), -1)
+        x = torch.cat([history[cand_to_user], c], 1)
+        if self.kind == "view":
+            x = x.view(cand.size(0), -1)
+            return x[:, 1:3] * torch.arange(2)
+        return x.transpose(1, 2).squeeze(2).flatten(1)[:, 1:3] * 1.0
+
+
+@pytest.mark.parametrize("kind", ["view", "squeeze"])
+def test_widths_of_per_part_views_checked_on_each_call(kind):
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+
+    def make(num_users, num_candidates, length, width):
+        return dict(
+            history=torch.randn(num_users, length, width, generator=gen),
+            cand=torch.randn(num_candidates, 8, generator=gen),
+            cand_to_user=torch.randint(0, num_users, (num_candidates,), generator=gen),
+        )
+
+    model = WidthsOfFlattenedParts(kind).eval()
+    module, report = to_ikbo(model, args_for(model, make(*EXAMPLE, 1, 4)), measure=False)
+    for (num_users, num_candidates), (length, width) in itertools.product(SIZES, [(1, 4), (1, 2), (2, 4), (1, 6)]):
+        args = args_for(model, make(num_users, num_candidates, length, width))
+        with torch.inference_mode():
+            try:
+                want = model(*args)
+            except RuntimeError:
+                continue  # the original itself cannot run these sizes
+            assert rel_err(module(*args), want) <= RTOL, f"{length}, {width}\n{report}"
+
+
+class Stateful(nn.Module):
+    """Forwards that keep state: a running value in an attribute, a buffer counted in place, a list of sizes seen,
+    a memo of a constant (not state: rewritten)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(FU + FC, 1)
+        self.prev, self.seen, self.memo = torch.zeros(1), [], {}
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, user, cand, cand_to_user):
+        out = self.lin(torch.cat([user[cand_to_user], cand], -1))
+        if self.kind == "attribute":
+            out, self.prev = out + self.prev, out.mean().detach().view(1)
+        elif self.kind == "buffer":
+            self.calls += 1
+            out = out + self.calls
+        elif self.kind == "list":
+            self.seen.append(cand.size(0))
+        elif "two" not in self.memo:
+            self.memo["two"] = torch.full((1,), 2.0)
+        return out * self.memo.get("two", 1.0)
+
+
+@pytest.mark.parametrize("kind", ["attribute", "buffer", "list", "memo"])
+def test_forwards_that_keep_state(kind):
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Stateful(kind).eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert (module is model) == (kind != "memo"), str(report)
+    assert float(model.calls) == 0 and float(model.prev) == 0 and model.seen == []
+    assert all(type(v) is torch.Tensor for v in model.memo.values())  # filled by the model's own runs, no proxies
+    if kind == "memo":
+        args = args_for(model, request(7, 53, gen))
+        assert rel_err(module(*args), model(*args)) <= RTOL
+    assert to_ikbo(module, args_for(model, request(*EXAMPLE, gen)))[0] is module  # a second pass: as it is
+
+
 class RowKeepingViews(nn.Module):
     """DeepCTR-Torch's `combined_dnn_input`: [B, 1, d] embeddings concatenated, `view(B, -1)`, then `flatten(1)`:
     views that keep the rows, read by a linear."""

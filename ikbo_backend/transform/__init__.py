@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import cost, ops
-from .capture import capture, mutated_input, write_back_views
+from .capture import CAPTURE_LOCK, alias_root, capture, mutated_input, write_back_views
 from .detect import ReplicationDetector, replications_in
 from .rewrite import Rewriter
 from .values import Report
@@ -65,8 +65,22 @@ def to_ikbo(
     the inputs or the model's parameters are 16-bit: on CUDA the IKBO linear compression runs fp32 in
     tf32), or that runs slower than the original on the example (`measure`; cost.py; `cuda_graphs`: both
     timed as CUDA-graph replays, for a module served that way) comes back unchanged, with the reason in
-    the report.
+    the report. The model is left as it was (buffers the pass's runs change are put back); a forward that keeps
+    state (changes a buffer in place, assigns attributes from its inputs) comes back unchanged.
     """
+    if isinstance(model, Guarded):
+        return model, Report(left=["the whole model: already rewritten by to_ikbo (a Guarded module); served as it is"])
+    buffers = [(b, b.clone()) for b in model.buffers()]  # the pass runs the model: what it changes is put back
+    with CAPTURE_LOCK:  # fx patches nn.Module.__call__ process-wide while it traces: one pass at a time
+        try:
+            return _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs)
+        finally:
+            for buffer, saved in buffers:
+                if not torch.equal(buffer, saved):
+                    buffer.copy_(saved)
+
+
+def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
     example_inputs = _copied(tuple(example_inputs))  # the caller's tensors stay as they are, whatever the model does
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and _mode_matters(m)]
     if training:
@@ -96,6 +110,13 @@ def to_ikbo(
         )
     kept = [f"`{path}` ({kind}): {reason}" for path, kind, reason in captured.opaque]
     traced = captured.module  # in-place ops count for their effect, also where their result goes unused
+    changed = sorted({root.target for n in traced.graph.nodes if (x := mutated_input(n, traced)) is not None
+                      and (root := alias_root(x, traced)).op == "get_attr"})  # fmt: skip
+    if changed:
+        reason = (
+            f"the forward changes `{'`, `'.join(changed[:3])}` in place: module state a rewritten graph would not keep"
+        )
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
     write_back_views(traced)  # an in-place op through a view as an assignment into the viewed tensor
     traced.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated_input(n, traced) is not None)
     traced.recompile()

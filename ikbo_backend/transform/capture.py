@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 import traceback
 from dataclasses import dataclass, field
 
@@ -494,32 +495,89 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
     uninteresting_files()  # its lazy imports must not happen inside the trace (fx patches Module.__call__)
     tracer = Tracer(examples, rows)
     concrete = {k: v for k, v in examples.items() if not _traced(v)}
-    saved = [(m, {k: dict(v) if k in REGISTRIES else v for k, v in vars(m).items()}) for m in model.modules()]
-    try:  # a forward that assigns attributes (RecBole's Dice: `self.alpha = self.alpha.to(x.device)`) leaves proxies
-        with _traced_factories(tracer, model):
-            graph = tracer.trace(model, concrete_args=concrete or None)
-        for m, state in saved:  # the graph reads them by get_attr: their values before the trace
-            _restore(m, state, drop_new=False)
-        module = fx.GraphModule(model, graph, class_name=type(model).__name__)
-    finally:  # the model as it was; attributes the trace added (fx's `_tensor_constant*`) now live in `module`
-        for m, state in saved:
-            _restore(m, state, drop_new=True)
+    # a forward may assign attributes (RecBole's Dice: `self.alpha = self.alpha.to(x.device)`) or fill lists and
+    # dicts (`self.memo[k] = …`): the trace would leave proxies there; the model is kept as it was
+    saved = [(m, _state(m)) for m in model.modules()]
+    buffers = {name: b.clone() for name, b in model.named_buffers()}  # a buffer changed in place runs untraced
+    with CAPTURE_LOCK:  # the patched torch functions are process-wide: one capture at a time
+        try:
+            with _traced_factories(tracer, model):
+                graph = tracer.trace(model, concrete_args=concrete or None)
+            stateful = [f"`{name or type(model).__name__}.{key}`" for (m, state), name in
+                        zip(saved, (n for n, _ in model.named_modules())) for key in _written(tracer, m, state)]  # fmt: skip
+            stateful += [f"`{name}`" for name, b in model.named_buffers() if name in buffers
+                         and not torch.equal(b, buffers[name])]  # fmt: skip
+            if stateful:
+                raise CaptureError(
+                    f"the forward writes {', '.join(stateful[:3])} from its inputs: module state a rewritten graph "
+                    "would not keep"
+                )
+            for m, state in saved:  # the graph reads attributes by get_attr: their values before the trace
+                _restore(m, state, drop_new=False)
+            module = fx.GraphModule(model, graph, class_name=type(model).__name__)
+        finally:  # the model as it was; attributes the trace added (fx's `_tensor_constant*`) now live in `module`
+            for m, state in saved:
+                _restore(m, state, drop_new=True)
+            for name, b in model.named_buffers():
+                if name in buffers and not torch.equal(b, buffers[name]):
+                    b.copy_(buffers[name])
     return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards)
 
 
+CAPTURE_LOCK = threading.RLock()
 REGISTRIES = ("_parameters", "_buffers", "_modules")
+CONTAINERS = (list, dict, set)
+
+
+def _state(module: nn.Module) -> dict:
+    """A module's attributes, and the contents of its registries, lists, dicts and sets."""
+    state = {}
+    for key, value in vars(module).items():
+        contents = None
+        if isinstance(value, CONTAINERS):
+            contents = (
+                list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else set(value)
+            )
+        state[key] = (value, contents)
+    return state
+
+
+def _written(tracer, module: nn.Module, state: dict) -> list:
+    """Attributes the forward rebound, or whose lists / dicts / sets it filled, with values computed from the
+    inputs' data or sizes (a running state: `self.prev = out.mean()`, `self.seen.append(x.size(0))`); values of
+    constants and of the inputs' dtypes and devices only (`self.alpha.to(x.device)`, a memo of those) are not state."""
+    written = []
+    for key, value in vars(module).items():
+        old, contents = state.get(key, (None, None))
+        if value is old and contents is None:
+            continue
+        if value is old:
+            new = value if isinstance(value, (list, set)) else list(value.values())
+            new = [
+                v
+                for v in new
+                if not any(v is c for c in (contents if isinstance(contents, (list, set)) else contents.values()))
+            ]
+        else:
+            new = [value]
+        if any(isinstance(v, fx.Proxy) and tracer._depends_on(v.node) != "meta" for v in tree_flatten(new)[0]):
+            written.append(key)
+    return written
 
 
 def _restore(module: nn.Module, state: dict, drop_new: bool) -> None:
     attributes = vars(module)
     for key in [k for k in attributes if k not in state] if drop_new else []:
         del attributes[key]
-    for key, value in state.items():
-        if key in REGISTRIES:
-            attributes[key].clear()
-            attributes[key].update(value)
+    for key, (value, contents) in state.items():
+        attributes[key] = value
+        if contents is None:
+            continue
+        if isinstance(value, list):
+            value[:] = contents
         else:
-            attributes[key] = value
+            value.clear()
+            value.update(contents)
 
 
 IN_PLACE_OPERATORS = {operator.setitem, *OUT_OF_PLACE_OPERATORS}

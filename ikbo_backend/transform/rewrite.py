@@ -854,6 +854,13 @@ class Rewriter(AttentionRewrites):
         if not (isinstance(meta, Meta) and meta.shape[0] == self.num_candidates and self.num_candidates != 1):
             return None
         src = args[0]
+        if not (isinstance(src, Plain) and isinstance(src.meta, Meta) and src.meta.ndim and src.meta.shape[0] == 1):
+            return None
+
+        def one_row_each_call():  # one row on the example; each call checks (a user tensor when U = 1 is not)
+            shape = self.emit("call_function", getattr, (src.node, "shape"))
+            self.emit("call_function", ops.check_widths, ([shape], 0, [1]))
+
         if key == "expand_as":
             rows, rest = args[1], [-1] * (src.meta.ndim - 1)
             if not (isinstance(rows, Plain) and rows.batched and rows.meta.ndim == src.meta.ndim):
@@ -872,10 +879,12 @@ class Rewriter(AttentionRewrites):
                 sizes = [Plain(n, meta.shape[i], batched=i == 0) for i, n in enumerate(sizes)]
             rows, rest = sizes[0], sizes[1:]
             if isinstance(rows, Rows):  # the row count of a Rep: a constant row of that mapping
+                one_row_each_call()
                 sizes = [self.user_side(s) if is_value(s) else s for s in rest]
                 user = self.emit("call_method", key, (src.node, rows.user_rows, *sizes))
                 return Rep(user, rows.mapping, meta, f"{self.where()} (one row for every user)")
             rows_b = self.materialize(rows, self.where(), "") if is_value(rows) else rows
+        one_row_each_call()
         mkey = ("expand", id(rows) if is_value(rows) else rows)
         if mkey not in self.mappings:
             node = self.emit("call_function", ops.expand_mapping, (rows_b, src.node))
@@ -1392,6 +1401,16 @@ class Rewriter(AttentionRewrites):
         x = args[0] if args else None
         if key is operator.getitem and isinstance(x, Rep) and isinstance(x.meta, tuple):
             return isinstance(args[1], int)
+        if key in (operator.getitem, "__getitem__") and len(args) == 2 and isinstance(args[1], Rep) and not kwargs:
+            ids = args[1]  # table[ids]: a lookup, row by row over the ids' rows
+            return (
+                isinstance(x, Plain)
+                and not self.batched(x)
+                and not ids.row_dim
+                and isinstance(ids.meta, Meta)
+                and not ids.meta.is_float
+                and ids.meta.dtype != torch.bool
+            )
         if key in (torch.cat, torch.stack):
             parts, dim = args[0], _arg(args, kwargs, 1, "dim", 0)
             ndim = parts[0].meta.ndim + (key is torch.stack) if parts and is_value(parts[0]) else 0
@@ -1633,6 +1652,13 @@ class Rewriter(AttentionRewrites):
             parts, dim = list(args[0]), _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim)
             if dim is None:
                 return None
+            across = [p for p in parts if isinstance(p, Concat) and p.dim != dim]
+            if dim and across and all(self.batched(p) and isinstance(p.meta, Meta) for p in parts):
+                # cat along another dim of concats (of one dim): piece by piece between every part boundary
+                # (lookups of cat(user ids, candidate ids) in two tables, then cat of the embeddings)
+                if len({p.dim for p in across}) == 1 and all(p.meta.ndim == meta.ndim for p in parts):
+                    return self.split_elementwise("call_function", torch.cat, (parts, dim), {}, across[0], meta)
+                return None
             flat = []
             for p in parts:
                 flat += p.parts if isinstance(p, Concat) and p.dim == dim else [p]
@@ -1689,6 +1715,8 @@ class Rewriter(AttentionRewrites):
         x = args[0] if args else None
         if key in ("view", "reshape", torch.reshape) and x is c and not kwargs and isinstance(meta, Meta):
             return self.reshape_concat(c, _sizes(args), meta)  # the row count may come from a candidate tensor
+        if not c.meta.is_float and self._lookup_of_concat(key, args, kwargs, c):
+            return self.per_part(op, key, args, kwargs, c, meta, c.dim)  # table[cat(ids)] = cat(table[ids])
         if x is not c or any(self.batched(v) for v in leaves((args[1:], kwargs))):
             return None
         nd = c.meta.ndim
@@ -1730,6 +1758,7 @@ class Rewriter(AttentionRewrites):
             dim = _arg(args, kwargs, 1, "dim")  # explicit dims only: squeeze() would drop the rows where B = 1
             dims = [_norm(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
             if None not in dims and 0 not in dims and c.dim not in dims:
+                self._check_ones(c, [d for d in dims if c.meta.shape[d] == 1])  # squeeze(d) of a d ≠ 1 keeps it
                 return self.per_part(
                     op, key, args, kwargs, c, meta, c.dim - sum(d < c.dim and c.meta.shape[d] == 1 for d in dims)
                 )
@@ -1779,6 +1808,21 @@ class Rewriter(AttentionRewrites):
                 items.append(Concat(parts, c.dim, mi))
             return Struct(tuple(items), meta)
         return None
+
+    def _lookup_of_concat(self, key, args, kwargs, c) -> bool:
+        """A lookup in a constant table whose index is the concat of user and candidate ids: `table[ids]`,
+        `F.embedding(ids, table)` (without max_norm, which renormalizes the table as it reads)."""
+        if key in (operator.getitem, "__getitem__") and len(args) == 2 and args[1] is c and not kwargs:
+            return isinstance(args[0], Plain) and not self.batched(args[0])
+        if key in (F.embedding, torch.embedding) and args and args[0] is c:
+            table = _arg(args, kwargs, 1, "weight")
+            return (
+                isinstance(table, Plain)
+                and not self.batched(table)
+                and _arg(args, kwargs, 3, "max_norm") is None
+                and not any(self.batched(v) for v in leaves((args[2:], kwargs)))
+            )
+        return False
 
     def _constant_linear(self, n, source) -> bool:
         """n is F.linear(source, W, b) with W (and b) constants of the model."""
@@ -2184,6 +2228,7 @@ class Rewriter(AttentionRewrites):
         if all(isinstance(p, Rep) and not p.row_dim for p in parts) and len({p.mapping.key for p in parts}) == 1:
             node = self.emit("call_function", torch.cat, ([p.user for p in parts],), {"dim": dim})
             return Rep(node, parts[0].mapping, meta, parts[0].source)
+        self.check_widths(parts, dim)  # kept as parts split at the example's widths: each call checks them
         return Concat(parts, dim, meta)
 
     def meta_of(self, form, dtype):
