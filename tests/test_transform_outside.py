@@ -25,8 +25,6 @@ SIZES = [(7, 300), (3, 40), (1, 1), (20, 20)]  # U = B = 20: the rewrite must no
 PARTIAL = {  # model → why its user fields are still replicated (the report must say so)
     "xdeepfm": "einsum over a concat of user and candidate parts",  # CIN's outer product, reshaped across fields
     "autoint": "stack along dim 0 of a concat",  # heads stacked first, then attention over all fields
-    # (1 − valid) · −10000 in fp32: a user with no history attends all its keys, which a key mask cannot express
-    "cosine_attention": "additive mask of -10000",
 }
 
 

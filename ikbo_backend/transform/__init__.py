@@ -123,6 +123,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
     rewriter = None
     try:
         rewriter = Rewriter(traced, examples, mapping_name, num_users, num_candidates)
+        rewriter.value_checks = not cuda_graphs
         module, report = rewriter.run()
     except Exception as e:
         where = f" at {rewriter.where()}" if rewriter is not None and rewriter.node is not None else ""

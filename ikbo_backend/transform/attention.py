@@ -4,6 +4,7 @@ mask, or matmul-softmax-matmul), and the causal self-attention of the same K/V f
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -27,7 +28,6 @@ class AttentionRewrites:
         each user's kept keys moved to the front at U rows (`ops.compact_keys`)."""
         q, k, v = args[:3]
         mask = _arg(args, kwargs, 3, "attn_mask")
-        self.mask_why = None
         dropout, causal = _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
         scale = _arg(args, kwargs, 6, "scale")
         if not (
@@ -50,13 +50,16 @@ class AttentionRewrites:
                 kv_len = self.emit("call_function", ops.kv_len_from, (lengths, seq_len))
                 how = " (key-length mask)"
             else:
-                found = self.key_mask(mask, k.mapping, seq_len, ndim, q.meta.dtype)
+                found = self.key_mask(mask, k.mapping, seq_len, ndim)
                 if found is None:
                     return None
                 keep, fill = found
-                all_values = v_user
+                all_values, all_keys = v_user, k_user
                 packed = self.emit("call_function", ops.compact_keys, (k_user, v_user, keep))
                 k_user, v_user, kv_len = (self.emit("call_function", operator.getitem, (packed, i)) for i in range(3))
+                fill = self.all_masked(fill, q_node, all_keys, kv_len, scale, torch.float32, softmax=False)
+                if fill is False:
+                    return None
                 how = " (per-user key mask, kept keys moved first at U rows)"
         node = self.emit("call_function", ikbo_attention, (q_node, k_user, v_user, k.mapping.node, kv_len, scale))
         if fill is not None:  # users whose keys are all masked: what the original's softmax gives there
@@ -68,11 +71,11 @@ class AttentionRewrites:
         )
         return Plain(node, meta, True)
 
-    def key_mask(self, mask, mapping, seq_len, ndim, dtype, softmax=False):
+    def key_mask(self, mask, mapping, seq_len, ndim):
         """([U, L] bool node of the keys each user keeps, fill) if `mask` is one key mask per user, else None. fill:
-        what SDPA gives a user whose keys are all masked where that is not zeros (`ops.empty_users`): an additive
-        mask of one finite value that rounds the scores away ("mean"); another finite value (−1e4 in fp32) leaves
-        them, so it is taken for a bias (None: SDPA runs as written)."""
+        None for a boolean mask, else the additive mask's value for a dropped key (−inf, or a finite value ≤
+        ops.MASKS_OUT), which each call checks is the only one besides 0 (`ops.check_mask_values`: a bias of other
+        values is not a mask). Under CUDA graphs (no value checks) boolean masks only."""
         if not (isinstance(mask, Rep) and mask.mapping is mapping and not mask.row_dim and isinstance(mask.meta, Meta)):
             return None
         shape = mask.meta.shape
@@ -80,24 +83,27 @@ class AttentionRewrites:
             return None
         value, fill = self.values[mask.user], None
         if value.dtype != torch.bool:
-            if not value.is_floating_point():
+            if not value.is_floating_point() or not self.value_checks:
                 return None
             dropped = value[value != 0].unique()
-            if dropped.numel() != 1:
+            if dropped.numel() != 1 or not float(dropped) <= ops.MASKS_OUT:
                 return None  # an additive bias, or a mask whose value the example does not show
-            if bool(dropped.isfinite()):
-                if not (float(dropped) < 0 and ops.rounds_away(float(dropped), dtype)):
-                    self.mask_why = (
-                        f"attention under an additive mask of {float(dropped):g}, which leaves the {dtype} scores of a "
-                        "user whose keys are all masked as they are (SDPA then attends all its keys): runs as written"
-                    )
-                    return None
-                fill = "mean"
-            elif not bool(dropped.isneginf()):
-                return None
-            elif softmax:  # softmax over all −inf: NaN (SDPA gives zeros)
-                fill = "nan"
+            fill = float(dropped)
+            self.emit("call_function", ops.check_mask_values, (mask.user, fill))
         return self.emit("call_function", ops.key_mask, (mask.user,)), fill
+
+    def all_masked(self, fill, q_node, k_user, kv_len, scale, add_dtype, softmax):
+        """What the original gives a user whose keys are all masked by `fill`: None (zeros: SDPA's, for a boolean or
+        −inf mask), "nan" (a softmax over −inf), "mean" (a finite fill that rounds the scores away, checked on each
+        call: `ops.check_rounds_away`); False where that cannot be checked (under CUDA graphs)."""
+        if fill is None or fill == float("-inf"):
+            return "nan" if softmax and fill is not None else None
+        if not self.value_checks:
+            return False
+        if scale is None:
+            scale = 1.0 / math.sqrt(self.values[q_node].shape[-1])
+        self.emit("call_function", ops.check_rounds_away, (q_node, k_user, kv_len, scale, fill, add_dtype))
+        return "mean"
 
     def attention_chain(self, scores):
         """A Chain if `scores` starts matmul(q, kᵀ) [· c | / c] [key mask] → softmax(-1) → matmul(·, v) with
@@ -169,8 +175,16 @@ class AttentionRewrites:
             masking = self._chain_mask(chain.mask, chain.masked_from, q, k_t.mapping)
             if masking is None:
                 return False
+        scale = chain.scale
+        if isinstance(scale, tuple):
+            factor, divides = scale
+            if isinstance(factor, fx.Node):
+                node = self.env[factor].node
+                scale = self.emit("call_function", operator.truediv, (1.0, node)) if divides else node
+            else:
+                scale = 1.0 / factor if divides else factor
         k = self.emit("call_method", "transpose", (k_t.user, -2, -1))
-        q_node, v_node, kv_len, all_values = q.node, v.user, None, None
+        q_node, v_node, kv_len, all_values, fill = q.node, v.user, None, None, None
         if q.meta.ndim == 3:
             q_node, k, v_node = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k, v_node))
         how = ""
@@ -179,23 +193,16 @@ class AttentionRewrites:
             if q.meta.ndim == 3:
                 keep = self.emit("call_method", "unsqueeze", (keep, 1))
             keep = self.emit("call_function", ops.key_mask, (keep,))
-            all_values = v_node
+            all_values, all_keys = v_node, k
             packed = self.emit("call_function", ops.compact_keys, (k, v_node, keep))
             k, v_node, kv_len = (self.emit("call_function", operator.getitem, (packed, i)) for i in range(3))
+            fill = self.all_masked(fill, q_node, all_keys, kv_len, scale, q.meta.dtype, softmax=True)
+            if fill is False:
+                return False
             how = " (per-user key mask, kept keys moved first at U rows)"
-        scale = chain.scale
-        if isinstance(scale, tuple):
-            factor, divides = scale
-            if isinstance(factor, fx.Node):
-                form = self.env.get(factor)
-                if not (isinstance(form, Plain) and type(form.meta) in (int, float)):
-                    return False
-                scale = self.emit("call_function", operator.truediv, (1.0, form.node)) if divides else form.node
-            else:
-                scale = 1.0 / factor if divides else factor
         node = self.emit("call_function", ikbo_attention, (q_node, k, v_node, k_t.mapping.node, kv_len, scale))
-        if masking is not None and masking[1] is not None:
-            node = self.emit("call_function", ops.empty_users, (node, all_values, kv_len, k_t.mapping.node, masking[1]))
+        if fill is not None:  # users whose keys are all masked: what the original's softmax gives there
+            node = self.emit("call_function", ops.empty_users, (node, all_values, kv_len, k_t.mapping.node, fill))
         if q.meta.ndim == 3:
             node = self.emit("call_method", "squeeze", (node, 1))
         for n in chain.inner:
@@ -209,9 +216,8 @@ class AttentionRewrites:
 
     def _chain_mask(self, node, source, q, mapping):
         """(keep node [U, 1, (1,) L] bool, fill) for a key mask of the scores before the softmax, one per user:
-        `masked_fill(mask, c)` (in place or not; c = −inf, or a value that rounds the scores away) or `+ mask` (additive,
-        as SDPA's); None otherwise. fill: what the original gives a user whose keys are all masked
-        (`ops.empty_users`: a softmax over equal scores averages the values, over −inf it is NaN)."""
+        `masked_fill(mask, c)` (in place or not; c = −inf or ≤ ops.MASKS_OUT) or `+ mask` (additive, as SDPA's); None
+        otherwise. fill: the value a dropped key's score gets (`all_masked` says what that gives a user with none)."""
         kind, operand, value = _mask_operand(node, source)
         mask = self.env.get(operand) if isinstance(operand, fx.Node) else None
         if not (isinstance(mask, Rep) and mask.mapping is mapping and not mask.row_dim and isinstance(mask.meta, Meta)):
@@ -220,16 +226,10 @@ class AttentionRewrites:
         if len(shape) != q.meta.ndim or any(d != 1 for d in shape[1:-1]):
             return None
         if kind == "add":
-            return self.key_mask(mask, mapping, None, q.meta.ndim, q.meta.dtype, softmax=True)
-        if mask.meta.dtype != torch.bool or not isinstance(value, (int, float)):
+            return self.key_mask(mask, mapping, None, q.meta.ndim)
+        if mask.meta.dtype != torch.bool or not isinstance(value, (int, float)) or not value <= ops.MASKS_OUT:
             return None
-        if value == float("-inf"):
-            fill = "nan"
-        elif value < 0 and ops.rounds_away(float(value), q.meta.dtype):
-            fill = "mean"
-        else:
-            return None
-        return self.emit("call_function", torch.logical_not, (mask.user,)), fill
+        return self.emit("call_function", torch.logical_not, (mask.user,)), float(value)
 
     def prefix_lengths(self, mask, seq_len, mapping):
         """The user-row lengths node if `mask` is arange(L) < lengths[m][:, None] broadcast over

@@ -388,8 +388,8 @@ def key_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def empty_users(out: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor, cand_to_user, fill: str) -> torch.Tensor:
     """out, except for candidates whose user keeps no key: there what the original's softmax gives over scores that
-    all got the same mask value — "mean": a finite fill large enough to round the scores away (−1e9 in fp32), the
-    mean of the user's values over all its keys; "nan": −inf everywhere. v [U, H, L, d], out [B, H, S, d]."""
+    all got the same mask value — "mean": a finite fill that rounds the scores away (`check_rounds_away`), the mean of
+    the user's values over all its keys; "nan": a softmax over −inf everywhere. v [U, H, L, d], out [B, H, S, d]."""
     if fill == "mean":
         user = v.mean(dim=-2, keepdim=True)
     else:
@@ -398,13 +398,32 @@ def empty_users(out: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor, cand_t
     return rows_join("where_uc", out, user.to(out.dtype), cand_to_user, cond)
 
 
-def rounds_away(fill: float, dtype: torch.dtype) -> bool:
-    """Whether adding `fill` to attention scores of `dtype` leaves the same value for every score |s| < 16 (fill's
-    ulp ≥ 32), so that a user whose keys are all masked gets equal scores: softmax averages its values."""
-    if not math.isfinite(fill) or fill == 0:
-        return False
-    mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}.get(dtype)
-    return mantissa is not None and 2.0 ** (math.floor(math.log2(abs(fill))) - mantissa) >= 32
+MASKS_OUT = -1e4  # a finite fill at most this masks a key: exp(fill + s − max) is 0 for any score |s| < 5e3
+
+
+def _ulp(value: float, dtype: torch.dtype) -> float:
+    mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}.get(dtype, 52)
+    return 2.0 ** (math.floor(math.log2(abs(value))) - mantissa)
+
+
+@torch.fx.node.has_side_effect
+def check_mask_values(mask: torch.Tensor, fill: float) -> None:
+    """Raises WidthsChanged unless an additive mask holds only 0 and `fill`, as it did on the example where it was
+    taken for a key mask (a bias of other values is not one); reads values: a device sync on CUDA."""
+    if not bool(((mask == 0) | (mask == fill)).all()):
+        raise WidthsChanged(f"an additive attention mask holds values other than 0 and {fill:g}, unlike on the example")
+
+
+@torch.fx.node.has_side_effect
+def check_rounds_away(q: torch.Tensor, k: torch.Tensor, kv_len: torch.Tensor, scale, fill: float, dtype) -> None:
+    """Where a user keeps no key, the original's softmax over fill + scores is the mean of its values (what
+    `empty_users` gives) only if every score rounds to `fill` when added in `dtype`: |s| ≤ max‖q‖ · max‖k‖ · |scale| <
+    ulp(fill) / 2. Raises WidthsChanged otherwise, only where such a user exists (reads values: a sync on CUDA)."""
+    if q.numel() == 0 or not bool((kv_len == 0).any()):
+        return
+    bound = q.float().norm(dim=-1).amax() * k.float().norm(dim=-1).amax() * abs(float(scale))
+    if not float(bound) < _ulp(fill, dtype) / 2:
+        raise WidthsChanged(f"a user without keys whose scores (|s| ≤ {float(bound):.3g}) do not all round to {fill:g}")
 
 
 def compact_keys(k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor):

@@ -155,7 +155,7 @@ class Rewriter(AttentionRewrites):
             self.aliases.setdefault(root, []).append(n)
         self.converted = False  # the node being rebuilt was in place and is emitted out of place
         self.folding = True  # flattened pair rows become Folded (off while a Folded's own view op runs)
-        self.mask_why: str | None = None  # why the last attention's additive mask was not taken for a key mask
+        self.value_checks = True  # checks that read tensor values (a device sync); off for modules CUDA graphs replay
         self.chains: dict = {}  # last node of a matmul-softmax-matmul chain → the chain (attention.Chain)
         self.pending: set = set()  # the chains' inner nodes, rebuilt with their last node
 
@@ -2743,8 +2743,6 @@ class Rewriter(AttentionRewrites):
                 return f"{_name(key)} along dim 0 of a concat of user and candidate parts (the rows move off dim 0)"
             return f"{_name(key)} over a concat of user and candidate parts has no per-part form"
         if key is SDPA:
-            if self.mask_why is not None:
-                return self.mask_why
             return "attention whose mask is not a per-user key mask, or with dropout / is_causal / candidate K/V"
         if any(isinstance(r, Rep) and r.row_dim for r in reps):
             return f"{_name(key)} of a sequence-first (rows on dim 1) user tensor"
