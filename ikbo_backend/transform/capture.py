@@ -31,6 +31,7 @@ import contextlib
 import operator
 import threading
 import traceback
+from collections.abc import MutableMapping, MutableSequence, MutableSet
 from dataclasses import dataclass, field
 
 import torch
@@ -495,22 +496,23 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
     uninteresting_files()  # its lazy imports must not happen inside the trace (fx patches Module.__call__)
     tracer = Tracer(examples, rows)
     concrete = {k: v for k, v in examples.items() if not _traced(v)}
-    # a forward may assign attributes (RecBole's Dice: `self.alpha = self.alpha.to(x.device)`) or fill lists and
-    # dicts (`self.memo[k] = …`): the trace would leave proxies there; the model is kept as it was
+    # a forward may assign attributes (RecBole's Dice: `self.alpha = self.alpha.to(x.device)`) or fill containers:
+    # the trace would leave proxies there; the model is kept as it was
     saved = [(m, _state(m)) for m in model.modules()]
     buffers = {name: b.clone() for name, b in model.named_buffers()}  # a buffer changed in place runs untraced
     with CAPTURE_LOCK:  # the patched torch functions are process-wide: one capture at a time
         try:
             with _traced_factories(tracer, model):
                 graph = tracer.trace(model, concrete_args=concrete or None)
-            stateful = [f"`{name or type(model).__name__}.{key}`" for (m, state), name in
-                        zip(saved, (n for n, _ in model.named_modules())) for key in _written(tracer, m, state)]  # fmt: skip
+            names = [name for name, _ in model.named_modules()]
+            stateful = [f"`{name + '.' if name else ''}{key}`" for (m, state), name in zip(saved, names)
+                        for key in _written(tracer, m, state)]  # fmt: skip
             stateful += [f"`{name}`" for name, b in model.named_buffers() if name in buffers
                          and not torch.equal(b, buffers[name])]  # fmt: skip
             if stateful:
                 raise CaptureError(
-                    f"the forward writes {', '.join(stateful[:3])} from its inputs: module state a rewritten graph "
-                    "would not keep"
+                    f"the forward keeps state in {', '.join(stateful[:3])} (changes it on each call): a rewritten "
+                    "graph would not"
                 )
             for m, state in saved:  # the graph reads attributes by get_attr: their values before the trace
                 _restore(m, state, drop_new=False)
@@ -526,41 +528,54 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
 
 CAPTURE_LOCK = threading.RLock()
 REGISTRIES = ("_parameters", "_buffers", "_modules")
-CONTAINERS = (list, dict, set)
 
 
 def _state(module: nn.Module) -> dict:
-    """A module's attributes, and the contents of its registries, lists, dicts and sets."""
+    """A module's attributes: each value, with the contents of a list / dict / set / deque (and of its registries)
+    and a copy of a tensor attribute that is no parameter or buffer."""
     state = {}
     for key, value in vars(module).items():
         contents = None
-        if isinstance(value, CONTAINERS):
-            contents = (
-                list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else set(value)
-            )
+        if isinstance(value, (MutableSequence, MutableMapping, MutableSet)):
+            contents = dict(value) if isinstance(value, MutableMapping) else list(value)
+        elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            contents = value.detach().clone()
         state[key] = (value, contents)
     return state
 
 
 def _written(tracer, module: nn.Module, state: dict) -> list:
-    """Attributes the forward rebound, or whose lists / dicts / sets it filled, with values computed from the
-    inputs' data or sizes (a running state: `self.prev = out.mean()`, `self.seen.append(x.size(0))`); values of
-    constants and of the inputs' dtypes and devices only (`self.alpha.to(x.device)`, a memo of those) are not state."""
+    """Attributes the forward changed as state: rebound to a value computed from the inputs' data or sizes, or to
+    another Python value (`self.prev = out.mean()`, `self.count += 1`), containers it filled or emptied
+    (`self.seen.append(x.size(0))`, a memo), tensor attributes it changed in place. A value of constants and of the
+    inputs' dtypes and devices (RecBole's `self.alpha = self.alpha.to(x.device)`) is not state."""
     written = []
     for key, value in vars(module).items():
-        old, contents = state.get(key, (None, None))
-        if value is old and contents is None:
+        if key.startswith("_tensor_constant"):
             continue
-        if value is old:
-            new = value if isinstance(value, (list, set)) else list(value.values())
-            new = [
-                v
-                for v in new
-                if not any(v is c for c in (contents if isinstance(contents, (list, set)) else contents.values()))
-            ]
+        if key in REGISTRIES:  # a parameter, buffer or submodule registered (or removed) in the forward
+            if value.keys() != state[key][1].keys():
+                written.append(key.strip("_"))
+            continue
+        if key not in state:
+            written.append(key)
+            continue
+        old, contents = state[key]
+        if value is not old:
+            if isinstance(value, fx.Proxy):
+                changed = tracer._depends_on(value.node) != "meta"
+            else:
+                changed = not (type(value) is type(old) and not isinstance(value, torch.Tensor) and value == old)
+        elif isinstance(contents, torch.Tensor):
+            changed = not torch.equal(value, contents)
+        elif isinstance(contents, dict):
+            changed = value.keys() != contents.keys() or any(value[k] is not contents[k] for k in contents)
+        elif contents is not None:
+            now = list(value)
+            changed = len(now) != len(contents) or any(a is not b for a, b in zip(now, contents))
         else:
-            new = [value]
-        if any(isinstance(v, fx.Proxy) and tracer._depends_on(v.node) != "meta" for v in tree_flatten(new)[0]):
+            changed = False
+        if changed:
             written.append(key)
     return written
 
@@ -571,13 +586,16 @@ def _restore(module: nn.Module, state: dict, drop_new: bool) -> None:
         del attributes[key]
     for key, (value, contents) in state.items():
         attributes[key] = value
-        if contents is None:
-            continue
-        if isinstance(value, list):
-            value[:] = contents
-        else:
+        if isinstance(contents, torch.Tensor):
+            if not torch.equal(value, contents):
+                with torch.no_grad():
+                    value.copy_(contents)
+        elif isinstance(contents, dict):
             value.clear()
             value.update(contents)
+        elif contents is not None:
+            value.clear()
+            (value.update if isinstance(value, MutableSet) else value.extend)(contents)
 
 
 IN_PLACE_OPERATORS = {operator.setitem, *OUT_OF_PLACE_OPERATORS}
