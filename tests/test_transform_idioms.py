@@ -1246,6 +1246,41 @@ def test_a_rewritten_module_passed_again_comes_back_as_it_is():
     assert module is not model and to_ikbo(module, args_for(model, request(*EXAMPLE, gen)))[0] is module
 
 
+class CountBranch(nn.Module):
+    """A Python branch on how many rows a mask keeps (DeepCTR-Torch's DIEN: `if masked_keys_length.shape[0] == 0:
+    return zeros`), in the spellings that count values."""
+
+    COUNTS = {
+        "index": lambda x, keep: x[keep].shape[0],
+        "len": lambda x, keep: len(x[keep]),
+        "masked_select": lambda x, keep: torch.masked_select(x[:, 0], keep).numel(),
+        "nonzero": lambda x, keep: torch.nonzero(keep).size(0),
+    }
+
+    def __init__(self, count):
+        super().__init__()
+        self.count, self.lin = self.COUNTS[count], nn.Linear(FU, FC)
+
+    def forward(self, user, cand, cand_to_user):
+        x = self.lin(user)[cand_to_user]
+        if self.count(x, user[cand_to_user, 0] > 0) == 0:
+            return cand.sum(1)
+        return (x * cand).sum(1)
+
+
+@pytest.mark.parametrize("count", list(CountBranch.COUNTS))
+def test_branch_on_a_count_of_values_is_not_followed(count):
+    """The example has users with user[:, 0] > 0; a call where none has must take the other branch."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = CountBranch(count).eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    inputs = request(3, 41, gen)
+    inputs["user"][:, 0] = -inputs["user"][:, 0].abs()  # no user kept: the original returns cand.sum(1)
+    args = args_for(model, inputs)
+    with torch.inference_mode():
+        assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+
+
 class RowKeepingViews(nn.Module):
     """DeepCTR-Torch's `combined_dnn_input`: [B, 1, d] embeddings concatenated, `view(B, -1)`, then `flatten(1)`:
     views that keep the rows, read by a linear."""

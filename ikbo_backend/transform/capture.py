@@ -60,6 +60,7 @@ META_FUNCTIONS = {torch.is_floating_point, torch.is_complex}
 SIZE_METHODS = {"size"}
 COUNT_METHODS = {"numel", "nelement"}  # products of every dim
 PIECES = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}  # ops returning a size-dependent count
+DATA_SHAPED = {"masked_select", "nonzero", "argwhere", "unique", "unique_consecutive", "bincount", "nonzero_static"}
 RNN_MODULES = (nn.RNNBase,)
 DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 OUT_OF_PLACE_OPERATORS = {
@@ -290,7 +291,9 @@ class Tracer(fx.Tracer):
             shape_source = self._shape_source(n)
             if shape_source is not None:
                 source, sizes = shape_source
-                if self._from_inputs(source):
+                if self._data_shaped(source):  # x[mask].shape[0], masked_select(...).numel(): counts of values
+                    kinds.add("data")
+                elif self._from_inputs(source):
                     kinds.add("rows" if any(s in self.rows for s in sizes) else "size")
                 continue
             if self._is_meta(n):
@@ -372,6 +375,31 @@ class Tracer(fx.Tracer):
         if n.op == "call_method" and n.target in META_METHODS:
             return True
         return n.op == "call_function" and n.target in META_FUNCTIONS
+
+    def _data_shaped(self, node) -> bool:
+        """Whether a tensor's shape may depend on tensor values: it or a tensor it is computed from comes out of an
+        op whose output size counts values (boolean indexing, masked_select, nonzero, unique, repeat_interleave by
+        a tensor, ...)."""
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen or not isinstance(n, fx.Node):
+                continue
+            seen.add(n)
+            name = _name(n.target) if n.op in ("call_function", "call_method") else ""
+            if name in DATA_SHAPED:
+                return True
+            if name == "repeat_interleave" and any(
+                isinstance(a, fx.Node) and isinstance(a.meta.get("example_value"), torch.Tensor) for a in n.args[1:2]
+            ):
+                return True
+            if name in ("getitem", "__getitem__") and len(n.args) == 2:
+                index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+                if any(getattr(i.meta.get("example_value"), "dtype", None) == torch.bool for i in index
+                       if isinstance(i, fx.Node)):  # fmt: skip
+                    return True
+            todo.extend(n.all_input_nodes)
+        return False
 
     def _from_inputs(self, node) -> bool:
         seen, todo = set(), [node]
