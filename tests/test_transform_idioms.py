@@ -1500,6 +1500,10 @@ def _some_empty_histories(num_users, num_candidates, gen):
     without = torch.ones(num_users, dtype=torch.bool)
     without[inputs["cand_to_user"]] = False
     inputs["lengths"][without] = 0
+    # the U-row pack holds sum(max(length, 1)) tokens: kept apart from B, the row count that tells replicas apart
+    if int(inputs["lengths"].clamp(min=1).sum()) == num_candidates:
+        user = int(inputs["cand_to_user"][0])
+        inputs["lengths"][user] += 1 if inputs["lengths"][user] < L else -1
     return inputs
 
 
