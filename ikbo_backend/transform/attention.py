@@ -40,7 +40,7 @@ class AttentionRewrites:
         if not (ndim == k.meta.ndim == v.meta.ndim and ndim in (3, 4)):
             return None
         seq_len = k.meta.shape[-2]
-        k_user, v_user, q_node, kv_len, fill = k.user, v.user, q.node, None, None
+        k_user, v_user, q_node, kv_len, keep, fill = k.user, v.user, q.node, None, None, None
         if ndim == 3:  # [B, S, d]: one head
             q_node, k_user, v_user = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k_user, v_user))
         how = ""
@@ -54,22 +54,34 @@ class AttentionRewrites:
                 if found is None:
                     return None
                 keep, fill = found
-                all_values, all_keys = v_user, k_user
-                packed = self.emit("call_function", ops.compact_keys, (k_user, v_user, keep))
-                k_user, v_user, kv_len = (self.emit("call_function", operator.getitem, (packed, i)) for i in range(3))
-                fill = self.all_masked(fill, q_node, all_keys, kv_len, scale, torch.float32, softmax=False)
-                if fill is False:
-                    return None
                 how = " (per-user key mask, kept keys moved first at U rows)"
-        node = self.emit("call_function", ikbo_attention, (q_node, k_user, v_user, k.mapping.node, kv_len, scale))
-        if fill is not None:  # users whose keys are all masked: what the original's softmax gives there
-            node = self.emit("call_function", ops.empty_users, (node, all_values, kv_len, k.mapping.node, fill))
-        if ndim == 3:
-            node = self.emit("call_method", "squeeze", (node, 1))
+        node = self.emit_attention(q_node, k_user, v_user, k.mapping, scale, ndim, kv_len, keep, fill)
+        if node is None:
+            return None
         self.report.rewritten.append(
             f"{name}: attention of candidate queries over replicated K/V → ikbo_attention{how}"
         )
         return Plain(node, meta, True)
+
+    def emit_attention(self, q, k, v, mapping, scale, ndim, kv_len=None, keep=None, fill=None, dtype=torch.float32,
+                       softmax=False):  # fmt: skip
+        """ikbo_attention of the query node `q` over the user rows `k`, `v` (4-D; 3-D originals are squeezed back).
+        With `keep` (a bool node: the keys each user keeps) those keys are moved first at U rows, and a user
+        with none gets what the original gives it (`fill`, `all_masked`). The node, or None where `all_masked`
+        declines."""
+        all_values, all_keys = v, k
+        if keep is not None:
+            packed = self.emit("call_function", ops.compact_keys, (k, v, keep))
+            k, v, kv_len = (self.emit("call_function", operator.getitem, (packed, i)) for i in range(3))
+            fill = self.all_masked(fill, q, all_keys, kv_len, scale, dtype, softmax=softmax)
+            if fill is False:
+                return None
+        node = self.emit("call_function", ikbo_attention, (q, k, v, mapping.node, kv_len, scale))
+        if fill is not None:  # users whose keys are all masked: what the original's softmax gives there
+            node = self.emit("call_function", ops.empty_users, (node, all_values, kv_len, mapping.node, fill))
+        if ndim == 3:
+            node = self.emit("call_method", "squeeze", (node, 1))
+        return node
 
     def key_mask(self, mask, mapping, seq_len, ndim):
         """([U, L] bool node of the keys each user keeps, fill) if `mask` is one key mask per user, else None. fill:
@@ -184,7 +196,7 @@ class AttentionRewrites:
             else:
                 scale = 1.0 / factor if divides else factor
         k = self.emit("call_method", "transpose", (k_t.user, -2, -1))
-        q_node, v_node, kv_len, all_values, fill = q.node, v.user, None, None, None
+        q_node, v_node, keep, fill = q.node, v.user, None, None
         if q.meta.ndim == 3:
             q_node, k, v_node = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k, v_node))
         how = ""
@@ -193,18 +205,12 @@ class AttentionRewrites:
             if q.meta.ndim == 3:
                 keep = self.emit("call_method", "unsqueeze", (keep, 1))
             keep = self.emit("call_function", ops.key_mask, (keep,))
-            all_values, all_keys = v_node, k
-            packed = self.emit("call_function", ops.compact_keys, (k, v_node, keep))
-            k, v_node, kv_len = (self.emit("call_function", operator.getitem, (packed, i)) for i in range(3))
-            fill = self.all_masked(fill, q_node, all_keys, kv_len, scale, q.meta.dtype, softmax=True)
-            if fill is False:
-                return False
             how = " (per-user key mask, kept keys moved first at U rows)"
-        node = self.emit("call_function", ikbo_attention, (q_node, k, v_node, k_t.mapping.node, kv_len, scale))
-        if fill is not None:  # users whose keys are all masked: what the original's softmax gives there
-            node = self.emit("call_function", ops.empty_users, (node, all_values, kv_len, k_t.mapping.node, fill))
-        if q.meta.ndim == 3:
-            node = self.emit("call_method", "squeeze", (node, 1))
+        node = self.emit_attention(
+            q_node, k, v_node, k_t.mapping, scale, q.meta.ndim, None, keep, fill, q.meta.dtype, softmax=True
+        )
+        if node is None:
+            return False
         for n in chain.inner:
             self.env[n] = None  # computed inside the fused op; nothing else reads it
             self.pending.discard(n)

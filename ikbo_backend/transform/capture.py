@@ -376,42 +376,44 @@ class Tracer(fx.Tracer):
             return True
         return n.op == "call_function" and n.target in META_FUNCTIONS
 
+    @staticmethod
+    def _upstream(node, test) -> bool:
+        """Whether `test` holds for `node` or any node it is computed from."""
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen or not isinstance(n, fx.Node):
+                continue
+            seen.add(n)
+            if test(n):
+                return True
+            todo.extend(n.all_input_nodes)
+        return False
+
     def _data_shaped(self, node) -> bool:
         """Whether a tensor's shape may depend on tensor values: it or a tensor it is computed from comes out of an
         op whose output size counts values (boolean indexing, masked_select, nonzero, unique, repeat_interleave by
         a tensor, ...)."""
-        seen, todo = set(), [node]
-        while todo:
-            n = todo.pop()
-            if n in seen or not isinstance(n, fx.Node):
-                continue
-            seen.add(n)
+
+        def counts_values(n) -> bool:
             name = _name(n.target) if n.op in ("call_function", "call_method") else ""
             if name in DATA_SHAPED:
                 return True
-            if name == "repeat_interleave" and any(
-                isinstance(a, fx.Node) and isinstance(a.meta.get("example_value"), torch.Tensor) for a in n.args[1:2]
-            ):
-                return True
+            if name == "repeat_interleave":
+                return any(
+                    isinstance(a, fx.Node) and isinstance(a.meta.get("example_value"), torch.Tensor)
+                    for a in n.args[1:2]
+                )
             if name in ("getitem", "__getitem__") and len(n.args) == 2:
                 index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-                if any(getattr(i.meta.get("example_value"), "dtype", None) == torch.bool for i in index
-                       if isinstance(i, fx.Node)):  # fmt: skip
-                    return True
-            todo.extend(n.all_input_nodes)
-        return False
+                return any(getattr(i.meta.get("example_value"), "dtype", None) == torch.bool for i in index
+                           if isinstance(i, fx.Node))  # fmt: skip
+            return False
+
+        return self._upstream(node, counts_values)
 
     def _from_inputs(self, node) -> bool:
-        seen, todo = set(), [node]
-        while todo:
-            n = todo.pop()
-            if n in seen or not isinstance(n, fx.Node):
-                continue
-            seen.add(n)
-            if n.op == "placeholder":
-                return True
-            todo.extend(n.all_input_nodes)
-        return False
+        return self._upstream(node, lambda n: n.op == "placeholder")
 
     # --- modules -------------------------------------------------------------------------------
 
