@@ -1756,3 +1756,165 @@ def test_multihead_attention_eval_form_matches_the_module():
         assert (actual[1] is None) == (expected[1] is None)
         if need:
             assert rel_err(actual[1], expected[1]) <= RTOL
+
+
+class ChangedThroughUnnamedViews(nn.Module):
+    """An in-place change through a function that returns a view of the user tensor without being named one
+    (hsplit, ravel, atleast_2d, broadcast_tensors, positive), before or after the replication."""
+
+    VIEWS = {
+        "hsplit": lambda u: torch.hsplit(u, 2)[0],
+        "ravel": lambda u: u.ravel(),
+        "atleast_2d": torch.atleast_2d,
+        "broadcast_tensors": lambda u: torch.broadcast_tensors(u, torch.ones(u.shape[1]))[0],
+        "positive": torch.positive,
+    }
+
+    def __init__(self, view, after):
+        super().__init__()
+        self.view, self.after = self.VIEWS[view], after
+        self.out = nn.Linear(FU + FC, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        if not self.after:
+            self.view(user).clamp_(-0.3, 0.3)
+        u = user[cand_to_user]
+        if self.after:
+            self.view(user).clamp_(-0.3, 0.3)
+        return self.out(torch.cat([u, cand], dim=-1)) + user.sum()
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize("view", list(ChangedThroughUnnamedViews.VIEWS))
+def test_in_place_change_through_a_view_known_by_its_storage(view, after):
+    """A view is known by the storage its value shares on the example, whatever it is called: exact or refused."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = ChangedThroughUnnamedViews(view, after).eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            expected = model(*(a.clone() for a in args))
+            assert rel_err(module(*args), expected) <= RTOL, str(report)
+
+
+class ClampsInPlace(nn.Module):
+    """Kept whole (a branch on values), and changes its input in place."""
+
+    def forward(self, x):
+        if bool(torch.isnan(x).any()):
+            x = x.nan_to_num(0.0)
+        return x.clamp_(-0.5, 0.5)
+
+
+class OutlierGuard(nn.Module):
+    """Kept whole: halves the batch where any value is an outlier (a statistic of all its rows)."""
+
+    def forward(self, x):
+        return x / 2 if bool(x.abs().max() > 3.5) else x
+
+
+class UserTower(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.out, self.tower = inner, nn.Linear(FU + FC, 1), nn.Linear(FU, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        x = torch.cat([self.inner(user[cand_to_user]), cand], dim=-1)
+        return self.out(x) + self.tower(user)[cand_to_user]
+
+
+def _outlier_without_candidates(num_users, num_candidates, gen):
+    """Users' features within ±3, but a user without candidates holds an outlier."""
+    inputs = request(num_users + 1, num_candidates, gen)
+    inputs["user"] = inputs["user"].clamp(-3, 3)
+    inputs["cand_to_user"] %= num_users
+    inputs["user"][num_users, 0] = 10.0
+    return inputs
+
+
+def test_modules_kept_whole_see_the_rows_the_original_gives_them():
+    """A kept module that changes its input in place would change the user rows themselves at U rows: the model
+    comes back, the caller's tensors untouched; one that branches on a statistic of its rows sees only rows of users
+    with candidates (`ops.present_rows`), also with outliers in the others."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = UserTower(ClampsInPlace()).eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is model and "changes its input in place" in str(report), str(report)
+    check(UserTower(OutlierGuard()), make=_outlier_without_candidates, must=("kept whole, runs at U rows",))
+
+
+class RenormedLookup(nn.Module):
+    """nn.Embedding(max_norm=1) over replicated user ids, its table also read raw (a tied candidate table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(60, D, max_norm=1.0)
+
+    def forward(self, ids, cand, cand_to_user):
+        u = self.emb(ids[:, 0][cand_to_user])
+        c = self.emb.weight[(cand[:, 0].abs() * 10).long() % 60]
+        return (u * c).sum(-1)
+
+
+def test_max_norm_lookup_renormalizes_only_the_rows_the_original_reads():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = RenormedLookup().eval()
+    twin = RenormedLookup().eval()
+    twin.load_state_dict(model.state_dict())
+    example = args_for(model, request(*EXAMPLE, gen))
+    module, report = to_ikbo(twin, example, measure=False)
+    twin.load_state_dict(model.state_dict())
+    for num_users, num_candidates in SIZES:
+        inputs = request(num_users, num_candidates, gen)
+        inputs["ids"][:, 0] = torch.randperm(60, generator=gen)[:num_users]
+        inputs["cand_to_user"] %= max(num_users - 1, 1)  # the last user has no candidates
+        args = args_for(model, inputs)
+        with torch.no_grad():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+        assert torch.equal(twin.emb.weight, model.emb.weight)
+
+
+class HistoryEncoder(nn.Module):
+    """Self-attention over each user's history with a key padding mask (users with an empty history: every key
+    masked), in the forms torch runs through its native fast path in inference."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        layer = nn.TransformerEncoderLayer(D, H, 32, dropout=0.0, batch_first=True)
+        self.m = {
+            "layer": layer,
+            "encoder": nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+            "mha": nn.MultiheadAttention(D, H, batch_first=True),
+        }[kind]
+        self.q = nn.Linear(FC, D)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        padding = torch.arange(L)[None, :] >= lengths[:, None]
+        if self.kind == "mha":
+            h = self.m(history, history, history, key_padding_mask=padding, need_weights=False)[0]
+        else:
+            h = self.m(history, src_key_padding_mask=padding)
+        return (h[:, -1][cand_to_user] * self.q(cand)).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["layer", "encoder", "mha"])
+def test_fast_path_rows_of_empty_histories(kind):
+    """In inference torch's native fast path gives NaN for a user whose keys are all masked, its slow path numbers:
+    the rewrite gives what the original gives in each mode."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = HistoryEncoder(kind).eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in SIZES:
+        inputs = request(num_users, num_candidates, gen)
+        inputs["lengths"][inputs["cand_to_user"][:2]] = 0
+        args = args_for(model, inputs)
+        for mode in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+            with mode():
+                expected, got = model(*args), module(*args)
+            assert torch.equal(got.isnan(), expected.isnan()), (mode, str(report))
+            assert expected.isnan().any() == (mode is not torch.enable_grad)
+            keep = ~expected.isnan()
+            assert rel_err(got[keep], expected[keep]) <= RTOL, str(report)

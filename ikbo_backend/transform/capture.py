@@ -224,7 +224,13 @@ class Tracer(fx.Tracer):
             return target(*a, **k)
         if kind == "call_method":
             return getattr(a[0], target)(*a[1:], **k)
-        return self.fetch(target)(*a, **k)
+        tensors = [t for t in tree_flatten((a, k))[0] if isinstance(t, torch.Tensor) and not t.is_inference()]
+        versions = [t._version for t in tensors]
+        value = self.fetch(target)(*a, **k)
+        if any(t._version != v for t, v in zip(tensors, versions)):
+            # kept whole, it would run on the user rows themselves at U rows (the original changes a replica)
+            raise CaptureError(f"module `{target}` (kept whole) changes its input in place")
+        return value
 
     def fetch(self, target: str):
         value = self.root
@@ -695,24 +701,44 @@ def basic_index(index) -> bool:
 
 def aliased_input(node: fx.Node, root: nn.Module) -> fx.Node | None:
     """The node whose storage `node`'s value may share, or None: the input of a view (VIEW_METHODS,
-    VIEW_FUNCTIONS, `x.T`, `x[basic index]`, a piece of split / chunk / unbind: an item of their tuple) and of an
-    in-place op (`mutated_input`: `x.clamp_()` returns x)."""
+    VIEW_FUNCTIONS, `x.T`, `x[basic index]`, a piece of split / chunk / unbind: an item of their tuple), of an
+    in-place op (`mutated_input`: `x.clamp_()` returns x), and of any op whose value shares an input's storage on
+    the example (`_sharing_input`: what the names miss)."""
     mutated = mutated_input(node, root)
     if mutated is not None:
         return mutated
     first = node.args[0] if node.args else None
-    if not isinstance(first, fx.Node):
-        return None
+    if not isinstance(first, fx.Node) or node.op not in ("call_method", "call_function"):
+        return _sharing_input(node)
     if node.op == "call_method" and node.target in VIEW_METHODS:
         return first
     if node.op != "call_function":
-        return None
+        return _sharing_input(node)
     if node.target in VIEW_FUNCTIONS or node.target is getattr and node.args[1] in VIEW_ATTRIBUTES:
         return first
     if node.target is operator.getitem:
         container = isinstance(first.meta.get("example_value"), (tuple, list))
         return first if container or basic_index(node.args[1]) else None
-    return None
+    return _sharing_input(node)
+
+
+def _storages(value) -> set:
+    """The storages (data pointers) of the tensors in a value; empty tensors own none."""
+    leaves = tree_flatten(value)[0] if isinstance(value, (tuple, list, dict)) else [value]
+    return {
+        t.untyped_storage().data_ptr()
+        for t in leaves
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.untyped_storage().nbytes()
+    }
+
+
+def _sharing_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage `node`'s value shares on the example, whatever the op is called (torch.hsplit,
+    ravel, atleast_2d, broadcast_tensors, positive, conj, nn.Identity, …), or None."""
+    mine = _storages(node.meta.get("example_value"))
+    if not mine:
+        return None
+    return next((a for a in node.all_input_nodes if _storages(a.meta.get("example_value")) & mine), None)
 
 
 def alias_root(node: fx.Node, root: nn.Module) -> fx.Node:

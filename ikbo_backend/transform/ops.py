@@ -50,6 +50,30 @@ def packed_rows(packed, cand_to_user: torch.Tensor):
     )
 
 
+def present_rows(user: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
+    """The user rows with each row of a user without candidates replaced by a row of a user with some: the rows a
+    module kept whole sees at U rows are then those the original's replica holds (a branch on a statistic of its
+    rows, `x.abs().max() > t`, `isnan(x).any()`, decides as there; counts of equal rows differ). Rows stay where
+    they were, so the mapping indexes the result as it indexes `user`; with no candidates at all, no rows."""
+    if cand_to_user.shape[0] == 0:
+        return user[:0]
+    rows = cand_to_user.long()
+    present = torch.zeros(user.shape[0], dtype=torch.bool, device=user.device)
+    present[rows] = True
+    positions = torch.arange(user.shape[0], device=user.device)
+    return user.index_select(0, torch.where(present, positions, rows[0]))
+
+
+def fast_path_taken(*params: torch.Tensor) -> torch.Tensor:
+    """Whether torch's native attention fast path runs at this call (`nn.MultiheadAttention`,
+    `nn.TransformerEncoderLayer` in eval, their static conditions met): enabled, no autocast, and grad off or no
+    parameter requiring it. A 0-dim bool tensor: the rows it gives NaN (a query with every key masked: its masked
+    softmax is 0/0) are chosen by it on each call."""
+    taken = torch.backends.mha.get_fastpath_enabled() and not torch.is_autocast_enabled()
+    taken = taken and not (torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in params))
+    return torch.tensor(taken)
+
+
 def mapping_rows(cand_to_user: torch.Tensor) -> int:
     """B, the number of candidates."""
     return cand_to_user.shape[0]

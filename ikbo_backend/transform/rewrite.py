@@ -1220,16 +1220,25 @@ class Rewriter(AttentionRewrites):
 
     def opaque(self, module, target, args, kwargs, meta):
         """A module kept whole that reads only user rows runs at U rows where it acts row by row on the
-        example: module(user)[m] equals module(user[m])."""
+        example: module(user)[m] equals module(user[m]); the rows of users without candidates are replaced by rows of
+        users with some (`ops.present_rows`), so a branch on its rows' values sees the original's rows."""
         flat = [v for v in leaves((args, kwargs)) if is_value(v)]
         reps = [v for v in flat if isinstance(v, Rep)]
         if not reps or any(self.batched(v) and not isinstance(v, Rep) for v in flat):
             return None
         if len({r.mapping.key for r in reps}) != 1 or any(r.row_dim for r in reps):
             return None
-        u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
-        node = self.emit("call_module", target, fmap(args, u), fmap(kwargs, u))
         mapping = reps[0].mapping
+        present = {}  # each Rep's user rows as the original's replica holds them (`ops.present_rows`)
+
+        def u(v):
+            if isinstance(v, Rep):
+                if id(v) not in present:
+                    present[id(v)] = self.emit("call_function", ops.present_rows, (v.user, mapping.node))
+                return present[id(v)]
+            return self.user_side(v) if is_value(v) else v
+
+        node = self.emit("call_module", target, fmap(args, u), fmap(kwargs, u))
         m = self.values[mapping.node].long()
         got, want = tree_flatten(self.values[node])[0], tree_flatten(self.original[self.node])[0]
         ok = len(got) == len(want)
@@ -1512,13 +1521,15 @@ class Rewriter(AttentionRewrites):
             return others_plain and not _arg(args, kwargs, 5, "training", False) and xnd >= 2
         if key is F.prelu:
             return others_plain
+        # max_norm renormalizes, in place, the table rows the ids read: at U rows also those of users without
+        # candidates, which the original leaves as they are
         if key is F.embedding:
-            return not self.batched(_arg(args, kwargs, 1, "weight"))
+            return not self.batched(_arg(args, kwargs, 1, "weight")) and _arg(args, kwargs, 3, "max_norm") is None
         if key is F.embedding_bag:  # per_sample_weights, if any, replicated with the ids
             weights = _arg(args, kwargs, 8, "per_sample_weights")
             others = [t for t in tensors if t is not x and t is not weights]
             return (
-                xnd == 2 and _arg(args, kwargs, 2, "offsets") is None and not any(self.batched(t) for t in others)
+                xnd == 2 and _arg(args, kwargs, 2, "offsets") is None and _arg(args, kwargs, 3, "max_norm") is None and not any(self.batched(t) for t in others)
                 and (weights is None or isinstance(weights, Rep) or not self.batched(weights))
             )  # fmt: skip
         if key in MATMUL:

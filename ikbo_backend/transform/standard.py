@@ -6,7 +6,11 @@ in-projections (one packed linear for self-attention), heads split with `unflatt
 mask and the attention mask merged into one SDPA mask (boolean where both are boolean, additive
 otherwise, as `F._canonical_mask` makes them), SDPA, out-projection; the averaged attention weights
 are computed beside it only where the caller reads them. A query row with every key masked gives what the
-module gives: NaN where it computes the weights (`need_weights`, the default), zeros (SDPA) where not.
+module gives: NaN where it computes the weights (`need_weights`, the default) or takes torch's native fast path
+(self-attention, batch-first, boolean masks, grad off or nothing requiring it: decided on each call,
+`ops.fast_path_taken`), zeros (SDPA) otherwise. `nn.TransformerEncoderLayer` is traced through its own slow path,
+its output rows NaN where its fast path would run and the query's keys are all masked (boolean, or −inf in a
+float mask; the fast path also drops keys of other nonzero float values, which the slow path adds: not followed).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import ops
 
 
 def _keep_or_bias(mask):
@@ -42,9 +48,10 @@ def _merge(a, b):
 def attention_forward(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn,
     out_proj_weight, out_proj_bias, key_padding_mask=None, need_weights=True, attn_mask=None,
-    separate=None, average_attn_weights=True, batch_first=False,
+    separate=None, average_attn_weights=True, batch_first=False, fast_path=None,
 ):  # fmt: skip
-    """Eval-mode multi-head attention (`F.multi_head_attention_forward` without dropout)."""
+    """Eval-mode multi-head attention (`F.multi_head_attention_forward` without dropout); `fast_path`: the
+    module's parameters where its native fast path may run (`_fast_path_static`)."""
     self_attention = query is key and key is value
     unbatched = query.dim() == 2
     if unbatched:  # [T, E]: one sequence
@@ -82,8 +89,10 @@ def attention_forward(
     mask = _merge(mask, keep_keys)
     q, k, v = (t.unflatten(-1, (num_heads, -1)).transpose(1, 2) for t in (q, k, v))  # [N, H, T, d]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if need_weights and mask is not None:  # the module's weights path: a row with every key masked gives NaN
+    if (need_weights or fast_path is not None) and mask is not None:  # a row with every key masked gives NaN
         dead = ~mask.any(-1) if mask.dtype == torch.bool else mask.isneginf().all(-1)
+        if not need_weights:  # only where the fast path runs
+            dead = dead.logical_and(_traced_call(ops.fast_path_taken, query, *fast_path))
         out = out.masked_fill(dead.unsqueeze(-1), math.nan)
     out = F.linear(out.transpose(1, 2).flatten(2), out_proj_weight, out_proj_bias)  # [N, T, E]
     weights = None
@@ -111,11 +120,67 @@ def multihead_attention(
     separate = None
     if not module._qkv_same_embed_dim:
         separate = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+    fast_path = None
+    if _fast_path_static(module, query, key_padding_mask, attn_mask) and query is key and key is value:
+        fast_path = (module.in_proj_weight, module.in_proj_bias, module.out_proj.weight, module.out_proj.bias)
     return attention_forward(
         query, key, value, module.num_heads, module.in_proj_weight, module.in_proj_bias, module.bias_k,
         module.bias_v, module.add_zero_attn, module.out_proj.weight, module.out_proj.bias, key_padding_mask,
-        need_weights, attn_mask, separate, average_attn_weights, module.batch_first,
+        need_weights, attn_mask, separate, average_attn_weights, module.batch_first, fast_path,
     )  # fmt: skip
+
+
+def _fast_path_static(attention: nn.MultiheadAttention, x, *masks) -> bool:
+    """The conditions of torch's native attention fast path that do not change between calls (eval, batched
+    input, batch-first, packed projections with biases, an even number of heads, no bias_k / zero attention; for
+    `nn.MultiheadAttention` boolean masks, given as `masks`); grad mode and autocast are read on each call
+    (`ops.fast_path_taken`)."""
+    return (
+        not attention.training
+        and x.dim() == 3
+        and attention.batch_first
+        and attention.in_proj_weight is not None
+        and attention.in_proj_bias is not None
+        and x.dtype == attention.in_proj_weight.dtype == attention.in_proj_bias.dtype
+        and attention.num_heads % 2 == 0
+        and attention.bias_k is None
+        and attention.bias_v is None
+        and not attention.add_zero_attn
+        and attention._qkv_same_embed_dim
+        and all(m is None or m.dtype == torch.bool for m in masks)
+    )
+
+
+def _traced_call(fn, like, *args):
+    """fn(*args) as one node of the graph that `like` (a proxy) is traced into, else called at once."""
+    tracer = getattr(like, "tracer", None)
+    return fn(*args) if tracer is None else tracer.create_proxy("call_function", fn, args, {})
+
+
+def transformer_encoder_layer(module: nn.TransformerEncoderLayer, src, src_mask=None, src_key_padding_mask=None,
+                              is_causal=False):  # fmt: skip
+    """`nn.TransformerEncoderLayer.forward` traced through its slow path, with the rows its native fast path gives
+    NaN (a query whose keys are all masked) made NaN where that path would run at the call."""
+    out = type(module).forward(module, src, src_mask, src_key_padding_mask, is_causal)
+    attention = module.self_attn
+    fast = (
+        _fast_path_static(attention, src)
+        and module.activation_relu_or_gelu
+        and module.norm1.eps == module.norm2.eps
+        and (src_mask is not None or src_key_padding_mask is not None)
+    )
+    if not fast:
+        return out
+    kept = lambda m: ~m if m.dtype == torch.bool else ~m.isneginf()  # noqa: E731  (float: the −inf entries)
+    keep = None if src_mask is None else kept(src_mask)  # [T, S]
+    if src_key_padding_mask is not None:
+        keys = kept(src_key_padding_mask)[:, None, :]  # [N, 1, S]
+        keep = keys if keep is None else keep & keys
+    dead = ~keep.any(-1)  # [T] or [N, T]
+    params = [attention.in_proj_weight, attention.in_proj_bias, attention.out_proj.weight, attention.out_proj.bias]
+    params += [p for m in (module.norm1, module.norm2, module.linear1, module.linear2) for p in (m.weight, m.bias)]
+    dead = dead.logical_and(_traced_call(ops.fast_path_taken, src, *params))
+    return out.masked_fill(dead.unsqueeze(-1), math.nan)
 
 
 def multi_head_attention_forward(
@@ -178,7 +243,7 @@ def cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
     return diff.pow(p).sum(-1).pow(1 / p)
 
 
-MODULE_FORMS = {nn.MultiheadAttention: multihead_attention}
+MODULE_FORMS = {nn.MultiheadAttention: multihead_attention, nn.TransformerEncoderLayer: transformer_encoder_layer}
 FUNCTION_FORMS = {
     F.multi_head_attention_forward: multi_head_attention_forward,
     torch.cosine_similarity: cosine_similarity,  # F.cosine_similarity is the same function

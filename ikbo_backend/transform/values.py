@@ -203,6 +203,7 @@ ELEMENTWISE_FUNCTIONS = {
     torch.nan_to_num, torch.erf, torch.floor, torch.ceil, torch.round, torch.remainder, torch.fmod, torch.sign,
     torch.log1p, torch.expm1, torch.sin, torch.cos, torch.atan2, torch.eq, torch.ne, torch.lt, torch.le, torch.gt,
     torch.ge, torch.bitwise_and, torch.bitwise_or, torch.bitwise_not, torch.clamp_min, torch.clamp_max,
+    torch.isnan, torch.isinf, torch.isneginf, torch.isposinf, torch.isfinite,
     F.relu, F.gelu, F.silu, F.dropout, F.tanh, F.sigmoid, F.leaky_relu, F.elu, F.softplus, F.hardtanh, F.mish,
     F.selu, F.celu, F.hardswish, F.hardsigmoid, F.logsigmoid, F.relu6, F.softsign, F.tanhshrink,
 }  # fmt: skip
@@ -212,6 +213,7 @@ ELEMENTWISE_METHODS = {
     "type_as", "contiguous", "clone", "detach", "cpu", "cuda", "sign", "where", "logical_not", "square", "reciprocal", "type",
     "__and__", "__or__", "__invert__", "eq", "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "nan_to_num",
     "floor", "ceil", "round", "remainder", "fmod", "log1p", "expm1", "logical_and", "logical_or", "sin", "cos",
+    "isnan", "isinf", "isneginf", "isposinf", "isfinite",
     "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "relu_", "sigmoid_", "tanh_", "exp_", "fill_", "zero_",
     "neg_", "abs_", "pow_", "sqrt_", "nan_to_num_", "__rsub__", "__radd__", "__rmul__", "__rtruediv__",
 }  # fmt: skip
