@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from ikbo_backend.transform import Guarded, cost, replications_in, to_ikbo
+from ikbo_backend.transform import Guarded, cost, ops, replications_in, to_ikbo
 from ikbo_backend.transform.standard import multihead_attention
 from kernels.reference import rel_err
 
@@ -1918,3 +1918,65 @@ def test_fast_path_rows_of_empty_histories(kind):
             assert expected.isnan().any() == (mode is not torch.enable_grad)
             keep = ~expected.isnan()
             assert rel_err(got[keep], expected[keep]) <= RTOL, str(report)
+
+
+class FirstCandidateReference(nn.Module):
+    """Each candidate's user features minus the first candidate's (a fixed number of candidate rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(FU, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        return self.out(user[cand_to_user] - cand[:1, :FU])
+
+
+def test_calls_without_candidates_run_the_original():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = FirstCandidateReference().eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is not model, str(report)
+    args = args_for(model, request(4, 0, gen))
+    with torch.inference_mode():
+        assert module(*args).shape == model(*args).shape == (0, 1)
+    assert module.fallbacks == 1
+
+
+def test_forward_hooks_are_called_as_in_the_original():
+    """A model with forward hooks comes back unchanged; a hook registered after the pass makes the module run the
+    original (the rewritten graph calls no hooks)."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Replicated("index").eval()
+    seen = []
+    handle = model.net[0].register_forward_hook(lambda m, a, out: seen.append(out.shape[0]))
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is model and "forward hooks on `net.0`" in str(report), str(report)
+    handle.remove()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is not model, str(report)
+    model.net[2].register_forward_hook(lambda m, a, out: out * 0 + 1.0)
+    args = args_for(model, request(*SIZES[0], gen))
+    with torch.inference_mode():
+        assert torch.equal(module(*args), model(*args))
+        assert (model(*args) == 1.0).all()
+
+
+def test_joins_follow_autocast():
+    """Under torch.autocast a batched matmul join runs in the autocast dtype as the original's matmul does, also
+    where it is computed a tile of candidates at a time."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+
+    class Scores(nn.Module):
+        def forward(self, history, cand, cand_to_user):
+            return cand.view(-1, 1, FC)[..., :1].expand(-1, 2, D) @ history[cand_to_user].transpose(1, 2)
+
+    model = Scores().eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert "rows_matmul" in module.code, str(report)
+    rows = ops.TILE_BYTES // (L * D * 4) + 7  # past one tile of user rows
+    for num_candidates in (SIZES[0][1], rows):
+        args = args_for(model, request(3, num_candidates, gen))
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected, got = model(*args), module(*args)
+        assert got.dtype == expected.dtype == torch.bfloat16
+        assert rel_err(got.float(), expected.float()) <= 1e-2

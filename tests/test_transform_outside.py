@@ -112,14 +112,14 @@ def test_same_outputs_on_fresh_inputs(transformed):
         assert_same(model, module, args, f"{name} U={num_users} B={num_candidates}\n{report}")
     args = zoo_more.inputs(model, 11, 53, gen, mapping=serving_mapping(11, 53, gen))
     assert_same(model, module, args, f"{name}: users without candidates\n{report}")
-    empty = zoo_more.inputs(model, 4, 0, gen)
+    assert getattr(module, "fallbacks", 0) == 0, f"{name}: fresh inputs ran the original model"
+    empty = zoo_more.inputs(model, 4, 0, gen)  # no candidates: the original runs
     try:
         expected = [e.shape for e in outputs(model, empty)]
     except RuntimeError:  # nn.MultiheadAttention cannot view an empty batch: nothing to compare with
         expected = None
     if expected is not None:
         assert [a.shape for a in outputs(module, empty)] == expected, name
-    assert getattr(module, "fallbacks", 0) == 0, f"{name}: fresh inputs ran the original model"
 
 
 def test_replication_detector_agrees_with_the_report(transformed):

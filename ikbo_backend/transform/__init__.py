@@ -100,6 +100,10 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         )
         warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged (pass an example with U ≠ B)", stacklevel=2)
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
+    hooked = _hooked(model)
+    if hooked:
+        reason = f"forward hooks on {', '.join(hooked[:3])}: Python calls a rewritten graph would not make"
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"])
     if rtol is None:
         rtol = max([RTOL.get(d, 1e-3) for d in _float_dtypes(model, example_inputs)], default=1e-3)
     try:
@@ -261,12 +265,22 @@ def _disagreement(model, module, example_inputs) -> float:
     return worst
 
 
+def _hooked(model: torch.nn.Module) -> list[str]:
+    """The modules with forward (pre-)hooks (`global` for hooks on every module)."""
+    hooked = [f"`{name}`" if name else "the model" for name, m in model.named_modules()
+              if m._forward_hooks or m._forward_pre_hooks]  # fmt: skip
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        hooked.append("every module (global hooks)")
+    return hooked
+
+
 class Guarded(torch.nn.Module):
     """The rewritten graph (`rewritten`, a torch.fx.GraphModule) for inputs shaped like the example's:
     the same structure (containers, dict keys), dtypes and ndims, one row count among the inputs that had U rows and
-    one among those that had B and, where the capture followed a branch on them, the same non-row sizes; the
-    original model for other inputs (`fallbacks` counts them), also where a concat the rewrite keeps as its parts
-    meets other widths than the example's (`ops.WidthsChanged`, raised before any output is made)."""
+    one among those that had B, neither of them 0, and, where the capture followed a branch on them, the same non-row
+    sizes; the original model for other inputs (`fallbacks` counts them), also where a concat the rewrite keeps as its parts
+    meets other widths than the example's (`ops.WidthsChanged`, raised before any output is made), and once a forward
+    hook is registered on it (the graph would not call it)."""
 
     def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool):
         super().__init__()
@@ -278,6 +292,7 @@ class Guarded(torch.nn.Module):
         # lookup table passed with 15 users in the example would otherwise be taken for user rows at every U)
         self.roles = [rows.index(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] in rows
                       else None for t in leaves]  # fmt: skip
+        self.watched = list(original.modules())  # (a plain list: not registered as submodules again)
         self.signature = inspect.signature(original.forward)
         self.names = list(self.signature.parameters)[: len(example_inputs)]  # the graph's inputs, in order
 
@@ -288,6 +303,14 @@ class Guarded(torch.nn.Module):
         if self.fixed_sizes and t.dim() and t.shape[0] not in rows:
             sizes = tuple(t.shape)
         return t.dtype, t.dim(), t.device.type, sizes
+
+    def _hooks_added(self) -> bool:
+        """Whether a forward hook has been registered on the model since (the graph would not call it)."""
+        return (
+            any(m._forward_hooks or m._forward_pre_hooks for m in self.watched)
+            or bool(torch.nn.modules.module._global_forward_hooks)
+            or bool(torch.nn.modules.module._global_forward_pre_hooks)
+        )
 
     @property
     def code(self) -> str:
@@ -301,7 +324,7 @@ class Guarded(torch.nn.Module):
         for t, role in zip(leaves, self.roles):
             if role is not None and isinstance(t, torch.Tensor) and t.dim():
                 counts[role][t.shape[0]] = True
-        if any(len(c) > 1 for c in counts):
+        if any(len(c) > 1 or 0 in c for c in counts):  # no candidates (or no users): the original, as cheap
             return False
         for t, want in zip(leaves, self.expected):
             if want is None:
@@ -321,7 +344,7 @@ class Guarded(torch.nn.Module):
                 bound = {}
             if set(bound) == set(self.names):
                 args, kwargs = tuple(bound[n] for n in self.names), {}
-        if not kwargs and self.matches(args):
+        if not kwargs and not self._hooks_added() and self.matches(args):
             try:
                 return self.rewritten(*args)
             except ops.WidthsChanged:

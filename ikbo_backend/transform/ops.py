@@ -299,12 +299,24 @@ def rows_join(op: str, cand, user, cand_to_user, cond=None) -> torch.Tensor:
 
 
 def _matmul_empty(cand, user, cand_left, rows):
+    cand, user = _autocast(cand, user)
     a, b = (cand, user) if cand_left else (user, cand)
     batch = torch.broadcast_shapes(a.shape[1:-2], b.shape[1:-2])
     return cand.new_empty((rows, *batch, a.shape[-2], b.shape[-1]), dtype=torch.result_type(cand, user))
 
 
+def _autocast(*tensors):
+    """The float tensors in the dtype autocast runs matmuls in, where it is on for their device (a matmul with
+    `out=` would not be cast), else as they are."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
 def _rows_matmul(cand, user, cand_to_user, cand_left):
+    cand, user = _autocast(cand, user)
     if _tile_rows(user) >= cand.shape[0]:
         rows = user.index_select(0, cand_to_user.long())
         return torch.matmul(cand, rows) if cand_left else torch.matmul(rows, cand)
