@@ -1980,3 +1980,36 @@ def test_joins_follow_autocast():
             expected, got = model(*args), module(*args)
         assert got.dtype == expected.dtype == torch.bfloat16
         assert rel_err(got.float(), expected.float()) <= 1e-2
+
+
+class WithSettings(nn.Module):
+    """Non-tensor arguments: a temperature, a top-k count, a task flag, a default left out of the example."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(FU + FC, 4)
+
+    def forward(self, user, cand, cand_to_user, temperature, k, task, bias=0.0):
+        scores = self.net(torch.cat([user[cand_to_user], cand], dim=1)) / temperature
+        scores = scores.topk(k, dim=1).values
+        return (scores * 2 if task == "ctr" else scores) + bias
+
+
+def test_non_tensor_arguments_are_fixed_at_the_example_values():
+    """The graph is traced with the example's values of non-tensor arguments; a call with the same values runs it,
+    a call with others runs the original."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = WithSettings().eval()
+    settings = (0.7, 2, "ctr")
+    module, report = to_ikbo(model, (*args_for(Replicated("index"), request(*EXAMPLE, gen)), *settings), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in SIZES:
+        args = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        before = module.fallbacks
+        with torch.inference_mode():
+            assert rel_err(module(*args, *settings), model(*args, *settings)) <= RTOL, str(report)
+            assert module.fallbacks == before
+            for other in ((1.3, 2, "ctr"), (0.7, 3, "ctr"), (0.7, 2, "cvr")):
+                assert rel_err(module(*args, *other), model(*args, *other)) <= RTOL
+            assert rel_err(module(*args, *settings, bias=1.0), model(*args, *settings, bias=1.0)) <= RTOL
+        assert module.fallbacks == before + 4

@@ -297,8 +297,8 @@ class Guarded(torch.nn.Module):
         self.names = list(self.signature.parameters)[: len(example_inputs)]  # the graph's inputs, in order
 
     def _key(self, t, rows):
-        if not isinstance(t, torch.Tensor):
-            return None
+        if not isinstance(t, torch.Tensor):  # a number, flag or string the graph was traced with: the same value
+            return ("value", t) if t is None or isinstance(t, (bool, int, float, str)) else None
         sizes = tuple(t.shape[1:]) if self.fixed_sizes and t.dim() and t.shape[0] in rows else None
         if self.fixed_sizes and t.dim() and t.shape[0] not in rows:
             sizes = tuple(t.shape)
@@ -328,6 +328,10 @@ class Guarded(torch.nn.Module):
             return False
         for t, want in zip(leaves, self.expected):
             if want is None:
+                continue
+            if want[0] == "value":
+                if type(t) is not type(want[1]) or t != want[1]:
+                    return False
                 continue
             if not isinstance(t, torch.Tensor) or (t.dtype, t.dim(), t.device.type) != want[:3]:
                 return False

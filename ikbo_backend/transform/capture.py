@@ -47,6 +47,17 @@ from . import standard
 from .values import _name
 
 
+def placeholder_value(examples: dict, target: str, args: tuple = ()):
+    """The example's value of a placeholder: the argument of its name, or of the name fx gives the placeholder of a
+    non-tensor argument (`name_<n>`), else its default (`args`)."""
+    if target in examples:
+        return examples[target]
+    base = target.rsplit("_", 1)[0]
+    if base in examples and target[len(base) + 1 :].isdigit():
+        return examples[base]
+    return args[0] if args else None
+
+
 class CaptureError(Exception):
     """Control flow the capture does not follow (on tensor values or on a row count)."""
 
@@ -214,7 +225,7 @@ class Tracer(fx.Tracer):
 
     def _evaluate(self, kind, target, args, kwargs):
         if kind == "placeholder":
-            return self.examples.get(target)
+            return placeholder_value(self.examples, target, args)
         if kind == "get_attr":
             return self.fetch(target)
         if kind == "output":

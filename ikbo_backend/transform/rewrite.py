@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import ops
 from .attention import AttentionRewrites, fuse_self_target_attention
-from .capture import OUT_OF_PLACE_OPERATORS, alias_root, mutated_input, node_source
+from .capture import OUT_OF_PLACE_OPERATORS, alias_root, mutated_input, node_source, placeholder_value
 from .values import (
     ADD_SUB,
     CONVERSIONS,
@@ -166,7 +166,7 @@ class Rewriter(AttentionRewrites):
 
         class Recorder(fx.Interpreter):
             def placeholder(self, target, args, kwargs):
-                return examples.get(target, args[0] if args else None)
+                return placeholder_value(examples, target, args)
 
             def run_node(self, n):
                 out = super().run_node(n)
@@ -343,7 +343,7 @@ class Rewriter(AttentionRewrites):
             meta = self.meta.get(node)
             if node.op == "placeholder":
                 new = self.graph.create_node("placeholder", node.target, node.args)
-                self.values[new] = self.examples.get(node.target, node.args[0] if node.args else None)
+                self.values[new] = placeholder_value(self.examples, node.target, node.args)
                 if node.target == self.mapping_name:
                     self.env[node] = Plain(new, meta, batched=True, mapping=self._input_mapping(new))
                 else:
