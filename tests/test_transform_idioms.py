@@ -2013,3 +2013,62 @@ def test_non_tensor_arguments_are_fixed_at_the_example_values():
                 assert rel_err(module(*args, *other), model(*args, *other)) <= RTOL
             assert rel_err(module(*args, *settings, bias=1.0), model(*args, *settings, bias=1.0)) <= RTOL
         assert module.fallbacks == before + 4
+
+
+class AlongFeatures(nn.Module):
+    """An op along the feature dims of the replicated history (row by row), then pooled and joined."""
+
+    OPS = {
+        "median": lambda h: h.median(dim=1).values,
+        "nanmedian": lambda h: torch.nanmedian(h, 1)[0],
+        "mode": lambda h: h.round().mode(1).values,
+        "kthvalue": lambda h: h.kthvalue(3, dim=1).values,
+        "var_mean": lambda h: sum(torch.var_mean(h, dim=1)),
+        "std_mean": lambda h: torch.std_mean(h, 1)[0],
+        "aminmax": lambda h: torch.aminmax(h, dim=1).max,
+        "cummax": lambda h: h.cummax(1).values.sum(1),
+        "cummin": lambda h: torch.cummin(h, dim=2)[0].mean(1),
+        "logcumsumexp": lambda h: h.logcumsumexp(1).amax(1),
+        "nansum": lambda h: h.nansum(1),
+        "nanmean": lambda h: torch.nanmean(h, dim=1),
+        "renorm": lambda h: h.renorm(2, 0, 1.0).mean(1),
+        "index_fill": lambda h: h.index_fill(2, torch.tensor([0, 3]), 0.5).sum(1),
+        "bucketize": lambda h: torch.bucketize(h, torch.linspace(-2, 2, 9)).float().mean(1),
+        "searchsorted": lambda h: torch.searchsorted(torch.linspace(-2, 2, 9), h.contiguous()).float().mean(1),
+        "interpolate": lambda h: F.interpolate(h.transpose(1, 2), size=6, mode="linear").mean(2),
+        "unfold": lambda h: F.unfold(h.unsqueeze(1), (3, 4), stride=(3, 4)).mean(1).repeat(1, 2)[:, :D],
+    }
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = self.OPS[op]
+        self.out = nn.Linear(D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        return self.out(torch.cat([self.op(history[cand_to_user]), cand], dim=-1))
+
+
+@pytest.mark.parametrize("op", list(AlongFeatures.OPS))
+def test_ops_along_feature_dims_run_at_user_rows(op):
+    check(AlongFeatures(op))
+
+
+class GroupedQueryAttention(nn.Module):
+    """SDPA with enable_gqa: 4 query heads share 2 K/V heads of each user's history, with a key padding mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = nn.Linear(FC, 4 * 8), nn.Linear(D, 2 * 2 * 8)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        q = self.q(cand).view(-1, 4, 1, 8)
+        k, v = self.kv(history).view(history.shape[0], L, 2, 2, 8).permute(2, 0, 3, 1, 4)
+        keep = torch.arange(L)[None, :] < lengths[:, None]
+        out = F.scaled_dot_product_attention(
+            q, k[cand_to_user], v[cand_to_user], attn_mask=keep[cand_to_user][:, None, None, :], enable_gqa=True
+        )
+        return out.flatten(1).sum(-1)
+
+
+def test_grouped_query_attention():
+    check(GroupedQueryAttention(), must=("ikbo_attention",))

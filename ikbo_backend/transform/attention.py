@@ -34,13 +34,20 @@ class AttentionRewrites:
             isinstance(k, Rep) and isinstance(v, Rep) and k.mapping is v.mapping and isinstance(q, Plain) and q.batched
         ):
             return None
-        if dropout or causal or _arg(args, kwargs, 7, "enable_gqa", False) or k.row_dim or v.row_dim:
+        if dropout or causal or k.row_dim or v.row_dim:
             return None
         ndim = q.meta.ndim
         if not (ndim == k.meta.ndim == v.meta.ndim and ndim in (3, 4)):
             return None
         seq_len = k.meta.shape[-2]
         k_user, v_user, q_node, kv_len, keep, fill = k.user, v.user, q.node, None, None, None
+        groups = q.meta.shape[-3] // k.meta.shape[-3] if ndim == 4 else 1
+        if _arg(args, kwargs, 7, "enable_gqa", False) and groups > 1:  # K/V heads shared by query heads: at U rows
+            if v.meta.shape[-3] * groups != q.meta.shape[-3]:
+                return None
+            k_user, v_user = (
+                self.emit("call_method", "repeat_interleave", (t, groups), {"dim": 1}) for t in (k_user, v_user)
+            )
         if ndim == 3:  # [B, S, d]: one head
             q_node, k_user, v_user = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k_user, v_user))
         how = ""

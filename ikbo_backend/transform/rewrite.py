@@ -40,6 +40,7 @@ from .capture import OUT_OF_PLACE_OPERATORS, alias_root, mutated_input, node_sou
 from .values import (
     ADD_SUB,
     CONVERSIONS,
+    DIM_OPS,
     ELEMENTWISE_FUNCTIONS,
     ELEMENTWISE_METHODS,
     FACTORIES,
@@ -106,6 +107,7 @@ PER_SAMPLE = {
     F.conv1d: 3, F.conv2d: 4, F.conv3d: 5, F.conv_transpose1d: 3, F.conv_transpose2d: 4, F.max_pool1d: 3,
     F.max_pool2d: 4, F.max_pool3d: 5, F.avg_pool1d: 3, F.avg_pool2d: 4, F.avg_pool3d: 5, F.adaptive_avg_pool1d: 3,
     F.adaptive_avg_pool2d: 4, F.adaptive_max_pool1d: 3, F.adaptive_max_pool2d: 4, F.lp_pool1d: 3, F.lp_pool2d: 4,
+    F.unfold: 4, F.fold: 3,
 }  # fmt: skip
 
 
@@ -170,7 +172,11 @@ class Rewriter(AttentionRewrites):
 
             def run_node(self, n):
                 out = super().run_node(n)
-                values[n] = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out)
+                copy = lambda v: v.clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+                if type(out).__module__ == "torch.return_types":  # (values, indices) and the like: keep their names
+                    values[n] = type(out)([copy(v) for v in out])
+                else:
+                    values[n] = tree_map(copy, out)
                 return out
 
         with torch.no_grad():
@@ -963,7 +969,12 @@ class Rewriter(AttentionRewrites):
         return None
 
     def containers(self, key, args, kwargs, meta):
-        """x[k] of a tuple / dict input or of a Struct."""
+        """x[k] of a tuple / dict input or of a Struct, and a named field of a Struct (`x.median(1).values`)."""
+        if key is getattr and len(args) == 2 and isinstance(args[0], Struct) and isinstance(args[1], str):
+            produced = self.original.get(self.node.args[0]) if self.node.args else None
+            field = getattr(produced, args[1], None)
+            at = [i for i, v in enumerate(produced) if v is field] if isinstance(produced, tuple) else []
+            return args[0].items[at[0]] if len(at) == 1 else None
         if key is not operator.getitem or len(args) != 2:
             return None
         src, index = args
@@ -1429,6 +1440,11 @@ class Rewriter(AttentionRewrites):
                 and _off_rows(dim, ndim)
             )
         xnd = x.meta.ndim if is_value(x) and isinstance(x.meta, Meta) else None
+        if key in (torch.searchsorted, "searchsorted"):  # a constant sorted sequence, batched values
+            values = _arg(args, kwargs, 1, "input")
+            return (
+                is_value(x) and not self.batched(x) and x.meta.ndim == 1 and is_value(values) and self.batched(values)
+            )
         if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS or key in LIKE_FACTORIES:
             if not isinstance(meta, Meta) or meta.ndim == 0:
                 return False
@@ -1460,6 +1476,18 @@ class Rewriter(AttentionRewrites):
                 dim = _arg(args, kwargs, 2, "dims")
             dims = dim if isinstance(dim, (tuple, list)) else [dim]
             return all(_off_rows(d, xnd) for d in dims)
+        if _name(key) in DIM_OPS:
+            at, default = DIM_OPS[_name(key)]
+            dim = kwargs.get("dim", default) if at is None else _arg(args, kwargs, at, "dim", default)
+            return others_plain and dim is not None and _off_rows(dim, xnd)
+        if key in ("renorm", torch.renorm):  # each slice along `dim` renormalized: along the rows, one row each
+            return others_plain and _norm(_arg(args, kwargs, 2, "dim"), xnd) == 0
+        if key in ("index_fill", torch.index_fill):
+            return others_plain and _off_rows(_arg(args, kwargs, 1, "dim"), xnd)
+        if key in (torch.bucketize, "bucketize"):  # constant boundaries
+            return others_plain
+        if key is F.interpolate:
+            return others_plain and xnd >= 3
         if key in PER_SAMPLE:
             return others_plain and xnd == PER_SAMPLE[key]
         if key in ("topk", torch.topk, "sort", torch.sort, "argsort", torch.argsort):

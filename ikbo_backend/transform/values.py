@@ -218,9 +218,16 @@ ELEMENTWISE_METHODS = {
     "neg_", "abs_", "pow_", "sqrt_", "nan_to_num_", "__rsub__", "__radd__", "__rmul__", "__rtruediv__",
 }  # fmt: skip
 ADD_SUB = {operator.add: 1.0, torch.add: 1.0, "add": 1.0, operator.sub: -1.0, torch.sub: -1.0, "sub": -1.0}
-REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "all", "any", "count_nonzero", "std", "var", "norm"}
+REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "all", "any", "count_nonzero", "std", "var", "norm",
+              "nansum", "nanmean"}  # fmt: skip
 REDUCTION_FUNCTIONS = {torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.prod, torch.std, torch.var,
+                       torch.nansum, torch.nanmean,
                        torch.norm, torch.linalg.vector_norm, torch.linalg.norm}  # fmt: skip
+# reductions and scans along one dim with two results or no reduction of every dim by default: row by row where the
+# dim is not the rows' (name → the dim's argument position, its default)
+DIM_OPS = {"median": (1, None), "nanmedian": (1, None), "mode": (1, -1), "kthvalue": (2, -1), "var_mean": (1, None),
+           "std_mean": (1, None), "aminmax": (None, None), "cummax": (1, None), "cummin": (1, None),
+           "logcumsumexp": (1, None), "nancumsum": (1, None)}  # fmt: skip
 NORM_REDUCTIONS = {"norm", torch.norm, torch.linalg.vector_norm, torch.linalg.norm}  # (x, p / ord, dim, keepdim)
 FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full}
 LIKE_FACTORIES = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
