@@ -2072,3 +2072,34 @@ class GroupedQueryAttention(nn.Module):
 
 def test_grouped_query_attention():
     check(GroupedQueryAttention(), must=("ikbo_attention",))
+
+
+class HashMatches(nn.Module):
+    """SimHash-style retrieval (ETA / SDIM): each history item's sign bits compared with the candidate's, bit
+    matches counted; plus comparisons of float, integer and boolean user rows with candidate rows."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("planes", torch.randn(D, 8))
+        self.q = nn.Linear(FC, D)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        target = self.q(cand)
+        if self.kind == "hash":
+            bits = (history @ self.planes) > 0  # [U, L, 8] booleans at U rows
+            match = bits[cand_to_user] == ((target @ self.planes) > 0)[:, None, :]
+            return match.float().sum(-1).softmax(-1)
+        if self.kind == "xor":
+            bits = (history @ self.planes) > 0
+            return (bits[cand_to_user] ^ ((target @ self.planes) > 0)[:, None, :]).sum((1, 2)).float()
+        if self.kind == "ids":
+            same = ids[cand_to_user] != (cand[:, :1].abs() * 20).long()  # integer user rows
+            return same.float().mean(-1)
+        closer = history.norm(dim=-1)[cand_to_user] < target.norm(dim=-1, keepdim=True)  # float user rows
+        return closer.logical_and(history[:, :, 0][cand_to_user] >= 0).float().sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["hash", "xor", "ids", "float"])
+def test_comparisons_with_candidate_rows_are_joins(kind):
+    check(HashMatches(kind), must=("rows_join",))

@@ -251,7 +251,21 @@ JOINS = {  # name → (torch function, argument order: c = candidate rows, u = u
     "minimum": (torch.minimum, "cu"),
     "where_uc": (torch.where, "kuc"),  # k ? user : cand
     "where_cu": (torch.where, "kcu"),
+    "eq": (torch.eq, "cu"),
+    "ne": (torch.ne, "cu"),
+    "lt_cu": (torch.lt, "cu"),
+    "lt_uc": (torch.lt, "uc"),
+    "le_cu": (torch.le, "cu"),
+    "le_uc": (torch.le, "uc"),
+    "gt_cu": (torch.gt, "cu"),
+    "gt_uc": (torch.gt, "uc"),
+    "ge_cu": (torch.ge, "cu"),
+    "ge_uc": (torch.ge, "uc"),
+    "and": (torch.bitwise_and, "cu"),  # boolean or integer operands, as `&` takes them
+    "or": (torch.bitwise_or, "cu"),
+    "xor": (torch.bitwise_xor, "cu"),
 }
+COMPARISONS = {"eq", "ne", "lt_cu", "lt_uc", "le_cu", "le_uc", "gt_cu", "gt_uc", "ge_cu", "ge_uc"}
 
 
 def _join_args(op, cand, user, cond):
@@ -262,6 +276,7 @@ def _join_args(op, cand, user, cond):
 def _join_empty(op, cand, user, cond, rows):
     shapes = [cand.shape[1:], user.shape[1:]] + ([] if cond is None else [cond.shape[1:]])
     dtype = torch.result_type(cand, user) if op != "pow_uc" else torch.result_type(user, cand)
+    dtype = torch.bool if op in COMPARISONS else dtype
     return cand.new_empty((rows, *torch.broadcast_shapes(*shapes)), dtype=dtype)
 
 

@@ -89,7 +89,17 @@ JOIN_OPS = {  # elementwise op → ops.rows_join name for (cand, user) and (user
     torch.maximum: ("maximum", "maximum"), "maximum": ("maximum", "maximum"),
     torch.minimum: ("minimum", "minimum"), "minimum": ("minimum", "minimum"),
     operator.pow: ("pow_cu", "pow_uc"), torch.pow: ("pow_cu", "pow_uc"), "pow": ("pow_cu", "pow_uc"),
+    **{k: (name, name) for name, keys in (("eq", (operator.eq, torch.eq, "eq")), ("ne", (operator.ne, torch.ne, "ne")))
+       for k in keys},
+    **{k: (f"{name}_cu", f"{name}_uc") for name, keys in (
+        ("lt", (operator.lt, torch.lt, "lt")), ("le", (operator.le, torch.le, "le")),
+        ("gt", (operator.gt, torch.gt, "gt")), ("ge", (operator.ge, torch.ge, "ge"))) for k in keys},
+    **{k: (name, name) for name, keys in (
+        ("and", (operator.and_, torch.bitwise_and, "__and__", "bitwise_and", torch.logical_and, "logical_and")),
+        ("or", (operator.or_, torch.bitwise_or, "__or__", "bitwise_or", torch.logical_or, "logical_or")),
+        ("xor", (operator.xor, torch.bitwise_xor, "__xor__", "bitwise_xor"))) for k in keys},
 }  # fmt: skip
+ANY_DTYPE_JOINS = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor"}  # also for integer and boolean user rows
 SEQUENCE_OPS = {
     torch.cat,
     torch.stack,
@@ -2664,8 +2674,15 @@ class Rewriter(AttentionRewrites):
         if any(isinstance(v, (Concat, Struct)) for v in flat):
             return None
         reps = [v for v in flat if isinstance(v, Rep)]
-        # non-float user data (lengths, masks) is cheap to replicate: do it, then look again
-        if any(isinstance(r.meta, Meta) and not r.meta.is_float for r in reps) and key is not SDPA:
+        # non-float user data (lengths, masks) is cheap to replicate: do it, then look again (a comparison or bitwise
+        # op with candidate rows is a join: hash bits, ids)
+        compared = key in JOIN_OPS and JOIN_OPS[key][0].split("_")[0] in ANY_DTYPE_JOINS and len(args) == 2
+        compared = compared and not kwargs and len(reps) == 1 and reps[0] in args and isinstance(meta, Meta)
+        other = next((a for a in args if a is not reps[0]), None) if compared else None
+        compared = compared and isinstance(other, Plain) and other.batched and self.rowwise_ok(key, args, kwargs, meta)
+        if compared and key in (torch.logical_and, "logical_and", torch.logical_or, "logical_or"):
+            compared = reps[0].meta.dtype == other.meta.dtype == torch.bool  # logical_* of others is not bitwise
+        if any(isinstance(r.meta, Meta) and not r.meta.is_float for r in reps) and key is not SDPA and not compared:
             why = f"{_name(key)} combines it with candidate rows"
             where = self.where()
 
@@ -2724,12 +2741,17 @@ class Rewriter(AttentionRewrites):
                 f"{self.where()}: einsum of candidate rows with replicated user rows → rows_einsum (user rows read per tile)"
             )
             return Plain(node, meta, True)
-        if not self.rowwise_ok(key, args, kwargs, meta) or not rep.meta.is_float:
+        if not self.rowwise_ok(key, args, kwargs, meta):
             return None
         joined = self._join_op(key, args, kwargs, rep, cands)
         if joined is None:
             return None
         name, cand, cond = joined
+        if not rep.meta.is_float and name.split("_")[0] not in ANY_DTYPE_JOINS:
+            return None
+        if name in ("and", "or") and key in (torch.logical_and, "logical_and", torch.logical_or, "logical_or"):
+            if not (rep.meta.dtype == cand.meta.dtype == torch.bool):  # logical_* of non-booleans: not bitwise
+                return None
         node = self.emit(
             "call_function",
             ops.rows_join,
