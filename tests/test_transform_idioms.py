@@ -2103,3 +2103,27 @@ class HashMatches(nn.Module):
 @pytest.mark.parametrize("kind", ["hash", "xor", "ids", "float"])
 def test_comparisons_with_candidate_rows_are_joins(kind):
     check(HashMatches(kind), must=("rows_join",))
+
+
+class MaskFromCandidateCount(nn.Module):
+    """An additive key mask made at B rows from the candidate count (`zeros(B, L)` / `full((B, L), …)` filled
+    through the replicated key mask), as Hugging-Face-style code writes it."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.q = kind, nn.Linear(FC, D)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        keep = (torch.arange(L)[None, :] < lengths[:, None])[cand_to_user]
+        if self.kind == "zeros":
+            mask = torch.zeros(cand.shape[0], L).masked_fill(~keep, torch.finfo(torch.float32).min)
+        else:
+            mask = torch.full((len(cand_to_user), L), -math.inf).masked_fill(keep, 0.0)
+        k = history[cand_to_user][:, None]
+        out = F.scaled_dot_product_attention(self.q(cand)[:, None, None, :], k, k, attn_mask=mask[:, None, None, :])
+        return out.flatten(1).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["zeros", "full"])
+def test_masks_made_at_candidate_count_are_per_user(kind):
+    check(MaskFromCandidateCount(kind), must=("ikbo_attention",))

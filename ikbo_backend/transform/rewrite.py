@@ -83,6 +83,7 @@ ADD_PRODUCTS = {torch.baddbmm: torch.bmm, "baddbmm": torch.bmm, torch.addmm: tor
 MATMULS = {torch.matmul, operator.matmul, torch.mm, "matmul", "mm"}
 SPREADS = {"unsqueeze", "view", "reshape", "expand", "expand_as", "repeat", "broadcast_to", torch.unsqueeze,
            torch.reshape, torch.broadcast_to, operator.getitem}  # fmt: skip
+EQUAL_FACTORIES = {torch.zeros, torch.ones, torch.full}  # every row the same (not empty or random ones)
 JOIN_OPS = {  # elementwise op → ops.rows_join name for (cand, user) and (user, cand) operand orders
     operator.mul: ("mul", "mul"), torch.mul: ("mul", "mul"), "mul": ("mul", "mul"),
     operator.truediv: ("div_cu", "div_uc"), torch.div: ("div_cu", "div_uc"), "div": ("div_cu", "div_uc"),
@@ -331,7 +332,27 @@ class Rewriter(AttentionRewrites):
         if target in EQUAL_ROWS and out.batched and isinstance(src, Plain) and not src.batched and src.mapping is None:
             if isinstance(src.meta, Meta) and (src.meta.ndim < meta.ndim or src.meta.shape[0] == 1):
                 out.rows_of = src  # arange(L).expand(B, L): every candidate row the same
+        if out.batched and isinstance(meta, Meta) and op == "call_function" and target in EQUAL_FACTORIES:
+            out.rows_of = self._one_row_factory(target, args, kwargs)  # zeros(B, L) with B = cand.shape[0]
         return out
+
+    def _one_row_factory(self, target, args, kwargs):
+        """torch.zeros / ones / full of sizes (B, *rest) with B a candidate row count and constant rest: the same
+        factory of one row, or None."""
+        sized = bool(args) and isinstance(args[0], (tuple, list))
+        sizes, rest = (list(args[0]), args[1:]) if sized else (list(args), ())
+        if target is torch.full and not sized:
+            return None
+        first = sizes[0] if sizes else None
+        if not (isinstance(first, Plain) and first.batched and type(first.meta) is int):
+            return None
+        if any(is_value(v) and not (isinstance(v, Plain) and not v.batched) for v in leaves((sizes[1:], rest, kwargs))):
+            return None
+        unwrap = lambda v: v.node if isinstance(v, Plain) else v  # noqa: E731
+        node = self.emit(
+            "call_function", target, ((1, *fmap(sizes[1:], unwrap)), *fmap(rest, unwrap)), fmap(kwargs, unwrap)
+        )
+        return Plain(node, to_meta(self.values[node]))
 
     def constant_rows_beside(self, args, kwargs):
         """Operands expanded to B equal rows (rows_of) beside Reps of one mapping: Reps of their source expanded to
