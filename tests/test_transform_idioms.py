@@ -2127,3 +2127,60 @@ class MaskFromCandidateCount(nn.Module):
 @pytest.mark.parametrize("kind", ["zeros", "full"])
 def test_masks_made_at_candidate_count_are_per_user(kind):
     check(MaskFromCandidateCount(kind), must=("ikbo_attention",))
+
+
+class FastPathCases(nn.Module):
+    """Where torch takes the native fast path: a query through an eval Dropout (the same tensor, so still
+    self-attention), `torch.no_grad()` entered by the forward itself, an input that requires grad."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.mha, self.drop = nn.MultiheadAttention(D, H, batch_first=True), nn.Dropout(0.1)
+        self.layer = nn.TransformerEncoderLayer(D, H, 32, dropout=0.0, batch_first=True)
+        self.lift = nn.Linear(D, D)
+        self.q = nn.Linear(FC, D)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        h = history[cand_to_user]
+        padding = torch.arange(L)[None, :] >= lengths[cand_to_user][:, None]
+        if self.kind == "dropout":
+            out = self.mha(self.drop(h), h, h, key_padding_mask=padding, need_weights=False)[0]
+        elif self.kind == "no_grad":
+            with torch.no_grad():
+                out = self.layer(h, src_key_padding_mask=padding)
+        else:  # a frozen layer over a trainable projection: its input requires grad where grad is on
+            out = self.layer(self.lift(h), src_key_padding_mask=padding)
+        return (out[:, -1] * self.q(cand)).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["dropout", "no_grad", "input_requires_grad"])
+def test_fast_path_decided_as_torch_decides_it(kind):
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = FastPathCases(kind).eval()
+    model.layer.requires_grad_(False)
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is not model, str(report)
+    for num_users, num_candidates in SIZES:
+        inputs = request(num_users, num_candidates, gen)
+        inputs["lengths"][inputs["cand_to_user"][:2]] = 0
+        args = args_for(model, inputs)
+        for mode in (torch.inference_mode, torch.enable_grad):
+            with mode():
+                expected, got = model(*args), module(*args)
+            assert torch.equal(got.isnan(), expected.isnan()), (mode, str(report))
+            keep = ~expected.isnan()
+            assert rel_err(got[keep].detach(), expected[keep].detach()) <= RTOL, str(report)
+
+
+class LargeBatchPath(nn.Module):
+    """Kept whole (a branch on values) and a branch on its batch size."""
+
+    def forward(self, x):
+        if bool((x > 100).any()):
+            x = x / 100
+        return x * 2 if x.shape[0] > 3 * EXAMPLE[1] else x
+
+
+def test_kept_module_branching_on_its_batch_size_runs_at_candidate_rows():
+    check(UserTower(LargeBatchPath()), expect_left=1, sizes=[(7, 300), (3, 41)], must=("`inner` reads candidate rows",))

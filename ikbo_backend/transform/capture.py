@@ -549,8 +549,13 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
     buffers = {name: b.clone() for name, b in model.named_buffers()}  # a buffer changed in place runs untraced
     with CAPTURE_LOCK:  # the patched torch functions are process-wide: one capture at a time
         try:
-            with _traced_factories(tracer, model):
-                graph = tracer.trace(model, concrete_args=concrete or None)
+            # traced with grad on: a `torch.no_grad()` the forward enters itself is then seen (standard.CALLER_GRAD)
+            standard.CALLER_GRAD.append(True)
+            try:
+                with _traced_factories(tracer, model), torch.enable_grad():
+                    graph = tracer.trace(model, concrete_args=concrete or None)
+            finally:
+                standard.CALLER_GRAD.pop()
             names = [name for name, _ in model.named_modules()]
             stateful = [f"`{name + '.' if name else ''}{key}`" for (m, state), name in zip(saved, names)
                         for key in _written(tracer, m, state)]  # fmt: skip

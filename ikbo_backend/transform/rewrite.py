@@ -530,6 +530,10 @@ class Rewriter(AttentionRewrites):
             return folded
         if target is operator.setitem:
             return self.setitem(*args)
+        if target is ops.fast_path_taken:  # reads grad flags only: any form of the input will do
+            form = lambda v: v.user if isinstance(v, Rep) else v.node if isinstance(v, Plain) else None  # noqa: E731
+            node = self.emit(op, target, tuple(form(v) if is_value(v) else v for v in args), kwargs)
+            return Plain(node, meta)
         if target in SEQUENCE_OPS and args and isinstance(args[0], Struct):  # torch.stack(torch.split(x, ...))
             args = (list(args[0].items), *args[1:])
         if target == "expand_as" and len(args) == 2 and isinstance(args[1], Rep) and args[1].row_dim == 0:
@@ -1311,9 +1315,18 @@ class Rewriter(AttentionRewrites):
     def _row_wise_on_probes(self, module, args, kwargs, m) -> bool:
         """module(x)[m] equals module(x[m]) also where the user rows' float values are scaled by 1e-3 and 1e3 and
         replaced by fresh normal values (a module that branches on its values, `if x.abs().max() > 10: x = x /
-        x.norm()`, may act row by row on the example alone); an error counts as not row-wise."""
+        x.norm()`, may act row by row on the example alone), and for one candidate and eight times the example's (a
+        branch on its batch size, `if x.shape[0] > 64`); an error counts as not row-wise."""
         gen = torch.Generator().manual_seed(0)
-        for probe in (lambda t: t * 1e-3, lambda t: t * 1e3, lambda t: torch.randn(t.shape, generator=gen).to(t)):
+        values = (
+            lambda t: t,
+            lambda t: t * 1e-3,
+            lambda t: t * 1e3,
+            lambda t: torch.randn(t.shape, generator=gen).to(t),
+        )
+        # and at other candidate counts (one, eight times the example's): a branch on its row count shows there
+        probes = [(v, m) for v in values[1:]] + [(values[0], m[:1]), (values[0], m.repeat(8))]
+        for probe, m in probes:
             probed = {}  # each Rep's probe values, the same at U and at B rows
 
             def value(v, rows, probe=probe, probed=probed):
@@ -1321,7 +1334,8 @@ class Rewriter(AttentionRewrites):
                     if id(v) not in probed:
                         t = self.values[v.user]
                         probed[id(v)] = probe(t) if t.is_floating_point() else t
-                    return probed[id(v)].index_select(0, m) if rows else probed[id(v)]
+                    # at U rows as the call runs it: the rows of users without candidates replaced
+                    return probed[id(v)].index_select(0, m) if rows else ops.present_rows(probed[id(v)], m)
                 return self.values[v.node] if isinstance(v, Plain) and isinstance(v.node, fx.Node) else v
 
             try:

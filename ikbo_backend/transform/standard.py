@@ -92,7 +92,7 @@ def attention_forward(
     if (need_weights or fast_path is not None) and mask is not None:  # a row with every key masked gives NaN
         dead = ~mask.any(-1) if mask.dtype == torch.bool else mask.isneginf().all(-1)
         if not need_weights:  # only where the fast path runs
-            dead = dead.logical_and(_traced_call(ops.fast_path_taken, query, *fast_path))
+            dead = dead.logical_and(_fast_path(query, *fast_path))
         out = out.masked_fill(dead.unsqueeze(-1), math.nan)
     out = F.linear(out.transpose(1, 2).flatten(2), out_proj_weight, out_proj_bias)  # [N, T, E]
     weights = None
@@ -121,7 +121,7 @@ def multihead_attention(
     if not module._qkv_same_embed_dim:
         separate = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
     fast_path = None
-    if _fast_path_static(module, query, key_padding_mask, attn_mask) and query is key and key is value:
+    if _fast_path_static(module, query, key_padding_mask, attn_mask) and _same(query, key) and _same(key, value):
         fast_path = (module.in_proj_weight, module.in_proj_bias, module.out_proj.weight, module.out_proj.bias)
     return attention_forward(
         query, key, value, module.num_heads, module.in_proj_weight, module.in_proj_bias, module.bias_k,
@@ -151,10 +151,25 @@ def _fast_path_static(attention: nn.MultiheadAttention, x, *masks) -> bool:
     )
 
 
-def _traced_call(fn, like, *args):
+def _traced_call(fn, like, *args, **kwargs):
     """fn(*args) as one node of the graph that `like` (a proxy) is traced into, else called at once."""
     tracer = getattr(like, "tracer", None)
-    return fn(*args) if tracer is None else tracer.create_proxy("call_function", fn, args, {})
+    return fn(*args, **kwargs) if tracer is None else tracer.create_proxy("call_function", fn, args, kwargs)
+
+
+CALLER_GRAD: list = []  # the grad mode the capture was started in (capture.py): a forward that changes it is seen
+
+
+def _fast_path(like, *tensors):
+    """ops.fast_path_taken(like, *tensors) as a node; the grad mode fixed where the forward set its own."""
+    grad = torch.is_grad_enabled()
+    inner = CALLER_GRAD and CALLER_GRAD[-1] != grad
+    return _traced_call(ops.fast_path_taken, like, like, *tensors, **({"grad": grad} if inner else {}))
+
+
+def _same(a, b) -> bool:
+    """a is b, also for proxies whose example values are one tensor (a dropout in eval, `.float()` of a float)."""
+    return a is b or getattr(a, "value", a) is getattr(b, "value", b)
 
 
 def transformer_encoder_layer(module: nn.TransformerEncoderLayer, src, src_mask=None, src_key_padding_mask=None,
@@ -179,7 +194,7 @@ def transformer_encoder_layer(module: nn.TransformerEncoderLayer, src, src_mask=
     dead = ~keep.any(-1)  # [T] or [N, T]
     params = [attention.in_proj_weight, attention.in_proj_bias, attention.out_proj.weight, attention.out_proj.bias]
     params += [p for m in (module.norm1, module.norm2, module.linear1, module.linear2) for p in (m.weight, m.bias)]
-    dead = dead.logical_and(_traced_call(ops.fast_path_taken, src, *params))
+    dead = dead.logical_and(_fast_path(src, *params))
     return out.masked_fill(dead.unsqueeze(-1), math.nan)
 
 
