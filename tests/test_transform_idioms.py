@@ -6,9 +6,11 @@ U, B (unsorted mappings) against the original model.
 """
 
 import collections
+import enum
 import itertools
 import math
 import operator
+import types
 
 import numpy as np
 import pytest
@@ -2184,3 +2186,106 @@ class LargeBatchPath(nn.Module):
 
 def test_kept_module_branching_on_its_batch_size_runs_at_candidate_rows():
     check(UserTower(LargeBatchPath()), expect_left=1, sizes=[(7, 300), (3, 41)], must=("`inner` reads candidate rows",))
+
+
+def test_a_model_changed_after_the_pass_runs_as_it_is_now():
+    """Weights reloaded in place, a parameter rebound, training mode: the graph holds the model as it was, so the
+    original runs (with one warning)."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Replicated("index").eval()
+    fresh = Replicated("index").state_dict()
+    changes = (
+        lambda: model.load_state_dict(fresh),
+        lambda: setattr(model.net[2], "bias", nn.Parameter(torch.randn(1))),
+        lambda: model.train(),
+    )
+    for change in changes:
+        module, report = to_ikbo(model.eval(), args_for(model, request(*EXAMPLE, gen)), measure=False)
+        assert module is not model, str(report)
+        change()
+        args = args_for(model, request(*SIZES[0], gen))
+        with torch.inference_mode(), pytest.warns(UserWarning, match="changed after the pass"):
+            got = module(*args)
+        with torch.inference_mode():
+            assert torch.equal(got, model(*args))
+        assert module.fallbacks == 1
+
+
+class Settings(enum.Enum):
+    CTR = 1
+    CVR = 2
+
+
+class Tasks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(FU + FC, 2)
+
+    def forward(self, user, cand, cand_to_user, task, dtype, temperature):
+        scores = self.net(torch.cat([user[cand_to_user], cand], dim=1)).to(dtype) / temperature
+        return scores[:, :1] if task is Settings.CTR else scores[:, 1:]
+
+
+def test_enum_dtype_and_signed_zero_settings_are_checked():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Tasks().eval()
+    base = args_for(Replicated("index"), request(*EXAMPLE, gen))
+    module, report = to_ikbo(model, (*base, Settings.CTR, torch.float32, 0.0), measure=False)
+    assert module is not model, str(report)
+    args = args_for(Replicated("index"), request(*SIZES[0], gen))
+    for settings in (
+        (Settings.CTR, torch.float32, 0.0),
+        (Settings.CVR, torch.float64, -0.0),
+        (Settings.CTR, torch.float32, -0.0),
+    ):
+        with torch.inference_mode():
+            expected, got = model(*args, *settings), module(*args, *settings)
+        assert got.dtype == expected.dtype and torch.equal(got.isinf(), expected.isinf())
+        assert torch.equal(torch.signbit(got), torch.signbit(expected))
+    assert module.fallbacks == 2
+
+    class WithConfig(Tasks):
+        def forward(self, user, cand, cand_to_user, config):
+            return self.net(torch.cat([user[cand_to_user], cand], dim=1)) * config.weight
+
+    model = WithConfig().eval()
+    module, report = to_ikbo(model, (*base, types.SimpleNamespace(weight=2.0)), measure=False)
+    assert module is model and "non-tensor arguments of other types" in str(report), str(report)
+
+
+def test_grouped_query_heads_read_at_each_call():
+    """The query heads a K/V head serves come from the call's shapes (here user K/V with another head count)."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+
+    class Cached(nn.Module):
+        def forward(self, k, cand, cand_to_user):
+            q = cand[:, : 4 * 2].reshape(-1, 4, 1, 2)
+            kv = k[cand_to_user]
+            return F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True).flatten(1)
+
+    model = Cached().eval()
+
+    def make(u, b, heads):
+        return (
+            torch.randn(u, heads, L, 2, generator=gen),
+            torch.randn(b, FC, generator=gen),
+            torch.randint(0, u, (b,), generator=gen),
+        )
+
+    module, report = to_ikbo(model, make(*EXAMPLE, 2), measure=False)
+    assert "ikbo_attention" in str(report), str(report)
+    for heads in (1, 2, 4):
+        args = make(*SIZES[0], heads)
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL
+
+
+def test_type_one_linear_follows_autocast():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Replicated("index").eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    args = args_for(model, request(*SIZES[1], gen))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = model(*args), module(*args)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    assert rel_err(got.float(), expected.float()) <= 2e-2

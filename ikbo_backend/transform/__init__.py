@@ -14,9 +14,12 @@ is not slower.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import warnings
 from collections import Counter
+from itertools import chain
+from operator import attrgetter, is_not, methodcaller
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -99,6 +102,10 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
             "candidate tensors cannot be told apart by rows"
         )
         warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged (pass an example with U ≠ B)", stacklevel=2)
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"])
+    others = _settings_followed(examples)
+    if others:
+        reason = f"non-tensor arguments of other types than numbers, flags, strings, enums and dtypes: {others[0]}"
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
     hooked = _hooked(model)
     if hooked:
@@ -265,6 +272,26 @@ def _disagreement(model, module, example_inputs) -> float:
     return worst
 
 
+SETTINGS = (type(None), bool, int, float, complex, str, enum.Enum, torch.dtype, torch.device)
+
+
+def _same_setting(a, b) -> bool:
+    """A non-tensor argument equal to the example's, of its type (1 is not 1.0 or True, -0.0 is not 0.0; NaN is
+    NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (float, complex)):
+        return repr(a) == repr(b)
+    return a == b
+
+
+def _settings_followed(examples: dict) -> list[str]:
+    """The non-tensor arguments the graph can be traced with (checked per call, `SETTINGS`); others are named."""
+    leaves = {name: tree_flatten(value)[0] for name, value in examples.items()}
+    return [f"`{name}` ({type(v).__name__})" for name, vs in leaves.items() for v in vs
+            if not isinstance(v, (torch.Tensor, *SETTINGS))]  # fmt: skip
+
+
 def _hooked(model: torch.nn.Module) -> list[str]:
     """The modules with forward (pre-)hooks (`global` for hooks on every module)."""
     hooked = [f"`{name}`" if name else "the model" for name, m in model.named_modules()
@@ -279,8 +306,10 @@ class Guarded(torch.nn.Module):
     the same structure (containers, dict keys), dtypes and ndims, one row count among the inputs that had U rows and
     one among those that had B, neither of them 0, and, where the capture followed a branch on them, the same non-row
     sizes; the original model for other inputs (`fallbacks` counts them), also where a concat the rewrite keeps as its parts
-    meets other widths than the example's (`ops.WidthsChanged`, raised before any output is made), and once a forward
-    hook is registered on it (the graph would not call it)."""
+    meets other widths than the example's (`ops.WidthsChanged`, raised before any output is made), and once the model
+    has changed since the pass (the graph holds what it was): a forward hook registered, a parameter or buffer
+    changed in place (`load_state_dict`, an optimizer step) or rebound, a module put in training mode,
+    parametrized or given another forward — with a warning the first time (run `to_ikbo` again)."""
 
     def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool):
         super().__init__()
@@ -293,23 +322,49 @@ class Guarded(torch.nn.Module):
         self.roles = [rows.index(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] in rows
                       else None for t in leaves]  # fmt: skip
         self.watched = list(original.modules())  # (a plain list: not registered as submodules again)
+        self.state = self._state()
+        self.warned = False
         self.signature = inspect.signature(original.forward)
         self.names = list(self.signature.parameters)[: len(example_inputs)]  # the graph's inputs, in order
 
     def _key(self, t, rows):
-        if not isinstance(t, torch.Tensor):  # a number, flag or string the graph was traced with: the same value
-            return ("value", t) if t is None or isinstance(t, (bool, int, float, str)) else None
+        if not isinstance(t, torch.Tensor):  # a number, flag, string, enum or dtype the graph was traced with
+            return ("value", t)
         sizes = tuple(t.shape[1:]) if self.fixed_sizes and t.dim() and t.shape[0] in rows else None
         if self.fixed_sizes and t.dim() and t.shape[0] not in rows:
             sizes = tuple(t.shape)
         return t.dtype, t.dim(), t.device.type, sizes
 
-    def _hooks_added(self) -> bool:
-        """Whether a forward hook has been registered on the model since (the graph would not call it)."""
+    def _state(self) -> tuple:
+        """What the graph was made from: each module's class, mode and own forward, the parameters and buffers (the
+        objects and their version counters, which in-place changes advance). Read with C-level maps: at each call."""
+        watched = self.watched
+        tensors = list(chain.from_iterable(map(methodcaller("values"), map(attrgetter("_parameters"), watched))))
+        tensors += chain.from_iterable(map(methodcaller("values"), map(attrgetter("_buffers"), watched)))
         return (
-            any(m._forward_hooks or m._forward_pre_hooks for m in self.watched)
-            or bool(torch.nn.modules.module._global_forward_hooks)
-            or bool(torch.nn.modules.module._global_forward_pre_hooks)
+            list(map(type, watched)),
+            list(map(attrgetter("training"), watched)),
+            [m.__dict__.get("forward") for m in watched],
+            tensors,
+            [t._version if t is not None else None for t in tensors],
+        )
+
+    def _changed(self) -> bool:
+        """Whether the model has changed since the pass (`_state`), or a forward hook has been registered on it."""
+        if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+            return True
+        watched = self.watched
+        if any(map(attrgetter("_forward_hooks"), watched)) or any(map(attrgetter("_forward_pre_hooks"), watched)):
+            return True
+        kinds, modes, forwards, tensors, versions = self.state
+        now = self._state()
+        return (
+            now[0] != kinds
+            or now[1] != modes
+            or any(map(is_not, now[2], forwards))
+            or len(now[3]) != len(tensors)
+            or any(map(is_not, now[3], tensors))
+            or now[4] != versions
         )
 
     @property
@@ -330,7 +385,7 @@ class Guarded(torch.nn.Module):
             if want is None:
                 continue
             if want[0] == "value":
-                if type(t) is not type(want[1]) or t != want[1]:
+                if not _same_setting(t, want[1]):
                     return False
                 continue
             if not isinstance(t, torch.Tensor) or (t.dtype, t.dim(), t.device.type) != want[:3]:
@@ -348,7 +403,15 @@ class Guarded(torch.nn.Module):
                 bound = {}
             if set(bound) == set(self.names):
                 args, kwargs = tuple(bound[n] for n in self.names), {}
-        if not kwargs and not self._hooks_added() and self.matches(args):
+        changed = self._changed()
+        if changed and not self.warned:
+            self.warned = True
+            warnings.warn(
+                "to_ikbo: the model changed after the pass (weights, mode, hooks or modules): the original runs; "
+                "call to_ikbo again to serve a rewrite of the model as it is now",
+                stacklevel=2,
+            )
+        if not kwargs and not changed and self.matches(args):
             try:
                 return self.rewritten(*args)
             except ops.WidthsChanged:

@@ -41,13 +41,10 @@ class AttentionRewrites:
             return None
         seq_len = k.meta.shape[-2]
         k_user, v_user, q_node, kv_len, keep, fill = k.user, v.user, q.node, None, None, None
-        groups = q.meta.shape[-3] // k.meta.shape[-3] if ndim == 4 else 1
-        if _arg(args, kwargs, 7, "enable_gqa", False) and groups > 1:  # K/V heads shared by query heads: at U rows
-            if v.meta.shape[-3] * groups != q.meta.shape[-3]:
+        if _arg(args, kwargs, 7, "enable_gqa", False) and ndim == 4:  # K/V heads shared by query heads: at U rows
+            if q.meta.shape[-3] % k.meta.shape[-3] or k.meta.shape[-3] != v.meta.shape[-3]:
                 return None
-            k_user, v_user = (
-                self.emit("call_method", "repeat_interleave", (t, groups), {"dim": 1}) for t in (k_user, v_user)
-            )
+            k_user, v_user = (self.emit("call_function", ops.kv_heads_for, (t, q_node)) for t in (k_user, v_user))
         if ndim == 3:  # [B, S, d]: one head
             q_node, k_user, v_user = (self.emit("call_method", "unsqueeze", (t, 1)) for t in (q_node, k_user, v_user))
         how = ""

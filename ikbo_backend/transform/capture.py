@@ -685,14 +685,17 @@ VIEW_METHODS = {
     "select", "squeeze", "unsqueeze", "expand", "expand_as", "split", "chunk", "unbind", "tensor_split",
     "split_with_sizes", "diagonal", "unfold", "as_strided", "detach", "contiguous", "movedim", "moveaxis",
     "swapaxes", "swapdims", "view_as_real", "view_as_complex", "to", "type", "type_as", "float", "double", "half",
-    "bfloat16", "long", "int", "bool", "cpu", "cuda",
+    "bfloat16", "long", "int", "bool", "cpu", "cuda", "ravel", "positive", "conj", "resolve_conj", "resolve_neg",
+    "adjoint", "hsplit", "vsplit", "dsplit", "align_as", "sum_to_size",
 }  # fmt: skip
 VIEW_FUNCTIONS = {
     torch.reshape, torch.flatten, torch.unflatten, torch.transpose, torch.permute, torch.t, torch.narrow,
     torch.select, torch.squeeze, torch.unsqueeze, torch.split, torch.chunk, torch.unbind, torch.tensor_split,
     torch.diagonal, torch.as_strided, torch.detach, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims,
     torch.real, torch.imag, torch.view_as_real, torch.view_as_complex, torch.broadcast_to, F.dropout, F.dropout1d,
-    F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.ravel, torch.atleast_1d,
+    torch.atleast_2d, torch.atleast_3d, torch.hsplit, torch.vsplit, torch.dsplit, torch.broadcast_tensors,
+    torch.positive, torch.conj, torch.resolve_conj, torch.resolve_neg, torch.adjoint,
 }  # fmt: skip
 VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag", "data"}
 RESHAPING_IN_PLACE = {"squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "resize_", "resize_as_",

@@ -76,6 +76,13 @@ def fast_path_taken(*tensors, grad: bool | None = None) -> torch.Tensor:
     return torch.tensor(taken)
 
 
+def kv_heads_for(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """K or V [U, Hkv, L, d] with each head repeated for the query heads [*, Hq, S, d] that share it, as SDPA's
+    enable_gqa reads them (Hq a multiple of Hkv, checked by it); read from the shapes at each call."""
+    groups = q.shape[-3] // kv.shape[-3]
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=-3)
+
+
 def mapping_rows(cand_to_user: torch.Tensor) -> int:
     """B, the number of candidates."""
     return cand_to_user.shape[0]
@@ -148,6 +155,8 @@ def linear_rows(x, weight, user, cand_to_user, extras=()) -> torch.Tensor:
     read into the output, the broadcast `extras` (small candidate terms) added, and the candidate GEMM
     accumulated into it (one pass over the output, no user tensor at B rows); elsewhere linear +
     add_user_rows."""
+    if torch.is_autocast_enabled(x.device.type):  # in the dtype autocast gives the original's linear
+        x, weight, user, *extras = _autocast(x, weight, user, *extras)
     out_shape = (*x.shape[:-1], weight.shape[0])
     if (
         x.is_cuda
