@@ -2289,3 +2289,26 @@ def test_type_one_linear_follows_autocast():
         expected, got = model(*args), module(*args)
     assert got.dtype == expected.dtype == torch.bfloat16
     assert rel_err(got.float(), expected.float()) <= 2e-2
+
+
+class HeadsBySizeTuple(nn.Module):
+    """Heads split as Hugging Face / RecBole write it: `x.view(*(x.size()[:-1] + (H, d)))`, over the replicated
+    history, then target attention of the candidate over those heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv, self.q = nn.Linear(D, 2 * D), nn.Linear(FC, D)
+
+    def transpose_for_scores(self, x):
+        new_x_shape = x.size()[:-1] + (H, D // H)
+        return x.view(*new_x_shape).permute(0, 2, 1, 3)
+
+    def forward(self, history, cand, cand_to_user):
+        k, v = self.kv(history[cand_to_user]).chunk(2, dim=-1)
+        q = self.q(cand).view(-1, H, 1, D // H)
+        out = F.scaled_dot_product_attention(q, self.transpose_for_scores(k), self.transpose_for_scores(v))
+        return out.flatten(1).sum(-1)
+
+
+def test_heads_split_by_a_size_tuple():
+    check(HeadsBySizeTuple(), must=("ikbo_attention",))

@@ -282,8 +282,8 @@ class Tracer(fx.Tracer):
     def concrete(self, proxy, convert):
         """The example's answer for a branch / loop bound on `proxy`, kept as a guard."""
         whole_shape = self._shape_source(proxy.node)
-        if convert is len and whole_shape is not None and not isinstance(proxy.value, int):
-            kind = "meta"  # len(x.shape): the number of dims
+        if convert is len and not isinstance(proxy.value, int) and (whole_shape is not None or self._sizes(proxy.node)):
+            kind = "meta"  # len(x.shape), len(x.size()[:-1] + (H, d)): the number of dims
         elif convert is len and isinstance(proxy.value, (tuple, list)) and proxy.node.op != "placeholder":
             kind = self._pieces_depend_on(proxy.node)
         else:
@@ -323,6 +323,21 @@ class Tracer(fx.Tracer):
             if kind in kinds:
                 return kind
         return "meta"
+
+    def _sizes(self, n) -> bool:
+        """Whether `n` is a tuple of sizes built from shapes: x.shape / x.size(), slices of it, and concatenations
+        with constant tuples (`x.size()[:-1] + (heads, head_dim)`, as Hugging Face's `transpose_for_scores`)."""
+        if not isinstance(n, fx.Node):
+            return isinstance(n, tuple) and all(isinstance(v, int) for v in n)
+        if not isinstance(n.meta.get("example_value"), tuple):
+            return False
+        if self._shape_source(n) is not None:
+            return True
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], slice):
+            return self._sizes(n.args[0])
+        if n.op == "call_function" and n.target is operator.add:
+            return all(self._sizes(a) for a in n.args)
+        return False
 
     def _pieces_depend_on(self, node) -> str:
         """What the number of tensors an op returns depends on: for split / chunk / unbind / tensor_split, the
