@@ -2312,3 +2312,26 @@ class HeadsBySizeTuple(nn.Module):
 
 def test_heads_split_by_a_size_tuple():
     check(HeadsBySizeTuple(), must=("ikbo_attention",))
+
+
+class WithItsBatchSize(nn.Module):
+    """Kept whole (a branch on values); returns its batch size beside its rows."""
+
+    def forward(self, x):
+        if bool((x > 100).any()):
+            x = x / 2
+        return x * 2, x.shape[0]
+
+
+class SizeScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = WithItsBatchSize(), nn.Linear(FU + FC, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        rows, count = self.inner(user[cand_to_user])
+        return self.out(torch.cat([rows, cand], dim=-1)) * count
+
+
+def test_kept_module_returning_a_size_runs_at_candidate_rows():
+    check(SizeScaled(), expect_left=1, must=("`inner` reads candidate rows",))

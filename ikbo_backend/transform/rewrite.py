@@ -1287,7 +1287,7 @@ class Rewriter(AttentionRewrites):
         node = self.emit("call_module", target, fmap(args, u), fmap(kwargs, u))
         m = self.values[mapping.node].long()
         got, want = tree_flatten(self.values[node])[0], tree_flatten(self.original[self.node])[0]
-        ok = len(got) == len(want)
+        ok = len(got) == len(want) and all(isinstance(w, torch.Tensor) for w in want)  # a size beside: maybe U
         for g, w in zip(got, want):
             if isinstance(w, torch.Tensor):
                 ok = ok and isinstance(g, torch.Tensor) and g.dim() > 0 and g.shape[0] == self.num_users
