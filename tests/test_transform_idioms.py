@@ -2335,3 +2335,14 @@ class SizeScaled(nn.Module):
 
 def test_kept_module_returning_a_size_runs_at_candidate_rows():
     check(SizeScaled(), expect_left=1, must=("`inner` reads candidate rows",))
+
+
+class MeanGate(nn.Module):
+    """Kept whole: squashes the batch where the mean of its rows is positive (weighs rows by their counts)."""
+
+    def forward(self, x):
+        return torch.tanh(x) if bool(x.mean() > 0) else x
+
+
+def test_kept_module_branching_on_a_mean_runs_at_candidate_rows():
+    check(UserTower(MeanGate()), expect_left=1, must=("`inner` reads candidate rows",))

@@ -1315,8 +1315,9 @@ class Rewriter(AttentionRewrites):
     def _row_wise_on_probes(self, module, args, kwargs, m) -> bool:
         """module(x)[m] equals module(x[m]) also where the user rows' float values are scaled by 1e-3 and 1e3 and
         replaced by fresh normal values (a module that branches on its values, `if x.abs().max() > 10: x = x /
-        x.norm()`, may act row by row on the example alone), and for one candidate and eight times the example's (a
-        branch on its batch size, `if x.shape[0] > 64`); an error counts as not row-wise."""
+        x.norm()`, may act row by row on the example alone), for one candidate and eight times the example's (a
+        branch on its batch size, `if x.shape[0] > 64`) and with one user holding most candidates (a branch on the
+        mean of its rows); an error counts as not row-wise. Probes sample: a branch none of them crosses is missed."""
         gen = torch.Generator().manual_seed(0)
         values = (
             lambda t: t,
@@ -1326,6 +1327,16 @@ class Rewriter(AttentionRewrites):
         )
         # and at other candidate counts (one, eight times the example's): a branch on its row count shows there
         probes = [(v, m) for v in values[1:]] + [(values[0], m[:1]), (values[0], m.repeat(8))]
+        # and with one user holding most candidates, its values of one sign and the others' of the other: a branch
+        # on a mean or sum of its rows weighs them by their counts, which the U rows do not hold
+        skewed = torch.cat([m.new_zeros(4 * len(m)), torch.arange(self.num_users).to(m)])
+
+        def apart(t, sign):
+            out = torch.randn(t.shape, generator=gen).to(t).abs() + 1
+            out[1:] *= -1
+            return out * sign
+
+        probes += [(lambda t, sign=sign: apart(t, sign), skewed) for sign in (1, -1)]
         for probe, m in probes:
             probed = {}  # each Rep's probe values, the same at U and at B rows
 
