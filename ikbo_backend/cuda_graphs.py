@@ -214,7 +214,8 @@ class GraphedInteraction(_GraphedStage):
         }
         if self.device.type == "cuda":
             self.staging = {
-                name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self.static.items()
+                name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                for name, t in self.static.items()
             }
 
     def _views(self, users: int, cands: int) -> dict[str, torch.Tensor]:

@@ -124,7 +124,7 @@ class _HostFlagRing:
 
     def __init__(self, device: int):
         with torch.cuda.device(device):
-            self.words = torch.zeros(self.SIZE * self.STRIDE, dtype=torch.int32, pin_memory=True)
+            self.words = torch.zeros(self.SIZE * self.STRIDE, dtype=torch.int32, device="cpu", pin_memory=True)
         self.view = self.words.numpy()  # host reads and writes without a torch call
         self.slots: list = [None] * self.SIZE  # each word's one-element view, made once
         self.next = 0

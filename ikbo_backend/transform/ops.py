@@ -66,13 +66,15 @@ def present_rows(user: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor
 
 def fast_path_taken(*tensors, grad: bool | None = None) -> torch.Tensor:
     """Whether torch's native attention fast path runs at this call (`nn.MultiheadAttention`,
-    `nn.TransformerEncoderLayer` in eval, their static conditions met): enabled, no autocast, and grad off or none
-    of `tensors` (the input and the parameters) requiring it; `grad`: the grad mode the forward itself set around the
+    `nn.TransformerEncoderLayer` in eval, their static conditions met): enabled, no autocast, no torch function mode,
+    and grad off or none of `tensors` (the input and the parameters) requiring it; `grad`: the grad mode the forward itself set around the
     module (`torch.no_grad()` inside it), else the caller's. A 0-dim bool tensor: the rows it gives NaN (a query with
     every key masked: its masked softmax is 0/0) are chosen by it on each call."""
     grad = torch.is_grad_enabled() if grad is None else grad
+    present = [t for t in tensors if t is not None]
     taken = torch.backends.mha.get_fastpath_enabled() and not torch.is_autocast_enabled()
-    taken = taken and not (grad and any(t is not None and t.requires_grad for t in tensors))
+    taken = taken and not torch.overrides.has_torch_function(present)  # a torch function mode (torch.device(...))
+    taken = taken and not (grad and any(t.requires_grad for t in present))
     return torch.tensor(taken)
 
 
