@@ -103,7 +103,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         )
         warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged (pass an example with U ≠ B)", stacklevel=2)
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
-    others = _settings_followed(examples)
+    others = _unfollowed_settings(examples)
     if others:
         reason = f"non-tensor arguments of other types than numbers, flags, strings, enums and dtypes: {others[0]}"
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
@@ -285,15 +285,15 @@ def _same_setting(a, b) -> bool:
     return a == b
 
 
-def _settings_followed(examples: dict) -> list[str]:
-    """The non-tensor arguments the graph can be traced with (checked per call, `SETTINGS`); others are named."""
+def _unfollowed_settings(examples: dict) -> list[str]:
+    """The non-tensor arguments the graph cannot be traced with (other than `SETTINGS`, which are checked per call)."""
     leaves = {name: tree_flatten(value)[0] for name, value in examples.items()}
     return [f"`{name}` ({type(v).__name__})" for name, vs in leaves.items() for v in vs
             if not isinstance(v, (torch.Tensor, *SETTINGS))]  # fmt: skip
 
 
 def _hooked(model: torch.nn.Module) -> list[str]:
-    """The modules with forward (pre-)hooks (`global` for hooks on every module)."""
+    """The modules with forward (pre-)hooks, and "every module" where global ones are registered."""
     hooked = [f"`{name}`" if name else "the model" for name, m in model.named_modules()
               if m._forward_hooks or m._forward_pre_hooks]  # fmt: skip
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
@@ -305,9 +305,9 @@ class Guarded(torch.nn.Module):
     """The rewritten graph (`rewritten`, a torch.fx.GraphModule) for inputs shaped like the example's:
     the same structure (containers, dict keys), dtypes and ndims, one row count among the inputs that had U rows and
     one among those that had B, neither of them 0, and, where the capture followed a branch on them, the same non-row
-    sizes; the original model for other inputs (`fallbacks` counts them), also where a concat the rewrite keeps as its parts
-    meets other widths than the example's (`ops.WidthsChanged`, raised before any output is made), and once the model
-    has changed since the pass (the graph holds what it was): a forward hook registered, a parameter or buffer
+    sizes; the original model for other inputs (`fallbacks` counts them), also where a concat the rewrite keeps as
+    its parts meets other widths than the example's (`ops.WidthsChanged`, raised before any output is made), and once
+    the model has changed since the pass (the graph holds what it was): a forward hook registered, a parameter or buffer
     changed in place (`load_state_dict`, an optimizer step) or rebound, a module put in training mode,
     parametrized or given another forward — with a warning the first time (run `to_ikbo` again)."""
 

@@ -66,10 +66,10 @@ def present_rows(user: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor
 
 def fast_path_taken(*tensors, grad: bool | None = None) -> torch.Tensor:
     """Whether torch's native attention fast path runs at this call (`nn.MultiheadAttention`,
-    `nn.TransformerEncoderLayer` in eval, their static conditions met): enabled, no autocast, no torch function mode,
-    and grad off or none of `tensors` (the input and the parameters) requiring it; `grad`: the grad mode the forward itself set around the
-    module (`torch.no_grad()` inside it), else the caller's. A 0-dim bool tensor: the rows it gives NaN (a query with
-    every key masked: its masked softmax is 0/0) are chosen by it on each call."""
+    `nn.TransformerEncoderLayer` in eval, their static conditions met): enabled, no autocast, no torch function
+    mode, and grad off or none of `tensors` (the input and the parameters) requiring it; `grad`: the grad mode the
+    forward itself set around the module (`torch.no_grad()` inside it), else the caller's. A 0-dim bool tensor: the
+    rows it gives NaN (a query with every key masked: its masked softmax is 0/0) are chosen by it on each call."""
     grad = torch.is_grad_enabled() if grad is None else grad
     present = [t for t in tensors if t is not None]
     taken = torch.backends.mha.get_fastpath_enabled() and not torch.is_autocast_enabled()
