@@ -2199,8 +2199,11 @@ def test_a_model_changed_after_the_pass_runs_as_it_is_now():
         lambda: model.load_state_dict(fresh),
         lambda: setattr(model.net[2], "bias", nn.Parameter(torch.randn(1))),
         lambda: model.train(),
+        lambda: model.net.__setitem__(1, nn.Tanh()),
+        lambda: setattr(model, "spell", lambda x, m: x[m] * 2),
     )
     for change in changes:
+        model.net[1], model.spell = nn.ReLU(), Replicated.SPELLINGS["index"]
         module, report = to_ikbo(model.eval(), args_for(model, request(*EXAMPLE, gen)), measure=False)
         assert module is not model, str(report)
         change()
@@ -2347,3 +2350,35 @@ class MeanGate(nn.Module):
 
 def test_kept_module_branching_on_a_mean_runs_at_candidate_rows():
     check(UserTower(MeanGate()), expect_left=1, must=("`inner` reads candidate rows",))
+
+
+class FirstRowGate(nn.Module):
+    """Kept whole: a branch on its first row (the first candidate's user in the original)."""
+
+    def forward(self, x):
+        return x * 2 if bool(x[0, 0] > 0) else x - 1
+
+
+def test_kept_module_reading_its_first_row_runs_at_candidate_rows():
+    check(UserTower(FirstRowGate()), expect_left=1, must=("`inner` reads candidate rows",))
+
+
+class ComparedInPlace(nn.Module):
+    """An in-place comparison on a float replica keeps its float dtype (x.gt_(y) is 0. / 1.)."""
+
+    def __init__(self):
+        super().__init__()
+        self.u, self.c = nn.Linear(FU, 4), nn.Linear(FC, 4)
+
+    def forward(self, user, cand, cand_to_user):
+        return self.u(user)[cand_to_user].gt_(self.c(cand)).mean(-1)
+
+
+def test_in_place_comparison_keeps_the_dtype():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = ComparedInPlace().eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    args = args_for(model, request(*SIZES[0], gen))
+    with torch.inference_mode():
+        expected, got = model(*args), module(*args)
+    assert got.dtype == expected.dtype == torch.float32 and torch.equal(got, expected), str(report)

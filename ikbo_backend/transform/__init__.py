@@ -307,9 +307,10 @@ class Guarded(torch.nn.Module):
     one among those that had B, neither of them 0, and, where the capture followed a branch on them, the same non-row
     sizes; the original model for other inputs (`fallbacks` counts them), also where a concat the rewrite keeps as
     its parts meets other widths than the example's (`ops.WidthsChanged`, raised before any output is made), and once
-    the model has changed since the pass (the graph holds what it was): a forward hook registered, a parameter or buffer
-    changed in place (`load_state_dict`, an optimizer step) or rebound, a module put in training mode,
-    parametrized or given another forward — with a warning the first time (run `to_ikbo` again)."""
+    the model has changed since the pass (the graph holds what it was): a forward hook registered, a parameter or
+    buffer changed in place (`load_state_dict`, an optimizer step) or rebound, a submodule replaced, an attribute
+    rebound, a module put in training mode, parametrized or given another forward — with a warning the first time
+    (run `to_ikbo` again). Writes through `.data` or a tensor's storage move no version counter: not seen."""
 
     def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool):
         super().__init__()
@@ -322,6 +323,7 @@ class Guarded(torch.nn.Module):
         self.roles = [rows.index(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] in rows
                       else None for t in leaves]  # fmt: skip
         self.watched = list(original.modules())  # (a plain list: not registered as submodules again)
+        self.own = [m for m in self.watched if not type(m).__module__.startswith("torch.")]  # the model's own classes
         self.state = self._state()
         self.warned = False
         self.signature = inspect.signature(original.forward)
@@ -336,15 +338,20 @@ class Guarded(torch.nn.Module):
         return t.dtype, t.dim(), t.device.type, sizes
 
     def _state(self) -> tuple:
-        """What the graph was made from: each module's class, mode and own forward, the parameters and buffers (the
-        objects and their version counters, which in-place changes advance). Read with C-level maps: at each call."""
+        """What the graph was made from: each module's class and its forward, its public attributes (mode, settings
+        the forward reads: `self.scale`, an own `forward`), its submodules, parameters and buffers (the objects, and
+        the tensors' version counters, which in-place changes advance). Read with C-level maps: at each call."""
         watched = self.watched
-        tensors = list(chain.from_iterable(map(methodcaller("values"), map(attrgetter("_parameters"), watched))))
-        tensors += chain.from_iterable(map(methodcaller("values"), map(attrgetter("_buffers"), watched)))
+        values = methodcaller("values")
+        tensors = list(chain.from_iterable(map(values, map(attrgetter("_parameters"), watched))))
+        tensors += chain.from_iterable(map(values, map(attrgetter("_buffers"), watched)))
+        objects = list(chain.from_iterable(map(values, map(attrgetter("_modules"), watched))))
+        objects += map(attrgetter("training"), watched)
+        objects += [v for m in self.own for k, v in m.__dict__.items() if k[0] != "_"]  # torch's modules: sizes
+        kinds = list(map(type, watched))
         return (
-            list(map(type, watched)),
-            list(map(attrgetter("training"), watched)),
-            [m.__dict__.get("forward") for m in watched],
+            kinds + [k.forward for k in kinds],
+            objects,
             tensors,
             [t._version if t is not None else None for t in tensors],
         )
@@ -356,15 +363,11 @@ class Guarded(torch.nn.Module):
         watched = self.watched
         if any(map(attrgetter("_forward_hooks"), watched)) or any(map(attrgetter("_forward_pre_hooks"), watched)):
             return True
-        kinds, modes, forwards, tensors, versions = self.state
         now = self._state()
         return (
-            now[0] != kinds
-            or now[1] != modes
-            or any(map(is_not, now[2], forwards))
-            or len(now[3]) != len(tensors)
-            or any(map(is_not, now[3], tensors))
-            or now[4] != versions
+            now[0] != self.state[0]
+            or now[3] != self.state[3]
+            or any(len(a) != len(b) or any(map(is_not, a, b)) for a, b in zip(now[1:3], self.state[1:3]))
         )
 
     @property

@@ -83,6 +83,8 @@ ADD_PRODUCTS = {torch.baddbmm: torch.bmm, "baddbmm": torch.bmm, torch.addmm: tor
 MATMULS = {torch.matmul, operator.matmul, torch.mm, "matmul", "mm"}
 SPREADS = {"unsqueeze", "view", "reshape", "expand", "expand_as", "repeat", "broadcast_to", torch.unsqueeze,
            torch.reshape, torch.broadcast_to, operator.getitem}  # fmt: skip
+KEEPS_DTYPE_IN_PLACE = {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "isnan",
+                        "isinf", "isneginf", "isposinf", "isfinite"}  # fmt: skip
 EQUAL_FACTORIES = {torch.zeros, torch.ones, torch.full}  # every row the same (not empty or random ones)
 JOIN_OPS = {  # elementwise op → ops.rows_join name for (cand, user) and (user, cand) operand orders
     operator.mul: ("mul", "mul"), torch.mul: ("mul", "mul"), "mul": ("mul", "mul"),
@@ -452,7 +454,8 @@ class Rewriter(AttentionRewrites):
         if not any(isinstance(v, (*USER_FORMS, Struct)) for v in leaves((args, kwargs))):
             return None
         if op == "call_method" and target.endswith("_") and target[:-1] in ELEMENTWISE_METHODS:
-            return target[:-1]
+            # x.gt_(y) keeps x's dtype where x.gt(y) is boolean: those run in place, on a copy
+            return None if target[:-1] in KEEPS_DTYPE_IN_PLACE else target[:-1]
         return OUT_OF_PLACE_OPERATORS.get(target) if op == "call_function" else None
 
     def private_copy(self, node, x) -> bool:
@@ -1315,9 +1318,10 @@ class Rewriter(AttentionRewrites):
     def _row_wise_on_probes(self, module, args, kwargs, m) -> bool:
         """module(x)[m] equals module(x[m]) also where the user rows' float values are scaled by 1e-3 and 1e3 and
         replaced by fresh normal values (a module that branches on its values, `if x.abs().max() > 10: x = x /
-        x.norm()`, may act row by row on the example alone), for one candidate and eight times the example's (a
-        branch on its batch size, `if x.shape[0] > 64`) and with one user holding most candidates (a branch on the
-        mean of its rows); an error counts as not row-wise. Probes sample: a branch none of them crosses is missed."""
+        x.norm()`, may act row by row on the example alone), for one candidate and eight times the example's (at least
+        4,096: a branch on its batch size, `if x.shape[0] > 64`), with one user holding most candidates (a branch on
+        the mean of its rows) and with the users in reverse order (a branch on its first or last row); an error counts
+        as not row-wise. Probes sample: a branch none of them crosses is missed."""
         gen = torch.Generator().manual_seed(0)
         values = (
             lambda t: t,
@@ -1326,7 +1330,7 @@ class Rewriter(AttentionRewrites):
             lambda t: torch.randn(t.shape, generator=gen).to(t),
         )
         # and at other candidate counts (one, eight times the example's): a branch on its row count shows there
-        probes = [(v, m) for v in values[1:]] + [(values[0], m[:1]), (values[0], m.repeat(8))]
+        probes = [(v, m) for v in values[1:]] + [(values[0], m[:1]), (values[0], m.repeat(max(8, -(-4096 // len(m)))))]
         # and with one user holding most candidates, its values of one sign and the others' of the other: a branch
         # on a mean or sum of its rows weighs them by their counts, which the U rows do not hold
         skewed = torch.cat([m.new_zeros(4 * len(m)), torch.arange(self.num_users).to(m)])
@@ -1337,6 +1341,10 @@ class Rewriter(AttentionRewrites):
             return out * sign
 
         probes += [(lambda t, sign=sign: apart(t, sign), skewed) for sign in (1, -1)]
+        # and with the users in reverse order (user 0's row first at U rows, last at B rows): a branch on the first or
+        # last row reads another user's row at U rows
+        flipped = torch.arange(self.num_users - 1, -1, -1).to(m)
+        probes += [(lambda t, sign=sign: apart(t, sign), flipped) for sign in (1, -1)]
         for probe, m in probes:
             probed = {}  # each Rep's probe values, the same at U and at B rows
 
