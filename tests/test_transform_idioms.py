@@ -2382,3 +2382,33 @@ def test_in_place_comparison_keeps_the_dtype():
     with torch.inference_mode():
         expected, got = model(*args), module(*args)
     assert got.dtype == expected.dtype == torch.float32 and torch.equal(got, expected), str(report)
+
+
+class WithOptions(nn.Module):
+    """Options the example leaves at their defaults, read in Python branches."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.aux = nn.Linear(FU + FC, 4), nn.Linear(FU, 2)
+
+    def forward(self, user, cand, cand_to_user, return_aux=False, cfg=None, scale=1.0):
+        out = self.net(torch.cat([user[cand_to_user], cand], dim=1)) * scale
+        if cfg is not None:
+            out = out * cfg
+        return (out, self.aux(user)) if return_aux else out
+
+
+def test_options_left_at_their_defaults_are_traced_with_them():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = WithOptions().eval()
+    module, report = to_ikbo(model, args_for(Replicated("index"), request(*EXAMPLE, gen)), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    args = args_for(Replicated("index"), request(*SIZES[0], gen))
+    with torch.inference_mode():
+        assert rel_err(module(*args), model(*args)) <= RTOL
+        assert rel_err(module(*args, scale=1.0), model(*args, scale=1.0)) <= RTOL
+        assert module.fallbacks == 0
+        assert rel_err(module(*args, cfg=2.0), model(*args, cfg=2.0)) <= RTOL
+        got, expected = module(*args, True), model(*args, True)
+        assert all(rel_err(a, b) <= RTOL for a, b in zip(got, expected))
+    assert module.fallbacks == 2

@@ -93,6 +93,12 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         examples = dict(signature.bind(*example_inputs).arguments)
     except TypeError as e:
         raise ValueError(f"example_inputs: do not match forward{signature} ({e})") from None
+    # the defaults of the parameters after them (`return_aux=False`, `cfg=None`): traced with those values
+    for name, parameter in list(signature.parameters.items())[len(example_inputs) :]:
+        if parameter.kind != parameter.POSITIONAL_OR_KEYWORD or not isinstance(parameter.default, SETTINGS):
+            break
+        examples[name] = parameter.default
+    example_inputs = (*example_inputs, *list(examples.values())[len(example_inputs) :])
     mapping = _find_mapping(examples, mapping_name, signature)
     num_candidates = mapping.shape[0]
     num_users = _user_rows(examples, num_candidates, mapping)
@@ -399,13 +405,20 @@ class Guarded(torch.nn.Module):
         return True
 
     def forward(self, *args, **kwargs):
-        if kwargs:  # the example's arguments by name, in the forward's order; other arguments: the original
+        if kwargs or len(args) < len(self.names):  # the graph's arguments by name or by their defaults, in order
             try:
-                bound = self.signature.bind(*args, **kwargs).arguments
+                bound = self.signature.bind(*args, **kwargs)
+                bound.apply_defaults()
             except TypeError:
-                bound = {}
-            if set(bound) == set(self.names):
-                args, kwargs = tuple(bound[n] for n in self.names), {}
+                bound = None
+            parameters = self.signature.parameters
+            others = {} if bound is None else {k: v for k, v in bound.arguments.items() if k not in self.names}
+            at_default = all(
+                v is parameters[k].default or parameters[k].kind in (inspect.Parameter.VAR_POSITIONAL,
+                inspect.Parameter.VAR_KEYWORD) and not v for k, v in others.items()
+            )  # fmt: skip
+            if bound is not None and at_default and all(n in bound.arguments for n in self.names):
+                args, kwargs = tuple(bound.arguments[n] for n in self.names), {}
         changed = self._changed()
         if changed and not self.warned:
             self.warned = True
