@@ -124,6 +124,12 @@ PER_SAMPLE = {
 }  # fmt: skip
 
 
+def _bitwise_agrees(key, a, b) -> bool:
+    """Whether the bitwise join computes `key`: logical_and / logical_or only of two booleans."""
+    logical = key in (torch.logical_and, "logical_and", torch.logical_or, "logical_or")
+    return not logical or a.meta.dtype == b.meta.dtype == torch.bool
+
+
 def _row_tolerance(want: torch.Tensor) -> dict:
     """allclose tolerances for a module's output run at U rows and gathered, against its output at B rows: the
     same rows in another batch size round alike in fp32; a 16-bit GEMM may block them differently."""
@@ -1329,7 +1335,7 @@ class Rewriter(AttentionRewrites):
             lambda t: t * 1e3,
             lambda t: torch.randn(t.shape, generator=gen).to(t),
         )
-        # and at other candidate counts (one, eight times the example's): a branch on its row count shows there
+        # and at other candidate counts (one; eight times the example's, at least 4,096): a branch on its row count
         probes = [(v, m) for v in values[1:]] + [(values[0], m[:1]), (values[0], m.repeat(max(8, -(-4096 // len(m)))))]
         # and with one user holding most candidates, its values of one sign and the others' of the other: a branch
         # on a mean or sum of its rows weighs them by their counts, which the U rows do not hold
@@ -1621,7 +1627,8 @@ class Rewriter(AttentionRewrites):
             weights = _arg(args, kwargs, 8, "per_sample_weights")
             others = [t for t in tensors if t is not x and t is not weights]
             return (
-                xnd == 2 and _arg(args, kwargs, 2, "offsets") is None and _arg(args, kwargs, 3, "max_norm") is None and not any(self.batched(t) for t in others)
+                xnd == 2 and _arg(args, kwargs, 2, "offsets") is None and _arg(args, kwargs, 3, "max_norm") is None
+                and not any(self.batched(t) for t in others)
                 and (weights is None or isinstance(weights, Rep) or not self.batched(weights))
             )  # fmt: skip
         if key in MATMUL:
@@ -2734,8 +2741,7 @@ class Rewriter(AttentionRewrites):
         compared = compared and not kwargs and len(reps) == 1 and reps[0] in args and isinstance(meta, Meta)
         other = next((a for a in args if a is not reps[0]), None) if compared else None
         compared = compared and isinstance(other, Plain) and other.batched and self.rowwise_ok(key, args, kwargs, meta)
-        if compared and key in (torch.logical_and, "logical_and", torch.logical_or, "logical_or"):
-            compared = reps[0].meta.dtype == other.meta.dtype == torch.bool  # logical_* of others is not bitwise
+        compared = compared and _bitwise_agrees(key, reps[0], other)
         if any(isinstance(r.meta, Meta) and not r.meta.is_float for r in reps) and key is not SDPA and not compared:
             why = f"{_name(key)} combines it with candidate rows"
             where = self.where()
@@ -2803,9 +2809,8 @@ class Rewriter(AttentionRewrites):
         name, cand, cond = joined
         if not rep.meta.is_float and name.split("_")[0] not in ANY_DTYPE_JOINS:
             return None
-        if name in ("and", "or") and key in (torch.logical_and, "logical_and", torch.logical_or, "logical_or"):
-            if not (rep.meta.dtype == cand.meta.dtype == torch.bool):  # logical_* of non-booleans: not bitwise
-                return None
+        if not _bitwise_agrees(key, rep, cand):
+            return None
         node = self.emit(
             "call_function",
             ops.rows_join,
