@@ -2412,3 +2412,20 @@ def test_options_left_at_their_defaults_are_traced_with_them():
         got, expected = module(*args, True), model(*args, True)
         assert all(rel_err(a, b) <= RTOL for a, b in zip(got, expected))
     assert module.fallbacks == 2
+
+
+class FunctionalReshape(nn.Module):
+    """torch.reshape (the function, sizes as one tuple) of a replica, sizes from its shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv, self.out = nn.Linear(D, D), nn.Linear(D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        x = self.kv(history[cand_to_user])
+        heads = torch.reshape(x, tuple(x.shape[:-1]) + (H, D // H)).permute(0, 2, 1, 3)
+        return self.out(torch.cat([heads.mean((1, 2)).repeat(1, H), cand], dim=-1))
+
+
+def test_functional_reshape_of_a_replica():
+    check(FunctionalReshape())

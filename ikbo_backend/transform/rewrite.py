@@ -1715,8 +1715,11 @@ class Rewriter(AttentionRewrites):
             )
             args = (args[0], rows, *args[2:])
         u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
+        inferred = key in ("view", "reshape", torch.reshape) and len(args) > 1 and args[1] == -1
+        if key is torch.reshape:  # the function takes its sizes as one tuple
+            args = (args[0], tuple(args[1:]))
         node = self.emit(op, key, fmap(args, u), fmap(kwargs, u))
-        if key in ("view", "reshape", torch.reshape) and len(args) > 1 and args[1] == -1:
+        if inferred:
             shapes = [self.emit("call_function", getattr, (n, "shape")) for n in (node, u(args[0]))]
             self.emit("call_function", ops.check_same_rows, tuple(shapes))
         rep = next(r for r in reps if isinstance(r, (Rep, Rows, RepShape)))
