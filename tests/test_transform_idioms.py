@@ -25,6 +25,7 @@ from kernels.reference import rel_err
 
 D, L, H, FU, FC = 16, 12, 2, 6, 9
 EXAMPLE, SIZES = (5, 37), [(3, 41), (7, 53)]
+WITHOUT_CANDIDATES = [*SIZES, (20, 8)]  # most users without candidates
 RTOL = 1e-5
 
 
@@ -2429,3 +2430,29 @@ class FunctionalReshape(nn.Module):
 
 def test_functional_reshape_of_a_replica():
     check(FunctionalReshape())
+
+
+class HeadsBySizeConcat(nn.Module):
+    """Heads split with the sizes as one torch.Size concatenation (`x.view(x.shape[:-1] + torch.Size([H, d]))`) over a
+    replica, then target attention of the candidate over those heads."""
+
+    SPELLINGS = {
+        "view": lambda x: x.view(x.shape[:-1] + torch.Size([H, D // H])),
+        "reshape": lambda x: x.reshape(x.size()[:-1] + torch.Size((H, D // H))),
+        "torch_reshape": lambda x: torch.reshape(x, x.shape[:-1] + torch.Size([H, D // H])),
+    }
+
+    def __init__(self, spell):
+        super().__init__()
+        self.spell, self.kv, self.q = self.SPELLINGS[spell], nn.Linear(D, 2 * D), nn.Linear(FC, D)
+
+    def forward(self, history, cand, cand_to_user):
+        k, v = self.kv(history[cand_to_user]).chunk(2, dim=-1)
+        k, v = (self.spell(t).transpose(1, 2) for t in (k, v))
+        out = F.scaled_dot_product_attention(self.q(cand).view(-1, H, 1, D // H), k, v)
+        return out.flatten(1).sum(-1)
+
+
+@pytest.mark.parametrize("spell", list(HeadsBySizeConcat.SPELLINGS))
+def test_heads_split_by_a_torch_size_concatenation(spell):
+    check(HeadsBySizeConcat(spell), must=("ikbo_attention",), sizes=WITHOUT_CANDIDATES)

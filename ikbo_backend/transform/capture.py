@@ -198,6 +198,17 @@ def _value(x):
     return x.value if isinstance(x, ShadowProxy) else x
 
 
+def _traced_sizes(kind, target, args) -> bool:
+    """Whether an op is `x.view(sizes)` / `x.reshape(sizes)` / `torch.reshape(x, sizes)` with `sizes` one traced
+    tuple (a torch.Size: `x.shape[:-1] + torch.Size([H, d])`, `x.shape`). Recorded with its sizes one by one, as
+    `x.view(*sizes)` is, the rewrite reads each (the row count among them); the op is the same."""
+    if len(args) != 2 or not isinstance(args[1], ShadowProxy) or not isinstance(args[1].value, tuple):
+        return False
+    return (
+        kind == "call_method" and target in ("view", "reshape") or kind == "call_function" and target is torch.reshape
+    )
+
+
 class Tracer(fx.Tracer):
     """torch.fx tracing with example values (see the module doc)."""
 
@@ -215,6 +226,9 @@ class Tracer(fx.Tracer):
         return ShadowProxy(node, self)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if _traced_sizes(kind, target, args):  # x.view(x.shape[:-1] + torch.Size([H, d])): its sizes one by one
+            sizes = tuple(args[1][i] for i in range(len(args[1])))
+            args = (args[0], sizes) if target is torch.reshape else (args[0], *sizes)
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         with _maybe_revert_all_patches(), torch.no_grad():  # run eagerly, not traced
             value = self._evaluate(kind, target, args, kwargs)
