@@ -2456,3 +2456,31 @@ class HeadsBySizeConcat(nn.Module):
 @pytest.mark.parametrize("spell", list(HeadsBySizeConcat.SPELLINGS))
 def test_heads_split_by_a_torch_size_concatenation(spell):
     check(HeadsBySizeConcat(spell), must=("ikbo_attention",), sizes=WITHOUT_CANDIDATES)
+
+
+class MaskedFills(nn.Module):
+    """masked_fill of replicated user scores: by user ids replicated alike (padding), by a mask of candidate rows (a
+    number or a 0-dim tensor as the value), and in place by the history items equal to the candidate's id."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.w, self.out = kind, nn.Linear(D, 1), nn.Linear(L + FC, 1)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        scores = self.w(history).squeeze(-1)[cand_to_user]
+        if self.kind == "user_mask":
+            scores = scores.masked_fill(ids[cand_to_user] == 0, float("-inf"))
+        elif self.kind == "candidate_mask":
+            scores = torch.masked_fill(scores, cand[:, :1] > 0, torch.tensor(-1e9))
+        elif self.kind == "candidate_number":
+            scores = scores.masked_fill(cand[:, 1:2].expand(-1, L) > 0.5, -1e9)
+        else:
+            scores.masked_fill_(ids[cand_to_user] == (cand[:, :1].abs() * 20).long(), -1e9)
+        return self.out(torch.cat([scores.softmax(-1), cand], dim=-1))
+
+
+@pytest.mark.parametrize("kind", ["user_mask", "candidate_mask", "candidate_number", "target_in_history"])
+def test_masked_fill_of_replicated_rows(kind):
+    past_a_tile = (3, ops.TILE_BYTES // (L * 4) + 7)  # the join a tile of candidates at a time
+    must = ("masked_fill",) if kind == "user_mask" else ("masked_fill of candidate rows", "rows_join")
+    check(MaskedFills(kind), must=must, sizes=[*WITHOUT_CANDIDATES, past_a_tile])

@@ -2842,6 +2842,22 @@ class Rewriter(AttentionRewrites):
                     return "where_uc", b, cond
                 if b is rep and isinstance(a, Plain) and a.batched:
                     return "where_cu", a, cond
+        if key in (torch.masked_fill, "masked_fill") and len(args) == 3 and args[0] is rep:
+            cond, value = args[1:]  # user[m].masked_fill(cand_mask, v) is where(cand_mask, v, user[m])
+            scalar = isinstance(value, (bool, int, float)) or (
+                isinstance(value, Plain) and not value.batched and isinstance(value.meta, Meta) and not value.meta.ndim
+            )
+            if isinstance(cond, Plain) and cond.batched and cond.meta.dtype == torch.bool and scalar:
+                # v in the user rows' dtype (as masked_fill casts it), B rows of it without a copy (stride 0)
+                if isinstance(value, Plain):
+                    fill = self.emit("call_method", "to", (value.node, rep.user))
+                else:
+                    fill = self.emit("call_method", "new_full", (rep.user, (), value))
+                ones = [1] * (rep.meta.ndim - 1)
+                fill = self.emit(
+                    "call_method", "expand", (fill, self.emit("call_method", "size", (cond.node, 0)), *ones)
+                )
+                return "where_cu", Plain(fill, Meta((cond.meta.shape[0], *ones), rep.meta.dtype), True), cond
         return None
 
     # --- why an op was left --------------------------------------------------------------------
