@@ -2484,3 +2484,46 @@ def test_masked_fill_of_replicated_rows(kind):
     past_a_tile = (3, ops.TILE_BYTES // (L * 4) + 7)  # the join a tile of candidates at a time
     must = ("masked_fill",) if kind == "user_mask" else ("masked_fill of candidate rows", "rows_join")
     check(MaskedFills(kind), must=must, sizes=[*WITHOUT_CANDIDATES, past_a_tile])
+
+
+class WeightedTasks(nn.Module):
+    """Non-tensor arguments that are lists and tuples of numbers (task weights, reduction dims) and a default of
+    nested tuples of settings."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(FU + FC, 2)
+
+    def forward(self, user, cand, cand_to_user, weights, dims, options=((1.0, "mean"), None)):
+        scores = self.net(torch.cat([user[cand_to_user], cand], dim=1)) * torch.tensor(weights)
+        scores = scores.unsqueeze(-1).expand(-1, -1, len(dims) + 1) * options[0][0]
+        return scores.mean(dims) if options[0][1] == "mean" else scores.sum(dims)
+
+
+def test_lists_and_tuples_of_settings_are_fixed_at_the_example_values():
+    """A list / tuple (nested too) of numbers, flags, strings is a setting: the graph is traced with the example's, a
+    call with the same entries runs it, a call with others (or another container type) runs the original."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = WeightedTasks().eval()
+    settings = ([0.3, 0.7], (1, 2))
+    module, report = to_ikbo(model, (*args_for(Replicated("index"), request(*EXAMPLE, gen)), *settings), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    others = [
+        ([0.5, 0.5], (1, 2)),
+        ((0.3, 0.7), (1, 2)),
+        ([0.3, 0.7], (2, 1)),
+        ([0.3, 0.7], [1, 2]),
+        ([0.3, 0.7], (1,)),
+    ]
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        args = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        before = module.fallbacks
+        with torch.inference_mode():
+            assert rel_err(module(*args, *settings), model(*args, *settings)) <= RTOL, str(report)
+            assert rel_err(module(*args, [0.3, 0.7], dims=(1, 2)), model(*args, *settings)) <= RTOL
+            assert module.fallbacks == before
+            for other in others:
+                assert rel_err(module(*args, *other), model(*args, *other)) <= RTOL
+            nested = ((2.0, "sum"), None)
+            assert rel_err(module(*args, *settings, nested), model(*args, *settings, nested)) <= RTOL
+        assert module.fallbacks == before + len(others) + 1

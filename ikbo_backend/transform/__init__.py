@@ -95,7 +95,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         raise ValueError(f"example_inputs: do not match forward{signature} ({e})") from None
     # the defaults of the parameters after them (`return_aux=False`, `cfg=None`): traced with those values
     for name, parameter in list(signature.parameters.items())[len(example_inputs) :]:
-        if parameter.kind != parameter.POSITIONAL_OR_KEYWORD or not isinstance(parameter.default, SETTINGS):
+        if parameter.kind != parameter.POSITIONAL_OR_KEYWORD or not _is_setting(parameter.default):
             break
         examples[name] = parameter.default
     example_inputs = (*example_inputs, *list(examples.values())[len(example_inputs) :])
@@ -279,6 +279,16 @@ def _disagreement(model, module, example_inputs) -> float:
 
 
 SETTINGS = (type(None), bool, int, float, complex, str, enum.Enum, torch.dtype, torch.device)
+
+
+def _is_setting(value) -> bool:
+    """A value of `SETTINGS`, or a list, tuple or dict of them (nested too: `weights=[0.3, 0.7]`, `dims=((1,), 2)`),
+    which the graph is traced with and each call checks entry by entry (`Guarded`)."""
+    if isinstance(value, dict):
+        return all(map(_is_setting, value.values()))
+    if isinstance(value, (list, tuple)):
+        return all(map(_is_setting, value))
+    return isinstance(value, SETTINGS)
 
 
 def _same_setting(a, b) -> bool:

@@ -28,6 +28,7 @@ Modules (`call_module`):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import threading
 import traceback
@@ -40,8 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.fx.experimental.symbolic_shapes import uninteresting_files
+from torch.fx.graph import _PyTreeCodeGen
 from torch.fx.node import map_aggregate
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import standard
 from .values import _name
@@ -224,6 +226,17 @@ class Tracer(fx.Tracer):
 
     def proxy(self, node):
         return ShadowProxy(node, self)
+
+    def _proxy_placeholder(self, name, concrete_args, sig, fn_for_analysis):
+        """A list, tuple or dict of settings (`weights=[0.3, 0.7]`, `dims=(1, 2)`) is one placeholder, and the forward
+        reads the example's value: fx would make one placeholder per entry, each asserted in the graph. `Guarded`
+        checks every entry on each call, as it checks other settings."""
+        value = concrete_args.get(name) if concrete_args else None
+        if not isinstance(value, (list, tuple, dict)):
+            return super()._proxy_placeholder(name, concrete_args, sig, fn_for_analysis)
+        default = sig.parameters[name].default
+        self.create_proxy("placeholder", f"{name}_1", () if default is inspect.Parameter.empty else (default,), {})
+        return value
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         if _traced_sizes(kind, target, args):  # x.view(x.shape[:-1] + torch.Size([H, d])): its sizes one by one
@@ -583,6 +596,7 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
             try:
                 with _traced_factories(tracer, model), torch.enable_grad():
                     graph = tracer.trace(model, concrete_args=concrete or None)
+                _unflatten_output(graph)
             finally:
                 standard.CALLER_GRAD.pop()
             names = [name for name, _ in model.named_modules()]
@@ -605,6 +619,17 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
                 if name in buffers and not torch.equal(b, buffers[name]):
                     b.copy_(buffers[name])
     return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards)
+
+
+def _unflatten_output(graph: fx.Graph) -> None:
+    """Where a list, tuple or dict of settings was an argument, fx's graph takes its arguments and returns its outputs
+    flattened (`_PyTreeCodeGen`); the placeholders are one per argument all the same (`Tracer._proxy_placeholder`):
+    the output is given its structure back and the graph the plain calling convention."""
+    codegen = graph._codegen
+    if isinstance(codegen, _PyTreeCodeGen):
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        output.args = (tree_unflatten(list(output.args[0]), codegen.pytree_info.out_spec),)
+        graph.set_codegen(fx.graph.CodeGen())
 
 
 CAPTURE_LOCK = threading.RLock()
