@@ -7,6 +7,7 @@ U, B (unsorted mappings) against the original model.
 
 import collections
 import enum
+import inspect
 import itertools
 import math
 import operator
@@ -2527,3 +2528,37 @@ def test_lists_and_tuples_of_settings_are_fixed_at_the_example_values():
             nested = ((2.0, "sum"), None)
             assert rel_err(module(*args, *settings, nested), model(*args, *settings, nested)) <= RTOL
         assert module.fallbacks == before + len(others) + 1
+
+
+class ArgumentNames(nn.Module):
+    """Forward parameters named like what fx and its generated code use: `meta` (a node's field; here a dict of
+    settings), `graph`, `_`, builtins (`input`, `getattr`), `torch`."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Replicated("index")
+
+    def forward(self, input, cand, cand_to_user, getattr, torch, meta, graph, _):
+        scores = self.net(input, cand, cand_to_user) * getattr + torch[cand_to_user].sum(-1, keepdim=True) + graph * _
+        return scores * meta["scale"] if meta["task"] == "ctr" else scores
+
+
+def test_parameters_named_like_what_fx_uses():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = ArgumentNames().eval()
+    names = list(inspect.signature(model.forward).parameters)
+
+    def make(num_users, num_candidates):
+        user, cand, mapping = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        rows = torch.randn(num_users, 3, generator=gen), torch.randn(num_candidates, 1, generator=gen)
+        return user, cand, mapping, torch.tensor(1.5), rows[0], {"task": "ctr", "scale": 2.0}, rows[1], 0.5
+
+    module, report = to_ikbo(model, make(*EXAMPLE), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        args = make(num_users, num_candidates)
+        with torch.inference_mode():
+            expected = model(*args)
+            assert rel_err(module(*args), expected) <= RTOL, str(report)
+            assert rel_err(module(**dict(zip(names, args))), expected) <= RTOL
+        assert module.fallbacks == 0

@@ -424,6 +424,9 @@ class Rewriter(AttentionRewrites):
                 f"{sum(self.sunk.values())} row-wise ops run at U rows instead of B rows: {ops_run}"
             )
         fuse_self_target_attention(self.graph, self.report)
+        for node in self.graph.nodes:  # `Guarded` passes the arguments by position: parameters get the nodes' names,
+            if node.op == "placeholder":  # which fx keeps apart from what the code reads (`torch`, `getattr`)
+                node.target = node.name
         module = fx.GraphModule(self.traced, self.graph, class_name="IkboRewritten")
         module.graph.eliminate_dead_code()
         module.graph.lint()
