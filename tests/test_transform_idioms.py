@@ -2562,3 +2562,49 @@ def test_parameters_named_like_what_fx_uses():
             assert rel_err(module(*args), expected) <= RTOL, str(report)
             assert rel_err(module(**dict(zip(names, args))), expected) <= RTOL
         assert module.fallbacks == 0
+
+
+class PassingOn(nn.Module):
+    """A wrapper: its forward hands every argument on to `inner`."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+class CallsAWrapper(nn.Module):
+    """A wrapper called as a submodule, with keywords."""
+
+    def __init__(self):
+        super().__init__()
+        self.scorer = PassingOn(WithOptions())
+
+    def forward(self, user, cand, cand_to_user):
+        return self.scorer(user, cand, cand_to_user=cand_to_user, scale=2.0)
+
+
+@pytest.mark.parametrize("kind", ["wrapper", "wrapper_of_wrapper", "submodule"])
+def test_forwards_handing_their_arguments_on(kind):
+    """A model whose forward is `forward(self, *args, **kwargs): return self.inner(*args, **kwargs)` is captured in
+    `inner`, its arguments named by its parameters (passed by position or name); another `inner` assigned after the
+    pass runs the original."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    models = {"wrapper": lambda: PassingOn(Replicated("index")), "submodule": CallsAWrapper}
+    model = models.get(kind, lambda: PassingOn(PassingOn(WithOptions())))().eval()
+    module, report = to_ikbo(model, args_for(Replicated("index"), request(*EXAMPLE, gen)), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        user, cand, mapping = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            expected = model(user, cand, mapping)
+            assert rel_err(module(user, cand, mapping), expected) <= RTOL, str(report)
+            assert rel_err(module(user=user, cand=cand, cand_to_user=mapping), expected) <= RTOL
+            assert rel_err(module(user, cand_to_user=mapping, cand=cand), expected) <= RTOL
+    assert module.fallbacks == 0
+    if kind == "wrapper":
+        model.inner = Replicated("index").eval()
+        with torch.inference_mode(), pytest.warns(UserWarning, match="changed after the pass"):
+            assert torch.equal(module(user, cand, mapping), model(user, cand, mapping))

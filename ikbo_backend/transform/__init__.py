@@ -14,8 +14,11 @@ is not slower.
 
 from __future__ import annotations
 
+import ast
 import enum
 import inspect
+import re
+import textwrap
 import warnings
 from collections import Counter
 from itertools import chain
@@ -56,8 +59,9 @@ def to_ikbo(
     """(module, report): `model` rewritten so that user tensors stay at U rows, and what was done.
 
     `example_inputs`: forward's positional arguments for one request (tensors, or dicts / tuples of
-    tensors), in eval mode. The mapping is the argument named `mapping_name` ([B] integer, candidate →
-    user row), or the entry with that key in a dict argument. Rows tell tensors apart: a tensor with B
+    tensors; settings: numbers, flags, strings and lists / tuples of them), in eval mode (a forward that only hands
+    them on to a submodule, `forward(self, *args, **kwargs)`: that submodule's). The mapping is the argument named
+    `mapping_name` ([B] integer, candidate → user row), or the entry with that key in a dict argument. Rows tell tensors apart: a tensor with B
     rows is per candidate, one with U rows (the most common other row count the mapping can index) per user, so
     pick U ≠ B and both unlike the model's other dims; with U == B the model comes back unchanged, with a warning.
     Values are not baked in: the module takes any U and B. Shapes the model branched on in Python
@@ -88,7 +92,8 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and _mode_matters(m)]
     if training:
         raise ValueError(f"model: expected eval mode (call model.eval()), got training mode in {training[:3]}")
-    signature = inspect.signature(model.forward)
+    traced, path = _passed_through(model)  # a wrapper's `forward(*args, **kwargs)`: the module it hands them to
+    signature = inspect.signature(traced.forward)
     try:
         examples = dict(signature.bind(*example_inputs).arguments)
     except TypeError as e:
@@ -120,7 +125,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
     if rtol is None:
         rtol = max([RTOL.get(d, 1e-3) for d in _float_dtypes(model, example_inputs)], default=1e-3)
     try:
-        captured = capture(model, examples, (num_users, num_candidates))
+        captured = capture(traced, examples, (num_users, num_candidates))
     except Exception as e:
         return model, Report(
             left=[f"the whole model: the capture could not follow it ({type(e).__name__}: {e}); served unchanged"]
@@ -147,6 +152,8 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         reason = f"the rewrite failed{where} ({type(e).__name__}: {e})"
         return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
     report.kept = kept
+    if path:
+        report.notes.append(f"the model's forward hands its arguments to `{path}`: captured there (paths from it)")
     report.notes.append(f"rows: U = {num_users}, B = {num_candidates}")
     unchanged = not report.rewritten  # nothing to gain: the model itself (no guards, no fixed branches)
     error = 0.0 if unchanged else _disagreement(model, module, example_inputs)
@@ -212,6 +219,35 @@ def _mode_matters(m: torch.nn.Module) -> bool:
     if isinstance(m, nn.RNNBase):
         return m.dropout > 0
     return False
+
+
+def _passed_through(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """(module, its path): the module whose forward computes the model's — the model itself, or where its forward only
+    hands its arguments on to a submodule, as wrappers do (`def forward(self, *args, **kwargs): return
+    self.inner(*args, **kwargs)`, read from its source), that submodule (through wrappers of wrappers). Its parameters
+    name the arguments; `Guarded` watches the wrapper (another `inner` assigned runs the original)."""
+    module, path = model, []
+    passing = ([inspect.Parameter.VAR_POSITIONAL], [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD])
+    while True:
+        forward = type(module).forward
+        parameters = inspect.signature(forward).parameters
+        if [p.kind for p in list(parameters.values())[1:]] not in passing:
+            break
+        try:
+            definition = ast.parse(textwrap.dedent(inspect.getsource(forward))).body[0]
+        except (OSError, TypeError, SyntaxError):
+            break
+        body = definition.body[1:] if ast.get_docstring(definition) is not None else definition.body
+        if definition.decorator_list or len(body) != 1:
+            break
+        first, *rest = parameters
+        passed = re.escape(", ".join([f"*{rest[0]}", *(f"**{n}" for n in rest[1:])]))
+        call = re.fullmatch(rf"return {first}\.(\w+)\({passed}\)", ast.unparse(body[0]))
+        if call is None or module._modules.get(call[1]) is None:
+            break
+        module = module._modules[call[1]]
+        path.append(call[1])
+    return module, ".".join(path)
 
 
 def _find_mapping(examples, mapping_name, signature):
@@ -342,7 +378,7 @@ class Guarded(torch.nn.Module):
         self.own = [m for m in self.watched if not type(m).__module__.startswith("torch.")]  # the model's own classes
         self.state = self._state()
         self.warned = False
-        self.signature = inspect.signature(original.forward)
+        self.signature = inspect.signature(_passed_through(original)[0].forward)
         self.names = list(self.signature.parameters)[: len(example_inputs)]  # the graph's inputs, in order
 
     def _key(self, t, rows):
