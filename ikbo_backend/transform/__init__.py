@@ -59,11 +59,12 @@ def to_ikbo(
     """(module, report): `model` rewritten so that user tensors stay at U rows, and what was done.
 
     `example_inputs`: forward's positional arguments for one request (tensors, or dicts / tuples of
-    tensors; settings: numbers, flags, strings and lists / tuples of them), in eval mode (a forward that only hands
-    them on to a submodule, `forward(self, *args, **kwargs)`: that submodule's). The mapping is the argument named
-    `mapping_name` ([B] integer, candidate → user row), or the entry with that key in a dict argument. Rows tell tensors apart: a tensor with B
-    rows is per candidate, one with U rows (the most common other row count the mapping can index) per user, so
-    pick U ≠ B and both unlike the model's other dims; with U == B the model comes back unchanged, with a warning.
+    tensors; settings: numbers, flags, strings and lists / tuples / dicts of them), in eval mode (a forward that only
+    hands them on to a submodule, `forward(self, *args, **kwargs)`: that submodule's). The mapping is the argument
+    named `mapping_name` ([B] integer, candidate → user row), or the entry with that key in a dict argument. Rows
+    tell tensors apart: a tensor with B rows is per candidate, one with U rows (the most common other row count the
+    mapping can index) per user, so pick U ≠ B and both unlike the model's other dims; with U == B the model comes back
+    unchanged, with a warning.
     Values are not baked in: the module takes any U and B. Shapes the model branched on in Python
     (capture.py) are checked on each call; other inputs run the original model.
 
