@@ -1170,6 +1170,8 @@ def pick_backward_configs(rows_per_user: float, head_dim: int, interpret: bool) 
 
 
 DKDV_ROWS_TMA = True  # the dK/dV walk copies q and dO rows by TMA where `rows_by_tma` allows
+WS_BACKWARD = False  # target-only backward through attention_ws's warp-specialized dQ and dK/dV kernels where
+# `attention_ws.dkdv_ws_ok` (Hopper, 16-bit, d ∈ {64, 128}, q / dO rows by TMA)
 
 
 def rows_by_tma(t: torch.Tensor, other: torch.Tensor, block_rows: int) -> bool:
@@ -1255,6 +1257,16 @@ def _launch_backward(
     num_self_tiles = num_users * triton.cdiv(seq_len, self_cfg.block_m) if with_self else 0
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     qk_scale = scale * LOG2E
+    ws = WS_BACKWARD and not with_self and config is None and not interpreting()
+    if ws:
+        from . import attention_ws  # here: attention_ws imports this module
+
+        ws = attention_ws.dkdv_ws_ok(q, grad_out, k)
+    if ws and dq_cfg.block_m == attention_ws.TILE_M:  # the candidate tiles' dQ and Δ through the Gluon kernel
+        attention_ws.launch_dq_ws(
+            q, grad_out, out, k, v, cand_lse, cand_delta, kv_len, scale, order, tiles, num_target_tiles, dq
+        )
+        num_target_tiles = 0
     # dQ and Δ: the self tiles and the candidate tiles in launches of their own (each its own stages and tiles)
     for has_self, num_tiles, cfg, (kd, vd) in (
         (True, num_self_tiles, self_cfg, self_descs), (False, num_target_tiles, dq_cfg, (k_desc, v_desc))
@@ -1272,6 +1284,14 @@ def _launch_backward(
     num_blocks = triton.cdiv(seq_len, kv_cfg.block_n)
     splits = dkdv_splits(num_users * heads * num_blocks, num_candidates * num_queries / num_users, kv_cfg, q.device)
     dk_acc, dv_acc = (dk, dv) if splits == 1 else torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device)
+    if ws:  # dK, dV through the Gluon kernel
+        attention_ws.launch_dkdv_ws(
+            q, grad_out, k, v, cand_lse, cand_delta, kv_len, scale, order, users, dk_acc, dv_acc, splits
+        )
+        if splits > 1:
+            dk.copy_(dk_acc)
+            dv.copy_(dv_acc)
+        return dq, dk, dv, None
     rows_tma = DKDV_ROWS_TMA and num_candidates > 0 and rows_by_tma(q, grad_out, kv_cfg.block_m)
     q_desc, do_desc = _row_views(q, grad_out, kv_cfg.block_m) if rows_tma else (kv_k_desc, kv_v_desc)
     _attention_bwd_dkdv_launch[(num_users * heads * num_blocks * splits,)](

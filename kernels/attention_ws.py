@@ -1185,3 +1185,464 @@ def launch_ws(
         out.copy_(dest)
     return out, flag
 # fmt: on
+
+
+# ----------------------------------------------------------------------------- backward: dK / dV
+
+
+@gluon.jit
+def _dkdv_ranked_user(rank, users_ptr, num_users, num_queries, MAX_USERS: gl.constexpr):
+    """The user of `rank` when users are ordered by their candidate query rows, most first (ties by user number),
+    as attention.py's `_ranked_user` without self rows: the longest walks start first."""
+    pairs: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+    mine = gl.arange(0, MAX_USERS, layout=gl.SliceLayout(1, pairs))
+    other = gl.arange(0, MAX_USERS, layout=gl.SliceLayout(0, pairs))
+    work_mine = gl.where(mine < num_users, gl.load(users_ptr + 2 * mine + 1, mask=mine < num_users, other=0), -1)
+    work_other = gl.where(other < num_users, gl.load(users_ptr + 2 * other + 1, mask=other < num_users, other=0), -1)
+    ahead = (work_other[None, :] > work_mine[:, None]) | (
+        (work_other[None, :] == work_mine[:, None]) & (other[None, :] < mine[:, None])
+    )
+    ranks = gl.sum(ahead.to(gl.int32), 1)
+    return gl.sum(gl.where((mine < num_users) & (ranks == rank), mine, 0), 0)
+
+
+# fmt: off
+@gluon.jit
+def _dkdv_producer(
+    k_desc, v_desc, q_desc, do_desc, kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty, order_ptr, kv_row,
+    kv_col, first, row_lo, num_steps, head, heads, num_queries, STAGES: gl.constexpr,
+):
+    """1 warp: the program's K and V block (two 64-key halves each) once, then for each step its 64 query rows of q
+    and dO by TMA into ring slot step % STAGES (once both consumers released it), with the rows' first row number
+    in row_info for the consumers' lse and Δ loads."""
+    HALF: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    if num_steps > 0:
+        mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready, kv_bufs.index(0))
+        tma.async_copy_global_to_shared(k_desc, [kv_row + HALF, kv_col], kv_ready, kv_bufs.index(1))
+        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready, kv_bufs.index(2))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + HALF, kv_col], kv_ready, kv_bufs.index(3))
+    for step in range(num_steps):
+        slot = step % STAGES
+        r0 = row_lo + step * BLOCK_M
+        cand_slot = r0 // num_queries
+        cand = gl.load(order_ptr + first + cand_slot)
+        row0 = (cand * heads + head) * num_queries + (r0 - cand_slot * num_queries)  # < 2**31 (rows_by_tma)
+        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+        row_info.index(slot).store(gl.full([4], row0, gl.int32, _INFO_PRODUCER))
+        gl.thread_barrier()  # every lane's part is in shared memory before the arrive
+        mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0, 0], ready.index(slot), q_bufs.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [row0, 0], ready.index(slot), do_bufs.index(slot))
+# fmt: on
+
+
+# fmt: off
+@gluon.jit
+def _dkdv_consumer(
+    kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr, num_steps, kv_len,
+    out_row, start_n, seq_len, qk_scale, scale, STAGES: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """One warpgroup: keys [start_n + 64·WG, + 64) of the program's block, transposed products (keys are the rows):
+    per step Sᵀ = k·qᵀ and dPᵀ = v·dOᵀ (async wgmma, B from shared memory), Pᵀ = exp2(Sᵀ·qk_scale − lse), dV += Pᵀ·dO
+    and dK += (Pᵀ ∘ (dPᵀ − Δ))·q (A from registers), the step's two accumulating products left in flight under the
+    next step's Sᵀ; then dK·scale and dV stored at `out_row` + key (or added in fp32 with SPLIT)."""
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    keys = start_n + 64 * WG + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    key_ok = (keys < kv_len)[:, None]
+    dk = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    if num_steps > 0:
+        mbarrier.wait(kv_ready, 0)
+    k_smem = kv_bufs.index(WG)
+    v_smem = kv_bufs.index(2 + WG)
+    for step in range(num_steps):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        q_smem = q_bufs.index(slot)
+        do_smem = do_bufs.index(slot)
+        s_tok = warpgroup_mma(
+            k_smem, q_smem.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, s_layout), use_acc=False,
+            is_async=True,
+        )
+        dp_tok = warpgroup_mma(
+            v_smem, do_smem.permute((1, 0)), gl.zeros([64, BLOCK_M], gl.float32, s_layout), use_acc=False,
+            is_async=True,
+        )
+        info = row_info.index(slot).load(_INFO_CONSUMER)
+        row0 = gl.max(info, 0)
+        lse = gl.load(lse_ptr + row0 + cols)
+        delta = gl.load(delta_ptr + row0 + cols)
+        s, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk, dv))
+        if step > 0:  # the previous step's products (issued before this Sᵀ) are done with its slot
+            mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+        p = gl.where(key_ok, gl.exp2(s * qk_scale - lse[None, :]), 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+        ds = p * (dp - delta[None, :])
+        dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_smem, dv, is_async=True)
+        dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q_smem, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    io_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    io_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    rows = start_n + 64 * WG + io_rows
+    at = (out_row + rows.to(gl.int64))[:, None] * HEAD_DIM + io_cols[None, :]
+    row_ok = (rows < seq_len)[:, None]
+    if SPLIT:
+        if num_steps > 0:  # the fp32 buffers start at zero
+            gl.atomic_add(dk_ptr + at, dk * scale, mask=row_ok, sem="relaxed")
+            gl.atomic_add(dv_ptr + at, dv, mask=row_ok, sem="relaxed")
+    else:
+        gl.store(dk_ptr + at, (dk * scale).to(dk_ptr.dtype.element_ty), mask=row_ok)
+        gl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=row_ok)
+# fmt: on
+
+
+# fmt: off
+@gluon.jit(do_not_specialize=["num_users", "heads", "seq_len", "splits"])
+def _dkdv_ws_kernel(
+    k_desc, v_desc, stride_ku, stride_kh, stride_kl,  # 2-D views of k / v (attention.kv_2d_views), blocks [64, d]
+    q_desc, do_desc,  # [B·H·S, d] views of q and dO (contiguous), blocks [64, d]
+    lse_ptr, delta_ptr,  # [B·H·S] fp32: the forward's log-sum-exp (base 2), Δ = rowsum(dO ∘ O)
+    dk_ptr, dv_ptr,  # [U, H, L, d] contiguous out (fp32 and zeroed with SPLIT)
+    kv_len_ptr, order_ptr, users_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order, users [U, 2]
+    num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
+    HAS_KV_LEN: gl.constexpr, RANK_USERS: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """dK, dV of target attention (no self rows), as attention.py's `_attention_bwd_dkdv_kernel` with ROWS_TMA:
+    1-D grid over (user rank, split, head, 128-key block), key blocks fastest; a program's two consumer warpgroups
+    own 64 keys each and walk the split's share of the user's candidate query rows, 64 a step, which a producer
+    warp copies by TMA into a STAGES-deep ring."""
+    gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
+    dtype: gl.constexpr = k_desc.dtype
+    HALF: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    gl.static_assert(HALF == 64, "two consumer warpgroups of 64 keys")
+    BLOCK_N: gl.constexpr = 2 * HALF
+    num_blocks = gl.cdiv(seq_len, BLOCK_N)
+    pid = gl.program_id(0)
+    block = pid % num_blocks
+    head = (pid // num_blocks) % heads
+    split = (pid // (num_blocks * heads)) % splits
+    rank = pid // (num_blocks * heads * splits)
+    if RANK_USERS > 0:
+        user = _dkdv_ranked_user(rank, users_ptr, num_users, num_queries, RANK_USERS)
+    else:
+        user = rank
+    kv_len = seq_len
+    if HAS_KV_LEN:
+        kv_len = gl.minimum(gl.maximum(gl.load(kv_len_ptr + user).to(gl.int32), 0), seq_len)
+    start_n = block * BLOCK_N
+    first = gl.load(users_ptr + 2 * user)
+    row_end = gl.load(users_ptr + 2 * user + 1) * num_queries
+    chunk = gl.cdiv(gl.cdiv(row_end, splits), BLOCK_M) * BLOCK_M
+    row_lo = gl.minimum(split * chunk, row_end)
+    row_end = gl.minimum(row_lo + chunk, row_end)
+    num_steps = gl.where(start_n < kv_len, gl.cdiv(row_end - row_lo, BLOCK_M), 0)
+    kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
+    kv_row = (kv_offset // stride_kl).to(gl.int32) + start_n
+    kv_col = (kv_offset % stride_kl).to(gl.int32)
+    out_row = (user.to(gl.int64) * heads + head) * seq_len
+
+    kv_bufs = gl.allocate_shared_memory(dtype, [4, HALF, HEAD_DIM], k_desc.layout)  # K halves, then V halves
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    row_info = gl.allocate_shared_memory(gl.int32, [STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    gl.warp_specialize(
+        [
+            (
+                _dkdv_consumer,
+                (
+                    kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                    num_steps, kv_len, out_row, start_n, seq_len, qk_scale, scale, STAGES, WG0, SPLIT,
+                ),
+            ),
+            (
+                _dkdv_consumer,
+                (
+                    kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                    num_steps, kv_len, out_row, start_n, seq_len, qk_scale, scale, STAGES, WG1, SPLIT,
+                ),
+            ),
+            (
+                _dkdv_producer,
+                (
+                    k_desc, v_desc, q_desc, do_desc, kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty,
+                    order_ptr, kv_row, kv_col, first, row_lo, num_steps, head, heads, num_queries, STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+# fmt: on
+
+
+_dkdv_ws_launch = CachedLaunch(_dkdv_ws_kernel)
+
+
+# fmt: off
+@gluon.jit
+def _dq_producer(
+    k_desc, v_desc, q_desc, do_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
+    live, row0_a, row0_b, kv_row, kv_col, num_blocks, STAGES: gl.constexpr,
+):
+    """1 warp: each consumer warpgroup's 64 q and dO rows by TMA, then the user's K and V blocks into a STAGES-deep
+    ring, K and V with their own ready / empty mbarriers."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    if live:
+        mbarrier.expect(q_ready.index(0), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0_a, 0], q_ready.index(0), q_bufs.index(0))
+        tma.async_copy_global_to_shared(do_desc, [row0_a, 0], q_ready.index(0), do_bufs.index(0))
+        mbarrier.expect(q_ready.index(1), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0_b, 0], q_ready.index(1), q_bufs.index(1))
+        tma.async_copy_global_to_shared(do_desc, [row0_b, 0], q_ready.index(1), do_bufs.index(1))
+    for j in range(num_blocks):
+        _load_kv_block(
+            k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, j, kv_row + j * BLOCK_N, kv_col, STAGES
+        )
+# fmt: on
+
+
+# fmt: off
+@gluon.jit
+def _dq_consumer(
+    q_bufs, do_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty, o_ptr, do_ptr, dq_ptr, lse_ptr,
+    delta_ptr, live, row0, valid, kv_len, num_blocks, qk_scale, scale, STAGES: gl.constexpr, WG: gl.constexpr,
+):
+    """One warpgroup: 64 query rows (one run of one candidate, from row0 of [B·H·S, d]). Δ = rowsum(dO ∘ O), stored
+    for the dK/dV kernel; then per key block S = q·kᵀ and dP = dO·vᵀ (async wgmma), P = exp2(S·qk_scale − lse),
+    dQ += (P ∘ (dP − Δ))·k (A from registers); dQ·scale stored where `valid` (a tile's second half may lie past
+    its end: computed on the first half's rows, not stored)."""
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+    dtype: gl.constexpr = k_bufs.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    io: gl.constexpr = _io_layout(HEAD_DIM)
+    io_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, io))
+    io_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
+    at = (row0.to(gl.int64) + io_rows)[:, None] * HEAD_DIM + io_cols[None, :]
+    o = gl.load(o_ptr + at).to(gl.float32)
+    delta = gl.sum(o * gl.load(do_ptr + at).to(gl.float32), 1)
+    gl.store(delta_ptr + row0 + io_rows, delta, mask=valid & (io_rows >= 0))
+    delta = gl.convert_layout(delta, s_rows)
+    lse = gl.load(lse_ptr + row0 + gl.arange(0, 64, layout=s_rows))
+    dq = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    if live:
+        mbarrier.wait(q_ready.index(WG), 0)
+    q_smem = q_bufs.index(WG)
+    do_smem = do_bufs.index(WG)
+    for j in range(num_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        s_tok = warpgroup_mma(
+            q_smem, k_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
+            is_async=True,
+        )
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp_tok = warpgroup_mma(
+            do_smem, v_bufs.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+            use_acc=False, is_async=True,
+        )
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        p = gl.exp2(s * qk_scale - lse[:, None])
+        if (j + 1) * BLOCK_N > kv_len:  # the last, partial block
+            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where((keys < kv_len)[None, :], p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        ds = p * (dp - delta[:, None])
+        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_bufs.index(slot), dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    out_at = (row0.to(gl.int64) + rows)[:, None] * HEAD_DIM + cols[None, :]
+    gl.store(dq_ptr + out_at, (dq * scale).to(dq_ptr.dtype.element_ty), mask=valid & (rows >= 0)[:, None])
+# fmt: on
+
+
+# fmt: off
+@gluon.jit(do_not_specialize=["seq_len"])
+def _dq_ws_kernel(
+    k_desc, v_desc, stride_ku, stride_kh, stride_kl,  # 2-D views of k / v (attention.kv_2d_views), blocks [BLOCK_N, d]
+    q_desc, do_desc,  # [B·H·S, d] views of q and dO (contiguous), blocks [64, d]
+    o_ptr, do_ptr, dq_ptr,  # [B, H, S, d] contiguous: the forward's output, its gradient, dQ (out)
+    lse_ptr, delta_ptr,  # [B·H·S] fp32: the forward's log-sum-exp (base 2), Δ (out)
+    kv_len_ptr, order_ptr, tile_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order and 128-row tiles
+    seq_len, num_queries, qk_scale, scale,
+    HAS_KV_LEN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """dQ and Δ of target attention (no self rows), as attention.py's `_attention_bwd_dq_kernel` over the candidate
+    tiles with S a multiple of 64: grid (plan tiles of 128 rows, H); two consumer warpgroups own 64 rows each and
+    walk the user's K/V blocks, which a producer warp copies by TMA into a STAGES-deep ring."""
+    gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
+    dtype: gl.constexpr = k_desc.dtype
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    tile = gl.program_id(0)
+    head = gl.program_id(1)
+    heads = gl.num_programs(1)
+    entry = tile_ptr + tile * 4
+    user = gl.load(entry)
+    live = user >= 0
+    user = gl.maximum(user, 0)
+    first_slot = gl.load(entry + 1)
+    r_start = gl.load(entry + 2)
+    r_end = gl.load(entry + 3)
+    kv_len = seq_len
+    if HAS_KV_LEN:
+        kv_len = gl.minimum(gl.maximum(gl.load(kv_len_ptr + user).to(gl.int32), 0), seq_len)
+    kv_len = gl.where(live, kv_len, 0)
+    num_blocks = gl.cdiv(kv_len, BLOCK_N)
+    valid_b = live & (r_start + 64 < r_end)
+    slot_a = r_start // num_queries
+    cand_a = gl.load(order_ptr + first_slot + slot_a, mask=live, other=0)
+    row0_a = (cand_a * heads + head) * num_queries + (r_start - slot_a * num_queries)  # < 2**31 (rows_by_tma)
+    r_b = gl.where(valid_b, r_start + 64, r_start)
+    slot_b = r_b // num_queries
+    cand_b = gl.load(order_ptr + first_slot + slot_b, mask=live, other=0)
+    row0_b = (cand_b * heads + head) * num_queries + (r_b - slot_b * num_queries)
+    kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
+    kv_row = (kv_offset // stride_kl).to(gl.int32)
+    kv_col = (kv_offset % stride_kl).to(gl.int32)
+
+    q_bufs = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(q_ready.index(w), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(s), count=2)
+
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    gl.warp_specialize(
+        [
+            (
+                _dq_consumer,
+                (
+                    q_bufs, do_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty, o_ptr, do_ptr,
+                    dq_ptr, lse_ptr, delta_ptr, live, row0_a, live, kv_len, num_blocks, qk_scale, scale, STAGES, WG0,
+                ),
+            ),
+            (
+                _dq_consumer,
+                (
+                    q_bufs, do_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty, o_ptr, do_ptr,
+                    dq_ptr, lse_ptr, delta_ptr, live, row0_b, valid_b, kv_len, num_blocks, qk_scale, scale, STAGES,
+                    WG1,
+                ),
+            ),
+            (
+                _dq_producer,
+                (
+                    k_desc, v_desc, q_desc, do_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
+                    k_empty, v_empty, live, row0_a, row0_b, kv_row, kv_col, num_blocks, STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+# fmt: on
+
+
+_dq_ws_launch = CachedLaunch(_dq_ws_kernel)
+
+
+@dataclass(frozen=True)
+class WSBackwardConfig:
+    """Ring depth and register split of `_dkdv_ws_kernel`."""
+
+    stages: int = 3  # dK/dV: q / dO ring depth (32 KiB a slot at d = 128)
+    dq_block_n: int = 128  # dQ: keys a step
+    dq_stages: int = 2  # dQ: K / V ring depth
+    consumer_regs: int = 240  # registers per thread of the worker consumer warpgroup (setmaxnreg)
+    producer_regs: int = 24
+    maxnreg: int = 168  # at launch: 12 warps × 32 × 168 ≤ 64 K registers (setmaxnreg moves them)
+
+
+DEFAULT_BACKWARD_CONFIG = WSBackwardConfig()
+
+
+def dkdv_ws_ok(q: torch.Tensor, grad_out: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `launch_dkdv_ws` takes these (checked) tensors: `ws_supported`, and q / dO rows that move by TMA 64
+    at a time (`attention.rows_by_tma`)."""
+    return ws_supported(q, k) and q.shape[0] > 0 and _attn.rows_by_tma(q, grad_out, 64)
+
+
+# fmt: off
+def launch_dq_ws(q, grad_out, out, k, v, lse, delta, kv_len, scale, order, tiles, num_tiles, dq, config=None):
+    """dQ and Δ of target attention through `_dq_ws_kernel` for tensors where `dkdv_ws_ok` (out contiguous too):
+    lse of the candidate rows ([B·H·S] fp32), Δ written there; the plan's order and tiles at TILE_M rows
+    (`attention.plan_tiles`, num_tiles slots); dq [B, H, S, d] contiguous, written. Nothing waits for the device."""
+    cfg = config or DEFAULT_BACKWARD_CONFIG
+    heads, num_queries = q.shape[1], q.shape[2]
+    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.dq_block_n)
+    q_desc, do_desc = _row_descriptors(q, grad_out)
+    _dq_ws_launch[(num_tiles, heads)](
+        k_desc, v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, out, grad_out, dq, lse, delta,
+        order if kv_len is None else kv_len, order, tiles, k.shape[2], num_queries, scale * _attn.LOG2E, scale,
+        HAS_KV_LEN=kv_len is not None, STAGES=cfg.dq_stages, CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs, num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    return dq
+# fmt: on
+
+
+# fmt: off
+def launch_dkdv_ws(
+    q, grad_out, k, v, lse, delta, kv_len, scale, order, users, dk, dv, splits=1, config=None,
+):
+    """dK and dV of target attention through `_dkdv_ws_kernel` for tensors where `dkdv_ws_ok`: lse and Δ of the
+    candidate rows ([B·H·S] fp32), the plan's order and users table (`attention.plan_tiles(users=...)`), dk / dv
+    [U, H, L, d] contiguous, written (with splits > 1: fp32 and zeroed, added into). Nothing waits for the device."""
+    cfg = config or DEFAULT_BACKWARD_CONFIG
+    num_users, heads, seq_len, head_dim = k.shape
+    num_queries = q.shape[2]
+    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, 64)
+    q_desc, do_desc = _row_descriptors(q, grad_out)
+    grid = (num_users * heads * triton.cdiv(seq_len, 128) * splits,)
+    _dkdv_ws_launch[grid](
+        k_desc, v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, lse, delta, dk, dv,
+        order if kv_len is None else kv_len, order, users,
+        num_users, heads, seq_len, num_queries, splits, scale * _attn.LOG2E, scale,
+        HAS_KV_LEN=kv_len is not None, RANK_USERS=_attn.RANKED_USERS if num_users <= _attn.RANKED_USERS else 0,
+        STAGES=cfg.stages, SPLIT=splits > 1, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    return dk, dv
+# fmt: on

@@ -604,9 +604,11 @@ GPU_TOL = 2e-2
 
 CANONICAL = (15, 1024, 64, 1024, 4, 128)  # U, B, S, L, H, d
 # other sizes: d = 64, L not a multiple of a key block, S not of a tile; more users than RANKED_USERS (grid order);
-# few users with many candidates each (the dK/dV walks split, `attention.dkdv_splits`)
+# few users with many candidates each (the dK/dV walks split, `attention.dkdv_splits`); the Gluon dK/dV kernel
+# (S a multiple of 64) at d = 64 with L not a multiple of its 128-key blocks
 OTHER_SIZES = [((7, 300, 8, 1000, 2, 64), torch.float16), ((3, 700, 5, 333, 4, 64), torch.bfloat16),
-               ((70, 300, 3, 256, 2, 128), torch.bfloat16), ((1, 200, 64, 512, 2, 128), torch.bfloat16)]  # fmt: skip
+               ((70, 300, 3, 256, 2, 128), torch.bfloat16), ((1, 200, 64, 512, 2, 128), torch.bfloat16),
+               ((5, 150, 128, 1000, 3, 64), torch.float16)]  # fmt: skip
 
 
 def gpu_problem(ragged_kv_len: bool, with_self: bool, size=CANONICAL, dtype=torch.bfloat16, seed=0, device="cuda"):

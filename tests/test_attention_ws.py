@@ -31,7 +31,7 @@ from kernels.attention_ws import (
     self_target_ws_ok,
     ws_supported,
 )
-from kernels.devtools import compile_attention_ws, disassemble
+from kernels.devtools import compile_attention_ws, compile_dkdv_ws, disassemble
 from kernels.reference import rel_err
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -85,6 +85,33 @@ def test_compiles_for_sm90a(config, kwargs):
     assert "LDL" not in sass and "STL" not in sass
     # The key loop: q·k_jᵀ waited with P_{j-1}·V_{j-1} still in flight (at most one group left).
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False), dict(split=True)],
+    ids=["bf16-d128", "fp16-d64", "split"],
+)
+def test_dkdv_compiles_for_sm90a(kwargs):
+    """The backward's dK/dV kernel for sm_90a without a GPU: producer + two consumer warpgroups with setmaxnreg,
+    TMA loads of K/V and of the q / dO rows, Pᵀ·dO and dSᵀ·q with their A from registers, and the products not
+    serialized by ptxas (a wait after every wgmma): Sᵀ waited with dPᵀ still in flight."""
+    try:
+        kernel = compile_dkdv_ws(**kwargs)
+    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
+        pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.shared <= SMEM_LIMIT
+    assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
+    assert ("red.global" in ptx or "atom.global" in ptx) == kwargs.get("split", False)  # splits add into fp32
+    disassembled = disassemble(kernel)
+    if disassembled is None:
+        return
+    sass, _ = disassembled
+    assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass)  # A from registers
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+    assert sass.count("WARPGROUP.DEPBAR") <= 12, "wgmma serialized"
 
 
 def test_launch_ws_self_tiles_need_user_out_and_aligned_rows():
