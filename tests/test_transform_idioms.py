@@ -850,6 +850,32 @@ def test_sequence_first_replication_spellings(spell):
     check(SequenceFirstSelect(spell), sizes=SEQUENCE_SIZES, row_dims=(0, 1), must=(how, "rows_join"))
 
 
+class SequenceFirstElementwise(nn.Module):
+    """GRU4Rec-style outputs kept sequence-first ([L, B, D], rows on dim 1) and scored against the candidate
+    elementwise without a transpose back: products and activations with the candidate broadcast as `c[None]` or as
+    [B, D] (aligned from the right), a softmax over time, then pooled over time."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, D)
+        self.gru = nn.GRU(D, D)
+        self.cand = nn.Linear(FC, D)
+        self.out = nn.Linear(2 * D + FC, 1)
+
+    def forward(self, ids, cand, cand_to_user):
+        states, final = self.gru(self.emb(ids).transpose(0, 1)[:, cand_to_user])  # [L, B, D]
+        target = self.cand(cand)  # [B, D]
+        states = torch.tanh(states) * 2
+        weights = torch.softmax((states * target[None]).sum(-1), dim=0)  # [L, B]
+        pooled = (weights[..., None] * states).sum(0)  # [B, D]
+        gated = (torch.sigmoid(states + target) * states).mean(0)  # [B, D] broadcast from the right
+        return self.out(torch.cat([pooled, gated * final[-1], cand], dim=-1))
+
+
+def test_elementwise_ops_of_sequence_first_replicas():
+    check(SequenceFirstElementwise(), sizes=SEQUENCE_SIZES, row_dims=(0, 1), must=("GRU", "rows_join"))
+
+
 class Interleaved(nn.Module):
     """Candidates sorted by user, the user rows repeated by count (repeat_interleave)."""
 

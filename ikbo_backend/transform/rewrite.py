@@ -572,7 +572,8 @@ class Rewriter(AttentionRewrites):
             return out if out is not None else self.plain(op, target, args, kwargs, meta, self.why_module(target))
         if op != "call_function" and op != "call_method":
             return self.plain(op, target, args, kwargs, meta, f"{op} is not traced into")
-        handlers = (self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.sums, self.rowwise)
+        handlers = (self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.sums, self.rowwise,
+                    self.sequence_first_elementwise)  # fmt: skip
         for handler in (*handlers, self.joins):
             out = handler(op, target, args, kwargs, meta)
             if out is not None:
@@ -1217,6 +1218,47 @@ class Rewriter(AttentionRewrites):
         u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
         node = self.emit(op, key, fmap(args, u), fmap(kwargs, u))
         return Rep(node, x.mapping, meta, x.source, row_dim=new)
+
+    def sequence_first_elementwise(self, op, key, args, kwargs, meta):
+        """An elementwise op of replicas with their rows on dim r ≥ 1 (sequence-first [L, B, …]) and other operands:
+        every tensor operand is aligned to the output's dims (leading dims of size 1, as broadcasting does) and its
+        dim r moved to the front, the op runs through the rules (row-wise at U rows, or a join with candidate rows),
+        and its result's dim 0 is moved back to r. Moving one dim of every operand commutes with an elementwise op."""
+        if not (key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS) or not isinstance(meta, Meta):
+            return None
+        if _tensors(kwargs) or (isinstance(key, str) and key.endswith("_")):  # in place: the operand's own layout
+            return None
+        flat = [v for v in leaves(args) if is_value(v)]
+        reps = [v for v in flat if isinstance(v, Rep)]
+        if not reps or any(not isinstance(v, (Rep, Plain)) or not isinstance(v.meta, Meta) for v in flat):
+            return None
+        r, nd = reps[0].row_dim, meta.ndim
+        if r == 0 or any(v.row_dim != r for v in reps) or len({v.mapping.key for v in reps}) != 1 or r >= nd:
+            return None
+        if any(v.meta.ndim > nd for v in flat) or any(isinstance(a, (list, tuple)) for a in args):
+            return None
+
+        def front(v):  # v aligned to nd dims, its dim r first
+            if not is_value(v):
+                return v
+            for _ in range(nd - v.meta.ndim):
+                shape = (1, *v.meta.shape)
+                v = self.apply("call_method", "unsqueeze", (v, 0), {}, Meta(shape, v.meta.dtype))
+            shape = v.meta.shape
+            moved = Meta((shape[r], *shape[:r], *shape[r + 1 :]), v.meta.dtype)
+            return self.apply("call_method", "movedim", (v, r, 0), {}, moved)
+
+        moved = [front(a) for a in args]
+        if any(isinstance(v, Rep) and v.row_dim for v in moved):
+            return None
+        shape = meta.shape
+        inner = Meta((shape[r], *shape[:r], *shape[r + 1 :]), meta.dtype)
+        out = self.apply(op, key, tuple(moved), kwargs, inner)
+        if isinstance(out, Sum):  # an add / sub join: joined here (its terms are read moved back, not by a linear)
+            out = Plain(self.materialize(out, self.where(), ""), inner, True)
+        if not isinstance(out, (Rep, Plain)):
+            return None
+        return self.apply("call_method", "movedim", (out, 0, r), {}, meta)
 
     def _row_after_index(self, index, r, nd):
         index = index if isinstance(index, tuple) else (index,)
