@@ -1170,7 +1170,7 @@ def pick_backward_configs(rows_per_user: float, head_dim: int, interpret: bool) 
 
 
 DKDV_ROWS_TMA = True  # the dK/dV walk copies q and dO rows by TMA where `rows_by_tma` allows
-WS_BACKWARD = False  # target-only backward through attention_ws's warp-specialized dQ and dK/dV kernels where
+WS_BACKWARD = True  # target-only backward through attention_ws's warp-specialized dQ and dK/dV kernels where
 # `attention_ws.dkdv_ws_ok` (Hopper, 16-bit, d ∈ {64, 128}, q / dO rows by TMA)
 
 
@@ -1284,14 +1284,19 @@ def _launch_backward(
     num_blocks = triton.cdiv(seq_len, kv_cfg.block_n)
     splits = dkdv_splits(num_users * heads * num_blocks, num_candidates * num_queries / num_users, kv_cfg, q.device)
     dk_acc, dv_acc = (dk, dv) if splits == 1 else torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device)
-    if ws:  # dK, dV through the Gluon kernel
+    if ws:  # the candidate rows' dK, dV through the Gluon kernel; the self rows' are added by the Triton walk below
+        if with_self and splits == 1:
+            dk_acc, dv_acc = torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device)
         attention_ws.launch_dkdv_ws(
-            q, grad_out, k, v, cand_lse, cand_delta, kv_len, scale, order, users, dk_acc, dv_acc, splits
+            q, grad_out, k, v, cand_lse, cand_delta, kv_len, scale, order, users, dk_acc, dv_acc, splits,
+            accumulate=with_self,
         )
-        if splits > 1:
-            dk.copy_(dk_acc)
-            dv.copy_(dv_acc)
-        return dq, dk, dv, None
+        if not with_self:
+            if splits > 1:
+                dk.copy_(dk_acc)
+                dv.copy_(dv_acc)
+            return dq, dk, dv, None
+        users, splits = torch.zeros_like(users), 1  # the walk below: each user's own rows only, added in
     rows_tma = DKDV_ROWS_TMA and num_candidates > 0 and rows_by_tma(q, grad_out, kv_cfg.block_m)
     q_desc, do_desc = _row_views(q, grad_out, kv_cfg.block_m) if rows_tma else (kv_k_desc, kv_v_desc)
     _attention_bwd_dkdv_launch[(num_users * heads * num_blocks * splits,)](
@@ -1301,10 +1306,10 @@ def _launch_backward(
         order, users, num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
         HEAD_DIM=head_dim, BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, HAS_SELF=with_self, CAUSAL=causal,
         HAS_KV_LEN=kv_len is not None, RANK_USERS=RANKED_USERS if num_users <= RANKED_USERS else 0,
-        NUM_STAGES=kv_cfg.num_stages, ROWS_TMA=rows_tma, SPLIT=splits > 1, num_warps=kv_cfg.num_warps,
+        NUM_STAGES=kv_cfg.num_stages, ROWS_TMA=rows_tma, SPLIT=dk_acc is not dk, num_warps=kv_cfg.num_warps,
         maxnreg=kv_cfg.maxnreg,
     )
-    if splits > 1:
+    if dk_acc is not dk:
         dk.copy_(dk_acc)
         dv.copy_(dv_acc)
     return dq, dk, dv, duq if with_self else None

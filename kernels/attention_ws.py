@@ -1625,11 +1625,12 @@ def launch_dq_ws(q, grad_out, out, k, v, lse, delta, kv_len, scale, order, tiles
 
 # fmt: off
 def launch_dkdv_ws(
-    q, grad_out, k, v, lse, delta, kv_len, scale, order, users, dk, dv, splits=1, config=None,
+    q, grad_out, k, v, lse, delta, kv_len, scale, order, users, dk, dv, splits=1, accumulate=False, config=None,
 ):
     """dK and dV of target attention through `_dkdv_ws_kernel` for tensors where `dkdv_ws_ok`: lse and Δ of the
     candidate rows ([B·H·S] fp32), the plan's order and users table (`attention.plan_tiles(users=...)`), dk / dv
-    [U, H, L, d] contiguous, written (with splits > 1: fp32 and zeroed, added into). Nothing waits for the device."""
+    [U, H, L, d] contiguous, written (with splits > 1 or `accumulate`: fp32, added into). Nothing waits for the
+    device."""
     cfg = config or DEFAULT_BACKWARD_CONFIG
     num_users, heads, seq_len, head_dim = k.shape
     num_queries = q.shape[2]
@@ -1641,7 +1642,7 @@ def launch_dkdv_ws(
         order if kv_len is None else kv_len, order, users,
         num_users, heads, seq_len, num_queries, splits, scale * _attn.LOG2E, scale,
         HAS_KV_LEN=kv_len is not None, RANK_USERS=_attn.RANKED_USERS if num_users <= _attn.RANKED_USERS else 0,
-        STAGES=cfg.stages, SPLIT=splits > 1, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        STAGES=cfg.stages, SPLIT=splits > 1 or accumulate, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     return dk, dv
