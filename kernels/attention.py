@@ -1257,7 +1257,7 @@ def _launch_backward(
     num_self_tiles = num_users * triton.cdiv(seq_len, self_cfg.block_m) if with_self else 0
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     qk_scale = scale * LOG2E
-    ws = WS_BACKWARD and not with_self and config is None and not interpreting()
+    ws = WS_BACKWARD and config is None and not interpreting()
     if ws:
         from . import attention_ws  # here: attention_ws imports this module
 
@@ -1575,6 +1575,25 @@ def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str 
     return (_Attention.apply if way == "autograd" else torch.ops.ikbo.attention.default)(*args)[0]
 
 
+def apart_in_training(user_q, cand_q, k, kv_len, backend: str) -> bool:
+    """Whether an eager call of `ikbo_self_target_attention` that autograd differentiates runs as two ops, SDPA's
+    causal self-attention and `ikbo_attention`: on Hopper without kv_len where the target rows' backward is the
+    Gluon kernels' (16-bit, d ∈ {64, 128}, S a multiple of 64). There the self rows' dQ and dK / dV by the Triton
+    walk cost more than SDPA's backward (docs/design/attention.md); the fused launch stays for inference, under
+    torch.compile / export (one op in the graph) and with kv_len."""
+    return (
+        WS_BACKWARD
+        and backend == "triton"
+        and kv_len is None
+        and k.dtype in (torch.float16, torch.bfloat16)
+        and user_q.dtype == k.dtype
+        and k.shape[3] in (64, 128)
+        and cand_q.shape[0] > 0
+        and cand_q.shape[2] % 64 == 0
+        and _hopper.is_hopper(k.device)
+    )
+
+
 def ikbo_self_target_attention(
     user_q, cand_q, k, v, cand_to_user, kv_len=None, causal=True, scale=None, backend: str = "auto"
 ):
@@ -1594,6 +1613,9 @@ def ikbo_self_target_attention(
     if way == "direct":
         cand_out, user_out, _ = _forward(cand_q, k, v, cand_to_user, kv_len, scale, chosen, False, user_q, causal)
         return user_out, cand_out
+    if way == "autograd" and apart_in_training(user_q, cand_q, k, kv_len, chosen):
+        user_out = F.scaled_dot_product_attention(user_q, k, v, is_causal=bool(causal), scale=scale)
+        return user_out, ikbo_attention(cand_q, k, v, cand_to_user, None, scale, chosen)
     args = (user_q, cand_q, k, v, cand_to_user, kv_len, bool(causal), scale, chosen, _keeps_lse(user_q, cand_q, k, v))
     op = _SelfTargetAttention.apply if way == "autograd" else torch.ops.ikbo.self_target_attention.default
     user_out, cand_out, _ = op(*args)

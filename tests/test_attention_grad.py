@@ -189,6 +189,41 @@ def test_self_target_attention_gradcheck(one_thread, p, causal):
     assert torch.autograd.gradcheck(op, (user_q, q, k, v))
 
 
+def test_apart_in_training_rule(monkeypatch):
+    """Self + target runs apart under autograd only on Hopper, Triton backend, 16-bit, d ∈ {64, 128}, S a multiple of
+    64, no kv_len (checked on CPU tensors with Hopper stood in)."""
+    user_q, k = (torch.randn(2, 1, 16, 128, dtype=torch.bfloat16) for _ in range(2))
+    cand_q = torch.randn(3, 1, 64, 128, dtype=torch.bfloat16)
+    assert not attention.apart_in_training(user_q, cand_q, k, None, "triton")  # not a Hopper GPU
+    monkeypatch.setattr(attention._hopper, "is_hopper", lambda device: True)
+    assert attention.apart_in_training(user_q, cand_q, k, None, "triton")
+    assert not attention.apart_in_training(user_q, cand_q, k, torch.tensor([16, 3]), "triton")
+    assert not attention.apart_in_training(user_q, cand_q, k, None, "torch")
+    assert not attention.apart_in_training(user_q, cand_q[:, :, :8], k, None, "triton")
+    assert not attention.apart_in_training(user_q.float(), cand_q.float(), k.float(), None, "triton")
+    assert not attention.apart_in_training(user_q[..., :32], cand_q[..., :32], k[..., :32], None, "triton")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_self_target_apart_matches_fused(monkeypatch, causal):
+    """The apart form (SDPA self-attention + ikbo_attention) gives the fused op's outputs and gradients (torch
+    paths, fp64, fresh inputs, a user without candidates, an unsorted mapping)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    user_q, k, v = (torch.randn(3, 2, 9, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    cand_q = torch.randn(5, 2, 4, 16, generator=gen, dtype=torch.float64)
+    mapping = torch.tensor([2, 0, 2, 0, 2])
+    grads_out = (torch.randn(user_q.shape, generator=gen, dtype=torch.float64),
+                 torch.randn(cand_q.shape, generator=gen, dtype=torch.float64))  # fmt: skip
+    results = []
+    for apart in (False, True):
+        monkeypatch.setattr(attention, "apart_in_training", lambda *args, apart=apart: apart)
+        leaves = [t.clone().requires_grad_() for t in (user_q, cand_q, k, v)]
+        outs = ikbo_self_target_attention(*leaves, mapping, causal=causal, scale=0.3)
+        results.append((*outs, *torch.autograd.grad(outs, leaves, grads_out)))
+    for fused, apart in zip(*results):
+        assert rel_err(apart, fused) < 1e-10
+
+
 def test_one_user_one_candidate_has_a_grad_fn():
     q = torch.randn(1, 2, 3, 4, requires_grad=True)
     k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(2))
