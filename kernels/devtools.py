@@ -154,65 +154,41 @@ def compile_attention_ws(
 
 
 # fmt: off
-def compile_dkdv_ws(
-    dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True, split: bool = False,
-    config=None, capability: int = 90,
+def compile_backward_ws(
+    kernel: str = "dkdv", dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True,
+    split: bool = False, config=None, capability: int = 90,
 ):
-    """Compile `attention_ws._dkdv_ws_kernel` (the backward's dK/dV walk) with `config` (a WSBackwardConfig, default
-    DEFAULT_BACKWARD_CONFIG) for a CUDA target without a GPU, with `launch_dkdv_ws`'s arguments at the canonical
-    U, H, L, S. Returns the CompiledKernel."""
+    """Compile one of the attention backward's Gluon kernels, `attention_ws._dkdv_ws_kernel` (kernel "dkdv"; `split`:
+    walks split, fp32 sums added into) or `_dq_ws_kernel` ("dq"), with `config` (a WSBackwardConfig, default
+    DEFAULT_BACKWARD_CONFIG) for a CUDA target without a GPU, with their launchers' arguments at the canonical U, H,
+    L, S. Returns the CompiledKernel."""
     from . import attention_ws as ws
 
     cfg = config or ws.DEFAULT_BACKWARD_CONFIG
     num_users, heads, seq_len, num_queries = 15, 4, 1024, 64
     q = torch.zeros(4, heads, num_queries, head_dim, dtype=dtype)
     k = torch.zeros(num_users, heads, seq_len, head_dim, dtype=dtype)
-    k_desc, v_desc, (s_u, s_h, s_l) = ws._kv_descriptors(k, k, 64)
+    k_desc, v_desc, (s_u, s_h, s_l) = ws._kv_descriptors(k, k, 64 if kernel == "dkdv" else cfg.dq_block_n)
     q_desc, do_desc = ws._row_descriptors(q, q)
     ints, floats = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.float32)
-    grads = k.float() if split else k
     runtime_args = dict(
         k_desc=k_desc, v_desc=v_desc, stride_ku=s_u, stride_kh=s_h, stride_kl=s_l, q_desc=q_desc, do_desc=do_desc,
-        lse_ptr=floats, delta_ptr=floats, dk_ptr=grads, dv_ptr=grads, kv_len_ptr=ints, order_ptr=ints, users_ptr=ints,
-        num_users=num_users, heads=heads, seq_len=seq_len, num_queries=num_queries, splits=2 if split else 1,
+        lse_ptr=floats, delta_ptr=floats, kv_len_ptr=ints, order_ptr=ints, seq_len=seq_len, num_queries=num_queries,
         qk_scale=0.12, scale=0.09,
     )
-    constexprs = dict(
-        HAS_KV_LEN=has_kv_len, RANK_USERS=64, STAGES=cfg.stages, SPLIT=split, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs,
-    )
+    constexprs = dict(HAS_KV_LEN=has_kv_len, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    if kernel == "dkdv":
+        grads = k.float() if split else k
+        runtime_args.update(dk_ptr=grads, dv_ptr=grads, users_ptr=ints, num_users=num_users, heads=heads,
+                            splits=2 if split else 1)  # fmt: skip
+        constexprs.update(RANK_USERS=64, STAGES=cfg.stages, SPLIT=split)
+        function = ws._dkdv_ws_kernel
+    else:
+        runtime_args.update(o_ptr=q, do_ptr=q, dq_ptr=q, tile_ptr=ints)
+        constexprs.update(STAGES=cfg.dq_stages)
+        function = ws._dq_ws_kernel
     options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
-    return compile_gluon_without_gpu(ws._dkdv_ws_kernel, runtime_args, constexprs, options, capability)
-# fmt: on
-
-
-# fmt: off
-def compile_dq_ws(
-    dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True, config=None,
-    capability: int = 90,
-):
-    """Compile `attention_ws._dq_ws_kernel` (the backward's dQ and Δ) with `config` (a WSBackwardConfig, default
-    DEFAULT_BACKWARD_CONFIG) for a CUDA target without a GPU, with `launch_dq_ws`'s arguments at the canonical
-    U, H, L, S. Returns the CompiledKernel."""
-    from . import attention_ws as ws
-
-    cfg = config or ws.DEFAULT_BACKWARD_CONFIG
-    num_users, heads, seq_len, num_queries = 15, 4, 1024, 64
-    q = torch.zeros(4, heads, num_queries, head_dim, dtype=dtype)
-    k = torch.zeros(num_users, heads, seq_len, head_dim, dtype=dtype)
-    k_desc, v_desc, (s_u, s_h, s_l) = ws._kv_descriptors(k, k, cfg.dq_block_n)
-    q_desc, do_desc = ws._row_descriptors(q, q)
-    ints, floats = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.float32)
-    runtime_args = dict(
-        k_desc=k_desc, v_desc=v_desc, stride_ku=s_u, stride_kh=s_h, stride_kl=s_l, q_desc=q_desc, do_desc=do_desc,
-        o_ptr=q, do_ptr=q, dq_ptr=q, lse_ptr=floats, delta_ptr=floats, kv_len_ptr=ints, order_ptr=ints, tile_ptr=ints,
-        seq_len=seq_len, num_queries=num_queries, qk_scale=0.12, scale=0.09,
-    )
-    constexprs = dict(
-        HAS_KV_LEN=has_kv_len, STAGES=cfg.dq_stages, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs
-    )
-    options = {"num_warps": 4, "maxnreg": cfg.maxnreg}
-    return compile_gluon_without_gpu(ws._dq_ws_kernel, runtime_args, constexprs, options, capability)
+    return compile_gluon_without_gpu(function, runtime_args, constexprs, options, capability)
 # fmt: on
 
 

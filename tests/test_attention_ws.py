@@ -31,7 +31,7 @@ from kernels.attention_ws import (
     self_target_ws_ok,
     ws_supported,
 )
-from kernels.devtools import compile_attention_ws, compile_dkdv_ws, compile_dq_ws, disassemble
+from kernels.devtools import compile_attention_ws, compile_backward_ws, disassemble
 from kernels.reference import rel_err
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -89,53 +89,38 @@ def test_compiles_for_sm90a(config, kwargs):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False), dict(split=True)],
-    ids=["bf16-d128", "fp16-d64", "split"],
+    [
+        dict(kernel="dkdv"),
+        dict(kernel="dkdv", dtype=torch.float16, head_dim=64, has_kv_len=False),
+        dict(kernel="dkdv", split=True),
+        dict(kernel="dq"),
+        dict(kernel="dq", dtype=torch.float16, head_dim=64, has_kv_len=False),
+    ],
+    ids=["dkdv-bf16-d128", "dkdv-fp16-d64", "dkdv-split", "dq-bf16-d128", "dq-fp16-d64"],
 )
-def test_dkdv_compiles_for_sm90a(kwargs):
-    """The backward's dK/dV kernel for sm_90a without a GPU: producer + two consumer warpgroups with setmaxnreg,
-    TMA loads of K/V and of the q / dO rows, Pᵀ·dO and dSᵀ·q with their A from registers, and the products not
-    serialized by ptxas (a wait after every wgmma): Sᵀ waited with dPᵀ still in flight."""
+def test_backward_kernels_compile_for_sm90a(kwargs):
+    """The backward's Gluon kernels for sm_90a without a GPU: producer + two consumer warpgroups with setmaxnreg,
+    TMA loads, the accumulating products with their A operand (Pᵀ, dSᵀ, dS) from registers, and the products not
+    serialized by ptxas (a wait after every wgmma): S (Sᵀ) waited with dP (dPᵀ) still in flight. dK/dV adds into
+    fp32 sums by atomics only when split; dQ spills nothing."""
     try:
-        kernel = compile_dkdv_ws(**kwargs)
+        kernel = compile_backward_ws(**kwargs)
     except Exception as exc:  # a Triton build without the CUDA backend or ptxas
         pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
     ptx = kernel.asm["ptx"]
     assert kernel.metadata.shared <= SMEM_LIMIT
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
-    assert ("red.global" in ptx or "atom.global" in ptx) == kwargs.get("split", False)  # splits add into fp32
-    disassembled = disassemble(kernel)
-    if disassembled is None:
-        return
-    sass, _ = disassembled
-    assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass)  # A from registers
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
-    assert sass.count("WARPGROUP.DEPBAR") <= 12, "wgmma serialized"
-
-
-@pytest.mark.parametrize(
-    "kwargs", [{}, dict(dtype=torch.float16, head_dim=64, has_kv_len=False)], ids=["bf16-d128", "fp16-d64"]
-)
-def test_dq_compiles_for_sm90a(kwargs):
-    """The backward's dQ kernel for sm_90a without a GPU: producer + two consumer warpgroups, TMA loads of the q / dO
-    rows and of the K/V ring, dS·k with dS from registers, no spills, and S waited with dP still in flight."""
-    try:
-        kernel = compile_dq_ws(**kwargs)
-    except Exception as exc:  # a Triton build without the CUDA backend or ptxas
-        pytest.skip(f"cannot compile Gluon for sm_90a here: {type(exc).__name__}: {str(exc)[:200]}")
-    ptx = kernel.asm["ptx"]
-    assert kernel.metadata.shared <= SMEM_LIMIT
-    assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx
-    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
+    assert ("red.global" in ptx or "atom.global" in ptx) == kwargs.get("split", False)
     disassembled = disassemble(kernel)
     if disassembled is None:
         return
     sass, usage = disassembled
     assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass)
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     assert sass.count("WARPGROUP.DEPBAR") <= 12, "wgmma serialized"
+    if kwargs["kernel"] == "dq":
+        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
 
 
 def test_launch_ws_self_tiles_need_user_out_and_aligned_rows():
