@@ -47,6 +47,12 @@ Limits (`ws_supported`): CUDA capability 9.x, fp16/bf16, d ∈ {64, 128}. The pu
 with < 256 query rows a user (padded 128-row tiles), and with short items (block 0 and the last P·V of an item
 overlap nothing). Design and measurements: docs/design/attention.md.
 Patterns from kernels/linear_compress_ws.py and Triton's Gluon tutorials 05-wgmma, 08-warp-specialization.
+
+Backward (`launch_dq_ws`, `launch_dkdv_ws`; `attention._launch_backward` takes them for the candidate rows where
+`dkdv_ws_ok`): `_dq_ws_kernel` (Δ and dQ of 128-row plan tiles, the user's K/V blocks through a TMA ring) and
+`_dkdv_ws_kernel` (each program's 128 keys as two warpgroups of 64, walking the user's candidate query rows 64 at
+a time through a TMA ring, products transposed so Pᵀ and dSᵀ feed wgmma from registers); both a producer warp and
+two consumer warpgroups. Design and measurements: docs/design/attention.md (Backward).
 """
 
 from __future__ import annotations
