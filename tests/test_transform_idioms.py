@@ -2634,3 +2634,54 @@ def test_forwards_handing_their_arguments_on(kind):
         model.inner = Replicated("index").eval()
         with torch.inference_mode(), pytest.warns(UserWarning, match="changed after the pass"):
             assert torch.equal(module(user, cand, mapping), model(user, cand, mapping))
+
+
+class MergedHeads(nn.Module):
+    """Multi-head target attention written with bmm, the heads moved into the row dim: batch-major (rows b·h + j:
+    `.transpose(1, 2).reshape(B * h, L, d)`, `.permute(0, 2, 1, 3).contiguous().view(-1, L, d)`, the mask by
+    `repeat_interleave(h, 0)`) or head-major (rows j·B + b: `cat(split(x, d, dim=2), dim=0)` as DeepCTR's DSIN
+    writes it, the mask by `repeat(h, 1, 1)`). "mixed" merges the query head-major and the keys batch-major (the
+    original then pairs rows of other candidates: the rewrite must give the same)."""
+
+    SPELLINGS = ("reshape", "permute", "stack", "mixed")
+
+    def __init__(self, spell):
+        super().__init__()
+        self.spell = spell
+        self.wq, self.wk, self.wv, self.out = nn.Linear(FC, D), nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 1)
+
+    def heads(self, x, spell):
+        B, n, h, d = x.size(0), x.size(1), H, D // H
+        if spell == "reshape":
+            return x.view(B, n, h, d).transpose(1, 2).reshape(B * h, n, d)
+        if spell == "permute":
+            return x.view(B, n, h, d).permute(0, 2, 1, 3).contiguous().view(-1, n, d)
+        return torch.cat(torch.split(x, d, dim=2), dim=0)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        hist, B, h, d = history[cand_to_user], cand.size(0), H, D // H
+        spell = "reshape" if self.spell == "mixed" else self.spell
+        k, v = self.heads(self.wk(hist), spell), self.heads(self.wv(hist), spell)
+        q = self.heads(self.wq(cand).unsqueeze(1), "stack" if self.spell == "mixed" else spell)
+        scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(d)  # [B·h, 1, L]
+        pad = (ids[cand_to_user] == 0).unsqueeze(1)
+        pad = pad.repeat(h, 1, 1) if spell == "stack" else pad.repeat_interleave(h, dim=0)
+        out = torch.bmm(scores.masked_fill(pad, -1e9).softmax(dim=-1), v)  # [B·h, 1, d]
+        if spell == "stack":
+            return self.out(torch.cat(torch.split(out, B, dim=0), dim=2).squeeze(1))
+        return self.out(out.view(B, h, 1, d).transpose(1, 2).reshape(B, h * d))
+
+
+@pytest.mark.parametrize("spell", MergedHeads.SPELLINGS)
+def test_attention_with_heads_merged_into_rows(spell):
+    """K/V projected and split into heads at U·h rows; the score and value bmm are joins (rows_matmul through the
+    merged mapping); the mask's heads merged alike. Exact at other U:B (users without candidates, 1:1, U = B)."""
+    mixed = spell == "mixed"
+    report = check(
+        MergedHeads(spell),
+        sizes=[*WITHOUT_CANDIDATES, (1, 1), (6, 6)],
+        expect_left=2 if mixed else 0,
+        must=() if mixed else ("heads", "rows_matmul"),
+    )
+    if mixed:
+        assert "mixes rows merged with heads with other rows" in str(report), str(report)

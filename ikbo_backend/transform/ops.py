@@ -29,6 +29,17 @@ def index_rows(user: torch.Tensor, cand_to_user: torch.Tensor, dim: int = 0) -> 
     return user.index_select(dim, cand_to_user)
 
 
+def merged_mapping(cand_to_user: torch.Tensor, heads: int, num_users=None) -> torch.Tensor:
+    """The mapping of rows merged with a dim of `heads` (attention heads moved into the row dim): batch-major
+    (`num_users` None) row b·h + j reads user row m[b]·h + j; head-major (heads stacked first) row j·B + b reads
+    j·U + m[b]."""
+    m = cand_to_user.long()
+    j = torch.arange(int(heads), device=m.device)
+    if num_users is None:
+        return (m[:, None] * int(heads) + j).reshape(-1)
+    return (j[:, None] * int(num_users) + m).reshape(-1)
+
+
 def index_rows_tuple(users, cand_to_user):
     return tuple(index_rows(u, cand_to_user) for u in users)
 

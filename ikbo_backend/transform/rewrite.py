@@ -325,7 +325,14 @@ class Rewriter(AttentionRewrites):
         batched = any(
             isinstance(v, USER_FORMS)
             or isinstance(v, Plain)
-            and (v.batched or v.mapping or v.pairs or isinstance(v.meta, Meta) and self.num_candidates in v.meta.shape)
+            and (
+                v.batched
+                or v.mapping
+                or v.pairs
+                or v.merged
+                or isinstance(v.meta, Meta)
+                and self.num_candidates in v.meta.shape
+            )
             for v in flat
         )  # candidate rows in, at dim 0 or elsewhere (a sequence-first tensor)
         pair_rows = {v.meta.shape[0] for v in flat if isinstance(v, Plain) and v.pairs and v.meta.ndim}
@@ -336,6 +343,8 @@ class Rewriter(AttentionRewrites):
         count_b = type(meta) is int and meta == self.num_candidates  # e.g. cand.shape[0]
         out = Plain(node, meta, batched=batched and (rows_b or count_b or isinstance(meta, tuple)))
         out.pairs = not out.batched and isinstance(meta, Meta) and meta.ndim > 0 and meta.shape[0] in pair_rows
+        if not out.batched and isinstance(meta, Meta) and meta.ndim > 0:
+            out.merged = self.merged_tag(op, target, args, kwargs, meta)
         src = args[0] if args else None
         if target in EQUAL_ROWS and out.batched and isinstance(src, Plain) and not src.batched and src.mapping is None:
             if isinstance(src.meta, Meta) and (src.meta.ndim < meta.ndim or src.meta.shape[0] == 1):
@@ -567,12 +576,14 @@ class Rewriter(AttentionRewrites):
             return self.plain(op, target, args, kwargs, meta, "")
         if (out_of_place := self.out_of_place(op, target, args, kwargs)) is not None:
             target, self.converted = out_of_place, True
+        if not self.merged_rows_agree(flat):
+            return self.plain(op, target, args, kwargs, meta, "it mixes rows merged with heads with other rows")
         if op == "call_module":
             out = self.modules(target, args, kwargs, meta)
             return out if out is not None else self.plain(op, target, args, kwargs, meta, self.why_module(target))
         if op != "call_function" and op != "call_method":
             return self.plain(op, target, args, kwargs, meta, f"{op} is not traced into")
-        handlers = (self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.sums, self.rowwise,
+        handlers = (self.merged_rep, self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.sums, self.rowwise,
                     self.sequence_first_elementwise)  # fmt: skip
         for handler in (*handlers, self.joins):
             out = handler(op, target, args, kwargs, meta)
@@ -1720,7 +1731,9 @@ class Rewriter(AttentionRewrites):
         )
 
     def batched(self, v):
-        return isinstance(v, (Rep, Concat, Sum)) or (isinstance(v, Plain) and (v.batched or v.mapping is not None))
+        return isinstance(v, (Rep, Concat, Sum)) or (
+            isinstance(v, Plain) and (v.batched or v.mapping is not None or v.merged is not None)
+        )
 
     def rowwise(self, op, key, args, kwargs, meta):
         if key is torch.cat or key is torch.stack:
@@ -1786,6 +1799,177 @@ class Rewriter(AttentionRewrites):
             )
             return Struct(items, meta)
         return Rep(node, rep.mapping, meta, source)
+
+    # --- rows merged with heads: [B, h, …] as [B·h, …] (attention heads moved into the row dim) ------------------
+
+    MERGES = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
+
+    def candidate_rows(self, node, meta, mapping):
+        """The form of a join's result: candidate rows, or candidate rows merged with heads as the mapping's."""
+        if mapping.heads is None:
+            return Plain(node, meta, True)
+        return Plain(node, meta, merged=mapping.heads)
+
+    def merged_rows_agree(self, flat) -> bool:
+        """Where rows merged with heads (a Rep of a merged mapping, candidate rows tagged `merged`) are read, every
+        operand with rows has those same rows (one (h, order)), so a join pairs each row with its own user row.
+        Else (rows of candidates, another order, a concat or sum) the op runs as written."""
+        kinds, rows = set(), set()
+        for v in flat:
+            if isinstance(v, (Rep, Rows, RepShape, Packed)):
+                kinds.add(v.mapping.heads)
+                if v.mapping.heads is not None and isinstance(v, Rep) and isinstance(v.meta, Meta) and v.meta.ndim:
+                    rows.add(v.meta.shape[0])
+            elif isinstance(v, Plain) and v.merged is not None:
+                kinds.add(v.merged)
+            elif isinstance(v, Plain) and (v.batched or v.mapping is not None or v.spread is not None):
+                kinds.add(None)
+            elif isinstance(v, (Concat, Sum, Folded, Struct)):
+                kinds.add(("other",))
+        if all(k is None or k == ("other",) for k in kinds):
+            return True
+        unknown = any(  # tensors at the merged row count that are no candidate rows the pass knows the order of
+            isinstance(v, Plain)
+            and v.merged is None
+            and isinstance(v.meta, Meta)
+            and v.meta.ndim
+            and v.meta.shape[0] in rows
+            for v in flat
+        )
+        return len(kinds) == 1 and not unknown
+
+    def _merged_mapping(self, base, heads, order, heads_node, users_node):
+        """The mapping of user rows merged with a dim of `heads` (batch-major: row u·h + j; head-major: j·U + u), from
+        `base`; `heads_node` the heads at each call (a traced size or the number)."""
+        key = ("merged", base.key, order, heads)
+        if key not in self.mappings:
+            num_users = None
+            if order == "head":
+                shape = self.emit("call_function", getattr, (users_node, "shape"))
+                num_users = self.emit("call_function", operator.getitem, (shape, 0))
+            node = self.emit("call_function", ops.merged_mapping, (base.node, heads_node, num_users))
+            name = f"{base.name} merged with {heads} heads ({order}-major)"
+            self.mappings[key] = Mapping(key, node, name, heads=(heads, order))
+        return self.mappings[key]
+
+    def _merge_of(self, key, args, kwargs, meta):
+        """(h, order, how) where the op merges the rows of args[0] (B rows) with h heads: a view / reshape /
+        flatten of [B, h, …] as [B·h, …] ("batch"), repeat_interleave(h, 0) ("batch"), repeat(h, 1, …) ("head"),
+        cat of n equal tensors along dim 0 ("head"); how: "view" (sizes checked at each call), or the op."""
+        if not isinstance(meta, Meta) or not meta.ndim:
+            return None
+        if key in (torch.cat, torch.concat) and args:
+            seq = args[0]  # a list of tensors, or one value of several (the pieces of a split, as written)
+            if isinstance(seq, Plain) and isinstance(seq.meta, tuple):
+                metas = list(seq.meta)
+            elif isinstance(seq, (list, tuple)) and all(is_value(p) for p in seq):
+                metas = [p.meta for p in seq]
+            else:
+                return None
+            dim = _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim)
+            if dim != 0 or len(metas) < 2 or set(kwargs) - {"dim"}:
+                return None
+            if (
+                not all(isinstance(m, Meta) and m == metas[0] for m in metas)
+                or meta.shape[0] != len(metas) * metas[0].shape[0]
+            ):
+                return None
+            return len(metas), "head", "cat"
+        x = args[0] if args else None
+        if not (is_value(x) and isinstance(x.meta, Meta) and x.meta.ndim >= 2):
+            return None
+        shape = x.meta.shape
+        if key in self.MERGES:
+            if shape[1] < 2 or meta.shape[0] != shape[0] * shape[1] or meta.shape[1:] != shape[2:]:
+                return None
+            if key in ("flatten", torch.flatten):
+                start, end = _arg(args, kwargs, 1, "start_dim", 0), _arg(args, kwargs, 2, "end_dim", -1)
+                if set(kwargs) - {"start_dim", "end_dim"} or _norm(start, x.meta.ndim) != 0:
+                    return None
+                return (shape[1], "batch", "flatten") if _norm(end, x.meta.ndim) == 1 else None
+            sizes = _sizes(args)
+            if kwargs or len(sizes) != meta.ndim or (isinstance(sizes[0], int) and sizes[0] != -1):
+                return None  # a row count written as a number holds for the example only
+            if not all(type(s) is int or isinstance(s, Plain) and not self.batched(s) for s in sizes):
+                return None
+            return shape[1], "batch", "view"
+        if key in ("repeat_interleave", torch.repeat_interleave):
+            repeats, dim = _arg(args, kwargs, 1, "repeats"), _arg(args, kwargs, 2, "dim")
+            if type(repeats) is int and repeats > 1 and _norm(dim, x.meta.ndim) == 0 and set(kwargs) <= {"dim"}:
+                return repeats, "batch", "repeat_interleave"
+        if key == "repeat":
+            sizes = _sizes(args)
+            if len(sizes) == x.meta.ndim and type(sizes[0]) is int and sizes[0] > 1 and all(s == 1 for s in sizes[1:]):
+                return sizes[0], "head", "repeat"
+        return None
+
+    def _check_merge(self, x, key, args):
+        """Each call: the view merges x's first two dims, as on the example."""
+        unwrap = lambda v: v.node if is_value(v) else v  # noqa: E731
+        shape = self._shape_node(x) if isinstance(x, Rep) else self.emit("call_function", getattr, (x.node, "shape"))
+        self.emit("call_function", ops.check_fold, (shape, 2, [unwrap(v) for v in _sizes(args)]))
+
+    def merged_tag(self, op, key, args, kwargs, meta):
+        """(h, order) of a candidate-row result whose rows are candidates' rows merged with h heads, or None: a
+        merge of candidate rows (`_merge_of`), or an op row by row over operands all merged alike."""
+        flat = [v for v in leaves((args, kwargs)) if is_value(v)]
+        if any(isinstance(v, USER_FORMS) for v in flat) or op not in ("call_function", "call_method"):
+            return None
+        candidates = lambda v: isinstance(v, Plain) and v.batched and v.mapping is None and v.merged is None  # noqa: E731
+        merge = self._merge_of(key, args, kwargs, meta)
+        x = args[0] if args else None
+        if merge is not None:
+            parts = list(x) if merge[2] == "cat" and isinstance(x, (list, tuple)) else [x]
+            if not all(candidates(p) for p in parts):
+                return None
+            if merge[2] == "view":
+                self._check_merge(x, key, args)
+            return merge[:2]
+        tags = {v.merged for v in flat if isinstance(v, Plain) and v.merged is not None}
+        tagged = [v for v in flat if isinstance(v, Plain) and v.merged is not None]
+        if len(tags) != 1 or any(self.batched(v) and v.merged is None for v in flat):
+            return None
+        if meta.shape[0] != tagged[0].meta.shape[0] or not self.rowwise_ok(key, args, kwargs, meta):
+            return None
+        return tags.pop()
+
+    def merged_rep(self, op, key, args, kwargs, meta):
+        """A merge of replicated rows with h heads (`_merge_of`): a Rep of the user rows merged alike ([U·h, …]),
+        through the mapping `_merged_mapping` derives, so what reads it runs at U·h rows and its products with
+        candidate rows merged alike are joins."""
+        merge = self._merge_of(key, args, kwargs, meta)
+        if merge is None:
+            return None
+        heads, order, how = merge
+        x = args[0]
+        if how == "cat" and not isinstance(x, (list, tuple)):
+            return None
+        parts = list(x) if how == "cat" else [x]
+        rep = lambda p: (  # noqa: E731
+            isinstance(p, Rep) and not p.row_dim and isinstance(p.meta, Meta) and p.mapping.heads is None
+        )
+        if not all(rep(p) for p in parts) or len({p.mapping.key for p in parts}) != 1:
+            return None
+        first = parts[0]
+        heads_node = heads
+        if how == "cat":
+            user = self.emit("call_function", torch.cat, ([p.user for p in parts],), {"dim": 0})
+        elif how == "repeat_interleave":
+            user = self.emit("call_method", "repeat_interleave", (first.user, heads), {"dim": 0})
+        elif how == "repeat":
+            user = self.emit("call_method", "repeat", (first.user, *_sizes(args)))
+        else:
+            if how == "view":
+                self._check_merge(first, key, args)
+            heads_node = self.emit(
+                "call_function", operator.getitem, (self.emit("call_function", getattr, (first.user, "shape")), 1)
+            )
+            user = self.emit("call_method", "flatten", (first.user, 0, 1))
+        mapping = self._merged_mapping(first.mapping, heads, order, heads_node, first.user)
+        self.report.rewritten.append(
+            f"{self.where()}: {_name(key)} merging replicated rows with {heads} heads ({order}-major) kept at U·h rows"
+        )
+        return Rep(user, mapping, meta, first.source)
 
     # --- concat of user and candidate parts ----------------------------------------------------
 
@@ -2796,7 +2980,7 @@ class Rewriter(AttentionRewrites):
 
             def small(v):
                 return (
-                    Plain(self.materialize(v, where, why), v.meta, True)
+                    self.candidate_rows(self.materialize(v, where, why), v.meta, v.mapping)
                     if isinstance(v, Rep) and not v.meta.is_float
                     else v
                 )
@@ -2808,6 +2992,8 @@ class Rewriter(AttentionRewrites):
         if any(r.row_dim for r in reps):
             return None
         mapping = reps[0].mapping
+        if mapping.heads is not None and (key is SDPA or key in ADD_SUB):
+            return None  # attention kernels and sums take rows of candidates, not of their heads
         if key is SDPA:
             return self.attention(args, kwargs, meta, self.where())
         if key in ADD_SUB and len(args) == 2 and not kwargs and all(is_value(a) and self.batched(a) for a in args):
@@ -2825,7 +3011,7 @@ class Rewriter(AttentionRewrites):
                 self.report.rewritten.append(
                     f"{self.where()}: batched matmul of candidate rows with replicated user rows → rows_matmul (user rows read per tile)"
                 )
-                return Plain(node, meta, True)
+                return self.candidate_rows(node, meta, mapping)
             return None
         if key in (torch.gather, "gather", torch.take_along_dim, "take_along_dim") and args[0] is rep:
             along = key in (torch.take_along_dim, "take_along_dim")
@@ -2837,7 +3023,7 @@ class Rewriter(AttentionRewrites):
                     f"{self.where()}: {_name(key)} of each candidate's own rows of a user tensor → select_user_rows "
                     "(read from the U-row tensor; a per-candidate selection, not a replication)"
                 )
-                return Plain(node, meta, True)
+                return self.candidate_rows(node, meta, mapping)
         if key is torch.einsum and len(args) == 3 and len(cands) == 1 and self._einsum_rowwise(args):
             equation, first, second = args
             cand_first = first is cands[0]
@@ -2848,7 +3034,7 @@ class Rewriter(AttentionRewrites):
             self.report.rewritten.append(
                 f"{self.where()}: einsum of candidate rows with replicated user rows → rows_einsum (user rows read per tile)"
             )
-            return Plain(node, meta, True)
+            return self.candidate_rows(node, meta, mapping)
         if not self.rowwise_ok(key, args, kwargs, meta):
             return None
         joined = self._join_op(key, args, kwargs, rep, cands)
@@ -2867,7 +3053,7 @@ class Rewriter(AttentionRewrites):
         self.report.rewritten.append(
             f"{self.where()}: {_name(key)} of candidate rows with replicated user rows → rows_join (user rows read per tile)"
         )
-        return Plain(node, meta, True)
+        return self.candidate_rows(node, meta, mapping)
 
     def _join_op(self, key, args, kwargs, rep, cands):
         """(rows_join op name, candidate operand, condition) for an elementwise op of one user and one

@@ -39,6 +39,7 @@ class Mapping:
     key: Any
     node: fx.Node
     name: str
+    heads: tuple | None = None  # (h, order): a mapping of merged rows, derived from another (`Rewriter.merged_rep`)
 
 
 @dataclass(eq=False)
@@ -50,6 +51,8 @@ class Plain:
     spread: Mapping | None = None  # the mapping broadcast along trailing dims: value[b, ...] = m[b]
     rows_of: Plain | None = None  # a tensor without candidate rows expanded to B equal rows: value[b] = rows_of
     pairs: bool = False  # rows are the B candidates' pairs flattened (B·L rows of a Folded value, or ops on them)
+    # (h, order): candidate rows merged with a dim of h (heads), B·h rows: row b·h + j ("batch") or j·B + b ("head")
+    merged: tuple | None = None
 
 
 @dataclass(eq=False)
