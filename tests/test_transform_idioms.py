@@ -2556,6 +2556,38 @@ def test_lists_and_tuples_of_settings_are_fixed_at_the_example_values():
         assert module.fallbacks == before + len(others) + 1
 
 
+class KeyedWeights(nn.Module):
+    """A dict of settings whose keys the forward reads: an offset per key, doubled for a flag (True == 1 as a key)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Replicated("index")
+
+    def forward(self, user, cand, cand_to_user, weights):
+        scores = self.net(user, cand, cand_to_user)
+        for key, weight in weights.items():
+            scores = scores * weight + (2.0 if type(key) is bool else 1.0) * key
+        return scores
+
+
+def test_dict_keys_of_settings_are_checked_by_type():
+    """{1: w}, {True: w} and {1.0: w} are one dict to pytree's structure (keys compared by ==) but not to a forward
+    that reads its keys: a call with keys of other types than the example's runs the original."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = KeyedWeights().eval()
+    module, report = to_ikbo(model, (*args_for(Replicated("index"), request(*EXAMPLE, gen)), {1: 0.5}), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        args = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        before = module.fallbacks
+        with torch.inference_mode():
+            assert rel_err(module(*args, {1: 0.5}), model(*args, {1: 0.5})) <= RTOL, str(report)
+            assert module.fallbacks == before
+            for other in ({True: 0.5}, {1.0: 0.5}):
+                assert rel_err(module(*args, other), model(*args, other)) <= RTOL
+        assert module.fallbacks == before + 2
+
+
 class ArgumentNames(nn.Module):
     """Forward parameters named like what fx and its generated code use: `meta` (a node's field; here a dict of
     settings), `graph`, `_`, builtins (`input`, `getattr`), `torch`."""

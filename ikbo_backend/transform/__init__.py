@@ -338,6 +338,23 @@ def _same_setting(a, b) -> bool:
     return a == b
 
 
+def _same_key(a, b) -> bool:
+    """A dict key equal to the example's, of its type, tuples entry by entry: pytree's structure compares keys by
+    `==`, where {1: w} equals {True: w} and {0.0: w} {-0.0: w}, but a forward that reads the keys tells them apart."""
+    if type(a) is tuple and type(b) is tuple:
+        return len(a) == len(b) and all(map(_same_key, a, b))
+    return _same_setting(a, b)
+
+
+def _dict_keys(value) -> list:
+    """The keys of the dicts in a structure of arguments, in pytree's order of flattening (nested too)."""
+    if isinstance(value, dict):
+        return [*value, *chain.from_iterable(map(_dict_keys, value.values()))]
+    if isinstance(value, (list, tuple)):
+        return list(chain.from_iterable(map(_dict_keys, value)))
+    return []
+
+
 def _unfollowed_settings(examples: dict) -> list[str]:
     """The non-tensor arguments the graph cannot be traced with (other than `SETTINGS`, which are checked per call)."""
     leaves = {name: tree_flatten(value)[0] for name, value in examples.items()}
@@ -370,6 +387,7 @@ class Guarded(torch.nn.Module):
         self.rewritten, self.original = rewritten, original
         self.fixed_sizes, self.fallbacks = fixed_sizes, 0
         leaves, self.structure = tree_flatten(example_inputs)  # dict keys included: the graph reads entries by key
+        self.keys = _dict_keys(example_inputs)  # and their types (the structure compares them by ==: 1 == True)
         self.expected = [self._key(t, rows) for t in leaves]
         # which inputs had U rows and which B: at each call the tensors of a role share their row count (a [15, d]
         # lookup table passed with 15 users in the example would otherwise be taken for user rows at every U)
@@ -429,7 +447,7 @@ class Guarded(torch.nn.Module):
 
     def matches(self, args) -> bool:
         leaves, structure = tree_flatten(args)
-        if structure != self.structure:
+        if structure != self.structure or not all(map(_same_key, _dict_keys(args), self.keys)):
             return False
         counts = ({}, {})
         for t, role in zip(leaves, self.roles):
