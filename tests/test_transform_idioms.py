@@ -2668,6 +2668,27 @@ def test_forwards_handing_their_arguments_on(kind):
             assert torch.equal(module(user, cand, mapping), model(user, cand, mapping))
 
 
+class PassingOnAndMore(nn.Module):
+    """A wrapper whose forward does more than hand its positional arguments on: the pass cannot name them."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return self.inner(*args).relu()
+
+
+def test_arguments_the_pass_cannot_name_return_the_model():
+    """forward(self, *args) that the pass cannot follow to named parameters: the model comes back unchanged, with a
+    warning and the reason in the report (before: a ValueError that asked for an argument the caller cannot name)."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = PassingOnAndMore(Replicated("index")).eval()
+    with pytest.warns(UserWarning, match=r"takes its arguments as \*args"):
+        module, report = to_ikbo(model, args_for(Replicated("index"), request(*EXAMPLE, gen)), measure=False)
+    assert module is model and "served unchanged" in str(report) and "*args" in str(report)
+
+
 class MergedHeads(nn.Module):
     """Multi-head target attention written with bmm, the heads moved into the row dim: batch-major (rows b·h + j:
     `.transpose(1, 2).reshape(B * h, L, d)`, `.permute(0, 2, 1, 3).contiguous().view(-1, L, d)`, the mask by

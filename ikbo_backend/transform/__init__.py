@@ -105,6 +105,14 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
             break
         examples[name] = parameter.default
     example_inputs = (*example_inputs, *list(examples.values())[len(example_inputs) :])
+    variadic = [p.name for p in signature.parameters.values() if p.kind == p.VAR_POSITIONAL]
+    if variadic and not _names_mapping(examples, mapping_name):
+        reason = (
+            f"forward{signature} takes its arguments as *{variadic[0]}, and the pass could not follow them to a "
+            f"module whose forward names {mapping_name!r}"
+        )
+        warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged", stacklevel=2)
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"])
     mapping = _find_mapping(examples, mapping_name, signature)
     num_candidates = mapping.shape[0]
     num_users = _user_rows(examples, num_candidates, mapping)
@@ -249,6 +257,11 @@ def _passed_through(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
         module = module._modules[call[1]]
         path.append(call[1])
     return module, ".".join(path)
+
+
+def _names_mapping(examples, mapping_name) -> bool:
+    """Whether the bound example arguments hold one named `mapping_name` (or a dict entry of that name)."""
+    return mapping_name in examples or any(isinstance(v, dict) and mapping_name in v for v in examples.values())
 
 
 def _find_mapping(examples, mapping_name, signature):
