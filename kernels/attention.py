@@ -1284,18 +1284,20 @@ def _launch_backward(
     num_blocks = triton.cdiv(seq_len, kv_cfg.block_n)
     splits = dkdv_splits(num_users * heads * num_blocks, num_candidates * num_queries / num_users, kv_cfg, q.device)
     dk_acc, dv_acc = (dk, dv) if splits == 1 else torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device)
-    if ws:  # the candidate rows' dK, dV through the Gluon kernel; the self rows' are added by the Triton walk below
-        if with_self and splits == 1:
+    if ws:  # dK, dV through the Gluon kernel: the self rows too where they move by TMA, else the Triton walk below
+        self_rows = with_self and attention_ws.self_rows_by_tma(user_q, grad_user_out)
+        if with_self and not self_rows and splits == 1:
             dk_acc, dv_acc = torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device)
         attention_ws.launch_dkdv_ws(
-            q, grad_out, k, v, cand_lse, cand_delta, kv_len, scale, order, users, dk_acc, dv_acc, splits,
-            accumulate=with_self,
+            q, grad_out, k, v, lse, delta, kv_len, scale, order, users, dk_acc, dv_acc, splits,
+            accumulate=with_self and not self_rows, user_q=user_q if self_rows else None,
+            grad_user_out=grad_user_out, causal=causal,
         )
-        if not with_self:
+        if not with_self or self_rows:
             if splits > 1:
                 dk.copy_(dk_acc)
                 dv.copy_(dv_acc)
-            return dq, dk, dv, None
+            return dq, dk, dv, duq if with_self else None
         users, splits = torch.zeros_like(users), 1  # the walk below: each user's own rows only, added in
     rows_tma = DKDV_ROWS_TMA and num_candidates > 0 and rows_by_tma(q, grad_out, kv_cfg.block_m)
     q_desc, do_desc = _row_views(q, grad_out, kv_cfg.block_m) if rows_tma else (kv_k_desc, kv_v_desc)
@@ -1577,10 +1579,10 @@ def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str 
 
 def apart_in_training(user_q, cand_q, k, kv_len, backend: str) -> bool:
     """Whether an eager call of `ikbo_self_target_attention` that autograd differentiates runs as two ops, SDPA's
-    causal self-attention and `ikbo_attention`: on Hopper without kv_len where the target rows' backward is the
-    Gluon kernels' (16-bit, d ∈ {64, 128}, S a multiple of 64). There the self rows' dQ and dK / dV by the Triton
-    walk cost more than SDPA's backward (docs/design/attention.md); the fused launch stays for inference, under
-    torch.compile / export (one op in the graph) and with kv_len."""
+    causal self-attention and `ikbo_attention`: where the target rows' backward is the Gluon kernels' (Hopper,
+    16-bit, d ∈ {64, 128}, S a multiple of 64, no kv_len) but the user's own rows cannot join their dK/dV walk
+    (user_q not contiguous, or L not a multiple of 64): the Triton walk of those rows costs more than SDPA's backward
+    (docs/design/attention.md). Elsewhere, and under torch.compile / export (one op in the graph), the fused op."""
     return (
         WS_BACKWARD
         and backend == "triton"
@@ -1590,6 +1592,7 @@ def apart_in_training(user_q, cand_q, k, kv_len, backend: str) -> bool:
         and k.shape[3] in (64, 128)
         and cand_q.shape[0] > 0
         and cand_q.shape[2] % 64 == 0
+        and not rows_by_tma(user_q, user_q, 64)
         and _hopper.is_hopper(k.device)
     )
 

@@ -1215,12 +1215,15 @@ def _dkdv_ranked_user(rank, users_ptr, num_users, num_queries, MAX_USERS: gl.con
 # fmt: off
 @gluon.jit
 def _dkdv_producer(
-    k_desc, v_desc, q_desc, do_desc, kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty, order_ptr, kv_row,
-    kv_col, first, row_lo, num_steps, head, heads, num_queries, STAGES: gl.constexpr,
+    k_desc, v_desc, q_desc, do_desc, uq_desc, udo_desc, kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty,
+    order_ptr, kv_row, kv_col, first, row_lo, num_steps, num_target, num_plain, plain_row0, diag_row0, self_lse_at,
+    head, heads, num_queries, STAGES: gl.constexpr, HAS_SELF: gl.constexpr,
 ):
     """1 warp: the program's K and V block (two 64-key halves each) once, then for each step its 64 query rows of q
-    and dO by TMA into ring slot step % STAGES (once both consumers released it), with the rows' first row number
-    in row_info for the consumers' lse and Δ loads."""
+    and dO by TMA into ring slot step % STAGES (once both consumers released it), with the rows' first index into
+    lse / Δ in row_info for the consumers. With HAS_SELF the num_target candidate steps are followed by the user's own
+    rows (user_q and its output's gradient, rows of [U·H·L, d]; lse / Δ at self_lse_at + row): num_plain steps from
+    plain_row0, then the rest (the causal diagonal) from diag_row0."""
     HALF: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     if num_steps > 0:
@@ -1231,29 +1234,38 @@ def _dkdv_producer(
         tma.async_copy_global_to_shared(v_desc, [kv_row + HALF, kv_col], kv_ready, kv_bufs.index(3))
     for step in range(num_steps):
         slot = step % STAGES
-        r0 = row_lo + step * BLOCK_M
-        cand_slot = r0 // num_queries
-        cand = gl.load(order_ptr + first + cand_slot)
-        row0 = (cand * heads + head) * num_queries + (r0 - cand_slot * num_queries)  # < 2**31 (rows_by_tma)
         mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-        row_info.index(slot).store(gl.full([4], row0, gl.int32, _INFO_PRODUCER))
-        gl.thread_barrier()  # every lane's part is in shared memory before the arrive
-        mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0, 0], ready.index(slot), q_bufs.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [row0, 0], ready.index(slot), do_bufs.index(slot))
+        if HAS_SELF and step >= num_target:
+            own = step - num_target
+            row0 = gl.where(own < num_plain, plain_row0 + own * BLOCK_M, diag_row0 + (own - num_plain) * BLOCK_M)
+            row_info.index(slot).store(gl.full([4], self_lse_at + row0, gl.int32, _INFO_PRODUCER))
+            gl.thread_barrier()  # every lane's part is in shared memory before the arrive
+            mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(uq_desc, [row0, 0], ready.index(slot), q_bufs.index(slot))
+            tma.async_copy_global_to_shared(udo_desc, [row0, 0], ready.index(slot), do_bufs.index(slot))
+        else:
+            r0 = row_lo + step * BLOCK_M
+            cand_slot = r0 // num_queries
+            cand = gl.load(order_ptr + first + cand_slot)
+            row0 = (cand * heads + head) * num_queries + (r0 - cand_slot * num_queries)  # < 2**31 (rows_by_tma)
+            row_info.index(slot).store(gl.full([4], row0, gl.int32, _INFO_PRODUCER))
+            gl.thread_barrier()
+            mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row0, 0], ready.index(slot), q_bufs.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [row0, 0], ready.index(slot), do_bufs.index(slot))
 # fmt: on
 
 
 # fmt: off
 @gluon.jit
-def _dkdv_consumer(
-    kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr, num_steps, kv_len,
-    out_row, start_n, seq_len, qk_scale, scale, STAGES: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr,
+def _dkdv_steps(
+    k_smem, v_smem, q_bufs, do_bufs, row_info, ready, empty, lse_ptr, delta_ptr, dk, dv, first_step, end_step, keys,
+    key_ok, diag_lo, qk_scale, STAGES: gl.constexpr, DIAGONAL: gl.constexpr,
 ):
-    """One warpgroup: keys [start_n + 64·WG, + 64) of the program's block, transposed products (keys are the rows):
-    per step Sᵀ = k·qᵀ and dPᵀ = v·dOᵀ (async wgmma, B from shared memory), Pᵀ = exp2(Sᵀ·qk_scale − lse), dV += Pᵀ·dO
-    and dK += (Pᵀ ∘ (dPᵀ − Δ))·q (A from registers), the step's two accumulating products left in flight under the
-    next step's Sᵀ; then dK·scale and dV stored at `out_row` + key (or added in fp32 with SPLIT)."""
+    """Steps [first_step, end_step) of a consumer's walk (`_dkdv_consumer`) → (dk, dv). DIAGONAL: the steps are a
+    user's own rows from position diag_lo (step first_step there) over the block's keys from diag_lo, causal: a row
+    sees the keys up to its position. Rows past kv_len have lse = +inf (P = 0) from the forward. A loop of their own
+    keeps the causal mask out of the other steps' loop (sharing one, its lane values spilled)."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
     dtype: gl.constexpr = q_bufs.dtype
@@ -1261,15 +1273,7 @@ def _dkdv_consumer(
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    keys = start_n + 64 * WG + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    key_ok = (keys < kv_len)[:, None]
-    dk = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-    dv = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-    if num_steps > 0:
-        mbarrier.wait(kv_ready, 0)
-    k_smem = kv_bufs.index(WG)
-    v_smem = kv_bufs.index(2 + WG)
-    for step in range(num_steps):
+    for step in range(first_step, end_step):
         slot = step % STAGES
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
         q_smem = q_bufs.index(slot)
@@ -1289,12 +1293,53 @@ def _dkdv_consumer(
         s, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk, dv))
         if step > 0:  # the previous step's products (issued before this Sᵀ) are done with its slot
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
-        p = gl.where(key_ok, gl.exp2(s * qk_scale - lse[None, :]), 0.0)
+        if DIAGONAL:
+            pos = diag_lo + (step - first_step) * BLOCK_M + cols
+            p = gl.where(key_ok & (keys[:, None] <= pos[None, :]), gl.exp2(s * qk_scale - lse[None, :]), 0.0)
+        else:
+            p = gl.where(key_ok, gl.exp2(s * qk_scale - lse[None, :]), 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
         ds = p * (dp - delta[None, :])
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_smem, dv, is_async=True)
         dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q_smem, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
+    return dk, dv
+# fmt: on
+
+
+# fmt: off
+@gluon.jit
+def _dkdv_consumer(
+    kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr, num_steps, kv_len,
+    out_row, start_n, seq_len, qk_scale, scale, num_unmasked, STAGES: gl.constexpr, WG: gl.constexpr,
+    SPLIT: gl.constexpr, DIAGONAL: gl.constexpr,
+):
+    """One warpgroup: keys [start_n + 64·WG, + 64) of the program's block, transposed products (keys are the rows):
+    per step Sᵀ = k·qᵀ and dPᵀ = v·dOᵀ (async wgmma, B from shared memory), Pᵀ = exp2(Sᵀ·qk_scale − lse), dV += Pᵀ·dO
+    and dK += (Pᵀ ∘ (dPᵀ − Δ))·q (A from registers), each step waiting for its products (kept in flight across
+    steps, ptxas serialized every wgmma); then dK·scale and dV stored at `out_row` + key (or added in fp32 with
+    SPLIT). With DIAGONAL the steps from num_unmasked on are the causal diagonal of the user's own rows (from the
+    block's first key)."""
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+    s_layout: gl.constexpr = _mma_layout(q_bufs.type.shape[1])
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    keys = start_n + 64 * WG + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    key_ok = (keys < kv_len)[:, None]
+    dk = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    if num_steps > 0:
+        mbarrier.wait(kv_ready, 0)
+    k_smem = kv_bufs.index(WG)
+    v_smem = kv_bufs.index(2 + WG)
+    dk, dv = _dkdv_steps(
+        k_smem, v_smem, q_bufs, do_bufs, row_info, ready, empty, lse_ptr, delta_ptr, dk, dv, 0, num_unmasked, keys,
+        key_ok, start_n, qk_scale, STAGES, False,
+    )
+    if DIAGONAL:
+        dk, dv = _dkdv_steps(
+            k_smem, v_smem, q_bufs, do_bufs, row_info, ready, empty, lse_ptr, delta_ptr, dk, dv, num_unmasked,
+            num_steps, keys, key_ok, start_n, qk_scale, STAGES, True,
+        )
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     io_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     io_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -1316,17 +1361,19 @@ def _dkdv_consumer(
 def _dkdv_ws_kernel(
     k_desc, v_desc, stride_ku, stride_kh, stride_kl,  # 2-D views of k / v (attention.kv_2d_views), blocks [64, d]
     q_desc, do_desc,  # [B·H·S, d] views of q and dO (contiguous), blocks [64, d]
-    lse_ptr, delta_ptr,  # [B·H·S] fp32: the forward's log-sum-exp (base 2), Δ = rowsum(dO ∘ O)
+    uq_desc, udo_desc,  # HAS_SELF: [U·H·L, d] views of user_q and its output's gradient, blocks [64, d]
+    lse_ptr, delta_ptr,  # fp32: the forward's log-sum-exp (base 2), Δ = rowsum(dO ∘ O); [B·H·S] then [U·H·L]
     dk_ptr, dv_ptr,  # [U, H, L, d] contiguous out (fp32 and zeroed with SPLIT)
     kv_len_ptr, order_ptr, users_ptr,  # kv_len [U] (unused without HAS_KV_LEN), the plan's order, users [U, 2]
-    num_users, heads, seq_len, num_queries, splits, qk_scale, scale,
+    num_users, heads, seq_len, num_queries, splits, qk_scale, scale, self_lse_at,
     HAS_KV_LEN: gl.constexpr, RANK_USERS: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, HAS_SELF: gl.constexpr, CAUSAL: gl.constexpr,
 ):
-    """dK, dV of target attention (no self rows), as attention.py's `_attention_bwd_dkdv_kernel` with ROWS_TMA:
-    1-D grid over (user rank, split, head, 128-key block), key blocks fastest; a program's two consumer warpgroups
-    own 64 keys each and walk the split's share of the user's candidate query rows, 64 a step, which a producer
-    warp copies by TMA into a STAGES-deep ring."""
+    """dK, dV of target attention, as attention.py's `_attention_bwd_dkdv_kernel` with ROWS_TMA: 1-D grid over (user
+    rank, split, head, 128-key block), key blocks fastest; a program's two consumer warpgroups own 64 keys each and
+    walk the split's share of the user's candidate query rows, 64 a step, which a producer warp copies by TMA into a
+    STAGES-deep ring. With HAS_SELF the first split then walks the user's own rows that see the block (from the
+    block's first key with CAUSAL, else from 0; up to kv_len); their lse and Δ lie at self_lse_at + row."""
     gl.static_assert(STAGES >= 2, "the ring needs at least two slots")
     dtype: gl.constexpr = k_desc.dtype
     HALF: gl.constexpr = k_desc.block_type.shape[0]
@@ -1354,6 +1401,20 @@ def _dkdv_ws_kernel(
     row_lo = gl.minimum(split * chunk, row_end)
     row_end = gl.minimum(row_lo + chunk, row_end)
     num_steps = gl.where(start_n < kv_len, gl.cdiv(row_end - row_lo, BLOCK_M), 0)
+    num_target = num_steps
+    num_plain = 0  # the user's own rows that see the whole block (all of them without CAUSAL)
+    num_diag = 0  # with CAUSAL, the rows of the block's diagonal
+    user_row0 = (user * heads + head) * seq_len  # < 2**31 (rows_by_tma)
+    plain_row0 = user_row0
+    if HAS_SELF:
+        live = (split == 0) & (start_n < kv_len)
+        if CAUSAL:
+            num_diag = gl.where(live, gl.minimum(gl.cdiv(kv_len - start_n, BLOCK_M), BLOCK_N // BLOCK_M), 0)
+            num_plain = gl.where(live, gl.cdiv(gl.maximum(kv_len - start_n - BLOCK_N, 0), BLOCK_M), 0)
+            plain_row0 = user_row0 + start_n + BLOCK_N
+        else:
+            num_plain = gl.where(live, gl.cdiv(kv_len, BLOCK_M), 0)
+        num_steps += num_plain + num_diag
     kv_offset = user.to(gl.int64) * stride_ku + head * stride_kh
     kv_row = (kv_offset // stride_kl).to(gl.int32) + start_n
     kv_col = (kv_offset % stride_kl).to(gl.int32)
@@ -1379,21 +1440,24 @@ def _dkdv_ws_kernel(
                 _dkdv_consumer,
                 (
                     kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                    num_steps, kv_len, out_row, start_n, seq_len, qk_scale, scale, STAGES, WG0, SPLIT,
+                    num_steps, kv_len, out_row, start_n, seq_len, qk_scale, scale, num_target + num_plain, STAGES,
+                    WG0, SPLIT, HAS_SELF and CAUSAL,
                 ),
             ),
             (
                 _dkdv_consumer,
                 (
                     kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                    num_steps, kv_len, out_row, start_n, seq_len, qk_scale, scale, STAGES, WG1, SPLIT,
+                    num_steps, kv_len, out_row, start_n, seq_len, qk_scale, scale, num_target + num_plain, STAGES,
+                    WG1, SPLIT, HAS_SELF and CAUSAL,
                 ),
             ),
             (
                 _dkdv_producer,
                 (
-                    k_desc, v_desc, q_desc, do_desc, kv_bufs, q_bufs, do_bufs, row_info, kv_ready, ready, empty,
-                    order_ptr, kv_row, kv_col, first, row_lo, num_steps, head, heads, num_queries, STAGES,
+                    k_desc, v_desc, q_desc, do_desc, uq_desc, udo_desc, kv_bufs, q_bufs, do_bufs, row_info, kv_ready,
+                    ready, empty, order_ptr, kv_row, kv_col, first, row_lo, num_steps, num_target, num_plain,
+                    plain_row0, user_row0 + start_n, self_lse_at, head, heads, num_queries, STAGES, HAS_SELF,
                 ),
             ),
         ],
@@ -1632,24 +1696,28 @@ def launch_dq_ws(q, grad_out, out, k, v, lse, delta, kv_len, scale, order, tiles
 # fmt: off
 def launch_dkdv_ws(
     q, grad_out, k, v, lse, delta, kv_len, scale, order, users, dk, dv, splits=1, accumulate=False, config=None,
+    user_q=None, grad_user_out=None, causal=True,
 ):
     """dK and dV of target attention through `_dkdv_ws_kernel` for tensors where `dkdv_ws_ok`: lse and Δ of the
-    candidate rows ([B·H·S] fp32), the plan's order and users table (`attention.plan_tiles(users=...)`), dk / dv
-    [U, H, L, d] contiguous, written (with splits > 1 or `accumulate`: fp32, added into). Nothing waits for the
-    device."""
+    candidate rows ([B·H·S] fp32; with user_q, the user rows' [U·H·L] follow them, as `attention.split_lse` lays
+    them out), the plan's order and users table (`attention.plan_tiles(users=...)`), dk / dv [U, H, L, d]
+    contiguous, written (with splits > 1 or `accumulate`: fp32, added into). With user_q and grad_user_out [U, H,
+    L, d] (where `self_rows_by_tma`) the user's own rows (causal or not) are walked too, by the first split.
+    Nothing waits for the device."""
     cfg = config or DEFAULT_BACKWARD_CONFIG
     num_users, heads, seq_len, head_dim = k.shape
     num_queries = q.shape[2]
     k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, 64)
     q_desc, do_desc = _row_descriptors(q, grad_out)
+    uq_desc, udo_desc = (q_desc, do_desc) if user_q is None else _row_descriptors(user_q, grad_user_out)
     grid = (num_users * heads * triton.cdiv(seq_len, 128) * splits,)
     _dkdv_ws_launch[grid](
-        k_desc, v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, lse, delta, dk, dv,
+        k_desc, v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, uq_desc, udo_desc, lse, delta, dk, dv,
         order if kv_len is None else kv_len, order, users,
-        num_users, heads, seq_len, num_queries, splits, scale * _attn.LOG2E, scale,
+        num_users, heads, seq_len, num_queries, splits, scale * _attn.LOG2E, scale, q.numel() // head_dim,
         HAS_KV_LEN=kv_len is not None, RANK_USERS=_attn.RANKED_USERS if num_users <= _attn.RANKED_USERS else 0,
         STAGES=cfg.stages, SPLIT=splits > 1 or accumulate, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=4, maxnreg=cfg.maxnreg,
+        HAS_SELF=user_q is not None, CAUSAL=bool(causal), num_warps=4, maxnreg=cfg.maxnreg,
     )
     return dk, dv
 # fmt: on

@@ -156,10 +156,10 @@ def compile_attention_ws(
 # fmt: off
 def compile_backward_ws(
     kernel: str = "dkdv", dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, has_kv_len: bool = True,
-    split: bool = False, config=None, capability: int = 90,
+    split: bool = False, config=None, capability: int = 90, has_self: bool = False,
 ):
     """Compile one of the attention backward's Gluon kernels, `attention_ws._dkdv_ws_kernel` (kernel "dkdv"; `split`:
-    walks split, fp32 sums added into) or `_dq_ws_kernel` ("dq"), with `config` (a WSBackwardConfig, default
+    walks split, fp32 sums added into; `has_self`: the user's own rows walked too, causal) or `_dq_ws_kernel` ("dq"), with `config` (a WSBackwardConfig, default
     DEFAULT_BACKWARD_CONFIG) for a CUDA target without a GPU, with their launchers' arguments at the canonical U, H,
     L, S. Returns the CompiledKernel."""
     from . import attention_ws as ws
@@ -180,8 +180,8 @@ def compile_backward_ws(
     if kernel == "dkdv":
         grads = k.float() if split else k
         runtime_args.update(dk_ptr=grads, dv_ptr=grads, users_ptr=ints, num_users=num_users, heads=heads,
-                            splits=2 if split else 1)  # fmt: skip
-        constexprs.update(RANK_USERS=64, STAGES=cfg.stages, SPLIT=split)
+                            splits=2 if split else 1, uq_desc=q_desc, udo_desc=do_desc, self_lse_at=1 << 20)  # fmt: skip
+        constexprs.update(RANK_USERS=64, STAGES=cfg.stages, SPLIT=split, HAS_SELF=has_self, CAUSAL=True)
         function = ws._dkdv_ws_kernel
     else:
         runtime_args.update(o_ptr=q, do_ptr=q, dq_ptr=q, tile_ptr=ints)

@@ -191,7 +191,8 @@ def test_self_target_attention_gradcheck(one_thread, p, causal):
 
 def test_apart_in_training_rule(monkeypatch):
     """Self + target runs apart under autograd only on Hopper, Triton backend, 16-bit, d ∈ {64, 128}, S a multiple of
-    64, no kv_len (checked on CPU tensors with Hopper stood in)."""
+    64, no kv_len, and where user_q's rows cannot join the Gluon dK/dV walk (L not a multiple of 64, or user_q not
+    contiguous); checked on CPU tensors with Hopper stood in."""
     user_q, k = (torch.randn(2, 1, 16, 128, dtype=torch.bfloat16) for _ in range(2))
     cand_q = torch.randn(3, 1, 64, 128, dtype=torch.bfloat16)
     assert not attention.apart_in_training(user_q, cand_q, k, None, "triton")  # not a Hopper GPU
@@ -202,6 +203,10 @@ def test_apart_in_training_rule(monkeypatch):
     assert not attention.apart_in_training(user_q, cand_q[:, :, :8], k, None, "triton")
     assert not attention.apart_in_training(user_q.float(), cand_q.float(), k.float(), None, "triton")
     assert not attention.apart_in_training(user_q[..., :32], cand_q[..., :32], k[..., :32], None, "triton")
+    user_q, k = (torch.randn(2, 1, 128, 128, dtype=torch.bfloat16) for _ in range(2))
+    assert not attention.apart_in_training(user_q, cand_q, k, None, "triton")  # the Gluon walk takes its rows
+    strided = torch.randn(2, 128, 1, 3 * 128, dtype=torch.bfloat16)[..., :128].transpose(1, 2)  # fused QKV layout
+    assert attention.apart_in_training(strided, cand_q, k, None, "triton")
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -703,6 +708,22 @@ def test_cuda_gradients_at_the_canonical_size(ragged, with_self):
 @pytest.mark.parametrize("size, dtype", OTHER_SIZES, ids=lambda x: str(x))
 def test_cuda_gradients_at_other_sizes(size, dtype, with_self):
     check_cuda_gradients(gpu_problem(True, with_self, size, dtype, seed=1), with_self)
+
+
+@cuda_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "not_causal"])
+@pytest.mark.parametrize("size", [(6, 500, 64, 704, 2, 128), (4, 90, 64, 320, 3, 64)], ids=str)
+def test_cuda_self_rows_in_the_gluon_walk(size, causal):
+    """Self + target where the Gluon dK/dV walk takes the user's own rows too (L a multiple of 64, not of its
+    128-key blocks; kv_len with 0, L and values inside the diagonal block): every gradient, causal or not."""
+    p = gpu_problem(True, True, size, seed=2)
+    p["kv_len"][3:] = torch.tensor([65, 130, 1][: size[0] - 3], device="cuda")
+    inputs = (p["q"], p["k"], p["v"], p["user_q"])
+    grads_out = (p["grad_out"], p["grad_user_out"])
+    want = reference_grads(inputs, grads_out, cand_to_user=p["cand_to_user"], kv_len=p["kv_len"], causal=causal)
+    got = triton_grads(p["q"], p["k"], p["v"], p["cand_to_user"], p["kv_len"], None, p["grad_out"], p["user_q"],
+                       p["grad_user_out"], causal)  # fmt: skip
+    assert_grads_close(got, want, GPU_TOL)
 
 
 @cuda_only

@@ -87,22 +87,37 @@ def test_compiles_for_sm90a(config, kwargs):
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
 
 
+def _loop_sizes(sass: str) -> list[int]:
+    """Instructions of each innermost loop with wgmma in a SASS listing (a backward branch's span), in order."""
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    sizes = []
+    for at, text in code:
+        target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < at:
+            body = [t for a, t in code if int(target.group(1), 16) <= a <= at]
+            if 0 < sum("HGMMA" in t for t in body) <= 24:
+                sizes.append(len(body))
+    return sizes
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
         dict(kernel="dkdv"),
         dict(kernel="dkdv", dtype=torch.float16, head_dim=64, has_kv_len=False),
         dict(kernel="dkdv", split=True),
+        dict(kernel="dkdv", has_self=True),
         dict(kernel="dq"),
         dict(kernel="dq", dtype=torch.float16, head_dim=64, has_kv_len=False),
     ],
-    ids=["dkdv-bf16-d128", "dkdv-fp16-d64", "dkdv-split", "dq-bf16-d128", "dq-fp16-d64"],
+    ids=["dkdv-bf16-d128", "dkdv-fp16-d64", "dkdv-split", "dkdv-self", "dq-bf16-d128", "dq-fp16-d64"],
 )
 def test_backward_kernels_compile_for_sm90a(kwargs):
     """The backward's Gluon kernels for sm_90a without a GPU: producer + two consumer warpgroups with setmaxnreg,
     TMA loads, the accumulating products with their A operand (Pᵀ, dSᵀ, dS) from registers, and the products not
     serialized by ptxas (a wait after every wgmma): S (Sᵀ) waited with dP (dPᵀ) still in flight. dK/dV adds into
-    fp32 sums by atomics only when split; dQ spills nothing."""
+    fp32 sums by atomics only when split; with self rows its causal diagonal has a loop of its own, which leaves
+    the other steps' loop as without them; dQ spills nothing."""
     try:
         kernel = compile_backward_ws(**kwargs)
     except Exception as exc:  # a Triton build without the CUDA backend or ptxas
@@ -118,7 +133,10 @@ def test_backward_kernels_compile_for_sm90a(kwargs):
     sass, usage = disassembled
     assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass)
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
-    assert sass.count("WARPGROUP.DEPBAR") <= 12, "wgmma serialized"
+    assert sass.count("WARPGROUP.DEPBAR") <= (24 if kwargs.get("has_self") else 12), "wgmma serialized"
+    if kwargs.get("has_self"):
+        plain = compile_backward_ws(**{**kwargs, "has_self": False})
+        assert _loop_sizes(sass)[0] <= _loop_sizes(disassemble(plain)[0])[0] + 8
     if kwargs["kernel"] == "dq":
         assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
 
