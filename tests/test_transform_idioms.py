@@ -586,6 +586,38 @@ def test_take_along_dim_with_a_broadcast_index():
     check(TopKSelection(), must=("select_user_rows",))
 
 
+class ReorderedMapping(nn.Module):
+    """Candidates taken in the order of a pre-score (or grouped by user): the mapping indexed by that order,
+    `cand_to_user[order]`, is another index than the mapping wherever the order is not the identity."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.order = order
+        self.net = nn.Linear(FU + FC, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        key = cand[:, 0] if self.order == "prescore" else cand_to_user
+        order = torch.argsort(key, stable=True)
+        return self.net(torch.cat([user[cand_to_user[order]], cand[order]], dim=1))
+
+
+@pytest.mark.parametrize("order", ["prescore", "by_user"])
+def test_mapping_indexed_by_an_order_is_not_the_mapping(order):
+    # on an example already in that order, cand_to_user[order] equals cand_to_user value for value
+    def in_order(num_users, num_candidates, gen):
+        inputs = request(num_users, num_candidates, gen, sorted_mapping=order == "by_user")
+        inputs["cand"][:, 0] = inputs["cand"][:, 0].sort().values
+        return inputs
+
+    gen = torch.Generator().manual_seed(0)
+    model = ReorderedMapping(order).eval()
+    module, report = to_ikbo(model, args_for(model, in_order(*EXAMPLE, gen)), measure=False)
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+
+
 class Similarity(nn.Module):
     """A two-tower / retrieval-style head: similarities and distances between a candidate vector and replicated
     user vectors or history rows (`F.cosine_similarity`, its module, `F.pairwise_distance`, `torch.cdist` in its

@@ -976,6 +976,12 @@ class Rewriter(AttentionRewrites):
         unwrap = lambda v: v.node if is_value(v) else v  # noqa: E731
         if any(isinstance(v, USER_FORMS) for v in leaves((args[1:], kwargs))):
             return None
+        # m[idx] with a tensor idx selects or reorders the mapping's rows: where it equals m on the example (an
+        # example already sorted by the order idx computes) that is a coincidence of values, not the mapping
+        if key is operator.getitem and any(
+            isinstance(v, torch.Tensor) or is_value(v) and isinstance(v.meta, Meta) for v in leaves(args[1:])
+        ):
+            return None
         if src.mapping and key in CONVERSIONS:
             node = self.emit("call_method", key, fmap(args, unwrap), fmap(kwargs, unwrap))
             return Plain(node, meta, batched=True, mapping=src.mapping)
