@@ -587,30 +587,32 @@ def test_take_along_dim_with_a_broadcast_index():
 
 
 class ReorderedMapping(nn.Module):
-    """Candidates taken in the order of a pre-score (or grouped by user): the mapping indexed by that order,
-    `cand_to_user[order]`, is another index than the mapping wherever the order is not the identity."""
+    """Candidates taken in the order of a pre-score or grouped by user (`cand_to_user[order]`), or capped at the
+    example's count (`cand_to_user[:37]`): each is another index than the mapping at other requests."""
 
-    def __init__(self, order):
+    def __init__(self, rows):
         super().__init__()
-        self.order = order
+        self.rows = rows
         self.net = nn.Linear(FU + FC, 1)
 
     def forward(self, user, cand, cand_to_user):
-        key = cand[:, 0] if self.order == "prescore" else cand_to_user
-        order = torch.argsort(key, stable=True)
-        return self.net(torch.cat([user[cand_to_user[order]], cand[order]], dim=1))
+        if self.rows == "capped":
+            rows = slice(None, EXAMPLE[1])
+        else:
+            rows = torch.argsort(cand[:, 0] if self.rows == "prescore" else cand_to_user, stable=True)
+        return self.net(torch.cat([user[cand_to_user[rows]], cand[rows]], dim=1))
 
 
-@pytest.mark.parametrize("order", ["prescore", "by_user"])
-def test_mapping_indexed_by_an_order_is_not_the_mapping(order):
-    # on an example already in that order, cand_to_user[order] equals cand_to_user value for value
+@pytest.mark.parametrize("rows", ["prescore", "by_user", "capped"])
+def test_mapping_indexed_by_an_order_or_a_cap_is_not_the_mapping(rows):
+    # on an example already in that order, or with as many candidates as the cap, it equals the mapping
     def in_order(num_users, num_candidates, gen):
-        inputs = request(num_users, num_candidates, gen, sorted_mapping=order == "by_user")
+        inputs = request(num_users, num_candidates, gen, sorted_mapping=rows == "by_user")
         inputs["cand"][:, 0] = inputs["cand"][:, 0].sort().values
         return inputs
 
     gen = torch.Generator().manual_seed(0)
-    model = ReorderedMapping(order).eval()
+    model = ReorderedMapping(rows).eval()
     module, report = to_ikbo(model, args_for(model, in_order(*EXAMPLE, gen)), measure=False)
     for num_users, num_candidates in SIZES:
         args = args_for(model, request(num_users, num_candidates, gen))

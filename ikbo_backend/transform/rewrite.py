@@ -967,6 +967,23 @@ class Rewriter(AttentionRewrites):
         self.report.rewritten.append(f"{self.where()}: replication {how} kept virtual (user rows stay at U)")
         return Rep(src.node, mapping, meta, self.where(), row_dim=row_dim)
 
+    @staticmethod
+    def _keeps_rows(index, ndim: int) -> bool:
+        """Whether `x[index]` of an `ndim`-dim x takes every row of dim 0 in order, whatever the row count: no tensor
+        in the index, and dim 0 under an Ellipsis or a whole slice (`:`, `0::1`)."""
+        entries = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(v, torch.Tensor) or is_value(v) and isinstance(v.meta, Meta) for v in leaves(entries)):
+            return False
+        taking = [e for e in entries if e is not None and e is not Ellipsis]  # entries that index a dim
+        for i, e in enumerate(entries):
+            if e is Ellipsis:
+                after = sum(1 for f in entries[i + 1 :] if f is not None and f is not Ellipsis)
+                if after < ndim:
+                    return True  # the Ellipsis covers dim 0
+            elif e is not None:
+                return isinstance(e, slice) and e.start in (None, 0) and e.stop is None and e.step in (None, 1)
+        return not taking
+
     def mapping_conversion(self, key, args, kwargs, meta):
         """Conversions of the mapping stay the mapping; view-like ops that spread it along new trailing
         dims (m[:, None].expand(-1, d)) give an index whose every row b holds m[b] (checked on the example)."""
@@ -976,11 +993,9 @@ class Rewriter(AttentionRewrites):
         unwrap = lambda v: v.node if is_value(v) else v  # noqa: E731
         if any(isinstance(v, USER_FORMS) for v in leaves((args[1:], kwargs))):
             return None
-        # m[idx] with a tensor idx selects or reorders the mapping's rows: where it equals m on the example (an
-        # example already sorted by the order idx computes) that is a coincidence of values, not the mapping
-        if key is operator.getitem and any(
-            isinstance(v, torch.Tensor) or is_value(v) and isinstance(v.meta, Meta) for v in leaves(args[1:])
-        ):
+        # m[idx] with a tensor idx, or m[:k], selects or reorders the mapping's rows: where it equals m on the example
+        # (an example already sorted by the order idx computes, or with B = k) that is a coincidence of values
+        if key is operator.getitem and not self._keeps_rows(args[1], src.meta.ndim):
             return None
         if src.mapping and key in CONVERSIONS:
             node = self.emit("call_method", key, fmap(args, unwrap), fmap(kwargs, unwrap))
