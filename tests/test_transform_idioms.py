@@ -2772,3 +2772,62 @@ def test_attention_with_heads_merged_into_rows(spell):
     )
     if mixed:
         assert "mixes rows merged with heads with other rows" in str(report), str(report)
+
+
+class _ContiguityBranch(nn.Module):
+    """A branch on an input's contiguity that changes the values."""
+
+    def forward(self, user, cand, cand_to_user):
+        u = user if user.is_contiguous() else user * 2
+        return (u[cand_to_user] * cand[:, :FU]).sum(-1)
+
+
+class _SliceContiguityBranch(nn.Module):
+    """A branch on the contiguity of a view of replicated rows: [B, 1] of [B, FU] is contiguous only where B = 1."""
+
+    def forward(self, user, cand, cand_to_user):
+        h = user[cand_to_user][:, :1]
+        return cand[:, 0] * (2.0 if h.is_contiguous() else 1.0) + h[:, 0]
+
+
+class _GradBranch(nn.Module):
+    """A branch on whether an intermediate requires grad (grad mode and the parameters decide)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(FU, FU)
+
+    def forward(self, user, cand, cand_to_user):
+        h = self.proj(user)
+        h = h if h.requires_grad else h * 3
+        return (h[cand_to_user] * cand[:, :FU]).sum(-1)
+
+
+@pytest.mark.parametrize("model", [_ContiguityBranch, _SliceContiguityBranch, _GradBranch])
+def test_branches_on_tensor_flags_are_guarded(model):
+    """The capture follows a branch on a tensor's flags (contiguity, requires_grad, ...) by the example's; a call whose
+    flags would take the other branch (a transposed input, one row, grad mode on) runs the original."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = model().eval()
+
+    def make(num_users, num_candidates):
+        r = request(num_users, num_candidates, gen)
+        return r["user"], r["cand"], r["cand_to_user"]
+
+    module, _ = to_ikbo(model, make(*EXAMPLE), measure=False)
+    assert isinstance(module, Guarded)
+    for num_users, num_candidates in [*SIZES, (1, 1), (4, 1), (1, 9)]:
+        user, cand, mapping = make(num_users, num_candidates)
+        for u in (user, user.t().contiguous().t()):
+            for grad in (False, True):
+                with torch.set_grad_enabled(grad):
+                    want, got = model(u, cand, mapping), module(u, cand, mapping)
+                assert rel_err(got.detach(), want.detach()) <= RTOL, (num_users, num_candidates, grad)
+
+
+def test_contiguity_branch_on_a_non_contiguous_example_is_served_unchanged():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    r = request(*EXAMPLE, gen)
+    user = r["user"].t().contiguous().t()
+    module, report = to_ikbo(_ContiguityBranch().eval(), (user, r["cand"], r["cand_to_user"]), measure=False)
+    assert not isinstance(module, Guarded) and "contiguity" in str(report)

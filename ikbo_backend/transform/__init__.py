@@ -200,7 +200,15 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
                 "the example); served unchanged"
             )
         return model, report
-    module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes)
+    if "is_contiguous" in captured.flags and not all(
+        t.is_contiguous() for t in tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)
+    ):
+        reason = (
+            "a branch reads the contiguity of tensors made from a non-contiguous example input: a call's strides could "
+            "take the other branch"
+        )
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
+    module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes, captured.flags)
     if measure:
         original_s, rewritten_s = cost.compare(model, module, example_inputs, cuda_graphs=cuda_graphs)
         ratio = report.speedup = original_s / rewritten_s
@@ -393,12 +401,17 @@ class Guarded(torch.nn.Module):
     the model has changed since the pass (the graph holds what it was): a forward hook registered, a parameter or
     buffer changed in place (`load_state_dict`, an optimizer step) or rebound, a submodule replaced, an attribute
     rebound, a module put in training mode, parametrized or given another forward — with a warning the first time
-    (run `to_ikbo` again). Writes through `.data` or a tensor's storage move no version counter: not seen."""
+    (run `to_ikbo` again). Writes through `.data` or a tensor's storage move no version counter: not seen.
+    Where the capture followed a branch on a tensor's flags (`capture.FLAG_READS`), each call also has them as the
+    example had: the same contiguity of every input and, for the row counts, 1 where the example's was 1 and more
+    where it was more (a view's contiguity depends on them only there); requires_grad / is_leaf: the inputs' flags as
+    the example's, and grad mode off (the capture computes its values without grad); the device: the same device."""
 
-    def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool):
+    def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool, flags=frozenset()):
         super().__init__()
         self.rewritten, self.original = rewritten, original
         self.fixed_sizes, self.fallbacks = fixed_sizes, 0
+        self.flags, self.rows = flags, rows
         leaves, self.structure = tree_flatten(example_inputs)  # dict keys included: the graph reads entries by key
         self.keys = _dict_keys(example_inputs)  # and their types (the structure compares them by ==: 1 == True)
         self.expected = [self._key(t, rows) for t in leaves]
@@ -419,7 +432,19 @@ class Guarded(torch.nn.Module):
         sizes = tuple(t.shape[1:]) if self.fixed_sizes and t.dim() and t.shape[0] in rows else None
         if self.fixed_sizes and t.dim() and t.shape[0] not in rows:
             sizes = tuple(t.shape)
-        return t.dtype, t.dim(), t.device.type, sizes
+        return t.dtype, t.dim(), t.device.type, sizes, (t.layout, t.is_nested), self._flags(t)
+
+    def _flags(self, t) -> tuple:
+        """What a call's tensor must share with the example's where a branch read its flags (`self.flags`)."""
+        flags = self.flags
+        if not flags:
+            return ()
+        grad = bool(flags & {"requires_grad", "is_leaf"})
+        return (
+            t.is_contiguous() if "is_contiguous" in flags else None,
+            (t.requires_grad, t.is_leaf) if grad else None,
+            t.device if flags & {"device", "get_device"} else None,
+        )
 
     def _state(self) -> tuple:
         """What the graph was made from: each module's class and its forward, its public attributes (mode, settings
@@ -468,6 +493,12 @@ class Guarded(torch.nn.Module):
                 counts[role][t.shape[0]] = True
         if any(len(c) > 1 or 0 in c for c in counts):  # no candidates (or no users): the original, as cheap
             return False
+        flags = self.flags
+        if flags:
+            if "is_contiguous" in flags and any((n > 1) != (r > 1) for c, r in zip(counts, self.rows) for n in c):
+                return False
+            if flags & {"requires_grad", "is_leaf"} and torch.is_grad_enabled():  # the capture's values: without grad
+                return False
         for t, want in zip(leaves, self.expected):
             if want is None:
                 continue
@@ -479,6 +510,8 @@ class Guarded(torch.nn.Module):
                 return False
             sizes = want[3]
             if sizes is not None and tuple(t.shape[len(t.shape) - len(sizes) :]) != sizes:
+                return False
+            if (t.layout, t.is_nested) != want[4] or (flags and self._flags(t) != want[5]):
                 return False
         return True
 

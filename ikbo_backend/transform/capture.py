@@ -70,6 +70,12 @@ META_ATTRIBUTES = {
 }  # fmt: skip
 META_METHODS = {"dim", "ndimension", "is_floating_point", "is_complex", "get_device", "is_contiguous", "element_size"}
 META_FUNCTIONS = {torch.is_floating_point, torch.is_complex}
+# meta reads whose answer a call can change beyond what `Guarded` checks of every input (dtype, ndim, device type):
+# a branch on one is recorded (`Capture.flags`) and guarded per call
+FLAG_READS = {
+    "is_contiguous", "requires_grad", "is_leaf", "get_device", "device", "layout", "is_nested", "is_sparse",
+    "is_quantized", "is_mkldnn",
+}  # fmt: skip
 SIZE_METHODS = {"size"}
 COUNT_METHODS = {"numel", "nelement"}  # products of every dim
 PIECES = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}  # ops returning a size-dependent count
@@ -131,6 +137,7 @@ class Capture:
     fixed_sizes: bool = False  # a branch read a non-row size: checked on each call
     opaque: list = field(default_factory=list)  # (module path, type name, reason)
     guards: int = 0
+    flags: frozenset = frozenset()  # FLAG_READS a branch followed (contiguity, requires_grad, device, ...)
 
 
 class ShadowProxy(fx.Proxy):
@@ -220,6 +227,7 @@ class Tracer(fx.Tracer):
         self.record_stack_traces = True
         self.fixed_sizes = False
         self.guards = 0
+        self.flags: set = set()
         self.opaque: list = []
 
     # --- values --------------------------------------------------------------------------------
@@ -321,8 +329,24 @@ class Tracer(fx.Tracer):
         if kind == "rows":
             raise CaptureError(f"Python control flow on the number of users or candidates at {where}")
         self.fixed_sizes |= kind == "size"
+        if kind == "meta":
+            self.flags |= self._flag_reads(proxy.node)
         self.guards += 1
         return convert(proxy.value)
+
+    def _flag_reads(self, node) -> set:
+        """The FLAG_READS among the meta reads `node` is computed from."""
+        reads, seen, todo = set(), set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen or not isinstance(n, fx.Node):
+                continue
+            seen.add(n)
+            if self._is_meta(n):
+                name = n.args[1] if n.op == "call_function" and n.target is getattr else _name(n.target)
+                reads |= {name} & FLAG_READS  # and on: `x.device.type` reads x.device
+            todo.extend(n.all_input_nodes)
+        return reads
 
     def _depends_on(self, node) -> str:
         """'data', 'rows', 'size' or 'meta': what the value of `node` depends on among the inputs."""
@@ -486,7 +510,7 @@ class Tracer(fx.Tracer):
         if self.is_leaf_module(m, ""):
             return super().call_module(m, forward, args, kwargs)
         last = next(iter(reversed(self.graph.nodes)))  # reversed() gives a view in some torch versions
-        stack, guards, fixed = dict(self.module_stack), self.guards, self.fixed_sizes
+        stack, guards, fixed, flags = dict(self.module_stack), self.guards, self.fixed_sizes, set(self.flags)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as e:  # any failure inside: keep the module whole
@@ -496,7 +520,7 @@ class Tracer(fx.Tracer):
                 self.graph.erase_node(node)
             self.module_stack.clear()
             self.module_stack.update(stack)
-            self.guards, self.fixed_sizes = guards, fixed
+            self.guards, self.fixed_sizes, self.flags = guards, fixed, flags
             path = self.path_of_module(m)
             self.opaque.append((path, type(m).__name__, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
             return self.create_proxy("call_module", path, args, kwargs)
@@ -618,7 +642,7 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
             for name, b in model.named_buffers():
                 if name in buffers and not torch.equal(b, buffers[name]):
                     b.copy_(buffers[name])
-    return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards)
+    return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards, frozenset(tracer.flags))
 
 
 def _unflatten_output(graph: fx.Graph) -> None:
