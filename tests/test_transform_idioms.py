@@ -6,11 +6,14 @@ U, B (unsorted mappings) against the original model.
 """
 
 import collections
+import contextlib
+import dataclasses
 import enum
 import inspect
 import itertools
 import math
 import operator
+import os
 import types
 
 import numpy as np
@@ -2831,3 +2834,103 @@ def test_contiguity_branch_on_a_non_contiguous_example_is_served_unchanged():
     user = r["user"].t().contiguous().t()
     module, report = to_ikbo(_ContiguityBranch().eval(), (user, r["cand"], r["cand_to_user"]), measure=False)
     assert not isinstance(module, Guarded) and "contiguity" in str(report)
+
+
+GATE = {"scale": 1.0}  # a module-level setting the forward below reads
+
+
+@dataclasses.dataclass
+class GateConfig:
+    scale: float = 1.0
+
+
+class ReadsState(nn.Module):
+    """A forward reading state the caller may change after the pass: a torch module's attribute, a private
+    attribute, a class attribute, a dict, a list and a config object held by the model, a global, a closure cell,
+    an environment variable and torch's global settings."""
+
+    SCALE = 1.0
+
+    def __init__(self, cell):
+        super().__init__()
+        self.lin, self.act, self.out = nn.Linear(FU + FC, D), nn.LeakyReLU(0.1), nn.Linear(D, 1)
+        self._scale, self.weights, self.options, self.config = 1.0, [1.0], {"scale": 1.0}, GateConfig()
+        self.cell = lambda: cell["scale"]
+
+    def forward(self, user, cand, cand_to_user):
+        h = self.act(self.lin(torch.cat([user[cand_to_user], cand], -1)))
+        h = h * self._scale * self.SCALE * self.options["scale"] * self.config.scale * GATE["scale"] * self.cell()
+        for w in self.weights:
+            h = h * w
+        if os.environ.get("IKBO_TEST_GATE") == "1" or torch.is_inference_mode_enabled():
+            h = -h
+        if torch.get_default_dtype() == torch.float64 or torch.are_deterministic_algorithms_enabled():
+            h = h * 3
+        return self.out(h)
+
+
+@contextlib.contextmanager
+def _default_float64():
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@contextlib.contextmanager
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["negative_slope", "private", "class", "dict", "list", "config", "global", "closure", "environ", "inference_mode",
+     "default_dtype", "deterministic"],
+)  # fmt: skip
+def test_state_the_forward_read_is_checked_on_each_call(change, monkeypatch):
+    """The graph holds what the forward read on the example; once that changes (in place too: a dict entry, a list
+    appended to, a config's field) the original runs."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    cell = {"scale": 1.0}
+    model = ReadsState(cell).eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert isinstance(module, Guarded), str(report)
+    monkeypatch.setattr(ReadsState, "SCALE", 1.0)
+    monkeypatch.setitem(GATE, "scale", 1.0)
+    context = {"inference_mode": torch.inference_mode, "default_dtype": _default_float64,
+               "deterministic": _deterministic}.get(change, contextlib.nullcontext)  # fmt: skip
+    changes = {
+        "negative_slope": lambda: setattr(model.act, "negative_slope", 0.5),
+        "private": lambda: setattr(model, "_scale", 2.0),
+        "class": lambda: monkeypatch.setattr(ReadsState, "SCALE", 2.0),
+        "dict": lambda: model.options.update(scale=2.0),
+        "list": lambda: model.weights.append(2.0),
+        "config": lambda: setattr(model.config, "scale", 2.0),
+        "global": lambda: monkeypatch.setitem(GATE, "scale", 2.0),
+        "closure": lambda: cell.update(scale=2.0),
+        "environ": lambda: monkeypatch.setenv("IKBO_TEST_GATE", "1"),
+    }
+    changes.get(change, lambda: None)()
+    for num_users, num_candidates in [*SIZES, (2, 90)]:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.no_grad(), context():
+            assert rel_err(module(*args), model(*args)) <= RTOL, change
+
+
+class ListedRows(nn.Module):
+    def forward(self, user, cand, cand_to_user):
+        return user[cand_to_user].sum(-1) * cand.sum(-1) * sum(cand.sum(-1).tolist())
+
+
+def test_lists_of_rows_are_not_unrolled():
+    """`tolist()` of a tensor with a row count among its dims gives lists of that length: a loop over them (`sum`)
+    is control flow on the row count, not followed (it was unrolled at the example's B)."""
+    gen = torch.Generator().manual_seed(0)
+    model = ListedRows().eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is model and "number of users or candidates" in str(report), str(report)

@@ -15,14 +15,17 @@ is not slower.
 from __future__ import annotations
 
 import ast
+import collections
+import collections.abc
 import enum
 import inspect
 import re
 import textwrap
+import types
 import warnings
 from collections import Counter
 from itertools import chain
-from operator import attrgetter, is_not, methodcaller
+from operator import attrgetter, call, is_not, itemgetter, methodcaller
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -208,7 +211,15 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
             "take the other branch"
         )
         return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
-    module = Guarded(module, model, example_inputs, (num_users, num_candidates), captured.fixed_sizes, captured.flags)
+    module = Guarded(
+        module,
+        model,
+        example_inputs,
+        (num_users, num_candidates),
+        captured.fixed_sizes,
+        captured.flags,
+        captured.settings,
+    )
     if measure:
         original_s, rewritten_s = cost.compare(model, module, example_inputs, cuda_graphs=cuda_graphs)
         ratio = report.speedup = original_s / rewritten_s
@@ -407,9 +418,10 @@ class Guarded(torch.nn.Module):
     where it was more (a view's contiguity depends on them only there); requires_grad / is_leaf: the inputs' flags as
     the example's, and grad mode off (the capture computes its values without grad); the device: the same device."""
 
-    def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool, flags=frozenset()):
+    def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool, flags=frozenset(), settings=None):
         super().__init__()
         self.rewritten, self.original = rewritten, original
+        self.settings = list((settings or {}).items())  # torch's global settings the forward read: as on the example
         self.fixed_sizes, self.fallbacks = fixed_sizes, 0
         self.flags, self.rows = flags, rows
         leaves, self.structure = tree_flatten(example_inputs)  # dict keys included: the graph reads entries by key
@@ -421,6 +433,11 @@ class Guarded(torch.nn.Module):
                       else None for t in leaves]  # fmt: skip
         self.watched = list(original.modules())  # (a plain list: not registered as submodules again)
         self.own = [m for m in self.watched if not type(m).__module__.startswith("torch.")]  # the model's own classes
+        self.classes = [c for m in self.own for c in type(m).__mro__ if not _library(c)]
+        self.reads = _names_read(self.classes, self.own)
+        # each module's own attributes (`self.scale`, `self._eps`, `negative_slope`): read by a C-level getter a module
+        self.attributes = [itemgetter("training", "_modules", *(k for k in vars(m) if k not in _MODULE_INTERNALS))
+                           for m in self.watched]  # fmt: skip
         self.state = self._state()
         self.warned = False
         self.signature = inspect.signature(_passed_through(original)[0].forward)
@@ -447,20 +464,26 @@ class Guarded(torch.nn.Module):
         )
 
     def _state(self) -> tuple:
-        """What the graph was made from: each module's class and its forward, its public attributes (mode, settings
-        the forward reads: `self.scale`, an own `forward`), its submodules, parameters and buffers (the objects, and
-        the tensors' version counters, which in-place changes advance). Read with C-level maps: at each call."""
+        """What the graph was made from: each module's class and its forward, its attributes (mode, settings the
+        forward reads: `self.scale`, `self._eps`, an own `forward`, a torch module's `negative_slope`), the attributes
+        of its own classes (`SCALE = 2.0`), the globals and closure cells its own code and the helpers it calls name
+        (`SCALE`, `os.environ`), with what lists, dicts, sets and plain objects (a config dataclass) among all those
+        hold, its submodules, parameters and buffers (the objects, and the tensors' version counters, which in-place
+        changes advance). Read at each call."""
         watched = self.watched
         values = methodcaller("values")
         tensors = list(chain.from_iterable(map(values, map(attrgetter("_parameters"), watched))))
         tensors += chain.from_iterable(map(values, map(attrgetter("_buffers"), watched)))
-        objects = list(chain.from_iterable(map(values, map(attrgetter("_modules"), watched))))
-        objects += map(attrgetter("training"), watched)
-        objects += [v for m in self.own for k, v in m.__dict__.items() if k[0] != "_"]  # torch's modules: sizes
+        try:  # (`_modules` among them: a submodule replaced)
+            read = list(chain.from_iterable(map(call, self.attributes, map(vars, watched))))
+        except KeyError:  # an attribute deleted
+            read = [None]
+        read += chain.from_iterable(map(values, map(vars, self.classes)))
+        read += map(_read, *zip(*self.reads)) if self.reads else ()
         kinds = list(map(type, watched))
         return (
-            kinds + [k.forward for k in kinds],
-            objects,
+            kinds + [k.forward for k in kinds] + list(map(len, map(vars, watched))),
+            _contents(read, []),
             tensors,
             [t._version if t is not None else None for t in tensors],
         )
@@ -476,7 +499,10 @@ class Guarded(torch.nn.Module):
         return (
             now[0] != self.state[0]
             or now[3] != self.state[3]
-            or any(len(a) != len(b) or any(map(is_not, a, b)) for a, b in zip(now[1:3], self.state[1:3]))
+            or any(len(a) != len(b) or any(map(is_not, a, b)) for a, b in zip(now[2:3], self.state[2:3]))
+            or len(now[1]) != len(self.state[1])
+            or any(map(is_not, now[1], self.state[1]))
+            and not all(map(_same_object, now[1], self.state[1]))
         )
 
     @property
@@ -534,14 +560,119 @@ class Guarded(torch.nn.Module):
         if changed and not self.warned:
             self.warned = True
             warnings.warn(
-                "to_ikbo: the model changed after the pass (weights, mode, hooks or modules): the original runs; "
+                "to_ikbo: the model changed after the pass (weights, mode, hooks, modules or state its forward read): the original "
+                "runs; "
                 "call to_ikbo again to serve a rewrite of the model as it is now",
                 stacklevel=2,
             )
-        if not kwargs and not changed and self.matches(args):
+        settings = all(getter() == value for getter, value in self.settings)
+        if not kwargs and not changed and settings and self.matches(args):
             try:
                 return self.rewritten(*args)
             except ops.WidthsChanged:
                 pass
         self.fallbacks += 1
         return self.original(*args, **kwargs)
+
+
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # registries, hooks and mode: read apart (`Guarded._state`)
+_MISSING = object()
+_CONTAINERS = (list, tuple, set, frozenset, collections.deque, collections.abc.Mapping)
+_OPAQUE = (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+_MAX_CONTENTS = 4096  # entries read per call at most: a larger table is watched as an object
+
+
+def _library(obj) -> bool:
+    """Whether a class or function comes from torch, the standard library's builtins or this pass (not the model's)."""
+    module = getattr(obj, "__module__", None) or ""
+    if module.startswith(__name__):  # the pass, not its zoo of models
+        return not module.rsplit(".", 1)[-1].startswith("zoo")
+    return module.split(".")[0] in ("torch", "builtins", "typing", "abc")
+
+
+def _contents(values: list, out: list, depth: int = 3) -> list:
+    """`out` with `values` and, after them, what the lists, tuples, dicts, sets and plain objects (dataclasses,
+    namespaces: anything with a `__dict__` that is no tensor, module, class or function) among them hold, nested
+    `depth` deep: a forward that reads `self.cfg["scale"]` or `self.cfg.gate` reads them too."""
+    out += values
+    if depth and len(out) < _MAX_CONTENTS:
+        for value in values:
+            kind = _KINDS.get(type(value))
+            if kind is None:
+                kind = _KINDS[type(value)] = _kind(type(value))
+            if kind is not _leaf:
+                _contents(kind(value), out, depth - 1)
+    return out
+
+
+def _leaf(value):
+    return ()
+
+
+def _kind(cls):
+    """How to list what a value of this class holds (`_contents`): nothing for scalars, strings, tensors, modules,
+    classes and functions."""
+    if issubclass(cls, (str, bytes, int, float, complex, *_OPAQUE)):
+        return _leaf
+    if issubclass(cls, collections.abc.Mapping):
+        return lambda v: list(chain.from_iterable(v.items()))
+    if issubclass(cls, (set, frozenset)):
+        return lambda v: sorted(v, key=id)
+    if issubclass(cls, _CONTAINERS):
+        return list
+    if hasattr(cls, "__dict__") and "__dict__" in dir(cls) and not _library(cls):
+        return lambda v: list(chain.from_iterable(vars(v).items())) if hasattr(v, "__dict__") else []
+    return _leaf
+
+
+_KINDS: dict = {}
+
+
+def _read(namespace, name):
+    """A global (`namespace` a dict), a closure cell's contents or a module's attribute; `_MISSING` where unset."""
+    if type(namespace) is dict:
+        return namespace.get(name, _MISSING)
+    try:
+        return getattr(namespace, name)
+    except (AttributeError, ValueError):  # an empty cell
+        return _MISSING
+
+
+def _same_object(a, b) -> bool:
+    """The same object, or an equal string (`os.environ` makes its strings at each read)."""
+    return a is b or type(a) is type(b) and isinstance(a, (str, bytes)) and a == b
+
+
+def _names_read(classes, modules) -> list:
+    """(namespace, name) of each global, closure cell and attribute of a Python module (`os.environ`) that the
+    functions of the model's own classes and of its modules' attributes (`self.spell = lambda ...`) name, and the
+    functions they reach that way (helpers of the model's code, not torch's), which `Guarded` reads at each call: a
+    forward reading `SCALE` was traced with its value."""
+    functions = [f for c in classes for f in vars(c).values()]
+    functions += [f for m in modules for f in vars(m).values() if isinstance(f, types.FunctionType)]
+    reads, seen, todo = [], set(), []
+    for f in functions:
+        f = getattr(f, "__func__", f)  # staticmethod, classmethod
+        todo += [g for g in (f, getattr(f, "fget", None)) if isinstance(g, types.FunctionType)]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen or _library(f):
+            continue
+        seen.add(id(f))
+        namespace, names = f.__globals__, set()
+        codes = [f.__code__]
+        while codes:
+            code = codes.pop()
+            names.update(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        cells = [(c, "cell_contents") for c in f.__closure__ or ()]
+        found = [(namespace, n) for n in sorted(names) if n in namespace] + cells
+        for where, name in found:
+            value = _read(where, name)
+            if isinstance(value, types.ModuleType):  # `os.environ`, `config.SCALE`: data attributes it names
+                found += [(value, n) for n in sorted(names) if n in vars(value) and not callable(vars(value)[n])
+                          and not isinstance(vars(value)[n], types.ModuleType)]  # fmt: skip
+            elif isinstance(value, types.FunctionType):
+                todo.append(value)
+            reads.append((where, name))
+    return reads

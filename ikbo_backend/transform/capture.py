@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import sys
 import threading
 import traceback
 from collections.abc import MutableMapping, MutableSequence, MutableSet
@@ -138,6 +139,7 @@ class Capture:
     opaque: list = field(default_factory=list)  # (module path, type name, reason)
     guards: int = 0
     flags: frozenset = frozenset()  # FLAG_READS a branch followed (contiguity, requires_grad, device, ...)
+    settings: dict = field(default_factory=dict)  # torch's global settings the model's code read: getter -> value
 
 
 class ShadowProxy(fx.Proxy):
@@ -229,6 +231,7 @@ class Tracer(fx.Tracer):
         self.guards = 0
         self.flags: set = set()
         self.opaque: list = []
+        self.settings: dict = {}  # GLOBAL_SETTINGS the model's own code read, with the values it saw
 
     # --- values --------------------------------------------------------------------------------
 
@@ -392,10 +395,16 @@ class Tracer(fx.Tracer):
 
     def _pieces_depend_on(self, node) -> str:
         """What the number of tensors an op returns depends on: for split / chunk / unbind / tensor_split, the
-        size of the dim they cut (a row count, or another size) and their other arguments; any other op returns
+        size of the dim they cut (a row count, or another size) and their other arguments; for `tolist`, the
+        tensor's sizes (`for v in x.tolist()` unrolls over its rows); any other op returns
         a fixed structure (topk's values and indices, an RNN's output and state); a slice of pieces, theirs."""
         target = node.target
         name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        value = node.args[0].meta.get("example_value") if node.args and isinstance(node.args[0], fx.Node) else None
+        if name == "tolist" and isinstance(value, torch.Tensor):  # nested lists, a level per dim: their lengths
+            if self.rows.intersection(value.shape):
+                return "rows"
+            return "size" if self._from_inputs(node.args[0]) else "meta"
         if name not in PIECES or not node.args:
             sequences = [a for a in node.all_input_nodes if isinstance(a.meta.get("example_value"), (tuple, list))]
             if not sequences:
@@ -526,6 +535,22 @@ class Tracer(fx.Tracer):
             return self.create_proxy("call_module", path, args, kwargs)
 
 
+GLOBAL_SETTINGS = (
+    torch.is_grad_enabled, torch.is_inference_mode_enabled, torch.get_default_dtype,
+    torch.are_deterministic_algorithms_enabled, torch.is_deterministic_algorithms_warn_only_enabled,
+    torch.get_num_threads,
+)  # fmt: skip  # process-wide settings a forward may branch on (`if torch.is_grad_enabled():`), read at each call
+
+
+def _model_frame(frame) -> bool:
+    """Whether `frame` runs the model's code: not torch's (whose own reads of these settings the eval forms model)
+    and not the pass's."""
+    name = frame.f_code.co_filename
+    if name.startswith(_HERE) and not name.rsplit("/", 1)[-1].startswith("zoo"):
+        return False
+    return "/torch/" not in name
+
+
 FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "eye")
 SIZED_METHODS = ("expand", "repeat", "view", "reshape", "broadcast_to", "tile", "new_zeros", "new_ones", "new_empty",
                  "new_full")  # fmt: skip  # sizes as ints: a traced size on a constant tensor is recorded too
@@ -553,6 +578,15 @@ def _traced_factories(tracer, model: nn.Module):
             return obj.size(0)
         return len(obj)
 
+    def wrap_setting(getter):
+        def setting():  # a setting the model's code reads is kept, as Guarded checks it at each call
+            value = getter()
+            if _model_frame(sys._getframe(1)):
+                tracer.settings[getter] = value
+            return value
+
+        return setting
+
     none_or_dtype = getattr(F, "_none_or_dtype", None)
 
     def traced_none_or_dtype(mask):  # the transformer layers' mask check: a traced mask has its example's dtype
@@ -575,7 +609,12 @@ def _traced_factories(tracer, model: nn.Module):
     scopes[id(vars(nn.utils.rnn))] = vars(nn.utils.rnn)
     packing = {id(fn) for fn in PACKING.values()}
     imported = [(g, key, value) for g in scopes.values() for key, value in list(g.items()) if id(value) in packing]
+    settings = {id(fn) for fn in GLOBAL_SETTINGS}  # `from torch import is_grad_enabled` too
+    read = [(g, key, value) for g in scopes.values() for key, value in list(g.items()) if id(value) in settings]
+    read += [(vars(torch), fn.__name__, fn) for fn in GLOBAL_SETTINGS]
     try:
+        for scope, key, fn in read:
+            scope[key] = wrap_setting(fn)
         for name, fn in originals.items():
             setattr(torch, name, wrap(fn))
         for name, (fn, _) in methods.items():  # a buffer or constant of the model expanded by a traced size
@@ -588,6 +627,8 @@ def _traced_factories(tracer, model: nn.Module):
             F._none_or_dtype = traced_none_or_dtype
         yield
     finally:
+        for scope, key, fn in read:
+            scope[key] = fn
         for name, fn in originals.items():
             setattr(torch, name, fn)
         for name, (fn, own) in methods.items():
@@ -642,7 +683,7 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
             for name, b in model.named_buffers():
                 if name in buffers and not torch.equal(b, buffers[name]):
                     b.copy_(buffers[name])
-    return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards, frozenset(tracer.flags))
+    return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards, frozenset(tracer.flags), tracer.settings)
 
 
 def _unflatten_output(graph: fx.Graph) -> None:
