@@ -436,8 +436,11 @@ class Guarded(torch.nn.Module):
         self.classes = [c for m in self.own for c in type(m).__mro__ if not _library(c)]
         self.reads = _names_read(self.classes, self.own)
         # each module's own attributes (`self.scale`, `self._eps`, `negative_slope`): read by a C-level getter a module
-        self.attributes = [itemgetter("training", "_modules", *(k for k in vars(m) if k not in _MODULE_INTERNALS))
+        self.attributes = [_getter("training", *(k for k in vars(m) if k not in _MODULE_INTERNALS))
                            for m in self.watched]  # fmt: skip
+        # the values read that hold others (a dict of settings, a config object): their contents are read too, the
+        # rest compared as objects (one rebound to a container is another object)
+        self.deep = [i for i, v in enumerate(self._top()) if _kind_of(v) is not _leaf]
         self.state = self._state()
         self.warned = False
         self.signature = inspect.signature(_passed_through(original)[0].forward)
@@ -474,19 +477,30 @@ class Guarded(torch.nn.Module):
         values = methodcaller("values")
         tensors = list(chain.from_iterable(map(values, map(attrgetter("_parameters"), watched))))
         tensors += chain.from_iterable(map(values, map(attrgetter("_buffers"), watched)))
-        try:  # (`_modules` among them: a submodule replaced)
-            read = list(chain.from_iterable(map(call, self.attributes, map(vars, watched))))
-        except KeyError:  # an attribute deleted
-            read = [None]
-        read += chain.from_iterable(map(values, map(vars, self.classes)))
-        read += map(_read, *zip(*self.reads)) if self.reads else ()
+        read = self._top()
+        deep = [read[i] for i in self.deep] if len(read) > 1 else []
         kinds = list(map(type, watched))
         return (
             kinds + [k.forward for k in kinds] + list(map(len, map(vars, watched))),
-            _contents(read, []),
+            _contents(deep, read, depth=3),
             tensors,
             [t._version if t is not None else None for t in tensors],
         )
+
+    def _top(self) -> list:
+        """The objects `_state` compares by identity: every module's attributes and submodules (a submodule
+        replaced), the attributes of the model's own classes, the globals, cells and module attributes its code
+        names ([None] where an attribute was deleted)."""
+        watched = self.watched
+        values = methodcaller("values")
+        try:
+            read = list(chain.from_iterable(map(call, self.attributes, map(vars, watched))))
+        except KeyError:  # an attribute deleted
+            return [None]
+        read += chain.from_iterable(map(values, map(attrgetter("_modules"), watched)))
+        read += chain.from_iterable(map(values, map(vars, self.classes)))
+        read += map(_read, *zip(*self.reads)) if self.reads else ()
+        return read
 
     def _changed(self) -> bool:
         """Whether the model has changed since the pass (`_state`), or a forward hook has been registered on it."""
@@ -590,18 +604,30 @@ def _library(obj) -> bool:
     return module.split(".")[0] in ("torch", "builtins", "typing", "abc")
 
 
+def _getter(*keys):
+    """itemgetter(*keys), giving a tuple for one key too."""
+    return itemgetter(*keys) if len(keys) > 1 else lambda d: (d[keys[0]],)
+
+
+def _kind_of(value):
+    """How to list what `value` holds (`_kind`, kept per class)."""
+    kind = _KINDS.get(type(value))
+    if kind is None:
+        kind = _KINDS[type(value)] = _kind(type(value))
+    return kind
+
+
 def _contents(values: list, out: list, depth: int = 3) -> list:
-    """`out` with `values` and, after them, what the lists, tuples, dicts, sets and plain objects (dataclasses,
-    namespaces: anything with a `__dict__` that is no tensor, module, class or function) among them hold, nested
-    `depth` deep: a forward that reads `self.cfg["scale"]` or `self.cfg.gate` reads them too."""
-    out += values
+    """`out` with what the lists, tuples, dicts, sets and plain objects (dataclasses, namespaces: anything with a
+    `__dict__` that is no tensor, module, class or function) among `values` hold, nested `depth` deep: a forward that
+    reads `self.cfg["scale"]` or `self.cfg.gate` reads them too."""
     if depth and len(out) < _MAX_CONTENTS:
         for value in values:
-            kind = _KINDS.get(type(value))
-            if kind is None:
-                kind = _KINDS[type(value)] = _kind(type(value))
+            kind = _kind_of(value)
             if kind is not _leaf:
-                _contents(kind(value), out, depth - 1)
+                inner = kind(value)
+                out += inner
+                _contents(inner, out, depth - 1)
     return out
 
 
