@@ -2049,6 +2049,40 @@ def test_joins_follow_autocast():
         assert rel_err(got.float(), expected.float()) <= 1e-2
 
 
+class AttentionOfMixedDtypes(nn.Module):
+    """Target attention whose queries come from a linear and whose K/V are the history as given: under autocast the
+    linear's output is bf16 and the history fp32, which the original's SDPA and matmuls cast alike; or all three
+    fp32 inputs, which autocast computes (and returns) in bf16."""
+
+    def __init__(self, chain):
+        super().__init__()
+        self.chain, self.q = chain, nn.Linear(FC, D)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        keys, keep = history[cand_to_user], ids[cand_to_user] != 0  # [B, L, D], [B, L]
+        if self.chain:
+            scores = (self.q(cand)[:, None] @ keys.transpose(1, 2) / 4.0).masked_fill(~keep[:, None], -1e9)
+            return (scores.softmax(-1) @ keys).squeeze(1)
+        q = F.pad(cand, (0, D - FC))[:, None, None]
+        return F.scaled_dot_product_attention(q, keys[:, None], keys[:, None], attn_mask=keep[:, None, None]).flatten(1)
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_attention_follows_autocast(chain):
+    """Under torch.autocast ikbo_attention takes q, k, v in the autocast dtype, as the original's SDPA / matmuls
+    compute them: the op takes one dtype, and the output has the original's."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = AttentionOfMixedDtypes(chain).eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert "ikbo_attention" in str(report), str(report)
+    for sizes in SIZES:
+        args = args_for(model, request(*sizes, gen))
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected, got = model(*args), module(*args)
+        assert got.dtype == expected.dtype == torch.bfloat16
+        assert rel_err(got.float(), expected.float()) <= 2e-2
+
+
 class WithSettings(nn.Module):
     """Non-tensor arguments: a temperature, a top-k count, a task flag, a default left out of the example."""
 

@@ -12,8 +12,6 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from kernels import ikbo_attention, ikbo_self_target_attention
-
 from . import ops
 from .values import SDPA, Meta, Plain, Rep, Report, _arg
 
@@ -80,7 +78,7 @@ class AttentionRewrites:
             fill = self.all_masked(fill, q, all_keys, kv_len, scale, dtype, softmax=softmax)
             if fill is False:
                 return None
-        node = self.emit("call_function", ikbo_attention, (q, k, v, mapping.node, kv_len, scale))
+        node = self.emit("call_function", ops.attention, (q, k, v, mapping.node, kv_len, scale))
         if fill is not None:  # users whose keys are all masked: what the original's softmax gives there
             node = self.emit("call_function", ops.empty_users, (node, all_values, kv_len, mapping.node, fill))
         if ndim == 3:
@@ -411,7 +409,7 @@ def _downstream(node):
 def fuse_self_target_attention(graph: fx.Graph, report: Report) -> None:
     """SDPA self-attention at U rows + ikbo_attention over the same K/V → one
     ikbo_self_target_attention (K/V read once for both, as IkboRanker does)."""
-    for target in [n for n in graph.nodes if n.op == "call_function" and n.target is ikbo_attention]:
+    for target in [n for n in graph.nodes if n.op == "call_function" and n.target is ops.attention]:
         cand_q, k, v, mapping, kv_len, scale = target.args
         if not (isinstance(kv_len, fx.Node) and kv_len.target is ops.kv_len_from):
             continue
@@ -425,7 +423,7 @@ def fuse_self_target_attention(graph: fx.Graph, report: Report) -> None:
                 continue
             with graph.inserting_before(target):
                 fused = graph.call_function(
-                    ikbo_self_target_attention,
+                    ops.self_target_attention,
                     (sdpa.args[0], cand_q, k, v, mapping, kv_len),
                     {"causal": causal, "scale": scale},
                 )

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import PackedLinearCompress, add_user_rows
+from kernels import PackedLinearCompress, add_user_rows, ikbo_attention, ikbo_self_target_attention
 from kernels._common import through_dispatcher
 
 
@@ -499,6 +499,19 @@ def check_rounds_away(q: torch.Tensor, k: torch.Tensor, kv_len: torch.Tensor, sc
     bound = q.float().norm(dim=-1).amax() * k.float().norm(dim=-1).amax() * abs(float(scale))
     if not float(bound) < _ulp(fill, dtype) / 2:
         raise WidthsChanged(f"a user without keys whose scores (|s| ≤ {float(bound):.3g}) do not all round to {fill:g}")
+
+
+def attention(q, k, v, cand_to_user, kv_len=None, scale=None) -> torch.Tensor:
+    """`ikbo_attention` with its inputs in the dtype autocast runs the original's SDPA / matmuls in, where it is on
+    for their device: the op takes one dtype, and the original computes (and returns) the autocast dtype there."""
+    q, k, v = _autocast(q, k, v)
+    return ikbo_attention(q, k, v, cand_to_user, kv_len, scale)
+
+
+def self_target_attention(user_q, cand_q, k, v, cand_to_user, kv_len=None, causal=True, scale=None):
+    """`ikbo_self_target_attention` with its inputs cast as `attention` casts them."""
+    user_q, cand_q, k, v = _autocast(user_q, cand_q, k, v)
+    return ikbo_self_target_attention(user_q, cand_q, k, v, cand_to_user, kv_len, causal=causal, scale=scale)
 
 
 def compact_keys(k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor):
