@@ -1458,6 +1458,38 @@ def test_masked_scores_softmax_values_become_ikbo_attention(fill, heads):
         assert rel_err(got.nan_to_num(), want.nan_to_num()) <= RTOL, str(report)
 
 
+class BiasedScores(nn.Module):
+    """Scores plus a per-user term that is no key mask: a boolean (+1 on its True keys) or one value per user
+    broadcast over all keys (−1e9 for users with short histories, which evens out their softmax)."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.bias, self.q = bias, nn.Linear(FC, D)
+
+    def forward(self, history, lengths, ids, cand, cand_to_user):
+        keys = history[cand_to_user]
+        scores = self.q(cand)[:, None] @ keys.transpose(1, 2) / 4.0
+        if self.bias == "bool":
+            scores = scores + (ids[cand_to_user] != 0)[:, None]
+        else:
+            scores = scores + torch.where(lengths < 4, -1e9, 0.0)[cand_to_user][:, None, None]
+        return (scores.softmax(-1) @ keys).squeeze(1)
+
+
+@pytest.mark.parametrize("bias", ["bool", "per_user"])
+def test_biased_scores_are_no_key_mask(bias):
+    """A term added to the scores is a key mask only if it is float with one entry per key: a boolean or a value per
+    user is computed as written (served: exact on the example too), also where the example's boolean holds no False."""
+
+    def unpadded(num_users, num_candidates, gen):
+        inputs = request(num_users, num_candidates, gen)
+        inputs["ids"] = inputs["ids"].clamp(min=1)
+        inputs["lengths"][0] = 2  # a user whose scores all get −1e9
+        return inputs
+
+    check(BiasedScores(bias), example=unpadded)
+
+
 @pytest.mark.parametrize("fill", [-1e9, float("-inf"), torch.finfo(torch.float32).min, -1e4])
 def test_sdpa_additive_masks_of_users_without_history(fill):
     """An additive SDPA mask: a user whose keys are all masked gets the mean of its values (a fill that rounds the

@@ -224,17 +224,19 @@ class AttentionRewrites:
 
     def _chain_mask(self, node, source, q, mapping):
         """(keep node [U, 1, (1,) L] bool, fill) for a key mask of the scores before the softmax, one per user:
-        `masked_fill(mask, c)` (in place or not; c = −inf or ≤ ops.MASKS_OUT) or `+ mask` (additive, as SDPA's); None
+        `masked_fill(mask, c)` (in place or not; c = −inf or ≤ ops.MASKS_OUT) or `+ mask` (additive float, as SDPA's); None
         otherwise. fill: the value a dropped key's score gets (`all_masked` says what that gives a user with none)."""
         kind, operand, value = _mask_operand(node, source)
         mask = self.env.get(operand) if isinstance(operand, fx.Node) else None
         if not (isinstance(mask, Rep) and mask.mapping is mapping and not mask.row_dim and isinstance(mask.meta, Meta)):
             return None
-        shape = mask.meta.shape
-        if len(shape) != q.meta.ndim or any(d != 1 for d in shape[1:-1]):
-            return None
+        shape, keys = mask.meta.shape, self.meta[source].shape[-1]
+        if len(shape) != q.meta.ndim or any(d != 1 for d in shape[1:-1]) or shape[-1] != keys:
+            return None  # not one entry per key: a value per user broadcast over all keys is no key mask
         if kind == "add":
-            return self.key_mask(mask, mapping, None, q.meta.ndim)
+            if mask.meta.dtype == torch.bool:
+                return None  # a boolean added to the scores adds 1 where it is True: a bias, not a mask
+            return self.key_mask(mask, mapping, keys, q.meta.ndim)
         if mask.meta.dtype != torch.bool or not isinstance(value, (int, float)) or not value <= ops.MASKS_OUT:
             return None
         return self.emit("call_function", torch.logical_not, (mask.user,)), float(value)
