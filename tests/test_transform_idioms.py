@@ -3000,3 +3000,24 @@ def test_lists_of_rows_are_not_unrolled():
     model = ListedRows().eval()
     module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
     assert module is model and "number of users or candidates" in str(report), str(report)
+
+
+class _FinfoMask(nn.Module):
+    """Hugging Face's spelling of an additive key mask: (1 − keep) · torch.finfo(dtype).min (and iinfo beside it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(FC, D)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        kv = history[cand_to_user]
+        q = self.q(cand)[:, None, None]
+        keep = (torch.arange(kv.shape[1]) < lengths[cand_to_user][:, None]).to(q.dtype)
+        mask = ((1.0 - keep) * torch.finfo(q.dtype).min)[:, None, None]
+        out = F.scaled_dot_product_attention(q, kv[:, None], kv[:, None], attn_mask=mask)
+        return out.flatten(1) * (torch.iinfo(cand_to_user.dtype).bits / 64)
+
+
+def test_finfo_of_a_traced_dtype():
+    """torch.finfo / iinfo of a traced tensor's dtype take the example's (dtypes are checked at each call)."""
+    check(_FinfoMask(), must=("ikbo_attention",))

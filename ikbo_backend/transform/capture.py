@@ -552,6 +552,7 @@ def _model_frame(frame) -> bool:
 
 
 FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "eye")
+DTYPE_INFO = ("finfo", "iinfo")  # of a traced tensor's dtype: the example's (Hugging Face's `finfo(dtype).min` masks)
 SIZED_METHODS = ("expand", "repeat", "view", "reshape", "broadcast_to", "tile", "new_zeros", "new_ones", "new_empty",
                  "new_full")  # fmt: skip  # sizes as ints: a traced size on a constant tensor is recorded too
 
@@ -587,6 +588,13 @@ def _traced_factories(tracer, model: nn.Module):
 
         return setting
 
+    def traced_info(original):  # torch.finfo(x.dtype): the example's dtype (dtypes are checked at each call)
+        def info(*args, **kwargs):
+            args, kwargs = map_aggregate((args, kwargs), lambda a: a.value if isinstance(a, ShadowProxy) else a)
+            return original(*args, **kwargs)
+
+        return info
+
     none_or_dtype = getattr(F, "_none_or_dtype", None)
 
     def traced_none_or_dtype(mask):  # the transformer layers' mask check: a traced mask has its example's dtype
@@ -603,6 +611,7 @@ def _traced_factories(tracer, model: nn.Module):
         return method
 
     originals = {name: getattr(torch, name) for name in FACTORIES}
+    info_types = {name: getattr(torch, name) for name in DTYPE_INFO}
     methods = {name: (getattr(torch.Tensor, name), name in vars(torch.Tensor)) for name in SIZED_METHODS}
     scopes = {id(g): g for m in model.modules() if (g := getattr(type(m).forward, "__globals__", None)) is not None}
     lens = [g for g in scopes.values() if "len" not in g]  # the forwards' modules: their `len` is the builtin
@@ -625,6 +634,8 @@ def _traced_factories(tracer, model: nn.Module):
             scope["len"] = traced_len
         if none_or_dtype is not None:
             F._none_or_dtype = traced_none_or_dtype
+        for name in DTYPE_INFO:
+            setattr(torch, name, traced_info(info_types[name]))
         yield
     finally:
         for scope, key, fn in read:
@@ -642,6 +653,8 @@ def _traced_factories(tracer, model: nn.Module):
             scope.pop("len", None)
         if none_or_dtype is not None:
             F._none_or_dtype = none_or_dtype
+        for name in DTYPE_INFO:
+            setattr(torch, name, info_types[name])
 
 
 def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
