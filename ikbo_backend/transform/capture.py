@@ -205,6 +205,18 @@ class ShadowAttribute(fx.proxy.Attribute, ShadowProxy):
         pass
 
 
+def _ancestors(node):
+    """`node` and every node it is computed from, each once (depth first)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        yield n
+        todo.extend(n.all_input_nodes)
+
+
 def _value(x):
     return x.value if isinstance(x, ShadowProxy) else x
 
@@ -338,18 +350,10 @@ class Tracer(fx.Tracer):
         return convert(proxy.value)
 
     def _flag_reads(self, node) -> set:
-        """The FLAG_READS among the meta reads `node` is computed from."""
-        reads, seen, todo = set(), set(), [node]
-        while todo:
-            n = todo.pop()
-            if n in seen or not isinstance(n, fx.Node):
-                continue
-            seen.add(n)
-            if self._is_meta(n):
-                name = n.args[1] if n.op == "call_function" and n.target is getattr else _name(n.target)
-                reads |= {name} & FLAG_READS  # and on: `x.device.type` reads x.device
-            todo.extend(n.all_input_nodes)
-        return reads
+        """The FLAG_READS among the meta reads `node` is computed from (`x.device.type` reads x.device too)."""
+        names = {n.args[1] if n.op == "call_function" and n.target is getattr else _name(n.target)
+                 for n in _ancestors(node) if self._is_meta(n)}  # fmt: skip
+        return names & FLAG_READS
 
     def _depends_on(self, node) -> str:
         """'data', 'rows', 'size' or 'meta': what the value of `node` depends on among the inputs."""
@@ -471,16 +475,7 @@ class Tracer(fx.Tracer):
     @staticmethod
     def _upstream(node, test) -> bool:
         """Whether `test` holds for `node` or any node it is computed from."""
-        seen, todo = set(), [node]
-        while todo:
-            n = todo.pop()
-            if n in seen or not isinstance(n, fx.Node):
-                continue
-            seen.add(n)
-            if test(n):
-                return True
-            todo.extend(n.all_input_nodes)
-        return False
+        return any(map(test, _ancestors(node)))
 
     def _data_shaped(self, node) -> bool:
         """Whether a tensor's shape may depend on tensor values: it or a tensor it is computed from comes out of an
