@@ -3021,3 +3021,31 @@ class _FinfoMask(nn.Module):
 def test_finfo_of_a_traced_dtype():
     """torch.finfo / iinfo of a traced tensor's dtype take the example's (dtypes are checked at each call)."""
     check(_FinfoMask(), must=("ikbo_attention",))
+
+
+class _ProbsDropout(nn.Module):
+    """Hugging Face's attention: heads split off, an additive (1 − keep) · finfo.min mask, and dropout between the
+    softmax and the matmul by the values (`nn.Dropout` or `F.dropout(training=self.training)`: in eval, the identity)."""
+
+    def __init__(self, functional):
+        super().__init__()
+        self.functional, self.dropout = functional, nn.Dropout(0.1)
+        self.q, self.out = nn.Linear(FC, D), nn.Linear(D, 1)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        keys, keep = history[cand_to_user], (ids[cand_to_user] != 0).float()
+        q = self.q(cand).view(-1, 1, H, D // H).permute(0, 2, 1, 3)
+        k = keys.view(keys.size()[:-1] + (H, D // H)).permute(0, 2, 1, 3)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D // H)
+        scores = scores + (1.0 - keep[:, None, None, :]) * torch.finfo(scores.dtype).min
+        probs = F.softmax(scores, dim=-1)
+        probs = F.dropout(probs, 0.1, training=self.training) if self.functional else self.dropout(probs)
+        out = torch.matmul(probs, k).permute(0, 2, 1, 3).contiguous()
+        return self.out(out.view(out.size()[:-2] + (D,)))
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_dropout_in_eval_between_softmax_and_values(functional):
+    """Dropout in eval between the softmax and the values is the identity: the chain still becomes ikbo_attention
+    (users without history keys included)."""
+    check(_ProbsDropout(functional), make=request_with_empty_histories, must=("ikbo_attention",))

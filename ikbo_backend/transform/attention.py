@@ -168,10 +168,16 @@ class AttentionRewrites:
         dim = _arg(probs.args, probs.kwargs, 1, "dim")
         if not (dim in (-1, q.meta.ndim - 1) and not probs.kwargs.get("dtype") and len(probs.users) == 1):
             return None
-        out = next(iter(probs.users))
-        if not (matmul(out) and len(out.args) == 2 and out.args[0] is probs):
+        weights, between = probs, []  # dropout in eval between the softmax and the matmul (Hugging Face's) is x
+        while len(weights.users) == 1 and _eval_dropout(nxt := next(iter(weights.users)), weights):
+            weights = nxt
+            between.append(nxt)
+        if len(weights.users) != 1:
             return None
-        return Chain(scores, q, k_t, scale, mask, masked_from, probs, out, [*inner, probs])
+        out = next(iter(weights.users))
+        if not (matmul(out) and len(out.args) == 2 and out.args[0] is weights):
+            return None
+        return Chain(scores, q, k_t, scale, mask, masked_from, probs, out, [*inner, probs, *between])
 
     def fuse_attention_chain(self, chain) -> bool:
         """The chain as ikbo_attention (3-D inputs get a head dim), a key mask before the softmax as kv lengths
@@ -282,6 +288,15 @@ class AttentionRewrites:
 
 
 SOFTMAXES = (F.softmax, torch.softmax, "softmax")
+
+
+def _eval_dropout(node, x):
+    """Whether node is F.dropout(x, p, training=False) (an nn.Dropout in eval, as traced): x itself."""
+    if not (node.op == "call_function" and node.target is F.dropout and node.args and node.args[0] is x):
+        return False
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
+    inplace = node.args[3] if len(node.args) > 3 else node.kwargs.get("inplace", False)
+    return training is False and inplace is False
 
 
 @dataclass
