@@ -99,6 +99,11 @@ class HostFlag:
         """The word the kernel writes: pass it as the kernel's host-flag pointer."""
         return self.ring.slot(self.index)
 
+    @property
+    def address(self) -> int:
+        """The slot's address, which is also its device address (pinned memory under unified addressing)."""
+        return self.ring.address + self.index * _HostFlagRing.STRIDE * 4
+
     def done(self) -> bool:
         return bool(self.ring.view[self.index * _HostFlagRing.STRIDE])
 
@@ -126,6 +131,7 @@ class _HostFlagRing:
         with torch.cuda.device(device):
             self.words = torch.zeros(self.SIZE * self.STRIDE, dtype=torch.int32, device="cpu", pin_memory=True)
         self.view = self.words.numpy()  # host reads and writes without a torch call
+        self.address = self.words.data_ptr()
         self.slots: list = [None] * self.SIZE  # each word's one-element view, made once
         self.next = 0
 

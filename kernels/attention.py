@@ -83,8 +83,8 @@ from ._common import (
     route,
 )
 from ._interpreter import interpreting
-from ._launch import CachedLaunch
-from .configs import TileConfig, tuned_config
+from ._launch import NOW, CachedLaunch, Recording, fail, launch, named, remember, replayable
+from .configs import TileConfig, tuned_config, tuned_version
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float16, torch.bfloat16)
@@ -1003,12 +1003,12 @@ def kv_2d_views(k, v):
     return k, v, rows, (s_u, s_h, s_l)
 
 
-def _kv_views(k, v, block_n, *more_block_ns):
+def _kv_views(k, v, block_n, *more_block_ns, bind=NOW):
     """TMA descriptors over the 2-D views of `kv_2d_views`, blocks [block_n, d] → (k_desc, v_desc, strides), then a
-    (k_desc, v_desc) pair for each of `more_block_ns` over the same views."""
+    (k_desc, v_desc) pair for each of `more_block_ns` over the same views (`bind`: kernels._launch)."""
     k, v, rows, strides = kv_2d_views(k, v)
     pairs = [
-        tuple(TensorDescriptor(t, [rows, strides[2]], [strides[2], 1], [n, k.shape[3]]) for t in (k, v))
+        tuple(bind.desc(TensorDescriptor, t, [rows, strides[2]], [strides[2], 1], [n, k.shape[3]]) for t in (k, v))
         for n in (block_n, *more_block_ns)
     ]
     return (*pairs[0], strides, *pairs[1:])
@@ -1027,9 +1027,9 @@ def split_lse(lse, q_shape, k_shape, with_self: bool):
     return lse[:cand_rows].view(q_shape[:3]), user
 
 
-def plan_buffers(num_candidates: int, max_tiles: int, device):
-    """(flag [1], order [B], tiles [max_tiles, 4]) int32 views of one allocation, each starting on a
-    16-byte boundary for any B: Triton specializes pointers on 16-byte alignment, so parts whose
+def plan_buffers(num_candidates: int, max_tiles: int, device, recording: Recording | None = None):
+    """(flag [1], order [B], tiles [max_tiles, 4]) int32 views of one allocation (named "plan" in `recording`), each
+    starting on a 16-byte boundary for any B: Triton specializes pointers on 16-byte alignment, so parts whose
     offsets moved with B would compile the kernels again on the request path. Not initialized (no
     fill launch on the host's path): `_plan_kernel` writes the flag, the two words after it (the Gluon
     kernel's item counter and finished-program count, attention_ws DYNAMIC; each launch leaves them
@@ -1037,7 +1037,7 @@ def plan_buffers(num_candidates: int, max_tiles: int, device):
     before the host sees the flag, and an unwritten slot would send it reading out of bounds). `order` entries of out-of-range candidates stay unwritten; no tile refers to them."""
     order_at = 4
     tiles_at = order_at + triton.cdiv(num_candidates, 4) * 4
-    buf = torch.empty(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device)
+    buf = named(recording, "plan", torch.empty(tiles_at + 4 * max_tiles, dtype=torch.int32, device=device))
     return buf[:1], buf[order_at : order_at + num_candidates], buf[tiles_at:].view(max_tiles, 4)
 
 
@@ -1050,19 +1050,27 @@ def plan_tiles(
     seq_len: int = 0,
     users=None,
     host_flag=None,
+    recording: Recording | None = None,
 ):
     """Run `_plan_kernel` → (order [B] int32, tiles [max_tiles, 4] int32, max_tiles, flag [1] int32),
     with max_tiles = B·S // BLOCK_M + U, known without a device→host sync. flag is 1 when a
     mapping value lies outside [0, U) or a kv_len value outside [0, L]. With `users` ([U, 2] int32) each
     user's (first candidate slot in `order`, candidate count) is written there too (the backward's table); with
-    `host_flag` (a pinned host word, `HostFlag.slot`) 1 + the flag too."""
+    `host_flag` (a pinned host word, `HostFlag.slot`) 1 + the flag too; with `recording` the launch is kept for
+    replay (kernels._launch)."""
     num_candidates = cand_to_user.shape[0]
     max_tiles = num_candidates * num_queries // block_m + num_users
-    flag, order, tiles = plan_buffers(num_candidates, max_tiles, cand_to_user.device)
-    _plan_launch[(num_users,)](
-        cand_to_user, cand_to_user if kv_len is None else kv_len, order, tiles, flag,
-        flag if users is None else users, flag if host_flag is None else host_flag,
-        num_candidates, num_users, seq_len, num_queries,
+    flag, order, tiles = plan_buffers(num_candidates, max_tiles, cand_to_user.device, recording)
+
+    def build(bind):
+        return (
+            bind.ptr(cand_to_user), bind.ptr(cand_to_user if kv_len is None else kv_len), bind.ptr(order),
+            bind.ptr(tiles), bind.ptr(flag), bind.ptr(flag if users is None else users),
+            bind.ptr(flag if host_flag is None else host_flag), num_candidates, num_users, seq_len, num_queries,
+        )  # fmt: skip
+
+    launch(
+        _plan_launch, (num_users,), build, recording,
         HAS_KV_LEN=kv_len is not None, BLOCK_M=block_m, CHUNK=64 if interpreting() else 1024,
         HAS_USERS=users is not None, HOST_FLAG=host_flag is not None, num_warps=4,
     )  # fmt: skip
@@ -1072,7 +1080,7 @@ def plan_tiles(
 # fmt: off
 def _launch(
     q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, config=None, out=None, user_out=None, plan=None,
-    host_flag=None, lse=None,
+    host_flag=None, lse=None, recording=None,
 ):
     """Triton path. q [B, H, S, d] (B may be 0), k/v [U, H, L, d] (U ≥ 1), kv_len [U] int32/int64 or
     None; with user_q [U, H, L, d] the self-attention tiles run in the same grid. `out` / `user_out`
@@ -1081,13 +1089,15 @@ def _launch(
     there too.
     With `lse` (fp32, `lse_size` elements) the rows' log-sum-exp for the backward goes there: the candidate rows
     [B, H, S] first, then the user rows [U, H, L] (`split_lse`); the Gluon kernel writes it where it runs, into
-    contiguous outputs. Nothing here waits for the device.
+    contiguous outputs. With `recording` the launches are kept for replay (kernels._launch). Nothing here waits for
+    the device.
     Returns (out, user_out or None, flag): flag [1] int32 is 1 when an index value was out of range."""
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if out is None:
+        out = named(recording, "out", torch.empty_like(q, memory_format=torch.contiguous_format))
     if user_q is not None and user_out is None:
-        user_out = torch.empty_like(user_q, memory_format=torch.contiguous_format)
+        user_out = named(recording, "user_out", torch.empty_like(user_q, memory_format=torch.contiguous_format))
     if config is None:
         dims = (heads, seq_len, num_queries, head_dim, user_q is not None)
         config = tuned_config("attention", q.device, q.dtype, dims, num_users, num_candidates)
@@ -1108,7 +1118,7 @@ def _launch(
         if takes_ws and (user_q is None or self_target_ws_ok(q, out, user_q, user_out)):
             out, flag = launch_ws(
                 q, k, v, cand_to_user, kv_len, scale, out=out, host_flag=host_flag, user_q=user_q, user_out=user_out,
-                causal=causal, lse=lse,
+                causal=causal, lse=lse, recording=recording,
             )
             return out, user_out, flag
     if config == WS_CHOICE:
@@ -1117,9 +1127,13 @@ def _launch(
         rows_per_user = num_candidates * num_queries / num_users + (0 if user_q is None else seq_len)
         config = pick_config(rows_per_user, interpreting())
     if plan is None:
-        plan = plan_tiles(cand_to_user, num_users, num_queries, config.block_m, kv_len, seq_len, host_flag=host_flag)
+        plan = plan_tiles(
+            cand_to_user, num_users, num_queries, config.block_m, kv_len, seq_len, host_flag=host_flag,
+            recording=recording,
+        )  # fmt: skip
     order, tiles, max_tiles, flag = plan
     if heads * seq_len == 0 or (num_candidates == 0 and user_q is None):
+        fail(recording)
         out.zero_()
         if lse is not None:
             lse.fill_(float("inf"))
@@ -1127,28 +1141,34 @@ def _launch(
     q = q if q.stride(-1) == 1 else q.contiguous()  # queries are gathered by rows: any other stride
     if user_q is not None and user_q.stride(-1) != 1:
         user_q = user_q.contiguous()
-    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_views(k, v, config.block_n)
     num_self_tiles = 0 if user_q is None else num_users * triton.cdiv(seq_len, config.block_m)
     num_target_tiles = max_tiles if num_candidates else 0  # empty slots read q[0]: needs a candidate
     num_tiles = num_self_tiles + num_target_tiles
     grid = (num_tiles, heads)
     uq, uo = (q, out) if user_q is None else (user_q, user_out)
     cand_lse, user_lse = (out, out) if lse is None else split_lse(lse, q.shape, k.shape, user_q is not None)
-    _attention_launch[grid](
-        q, q.stride(0), q.stride(1), q.stride(2),
-        out, out.stride(0), out.stride(1), out.stride(2),
-        uq, uq.stride(0), uq.stride(1), uq.stride(2),
-        uo, uo.stride(0), uo.stride(1), uo.stride(2),
-        cand_lse, cand_lse if user_lse is None else user_lse,
-        k_desc, v_desc, stride_ku, stride_kh, stride_kl,
-        order if kv_len is None else kv_len, order, tiles,
-        num_users, seq_len, num_queries,
-        num_self_tiles, scale * LOG2E,
+
+    def build(bind):
+        k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_views(k, v, config.block_n, bind=bind)
+        return (
+            bind.ptr(q), q.stride(0), q.stride(1), q.stride(2),
+            bind.ptr(out), out.stride(0), out.stride(1), out.stride(2),
+            bind.ptr(uq), uq.stride(0), uq.stride(1), uq.stride(2),
+            bind.ptr(uo), uo.stride(0), uo.stride(1), uo.stride(2),
+            bind.ptr(cand_lse), bind.ptr(cand_lse if user_lse is None else user_lse),
+            k_desc, v_desc, stride_ku, stride_kh, stride_kl,
+            bind.ptr(order if kv_len is None else kv_len), bind.ptr(order), bind.ptr(tiles),
+            num_users, seq_len, num_queries,
+            num_self_tiles, scale * LOG2E,
+        )
+
+    launch(
+        _attention_launch, grid, build, recording,
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HAS_SELF=user_q is not None, CAUSAL=causal, HAS_KV_LEN=kv_len is not None, WRITE_LSE=lse is not None,
         NUM_STAGES=config.num_stages, WARP_SPECIALIZE=config.warp_specialize,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
-    )  # fmt: skip
+    )
     return out, user_out, flag
 # fmt: on
 
@@ -1322,25 +1342,61 @@ def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+_REPLAYS: dict = {}  # `_signature` → the Replay of `_triton_op`'s recorded launch path (kernels._launch)
+
+
+def _signature(q, k, v, cand_to_user, kv_len, scale, user_q, causal, with_lse) -> tuple:
+    """What `_launch`'s decisions depend on, the addresses aside: shapes, strides, dtypes and device, each input's
+    address modulo 16 (Triton's pointer specialization, the TMA and row-copy paths), the options, the tuned
+    configs' version."""
+    inputs = (q, k, v, cand_to_user, kv_len, user_q)
+    return (
+        *(None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs),
+        k.device, scale, causal, with_lse, tuned_version(),
+    )  # fmt: skip
+
+
 def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, with_lse=False):
     """The Triton path of the forward ops → (out, user_out or None, lse: `lse_size` fp32 elements with_lse, else
     None). No wait for the device: on CUDA the plan kernel writes its range flag to pinned host memory and its
     check (the ValueError naming the bad value) is deferred (kernels._common.DEFERRED: raised by a later IKBO
     call, `check_deferred()`, or at once in strict mode). Not while a CUDA graph is being captured: values are
     then the caller's to check; the kernels still read nothing out of bounds (bad rows are left unwritten,
-    kv_len is clamped). Under the interpreter (CPU tensors) the check is synchronous."""
+    kv_len is clamped). Under the interpreter (CPU tensors) the check is synchronous.
+    A CUDA call whose `_signature` was seen before replays that call's launches (kernels._launch): the same
+    kernels and integer arguments, this call's addresses."""
     num_candidates, num_users, seq_len, device = q.shape[0], k.shape[0], k.shape[2], k.device
-    lse = None
-    if with_lse:
-        lse = torch.empty(lse_size(q.shape, k.shape, user_q is not None), dtype=torch.float32, device=device)
     if num_users == 0:  # no users: every candidate's mapping value is out of range
         check_mapping(cand_to_user, num_candidates, num_users, device)
         user_out = None if user_q is None else user_q.new_zeros(user_q.shape)
+        lse = None
+        if with_lse:
+            lse = torch.empty(lse_size(q.shape, k.shape, user_q is not None), dtype=torch.float32, device=device)
         return q.new_zeros(q.shape), user_out, lse
     capturing = _capturing(device)
     host_flag = HostFlag(device) if device.type == "cuda" and not capturing else None
-    slot = None if host_flag is None else host_flag.slot
-    out, user_out, flag = _launch(q, k, v, cand_to_user, kv_len, scale, user_q, causal, host_flag=slot, lse=lse)
+    inputs = dict(q=q, k=k, v=v, cand_to_user=cand_to_user, kv_len=kv_len, user_q=user_q)
+    key = entry = recording = None
+    if host_flag is not None and replayable() and host_flag.device == torch.cuda.current_device():
+        key = _signature(q, k, v, cand_to_user, kv_len, scale, user_q, causal, with_lse)
+        entry = _REPLAYS.get(key)
+    if entry is not None:
+        made = entry(host_flag.stream, device, {**inputs, "host_flag": host_flag.address})
+        out, user_out, lse = made["out"], made.get("user_out"), made.get("lse")
+    else:
+        if key is not None:
+            recording = Recording(**inputs, host_flag=host_flag.slot)
+        lse = None
+        if with_lse:
+            lse = torch.empty(lse_size(q.shape, k.shape, user_q is not None), dtype=torch.float32, device=device)
+            named(recording, "lse", lse)
+        slot = None if host_flag is None else host_flag.slot
+        out, user_out, flag = _launch(
+            q, k, v, cand_to_user, kv_len, scale, user_q, causal, host_flag=slot, lse=lse, recording=recording
+        )
+        replay = None if recording is None or "out" not in recording.fresh else recording.replay()
+        if replay is not None:
+            remember(_REPLAYS, key, replay)
     if host_flag is not None:
         DEFERRED.defer(host_flag, partial(raise_bad_mapping, cand_to_user, num_users, kv_len=kv_len, seq_len=seq_len))
     elif not capturing:

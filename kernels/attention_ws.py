@@ -76,7 +76,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import _hopper
 from . import attention as _attn
 from ._hopper import GLUON_TYPES, smem_layout
-from ._launch import CachedLaunch
+from ._launch import NOW, CachedLaunch, Recording, fail, launch, named
 
 WS_HEAD_DIMS = (64, 128)
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M)
@@ -1062,12 +1062,12 @@ def prefer_ws(q: torch.Tensor, k: torch.Tensor, kv_len: torch.Tensor | None = No
     return ws_supported(q, k) and preferred_shape(q.shape[0], k.shape[0], q.shape[2], k.shape[2])
 
 
-def _kv_descriptors(k, v, block_n):
-    """Gluon TMA descriptors over attention.kv_2d_views → (k_desc, v_desc, strides)."""
+def _kv_descriptors(k, v, block_n, bind=NOW):
+    """Gluon TMA descriptors over attention.kv_2d_views → (k_desc, v_desc, strides) (`bind`: kernels._launch)."""
     k, v, rows, strides = _attn.kv_2d_views(k, v)
     block = [block_n, k.shape[3]]
     layout = smem_layout(tuple(block), k.dtype)
-    descs = [TensorDescriptor(t, [rows, strides[2]], [strides[2], 1], block, layout) for t in (k, v)]
+    descs = [bind.desc(TensorDescriptor, t, [rows, strides[2]], [strides[2], 1], block, layout) for t in (k, v)]
     return descs[0], descs[1], strides
 
 
@@ -1089,12 +1089,13 @@ def self_rows_by_tma(user_q: torch.Tensor, user_out: torch.Tensor) -> bool:
     return _attn.rows_by_tma(user_q, user_out, 64)
 
 
-def _row_descriptors(q: torch.Tensor, out: torch.Tensor):
+def _row_descriptors(q: torch.Tensor, out: torch.Tensor, bind=NOW):
     """[B·H·S, d] views of q and out with [64, d] blocks (the q buffers' layout)."""
     head_dim = q.shape[3]
     layout = smem_layout((64, head_dim), q.dtype)
     return [
-        TensorDescriptor(t, [t.numel() // head_dim, head_dim], [head_dim, 1], [64, head_dim], layout) for t in (q, out)
+        bind.desc(TensorDescriptor, t, [t.numel() // head_dim, head_dim], [head_dim, 1], [64, head_dim], layout)
+        for t in (q, out)
     ]
 
 
@@ -1125,6 +1126,7 @@ def launch_ws(
     user_out=None,
     causal: bool = True,
     lse=None,
+    recording: Recording | None = None,
 ):
     """Target attention through `_attention_ws_kernel` for inputs that passed ikbo_attention's checks
     and `ws_supported`. q [B, H, S, d], k/v [U, H, L, d] (U ≥ 1); `plan` from
@@ -1135,7 +1137,7 @@ def launch_ws(
     run in the same launch over the same K/V, as `attention.ikbo_self_target_attention`. q or out rows
     that are not 16-byte aligned go through aligned copies. With `lse` (fp32, `attention.lse_size` elements; out
     and user_out contiguous) the rows' log-sum-exp for the backward goes there, as `attention._launch` writes it.
-    Nothing here waits for the device.
+    With `recording` (kernels._launch) the launches are kept for replay. Nothing here waits for the device.
     Returns (out, flag): flag [1] int32 is 1 when an index value was out of range."""
     cfg = config or DEFAULT_CONFIG
     if user_q is not None and user_out is None:
@@ -1146,11 +1148,15 @@ def launch_ws(
         raise ValueError("launch_ws: lse is written at the rows of contiguous out and user_out")
     num_candidates, heads, num_queries, head_dim = q.shape
     num_users, _, seq_len, _ = k.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if out is None:
+        out = named(recording, "out", torch.empty_like(q, memory_format=torch.contiguous_format))
     if plan is None:
-        plan = _attn.plan_tiles(cand_to_user, num_users, num_queries, TILE_M, kv_len, seq_len, host_flag=host_flag)
+        plan = _attn.plan_tiles(
+            cand_to_user, num_users, num_queries, TILE_M, kv_len, seq_len, host_flag=host_flag, recording=recording
+        )
     order, tiles, max_tiles, flag = plan
     if heads * seq_len * num_candidates * num_queries == 0:
+        fail(recording)
         if user_q is not None:
             user_out.zero_()
         if lse is not None:
@@ -1161,25 +1167,33 @@ def launch_ws(
     dest = out if _rows_aligned(out) else torch.empty_like(q, memory_format=torch.contiguous_format)
     if user_q is not None:
         cfg = _for_self_tiles(cfg)
-    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n)
     num_self_tiles = 0 if user_q is None else num_users * triton.cdiv(seq_len, TILE_M)
     num_items = (num_self_tiles + max_tiles) * heads
     grid = (min(num_items, num_programs or cfg.programs_per_sm * _hopper.device_info(q.device)[1]),)
     uq, uo = (q, dest) if user_q is None else (user_q, user_out)
     elem = q.element_size()
     rows_tma = rows_by_tma(q, dest) and (user_q is None or self_rows_by_tma(user_q, user_out))
-    q_desc, o_desc = _row_descriptors(q, dest) if rows_tma else (k_desc, k_desc)
-    uq_desc, uo_desc = _row_descriptors(user_q, user_out) if rows_tma and user_q is not None else (q_desc, o_desc)
-    _attention_ws_launch[grid](
-        q, q.stride(0), q.stride(1), q.stride(2),
-        dest, dest.stride(0), dest.stride(1), dest.stride(2),
-        k_desc, v_desc, stride_ku, stride_kh, stride_kl,
-        order if kv_len is None else kv_len, order, tiles, flag,
-        num_items, num_self_tiles + max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
-        (uq.data_ptr() - q.data_ptr()) // elem, uq.stride(0), uq.stride(1), uq.stride(2),
-        (uo.data_ptr() - dest.data_ptr()) // elem, uo.stride(0), uo.stride(1), uo.stride(2),
-        num_users, num_self_tiles, q_desc, o_desc, uq_desc, uo_desc,
-        flag if lse is None else lse, num_candidates * heads * num_queries,
+
+    def build(bind):
+        k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.block_n, bind)
+        q_desc, o_desc = _row_descriptors(q, dest, bind) if rows_tma else (k_desc, k_desc)
+        uq_desc, uo_desc = (
+            _row_descriptors(user_q, user_out, bind) if rows_tma and user_q is not None else (q_desc, o_desc)
+        )
+        return (
+            bind.ptr(q), q.stride(0), q.stride(1), q.stride(2),
+            bind.ptr(dest), dest.stride(0), dest.stride(1), dest.stride(2),
+            k_desc, v_desc, stride_ku, stride_kh, stride_kl,
+            bind.ptr(order if kv_len is None else kv_len), bind.ptr(order), bind.ptr(tiles), bind.ptr(flag),
+            num_items, num_self_tiles + max_tiles, seq_len, num_queries, scale * _attn.LOG2E,
+            bind.diff(uq, q, elem), uq.stride(0), uq.stride(1), uq.stride(2),
+            bind.diff(uo, dest, elem), uo.stride(0), uo.stride(1), uo.stride(2),
+            num_users, num_self_tiles, q_desc, o_desc, uq_desc, uo_desc,
+            bind.ptr(flag if lse is None else lse), num_candidates * heads * num_queries,
+        )  # fmt: skip
+
+    launch(
+        _attention_ws_launch, grid, build, recording,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.stages,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=causal,

@@ -36,6 +36,12 @@ class TileConfig:
 
 # (op, device, dtype, *dims) → lookup(U, B) → the op's tuned choice, or None for its heuristics
 _TUNED: dict = {}
+_VERSION = [0]  # changes with every change of _TUNED (the ops' replayed launches are keyed on it)
+
+
+def tuned_version() -> int:
+    """A number that changes whenever a tuned choice is set or removed."""
+    return _VERSION[0]
 
 
 def set_tuned_configs(op: str, device, dtype: torch.dtype, dims: tuple, lookup) -> None:
@@ -44,6 +50,7 @@ def set_tuned_configs(op: str, device, dtype: torch.dtype, dims: tuple, lookup) 
     with self-attention) → TileConfig or `attention.WS_CHOICE`. Where it returns None the op's heuristics decide.
     `lookup=None` removes it."""
     key = (op, torch.device(device), dtype, *dims)
+    _VERSION[0] += 1
     if lookup is None:
         _TUNED.pop(key, None)
     else:
@@ -60,4 +67,5 @@ def tuned_config(op: str, device: torch.device, dtype: torch.dtype, dims: tuple,
 
 def clear_tuned_configs() -> None:
     """Remove every tuned choice: the ops use their heuristics again."""
+    _VERSION[0] += 1
     _TUNED.clear()

@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import attention, check_deferred, ikbo_attention, ikbo_self_target_attention, strict_checks
+from kernels import _launch, attention, check_deferred, ikbo_attention, ikbo_self_target_attention, strict_checks
 from kernels._interpreter import interpreting
 from kernels.configs import TileConfig
 from kernels.reference import attention_reference, self_attention_reference
@@ -331,8 +331,8 @@ def _poisoned_plan_buffers(monkeypatch):
     attention kernels read must come from the plan kernel."""
     real = attention.plan_buffers
 
-    def poisoned(num_candidates, max_tiles, device):
-        parts = real(num_candidates, max_tiles, device)
+    def poisoned(num_candidates, max_tiles, device, recording=None):
+        parts = real(num_candidates, max_tiles, device, recording)
         parts[0].as_strided((parts[0].untyped_storage().nbytes() // 4,), (1,)).fill_(0x5A5A5A5A)
         return parts
 
@@ -505,6 +505,46 @@ def test_cuda_self_target_attention(case, dtype):
     sample = torch.randperm(num_candidates, generator=gen)[:8].to(q.device)  # the loop reference on a few
     sub_ref = attention_reference(q[sample], k, v, cand_to_user[sample], kv_len)
     assert_rows_close(out[sample], sub_ref, rtol=HALF_TOL, atol=0.0)
+
+
+@cuda_only
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "U{}-B{}-S{}-L{}-H{}-d{}-{}-{}".format(*c))
+def test_cuda_replayed_calls(case, monkeypatch):
+    """A call whose signature was seen before replays that call's launches with its own addresses (kernels._launch):
+    three rounds of fresh inputs (new allocations) through both ops, each against fp64; then a bad mapping value in
+    a replayed call raises at check_deferred() and the next call is right."""
+    num_users, num_candidates, num_queries, seq_len, heads, head_dim, ragged, layout = case
+    replays = []
+    real = _launch.Replay.__call__
+    monkeypatch.setattr(_launch.Replay, "__call__", lambda *args: replays.append(1) or real(*args))
+    attention._REPLAYS.clear()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+
+    def inputs():
+        mapping = torch.randint(0, num_users, (num_candidates,), generator=gen)
+        lengths = torch.randint(0, seq_len + 1, (num_users,), generator=gen).tolist()
+        p = dict(num_users=num_users, mapping=mapping.tolist(), num_queries=num_queries, seq_len=seq_len,
+                 heads=heads, head_dim=head_dim, kv_len=lengths if ragged else None, scale=None,
+                 index_dtype=torch.int64, layout=layout, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # fmt: skip
+        return make_inputs(p, torch.bfloat16, "cuda")
+
+    for _ in range(3):
+        q, k, v, user_q, cand_to_user, kv_len = inputs()
+        cand_ref, user_ref = _fp64_on_device(q, k, v, cand_to_user, kv_len, user_q)
+        assert_rows_close(ikbo_attention(q, k, v, cand_to_user, kv_len), cand_ref, rtol=HALF_TOL, atol=0.0)
+        user_out, cand_out = ikbo_self_target_attention(user_q, q, k, v, cand_to_user, kv_len)
+        assert_rows_close(cand_out, cand_ref, rtol=HALF_TOL, atol=0.0)
+        assert_rows_close(user_out, user_ref, rtol=HALF_TOL, atol=0.0)
+    if layout == "bhsd":  # separate q, k, v (the fused layout shares one storage: never recorded)
+        assert len(replays) >= 2
+    bad = cand_to_user.clone()
+    bad[num_candidates // 2] = num_users
+    ikbo_attention(q, k, v, bad, kv_len)
+    with pytest.raises(ValueError, match=r"^cand_to_user"):
+        check_deferred()
+    q, k, v, user_q, cand_to_user, kv_len = inputs()
+    cand_ref, _ = _fp64_on_device(q, k, v, cand_to_user, kv_len)
+    assert_rows_close(ikbo_attention(q, k, v, cand_to_user, kv_len), cand_ref, rtol=HALF_TOL, atol=0.0)
 
 
 # the canonical shape's tiles (128 × 64, 8 warps, ≤ 128 registers) with the register cap off and with 32-key blocks,

@@ -115,3 +115,109 @@ def test_the_key_table_stays_bounded(kernel, monkeypatch):
     for block in range(10):
         launch[(1,)](torch.randn(4), 3, 0.5, BLOCK=block, FLAG=False)
     assert len(launch.compiled) <= 4
+
+
+# ---------------------------------------------------------------------------------------------- recorded launches
+
+
+class Launcher:
+    """A compiled kernel's launcher surface: the C launcher (`launch`, here recording its arguments) and options."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, calls):
+        self.launch = lambda *args: calls.append(args)
+
+
+class RawCompiled(Compiled):
+    class metadata:
+        tensordesc_meta = [{"swizzle": 3, "elem_size": 4, "elem_type": 7, "block_size": [8, 4], "fp4_padded": False}]
+
+    def __init__(self, launches, raw_calls):
+        super().__init__(launches)
+        self.run = Launcher(raw_calls)
+
+
+class DescKernel(StandInKernel):
+    """A kernel taking (x_ptr, out_ptr, x_desc, offset, n, BLOCK)."""
+
+    def __init__(self):
+        super().__init__()
+        self.raw_calls = []
+
+    @staticmethod
+    def fn(x_ptr, out_ptr, x_desc, offset, n, BLOCK):
+        """The kernel's signature."""
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launches.append(("triton", grid, args, kwargs))
+            return RawCompiled(self.launches, self.raw_calls)
+
+        return run
+
+
+class HostDesc:
+    def __init__(self, base, shape, strides, block):
+        self.base, self.shape, self.strides, self.block_shape = base, shape, strides, block
+
+
+def _record(launch, recording, x, out, user):
+    def build(bind):
+        desc = bind.desc(HostDesc, x, [x.shape[0], 4], [4, 1], [8, 4])
+        return (bind.ptr(x[2:]), bind.ptr(out), desc, bind.diff(user, x, 4), x.shape[0])
+
+    return _launch.launch(launch, (3,), build, recording, BLOCK=16)
+
+
+def test_a_recorded_launch_replays_with_the_new_calls_addresses(monkeypatch):
+    monkeypatch.setattr(_launch, "interpreting", lambda: False)
+    monkeypatch.setattr(_launch, "driver", StandInDriver())
+    monkeypatch.setattr(_launch, "_encode", lambda address, meta, shape, strides: ("map", address, shape, strides))
+    kernel = DescKernel()
+    x, user = torch.randn(64), torch.randn(40)
+    recording = _launch.Recording(x=x, user=user)
+    out = torch.empty(16)
+    recording.name("out", out)
+    _record(_launch.CachedLaunch(kernel), recording, x, out, user)
+    assert not recording.failed and recording.fresh == {"out": ((16,), torch.float32)}
+    (prepared,) = recording.steps
+    new = {"x": 1 << 20, "user": (1 << 20) + 4 * 1000, "out": 1 << 30}  # other addresses, another offset of user
+    prepared(55, new)
+    (call,) = kernel.raw_calls
+    assert call[:13] == (3, 1, 1, 55, "function", False, False, None, None, "metadata", None, None, None)
+    x_map = ("map", new["x"], (64, 4), (4, 1))
+    assert call[13:] == (new["x"] + 8, new["out"], x_map, 64, 4, 4, 1, 1000, 64, 16)
+
+
+def test_a_launch_path_that_a_replay_cannot_repeat_keeps_nothing(monkeypatch):
+    monkeypatch.setattr(_launch, "interpreting", lambda: False)
+    monkeypatch.setattr(_launch, "driver", StandInDriver())
+    kernel = DescKernel()
+    x, user = torch.randn(64), torch.randn(40)
+    unnamed = _launch.Recording(x=x, user=user)  # out not named: a copy made for this call, say
+    _record(_launch.CachedLaunch(kernel), unnamed, x, torch.empty(16), user)
+    assert unnamed.failed and unnamed.replay() is None
+    aliased = _launch.Recording(x=x, user=x[8:48])  # two names over one storage
+    assert aliased.failed
+    filled = _launch.Recording(x=x, user=user)
+    _launch.fail(filled)
+    assert filled.failed
+    assert len(kernel.launches) == 1  # the launch itself ran
+
+
+def test_a_recorded_torch_call_replays_on_the_new_calls_tensors():
+    a, b = torch.randn(3, 4), torch.randn(4, 2)
+    recording = _launch.Recording(a=a, b=b)
+    out = torch.empty(3, 2)
+    recording.name("out", out)
+    recording.call(torch.matmul, a, b, out=out)
+    torch.testing.assert_close(out, a.double().matmul(b.double()).float())
+    replay = recording.replay()
+    a2, b2 = torch.randn(3, 4), torch.randn(4, 2)
+    made = replay(0, "cpu", {"a": a2, "b": b2})
+    torch.testing.assert_close(made["out"], a2.double().matmul(b2.double()).float())
+    unnamed = _launch.Recording(a=a)
+    unnamed.call(torch.matmul, a, b)  # b is not one of the call's named tensors
+    assert unnamed.replay() is None
