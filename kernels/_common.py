@@ -19,7 +19,7 @@ import triton.language as tl
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ._interpreter import interpreting
-from ._launch import CachedLaunch
+from ._launch import CachedLaunch, launch
 
 BACKENDS = ("auto", "torch", "triton")
 INDEX_TYPES = (torch.int32, torch.int64)
@@ -330,12 +330,13 @@ def selection_matrix(cand_to_user: torch.Tensor, num_users: int, dtype: torch.dt
     )
 
 
-def check_mapping_values(cand_to_user: torch.Tensor, num_users: int) -> None:
+def check_mapping_values(cand_to_user: torch.Tensor, num_users: int, recording=None) -> None:
     """The value check of `check_mapping` without a host wait on CUDA: on the CPU (and inside a CUDA-graph
     capture, where the caller checks) as `check_mapping`; on CUDA one program compares the mapping with [0, U)
     behind the caller's kernels and writes its verdict to pinned host memory (`HostFlag`), checked when it has
     arrived (`DEFERRED`; at once in strict mode). The kernels that run before the check must clamp or skip
-    out-of-range values."""
+    out-of-range values. With `recording` (kernels._launch) the check's launch is kept for replay, its host word named
+    "host_flag"."""
     num_candidates = cand_to_user.shape[0]
     if not cand_to_user.is_cuda:
         check_mapping(cand_to_user, num_candidates, num_users, cand_to_user.device)
@@ -345,7 +346,9 @@ def check_mapping_values(cand_to_user: torch.Tensor, num_users: int) -> None:
     if num_users == 0:
         raise ValueError(f"cand_to_user: {num_candidates} candidates but no users (U = 0)")
     flag = HostFlag(cand_to_user.device)
-    index_check(cand_to_user, num_users - 1, flag.slot)
+    if recording is not None:
+        recording.tensors["host_flag"] = flag.slot
+    index_check(cand_to_user, num_users - 1, flag.slot, recording)
     DEFERRED.defer(flag, functools.partial(raise_bad_mapping, cand_to_user, num_users))
 
 
@@ -377,12 +380,16 @@ def _index_check_kernel(values_ptr, n, stride, high, flag_ptr, BLOCK: tl.constex
 _index_check_launch = CachedLaunch(_index_check_kernel)
 
 
-def index_check(values: torch.Tensor, high: int, flag: torch.Tensor) -> None:
+def index_check(values: torch.Tensor, high: int, flag: torch.Tensor, recording=None) -> None:
     """flag[0] = 1 + (any value of a non-empty 1-D int32/int64 tensor outside [0, high]), in one launch; `flag` a
     pinned host word (`HostFlag.slot`) or a device tensor. One program walks the values (about a microsecond per
     4,096 on the H200), far below the kernels a batch that size feeds."""
     block = 256 if interpreting() else 4096
-    _index_check_launch[(1,)](values, values.shape[0], values.stride(0), high, flag, BLOCK=block, num_warps=8)
+
+    def build(bind):
+        return bind.ptr(values), values.shape[0], values.stride(0), high, bind.ptr(flag)
+
+    launch(_index_check_launch, (1,), build, recording, BLOCK=block, num_warps=8)
 
 
 @triton.jit

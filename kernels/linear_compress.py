@@ -65,6 +65,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
+    DEFERRED,
+    HostFlag,
     add_user_rows,
     backward_call,
     check_mapping_shape,
@@ -73,13 +75,14 @@ from ._common import (
     check_tensor,
     eager_function,
     poll_deferred,
+    raise_bad_mapping,
     resolve_backend,
     route,
     tma_ok,
 )
 from ._interpreter import interpreting
-from ._launch import CachedLaunch
-from .configs import TileConfig, tuned_config
+from ._launch import CachedLaunch, Recording, fail, named, remember, replayable
+from .configs import TileConfig, tuned_config, tuned_version
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_TYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -775,13 +778,15 @@ class PackedWeights:
         )
 
     def _triton(
-        self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None
-    ):
+        self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None,
+        recording=None,
+    ):  # fmt: skip
         """The Triton path for checked inputs.
 
         `variant` one of VARIANTS or WS_VARIANT; `config` fixes the tile config (benchmarks, tuned configs);
         `out` [B, N, D] and `user_part` [U, N, D] may be given pre-filled (tests poison them with NaN to catch
-        unwritten elements).
+        unwritten elements); with `recording` the warp-specialized path's steps are kept for replay (kernels._launch;
+        the other variants are not recorded).
         """
         _check_variant(variant)
         if config is not None and variant == WS_VARIANT:
@@ -796,14 +801,17 @@ class PackedWeights:
         rows = self.cand_weight.shape[0]
         if out is None:
             out = torch.empty(cand_emb.shape[0], rows, dim, dtype=user_emb.dtype, device=user_emb.device)  # [B, N, D]
+            named(recording, "out", out)
         if out.numel() == 0:
+            fail(recording)
             return out
         if variant == WS_VARIANT:
             from .linear_compress_ws import launch_ws  # Gluon (Hopper); imported on first use
 
             if _ws_runs(user_emb, cand_emb):
-                return launch_ws(self, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part)
+                return launch_ws(self, user_emb, cand_emb, cand_to_user, out=out, user_part=user_part, recording=recording)
             variant = "fused"  # where it does not run: not Hopper, fp32, rows TMA cannot address, Kc = 0, the interpreter
+        fail(recording)
         if user_part is None:
             user_part = torch.empty(num_users if num_user_tokens else 0, rows, dim, dtype=out.dtype, device=out.device)
         if variant == "persistent" and out.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -922,12 +930,48 @@ def _linear_compress(
     checks before each replay); the CPU checks at once.
     """
     poll_deferred()
-    check_mapping_values(cand_to_user, user_emb.shape[0])
+    inputs = dict(
+        user_emb=user_emb, cand_emb=cand_emb, cand_to_user=cand_to_user, user_weight=user_weight,
+        cand_weight=cand_weight, bias=bias, user_weight_padded=user_weight_padded,
+        cand_weight_padded=cand_weight_padded,
+    )  # fmt: skip
+    key = recording = None
+    if _replays_here(user_emb, cand_emb):
+        key = (*(None if t is None else (t.shape, t.stride(), t.data_ptr() % 16) for t in inputs.values()),
+               user_emb.dtype, user_emb.device, backend, variant, tuned_version())  # fmt: skip
+        replay = _REPLAYS.get(key)
+        if replay is not None:
+            flag = HostFlag(user_emb.device)
+            out = replay(flag.stream, user_emb.device, {**inputs, "host_flag": flag.address})["out"]
+            DEFERRED.defer(flag, functools.partial(raise_bad_mapping, cand_to_user, user_emb.shape[0]))
+            return out
+        recording = Recording(**inputs)
+    check_mapping_values(cand_to_user, user_emb.shape[0], recording)
     if _resolve(backend, user_emb) == "torch":
         return _linear_compress_torch(user_emb, cand_emb, cand_to_user, user_weight, cand_weight, bias)
     weights = PackedWeights.of(user_weight, cand_weight, bias, user_weight_padded, cand_weight_padded)
     variant, config = _choose_variant(user_emb, cand_emb, cand_weight.shape[0], variant)
-    return weights._triton(user_emb, cand_emb, cand_to_user, variant, config)
+    out = weights._triton(user_emb, cand_emb, cand_to_user, variant, config, recording=recording)
+    replay = None if recording is None or "out" not in recording.fresh else recording.replay()
+    if replay is not None:
+        remember(_REPLAYS, key, replay)
+    return out
+
+
+_REPLAYS: dict = {}  # call signature → the Replay of `_linear_compress`'s recorded path (kernels._launch)
+
+
+def _replays_here(user_emb, cand_emb) -> bool:
+    """Whether this eager call may replay (or record) its path: CUDA on the current device, not inside a graph
+    capture, candidates and users present."""
+    return (
+        user_emb.is_cuda
+        and replayable()
+        and cand_emb.shape[0] > 0
+        and user_emb.shape[0] > 0
+        and user_emb.device.index == torch.cuda.current_device()
+        and not torch.cuda.is_current_stream_capturing()
+    )
 # fmt: on
 
 
@@ -1382,8 +1426,9 @@ class PackedLinearCompress(torch.nn.Module):
         return self._packed()._flags  # weight descriptors (linear_compress_ws reads them from a packed module)
 
     def _triton(
-        self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None
-    ):
+        self, user_emb, cand_emb, cand_to_user, variant: str, config: TileConfig | None = None, out=None, user_part=None,
+        recording=None,
+    ):  # fmt: skip
         """`PackedWeights._triton` on this module's weights: the Triton path for checked inputs, no autograd, no
         mapping check (tuner, benchmarks, tests)."""
         return self._packed()._triton(user_emb, cand_emb, cand_to_user, variant, config, out, user_part)

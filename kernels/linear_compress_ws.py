@@ -57,7 +57,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import _hopper
 from ._common import tma_ok
 from ._hopper import GLUON_TYPES, SMEM_LIMIT, smem_layout
-from ._launch import CachedLaunch
+from ._launch import NOW, CachedLaunch, Recording, fail, launch, named
 from .linear_compress import PackedWeights
 
 MAX_STAGES = 6
@@ -357,45 +357,43 @@ def ws_supported(user_emb: torch.Tensor, cand_emb: torch.Tensor) -> bool:
     return num_cand_tokens >= 1 and dim * cand_emb.element_size() % 16 == 0 and tma_ok(cand_emb)
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, smem_layout(tuple(block), t.dtype))
+def _descriptor(t: torch.Tensor, block: list[int], bind=NOW) -> TensorDescriptor:
+    return bind.desc(TensorDescriptor, t, list(t.shape), list(t.stride()), block, smem_layout(tuple(block), t.dtype))
 
 
-def _descriptors(packed: PackedWeights, cand_emb, out, user_part, cfg: WSConfig):
-    """W_c (packed, padded; cached on the packed module), cand_emb, Y_u and out descriptors."""
+def _descriptors(packed: PackedWeights, cand_emb, out, user_part, cfg: WSConfig, bind=NOW):
+    """W_c (packed, padded; cached on the packed module for launches now), cand_emb, Y_u and out descriptors."""
     weight = packed.cand_weight_padded
     key = ("ws-desc", weight.data_ptr(), cfg.block_m, cfg.block_k)
-    w_desc = packed._flags.get(key)
+    w_desc = packed._flags.get(key) if bind is NOW else None
     if w_desc is None:
-        w_desc = packed._flags[key] = _descriptor(weight, [cfg.block_m, cfg.block_k])
-    x_desc = _descriptor(cand_emb, [1, cfg.block_k, cfg.block_d])
+        w_desc = _descriptor(weight, [cfg.block_m, cfg.block_k], bind)
+        if bind is NOW:
+            packed._flags[key] = w_desc
+    x_desc = _descriptor(cand_emb, [1, cfg.block_k, cfg.block_d], bind)
     out_block = [1, cfg.block_m, cfg.block_d // 2]
-    out_desc = _descriptor(out, out_block)
-    y_desc = out_desc if user_part is None else _descriptor(user_part, out_block)
+    out_desc = _descriptor(out, out_block, bind)
+    y_desc = out_desc if user_part is None else _descriptor(user_part, out_block, bind)
     return w_desc, x_desc, y_desc, out_desc
 
 
 # fmt: off
 def _launch_kernel(
     packed: PackedWeights, cand_emb, out, user_part, cand_to_user, bias, cfg: WSConfig,
-    num_programs: int | None = None,
+    num_programs: int | None = None, recording=None,
 ):
     """out[b] = W_c @ cand_emb[b] (+ user_part[cand_to_user[b]] when user_part is given) (+ bias)."""
     num_candidates, num_cand_tokens, dim = cand_emb.shape
     rows = out.shape[1]
-    w_desc, x_desc, y_desc, out_desc = _descriptors(packed, cand_emb, out, user_part, cfg)
     num_tiles = num_candidates * triton.cdiv(rows, cfg.block_m) * triton.cdiv(dim, cfg.block_d)
     grid = min(num_programs or _hopper.device_info(out.device)[1], num_tiles)
-    _lce_ws_launch[(grid,)](
-        w_desc,
-        x_desc,
-        y_desc,
-        out_desc,
-        cand_to_user,
-        out if bias is None else bias,
-        num_candidates,
-        rows,
-        dim,
+
+    def build(bind):
+        descriptors = _descriptors(packed, cand_emb, out, user_part, cfg, bind)
+        return (*descriptors, bind.ptr(cand_to_user), bind.ptr(out if bias is None else bias), num_candidates, rows, dim)
+
+    launch(
+        _lce_ws_launch, (grid,), build, recording,
         K_TILES=triton.cdiv(num_cand_tokens, cfg.block_k),
         STAGES=cfg.stages, HAS_USER=user_part is not None, HAS_BIAS=bias is not None, EPI_FREE_AT=cfg.epi_free_at,
         PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
@@ -408,33 +406,39 @@ def launch_ws(
     packed: PackedWeights, user_emb, cand_emb, cand_to_user, out=None, user_part=None,
     config: WSConfig | None = None,
     num_programs: int | None = None,
+    recording: Recording | None = None,
 ) -> torch.Tensor:
     """out [B, N, D] = packed(user_emb, cand_emb, cand_to_user) through this kernel, for inputs that passed
     PackedLinearCompress's checks and `ws_supported`; `packed` a PackedWeights (or a PackedLinearCompress, which
     exposes the same attributes). Two launches: the user GEMM (`user_gemm`, Y_u [U, N, D];
     skipped at Ku = 0) and `_lce_ws_kernel`. `config` overrides the tile config (benchmarks; stages 0 picks the
     deepest ring); `out` and `user_part` may be given pre-filled (tests poison them with NaN); `num_programs`
-    overrides the persistent grid (tests)."""
+    overrides the persistent grid (tests); with `recording` the steps are kept for replay (kernels._launch)."""
     cfg = ws_config(user_emb.shape[2], cand_emb.element_size(), config)
     num_users, num_user_tokens, dim = user_emb.shape
     num_candidates = cand_emb.shape[0]
     rows = packed.cand_weight.shape[0]
     if out is None:
-        out = torch.empty(num_candidates, rows, dim, dtype=cand_emb.dtype, device=cand_emb.device)
+        out = named(recording, "out", torch.empty(num_candidates, rows, dim, dtype=cand_emb.dtype, device=cand_emb.device))
     if out.numel() == 0:
+        fail(recording)
         return out
     if num_user_tokens > 0:
         if user_part is None:
             user_part = torch.empty(num_users, rows, dim, dtype=out.dtype, device=out.device)  # Y_u
-        user_gemm(packed, user_emb, user_part)
+            named(recording, "user_part", user_part)
+        user_gemm(packed, user_emb, user_part, recording)
     else:
         user_part = None
-    _launch_kernel(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, num_programs)
+    _launch_kernel(packed, cand_emb, out, user_part, cand_to_user, packed.bias, cfg, num_programs, recording)
     return out
 # fmt: on
 
 
-def user_gemm(packed: PackedWeights, user_emb, user_part) -> None:
+def user_gemm(packed: PackedWeights, user_emb, user_part, recording: Recording | None = None) -> None:
     """user_part [U, N, D] = W_u @ user_emb[u] for every user: one cuBLAS batched GEMM (W_u broadcast over the U
     users as a stride-0 view; nothing is copied), one Triton launch less on the host than a tile kernel."""
-    torch.matmul(packed.user_weight, user_emb, out=user_part)
+    if recording is None:
+        torch.matmul(packed.user_weight, user_emb, out=user_part)
+    else:
+        recording.call(torch.matmul, packed.user_weight, user_emb, out=user_part)

@@ -393,6 +393,43 @@ def test_gpu_bad_mapping_raises_after_launch(variant, bad):
     assert rel_err(out, ref) <= BF16_TOL, (variant, rel_err(out, ref))
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_replayed_calls(monkeypatch):
+    """A PackedLinearCompress call whose signature was seen before replays that call's steps with its own tensors
+    (kernels._launch): fresh inputs each round against fp64, the module's weights changed in place between rounds,
+    then a bad mapping value in a replayed call raises at check_deferred() and the next call is right."""
+    from kernels import _launch
+
+    replays = []
+    real = _launch.Replay.__call__
+    monkeypatch.setattr(_launch.Replay, "__call__", lambda *args: replays.append(1) or real(*args))
+    num_users, num_candidates, ku, kc, dim, rows = 15, 1024, 64, 96, 128, 256
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    weight = torch.randn(rows, ku + kc, generator=gen).cuda() / (ku + kc) ** 0.5
+    bias = torch.randn(rows, generator=gen).cuda()
+    packed = PackedLinearCompress.from_weight(weight.bfloat16(), ku, bias.bfloat16())
+    for round in range(4):
+        mapping = _ragged_mapping(num_users, num_candidates, gen)
+        case = Case(ku, kc, dim, rows, num_users, mapping, True, torch.int64, int(torch.randint(0, 2**31, (1,), generator=gen)))  # fmt: skip
+        user_emb, cand_emb, cand_to_user, _, _ = make_inputs(case, torch.bfloat16, "cuda")
+        out = packed(user_emb, cand_emb, cand_to_user)
+        full = torch.cat([packed.user_weight, packed.cand_weight], dim=1)
+        ref = linear_compress_reference(user_emb, cand_emb, cand_to_user, full, packed.bias)
+        assert rel_err(out, ref) <= BF16_TOL, (round, rel_err(out, ref))
+        with torch.no_grad():  # an optimizer step's in-place update
+            packed.cand_weight.mul_(-1.5)
+    if torch.cuda.get_device_capability()[0] == 9:  # the warp-specialized path is the one recorded
+        assert len(replays) >= 2
+    wrong = cand_to_user.clone()
+    wrong[num_candidates // 3] = num_users
+    packed(user_emb, cand_emb, wrong)
+    with pytest.raises(ValueError, match=r"^cand_to_user: value 15 is outside"):
+        check_deferred()
+    out = packed(user_emb, cand_emb, cand_to_user)
+    full = torch.cat([packed.user_weight, packed.cand_weight], dim=1)
+    assert rel_err(out, linear_compress_reference(user_emb, cand_emb, cand_to_user, full, packed.bias)) <= BF16_TOL
+
+
 def test_first_fitting_config_is_kept_and_the_last_error_raised(monkeypatch):
     """`_launch_first_fitting` reads configs lazily, launches the first that fits, remembers it under its key (the
     next call tries nothing else), and raises the last OutOfResources where none fits."""
