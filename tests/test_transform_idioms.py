@@ -3049,3 +3049,25 @@ def test_dropout_in_eval_between_softmax_and_values(functional):
     """Dropout in eval between the softmax and the values is the identity: the chain still becomes ikbo_attention
     (users without history keys included)."""
     check(_ProbsDropout(functional), make=request_with_empty_histories, must=("ikbo_attention",))
+
+
+class _ExpandedAsReplica(nn.Module):
+    """RecBole's NARM on a replicated sequence: `mask.unsqueeze(2).expand_as(gru_out)` and
+    `q2.unsqueeze(1).expand_as(q1)`, each a replica expanded to the shape of another replica."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru, self.a_1, self.a_2 = nn.GRU(D, D, batch_first=True), nn.Linear(D, D), nn.Linear(D, D)
+        self.v_t, self.out = nn.Linear(D, 1, bias=False), nn.Linear(D + FC, 1)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        gru_out, _ = self.gru(history[cand_to_user])
+        mask = ids[cand_to_user].gt(0).unsqueeze(2).expand_as(gru_out)
+        q1 = self.a_1(gru_out)
+        q2_expand = self.a_2(gru_out[:, -1]).unsqueeze(1).expand_as(q1)
+        alpha = self.v_t(mask * torch.sigmoid(q1 + q2_expand))
+        return self.out(torch.cat([torch.sum(alpha.expand_as(gru_out) * gru_out, 1), cand], 1))
+
+
+def test_replica_expanded_as_another_replica():
+    check(_ExpandedAsReplica(), must=("GRU",))

@@ -557,8 +557,16 @@ class Rewriter(AttentionRewrites):
             return Plain(node, meta)
         if target in SEQUENCE_OPS and args and isinstance(args[0], Struct):  # torch.stack(torch.split(x, ...))
             args = (list(args[0].items), *args[1:])
-        if target == "expand_as" and len(args) == 2 and isinstance(args[1], Rep) and args[1].row_dim == 0:
-            shape = RepShape(self.emit("call_function", getattr, (args[1].user, "shape")), args[1].mapping, None)
+        if (
+            target == "expand_as"
+            and len(args) == 2
+            and isinstance(args[1], Rep)
+            and args[1].row_dim == 0
+            and isinstance(args[1].meta, Meta)
+        ):
+            shape = RepShape(
+                self.emit("call_function", getattr, (args[1].user, "shape")), args[1].mapping, args[1].meta.shape
+            )
             return self.apply("call_method", "expand", (args[0], shape), {}, meta)  # only the shape of a Rep is read
         if target is torch.tensordot and self._tensordot_is_matmul(args, kwargs):
             op, target, args, kwargs = "call_function", torch.matmul, args[:2], {}
@@ -1677,6 +1685,8 @@ class Rewriter(AttentionRewrites):
             return self.is_count(sizes[0])
         if key == "expand":
             sizes = _sizes(args)
+            if len(sizes) == 1 and isinstance(sizes[0], RepShape):  # x.expand_as(u[m]): the U-row shape of u
+                return isinstance(x, Rep) and x.row_dim == 0 and len(sizes[0].meta) >= xnd
             return bool(sizes) and self.is_count(sizes[0]) and not any(isinstance(s, Rows) for s in sizes[1:])
         if key == "repeat":
             sizes = _sizes(args)
