@@ -3071,3 +3071,23 @@ class _ExpandedAsReplica(nn.Module):
 
 def test_replica_expanded_as_another_replica():
     check(_ExpandedAsReplica(), must=("GRU",))
+
+
+class _Aliases(nn.Module):
+    """Elementwise ops in less common spellings: aliases (`torch.clip`, `torch.multiply`, `torch.subtract`,
+    `torch.true_divide`, `torch.special.expit`), pointwise ops outside the rule tables (`torch.lerp`, `torch.xlogy`,
+    `torch.hypot`) and `F.glu` along the features."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.c, self.out = nn.Linear(FU, 2 * D), nn.Linear(FC, D), nn.Linear(2 * D, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        u = torch.clip(F.glu(self.up(user[cand_to_user]), dim=-1), -2.0, 2.0)
+        u = torch.lerp(u, torch.hypot(u, torch.xlogy(u.abs(), u.abs() + 1)), 0.3)
+        g, c = torch.special.expit(torch.multiply(u, 0.5)), self.c(cand)
+        return self.out(torch.cat([torch.multiply(g, c), torch.true_divide(torch.subtract(u, c), 2.0)], -1))
+
+
+def test_elementwise_ops_known_by_what_they_run():
+    check(_Aliases(), must=("mul of candidate rows with replicated user rows → rows_join", "add_user_rows"))

@@ -32,6 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.fx.node import map_arg
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import ops
@@ -124,6 +125,26 @@ PER_SAMPLE = {
 }  # fmt: skip
 
 
+class _AtenOps(TorchDispatchMode):
+    """Records the ATen ops a call runs (below autograd and composite decompositions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _aten_ops(fn, args, kwargs) -> tuple[list, Any]:
+    """(the ATen ops fn(*args, **kwargs) runs, its value), on copies of the tensors (an in-place op changes none)."""
+    args, kwargs = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), _AtenOps() as recorder:
+        out = fn(*args, **kwargs)
+    return recorder.ops, out
+
+
 def _bitwise_agrees(key, a, b) -> bool:
     """Whether the bitwise join computes `key`: logical_and / logical_or only of two booleans."""
     logical = key in (torch.logical_and, "logical_and", torch.logical_or, "logical_or")
@@ -179,6 +200,7 @@ class Rewriter(AttentionRewrites):
         self.value_checks = True  # checks that read tensor values (a device sync); off for modules CUDA graphs replay
         self.chains: dict = {}  # last node of a matmul-softmax-matmul chain → the chain (attention.Chain)
         self.pending: set = set()  # the chains' inner nodes, rebuilt with their last node
+        self.meanings: dict[fx.Node, tuple] = {}  # node → (its ATen ops on the example, its value)
 
     def _run_example(self):
         """Each captured node's value on the example (tensors copied: later in-place ops do not change them)."""
@@ -454,7 +476,7 @@ class Rewriter(AttentionRewrites):
             copied = self.private_copy(node, mutated)  # run in place: on a copy where x's nodes are shared
             args, kwargs = self._lookup(node.args), self._lookup(node.kwargs)
         self.converted = into
-        out = self.apply(node.op, node.target, args, kwargs, meta)
+        out = self.apply(node.op, self.canonical(node), args, kwargs, meta)
         self.converted |= into
         self.env[node] = out
         if mutated is not None:
@@ -463,6 +485,57 @@ class Rewriter(AttentionRewrites):
 
     def _lookup(self, tree):
         return fmap(tree, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
+
+    def _meaning(self, node) -> tuple[list, Any]:
+        """(the ATen ops the original node runs on the example, its value); ([], None) where it cannot be rerun."""
+        if node not in self.meanings:
+            self.meanings[node] = [], None
+            if node.op in ("call_function", "call_method") and mutated_input(node, self.traced) is None:
+                args, kwargs = map_arg((node.args, node.kwargs), lambda n: self.original[n])
+                fn = node.target if node.op == "call_function" else getattr(type(args[0]), node.target, None)
+                if isinstance(args[0] if args else None, torch.Tensor) or node.op == "call_function":
+                    try:
+                        self.meanings[node] = _aten_ops(fn, args, kwargs)
+                    except Exception:  # a call that does not rerun has no meaning to read
+                        pass
+        return self.meanings[node]
+
+    def pointwise(self, key) -> bool:
+        """Whether the op being rebuilt (`key` its target) is elementwise by what it runs: every ATen op it dispatched
+        on the example is tagged pointwise and none draws random numbers (`torch.clip`, `torch.special.expit`,
+        `torch.lerp`, `x.xlogy(y)`)."""
+        node = self.node
+        if node is None or node.target is not key:
+            return False
+        aten, _ = self._meaning(node)
+        return bool(aten) and all(
+            torch.Tag.pointwise in f.tags and torch.Tag.nondeterministic_seeded not in f.tags for f in aten
+        )
+
+    def canonical(self, node):
+        """The torch function or method that an alias dispatches to, where the node is a spelling of a known
+        elementwise op (`torch.multiply` → `torch.mul`, `torch.subtract` → `torch.sub`, `torch.true_divide` →
+        `torch.div`, `torch.greater` → `torch.gt`): the node runs exactly one ATen op, the function of that name
+        is a known elementwise op, and it gives the node's value on the example with the same arguments; else the
+        node's own target."""
+        known = lambda t: t in ELEMENTWISE_FUNCTIONS or t in ELEMENTWISE_METHODS or t in JOIN_OPS  # noqa: E731
+        if node.op not in ("call_function", "call_method") or known(node.target):
+            return node.target
+        aten, value = self._meaning(node)
+        if len(aten) != 1 or not isinstance(value, torch.Tensor):
+            return node.target
+        name = aten[0].overloadpacket.__name__
+        target = getattr(torch, name, None) if node.op == "call_function" else name
+        if target is None or not known(target):
+            return node.target
+        args, kwargs = map_arg((node.args, node.kwargs), lambda n: self.original[n])
+        fn = target if node.op == "call_function" else getattr(type(args[0]), target, None)
+        try:
+            _, same = _aten_ops(fn, args, kwargs)
+        except Exception:  # other arguments than the alias's: not the same op
+            return node.target
+        agree = isinstance(same, torch.Tensor) and same.dtype == value.dtype and same.shape == value.shape
+        return target if agree and torch.equal(same, value) else node.target
 
     # --- in-place ops --------------------------------------------------------------------------
 
@@ -1600,7 +1673,7 @@ class Rewriter(AttentionRewrites):
             return (
                 is_value(x) and not self.batched(x) and x.meta.ndim == 1 and is_value(values) and self.batched(values)
             )
-        if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS or key in LIKE_FACTORIES:
+        if key in ELEMENTWISE_FUNCTIONS or key in ELEMENTWISE_METHODS or key in LIKE_FACTORIES or self.pointwise(key):
             if not isinstance(meta, Meta) or meta.ndim == 0:
                 return False
             if key in (F.dropout,) and _arg(args, kwargs, 2, "training", True):
@@ -1625,8 +1698,8 @@ class Rewriter(AttentionRewrites):
             dim = _arg(args, kwargs, 2 if key in NORM_REDUCTIONS else 1, "dim")
             dims = dim if isinstance(dim, (tuple, list)) else [dim]
             return dim is not None and all(_off_rows(d, xnd) for d in dims)
-        if key in ("cumsum", "cumprod", torch.cumsum, F.normalize, "flip", torch.flip, "roll", torch.roll):
-            dim = _arg(args, kwargs, 1, "dim", 1 if key is F.normalize else None)
+        if key in ("cumsum", "cumprod", torch.cumsum, F.normalize, F.glu, "flip", torch.flip, "roll", torch.roll):
+            dim = _arg(args, kwargs, 1, "dim", {F.normalize: 1, F.glu: -1}.get(key))
             if key in ("roll", torch.roll):
                 dim = _arg(args, kwargs, 2, "dims")
             dims = dim if isinstance(dim, (tuple, list)) else [dim]
