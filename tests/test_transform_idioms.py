@@ -3091,3 +3091,25 @@ class _Aliases(nn.Module):
 
 def test_elementwise_ops_known_by_what_they_run():
     check(_Aliases(), must=("mul of candidate rows with replicated user rows → rows_join", "add_user_rows"))
+
+
+class _HardSearch(nn.Module):
+    """SIM's hard search: the history positions whose category matches the candidate's, by recency; others get a
+    constant (`torch.full_like` / `zeros_like` of the replicated recency) through `torch.where`, then top-k."""
+
+    def __init__(self, fill):
+        super().__init__()
+        self.fill, self.out = fill, nn.Linear(D + FC, 1)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        recency = torch.arange(1, L + 1).float().expand(ids.shape[0], L) * (ids > 0)
+        hit = ids[cand_to_user] % 3 == (cand[:, :1] > 0).long()  # [B, L]: the candidate's category
+        other = torch.full_like(recency[cand_to_user], -1.0) if self.fill else torch.zeros_like(recency[cand_to_user])
+        top, idx = torch.where(hit, recency[cand_to_user], other).topk(3, dim=1)
+        picked = torch.gather(history[cand_to_user], 1, idx[..., None].expand(-1, -1, D))
+        return self.out(torch.cat([(picked * (top[..., None] > 0)).sum(1), cand], 1))
+
+
+@pytest.mark.parametrize("fill", [True, False])
+def test_where_between_a_replica_and_constant_rows(fill):
+    check(_HardSearch(fill), must=("where of candidate rows with replicated user rows → rows_join",))

@@ -3095,6 +3095,24 @@ class Rewriter(AttentionRewrites):
             return None
         if any(r.row_dim for r in reps):
             return None
+        constant = [r for r in reps if self._equal_rows(r)]
+        if (
+            len(reps) > 1
+            and constant
+            and len(constant) < len(reps)
+            and any(self.batched(v) for v in flat if v not in reps)
+        ):
+            # zeros_like(u[m]) beside u[m] and candidate rows (`where(hit, ts[m], full_like(ts[m], -1))`): every row
+            # of it is the same, so its first row broadcast to the candidates' rows (no copy) is its B-row form
+            rows = next(v for v in flat if v not in reps and self.batched(v) and isinstance(v.meta, Meta))
+            count = self.emit("call_method", "size", (rows.node, 0))
+            broadcast = {}
+            for r in constant:
+                first = self.emit("call_function", operator.getitem, (r.user, slice(0, 1)))
+                node = self.emit("call_method", "expand", (first, count, *[-1] * (r.meta.ndim - 1)))
+                broadcast[r] = Plain(node, r.meta, True)
+            swap = lambda v: broadcast.get(v, v) if isinstance(v, Rep) else v  # noqa: E731
+            return self.apply(op, key, fmap(args, swap), fmap(kwargs, swap), meta)
         mapping = reps[0].mapping
         if mapping.heads is not None and (key is SDPA or key in ADD_SUB):
             return None  # attention kernels and sums take rows of candidates, not of their heads
@@ -3158,6 +3176,14 @@ class Rewriter(AttentionRewrites):
             f"{self.where()}: {_name(key)} of candidate rows with replicated user rows → rows_join (user rows read per tile)"
         )
         return self.candidate_rows(node, meta, mapping)
+
+    def _equal_rows(self, rep) -> bool:
+        """Every row of the Rep's user tensor is the same: a zeros / ones / full factory (`*_like`, `new_*`)."""
+        node = rep.user
+        return isinstance(node, fx.Node) and (
+            node.op == "call_function" and node.target in (*EQUAL_FACTORIES, torch.zeros_like, torch.ones_like, torch.full_like)
+            or node.op == "call_method" and node.target in ("new_zeros", "new_ones", "new_full")
+        )  # fmt: skip
 
     def _join_op(self, key, args, kwargs, rep, cands):
         """(rows_join op name, candidate operand, condition) for an elementwise op of one user and one
