@@ -3113,3 +3113,24 @@ class _HardSearch(nn.Module):
 @pytest.mark.parametrize("fill", [True, False])
 def test_where_between_a_replica_and_constant_rows(fill):
     check(_HardSearch(fill), must=("where of candidate rows with replicated user rows → rows_join",))
+
+
+class _BmmAttention(nn.Module):
+    """Target attention with `torch.bmm` (DeepCTR-Torch's and DSIN's spelling): scores [B, 1, L], a key mask by
+    `masked_fill(-1e9)`, softmax, `bmm` by the values."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method, self.q, self.out = method, nn.Linear(FC, D), nn.Linear(D, 1)
+
+    def forward(self, history, ids, cand, cand_to_user):
+        keys, q = history[cand_to_user], self.q(cand).unsqueeze(1)
+        scores = q.bmm(keys.transpose(1, 2)) if self.method else torch.bmm(q, keys.transpose(1, 2))
+        scores = (scores / math.sqrt(D)).masked_fill((ids[cand_to_user] == 0).unsqueeze(1), -1e9)
+        weights = torch.softmax(scores, dim=-1)
+        return self.out((weights.bmm(keys) if self.method else torch.bmm(weights, keys)).squeeze(1))
+
+
+@pytest.mark.parametrize("method", [False, True])
+def test_attention_spelled_with_bmm(method):
+    check(_BmmAttention(method), make=request_with_empty_histories, must=("ikbo_attention",))

@@ -124,12 +124,12 @@ class AttentionRewrites:
         single-use intermediates, q candidate rows [B, (H,) S, d], kᵀ replicated; else None. The mask and v are
         read when the chain's last node comes (`fuse_attention_chain`)."""
 
-        def matmul(n):
+        def matmul(n):  # bmm is matmul of 3-D operands (DeepCTR's and DSIN's target attention spell it so)
             return (
                 n.op == "call_function"
-                and n.target in (torch.matmul, operator.matmul)
+                and n.target in (torch.matmul, operator.matmul, torch.bmm)
                 or n.op == "call_method"
-                and n.target == "matmul"
+                and n.target in ("matmul", "bmm")
             )
 
         if not (matmul(scores) and len(scores.args) == 2 and len(scores.users) == 1):
