@@ -8,6 +8,7 @@ model of its own.
 """
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -270,3 +271,23 @@ class FieldSelfAttention(nn.Module):
 def test_attention_across_user_and_candidate_fields_is_reported():
     report = check(FieldSelfAttention(), left=1, must=("softmax over user and candidate entries together",))
     assert "into blocks" in str(report)
+
+
+class FieldPairsByIndexLists(nn.Module):
+    """PNN (DeepCTR-Torch's InnerProductLayer / OuterProductLayer): the field pairs picked by index lists along the
+    concat of user and candidate fields (`x[:, row]`, `x[:, col]`), the outer kernel's products permuted."""
+
+    def __init__(self):
+        super().__init__()
+        self.row, self.col = map(list, zip(*itertools.combinations(range(5), 2)))
+        self.kernel, self.out = nn.Parameter(torch.randn(D, 10, D)), nn.Linear(20, 1)
+
+    def forward(self, fields, cand_fields, cand_to_user):
+        x = torch.cat([fields[cand_to_user], cand_fields], dim=1)  # [B, 5, D]
+        p, q = x[:, self.row], x[:, self.col]  # [B, 10, D]
+        outer = torch.sum(torch.sum(p.unsqueeze(1) * self.kernel, dim=-1).permute(0, 2, 1) * q, dim=-1)
+        return self.out(torch.cat([torch.sum(p * q, dim=2), outer], 1))
+
+
+def test_field_pairs_by_index_lists():
+    check(FieldPairsByIndexLists(), must=("rows_join",))

@@ -2219,6 +2219,10 @@ class Rewriter(AttentionRewrites):
                 return self.per_part(
                     op, key, args, kwargs, c, meta, d1 if c.dim == d0 else d0 if c.dim == d1 else c.dim
                 )
+        if key in ("permute", torch.permute) and args[0] is c:
+            order = [_norm(d, nd) for d in _sizes(args)]
+            if len(order) == nd and order[0] == 0 and sorted(order) == list(range(nd)):  # rows stay first
+                return self.per_part(op, key, args, kwargs, c, meta, order.index(c.dim))
         if key is operator.getitem:
             new_dim = self._new_dims_only(args[1], c)
             if new_dim is not None:  # x[:, :, None]: unsqueezes, per part
@@ -2736,13 +2740,16 @@ class Rewriter(AttentionRewrites):
         return None
 
     def index_concat(self, c, index, meta):
-        """x[:, a:b] (or x[..., i]) that falls inside one part of a concat."""
+        """x[:, a:b] (or x[..., i]) that falls inside one part of a concat; x[:, [i, j, …]] with a list of ints along
+        the concat dim (PNN's field pairs `x[:, row]`) as a concat of the runs each part gives."""
         index = index if isinstance(index, tuple) else (index,)
         if any(is_value(i) or i is Ellipsis or i is None for i in index) or len(index) <= c.dim:
             return None
         if not all(i == slice(None) for i in index[: c.dim]):
             return None
         sel, offset = index[c.dim], 0
+        if isinstance(sel, list) and sel and all(type(i) is int for i in sel) and len(index) == c.dim + 1:
+            return self.pick_from_concat(c, sel, meta)
         for p in c.parts:
             size = p.meta.shape[c.dim]
             lo, hi = offset, offset + size
@@ -2756,6 +2763,30 @@ class Rewriter(AttentionRewrites):
                     inner = (*index[: c.dim], slice(start - lo, stop - lo), *index[c.dim + 1 :])
                     return self.apply("call_function", operator.getitem, (p, inner), {}, meta)
         return None
+
+    def pick_from_concat(self, c, sel, meta):
+        """x[:, sel] along the concat dim, sel a list of ints: each run of entries from one part is that part's
+        slice (or its own list), the runs a concat in sel's order."""
+        size, starts = c.meta.shape[c.dim], []
+        for p in c.parts:
+            starts.append((starts[-1] + c.parts[len(starts) - 1].meta.shape[c.dim]) if starts else 0)
+        if not all(-size <= i < size for i in sel):
+            return None
+        located = []  # (part, index in the part) of each entry
+        for i in sel:
+            i %= size
+            k = max(j for j, start in enumerate(starts) if start <= i)
+            located.append((k, i - starts[k]))
+        pieces, lead = [], (slice(None),) * c.dim
+        for k, run in itertools.groupby(located, key=lambda e: e[0]):
+            local = [i for _, i in run]
+            consecutive = local == list(range(local[0], local[0] + len(local)))
+            inner = slice(local[0], local[0] + len(local)) if consecutive else local
+            shape = list(meta.shape)
+            shape[c.dim] = len(local)
+            piece_meta = Meta(tuple(shape), meta.dtype)
+            pieces.append(self.apply("call_function", operator.getitem, (c.parts[k], (*lead, inner)), {}, piece_meta))
+        return pieces[0] if len(pieces) == 1 else Concat(pieces, c.dim, meta)
 
     def _slice(self, v, dim_from_end, start, stop):
         """v[..., start:stop, ...] along the dim `dim_from_end` from the end (v's form kept)."""
