@@ -163,7 +163,14 @@ class Recording:
     the call's tensor whose address a launch argument may take; a launch path adds the ones it allocates (`name`)."""
 
     def __init__(self, **tensors):
-        self.tensors = {name: t for name, t in tensors.items() if t is not None}
+        self.tensors: dict = {}
+        self.same: list = []  # (name, earlier name) of one tensor passed twice: a replay needs that again
+        for name, t in tensors.items():
+            earlier = next((other for other, u in self.tensors.items() if u is t), None) if t is not None else None
+            if earlier is not None:
+                self.same.append((name, earlier))
+            elif t is not None:
+                self.tensors[name] = t
         self.fresh: dict = {}  # name → (shape, dtype) of the tensors the launch path allocated
         self.steps: list = []  # PreparedLaunch / PreparedCall, in order
         storages = [t.untyped_storage().data_ptr() for t in self.tensors.values()]
@@ -229,7 +236,7 @@ class Recording:
 
     def replay(self) -> Replay | None:
         """What a later call with this call's signature runs, or None where this path cannot be replayed."""
-        return None if self.failed or not self.steps else Replay(self.steps, self.fresh)
+        return None if self.failed or not self.steps else Replay(self.steps, self.fresh, self.same)
 
 
 class Named(NamedTuple):
@@ -253,12 +260,15 @@ class Replay:
     """A recorded launch path run on a later call: the path's own allocations made again, then each step with this
     call's tensors and addresses."""
 
-    def __init__(self, steps: list, fresh: dict):
-        self.steps, self.fresh = steps, fresh
+    def __init__(self, steps: list, fresh: dict, same: list):
+        self.steps, self.fresh, self.same = steps, fresh, same
         self.with_tensors = any(isinstance(step, PreparedCall) for step in steps)
 
-    def __call__(self, stream: int, device, inputs: dict) -> dict:
-        """Run on `inputs` (name → tensor, or an int address) → the fresh tensors by name."""
+    def __call__(self, stream: int, device, inputs: dict) -> dict | None:
+        """Run on `inputs` (name → tensor, or an int address) → the fresh tensors by name; None (nothing run) where
+        a tensor the recorded call passed under two names is not one tensor here."""
+        if self.same and any(inputs[name] is not inputs[earlier] for name, earlier in self.same):
+            return None
         made = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in self.fresh.items()}
         addresses = {name: t.data_ptr() for name, t in made.items()}
         for name, t in inputs.items():
@@ -283,17 +293,23 @@ class PreparedLaunch:
         if raw is None or launcher.global_scratch_size or launcher.profile_scratch_size:
             raise NotPreparable("a launcher that needs scratch memory or is not the known one")
         metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or [])
-        template, self.fills = [], []
+        template, self.fills, self.descs = [], [], []  # descs: the distinct (Desc, its TMA encoding's arguments)
         for arg in args:
             if isinstance(arg, Desc):
                 meta = metas.pop(0) if metas else None
                 if meta is None or meta.get("fp4_padded"):
                     raise NotPreparable("a host descriptor without the kernel's TMA metadata")
-                self.fills.append((len(template), arg, meta))
+                encoding = (
+                    meta["swizzle"], meta["elem_size"], _TMA_DTYPES[meta["elem_type"]], meta["block_size"],
+                    list(arg.shape), list(arg.strides),
+                )  # fmt: skip
+                if (arg, encoding) not in self.descs:
+                    self.descs.append((arg, encoding))
+                self.fills.append((len(template), self.descs.index((arg, encoding)), True))
                 template += [None, *arg.shape, *arg.strides]
             else:
                 if isinstance(arg, (Slot, Diff)):
-                    self.fills.append((len(template), arg, None))
+                    self.fills.append((len(template), arg, False))
                 template.append(arg)
         self.template = template
         self.raw, self.function, self.metadata = raw, compiled.function, compiled.packed_metadata
@@ -302,9 +318,10 @@ class PreparedLaunch:
 
     def __call__(self, stream: int, addresses: dict, tensors=None) -> None:
         args = self.template.copy()
-        for at, arg, meta in self.fills:
-            if meta is not None:
-                args[at] = _encode(addresses[arg.name] + arg.offset, meta, arg.shape, arg.strides)
+        maps = [_encode(addresses[desc.name] + desc.offset, *encoding) for desc, encoding in self.descs]
+        for at, arg, is_desc in self.fills:
+            if is_desc:
+                args[at] = maps[arg]
             elif type(arg) is Slot:
                 args[at] = addresses[arg.name] + arg.offset
             else:
@@ -312,15 +329,22 @@ class PreparedLaunch:
         self.raw(*self.grid, stream, self.function, *self.flags, None, None, self.metadata, None, None, None, *args)
 
 
-def _encode(address: int, meta: dict, shape, strides):
-    """The CUtensorMap Triton's launcher would build for a host descriptor (backends/nvidia/driver.py,
-    make_tensordesc_arg)."""
-    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+def _tma_dtypes() -> dict:
+    """Triton's device → host TMA dtype numbering (backends/nvidia/driver.py); identity where it is not there."""
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    except ImportError:  # a Triton build without the NVIDIA backend: nothing is replayed there
+        return {i: i for i in range(16)}
+    return TMA_DTYPE_DEVICE_TO_HOST
 
-    return driver.active.utils.fill_tma_descriptor(
-        address, meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
-        list(shape), list(strides), 0,
-    )  # fmt: skip
+
+_TMA_DTYPES = _tma_dtypes()
+
+
+def _encode(address: int, swizzle, elem_size, dtype, block, shape, strides):
+    """The CUtensorMap Triton's launcher builds for a host descriptor (backends/nvidia/driver.py, make_tensordesc_arg;
+    zero padding)."""
+    return driver.active.utils.fill_tma_descriptor(address, swizzle, elem_size, dtype, block, shape, strides, 0)
 
 
 def launch(cached: CachedLaunch, grid, build, recording: Recording | None = None, **kwargs):

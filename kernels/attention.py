@@ -1380,8 +1380,8 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, w
     if host_flag is not None and replayable() and host_flag.device == torch.cuda.current_device():
         key = _signature(q, k, v, cand_to_user, kv_len, scale, user_q, causal, with_lse)
         entry = _REPLAYS.get(key)
-    if entry is not None:
-        made = entry(host_flag.stream, device, {**inputs, "host_flag": host_flag.address})
+    made = None if entry is None else entry(host_flag.stream, device, {**inputs, "host_flag": host_flag.address})
+    if made is not None:
         out, user_out, lse = made["out"], made.get("user_out"), made.get("lse")
     else:
         if key is not None:

@@ -942,9 +942,10 @@ def _linear_compress(
         replay = _REPLAYS.get(key)
         if replay is not None:
             flag = HostFlag(user_emb.device)
-            out = replay(flag.stream, user_emb.device, {**inputs, "host_flag": flag.address})["out"]
-            DEFERRED.defer(flag, functools.partial(raise_bad_mapping, cand_to_user, user_emb.shape[0]))
-            return out
+            made = replay(flag.stream, user_emb.device, {**inputs, "host_flag": flag.address})
+            if made is not None:
+                DEFERRED.defer(flag, functools.partial(raise_bad_mapping, cand_to_user, user_emb.shape[0]))
+                return made["out"]
         recording = Recording(**inputs)
     check_mapping_values(cand_to_user, user_emb.shape[0], recording)
     if _resolve(backend, user_emb) == "torch":

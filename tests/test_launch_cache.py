@@ -174,7 +174,7 @@ def _record(launch, recording, x, out, user):
 def test_a_recorded_launch_replays_with_the_new_calls_addresses(monkeypatch):
     monkeypatch.setattr(_launch, "interpreting", lambda: False)
     monkeypatch.setattr(_launch, "driver", StandInDriver())
-    monkeypatch.setattr(_launch, "_encode", lambda address, meta, shape, strides: ("map", address, shape, strides))
+    monkeypatch.setattr(_launch, "_encode", lambda address, *encoding: ("map", address, *encoding[-2:]))
     kernel = DescKernel()
     x, user = torch.randn(64), torch.randn(40)
     recording = _launch.Recording(x=x, user=user)
@@ -187,7 +187,7 @@ def test_a_recorded_launch_replays_with_the_new_calls_addresses(monkeypatch):
     prepared(55, new)
     (call,) = kernel.raw_calls
     assert call[:13] == (3, 1, 1, 55, "function", False, False, None, None, "metadata", None, None, None)
-    x_map = ("map", new["x"], (64, 4), (4, 1))
+    x_map = ("map", new["x"], [64, 4], [4, 1])
     assert call[13:] == (new["x"] + 8, new["out"], x_map, 64, 4, 4, 1, 1000, 64, 16)
 
 
@@ -221,3 +221,13 @@ def test_a_recorded_torch_call_replays_on_the_new_calls_tensors():
     unnamed = _launch.Recording(a=a)
     unnamed.call(torch.matmul, a, b)  # b is not one of the call's named tensors
     assert unnamed.replay() is None
+    twice = _launch.Recording(a=a, b=a)  # one tensor under two names: replayed only where it is one tensor again
+    twice.name("out", torch.empty(3, 3))
+    twice.call(torch.matmul, a, a.t(), out=twice.tensors["out"])
+    assert twice.replay() is None  # a.t() is a view, not a named tensor
+    twice = _launch.Recording(a=a, b=a)
+    twice.name("out", torch.empty(3, 4))
+    twice.call(torch.add, a, a, out=twice.tensors["out"])
+    replay = twice.replay()
+    assert replay(0, "cpu", {"a": a2, "b": torch.randn(3, 4)}) is None
+    torch.testing.assert_close(replay(0, "cpu", {"a": a2, "b": a2})["out"], a2 + a2)
