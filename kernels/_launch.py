@@ -166,7 +166,7 @@ class Recording:
         self.tensors: dict = {}
         self.same: list = []  # (name, earlier name) of one tensor passed twice: a replay needs that again
         for name, t in tensors.items():
-            earlier = next((other for other, u in self.tensors.items() if u is t), None) if t is not None else None
+            earlier = None if t is None else next((o for o, u in self.tensors.items() if _same_view(u, t)), None)
             if earlier is not None:
                 self.same.append((name, earlier))
             elif t is not None:
@@ -239,6 +239,13 @@ class Recording:
         return None if self.failed or not self.steps else Replay(self.steps, self.fresh, self.same)
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are one tensor, or views of the same elements alike (a Parameter and its detach())."""
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.stride() == b.stride() and a.shape == b.shape
+    )
+
+
 class Named(NamedTuple):
     """The call's tensor `name`, in a recorded torch call."""
 
@@ -267,8 +274,8 @@ class Replay:
     def __call__(self, stream: int, device, inputs: dict) -> dict | None:
         """Run on `inputs` (name → tensor, or an int address) → the fresh tensors by name; None (nothing run) where
         a tensor the recorded call passed under two names is not one tensor here."""
-        if self.same and any(inputs[name] is not inputs[earlier] for name, earlier in self.same):
-            return None
+        if self.same and any(inputs[name].data_ptr() != inputs[earlier].data_ptr() for name, earlier in self.same):
+            return None  # (shapes, strides and dtypes are the signature's)
         made = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in self.fresh.items()}
         addresses = {name: t.data_ptr() for name, t in made.items()}
         for name, t in inputs.items():
