@@ -3134,3 +3134,20 @@ class _BmmAttention(nn.Module):
 @pytest.mark.parametrize("method", [False, True])
 def test_attention_spelled_with_bmm(method):
     check(_BmmAttention(method), make=request_with_empty_histories, must=("ikbo_attention",))
+
+
+class _ModulesMadeInForward(nn.Module):
+    """Modules without state made in the forward and called at once (RecBole's NextItNet `nn.ZeroPad2d(pad)(x)`,
+    LightSANs' `nn.Softmax(dim=-1)(scores)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.out = nn.Conv1d(D, D, 3), nn.Linear(D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        h = self.conv(nn.ConstantPad1d((2, 0), 0.0)(history[cand_to_user].transpose(1, 2)))  # [B, D, L]
+        return self.out(torch.cat([(nn.Softmax(dim=-1)(h) * h).sum(-1), cand], 1))
+
+
+def test_modules_made_in_the_forward():
+    check(_ModulesMadeInForward(), must=("conv1d",))

@@ -19,6 +19,7 @@ Modules (`call_module`):
   (`standard.py`): the same function written with linear / SDPA, which the pass can rewrite;
 - RNNs (`nn.GRU`, `nn.LSTM`, `nn.RNN`) stay leaves: the pass knows they act row by row on the batch;
   so do `pack_padded_sequence` and `pad_packed_sequence` (their bodies branch on length values), one node each;
+- a module without state that the forward makes and calls (`nn.Softmax(dim=-1)(x)`) is its forward's functions;
 - any other module is traced into; where that fails (control flow on tensor values, an unsupported
   Python construct), its nodes are dropped and it becomes a leaf, kept whole (`Capture.opaque` says
   which and why). The pass runs such a leaf at U rows when it reads only user rows and does so
@@ -35,6 +36,7 @@ import threading
 import traceback
 from collections.abc import MutableMapping, MutableSequence, MutableSet
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 import torch.fx as fx
@@ -508,6 +510,10 @@ class Tracer(fx.Tracer):
         return isinstance(m, RNN_MODULES)
 
     def call_module(self, m, forward, args, kwargs):
+        if not self._installed(m) and next(chain(m.parameters(), m.buffers()), None) is None:
+            # a module made in the forward without state (`nn.Softmax(dim=-1)(x)`, RecBole's `nn.ZeroPad2d(pad)(x)`):
+            # its forward is the functions it calls, with the arguments the forward gave it
+            return forward(*args, **kwargs)
         form = standard.MODULE_FORMS.get(type(m))
         if form is not None:
             return super().call_module(m, lambda *a, **k: form(m, *a, **k), args, kwargs)
@@ -528,6 +534,14 @@ class Tracer(fx.Tracer):
             path = self.path_of_module(m)
             self.opaque.append((path, type(m).__name__, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
             return self.create_proxy("call_module", path, args, kwargs)
+
+    def _installed(self, m) -> bool:
+        """Whether `m` is a submodule of the traced model (not one its forward made)."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return False
+        return True
 
 
 GLOBAL_SETTINGS = (
