@@ -3151,3 +3151,24 @@ class _ModulesMadeInForward(nn.Module):
 
 def test_modules_made_in_the_forward():
     check(_ModulesMadeInForward(), must=("conv1d",))
+
+
+@torch.jit.script
+def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    y = x + bias
+    return y * 0.5 * (1.0 + torch.erf(y / 1.41421))
+
+
+class _ScriptedHelper(nn.Module):
+    """A `@torch.jit.script` helper over replicated user rows (Megatron's fused bias + GeLU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.bias, self.out = nn.Linear(FU, D, bias=False), nn.Parameter(torch.randn(D)), nn.Linear(D + FC, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        return self.out(torch.cat([_bias_gelu(self.up(user[cand_to_user]), self.bias), cand], 1))
+
+
+def test_scripted_helper_functions():
+    check(_ScriptedHelper(), must=("linear_rows",))

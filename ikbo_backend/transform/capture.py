@@ -572,8 +572,8 @@ def _traced_factories(tracer, model: nn.Module):
     rejects a proxy inside a size list before __torch_function__ is consulted); so do the sequence packing
     functions, reached through `nn.utils.rnn` or imported by name into the module of a forward the model runs
     (fx's own autowrap would mark their nodes for codegen with a dotted name its next trace cannot find); `len`
-    of a traced tensor in those modules is its traced size(0); the transformer layers' `F._none_or_dtype` takes a
-    traced mask."""
+    of a traced tensor in those modules is its traced size(0); `@torch.jit.script` functions they name run as the
+    Python they were scripted from; the transformer layers' `F._none_or_dtype` takes a traced mask."""
 
     def wrap(original):
         def factory(*args, **kwargs):
@@ -630,6 +630,7 @@ def _traced_factories(tracer, model: nn.Module):
     settings = {id(fn) for fn in GLOBAL_SETTINGS}  # `from torch import is_grad_enabled` too
     read = [(g, key, value) for g in scopes.values() for key, value in list(g.items()) if id(value) in settings]
     read += [(vars(torch), fn.__name__, fn) for fn in GLOBAL_SETTINGS]
+    scripted = _scripted_functions(scopes.values())
     try:
         for scope, key, fn in read:
             scope[key] = wrap_setting(fn)
@@ -639,6 +640,8 @@ def _traced_factories(tracer, model: nn.Module):
             setattr(torch.Tensor, name, wrap_method(name, fn))
         for scope, key, fn in imported:
             scope[key] = wrap(fn)
+        for scope, key, fn in scripted:
+            scope[key] = fn._torchdynamo_inline
         for scope in lens:
             scope["len"] = traced_len
         if none_or_dtype is not None:
@@ -656,7 +659,7 @@ def _traced_factories(tracer, model: nn.Module):
                 setattr(torch.Tensor, name, fn)
             else:
                 delattr(torch.Tensor, name)  # inherited from torch._C.TensorBase
-        for scope, key, fn in imported:
+        for scope, key, fn in imported + scripted:
             scope[key] = fn
         for scope in lens:
             scope.pop("len", None)
@@ -664,6 +667,25 @@ def _traced_factories(tracer, model: nn.Module):
             F._none_or_dtype = none_or_dtype
         for name in DTYPE_INFO:
             setattr(torch, name, info_types[name])
+
+
+def _scripted_functions(scopes) -> list:
+    """(globals, name, function) of each `@torch.jit.script` function named in `scopes` and in the Python functions
+    they were scripted from (helpers of helpers): TorchScript's argument parser rejects a proxy, so the trace calls
+    the Python function instead (`_torchdynamo_inline`, which torch.jit.script keeps for torch.dynamo), which
+    computes the same ops."""
+    found, seen, todo = [], set(), list(scopes)
+    while todo:
+        scope = todo.pop()
+        if id(scope) in seen:
+            continue
+        seen.add(id(scope))
+        for key, value in list(scope.items()):
+            inline = getattr(value, "_torchdynamo_inline", None)
+            if isinstance(value, torch.jit.ScriptFunction) and inline is not None:
+                found.append((scope, key, value))
+                todo.append(inline.__globals__)
+    return found
 
 
 def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
