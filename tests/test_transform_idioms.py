@@ -3172,3 +3172,20 @@ class _ScriptedHelper(nn.Module):
 
 def test_scripted_helper_functions():
     check(_ScriptedHelper(), must=("linear_rows",))
+
+
+class _ParameterPieces(nn.Module):
+    """Per-group weights held in one parameter and unbound along its dim 0 in a loop (FLEN's
+    `zip(groups, self.r_fm.unbind(0))`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.out = nn.Parameter(torch.randn(2, FU // 2)), nn.Linear(FU // 2 + FC, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        groups = torch.split(user[cand_to_user], FU // 2, dim=1)
+        return self.out(torch.cat([sum(g * w for g, w in zip(groups, self.w.unbind(0))), cand], 1))
+
+
+def test_pieces_of_a_parameter_along_dim_0():
+    check(_ParameterPieces(), must=("linear_rows",))

@@ -401,7 +401,8 @@ class Tracer(fx.Tracer):
 
     def _pieces_depend_on(self, node) -> str:
         """What the number of tensors an op returns depends on: for split / chunk / unbind / tensor_split, the
-        size of the dim they cut (a row count, or another size) and their other arguments; for `tolist`, the
+        size of the dim they cut (a row count, or another size; of a parameter or buffer, a constant of the model) and
+        their other arguments; for `tolist`, the
         tensor's sizes (`for v in x.tolist()` unrolls over its rows); any other op returns
         a fixed structure (topk's values and indices, an RNN's output and state); a slice of pieces, theirs."""
         target = node.target
@@ -427,7 +428,10 @@ class Tracer(fx.Tracer):
         if not isinstance(dim, int) or not value.dim():
             return self._depends_on(node)
         size = value.shape[dim]
-        kinds = {"rows" if dim % value.dim() == 0 or size in self.rows else "size"}
+        if not self._from_inputs(source):  # a parameter's or buffer's pieces (`self.w.unbind(0)`): fixed by the model
+            kinds = {"meta"}
+        else:
+            kinds = {"rows" if dim % value.dim() == 0 or size in self.rows else "size"}
         kinds |= {self._depends_on(a) for a in node.all_input_nodes if a is not source}
         for kind in ("data", "rows", "size"):
             if kind in kinds:
