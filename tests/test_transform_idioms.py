@@ -3189,3 +3189,26 @@ class _ParameterPieces(nn.Module):
 
 def test_pieces_of_a_parameter_along_dim_0():
     check(_ParameterPieces(), must=("linear_rows",))
+
+
+class _FrequencyFilters(nn.Module):
+    """FMLP-Rec's learnable filter (`torch.fft.rfft` over the sequence, a complex weight by `view_as_complex`,
+    `irfft` back) on a replicated history; HFM's circular convolution of field pairs by FFT over a user + candidate
+    concat."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.c = nn.Parameter(torch.randn(1, L // 2 + 1, D, 2)), nn.Linear(FC, D)
+        self.out = nn.Linear(2 * D, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        seq = history[cand_to_user]
+        filtered = torch.fft.rfft(seq, dim=1, norm="ortho") * torch.view_as_complex(self.w)
+        x = torch.fft.irfft(filtered, n=L, dim=1, norm="ortho") + seq
+        spectra = torch.fft.rfft(torch.cat([seq[:, :3], self.c(cand).unsqueeze(1)], 1))  # [B, 4, D // 2 + 1]
+        convolved = torch.fft.irfft(spectra[:, [0, 0, 1, 2]] * spectra[:, [1, 3, 3, 3]], n=D)
+        return self.out(torch.cat([x.mean(1), convolved.sum(1)], -1))
+
+
+def test_fourier_transforms_along_other_dims_than_the_rows():
+    check(_FrequencyFilters(), must=("fft_rfft", "rows_join"))

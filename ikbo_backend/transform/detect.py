@@ -8,7 +8,8 @@ from torch.utils._pytree import tree_flatten
 
 
 class ReplicationDetector(TorchDispatchMode):
-    """Records ops that turn a U-row float tensor into a B-row float tensor with no B-row float input.
+    """Records ops that turn a U-row float tensor into a B-row float tensor with no B-row float input (complex
+    tensors count as float: a spectrum of user rows replicated is a replication).
 
     That is a user tensor replicated to candidate count; combining a B-row candidate tensor with
     U-row user rows (the IKBO join) has a B-row input and is not recorded. Pick U and B distinct from
@@ -30,22 +31,23 @@ class ReplicationDetector(TorchDispatchMode):
             return isinstance(t, torch.Tensor) and not t.is_nested and t.dim()
 
         inputs = [t for t in tree_flatten((args, kwargs))[0] if dense(t)]
-        outputs = [t for t in tree_flatten(out)[0] if dense(t) and (t.is_floating_point() or not self.floats_only)]
+        outputs = [t for t in tree_flatten(out)[0] if dense(t) and (_values(t) or not self.floats_only)]
         for d in self.row_dims:
             user_rows = any(
-                t.dim() > d and t.shape[d] == self.num_users and (t.is_floating_point() or not self.floats_only)
-                for t in inputs
+                t.dim() > d and t.shape[d] == self.num_users and (_values(t) or not self.floats_only) for t in inputs
             )
             # integer inputs with B rows are indices (cand_to_user and what is built from it), not candidate data
             cand_rows = any(
-                t.dim() > e and t.shape[e] == self.num_candidates and t.is_floating_point()
-                for t in inputs
-                for e in self.row_dims
+                t.dim() > e and t.shape[e] == self.num_candidates and _values(t) for t in inputs for e in self.row_dims
             )
             if user_rows and not cand_rows and any(t.dim() > d and t.shape[d] == self.num_candidates for t in outputs):
                 self.replications.append(str(func))
                 break
         return out
+
+
+def _values(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
 
 
 def replications_in(

@@ -45,6 +45,7 @@ from .values import (
     ELEMENTWISE_FUNCTIONS,
     ELEMENTWISE_METHODS,
     FACTORIES,
+    FFTS,
     LIKE_FACTORIES,
     MATMUL,
     NEW_FACTORIES,
@@ -71,6 +72,7 @@ from .values import (
     _norm,
     _off_rows,
     _tensors,
+    fft_dims,
     fmap,
     is_value,
     leaves,
@@ -1704,6 +1706,9 @@ class Rewriter(AttentionRewrites):
                 dim = _arg(args, kwargs, 2, "dims")
             dims = dim if isinstance(dim, (tuple, list)) else [dim]
             return all(_off_rows(d, xnd) for d in dims)
+        if key in FFTS:  # a transform along dims other than the rows: row by row
+            dims = fft_dims(key, args, kwargs, xnd)
+            return others_plain and dims is not None and 0 not in dims
         if _name(key) in DIM_OPS:
             at, default = DIM_OPS[_name(key)]
             dim = kwargs.get("dim", default) if at is None else _arg(args, kwargs, at, "dim", default)
@@ -2180,6 +2185,8 @@ class Rewriter(AttentionRewrites):
             return None
         if key in SOFTMAX and _norm(_arg(args, kwargs, 1, "dim"), nd) not in (None, 0, c.dim):
             return self.per_part(op, key, args, kwargs, c, meta, c.dim)
+        if key in FFTS and not {0, c.dim} & set(fft_dims(key, args, kwargs, nd) or [0]):
+            return self.per_part(op, key, args, kwargs, c, meta, c.dim)  # HFM's rfft of each field
         if key in NORMS and _norm_dims(args, kwargs) == 1 and last:
             return self.normalized_linears(key, args, kwargs, c, meta)
         if key in (F.layer_norm, getattr(F, "rms_norm", None)) and nd - _norm_dims(args, kwargs) > c.dim:

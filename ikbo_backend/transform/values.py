@@ -29,7 +29,8 @@ class Meta:
 
     @property
     def is_float(self):
-        return self.dtype.is_floating_point
+        """Whether it holds values (real or complex: a spectrum, `torch.fft.rfft`), not ids, counts or masks."""
+        return self.dtype.is_floating_point or self.dtype.is_complex
 
 
 @dataclass(eq=False)
@@ -231,6 +232,10 @@ REDUCTION_FUNCTIONS = {torch.sum, torch.mean, torch.amax, torch.amin, torch.logs
 DIM_OPS = {"median": (1, None), "nanmedian": (1, None), "mode": (1, -1), "kthvalue": (2, -1), "var_mean": (1, None),
            "std_mean": (1, None), "aminmax": (None, None), "cummax": (1, None), "cummin": (1, None),
            "logcumsumexp": (1, None), "nancumsum": (1, None)}  # fmt: skip
+FFT = torch.fft
+FFTS = {f: (-1,) for f in (FFT.fft, FFT.ifft, FFT.rfft, FFT.irfft, FFT.hfft, FFT.ihfft)}  # (input, n, dim, norm)
+FFTS |= {f: (-2, -1) for f in (FFT.fft2, FFT.ifft2, FFT.rfft2, FFT.irfft2, FFT.hfft2, FFT.ihfft2)}  # (input, s, dim,
+FFTS |= {f: None for f in (FFT.fftn, FFT.ifftn, FFT.rfftn, FFT.irfftn, FFT.hfftn, FFT.ihfftn)}  # norm); None: all
 NORM_REDUCTIONS = {"norm", torch.norm, torch.linalg.vector_norm, torch.linalg.norm}  # (x, p / ord, dim, keepdim)
 FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full}
 LIKE_FACTORIES = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
@@ -261,6 +266,19 @@ def _arg(args, kwargs, pos, name, default=None):
     if name in kwargs:
         return kwargs[name]
     return args[pos] if len(args) > pos else default
+
+
+def fft_dims(key, args, kwargs, ndim) -> list | None:
+    """The dims a `torch.fft` transform of an ndim-dim input acts on (non-negative; None where one is not a plain
+    int): its `dim`, else its default — the last, the last two, or for the n-dim ones the last len(s), all without s."""
+    dim = _arg(args, kwargs, 2, "dim")
+    if dim is None:
+        dim = FFTS[key]
+    if dim is None:
+        s = _arg(args, kwargs, 1, "s")
+        dim = range(ndim) if s is None else range(ndim - len(s), ndim)
+    dims = [_norm(d, ndim) for d in (dim if isinstance(dim, (tuple, list, range)) else [dim])]
+    return None if None in dims else dims
 
 
 def fmap(tree, fn):
