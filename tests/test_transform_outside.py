@@ -291,3 +291,22 @@ class FieldPairsByIndexLists(nn.Module):
 
 def test_field_pairs_by_index_lists():
     check(FieldPairsByIndexLists(), must=("rows_join",))
+
+
+class FieldGraphEdges(nn.Module):
+    """FiGNN (FuxiCTR): an attention logit per edge of the graph over the user + candidate fields, its end points
+    picked by index lists with a trailing full slice (`x[:, src_nodes, :]`, `x[:, dst_nodes, :]`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.src, self.dst = map(list, zip(*itertools.product(range(5), repeat=2)))
+        self.attn, self.out = nn.Linear(2 * D, 1, bias=False), nn.Linear(25, 1)
+
+    def forward(self, fields, cand_fields, cand_to_user):
+        x = torch.cat([fields[cand_to_user], cand_fields], dim=1)  # [B, 5, D]
+        edges = torch.cat([x[:, self.src, :], x[:, self.dst, :]], dim=-1)  # [B, 25, 2D]
+        return self.out(torch.tanh(self.attn(edges)).squeeze(-1))
+
+
+def test_field_pairs_by_index_lists_with_trailing_slices():
+    check(FieldGraphEdges(), must=("linear_rows",))

@@ -2755,8 +2755,9 @@ class Rewriter(AttentionRewrites):
         if not all(i == slice(None) for i in index[: c.dim]):
             return None
         sel, offset = index[c.dim], 0
-        if isinstance(sel, list) and sel and all(type(i) is int for i in sel) and len(index) == c.dim + 1:
-            return self.pick_from_concat(c, sel, meta)
+        rest = index[c.dim + 1 :]  # x[:, sel, :] (FiGNN's `x[:, src_nodes, :]`) is x[:, sel]
+        if isinstance(sel, list) and sel and all(type(i) is int for i in sel) and all(i == slice(None) for i in rest):
+            return self.pick_from_concat(c, sel, meta, rest)
         for p in c.parts:
             size = p.meta.shape[c.dim]
             lo, hi = offset, offset + size
@@ -2771,9 +2772,9 @@ class Rewriter(AttentionRewrites):
                     return self.apply("call_function", operator.getitem, (p, inner), {}, meta)
         return None
 
-    def pick_from_concat(self, c, sel, meta):
-        """x[:, sel] along the concat dim, sel a list of ints: each run of entries from one part is that part's
-        slice (or its own list), the runs a concat in sel's order."""
+    def pick_from_concat(self, c, sel, meta, rest=()):
+        """x[:, sel] along the concat dim, sel a list of ints (`rest`: full slices after it): each run of entries
+        from one part is that part's slice (or its own list), the runs a concat in sel's order."""
         size, starts = c.meta.shape[c.dim], []
         for p in c.parts:
             starts.append((starts[-1] + c.parts[len(starts) - 1].meta.shape[c.dim]) if starts else 0)
@@ -2792,7 +2793,8 @@ class Rewriter(AttentionRewrites):
             shape = list(meta.shape)
             shape[c.dim] = len(local)
             piece_meta = Meta(tuple(shape), meta.dtype)
-            pieces.append(self.apply("call_function", operator.getitem, (c.parts[k], (*lead, inner)), {}, piece_meta))
+            piece = (c.parts[k], (*lead, inner, *rest))
+            pieces.append(self.apply("call_function", operator.getitem, piece, {}, piece_meta))
         return pieces[0] if len(pieces) == 1 else Concat(pieces, c.dim, meta)
 
     def _slice(self, v, dim_from_end, start, stop):
