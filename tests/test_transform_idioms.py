@@ -3212,3 +3212,21 @@ class _FrequencyFilters(nn.Module):
 
 def test_fourier_transforms_along_other_dims_than_the_rows():
     check(_FrequencyFilters(), must=("fft_rfft", "rows_join"))
+
+
+class _WhereWithNumbers(nn.Module):
+    """Per-candidate gating of user features by `torch.where` with a number or a 0-dim buffer on the other side."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.out = nn.Linear(FU, D), nn.Linear(D + FC, 1)
+        self.register_buffer("fill", torch.tensor(-1.0))
+
+    def forward(self, user, cand, cand_to_user):
+        u = self.up(user)[cand_to_user]
+        gated = torch.where(cand[:, :1] > 0, u, 0.0) + torch.where(cand[:, 1:2] > 1, self.fill, u)
+        return self.out(torch.cat([gated, cand], 1))
+
+
+def test_where_between_a_replica_and_a_number():
+    check(_WhereWithNumbers(), must=("where of candidate rows with replicated user rows → rows_join",))

@@ -147,6 +147,13 @@ def _aten_ops(fn, args, kwargs) -> tuple[list, Any]:
     return recorder.ops, out
 
 
+def _scalar(value) -> bool:
+    """A number, or a 0-dim tensor without candidate rows."""
+    return isinstance(value, (bool, int, float)) or (
+        isinstance(value, Plain) and not value.batched and isinstance(value.meta, Meta) and not value.meta.ndim
+    )
+
+
 def _bitwise_agrees(key, a, b) -> bool:
     """Whether the bitwise join computes `key`: logical_and / logical_or only of two booleans."""
     logical = key in (torch.logical_and, "logical_and", torch.logical_or, "logical_or")
@@ -3199,7 +3206,7 @@ class Rewriter(AttentionRewrites):
             return self.candidate_rows(node, meta, mapping)
         if not self.rowwise_ok(key, args, kwargs, meta):
             return None
-        joined = self._join_op(key, args, kwargs, rep, cands)
+        joined = self._join_op(key, args, kwargs, rep, cands, meta)
         if joined is None:
             return None
         name, cand, cond = joined
@@ -3225,7 +3232,7 @@ class Rewriter(AttentionRewrites):
             or node.op == "call_method" and node.target in ("new_zeros", "new_ones", "new_full")
         )  # fmt: skip
 
-    def _join_op(self, key, args, kwargs, rep, cands):
+    def _join_op(self, key, args, kwargs, rep, cands, meta):
         """(rows_join op name, candidate operand, condition) for an elementwise op of one user and one
         candidate operand; None where the op has no join."""
         if kwargs:
@@ -3243,23 +3250,29 @@ class Rewriter(AttentionRewrites):
                     return "where_uc", b, cond
                 if b is rep and isinstance(a, Plain) and a.batched:
                     return "where_cu", a, cond
+                # where(cand_mask, user[m], v) with v a number: the result in the user rows' dtype (a float v beside
+                # integer rows would promote them)
+                if isinstance(meta, Meta) and meta.dtype == rep.meta.dtype:
+                    if a is rep and _scalar(b):
+                        return "where_uc", self._fill_rows(rep, b, cond), cond
+                    if b is rep and _scalar(a):
+                        return "where_cu", self._fill_rows(rep, a, cond), cond
         if key in (torch.masked_fill, "masked_fill") and len(args) == 3 and args[0] is rep:
             cond, value = args[1:]  # user[m].masked_fill(cand_mask, v) is where(cand_mask, v, user[m])
-            scalar = isinstance(value, (bool, int, float)) or (
-                isinstance(value, Plain) and not value.batched and isinstance(value.meta, Meta) and not value.meta.ndim
-            )
-            if isinstance(cond, Plain) and cond.batched and cond.meta.dtype == torch.bool and scalar:
-                # v in the user rows' dtype (as masked_fill casts it), B rows of it without a copy (stride 0)
-                if isinstance(value, Plain):
-                    fill = self.emit("call_method", "to", (value.node, rep.user))
-                else:
-                    fill = self.emit("call_method", "new_full", (rep.user, (), value))
-                ones = [1] * (rep.meta.ndim - 1)
-                fill = self.emit(
-                    "call_method", "expand", (fill, self.emit("call_method", "size", (cond.node, 0)), *ones)
-                )
-                return "where_cu", Plain(fill, Meta((cond.meta.shape[0], *ones), rep.meta.dtype), True), cond
+            if isinstance(cond, Plain) and cond.batched and cond.meta.dtype == torch.bool and _scalar(value):
+                return "where_cu", self._fill_rows(rep, value, cond), cond
         return None
+
+    def _fill_rows(self, rep, value, cond) -> Plain:
+        """B rows of the number `value` (or 0-dim tensor) in the user rows' dtype, as masked_fill casts it, without a
+        copy (stride 0): the constant side of a where joined with user rows."""
+        if isinstance(value, Plain):
+            fill = self.emit("call_method", "to", (value.node, rep.user))
+        else:
+            fill = self.emit("call_method", "new_full", (rep.user, (), value))
+        ones = [1] * (rep.meta.ndim - 1)
+        fill = self.emit("call_method", "expand", (fill, self.emit("call_method", "size", (cond.node, 0)), *ones))
+        return Plain(fill, Meta((cond.meta.shape[0], *ones), rep.meta.dtype), True)
 
     # --- why an op was left --------------------------------------------------------------------
 
