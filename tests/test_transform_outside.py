@@ -310,3 +310,21 @@ class FieldGraphEdges(nn.Module):
 
 def test_field_pairs_by_index_lists_with_trailing_slices():
     check(FieldGraphEdges(), must=("linear_rows",))
+
+
+class FieldPairDots(nn.Module):
+    """FwFM: every field pair's dot product by `einsum("bfd,bgd->bfg", x, x)` over the user + candidate fields,
+    weighted by a field-pair matrix's upper triangle."""
+
+    def __init__(self):
+        super().__init__()
+        self.r = nn.Parameter(torch.randn(5, 5))
+        self.register_buffer("upper", torch.ones(5, 5).triu(1))
+
+    def forward(self, fields, cand_fields, cand_to_user):
+        x = torch.cat([fields[cand_to_user], cand_fields], dim=1)  # [B, 5, D]
+        return (torch.einsum("bfd,bgd->bfg", x, x) * self.r * self.upper).sum((1, 2))
+
+
+def test_einsum_of_field_pairs_by_blocks():
+    check(FieldPairDots(), must=("split into blocks along 'f'", "rows_einsum"))

@@ -2458,8 +2458,10 @@ class Rewriter(AttentionRewrites):
             return None
         c = next(v for v in operands if isinstance(v, Concat))
         letter = terms[operands.index(c)][c.dim]
-        if letter == out[:1] or any(isinstance(v, Concat) and t[v.dim] != letter for t, v in zip(terms, operands)):
-            return None  # the rows' index, or concats along other indices
+        if letter == out[:1]:
+            return None  # the rows' index
+        if any(isinstance(v, Concat) and t[v.dim] != letter for t, v in zip(terms, operands)):
+            return self.einsum_blocks(equation, terms, out, operands, letter, meta)
         bounds = {0, c.meta.shape[c.dim]}
         for t, v in zip(terms, operands):
             if isinstance(v, Concat):
@@ -2488,6 +2490,51 @@ class Rewriter(AttentionRewrites):
                     return None
         self.report.rewritten.append(f"{self.where()}: einsum over a concat of user and candidate parts: {how}")
         return result
+
+    def einsum_blocks(self, equation, terms, out, operands, letter, meta):
+        """einsum over concats along different indices, `letter` (one of them) kept in the output (FwFM's field
+        pairs `einsum("bfd,bgd->bfg", x, x)`): one einsum per range of `letter`'s parts, each over the other
+        operands as they are (so the next concat index splits it again: user × user blocks at U rows, user ×
+        candidate blocks joined), the results kept as a concat along `letter`'s output dim, as DLRM's bmm(T, Tᵀ)
+        blocks are. A concat index that is contracted, or an operand holding `letter` as a concat along another
+        index, has no such form; nor does a result that a view regroups across the blocks' dims (xDeepFM's CIN
+        reshapes [B, h, m, d] to [B, h·m, d], interleaving user × user and user × candidate blocks in every row:
+        the blocks would be gathered back together at B rows, more work than the einsum as written)."""
+        if letter not in out:
+            return None
+        kept = 1 + max(
+            out.index(t[v.dim]) for t, v in zip(terms, operands) if isinstance(v, Concat) and t[v.dim] in out
+        )
+        node = self.node
+        views = ("view", "reshape", "flatten", "view_as", "reshape_as")
+        for reader in node.users if node is not None else ():
+            shape = getattr(self.meta.get(reader), "shape", None)
+            if _name(reader.target) in views and (shape is None or shape[:kept] != meta.shape[:kept]):
+                return None
+        bounds = {0}
+        for t, v in zip(terms, operands):
+            if letter in t:
+                dim = t.index(letter)
+                bounds.add(v.meta.shape[dim])
+                if isinstance(v, Concat) and v.dim == dim:
+                    bounds |= set(itertools.accumulate(p.meta.shape[dim] for p in v.parts))
+        if len(bounds) > 2 + sum(len(v.parts) - 1 for v in operands if isinstance(v, Concat)):
+            return None  # operands of other sizes along `letter` (a broadcast)
+        bounds, pieces = sorted(bounds), []
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            ranged = [self._range(v, t.index(letter), start, stop) if letter in t else v
+                      for t, v in zip(terms, operands)]  # fmt: skip
+            if any(v is None for v in ranged):
+                return None
+            shape = list(meta.shape)
+            shape[out.index(letter)] = stop - start
+            pieces.append(
+                self.apply("call_function", torch.einsum, (equation, *ranged), {}, Meta(tuple(shape), meta.dtype))
+            )
+        self.report.rewritten.append(
+            f"{self.where()}: einsum over concats of user and candidate parts split into blocks along {letter!r}"
+        )
+        return Concat(pieces, out.index(letter), meta)
 
     def _range(self, v, dim, start, stop):
         """v[..., start:stop, ...] along `dim`: a part (or a slice of one) of a concat along it, else a slice."""
