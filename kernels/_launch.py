@@ -385,6 +385,9 @@ def remember(table: dict, key, replay: Replay) -> None:
     table[key] = replay
 
 
+REPLAY = [True]  # REPLAY[0] = False: ops take their ordinary launch path every call (host-time comparisons)
+
+
 def replayable() -> bool:
     """Whether launches may be prepared and replayed now (not under the interpreter, no launch hook, cache on)."""
-    return ENABLED and not interpreting() and not _hooked()
+    return ENABLED and REPLAY[0] and not interpreting() and not _hooked()

@@ -6,7 +6,8 @@ with a tiny torch step for autograd's own host time (its engine runs CUDA backwa
     python scripts/profile_host.py [--calls 200] [--top 25]      # GPU; writes $OUT/host_profile.md
 
 An eager call runs within its device time when its host µs (`device_time.host_us`) stay below it; the ops' target is
-≤ 50 µs a forward call. Raw launch costs are timed too: an empty Triton kernel, the plan kernel, torch's index_select,
+≤ 50 µs a forward call. Forward calls are timed as they run (a repeated signature replays its launches,
+kernels._launch) and along the ordinary launch path ("no replay"). Raw launch costs are timed too: an empty Triton kernel, the plan kernel, torch's index_select,
 so the op's time reads as launches plus Python.
 """
 
@@ -25,12 +26,26 @@ import triton.language as tl
 from ikbo_backend.perf import attention_cases, lce_cases
 from ikbo_backend.perf.device_time import host_us
 from ikbo_backend.perf.machine import environment
+from kernels import _launch
 
 
 @triton.jit
 def _empty_kernel(x_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.arange(0, BLOCK)
     tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+
+
+def no_replay(fn):
+    """fn with the ops' replayed launches off (kernels._launch.REPLAY): the ordinary launch path every call."""
+
+    def call():
+        _launch.REPLAY[0] = False
+        try:
+            return fn()
+        finally:
+            _launch.REPLAY[0] = True
+
+    return call
 
 
 STEP_CALLS = 20  # calls with autograd enqueued back to back: a step's ~15 launches each stay below the launch queue
@@ -72,8 +87,14 @@ def _cases(device) -> dict:
         "torch index_select K to B rows (1 launch)": (lambda: k.index_select(0, m), False),
         "attention plan kernel": (lambda: attention.plan_tiles(m, 15, 64, 128), False),
         "ikbo_attention": (lambda: kernels.ikbo_attention(q, k, v, m), False),
+        "ikbo_attention, ordinary path (no replay)": (no_replay(lambda: kernels.ikbo_attention(q, k, v, m)), False),
         "ikbo_self_target_attention": (lambda: kernels.ikbo_self_target_attention(p["user_q"], q, k, v, m), False),
+        "ikbo_self_target_attention, no replay": (
+            no_replay(lambda: kernels.ikbo_self_target_attention(p["user_q"], q, k, v, m)),
+            False,
+        ),
         "PackedLinearCompress": (lambda: packed(user_emb, cand_emb, mapping), False),
+        "PackedLinearCompress, no replay": (no_replay(lambda: packed(user_emb, cand_emb, mapping)), False),
         "add_user_rows": (lambda: kernels.add_user_rows(cand_part, user_part, m), False),
         "torch step: 256 × 256 multiply, autograd.grad": (lambda: torch.autograd.grad(small * 2, small, small), True),
         "ikbo_attention, recorded by autograd": (lambda: kernels.ikbo_attention(*leaves[1:], m), True),
