@@ -1363,8 +1363,8 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, w
     call, `check_deferred()`, or at once in strict mode). Not while a CUDA graph is being captured: values are
     then the caller's to check; the kernels still read nothing out of bounds (bad rows are left unwritten,
     kv_len is clamped). Under the interpreter (CPU tensors) the check is synchronous.
-    A CUDA call whose `_signature` was seen before replays that call's launches (kernels._launch): the same
-    kernels and integer arguments, this call's addresses."""
+    A CUDA call without with_lse whose `_signature` was seen before replays that call's launches
+    (kernels._launch): the same kernels and integer arguments, this call's addresses."""
     num_candidates, num_users, seq_len, device = q.shape[0], k.shape[0], k.shape[2], k.device
     if num_users == 0:  # no users: every candidate's mapping value is out of range
         check_mapping(cand_to_user, num_candidates, num_users, device)
@@ -1377,7 +1377,9 @@ def _triton_op(q, k, v, cand_to_user, kv_len, scale, user_q=None, causal=True, w
     host_flag = HostFlag(device) if device.type == "cuda" and not capturing else None
     inputs = dict(q=q, k=k, v=v, cand_to_user=cand_to_user, kv_len=kv_len, user_q=user_q)
     key = entry = recording = None
-    if host_flag is not None and replayable() and host_flag.device == torch.cuda.current_device():
+    # forwards that keep the backward's statistics (with_lse) take the ordinary path: their replay is not yet
+    # checked against the gradients on a GPU
+    if host_flag is not None and not with_lse and replayable() and host_flag.device == torch.cuda.current_device():
         key = _signature(q, k, v, cand_to_user, kv_len, scale, user_q, causal, with_lse)
         entry = _REPLAYS.get(key)
     made = None if entry is None else entry(host_flag.stream, device, {**inputs, "host_flag": host_flag.address})
