@@ -3230,3 +3230,38 @@ class _WhereWithNumbers(nn.Module):
 
 def test_where_between_a_replica_and_a_number():
     check(_WhereWithNumbers(), must=("where of candidate rows with replicated user rows → rows_join",))
+
+
+class TakesMore(nn.Module):
+    """`Replicated("index")` whose forward also takes `*rest` or `**options` (a temperature the caller may pass)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.inner, self.kind = Replicated("index"), kind
+
+    def forward(self, user, cand, cand_to_user, *rest, **options):
+        out = self.inner(user, cand, cand_to_user) * options.get("temperature", 1.0)
+        return out + sum(rest) if self.kind == "rest" else out
+
+
+@pytest.mark.parametrize("kind", ["rest", "options"])
+def test_forward_with_variadic_arguments_left_empty(kind):
+    """A forward with `*rest` / `**options` the example leaves empty is traced with them empty: the graph takes the
+    named arguments, and a call passing more runs the original (before: fx made a placeholder of `**options` that the
+    rewritten graph then required positionally, and the pass raised TypeError on its own check)."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = TakesMore(kind).eval()
+    module, report = to_ikbo(model, args_for(Replicated("index"), request(*EXAMPLE, gen)), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        args = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+    assert module.fallbacks == 0
+    more = (torch.tensor(2.0),) if kind == "rest" else ()
+    with torch.inference_mode():
+        assert torch.equal(module(*args, *more, temperature=0.5), model(*args, *more, temperature=0.5))
+    assert module.fallbacks == 1
+    if kind == "rest":  # an example that fills `*rest`: not followed (the loop over it), the model comes back
+        example = (*args_for(Replicated("index"), request(*EXAMPLE, gen)), torch.tensor(2.0))
+        assert to_ikbo(model, example, measure=False)[0] is model

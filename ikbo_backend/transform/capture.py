@@ -255,7 +255,11 @@ class Tracer(fx.Tracer):
     def _proxy_placeholder(self, name, concrete_args, sig, fn_for_analysis):
         """A list, tuple or dict of settings (`weights=[0.3, 0.7]`, `dims=(1, 2)`) is one placeholder, and the forward
         reads the example's value: fx would make one placeholder per entry, each asserted in the graph. `Guarded`
-        checks every entry on each call, as it checks other settings."""
+        checks every entry on each call, as it checks other settings. A `*args` / `**kwargs` the example leaves empty
+        is empty (`()`, `{}`), no placeholder: the graph takes the named arguments, and `Guarded` runs the original
+        for a call that passes more."""
+        if name.startswith("*") and not self.examples.get(name.lstrip("*")):
+            return {} if name.startswith("**") else ()
         value = concrete_args.get(name) if concrete_args else None
         if not isinstance(value, (list, tuple, dict)):
             return super()._proxy_placeholder(name, concrete_args, sig, fn_for_analysis)
