@@ -3265,3 +3265,42 @@ def test_forward_with_variadic_arguments_left_empty(kind):
     if kind == "rest":  # an example that fills `*rest`: not followed (the loop over it), the model comes back
         example = (*args_for(Replicated("index"), request(*EXAMPLE, gen)), torch.tensor(2.0))
         assert to_ikbo(model, example, measure=False)[0] is model
+
+
+class UnpacksATuple(nn.Module):
+    """`Replicated("index")` called with its user features given as a tuple argument and unpacked (`f(*features)`),
+    or iterated (`for x in features`)."""
+
+    def __init__(self, loop):
+        super().__init__()
+        self.inner, self.loop = Replicated("index"), loop
+
+    def forward(self, features, cand, cand_to_user):
+        user = torch.cat([x for x in features], dim=1) if self.loop else torch.cat([*features], dim=1)
+        return self.inner(user, cand, cand_to_user)
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_tuple_arguments_unpacked(loop):
+    """The length of a tuple or list argument is its structure, which `Guarded` checks on each call (before: unpacking
+    or iterating it was taken for control flow on tensor values and the model came back unchanged)."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = UnpacksATuple(loop).eval()
+
+    def args(num_users, num_candidates, container=tuple):
+        user, cand, mapping = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        return container(user.split([2, FU - 2], dim=1)), cand, mapping
+
+    module, report = to_ikbo(model, args(*EXAMPLE), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        call = args(num_users, num_candidates)
+        with torch.inference_mode():
+            assert rel_err(module(*call), model(*call)) <= RTOL, str(report)
+    assert module.fallbacks == 0
+    features, cand, mapping = args(*SIZES[0], container=list)  # another container, another length: the original
+    with torch.inference_mode():
+        assert torch.equal(module(features, cand, mapping), model(features, cand, mapping))
+        longer = (*features, features[0][:, :0])
+        assert torch.equal(module(longer, cand, mapping), model(longer, cand, mapping))
+    assert module.fallbacks == 2

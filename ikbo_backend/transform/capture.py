@@ -342,6 +342,8 @@ class Tracer(fx.Tracer):
             kind = "meta"  # len(x.shape), len(x.size()[:-1] + (H, d)): the number of dims
         elif convert is len and isinstance(proxy.value, (tuple, list)) and proxy.node.op != "placeholder":
             kind = self._pieces_depend_on(proxy.node)
+        elif convert is len and isinstance(proxy.value, (tuple, list)):
+            kind = "meta"  # an argument's tuple or list (`f(*user)`): its structure, which `Guarded` checks
         else:
             kind = self._depends_on(proxy.node)
         where = user_frame()
