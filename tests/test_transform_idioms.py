@@ -3304,3 +3304,29 @@ def test_tuple_arguments_unpacked(loop):
         longer = (*features, features[0][:, :0])
         assert torch.equal(module(longer, cand, mapping), model(longer, cand, mapping))
     assert module.fallbacks == 2
+
+
+@dataclasses.dataclass
+class UserFeatures:
+    dense: torch.Tensor
+
+
+class TakesADataclass(nn.Module):
+    """`Replicated("index")` with its user features inside a dataclass argument, which the pass does not follow."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Replicated("index")
+
+    def forward(self, user: UserFeatures, cand, cand_to_user):
+        return self.inner(user.dense, cand, cand_to_user)
+
+
+def test_unfollowed_argument_is_the_reason_given():
+    """An argument the pass cannot follow (a dataclass of tensors) is the reason the model comes back unchanged (before:
+    the tensors inside it went uncounted, and the report and a warning said that every tensor had B rows)."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = TakesADataclass().eval()
+    user, cand, mapping = args_for(Replicated("index"), request(*EXAMPLE, gen))
+    module, report = to_ikbo(model, (UserFeatures(user), cand, mapping), measure=False)
+    assert module is model and "`user` (UserFeatures)" in str(report) and "B = " not in str(report), str(report)

@@ -117,6 +117,10 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged", stacklevel=2)
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
     mapping = _find_mapping(examples, mapping_name, signature)
+    others = _unfollowed_settings(examples)  # before the rows: tensors inside such objects are not counted there
+    if others:
+        reason = f"non-tensor arguments of other types than numbers, flags, strings, enums and dtypes: {others[0]}"
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"])
     num_candidates = mapping.shape[0]
     num_users = _user_rows(examples, num_candidates, mapping)
     if num_users is None:
@@ -125,10 +129,6 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
             "candidate tensors cannot be told apart by rows"
         )
         warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged (pass an example with U ≠ B)", stacklevel=2)
-        return model, Report(left=[f"the whole model: {reason}; served unchanged"])
-    others = _unfollowed_settings(examples)
-    if others:
-        reason = f"non-tensor arguments of other types than numbers, flags, strings, enums and dtypes: {others[0]}"
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
     hooked = _hooked(model)
     if hooked:
