@@ -3330,3 +3330,37 @@ def test_unfollowed_argument_is_the_reason_given():
     user, cand, mapping = args_for(Replicated("index"), request(*EXAMPLE, gen))
     module, report = to_ikbo(model, (UserFeatures(user), cand, mapping), measure=False)
     assert module is model and "`user` (UserFeatures)" in str(report) and "B = " not in str(report), str(report)
+
+
+class GatedByUser(nn.Module):
+    """Candidate features gated by their user's (a `rows_join` product), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.user, self.cand, self.head = nn.Linear(FU, D), nn.Linear(FC, D), nn.Linear(D, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        return self.head(self.user(user)[cand_to_user].sigmoid() * self.cand(cand)).squeeze(-1)
+
+
+def test_gradients_are_the_originals():
+    """Called with grad on, where the model's parameters or an input require grad, the original runs: the gradients
+    with respect to candidate features and parameters are the original's (before: the rewrite ran, and a backward
+    through its tiled join raised "no autograd formula"); without grad the rewrite runs."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = GatedByUser().eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in SIZES:
+        user, cand, mapping = args_for(model, request(num_users, num_candidates, gen))
+        cand.requires_grad_()
+        grads = []
+        for m in (model, module):
+            model.zero_grad()
+            cand.grad = None
+            m(user, cand, mapping).square().sum().backward()
+            grads.append([cand.grad, *(p.grad for p in model.parameters())])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    with torch.no_grad():
+        assert rel_err(module(user, cand, mapping), model(user, cand, mapping)) <= RTOL
+    assert module.fallbacks == len(SIZES)

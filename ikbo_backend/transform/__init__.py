@@ -416,7 +416,9 @@ class Guarded(torch.nn.Module):
     Where the capture followed a branch on a tensor's flags (`capture.FLAG_READS`), each call also has them as the
     example had: the same contiguity of every input and, for the row counts, 1 where the example's was 1 and more
     where it was more (a view's contiguity depends on them only there); requires_grad / is_leaf: the inputs' flags as
-    the example's, and grad mode off (the capture computes its values without grad); the device: the same device."""
+    the example's, and grad mode off (the capture computes its values without grad); the device: the same device.
+    With grad on and a parameter of the model or an input requiring grad the original runs too: the tiled joins have
+    no autograd, and the gradients are then the original's."""
 
     def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool, flags=frozenset(), settings=None):
         super().__init__()
@@ -432,6 +434,7 @@ class Guarded(torch.nn.Module):
         self.roles = [rows.index(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] in rows
                       else None for t in leaves]  # fmt: skip
         self.watched = list(original.modules())  # (a plain list: not registered as submodules again)
+        self.weights = list(original.parameters())
         self.own = [m for m in self.watched if not type(m).__module__.startswith("torch.")]  # the model's own classes
         self.classes = [c for m in self.own for c in type(m).__mro__ if not _library(c)]
         self.reads = _names_read(self.classes, self.own)
@@ -533,6 +536,10 @@ class Guarded(torch.nn.Module):
                 counts[role][t.shape[0]] = True
         if any(len(c) > 1 or 0 in c for c in counts):  # no candidates (or no users): the original, as cheap
             return False
+        if torch.is_grad_enabled() and (
+            any(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)) or any(self._requires_grad())
+        ):
+            return False
         flags = self.flags
         if flags:
             if "is_contiguous" in flags and any((n > 1) != (r > 1) for c, r in zip(counts, self.rows) for n in c):
@@ -554,6 +561,9 @@ class Guarded(torch.nn.Module):
             if (t.layout, t.is_nested) != want[4] or (flags and self._flags(t) != want[5]):
                 return False
         return True
+
+    def _requires_grad(self):
+        return map(attrgetter("requires_grad"), self.weights)
 
     def forward(self, *args, **kwargs):
         if kwargs or len(args) < len(self.names):  # the graph's arguments by name or by their defaults, in order
