@@ -7,6 +7,7 @@ U, B (unsorted mappings) against the original model.
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import enum
 import inspect
@@ -3364,3 +3365,26 @@ def test_gradients_are_the_originals():
     with torch.no_grad():
         assert rel_err(module(user, cand, mapping), model(user, cand, mapping)) <= RTOL
     assert module.fallbacks == len(SIZES)
+
+
+def test_deep_copies_of_a_rewrite():
+    """`copy.deepcopy` of a rewrite (a weight split at the pass among its constants) serves the rewrite, watches its
+    own copy of the model (new weights loaded into it run the original there only), and a copy made after the model
+    changed runs the original (before: deepcopy raised, the split weight holding its parameter's autograd graph)."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Replicated("index").eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    twin = copy.deepcopy(module)
+    args = args_for(model, request(*SIZES[0], gen))
+    with torch.inference_mode():
+        assert rel_err(twin(*args), model(*args)) <= RTOL and twin.fallbacks == 0
+    other = Replicated("index").eval()
+    twin.original.load_state_dict(other.state_dict())
+    with torch.inference_mode(), pytest.warns(UserWarning, match="changed after the pass"):
+        assert torch.equal(twin(*args), other(*args))
+    with torch.inference_mode():
+        assert rel_err(module(*args), model(*args)) <= RTOL and module.fallbacks == 0
+    stale = copy.deepcopy(twin)
+    with torch.inference_mode():
+        assert torch.equal(stale(*args), other(*args)) and stale.fallbacks == twin.fallbacks + 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import collections
 import collections.abc
+import copy
 import enum
 import inspect
 import re
@@ -433,6 +434,15 @@ class Guarded(torch.nn.Module):
         # lookup table passed with 15 users in the example would otherwise be taken for user rows at every U)
         self.roles = [rows.index(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] in rows
                       else None for t in leaves]  # fmt: skip
+        self._watch(original)
+        self.warned = False
+        self.signature = inspect.signature(_passed_through(original)[0].forward)
+        self.names = list(self.signature.parameters)[: len(example_inputs)]  # the graph's inputs, in order
+
+    _WATCH = ("watched", "weights", "own", "classes", "reads", "attributes", "deep", "state")
+
+    def _watch(self, original):
+        """Take the model as it is now as the one the graph was made from (`_changed` compares with it)."""
         self.watched = list(original.modules())  # (a plain list: not registered as submodules again)
         self.weights = list(original.parameters())
         self.own = [m for m in self.watched if not type(m).__module__.startswith("torch.")]  # the model's own classes
@@ -445,9 +455,19 @@ class Guarded(torch.nn.Module):
         # rest compared as objects (one rebound to a container is another object)
         self.deep = [i for i, v in enumerate(self._top()) if _kind_of(v) is not _leaf]
         self.state = self._state()
-        self.warned = False
-        self.signature = inspect.signature(_passed_through(original)[0].forward)
-        self.names = list(self.signature.parameters)[: len(example_inputs)]  # the graph's inputs, in order
+
+    def __deepcopy__(self, memo):
+        """A copy of the graph and the model together (their shared weights stay shared), watching its own model;
+        what it watches names globals and Python modules (`os.environ`), which are not copied but read again from the
+        copy. One whose model had changed since the pass runs the original for good."""
+        changed = self._changed()
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        vars(copied).update(copy.deepcopy({k: v for k, v in vars(self).items() if k not in self._WATCH}, memo))
+        copied._watch(copied.original)
+        if changed:
+            copied.state = None
+        return copied
 
     def _key(self, t, rows):
         if not isinstance(t, torch.Tensor):  # a number, flag, string, enum or dtype the graph was traced with
@@ -508,6 +528,8 @@ class Guarded(torch.nn.Module):
     def _changed(self) -> bool:
         """Whether the model has changed since the pass (`_state`), or a forward hook has been registered on it."""
         if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+            return True
+        if self.state is None:  # a copy of one whose model had changed
             return True
         watched = self.watched
         if any(map(attrgetter("_forward_hooks"), watched)) or any(map(attrgetter("_forward_pre_hooks"), watched)):

@@ -252,7 +252,11 @@ class Rewriter(AttentionRewrites):
             return self.fetch(node.target)(*args, **kwargs)
 
     def attach(self, prefix, value) -> str:
-        """Store a constant or module on the rewritten module; returns its attribute name."""
+        """Store a constant or module on the rewritten module; returns its attribute name. A tensor is stored
+        detached: made from parameters (a weight's split or merge), it would otherwise hold their autograd graph,
+        which `copy.deepcopy` of the module refuses (gradients come from the original: `Guarded`)."""
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
         self.counter += 1
         name = f"_ikbo_{prefix}_{self.counter}"
         setattr(self.traced, name, value)
