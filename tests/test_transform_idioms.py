@@ -3388,3 +3388,23 @@ def test_deep_copies_of_a_rewrite():
     stale = copy.deepcopy(twin)
     with torch.inference_mode():
         assert torch.equal(stale(*args), other(*args)) and stale.fallbacks == twin.fallbacks + 1
+
+
+def test_pass_under_autocast_judges_in_its_dtype():
+    """A pass run under `torch.autocast` checks the rewrite within the autocast dtype's tolerance, as for a 16-bit
+    model (before: fp32's 1e-3, so bf16 rounding of the re-associated sums read as a disagreement and the model came
+    back unchanged with that reason); under autocast the rewrite gives the original's dtype and values to bf16 rounding,
+    without it fp32's."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = Replicated("index").eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert module is not model and report.replications_left == 0, str(report)
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got, expected = module(*args), model(*args)
+            assert got.dtype == expected.dtype and rel_err(got.float(), expected.float()) <= 2e-2
+            assert rel_err(module(*args), model(*args)) <= RTOL
+    assert module.fallbacks == 0

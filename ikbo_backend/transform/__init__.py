@@ -46,10 +46,14 @@ RTOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2}  # default 1e-3 (fp32: tf32 o
 
 def _float_dtypes(model: torch.nn.Module, example_inputs) -> set[torch.dtype]:
     """Floating dtypes of the example's tensors and of the model's parameters and buffers (a bf16 model
-    fed integer ids computes in bf16)."""
+    fed integer ids computes in bf16), and the autocast dtype where the pass runs under `torch.autocast`."""
     tensors = [t for t in tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
     tensors += [*model.parameters(), *model.buffers()]
-    return {t.dtype for t in tensors if t.is_floating_point()}
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    # a pass run under torch.autocast: the original computes its matmuls in the autocast dtype
+    return dtypes | {
+        torch.get_autocast_dtype(d) for d in {t.device.type for t in tensors} if torch.is_autocast_enabled(d)
+    }
 
 
 def to_ikbo(
@@ -74,7 +78,7 @@ def to_ikbo(
 
     Never wrong, never slower: a model that cannot be captured, whose rewrite fails or disagrees with it
     on the example (relative error above `rtol`: a wrong rewrite, not rounding; default 1e-3, 2e-2 where
-    the inputs or the model's parameters are 16-bit: on CUDA the IKBO linear compression runs fp32 in
+    the inputs or the model's parameters are 16-bit, or the pass runs under a 16-bit `torch.autocast`: on CUDA the IKBO linear compression runs fp32 in
     tf32), or that runs slower than the original on the example (`measure`; cost.py; `cuda_graphs`: both
     timed as CUDA-graph replays, for a module served that way) comes back unchanged, with the reason in
     the report. The model is left as it was (buffers the pass's runs change are put back); a forward that keeps
