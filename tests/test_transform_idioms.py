@@ -3408,3 +3408,47 @@ def test_pass_under_autocast_judges_in_its_dtype():
             assert got.dtype == expected.dtype and rel_err(got.float(), expected.float()) <= 2e-2
             assert rel_err(module(*args), model(*args)) <= RTOL
     assert module.fallbacks == 0
+
+
+class HalfHead(nn.Module):
+    """A head that runs under bf16 autocast (a decorated forward, a mixed-precision tower)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(D, 1)
+
+    @torch.autocast("cpu", dtype=torch.bfloat16)
+    def forward(self, x):
+        return self.net(x).float()
+
+
+class AutocastRegions(nn.Module):
+    """`GatedByUser` with its head under autocast, or its whole forward in a `with torch.autocast` block."""
+
+    def __init__(self, whole):
+        super().__init__()
+        self.inner, self.whole = GatedByUser(), whole
+        self.inner.head = HalfHead()
+
+    def forward(self, user, cand, cand_to_user):
+        if not self.whole:
+            return self.inner(user, cand, cand_to_user)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(user, cand, cand_to_user)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_autocast_regions_are_kept(whole):
+    """The graph would not keep a `torch.autocast` region the forward enters: a module entering one is kept whole (the
+    rest rewritten), a model whose own forward does comes back unchanged, with that reason (before: the trace ran the
+    region in bf16 but the graph had no autocast, the rewrite computed fp32 and disagreed, and the whole model came
+    back unchanged, reported as a disagreement)."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = AutocastRegions(whole).eval()
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert "enters torch.autocast" in str(report) and "disagrees" not in str(report), str(report)
+    assert (module is model) == whole, str(report)
+    for num_users, num_candidates in SIZES:
+        args = args_for(model, request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)

@@ -243,6 +243,7 @@ class Tracer(fx.Tracer):
         self.record_stack_traces = True
         self.fixed_sizes = False
         self.guards = 0
+        self.evaluating = 0  # > 0 while an op or a module kept whole runs eagerly on the example's values
         self.flags: set = set()
         self.opaque: list = []
         self.settings: dict = {}  # GLOBAL_SETTINGS the model's own code read, with the values it saw
@@ -272,8 +273,12 @@ class Tracer(fx.Tracer):
             sizes = tuple(args[1][i] for i in range(len(args[1])))
             args = (args[0], sizes) if target is torch.reshape else (args[0], *sizes)
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        with _maybe_revert_all_patches(), torch.no_grad():  # run eagerly, not traced
-            value = self._evaluate(kind, target, args, kwargs)
+        self.evaluating += 1
+        try:
+            with _maybe_revert_all_patches(), torch.no_grad():  # run eagerly, not traced
+                value = self._evaluate(kind, target, args, kwargs)
+        finally:
+            self.evaluating -= 1
         if isinstance(proxy, ShadowProxy) and not isinstance(proxy, ShadowAttribute):
             proxy.value = value
         proxy.node.meta["example_value"] = value
@@ -629,6 +634,16 @@ def _traced_factories(tracer, model: nn.Module):
 
         return method
 
+    autocast = torch.amp.autocast_mode.autocast
+    enter_autocast = autocast.__enter__
+
+    def traced_autocast(self):  # the graph would not keep the region: the module entering it is kept whole
+        if not tracer.evaluating:
+            raise CaptureError(
+                f"the forward enters torch.autocast at {user_frame()}, a region the graph would not keep"
+            )
+        return enter_autocast(self)
+
     originals = {name: getattr(torch, name) for name in FACTORIES}
     info_types = {name: getattr(torch, name) for name in DTYPE_INFO}
     methods = {name: (getattr(torch.Tensor, name), name in vars(torch.Tensor)) for name in SIZED_METHODS}
@@ -642,6 +657,7 @@ def _traced_factories(tracer, model: nn.Module):
     read += [(vars(torch), fn.__name__, fn) for fn in GLOBAL_SETTINGS]
     scripted = _scripted_functions(scopes.values())
     try:
+        autocast.__enter__ = traced_autocast
         for scope, key, fn in read:
             scope[key] = wrap_setting(fn)
         for name, fn in originals.items():
@@ -660,6 +676,7 @@ def _traced_factories(tracer, model: nn.Module):
             setattr(torch, name, traced_info(info_types[name]))
         yield
     finally:
+        autocast.__enter__ = enter_autocast
         for scope, key, fn in read:
             scope[key] = fn
         for name, fn in originals.items():
