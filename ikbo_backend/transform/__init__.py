@@ -449,6 +449,7 @@ class Guarded(torch.nn.Module):
         """Take the model as it is now as the one the graph was made from (`_changed` compares with it)."""
         self.watched = list(original.modules())  # (a plain list: not registered as submodules again)
         self.weights = list(original.parameters())
+        self.warned_grad = False
         self.own = [m for m in self.watched if not type(m).__module__.startswith("torch.")]  # the model's own classes
         self.classes = [c for m in self.own for c in type(m).__mro__ if not _library(c)]
         self.reads = _names_read(self.classes, self.own)
@@ -565,6 +566,13 @@ class Guarded(torch.nn.Module):
         if torch.is_grad_enabled() and (
             any(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)) or any(self._requires_grad())
         ):
+            if not self.warned_grad:
+                self.warned_grad = True
+                warnings.warn(
+                    "to_ikbo: called with grad enabled and a parameter or input requiring grad: the original runs (the "
+                    "rewrite has no autograd); call it under torch.inference_mode() or torch.no_grad() for the rewrite",
+                    stacklevel=3,
+                )
             return False
         flags = self.flags
         if flags:
