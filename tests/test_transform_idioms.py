@@ -1024,6 +1024,30 @@ def test_pair_rows_flattened_then_read_whole(kind):
     assert ("has no per-part form" if kind == "column_sums" else "at the output") in str(report)
 
 
+class FlatMM(nn.Module):
+    """generative-recommenders' HSTU projection: the replicated history flattened to rows, `torch.mm` (or `x.mm`) by a
+    weight, viewed back, then scored against the candidate."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method, self.uvqk = method, nn.Parameter(torch.randn(D, 2 * D) * 0.2)
+        self.target = nn.Linear(FC, D)
+
+    def forward(self, history, cand, cand_to_user):
+        x = history[cand_to_user]
+        flat = x.view(-1, D)
+        uv = F.silu(flat.mm(self.uvqk) if self.method else torch.mm(flat, self.uvqk)).view(x.shape[0], L, 2 * D)
+        u, v = uv.split(D, dim=-1)
+        return ((u * v).sum(1) * self.target(cand)).sum(-1)
+
+
+@pytest.mark.parametrize("method", [False, True])
+def test_mm_by_a_weight_of_flattened_rows(method):
+    """The product runs at U·L rows, as `matmul` would; the view back to [B, L, ·] is the merge back that is left."""
+    report = check(FlatMM(method), expect_left=1, must=["row-wise ops run at U rows instead of B rows: matmul"])
+    assert all("mixes rows merged with heads" in e for e in report.left), str(report)
+
+
 class FlatInPlace(nn.Module):
     """In-place ops on flattened pair rows whose storage other values read: a flattened difference or replica that
     a concat copied before, and two linears over flattened rows changed in place between them (not one merged

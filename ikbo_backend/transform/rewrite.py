@@ -656,6 +656,13 @@ class Rewriter(AttentionRewrites):
             return self.apply("call_method", "expand", (args[0], shape), {}, meta)  # only the shape of a Rep is read
         if target is torch.tensordot and self._tensordot_is_matmul(args, kwargs):
             op, target, args, kwargs = "call_function", torch.matmul, args[:2], {}
+        if (
+            target in (torch.mm, "mm")
+            and len(args) == 2
+            and not kwargs
+            and any(isinstance(v, USER_FORMS) for v in args)
+        ):
+            op, target = "call_function", torch.matmul  # mm is matmul of two 2-D operands (HSTU's `mm(x, uvqk)`)
         if target in ADD_PRODUCTS and len(args) == 3 and set(kwargs) <= {"beta", "alpha"}:
             if any(isinstance(v, USER_FORMS) for v in leaves(args)):
                 return self.add_product(target, args, kwargs, meta)
