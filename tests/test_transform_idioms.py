@@ -3477,3 +3477,26 @@ def test_autocast_regions_are_kept(whole):
         args = args_for(model, request(num_users, num_candidates, gen))
         with torch.inference_mode():
             assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+
+
+class GraphModuleNames(nn.Module):
+    """A meta-learner's `self.meta` making per-user weights, a `self.graph` tower over the candidates, a parameter
+    named `code`: names a torch.fx GraphModule uses itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.meta = nn.Linear(FU, D * 4)
+        self.graph = nn.Linear(FC, D)
+        self.code = nn.Parameter(torch.randn(4))
+
+    def forward(self, user, cand, cand_to_user):
+        w = self.meta(user).view(-1, D, 4)[cand_to_user]
+        return torch.bmm(self.graph(cand)[:, None], w)[:, 0] @ self.code
+
+
+def test_submodules_named_like_graph_module_attributes():
+    """Submodules and parameters called `meta`, `graph` or `code` are captured like any other (before: the capture's
+    GraphModule copied them, then set its own `meta` / `graph` over them, the capture failed and the model came back
+    unchanged)."""
+    check(GraphModuleNames(), sizes=WITHOUT_CANDIDATES)
+

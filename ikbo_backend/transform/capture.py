@@ -747,7 +747,8 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
                 )
             for m, state in saved:  # the graph reads attributes by get_attr: their values before the trace
                 _restore(m, state, drop_new=False)
-            module = fx.GraphModule(model, graph, class_name=type(model).__name__)
+            module = fx.GraphModule(_root_for(model, graph), graph, class_name=type(model).__name__)
+            module.training = model.training
         finally:  # the model as it was; attributes the trace added (fx's `_tensor_constant*`) now live in `module`
             for m, state in saved:
                 _restore(m, state, drop_new=True)
@@ -755,6 +756,50 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
                 if name in buffers and not torch.equal(b, buffers[name]):
                     b.copy_(buffers[name])
     return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards, frozenset(tracer.flags), tracer.settings)
+
+
+def _graph_module_names() -> frozenset:
+    """Attribute names a GraphModule sets or defines beyond nn.Module's (`graph`, `meta`, `code`, `shape_env`, …)."""
+    empty = fx.GraphModule(nn.Module(), fx.Graph())
+    ours = set(dir(fx.GraphModule)) | set(vars(empty))
+    return frozenset(ours - set(dir(nn.Module)) - set(vars(nn.Module())))
+
+
+GRAPH_MODULE_NAMES = _graph_module_names()
+
+
+def _root_for(model: nn.Module, graph: fx.Graph):
+    """The root a GraphModule copies the graph's submodules and attributes from: the model, or where one's top-level
+    name is one a GraphModule uses itself (a meta-learner `self.meta`, a GNN's `self.graph`: copied there, then
+    overwritten, or refused by nn.Module), a dict of every target with those renamed in the graph."""
+    targets = {n.target for n in graph.nodes if n.op in ("call_module", "get_attr")}
+    clash = {t.split(".")[0] for t in targets} & GRAPH_MODULE_NAMES
+    if not clash:
+        return model
+    taken = {t.split(".")[0] for t in targets} | set(dir(model))
+    renamed = {}
+    for name in sorted(clash):
+        new = f"{name}_"
+        while new in taken or new in GRAPH_MODULE_NAMES:
+            new += "_"
+        taken.add(new)
+        renamed[name] = new
+    root = {}
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            head, _, rest = node.target.partition(".")
+            obj = model.get_submodule(node.target) if node.op == "call_module" else _attr_at(model, node.target)
+            if head in renamed:
+                node.target = renamed[head] + ("." + rest if rest else "")
+            root[node.target] = obj
+    return root
+
+
+def _attr_at(model: nn.Module, target: str):
+    obj = model
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
 
 
 def _unflatten_output(graph: fx.Graph) -> None:
