@@ -3500,3 +3500,30 @@ def test_submodules_named_like_graph_module_attributes():
     unchanged)."""
     check(GraphModuleNames(), sizes=WITHOUT_CANDIDATES)
 
+
+class PrependedToken(nn.Module):
+    """A learned token prepended to every user's history (an attention sink, a CLS token): K / V are
+    `cat([token.expand(B, 1, D), history[m]], 1)`, the key mask `cat([keep.new_ones(B, 1), keep], 1)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.sink_k = nn.Parameter(torch.randn(1, 1, D))
+        self.sink_v = nn.Parameter(torch.randn(1, 1, D))
+        self.q = nn.Linear(FC, D)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        h = history[cand_to_user]
+        num_candidates = cand.shape[0]
+        k = torch.cat([self.sink_k.expand(num_candidates, -1, -1), h], 1)
+        v = torch.cat([self.sink_v.expand(num_candidates, -1, -1), h], 1)
+        keep = (torch.arange(L)[None] < lengths[:, None])[cand_to_user]
+        keep = torch.cat([keep.new_ones(num_candidates, 1), keep], 1)
+        return F.scaled_dot_product_attention(self.q(cand)[:, None], k, v, attn_mask=keep[:, None])[:, 0]
+
+
+def test_constant_token_prepended_to_a_replica():
+    """One constant row expanded to B rows beside replicated user rows in a cat along another dim, and a mask made
+    at the candidate count by `new_ones` of a replica, are constant user rows: the cat runs at U rows and the
+    attention is `ikbo_attention` (before: the token was a Rep through its own expand mapping, the cat mixed two
+    mappings, K, V and the mask were replicated, reported as attention over user and candidate tokens)."""
+    check(PrependedToken(), sizes=WITHOUT_CANDIDATES)

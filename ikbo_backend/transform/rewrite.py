@@ -406,12 +406,21 @@ class Rewriter(AttentionRewrites):
         )
         return Plain(node, to_meta(self.values[node]))
 
+    @staticmethod
+    def _one_row_rep(v) -> bool:
+        """A Rep of one row expanded to every candidate (`one_row`: a model's constant token `sink.expand(B, 1, d)`)."""
+        return (
+            isinstance(v, Rep) and not v.row_dim and isinstance(v.mapping.key, tuple) and v.mapping.key[0] == "expand"
+        )
+
     def constant_rows_beside(self, args, kwargs):
-        """Operands expanded to B equal rows (rows_of) beside Reps of one mapping: Reps of their source expanded to
-        U rows (any mapping selects the same row), so a row-wise op runs at U rows."""
+        """Operands expanded to B equal rows (rows_of, or a Rep of one row through its own expand mapping) beside Reps
+        of one mapping: Reps of their source expanded to U rows (any mapping selects the same row), so a row-wise op
+        (a cat of a constant token and a history along the sequence) runs at U rows."""
         flat = leaves((args, kwargs))
-        reps = [v for v in flat if isinstance(v, Rep) and not v.row_dim]
+        reps = [v for v in flat if isinstance(v, Rep) and not v.row_dim and not self._one_row_rep(v)]
         consts = [v for v in flat if isinstance(v, Plain) and v.rows_of is not None]
+        consts += [v for v in flat if self._one_row_rep(v) and isinstance(v.meta, Meta)]
         if not reps or not consts or len({r.mapping.key for r in reps}) != 1:
             return args, kwargs
         rows = self.emit(
@@ -419,7 +428,10 @@ class Rewriter(AttentionRewrites):
         )
         swapped = {}
         for v in consts:
-            node = self.emit("call_method", "expand", (v.rows_of.node, rows, *v.meta.shape[1:]))
+            if isinstance(v, Rep):  # its user tensor is the one row: [1, ...]
+                node = self.emit("call_method", "expand", (v.user, rows, *[-1] * (v.meta.ndim - 1)))
+            else:
+                node = self.emit("call_method", "expand", (v.rows_of.node, rows, *v.meta.shape[1:]))
             swapped[id(v)] = Rep(node, reps[0].mapping, v.meta, f"{self.where()} (a constant row)")
         swap = lambda v: swapped.get(id(v), v)  # noqa: E731
         return fmap(args, swap), fmap(kwargs, swap)
@@ -1283,6 +1295,29 @@ class Rewriter(AttentionRewrites):
                     "call_method", key, (self.user_side(args[0]), size, *fmap(extra, unwrap)), fmap(kwargs, unwrap)
                 )
                 return Rep(node, sizes[0].mapping, meta, f"{self.where()} (a constant row)")
+            first = sizes[0] if sizes else None
+            if (
+                key != "new_empty"
+                and isinstance(args[0], Rep)
+                and isinstance(first, Plain)
+                and first.batched
+                and type(first.meta) is int
+                and isinstance(meta, Meta)
+                and not any(
+                    is_value(v) and not (isinstance(v, Plain) and not v.batched)
+                    for v in leaves((sizes[1:], extra, kwargs))
+                )
+            ):  # keep.new_ones(B, 1) with B a candidate count: equal rows, the Rep giving dtype and device only
+                unwrap = lambda v: v.node if isinstance(v, Plain) else v  # noqa: E731
+                user, rest_sizes = args[0].user, fmap(sizes[1:], unwrap)
+                node = self.emit("call_method", key, (user, (first.node, *rest_sizes), *fmap(extra, unwrap)),
+                                 fmap(kwargs, unwrap))  # fmt: skip
+                row = self.emit(
+                    "call_method", key, (user, (1, *rest_sizes), *fmap(extra, unwrap)), fmap(kwargs, unwrap)
+                )
+                out = Plain(node, meta, batched=True)
+                out.rows_of = Plain(row, to_meta(self.values[row]))
+                return out
         if key in ("expand", "repeat") and isinstance(args[0], Plain) and not args[0].batched:
             sizes = _sizes(args)
             src = args[0]
@@ -1863,10 +1898,10 @@ class Rewriter(AttentionRewrites):
         )
 
     def rowwise(self, op, key, args, kwargs, meta):
+        args, kwargs = self.constant_rows_beside(args, kwargs)
         if key is torch.cat or key is torch.stack:
             if not all(isinstance(p, Rep) for p in args[0]):
                 return None
-        args, kwargs = self.constant_rows_beside(args, kwargs)
         if key not in SIZE_OPS:  # a row count used as a number (x * x.shape[0], a fill value) is B, as in the original
             as_value = lambda v: (  # noqa: E731
                 Plain(self.materialize(v, self.where(), "a row count used as a value"), v.meta)
@@ -2121,6 +2156,8 @@ class Rewriter(AttentionRewrites):
             parts, dim = list(args[0]), _norm(_arg(args, kwargs, 1, "dim", 0), meta.ndim)
             if dim is None:
                 return None
+            if dim:  # constant rows beside user rows of one mapping: user rows too (a token prepended to a history)
+                parts = list(self.constant_rows_beside((parts,), {})[0][0])
             across = [p for p in parts if isinstance(p, Concat) and p.dim != dim]
             if dim and across and all(self.batched(p) and isinstance(p.meta, Meta) for p in parts):
                 # cat along another dim of concats (of one dim): piece by piece between every part boundary
