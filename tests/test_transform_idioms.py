@@ -3527,3 +3527,32 @@ def test_constant_token_prepended_to_a_replica():
     attention is `ikbo_attention` (before: the token was a Rep through its own expand mapping, the cat mixed two
     mappings, K, V and the mask were replicated, reported as attention over user and candidate tokens)."""
     check(PrependedToken(), sizes=WITHOUT_CANDIDATES)
+
+
+class FieldsReshaped(nn.Module):
+    """DHEN / HiFormer over a field matrix X = cat([user fields[m], candidate fields], 1): the row count unpacked from
+    X's own shape (`B, nf, d = X.shape; X.reshape(B, -1)`), and a projection of the flattened fields viewed back
+    as X (`composite(X.flatten(1)).view_as(X)`)."""
+
+    def __init__(self, view_as):
+        super().__init__()
+        self.view_as = view_as
+        self.user_fields = nn.Linear(FU, 3 * D)
+        self.cand_fields = nn.Linear(FC, 2 * D)
+        self.composite = nn.Linear(5 * D, 5 * D)
+        self.head = nn.Linear(5 * D, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        x = torch.cat([self.user_fields(user).view(-1, 3, D)[cand_to_user], self.cand_fields(cand).view(-1, 2, D)], 1)
+        if self.view_as:
+            x = x * torch.sigmoid(self.composite(x.flatten(1)).view_as(x))
+        num_candidates, num_fields, width = x.shape
+        return self.head(torch.relu(x).reshape(num_candidates, -1)).view(num_candidates, num_fields * 0 + 1)
+
+
+@pytest.mark.parametrize("view_as", [False, True])
+def test_view_of_a_field_concat_by_its_own_shape(view_as):
+    """`x.shape[0]` of a user + candidate concat is a candidate count, so `x.reshape(B, -1)` with B unpacked from it
+    flattens per part; `y.view_as(concat)` reads the concat's shape only (before: the shape's B was not known as a
+    row count and `view_as` took the concat for an operand: both replicated the user fields, reported)."""
+    check(FieldsReshaped(view_as), sizes=WITHOUT_CANDIDATES)

@@ -666,6 +666,16 @@ class Rewriter(AttentionRewrites):
                 self.emit("call_function", getattr, (args[1].user, "shape")), args[1].mapping, args[1].meta.shape
             )
             return self.apply("call_method", "expand", (args[0], shape), {}, meta)  # only the shape of a Rep is read
+        if (
+            target in ("view_as", "reshape_as")
+            and len(args) == 2
+            and not kwargs
+            and isinstance(args[1], Concat)
+            and isinstance(args[0], Plain)
+            and isinstance(meta, Meta)
+        ):  # x.view_as(y) of a concat y reads y's shape only (HiFormer's `composite(x).view_as(q)`): at B rows
+            shape = self.shape_access("call_function", getattr, (args[1], "shape"), {}, tuple(meta.shape))
+            return self.apply("call_method", target[: -len("_as")], (args[0], shape), {}, meta)
         if target is torch.tensordot and self._tensordot_is_matmul(args, kwargs):
             op, target, args, kwargs = "call_function", torch.matmul, args[:2], {}
         if (
@@ -1192,8 +1202,9 @@ class Rewriter(AttentionRewrites):
     def shape_access(self, op, key, args, kwargs, meta):
         x = args[0] if args else None
         if isinstance(x, Concat) and (key is getattr and args[1] == "shape" or key == "size" and len(args) == 1):
+            # at B rows: its [0] is a candidate count (`B, F, d = x.shape`)
             shapes = [self._shape_node(p) for p in x.parts]
-            return Plain(self.emit("call_function", ops.cat_shape, (shapes, x.dim)), meta)
+            return Plain(self.emit("call_function", ops.cat_shape, (shapes, x.dim)), meta, batched=True)
         if isinstance(x, Concat) and key == "size" and len(args) == 2 and isinstance(args[1], int):
             dim = _norm(args[1], x.meta.ndim)  # x.size(d): a part's, or the parts' sum along the concat dim
             if dim is not None and dim != x.dim:
