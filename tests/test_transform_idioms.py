@@ -3556,3 +3556,30 @@ def test_view_of_a_field_concat_by_its_own_shape(view_as):
     flattens per part; `y.view_as(concat)` reads the concat's shape only (before: the shape's B was not known as a
     row count and `view_as` took the concat for an operand: both replicated the user fields, reported)."""
     check(FieldsReshaped(view_as), sizes=WITHOUT_CANDIDATES)
+
+
+class ConstantKeyMask(nn.Module):
+    """SDPA with a key mask that has no rows: a boolean buffer of [L] (positions never attended), or an additive
+    [1, 1, 1, L] with −inf, the same for every candidate."""
+
+    def __init__(self, additive):
+        super().__init__()
+        self.additive = additive
+        valid = torch.arange(L) < L - 2
+        valid[1] = False
+        self.register_buffer("valid", valid)
+        self.q = nn.Linear(FC, D)
+
+    def forward(self, history, cand, cand_to_user):
+        k, q = history[cand_to_user], self.q(cand)[:, None]
+        if not self.additive:
+            return F.scaled_dot_product_attention(q, k, k, attn_mask=self.valid)[:, 0]
+        mask = torch.zeros(L).masked_fill(~self.valid, float("-inf")).view(1, 1, 1, L)
+        return F.scaled_dot_product_attention(q[:, None], k[:, None], k[:, None], attn_mask=mask)[:, 0, 0]
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_key_mask_without_rows(additive):
+    """A key mask without rows is every user's one key mask: `ikbo_attention` with the kept keys moved first (before:
+    not a per-user key mask, so K / V were replicated, reported)."""
+    check(ConstantKeyMask(additive), sizes=WITHOUT_CANDIDATES, must=["ikbo_attention"])

@@ -52,7 +52,7 @@ class AttentionRewrites:
                 kv_len = self.emit("call_function", ops.kv_len_from, (lengths, seq_len))
                 how = " (key-length mask)"
             else:
-                found = self.key_mask(mask, k.mapping, seq_len, ndim)
+                found = self.key_mask(self.constant_key_mask(mask, k, seq_len, ndim), k.mapping, seq_len, ndim)
                 if found is None:
                     return None
                 keep, fill = found
@@ -84,6 +84,24 @@ class AttentionRewrites:
         if ndim == 3:
             node = self.emit("call_method", "squeeze", (node, 1))
         return node
+
+    def constant_key_mask(self, mask, k, seq_len, ndim):
+        """A mask without rows, the same for every candidate (`attn_mask=self.valid_pos` of [L], [1, 1, 1, L]): the
+        one key mask of every user, as a Rep of it expanded to the users of `k` (U rows); other masks as they are."""
+        if not (isinstance(mask, Plain) and not self.batched(mask) and isinstance(mask.meta, Meta)):
+            return mask
+        shape = mask.meta.shape
+        if not 1 <= len(shape) <= ndim or shape[-1] != seq_len or any(d != 1 for d in shape[:-1]):
+            return mask
+        if len(shape) == ndim and self.num_users == 1:  # its one row may be the example's one user's
+            return mask
+        users = self.emit(
+            "call_function", operator.getitem, (self.emit("call_function", getattr, (k.user, "shape")), 0)
+        )
+        row = self.emit("call_method", "reshape", (mask.node, (1,) * (ndim - 1) + (-1,)))
+        node = self.emit("call_method", "expand", (row, users, *[-1] * (ndim - 1)))
+        meta = Meta((self.num_candidates, *[1] * (ndim - 2), seq_len), mask.meta.dtype)
+        return Rep(node, k.mapping, meta, f"{self.where()} (a key mask without rows)")
 
     def key_mask(self, mask, mapping, seq_len, ndim):
         """([U, L] bool node of the keys each user keeps, fill) if `mask` is one key mask per user, else None. fill:

@@ -1321,8 +1321,12 @@ class Rewriter(AttentionRewrites):
             ):  # keep.new_ones(B, 1) with B a candidate count: equal rows, the Rep giving dtype and device only
                 unwrap = lambda v: v.node if isinstance(v, Plain) else v  # noqa: E731
                 user, rest_sizes = args[0].user, fmap(sizes[1:], unwrap)
-                node = self.emit("call_method", key, (user, (first.node, *rest_sizes), *fmap(extra, unwrap)),
-                                 fmap(kwargs, unwrap))  # fmt: skip
+                like = {a: self.emit("call_function", getattr, (user, a)) for a in ("dtype", "device")}
+                factory = {"new_zeros": torch.zeros, "new_ones": torch.ones, "new_full": torch.full}[key]
+                node = self.emit(  # made at B rows from nothing but the replica's dtype and device
+                    "call_function", factory, ((first.node, *rest_sizes), *fmap(extra, unwrap)),
+                    {**like, **fmap(kwargs, unwrap)},
+                )  # fmt: skip
                 row = self.emit(
                     "call_method", key, (user, (1, *rest_sizes), *fmap(extra, unwrap)), fmap(kwargs, unwrap)
                 )
