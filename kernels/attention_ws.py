@@ -1689,17 +1689,27 @@ def dkdv_ws_ok(q: torch.Tensor, grad_out: torch.Tensor, k: torch.Tensor) -> bool
 
 
 # fmt: off
-def launch_dq_ws(q, grad_out, out, k, v, lse, delta, kv_len, scale, order, tiles, num_tiles, dq, config=None):
+def launch_dq_ws(
+    q, grad_out, out, k, v, lse, delta, kv_len, scale, order, tiles, num_tiles, dq, config=None, recording=None
+):
     """dQ and Δ of target attention through `_dq_ws_kernel` for tensors where `dkdv_ws_ok` (out contiguous too):
     lse of the candidate rows ([B·H·S] fp32), Δ written there; the plan's order and tiles at TILE_M rows
-    (`attention.plan_tiles`, num_tiles slots); dq [B, H, S, d] contiguous, written. Nothing waits for the device."""
+    (`attention.plan_tiles`, num_tiles slots); dq [B, H, S, d] contiguous, written. With `recording` the launch is
+    kept for replay (kernels._launch). Nothing waits for the device."""
     cfg = config or DEFAULT_BACKWARD_CONFIG
     heads, num_queries = q.shape[1], q.shape[2]
-    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.dq_block_n)
-    q_desc, do_desc = _row_descriptors(q, grad_out)
-    _dq_ws_launch[(num_tiles, heads)](
-        k_desc, v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, out, grad_out, dq, lse, delta,
-        order if kv_len is None else kv_len, order, tiles, k.shape[2], num_queries, scale * _attn.LOG2E, scale,
+
+    def build(bind):
+        k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, cfg.dq_block_n, bind)
+        q_desc, do_desc = _row_descriptors(q, grad_out, bind)
+        return (
+            k_desc, v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, bind.ptr(out), bind.ptr(grad_out),
+            bind.ptr(dq), bind.ptr(lse), bind.ptr(delta), bind.ptr(order if kv_len is None else kv_len),
+            bind.ptr(order), bind.ptr(tiles), k.shape[2], num_queries, scale * _attn.LOG2E, scale,
+        )
+
+    launch(
+        _dq_ws_launch, (num_tiles, heads), build, recording,
         HAS_KV_LEN=kv_len is not None, STAGES=cfg.dq_stages, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, num_warps=4, maxnreg=cfg.maxnreg,
     )
@@ -1710,25 +1720,31 @@ def launch_dq_ws(q, grad_out, out, k, v, lse, delta, kv_len, scale, order, tiles
 # fmt: off
 def launch_dkdv_ws(
     q, grad_out, k, v, lse, delta, kv_len, scale, order, users, dk, dv, splits=1, accumulate=False, config=None,
-    user_q=None, grad_user_out=None, causal=True,
+    user_q=None, grad_user_out=None, causal=True, recording=None,
 ):
     """dK and dV of target attention through `_dkdv_ws_kernel` for tensors where `dkdv_ws_ok`: lse and Δ of the
     candidate rows ([B·H·S] fp32; with user_q, the user rows' [U·H·L] follow them, as `attention.split_lse` lays
     them out), the plan's order and users table (`attention.plan_tiles(users=...)`), dk / dv [U, H, L, d]
     contiguous, written (with splits > 1 or `accumulate`: fp32, added into). With user_q and grad_user_out [U, H,
-    L, d] (where `self_rows_by_tma`) the user's own rows (causal or not) are walked too, by the first split.
-    Nothing waits for the device."""
+    L, d] (where `self_rows_by_tma`) the user's own rows (causal or not) are walked too, by the first split. With
+    `recording` the launch is kept for replay (kernels._launch). Nothing waits for the device."""
     cfg = config or DEFAULT_BACKWARD_CONFIG
     num_users, heads, seq_len, head_dim = k.shape
     num_queries = q.shape[2]
-    k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, 64)
-    q_desc, do_desc = _row_descriptors(q, grad_out)
-    uq_desc, udo_desc = (q_desc, do_desc) if user_q is None else _row_descriptors(user_q, grad_user_out)
-    grid = (num_users * heads * triton.cdiv(seq_len, 128) * splits,)
-    _dkdv_ws_launch[grid](
-        k_desc, v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, uq_desc, udo_desc, lse, delta, dk, dv,
-        order if kv_len is None else kv_len, order, users,
-        num_users, heads, seq_len, num_queries, splits, scale * _attn.LOG2E, scale, q.numel() // head_dim,
+
+    def build(bind):
+        k_desc, v_desc, (stride_ku, stride_kh, stride_kl) = _kv_descriptors(k, v, 64, bind)
+        q_desc, do_desc = _row_descriptors(q, grad_out, bind)
+        uq_desc, udo_desc = (q_desc, do_desc) if user_q is None else _row_descriptors(user_q, grad_user_out, bind)
+        return (
+            k_desc, v_desc, stride_ku, stride_kh, stride_kl, q_desc, do_desc, uq_desc, udo_desc, bind.ptr(lse),
+            bind.ptr(delta), bind.ptr(dk), bind.ptr(dv), bind.ptr(order if kv_len is None else kv_len),
+            bind.ptr(order), bind.ptr(users), num_users, heads, seq_len, num_queries, splits, scale * _attn.LOG2E,
+            scale, q.numel() // head_dim,
+        )
+
+    launch(
+        _dkdv_ws_launch, (num_users * heads * triton.cdiv(seq_len, 128) * splits,), build, recording,
         HAS_KV_LEN=kv_len is not None, RANK_USERS=_attn.RANKED_USERS if num_users <= _attn.RANKED_USERS else 0,
         STAGES=cfg.stages, SPLIT=splits > 1 or accumulate, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         HAS_SELF=user_q is not None, CAUSAL=bool(causal), num_warps=4, maxnreg=cfg.maxnreg,

@@ -81,7 +81,7 @@ from ._common import (
     tma_ok,
 )
 from ._interpreter import interpreting
-from ._launch import CachedLaunch, Recording, fail, named, remember, replayable
+from ._launch import NOW, CachedLaunch, Recording, fail, launch, named, remember, replayable
 from .configs import TileConfig, tuned_config, tuned_version
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1015,20 +1015,22 @@ def weight_grad_configs(dtype: torch.dtype, dim: int, fused: bool = False):
     yield TileConfig(64, 128, block_d, num_warps=4, num_stages=2)
 
 
-def _operand_desc(t: torch.Tensor, block_rows: int, block_d: int):
+def _operand_desc(t: torch.Tensor, block_rows: int, block_d: int, bind=NOW):
     """Descriptor over t [G, R, D] with [1, block_rows, block_d] blocks, or None (pointer loads)."""
     if not tma_ok(t):
         return None
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, block_d])
+    return bind.desc(TensorDescriptor, t, t.shape, t.stride(), [1, block_rows, block_d])
 
 
 # fmt: off
 def _weight_grad(
-    a, x, out, splits: int | None = None, config: TileConfig | None = None, user_sums=None
+    a, x, out, splits: int | None = None, config: TileConfig | None = None, user_sums=None,
+    recording: Recording | None = None, name: str = "dW",
 ) -> torch.Tensor:
     """out [M, K] = Σ_g a[g] @ x[g]ᵀ for a [G, M, D], x [G, K, D] (a weight gradient): `_lce_weight_grad_kernel`
     split-K over g into fp32 partials, then `_split_sum_kernel`. `splits` fixes the number of splits (tests), else
-    there are about as many programs as SMs. out contiguous.
+    there are about as many programs as SMs. out contiguous. With `recording` the launches are kept for replay
+    (kernels._launch), the partials named `name` + "_part".
 
     `user_sums` = (cand_to_user, sums [U, M, D]) for dW_c (a = dout): the same pass also writes the user sums
     dY_u (FUSE_SUMS, then `_user_sum_fixup_kernel`), so dout is read once for both."""
@@ -1037,13 +1039,15 @@ def _weight_grad(
     if out.numel() == 0:
         return out
     if num_rows == 0 or dim == 0:
+        fail(recording)
         return out.zero_()
     sums = ranges = None
     if user_sums is not None:
+        fail(recording)  # the sort of the mapping is not a recorded step
         cand_to_user, sums = user_sums
         ranges = _user_ranges(cand_to_user, sums.shape[0])  # (sorted users, order, offsets)
 
-    def launch(cfg: TileConfig) -> None:
+    def attempt(cfg: TileConfig) -> None:
         tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(depth, cfg.block_n)
         wanted = splits or max(1, _num_programs(a.device) // tiles)
         if sums is not None:  # fused: at most FUSED_SPLIT_ROWS rows a split
@@ -1051,26 +1055,38 @@ def _weight_grad(
         per_split = triton.cdiv(num_rows, min(wanted, num_rows))
         count = triton.cdiv(num_rows, per_split)
         part = torch.empty(count, rows, depth, dtype=torch.float32, device=a.device)
+        named(recording, name + "_part", part)
         slots = None if sums is None else torch.empty(count, 2, rows, dim, dtype=torch.float32, device=a.device)
         sorted_users, order, offsets = (None, None, None) if ranges is None else ranges
-        a_desc = _operand_desc(a, cfg.block_m, cfg.block_k)
-        x_desc = _operand_desc(x, cfg.block_n, cfg.block_k)
-        _lce_weight_grad_launch[(count * tiles,)](
-            a, a_desc, a.stride(0), a.stride(1), a.stride(2), x, x_desc, x.stride(0), x.stride(1), x.stride(2), part,
-            order, sorted_users, offsets, sums, slots, num_rows, rows, depth, dim, per_split,
-            1 if sums is None else sums.shape[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_k,
-            A_TMA=a_desc is not None, X_TMA=x_desc is not None, FUSE_SUMS=sums is not None, MAX_ROWS=FUSED_SPLIT_ROWS,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a_tma, x_tma = tma_ok(a), tma_ok(x)
+
+        def build(bind):
+            a_desc = _operand_desc(a, cfg.block_m, cfg.block_k, bind)
+            x_desc = _operand_desc(x, cfg.block_n, cfg.block_k, bind)
+            return (
+                bind.ptr(a), a_desc, a.stride(0), a.stride(1), a.stride(2),
+                bind.ptr(x), x_desc, x.stride(0), x.stride(1), x.stride(2), bind.ptr(part),
+                order, sorted_users, offsets, sums, slots, num_rows, rows, depth, dim, per_split,
+                1 if sums is None else sums.shape[0],
+            )
+
+        launch(
+            _lce_weight_grad_launch, (count * tiles,), build, recording,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_k, A_TMA=a_tma, X_TMA=x_tma,
+            FUSE_SUMS=sums is not None, MAX_ROWS=FUSED_SPLIT_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         block = 1024 if not interpreting() else 32
         if sums is not None:
             grid = (sums.shape[0], triton.cdiv(rows * dim, block))
             _user_sum_fixup_launch[grid](slots, sums, offsets, per_split, rows * dim, BLOCK=block)
-        _split_sum_launch[(triton.cdiv(rows * depth, block),)](part, out, count, rows * depth, BLOCK=block)
+        launch(
+            _split_sum_launch, (triton.cdiv(rows * depth, block),),
+            lambda bind: (bind.ptr(part), bind.ptr(out), count, rows * depth), recording, BLOCK=block,
+        )
 
     configs = [config] if config is not None else weight_grad_configs(a.dtype, dim, sums is not None)
     key = None if config is not None else ("dW", sums is not None, a.dtype, dim, a.device)
-    _launch_first_fitting(key, configs, launch)
+    _launch_first_fitting(key, configs, attempt)
     return out
 # fmt: on
 
@@ -1093,13 +1109,27 @@ def _shared_weight_gemm(weight_padded, x, out, config: TileConfig | None = None)
     return out
 
 
-def _input_grad(weight, g, out, gemm: str | None = None) -> torch.Tensor:
+def _fill_transposed(weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out [K, N'] = weightᵀ for weight [N, K], zero columns after N."""
+    num_rows = weight.shape[0]
+    out[:, :num_rows].copy_(weight.t())
+    out[:, num_rows:].zero_()
+
+
+def _input_grad(weight, g, out, gemm: str | None = None, recording: Recording | None = None) -> torch.Tensor:
     """out[r] = weightᵀ @ g[r] for every row r (d_cand_emb = W_cᵀ dout[b], d_user_emb = W_uᵀ dY_u[u]): the forward's
     batched shared-weight GEMM with the transposed weight. `gemm` "ws": the warp-specialized Gluon kernel of the
-    forward (Hopper, 16 bit); "tile": `_lce_tile_kernel`; None: ws where it runs."""
+    forward (Hopper, 16 bit); "tile": `_lce_tile_kernel`; None: ws where it runs. With `recording` the ws path's
+    steps are kept for replay (kernels._launch; the transposed weight named "weight_t")."""
     if out.numel() == 0:
+        fail(recording)
         return out
-    weight_t = _pad_columns(weight.t(), K_ALIGN)  # [K, N'] zero-padded: TMA-able rows
+    cols = triton.cdiv(max(weight.shape[0], 1), K_ALIGN) * K_ALIGN  # [K, N'] zero-padded: TMA-able rows
+    weight_t = named(recording, "weight_t", weight.new_empty(weight.shape[1], cols))
+    if recording is None:
+        _fill_transposed(weight, weight_t)
+    else:
+        recording.call(_fill_transposed, weight, weight_t)
     if gemm is None:
         gemm = "ws" if g.shape[1] > 0 and _ws_runs(g, g) else "tile"
     if gemm == "ws":
@@ -1107,8 +1137,10 @@ def _input_grad(weight, g, out, gemm: str | None = None) -> torch.Tensor:
 
         packed = PackedWeights(weight_t, weight_t, None, weight_t, weight_t)
         cfg = ws_config(g.shape[2], g.element_size())
-        _launch_kernel(packed, g, out, None, out, None, cfg)  # no user part: the mapping argument is never read
+        # no user part: the mapping argument is never read
+        _launch_kernel(packed, g, out, None, out, None, cfg, recording=recording)
         return out
+    fail(recording)
     return _shared_weight_gemm(weight_t, g, out)
 
 
@@ -1132,28 +1164,41 @@ def _user_ranges(cand_to_user, num_users: int):
     return sorted_users, order, offsets
 
 
-def _user_gradients(g, cand_to_user, num_users: int, out=None, method: str | None = None) -> torch.Tensor:
+def _selection_sums(g: torch.Tensor, cand_to_user: torch.Tensor, sums: torch.Tensor) -> None:
+    """sums [U, N, D] = S·g with S [U, B] the one-hot selection matrix in g's dtype (`_user_gradients`)."""
+    num_candidates, rows, dim = g.shape
+    num_users = sums.shape[0]
+    users = torch.arange(num_users, device=g.device, dtype=cand_to_user.dtype)
+    selection = (users[:, None] == cand_to_user[None, :]).to(g.dtype)  # [U, B]: S[u, b] = 1 where m[b] = u
+    torch.mm(selection, g.view(num_candidates, rows * dim), out=sums.view(num_users, rows * dim))
+
+
+def _user_gradients(
+    g, cand_to_user, num_users: int, out=None, method: str | None = None, recording: Recording | None = None
+) -> torch.Tensor:
     """dY_u [U, N, D]: dout (g [B, N, D], contiguous) summed over each user's candidates, fp32 accumulation.
 
     `method` "selection": S·g with S [U, B] the one-hot selection matrix in g's dtype (one GEMM, no sort; a
     candidate whose mapping value is out of range adds to no user); "segment": `_user_grad_sum_kernel`, one pass over
     g in user order (`_user_ranges`; a bad value adds to user 0 or U - 1, the forward's clamp). None: selection on
-    CUDA up to SELECTION_MAX_USERS users, else segment. Either reads and writes nothing out of bounds."""
+    CUDA up to SELECTION_MAX_USERS users, else segment. Either reads and writes nothing out of bounds. With
+    `recording` (kernels._launch) the selection's step is kept for replay (the segment sum's sort is not)."""
     num_candidates, rows, dim = g.shape
     sums = g.new_empty(num_users, rows, dim) if out is None else out
-    if sums.numel() == 0:
-        return sums
-    if num_candidates == 0:
-        return sums.zero_()
+    if sums.numel() == 0 or num_candidates == 0:
+        fail(recording)
+        return sums if sums.numel() == 0 else sums.zero_()
     if method is None:
         method = "selection" if g.is_cuda and num_users <= SELECTION_MAX_USERS else "segment"
     if method == "selection":
-        users = torch.arange(num_users, device=g.device, dtype=cand_to_user.dtype)
-        selection = (users[:, None] == cand_to_user[None, :]).to(g.dtype)  # [U, B]: S[u, b] = 1 where m[b] = u
-        torch.mm(selection, g.view(num_candidates, rows * dim), out=sums.view(num_users, rows * dim))
+        if recording is None:
+            _selection_sums(g, cand_to_user, sums)
+        else:
+            recording.call(_selection_sums, g, cand_to_user, sums)
         return sums
     if method != "segment":
         raise ValueError(f"method: expected 'selection', 'segment' or None, got {method!r}")
+    fail(recording)
     _, order, offsets = _user_ranges(cand_to_user, num_users)
     numel = rows * dim
     block, step_rows = (32, 2) if interpreting() else (1024, 4)
@@ -1169,6 +1214,7 @@ def _user_gradients(g, cand_to_user, num_users: int, out=None, method: str | Non
 def _linear_compress_backward_triton(
     grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs=(True,) * 5, grads=None,
     user_sums=None, splits: int | None = None, cand_gemm: str | None = None, fuse_sums: bool = FUSE_USER_SUMS,
+    recording: Recording | None = None,
 ):
     """(d_user_emb, d_cand_emb, d_user_weight, d_cand_weight, d_bias), None where `needs` says no, by Triton kernels
     (fp32 accumulation; fp32 inputs as tf32):
@@ -1181,7 +1227,8 @@ def _linear_compress_backward_triton(
         d_bias = Σ_{u,d} dY_u[u, :, d]               (Σ_{b,d} dout[b, :, d] where there is no dY_u)
     `grads` may hold pre-allocated contiguous buffers for any of the five and `user_sums` one for dY_u [U, N, D]
     (tests poison them with NaN); `splits` fixes the weight gradients' split count, `cand_gemm` ("ws", "tile") the
-    kernel of d_cand_emb and `fuse_sums` whether dY_u comes from the dW_c pass (tests, benchmarks)."""
+    kernel of d_cand_emb and `fuse_sums` whether dY_u comes from the dW_c pass (tests, benchmarks). With
+    `recording` (kernels._launch) the steps are kept for replay: the gradients named "grad0" … "grad4", dY_u "sums"."""
     need_user, need_cand, need_user_weight, need_cand_weight, need_bias = needs
     num_users, num_user_tokens, _ = user_emb.shape
     num_candidates, num_cand_tokens, dim = cand_emb.shape
@@ -1189,31 +1236,43 @@ def _linear_compress_backward_triton(
     shapes = (user_emb.shape, cand_emb.shape, user_weight.shape, cand_weight.shape, cand_weight.shape[:1])
 
     def buffer(index: int) -> torch.Tensor:
-        return given[index] if given[index] is not None else grad_out.new_empty(shapes[index])
+        if given[index] is not None:
+            fail(recording)
+            return given[index]
+        return named(recording, f"grad{index}", grad_out.new_empty(shapes[index]))
+
+    def step(fn, *args, **kwargs):  # a torch step between the launches
+        return fn(*args, **kwargs) if recording is None else recording.call(fn, *args, **kwargs)
 
     g = grad_out.contiguous()  # [B, N, D]
+    if g is not grad_out or min(num_users, num_user_tokens, num_candidates, num_cand_tokens, dim) == 0:
+        fail(recording)  # a copy, or a step that fills zeros: not replayed
     fuse = fuse_sums and need_cand_weight and num_cand_tokens > 0 and num_candidates > 0
     sums = None  # dY_u [U, N, D]
     if ((need_user or need_user_weight) and num_user_tokens) or (need_bias and fuse):
-        sums = g.new_empty(num_users, cand_weight.shape[0], dim) if user_sums is None else user_sums
+        if user_sums is None:
+            sums = named(recording, "sums", g.new_empty(num_users, cand_weight.shape[0], dim))
+        else:
+            sums = user_sums
+            fail(recording)
     result = [None] * 5
     if need_cand_weight:
         fused_sums = (cand_to_user, sums) if fuse and sums is not None else None
-        result[3] = _weight_grad(g, cand_emb, buffer(3), splits, user_sums=fused_sums)
+        result[3] = _weight_grad(g, cand_emb, buffer(3), splits, user_sums=fused_sums, recording=recording, name="dWc")
     if sums is not None and not fuse:
-        _user_gradients(g, cand_to_user, num_users, sums)
+        _user_gradients(g, cand_to_user, num_users, sums, recording=recording)
     if need_user:
         result[0] = buffer(0)
         if sums is not None and num_user_tokens:
-            _user_emb_grad(user_weight, sums, result[0])
+            step(_user_emb_grad, user_weight, sums, result[0])
     if need_cand:
-        result[1] = _input_grad(cand_weight, g, buffer(1), gemm=cand_gemm)
+        result[1] = _input_grad(cand_weight, g, buffer(1), gemm=cand_gemm, recording=recording)
     if need_user_weight:
         result[2] = buffer(2)
         if sums is not None and num_user_tokens:
-            _weight_grad(sums, user_emb, result[2], splits)
+            _weight_grad(sums, user_emb, result[2], splits, recording=recording, name="dWu")
     if need_bias:  # one reduction, fp32 accumulation (torch's for 16-bit inputs)
-        result[4] = torch.sum(g if sums is None else sums, (0, 2), out=buffer(4))
+        result[4] = step(torch.sum, g if sums is None else sums, (0, 2), out=buffer(4))
     return tuple(result)
 # fmt: on
 
@@ -1257,11 +1316,42 @@ def _linear_compress_backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_user_emb, d_cand_emb, d_user_weight, d_cand_weight, d_bias) of `ikbo::linear_compress`; an empty tensor
     where `needs` (the same five) says no. Not differentiable itself."""
-    impl = (
-        _linear_compress_backward_torch if _resolve(backend, user_emb) == "torch" else _linear_compress_backward_triton
-    )
-    grads = impl(grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs)
+    inputs = (grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight)
+    if _resolve(backend, user_emb) == "torch":
+        grads = _linear_compress_backward_torch(*inputs, needs)
+    else:
+        grads = _backward_triton_replayed(*inputs, needs)
     return tuple(grad_out.new_empty(0) if grad is None else grad.contiguous() for grad in grads)  # the fake's strides
+
+
+_BACKWARD_REPLAYS: dict = {}  # call signature → the Replay of `_linear_compress_backward_triton`'s steps
+
+
+def _backward_triton_replayed(grad_out, user_emb, cand_emb, cand_to_user, user_weight, cand_weight, needs):
+    """`_linear_compress_backward_triton`, replaying the steps of an earlier call with the same signature (shapes,
+    strides, alignments, dtype, device, `needs`, the dispatch settings) where `_replays_here`: the same launches and
+    torch steps with this call's tensors (kernels._launch)."""
+    inputs = dict(
+        grad_out=grad_out, user_emb=user_emb, cand_emb=cand_emb, cand_to_user=cand_to_user, user_weight=user_weight,
+        cand_weight=cand_weight,
+    )  # fmt: skip
+    if not _replays_here(user_emb, cand_emb):
+        return _linear_compress_backward_triton(*inputs.values(), needs)
+    key = (
+        *((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs.values()),
+        user_emb.device, tuple(needs), FUSE_USER_SUMS, SELECTION_MAX_USERS,
+    )  # fmt: skip
+    replay = _BACKWARD_REPLAYS.get(key)
+    if replay is not None:
+        made = replay(torch._C._cuda_getCurrentRawStream(user_emb.device.index), user_emb.device, inputs)
+        if made is not None:
+            return tuple(made[f"grad{i}"] if need else None for i, need in enumerate(needs))
+    recording = Recording(**inputs)
+    grads = _linear_compress_backward_triton(*inputs.values(), needs, recording=recording)
+    replay = recording.replay()
+    if replay is not None and all(f"grad{i}" in recording.fresh for i, need in enumerate(needs) if need):
+        remember(_BACKWARD_REPLAYS, key, replay)
+    return grads
 
 
 _linear_compress_backward_op = torch.library.custom_op(

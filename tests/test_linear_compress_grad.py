@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -621,6 +622,42 @@ def test_gpu_autograd_through_the_op():
     got = [user_emb.grad, cand_emb.grad, weight.grad[:, :ku], weight.grad[:, ku:], bias.grad]
     for name, have, expected in zip(GRAD_NAMES, got, want, strict=True):
         assert rel_err(have, expected) <= BF16_TOL, name
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("shape", [GPU_SHAPES[0], (7, 300, 64, 96, 128, 256, False)], ids=["canonical", "small"])
+def test_gpu_replayed_backward(monkeypatch, shape):
+    """A backward whose signature was seen before replays that call's steps with its own tensors (kernels._launch):
+    three training steps of fresh inputs through a PackedLinearCompress, every gradient against fp64 each time (the
+    weights' gradients accumulate in .grad: each step's compared after zeroing), the later backwards replayed."""
+    from kernels import _launch
+
+    replays = []
+    real = _launch.Replay.__call__
+    monkeypatch.setattr(_launch.Replay, "__call__", lambda *args: replays.append(1) or real(*args))
+    lce._BACKWARD_REPLAYS.clear()
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    for round_ in range(3):
+        case = dataclasses.replace(_gpu_case(shape), seed=seed + round_)
+        user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case, torch.bfloat16, "cuda")
+        bias = None if bias is None else bias.clone().requires_grad_()
+        packed = PackedLinearCompress.from_weight(weight.clone().requires_grad_(), case.num_user_tokens, bias)
+        leaves = [user_emb.requires_grad_(), cand_emb.requires_grad_()]
+        packed(user_emb, cand_emb, cand_to_user).backward(grad_out)
+        bias_value = None if bias is None else bias.detach()
+        want = _fp64_torch_grads(case)(
+            (user_emb.detach(), cand_emb.detach(), cand_to_user, weight, bias_value, grad_out)
+        )
+        got = [leaves[0].grad, leaves[1].grad, packed.user_weight.grad, packed.cand_weight.grad]
+        got.append(None if bias is None else packed.bias.grad)
+        for name, have, expected in zip(GRAD_NAMES, got, want, strict=True):
+            assert (have is None) == (expected is None), name
+            if have is not None:
+                assert rel_err(have, expected) <= BF16_TOL, (round_, name, rel_err(have, expected))
+    from kernels.linear_compress_ws import ws_supported
+
+    if ws_supported(grad_out, grad_out):
+        assert len(replays) >= 2 * 2  # the forward's and the backward's, rounds two and three
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

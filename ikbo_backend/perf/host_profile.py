@@ -6,9 +6,10 @@ with a tiny torch step for autograd's own host time (its engine runs CUDA backwa
     python scripts/profile_host.py [--calls 200] [--top 25]      # GPU; writes $OUT/host_profile.md
 
 An eager call runs within its device time when its host µs (`device_time.host_us`) stay below it; the ops' target is
-≤ 50 µs a forward call. Forward calls are timed as they run (a repeated signature replays its launches,
-kernels._launch) and along the ordinary launch path ("no replay"). Raw launch costs are timed too: an empty Triton kernel, the plan kernel, torch's index_select,
-so the op's time reads as launches plus Python.
+≤ 50 µs a forward call. Forward calls and training steps are timed as they run (a repeated signature replays its
+launches, forward and backward, kernels._launch) and along the ordinary launch path ("no replay"). Raw launch costs
+are timed too: an empty Triton kernel, the plan kernel, torch's index_select, so the op's time reads as launches plus
+Python.
 """
 
 from __future__ import annotations
@@ -99,9 +100,12 @@ def _cases(device) -> dict:
         "torch step: 256 × 256 multiply, autograd.grad": (lambda: torch.autograd.grad(small * 2, small, small), True),
         "ikbo_attention, recorded by autograd": (lambda: kernels.ikbo_attention(*leaves[1:], m), True),
         "ikbo_attention, step (forward + autograd.grad)": (attention_step, True),
+        "ikbo_attention, step, no replay": (no_replay(attention_step), True),
         "ikbo_self_target_attention, step": (self_target_step, True),
+        "ikbo_self_target_attention, step, no replay": (no_replay(self_target_step), True),
         "PackedLinearCompress, recorded by autograd": (lambda: trained(*lce_leaves[:2], mapping), True),
         "PackedLinearCompress, step (gradients of inputs and Parameters)": (lce_step, True),
+        "PackedLinearCompress, step, no replay": (no_replay(lce_step), True),
     }
 
 
