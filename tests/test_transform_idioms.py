@@ -765,6 +765,118 @@ def test_norm_over_rows_is_not_row_wise():
     check(RowNorm(), expect_left=2)
 
 
+class ConcatStatistics(nn.Module):
+    """A per-row statistic or normalization over cat(user[m], cand) along the features (a field matrix for the
+    two-dim forms), read by something other than a linear: the rows' sums and sums of squares join per candidate."""
+
+    FORMS = {
+        "var": lambda x: x.var(-1, keepdim=True),
+        "var_biased": lambda x: torch.var(x, dim=-1, unbiased=False)[:, None],
+        "var_correction": lambda x: x.var(dim=1, correction=0.5, keepdim=True),
+        "std": lambda x: x.std(-1)[:, None],
+        "std_positional": lambda x: torch.std(x, 1, False, True),
+        "mean": lambda x: x.mean(-1, keepdim=True),
+        "normalize": lambda x: F.normalize(x, dim=-1),
+        "normalize_p1": lambda x: F.normalize(x, p=1, dim=1),
+        "norm": lambda x: x.norm(dim=-1, keepdim=True),
+        "norm_p3": lambda x: torch.norm(x, p=3, dim=-1, keepdim=True),
+        "norm_inf": lambda x: torch.linalg.vector_norm(x, float("inf"), dim=-1)[:, None],
+        "layer_norm": lambda x: torch.relu(F.layer_norm(x, x.shape[-1:])),
+        "rms_norm": lambda x: torch.tanh(F.rms_norm(x, (FU + FC,))),
+        "fields_var": lambda x: x.var((1, 2))[:, None],
+        "fields_std_one_field_dim": lambda x: x.std(1),  # over the fields only
+        "fields_layer_norm": lambda x: F.layer_norm(x, (5, 3)).flatten(1),
+    }
+
+    def __init__(self, form):
+        super().__init__()
+        self.form, self.stat = form, self.FORMS.get(form)
+        self.norm = nn.LayerNorm(FU + FC)
+        nn.init.normal_(self.norm.weight), nn.init.normal_(self.norm.bias)
+
+    def forward(self, user, cand, cand_to_user):
+        if self.form.startswith("fields"):  # [B, 5, 3]: two user fields and three candidate fields
+            x = torch.cat([user[cand_to_user].view(-1, 2, 3), cand.view(-1, 3, 3)], 1)
+        else:
+            x = torch.cat([cand[:, :4], user[cand_to_user], cand[:, 4:]], -1)  # user columns in the middle
+        if self.form == "layer_norm_module":
+            return x + torch.relu(self.norm(x))  # a residual: not a linear
+        return self.stat(x) * cand[:, :1]
+
+
+def request_with_nan(num_users, num_candidates, gen):
+    """A request whose last user holds a NaN (a user without candidates, or one with them: the outputs NaN there)."""
+    inputs = request(num_users, num_candidates, gen)
+    inputs["user"][-1, 2] = float("nan")
+    return inputs
+
+
+@pytest.mark.parametrize("form", [*ConcatStatistics.FORMS, "layer_norm_module"])
+def test_statistics_over_a_user_and_candidate_concat(form):
+    model = ConcatStatistics(form).eval()
+    check(model, sizes=WITHOUT_CANDIDATES, must=("joined per candidate",) if form != "mean" else ())
+    gen = torch.Generator().manual_seed(1)
+    module, _ = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    for num_users, num_candidates in [(4, 30), (30, 4)]:
+        args = args_for(model, request_with_nan(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            want, got = model(*args), module(*args)
+        assert torch.equal(want.isnan(), got.isnan())
+        keep = ~want.isnan()
+        assert rel_err(got[keep], want[keep]) <= RTOL
+    with torch.inference_mode():  # B = 0
+        args = args_for(model, request(3, 0, gen))
+        assert module(*args).shape == model(*args).shape
+
+
+class RowReductions(nn.Module):
+    """A reduction over the candidate rows of a replica (a request-level pooling of the users' features, weighted by
+    how many candidates each has), also of a user + candidate concat, beside the candidates."""
+
+    FORMS = {
+        "sum": lambda x: x.sum(0),
+        "sum_keepdim": lambda x: torch.sum(x, dim=0, keepdim=True),
+        "sum_all": lambda x: x.sum().expand(FU),
+        "mean": lambda x: x.mean(0),
+        "mean_dims": lambda x: x.view(-1, 2, 3).mean((0, 2)).repeat(3),
+        "nansum": lambda x: x.nansum(0),
+        "amax": lambda x: x.amax(0),
+        "amin": lambda x: torch.amin(x, 0),
+        "max_all": lambda x: x.max().expand(FU),
+        "logsumexp": lambda x: torch.logsumexp(x, 0),
+        "concat_sum": "cat",
+    }
+
+    def __init__(self, form):
+        super().__init__()
+        self.form, self.reduce = form, self.FORMS[form]
+        self.out = nn.Linear(FU + FC, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        replica = user[cand_to_user]
+        if self.form == "concat_sum":
+            pooled = torch.cat([replica, cand], 1).sum(0)  # [FU + FC]
+            return self.out(cand.repeat(1, 2)[:, : FU + FC] * pooled)
+        pooled = self.reduce(replica)  # [FU] (or [1, FU])
+        return self.out(torch.cat([replica * pooled, cand], 1))
+
+
+@pytest.mark.parametrize("form", list(RowReductions.FORMS))
+def test_reductions_over_the_rows_of_a_replica(form):
+    model = RowReductions(form).eval()
+    check(model, sizes=WITHOUT_CANDIDATES, must=("reduce_rows",))
+    gen = torch.Generator().manual_seed(2)
+    module, _ = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    for num_users, num_candidates in [(4, 30), (30, 4)]:  # a NaN in the last user: read only where it has candidates
+        args = args_for(model, request_with_nan(num_users, num_candidates, gen))
+        present = bool((args[-1] == num_users - 1).any())
+        with torch.inference_mode():
+            want, got = model(*args), module(*args)
+        assert torch.equal(want.isnan(), got.isnan()) and (present or not want.isnan().any())
+        keep = ~want.isnan()
+        assert rel_err(got[keep], want[keep]) <= RTOL
+
+
 class ConvolvedHistory(nn.Module):
     """Caser style: horizontal and vertical convolutions over the user's history as an image, max-pooled."""
 

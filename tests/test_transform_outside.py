@@ -213,8 +213,13 @@ def test_normalization_over_concat_read_by_linears(norm):
     check(model, must=(f"{'rms_norm' if norm == 'rms_norm' else 'layer_norm'} over cat(user, candidate)",))
 
 
-def test_normalization_with_another_reader_runs_at_candidate_rows():
-    check(NormedConcat(nn.LayerNorm(FU + FC), residual=True), left=1, must=("layer_norm over a concat",))
+def test_normalization_with_another_reader_joins_its_statistics():
+    """Read by a residual too, the normalization is computed at B rows (its output is per candidate), from row
+    statistics joined per candidate: the user columns are never replicated."""
+    check(
+        NormedConcat(nn.LayerNorm(FU + FC), residual=True),
+        must=("layer_norm over cat(user, candidate): row statistics", "joined per candidate"),
+    )
 
 
 class PairwiseDots(nn.Module):

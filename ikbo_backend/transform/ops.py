@@ -449,6 +449,42 @@ def select_user_rows(
     return torch.gather(flat, 0, rows).unflatten(0, index.shape[:2])
 
 
+ROW_REDUCTIONS = ("sum", "nansum", "mean", "nanmean", "amax", "amin", "logsumexp")
+
+
+def reduce_rows(kind: str, user: torch.Tensor, cand_to_user: torch.Tensor, dims: tuple, keepdim: bool) -> torch.Tensor:
+    """`kind` (ROW_REDUCTIONS) of user[cand_to_user] over `dims` (dim 0 among them) without it: each user row
+    counted as often as candidates map to it (a bincount of the mapping, minlength U) — Σ_b u[m[b]] = Σ_u count_u ·
+    u[u], a max over the users with candidates, logsumexp of u + log count_u — users without candidates left out
+    (their values, NaN included, are never read). 16-bit floats accumulate in fp32, as torch's reductions do."""
+    counts = torch.bincount(cand_to_user.long(), minlength=user.shape[0])
+    shape = (-1,) + (1,) * (user.dim() - 1)
+    present = (counts > 0).view(shape)
+    if kind in ("amax", "amin"):
+        high = kind == "amin"
+        if user.dtype == torch.bool:
+            fill = high
+        elif user.is_floating_point():
+            fill = float("inf") if high else float("-inf")
+        else:
+            fill = torch.iinfo(user.dtype).max if high else torch.iinfo(user.dtype).min
+        return getattr(torch, kind)(torch.where(present, user, fill), dim=dims, keepdim=keepdim)
+    low = user.is_floating_point() and user.element_size() < 4
+    x = user.float() if low else user
+    if kind == "logsumexp":
+        shifted = torch.where(present, x + counts.to(x.dtype).log().view(shape), float("-inf"))
+        out = torch.logsumexp(shifted, dim=dims, keepdim=keepdim)
+        return out.to(user.dtype) if low else out
+    keep = present & ~torch.isnan(x) if kind in ("nansum", "nanmean") else present
+    weights = counts.to(x.dtype if x.is_floating_point() or x.is_complex() else torch.int64).view(shape)
+    out = (torch.where(keep, x, 0) * weights).sum(dim=dims, keepdim=keepdim)
+    if kind == "mean":
+        out = out / (cand_to_user.shape[0] * math.prod(user.shape[d] for d in dims if d))
+    elif kind == "nanmean":
+        out = out / (keep.to(x.dtype) * weights).expand_as(x).sum(dim=dims, keepdim=keepdim)
+    return out.to(user.dtype) if low else out
+
+
 def rows_constant(factory, shape, rows, *args, **kwargs):
     """factory((U, *shape[1:]), ...): a tensor equal on every row, made at U rows (`rows` = U)."""
     return factory((rows, *shape[1:]), *args, **kwargs)

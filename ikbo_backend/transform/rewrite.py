@@ -117,6 +117,13 @@ SEQUENCE_OPS = {
 LOOKUP_MODULES = (nn.Embedding, nn.EmbeddingBag)
 LOOKUP_FUNCTIONS = {F.embedding, F.embedding_bag, torch.embedding}
 NORMS = {F.layer_norm, *([F.rms_norm] if hasattr(F, "rms_norm") else [])}
+# reductions a replica's rows may go through (ops.reduce_rows): name → its kind; max / min of all elements only
+ROW_REDUCTIONS = {
+    **{k: k for k in ops.ROW_REDUCTIONS}, torch.sum: "sum", torch.nansum: "nansum", torch.mean: "mean",
+    torch.nanmean: "nanmean", torch.amax: "amax", torch.amin: "amin", torch.logsumexp: "logsumexp",
+    "max": "amax", torch.max: "amax", "min": "amin", torch.min: "amin",
+}  # fmt: skip
+VAR_STD = {"var": False, torch.var: False, "std": True, torch.std: True}  # → takes the square root
 TRANSPOSES = {"transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims"}
 # functions that compute each sample of a batched input (dim 0) alone → the input's dims when batched
 PER_SAMPLE = {
@@ -174,6 +181,8 @@ def _norm_dims(args, kwargs) -> int:
     shape = _arg(args, kwargs, 1, "normalized_shape")
     if isinstance(shape, int):
         return 1
+    if is_value(shape) and isinstance(shape.meta, tuple):  # x.shape[-1:] read in the forward: its length is fixed
+        return len(shape.meta)
     return len(shape) if isinstance(shape, (tuple, list)) and not any(is_value(s) for s in shape) else 1 << 30
 
 
@@ -706,8 +715,8 @@ class Rewriter(AttentionRewrites):
             return out if out is not None else self.plain(op, target, args, kwargs, meta, self.why_module(target))
         if op != "call_function" and op != "call_method":
             return self.plain(op, target, args, kwargs, meta, f"{op} is not traced into")
-        handlers = (self.merged_rep, self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.sums, self.rowwise,
-                    self.sequence_first_elementwise)  # fmt: skip
+        handlers = (self.merged_rep, self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.rows_reduction,
+                    self.sums, self.rowwise, self.sequence_first_elementwise)  # fmt: skip
         for handler in (*handlers, self.joins):
             out = handler(op, target, args, kwargs, meta)
             if out is not None:
@@ -1981,6 +1990,49 @@ class Rewriter(AttentionRewrites):
 
     MERGES = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
 
+    @staticmethod
+    def _row_reduction_dims(key, args, kwargs, nd):
+        """(dims, keepdim) of a reduction in ROW_REDUCTIONS when dim 0 is among its dims (none given, `()` or
+        `None`: every dim); None otherwise or where it takes other arguments (a dtype)."""
+        if key in ("max", "min", torch.max, torch.min):
+            return (tuple(range(nd)), False) if len(args) == 1 and not kwargs else None
+        if set(kwargs) - {"dim", "keepdim"} or len(args) > 3:
+            return None
+        dim, keepdim = _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "keepdim", False)
+        if dim is None or dim == () or dim == []:
+            if ROW_REDUCTIONS[key] == "logsumexp":
+                return None
+            dims = list(range(nd))
+        else:
+            dims = [_norm(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
+        if None in dims or 0 not in dims or not isinstance(keepdim, bool):
+            return None
+        return tuple(sorted(set(dims))), keepdim
+
+    def rows_reduction(self, op, key, args, kwargs, meta):
+        """A reduction over the rows of a replica (`u[m].sum(0)`, `.mean(0)`, `.amax(0)`, `.sum()`, ...): computed from
+        the user rows weighted by their candidate counts (`ops.reduce_rows`), the replica never made."""
+        if key not in ROW_REDUCTIONS or not args or not isinstance(meta, Meta):
+            return None
+        x = args[0]
+        if not (isinstance(x, Rep) and not x.row_dim and isinstance(x.meta, Meta) and x.meta.ndim):
+            return None
+        if any(is_value(v) for v in leaves((args[1:], kwargs))):
+            return None
+        parsed = self._row_reduction_dims(key, args, kwargs, x.meta.ndim)
+        if parsed is None:
+            return None
+        dims, keepdim = parsed
+        kind = ROW_REDUCTIONS[key]
+        node = self.emit("call_function", ops.reduce_rows, (kind, x.user, x.mapping.node, dims, keepdim))
+        if to_meta(self.values[node]) != meta:
+            return None  # another dtype than the original's (a mean of integers raises there)
+        self.report.rewritten.append(
+            f"{self.where()}: {_name(key)} over the rows of {x.source} → reduce_rows (each user row weighted by its "
+            "candidate count, at U rows)"
+        )
+        return Plain(node, meta)
+
     def candidate_rows(self, node, meta, mapping):
         """The form of a join's result: candidate rows, or candidate rows merged with heads as the mapping's."""
         if mapping.heads is None:
@@ -2238,13 +2290,21 @@ class Rewriter(AttentionRewrites):
             return self.reshape_concat(c, _sizes(args), meta)  # the row count may come from a candidate tensor
         if not c.meta.is_float and self._lookup_of_concat(key, args, kwargs, c):
             return self.per_part(op, key, args, kwargs, c, meta, c.dim)  # table[cat(ids)] = cat(table[ids])
-        if x is not c or any(self.batched(v) for v in leaves((args[1:], kwargs))):
+        shape = _arg(args, kwargs, 1, "normalized_shape") if key in NORMS else None  # x.shape[-1:]: no rows in it
+        if x is not c or any(self.batched(v) and v is not shape for v in leaves((args[1:], kwargs))):
             return None
         nd = c.meta.ndim
         if key in REDUCTIONS or key in REDUCTION_FUNCTIONS:
             at = 2 if key in NORM_REDUCTIONS else 1
             dim, keepdim = _arg(args, kwargs, at, "dim"), _arg(args, kwargs, at + 1, "keepdim", False)
             dims = [_norm(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
+            if key in ROW_REDUCTIONS and (rows := self._row_reduction_dims(key, args, kwargs, nd)) is not None:
+                if c.dim in rows[0]:
+                    return None
+                shift = 0 if rows[1] else sum(d < c.dim for d in rows[0])
+                return self.rows_of_parts(
+                    op, key, args, kwargs, c, meta, rows, c.dim - shift
+                )  # over the rows: per part
             if None in dims or 0 in dims:
                 return None
             if c.dim in dims and key in ("sum", torch.sum, "mean", torch.mean) and not set(kwargs) - {"dim", "keepdim"}:
@@ -2252,13 +2312,23 @@ class Rewriter(AttentionRewrites):
             if c.dim not in dims:
                 shift = 0 if keepdim else sum(d < c.dim for d in dims)
                 return self.per_part(op, key, args, kwargs, c, meta, c.dim - shift)
-            return None
+            return self.concat_statistic(key, args, kwargs, c, dims, meta)
+        if key is F.normalize and not set(kwargs) - {"p", "dim", "eps", "out"} and kwargs.get("out") is None:
+            dim = _norm(_arg(args, kwargs, 2, "dim", 1), nd)
+            if dim == c.dim:
+                return self.normalize_rows(args, kwargs, c, meta)
+            if dim not in (None, 0):
+                return self.per_part(op, key, args, kwargs, c, meta, c.dim)
         if key in SOFTMAX and _norm(_arg(args, kwargs, 1, "dim"), nd) not in (None, 0, c.dim):
             return self.per_part(op, key, args, kwargs, c, meta, c.dim)
         if key in FFTS and not {0, c.dim} & set(fft_dims(key, args, kwargs, nd) or [0]):
             return self.per_part(op, key, args, kwargs, c, meta, c.dim)  # HFM's rfft of each field
         if key in NORMS and _norm_dims(args, kwargs) == 1 and last:
-            return self.normalized_linears(key, args, kwargs, c, meta)
+            out = self.normalized_linears(key, args, kwargs, c, meta)
+            if out is not None:
+                return out
+        if key in NORMS and c.dim >= nd - _norm_dims(args, kwargs) > 0:
+            return self.normalize_concat(key, args, kwargs, c, meta)
         if key in (F.layer_norm, getattr(F, "rms_norm", None)) and nd - _norm_dims(args, kwargs) > c.dim:
             return self.per_part(op, key, args, kwargs, c, meta, c.dim)
         if key in ("flatten", torch.flatten):
@@ -2446,6 +2516,227 @@ class Rewriter(AttentionRewrites):
             "columns normalized and multiplied at U rows, row statistics joined per candidate (linear_rows)"
         )
         return Plain(None, meta, True)  # read only by the linears above, which are computed here
+
+    def rows_of_parts(self, op, key, args, kwargs, c, meta, reduced, new_dim):
+        """A reduction over the rows (not the concat dim) of a concat (`reduced`: its dims and keepdim): each part
+        reduced (a replica's through `reduce_rows`), the results concatenated; no candidate rows remain."""
+        parts = []
+        dims, keepdim = reduced
+        for p in c.parts:
+            swap = lambda v, p=p: p if v is c else v  # noqa: E731
+            shape = [1 if d in dims else s for d, s in enumerate(p.meta.shape) if keepdim or d not in dims]
+            part = self.apply(op, key, fmap(args, swap), fmap(kwargs, swap), Meta(tuple(shape), meta.dtype))
+            if not isinstance(part, Plain) or part.batched:
+                return None
+            parts.append(part.node)
+        return Plain(self.emit("call_function", torch.cat, (parts,), {"dim": new_dim}), meta)
+
+    def _concat_sides(self, c, dims):
+        """(mapping, accumulation dtype, (user nodes [U, …], their element count over dims), (candidate nodes
+        [B, …], count)) of a float concat whose parts are replicas of one mapping and candidate rows, in the dtype
+        its statistics accumulate in (fp32 for 16-bit floats, as torch's reductions); None for any other concat."""
+        reps = [p for p in c.parts if isinstance(p, Rep)]
+        if not c.meta.dtype.is_floating_point or not reps or len(reps) == len(c.parts):
+            return None
+        if len({p.mapping.key for p in reps}) != 1 or any(p.row_dim or not isinstance(p.meta, Meta) for p in reps):
+            return None
+        if not all(isinstance(p, (Rep, Plain, Sum)) and isinstance(p.meta, Meta) for p in c.parts):
+            return None
+        acc = torch.float32 if c.meta.dtype.itemsize < 4 else c.meta.dtype
+        where = self.where()
+        user, cand, n_u, n_c = [], [], 0, 0
+        for p in c.parts:
+            count = math.prod(p.meta.shape[d] for d in dims)
+            if isinstance(p, Rep):
+                node, n_u = p.user, n_u + count
+                user.append(node)
+            else:
+                node, n_c = self.materialize(p, where, "part of a concat's statistics"), n_c + count
+                cand.append(node)
+            if self.values[node].dtype != acc:
+                (user if isinstance(p, Rep) else cand)[-1] = self.emit("call_method", "to", (node, acc))
+        return reps[0].mapping, acc, (user, n_u), (cand, n_c)
+
+    def _side_reduce(self, nodes, dims, fn=None, reduce=torch.sum, combine=operator.add):
+        """reduce(fn(x), dims, keepdim) of each node, combined (the parts of one side of a concat)."""
+        total = None
+        for x in nodes:
+            part = self.emit("call_function", reduce, (x if fn is None else fn(x), dims), {"keepdim": True})
+            total = part if total is None else self.emit("call_function", combine, (total, part))
+        return total
+
+    def concat_moments(self, c, dims, centred=True):
+        """(acc dtype, element count n, Σx [B, …], M2 = Σ(x − μ)² or Σx² [B, …]) over `dims` (kept, size 1) of each
+        row of cat(user[m], cand): each side's sum and centred sum of squares at its own rows (the user side at U
+        rows), joined per candidate as scalars of its row (`rows_join`) by Chan's update, M2 = M2_u[m] + M2_c +
+        δ²·n_u·n_c/n with δ = μ_c − μ_u[m] (the rounding of a two-pass variance); not centred: Σx² of both sides
+        added."""
+        sides = self._concat_sides(c, dims)
+        if sides is None:
+            return None
+        mapping, acc, (user, n_u), (cand, n_c) = sides
+        n, dims = n_u + n_c, tuple(dims)
+        join = lambda name, cand, user: self.emit("call_function", ops.rows_join, (name, cand, user, mapping.node))  # noqa: E731
+        sums = [self._side_reduce(side, dims) for side in (user, cand)]
+        total = join("add", sums[1], sums[0])
+        if not centred:
+            square = lambda x: self.emit("call_function", operator.mul, (x, x))  # noqa: E731
+            m2_u, m2_c = (self._side_reduce(side, dims, square) for side in (user, cand))
+            return acc, n, total, join("add", m2_c, m2_u)
+        means = [self.emit("call_function", operator.truediv, (s, k)) for s, k in zip(sums, (n_u, n_c))]
+
+        def centred_square(mean):
+            def fn(x):
+                d = self.emit("call_function", operator.sub, (x, mean))
+                return self.emit("call_function", operator.mul, (d, d))
+
+            return fn
+
+        m2_u, m2_c = (self._side_reduce(side, dims, centred_square(mean)) for side, mean in zip((user, cand), means))
+        delta = join("sub_cu", means[1], means[0])
+        m2 = join("add", m2_c, m2_u)
+        spread = self.emit("call_function", operator.mul, (delta, delta))
+        return acc, n, total, self.emit("call_function", torch.add, (m2, spread), {"alpha": n_u * n_c / n})
+
+    def concat_norm(self, c, dims, p):
+        """(acc dtype, ‖row‖_p [B, …] kept dims) over `dims` of each row of cat(user[m], cand), from the parts' sums
+        of |x|^p (max / min of |x| for p = ±inf) at their own rows, joined per candidate; None for other p."""
+        if p in (None, "fro"):
+            p = 2
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (p > 0 or p == -math.inf):
+            return None
+        sides = self._concat_sides(c, dims)
+        if sides is None:
+            return None
+        mapping, acc, (user, _), (cand, _) = sides
+        dims = tuple(dims)
+        absolute = lambda x: self.emit("call_function", torch.abs, (x,))  # noqa: E731
+        if math.isinf(p):
+            reduce, combine, name = (
+                (torch.amax, torch.maximum, "maximum") if p > 0 else (torch.amin, torch.minimum, "minimum")
+            )
+            u, k = (self._side_reduce(side, dims, absolute, reduce, combine) for side in (user, cand))
+            return acc, self.emit("call_function", ops.rows_join, (name, k, u, mapping.node))
+        if p == 2:
+            power = lambda x: self.emit("call_function", operator.mul, (x, x))  # noqa: E731
+        elif p == 1:
+            power = absolute
+        else:
+            power = lambda x: self.emit("call_function", torch.pow, (absolute(x), p))  # noqa: E731
+        u, k = (self._side_reduce(side, dims, power) for side in (user, cand))
+        total = self.emit("call_function", ops.rows_join, ("add", k, u, mapping.node))
+        if p == 1:
+            return acc, total
+        if p == 2:
+            return acc, self.emit("call_function", torch.sqrt, (total,))
+        return acc, self.emit("call_function", torch.pow, (total, 1.0 / p))
+
+    def _statistic_out(self, node, dims, keepdim, meta, what):
+        """A statistic over a concat's rows (kept dims, accumulation dtype) as the op returns it."""
+        if not keepdim:
+            node = self.emit("call_function", torch.squeeze, (node, tuple(dims)))
+        if self.values[node].dtype != meta.dtype:
+            node = self.emit("call_method", "to", (node, meta.dtype))
+        if to_meta(self.values[node]) != meta:
+            return None
+        self.report.rewritten.append(
+            f"{self.where()}: {what} over cat(user, candidate): the parts' sums at their own rows (the user side at U "
+            "rows), joined per candidate as scalars of its row (rows_join)"
+        )
+        return Plain(node, meta, True)
+
+    def concat_statistic(self, key, args, kwargs, c, dims, meta):
+        """var / std / a vector norm over dims that include the concat dim (not the rows)."""
+        kwargs = {k: v for k, v in kwargs.items() if not (k in ("out", "dtype") and v is None)}  # torch.norm's
+        if key in VAR_STD:
+            if set(kwargs) - {"dim", "unbiased", "correction", "keepdim"} or len(args) > 4:
+                return None
+            unbiased, keepdim = _arg(args, kwargs, 2, "unbiased", True), _arg(args, kwargs, 3, "keepdim", False)
+            correction = kwargs.get("correction")
+            correction = (1 if unbiased else 0) if correction is None else correction
+            if not isinstance(correction, (int, float)) or not isinstance(keepdim, bool):
+                return None
+            moments = self.concat_moments(c, dims)
+            if moments is None:
+                return None
+            _, n, _, m2 = moments
+            out = self.emit("call_function", operator.truediv, (m2, max(n - correction, 0)))
+            if VAR_STD[key]:
+                out = self.emit("call_function", torch.sqrt, (out,))
+            return self._statistic_out(out, dims, keepdim, meta, _name(key))
+        if key in NORM_REDUCTIONS:
+            if set(kwargs) - {"p", "ord", "dim", "keepdim"} or len(args) > 4:
+                return None
+            default = {torch.linalg.vector_norm: 2, torch.linalg.norm: None}.get(key, "fro")
+            p = _arg(args, kwargs, 1, "ord" if key in (torch.linalg.vector_norm, torch.linalg.norm) else "p", default)
+            if key is torch.linalg.norm and len(dims) == 2 and p not in (None, "fro"):
+                return None  # a matrix norm
+            keepdim = _arg(args, kwargs, 3, "keepdim", False)
+            norm = self.concat_norm(c, dims, p) if isinstance(keepdim, bool) else None
+            return None if norm is None else self._statistic_out(norm[1], dims, keepdim, meta, _name(key))
+        return None
+
+    def normalize_rows(self, args, kwargs, c, meta):
+        """F.normalize along the concat dim: x / max(‖x‖_p, eps) with the row norms joined per candidate
+        (`concat_norm`), the division per part (a join for the user parts)."""
+        p, eps = _arg(args, kwargs, 1, "p", 2.0), _arg(args, kwargs, 3, "eps", 1e-12)
+        if not isinstance(eps, (int, float)):
+            return None
+        norm = self.concat_norm(c, [c.dim], p)
+        if norm is None:
+            return None
+        node = self.emit("call_method", "to", (norm[1], c.meta.dtype))  # the original's norm is in its dtype
+        node = self.emit("call_method", "clamp_min", (node, eps))
+        denom = Plain(node, to_meta(self.values[node]), True)
+        self.report.rewritten.append(
+            f"{self.where()}: normalize over cat(user, candidate): row norms from the parts' sums at their own rows, "
+            "joined per candidate (rows_join); the user columns divided by a join"
+        )
+        return self.apply("call_function", operator.truediv, (c, denom), {}, meta)
+
+    def normalize_concat(self, key, args, kwargs, c, meta):
+        """layer_norm / rms_norm over dims that include the concat dim, read by anything (not only linears): the row
+        statistics joined per candidate (`concat_moments`), then (x − μ)·r·γ + β (x·r·γ) per part: the user
+        columns by joins of the U-row tensor with the candidates' statistics."""
+        rms = key is not F.layer_norm
+        nd = c.meta.ndim
+        dims = list(range(nd - _norm_dims(args, kwargs), nd))
+        if set(kwargs) - {"normalized_shape", "weight", "bias", "eps"}:
+            return None
+        gamma = _arg(args, kwargs, 2, "weight")
+        beta = None if rms else _arg(args, kwargs, 3, "bias")
+        eps = _arg(args, kwargs, 3 if rms else 4, "eps", None if rms else 1e-5)
+        if eps is None:
+            eps = torch.finfo(c.meta.dtype).eps
+        if not isinstance(eps, (int, float)) or any(v is not None and self.batched(v) for v in (gamma, beta)):
+            return None
+        moments = self.concat_moments(c, dims, centred=not rms)
+        if moments is None:
+            return None
+        acc, n, total, m2 = moments
+        stat = lambda node: Plain(node, to_meta(self.values[node]), True)  # noqa: E731
+        work = Meta(meta.shape, acc)
+        variance = self.emit("call_function", operator.truediv, (m2, n))
+        r = self.emit("call_function", torch.rsqrt, (self.emit("call_function", operator.add, (variance, eps)),))
+        y = c
+        if not rms:
+            mean = self.emit("call_function", operator.truediv, (total, n))
+            y = self.apply("call_function", operator.sub, (y, stat(mean)), {}, work)
+        y = self.apply("call_function", operator.mul, (y, stat(r)), {}, work)
+        if isinstance(y, Plain) and isinstance(gamma, Plain) and isinstance(beta, Plain):  # one pass: y·γ + β
+            y = Plain(self.emit("call_function", torch.addcmul, (beta.node, y.node, gamma.node)), work, True)
+            gamma = beta = None
+        if gamma is not None:
+            y = self.apply("call_function", operator.mul, (y, gamma), {}, work)
+        if beta is not None:
+            y = self.apply("call_function", operator.add, (y, beta), {}, work)
+        if acc != meta.dtype:
+            y = self.apply("call_method", "to", (y, meta.dtype), {}, meta)
+        self.report.rewritten.append(
+            f"{self.where()}: {_name(key)} over cat(user, candidate): row statistics from the parts' sums at their own "
+            "rows, joined per candidate (rows_join); the user columns normalized by joins"
+        )
+        return y
 
     def block_matmul(self, a, b, meta):
         """matmul(a, b) of batched [B, ..., M, K] @ [B, ..., K, N] where a is a concat along M or b along N (the
