@@ -3695,3 +3695,97 @@ def test_key_mask_without_rows(additive):
     """A key mask without rows is every user's one key mask: `ikbo_attention` with the kept keys moved first (before:
     not a per-user key mask, so K / V were replicated, reported)."""
     check(ConstantKeyMask(additive), sizes=WITHOUT_CANDIDATES, must=["ikbo_attention"])
+def jagged_request(num_users, num_candidates, gen):
+    """A user history as jagged values [N, D] (and ids [N]) with offsets [U + 1], nothing else at U rows; some users
+    without history (a segment of length 0), candidates [B, FC] and an unsorted mapping; N ≠ U, B, D."""
+    lengths = torch.randint(0, L + 1, (num_users,), generator=gen)
+    lengths[torch.rand(num_users, generator=gen) < 0.2] = 0
+    while int(lengths.sum()) in (num_users, num_candidates, D):  # rows tell tensors apart, and N ≠ the width D a
+        lengths[lengths.argmin()] += 1  # branch reads
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    n = int(offsets[-1])
+    return dict(
+        values=torch.randn(n, D, generator=gen),
+        ids=torch.randint(0, 50, (n,), generator=gen),
+        offsets=offsets,
+        cand=torch.randn(num_candidates, FC, generator=gen),
+        cand_to_user=torch.randint(0, num_users, (num_candidates,), generator=gen),
+    )
+
+
+class JaggedOnly(nn.Module):
+    """A user history that arrives only as jagged values + offsets [U + 1], in the spellings jagged code uses: pooled
+    by segment ids (`repeat_interleave(arange(U), lengths)` + `index_add_`), by `segment_reduce`, by an `EmbeddingBag`
+    over offsets, or padded to [U, L, D] by `index_put` and read by a target attention over `padded[cand_to_user]`;
+    a branch on the values' width (a size other than the rows)."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool = pool
+        self.bag = nn.EmbeddingBag(50, D, mode="sum")
+        self.user, self.q = nn.Linear(D, D), nn.Linear(FC, D)
+        self.out = nn.Sequential(nn.Linear(D + FC, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, values, ids, offsets, cand, cand_to_user):
+        if values.shape[-1] != D:
+            raise ValueError("values: expected width D")
+        num_users = offsets.shape[0] - 1
+        lengths = offsets[1:] - offsets[:-1]
+        if self.pool == "bag":
+            pooled = self.user(self.bag(ids, offsets[:-1]))[cand_to_user]
+        elif self.pool == "segment_reduce":
+            pooled = self.user(torch.segment_reduce(values, "sum", offsets=offsets, axis=0))[cand_to_user]
+        else:
+            segment = torch.repeat_interleave(torch.arange(num_users), lengths)
+            if self.pool == "index_add":
+                sums = values.new_zeros(num_users, D).index_add_(0, segment, values)
+                pooled = self.user(sums / lengths.clamp(min=1)[:, None])[cand_to_user]
+            else:  # padded, then target attention over each candidate's user's history
+                padded = values.new_zeros(num_users, L, D)
+                padded[segment, torch.arange(values.shape[0]) - offsets[segment]] = values
+                history = self.user(padded)[cand_to_user]
+                keep = (torch.arange(L)[None, :] < lengths[:, None])[cand_to_user]
+                scores = (history @ self.q(cand)[:, :, None]).squeeze(-1) / D**0.5
+                weights = scores.masked_fill(~keep, -1e9).softmax(-1)
+                pooled = (weights[:, :, None] * history).sum(1)
+        return self.out(torch.cat([pooled, cand], 1))
+
+
+@pytest.mark.parametrize("pool", ["index_add", "segment_reduce", "bag", "padded"])
+def test_jagged_only_user_inputs(pool):
+    """Nothing at U rows but the offsets [U + 1]: U is the offsets' count of segments, the values' count N counts for
+    no rows (before: U was taken as N or U + 1, the model came back unchanged and the report named that U). Each
+    call's N and U + 1 are free (the branch on the width checks the width alone)."""
+    model = JaggedOnly(pool)
+    report = check(model, make=jagged_request, sizes=WITHOUT_CANDIDATES, must=("U = 5", "jagged offsets `offsets`"))
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    module, _ = to_ikbo(model, args_for(model, jagged_request(*EXAMPLE, gen)), measure=False)
+    for num_users, num_candidates in [*WITHOUT_CANDIDATES, (4, 0)]:
+        args = args_for(model, jagged_request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+    assert module.fallbacks == 1, str(report)  # B = 0 only
+
+
+class JaggedLoop(nn.Module):
+    """Jagged values pooled by a Python loop over the users' segments."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(D + FC, 1)
+
+    def forward(self, values, ids, offsets, cand, cand_to_user):
+        pooled = torch.stack([values[offsets[i] : offsets[i + 1]].sum(0) for i in range(len(offsets) - 1)])
+        return self.out(torch.cat([pooled[cand_to_user], cand], 1))
+
+
+def test_jagged_only_left_names_u_and_why():
+    """Where a jagged-only model cannot be rewritten (a loop over the users' segments: control flow on U + 1, the
+    offsets' rows), the report names the U of the offsets and that reason (before: U taken as the values' count N and
+    "nothing to rewrite")."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = JaggedLoop().eval()
+    module, report = to_ikbo(model, args_for(model, jagged_request(*EXAMPLE, gen)), measure=False)
+    assert module is model, str(report)
+    assert f"U = {EXAMPLE[0]}, B = {EXAMPLE[1]}" in str(report), str(report)
+    assert "control flow on the number of users" in str(report), str(report)

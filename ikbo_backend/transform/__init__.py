@@ -29,7 +29,7 @@ from itertools import chain
 from operator import attrgetter, call, is_not, itemgetter, methodcaller
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from . import cost, ops
 from .capture import CAPTURE_LOCK, alias_root, capture, mutated_input, write_back_views
@@ -127,7 +127,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         reason = f"non-tensor arguments of other types than numbers, flags, strings, enums and dtypes: {others[0]}"
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
     num_candidates = mapping.shape[0]
-    num_users = _user_rows(examples, num_candidates, mapping)
+    num_users, jagged = _user_rows(examples, num_candidates, mapping)
     if num_users is None:
         reason = (
             f"every tensor of the example has B = {num_candidates} rows: if U = B = {num_candidates}, user and "
@@ -135,18 +135,34 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         )
         warnings.warn(f"to_ikbo: {reason}; the model is returned unchanged (pass an example with U ≠ B)", stacklevel=2)
         return model, Report(left=[f"the whole model: {reason}; served unchanged"])
+    rows_note = f"rows: U = {num_users}, B = {num_candidates}"
+    if jagged:
+        rows_note += f" (U from the jagged offsets {', '.join(f'`{name}`' for name, _ in jagged)} [U + 1])"
+        clash = sorted({int(o[-1]) for _, o in jagged} & {num_users, num_candidates})
+        if clash:  # rows tell tensors apart: values [N, …] at N = U or B are taken for user or candidate rows
+            role = "B" if clash[-1] == num_candidates else "U"
+            rows_note += (
+                f"; the jagged values have N = {role} = {clash[-1]} rows on the example, taken for {role} rows: calls "
+                f"where N ≠ {role} run the original (pass an example where N differs from U and B)"
+            )
+
+    def unchanged_model(reason, kept=()):
+        return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=list(kept), notes=[rows_note])
+
     hooked = _hooked(model)
     if hooked:
-        reason = f"forward hooks on {', '.join(hooked[:3])}: Python calls a rewritten graph would not make"
-        return model, Report(left=[f"the whole model: {reason}; served unchanged"])
+        return unchanged_model(
+            f"forward hooks on {', '.join(hooked[:3])}: Python calls a rewritten graph would not make"
+        )
     if rtol is None:
         rtol = max([RTOL.get(d, 1e-3) for d in _float_dtypes(model, example_inputs)], default=1e-3)
+    # the jagged inputs' row counts change with each request as U and B do: the capture takes a branch on the offsets'
+    # U + 1 for one on the rows, and `Guarded` leaves it free, and the values' count N where no branch read it
+    offsets_rows = {len(o) for _, o in jagged}
     try:
-        captured = capture(traced, examples, (num_users, num_candidates))
+        captured = capture(traced, examples, (num_users, num_candidates, *sorted(offsets_rows)))
     except Exception as e:
-        return model, Report(
-            left=[f"the whole model: the capture could not follow it ({type(e).__name__}: {e}); served unchanged"]
-        )
+        return unchanged_model(f"the capture could not follow it ({type(e).__name__}: {e})")
     kept = [f"`{path}` ({kind}): {reason}" for path, kind, reason in captured.opaque]
     traced = captured.module  # in-place ops count for their effect, also where their result goes unused
     changed = sorted({root.target for n in traced.graph.nodes if (x := mutated_input(n, traced)) is not None
@@ -155,7 +171,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         reason = (
             f"the forward changes `{'`, `'.join(changed[:3])}` in place: module state a rewritten graph would not keep"
         )
-        return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
+        return unchanged_model(reason, kept)
     write_back_views(traced)  # an in-place op through a view as an assignment into the viewed tensor
     traced.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated_input(n, traced) is not None)
     traced.recompile()
@@ -166,20 +182,19 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         module, report = rewriter.run()
     except Exception as e:
         where = f" at {rewriter.where()}" if rewriter is not None and rewriter.node is not None else ""
-        reason = f"the rewrite failed{where} ({type(e).__name__}: {e})"
-        return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
+        return unchanged_model(f"the rewrite failed{where} ({type(e).__name__}: {e})", kept)
     report.kept = kept
     if path:
         report.notes.append(f"the model's forward hands its arguments to `{path}`: captured there (paths from it)")
-    report.notes.append(f"rows: U = {num_users}, B = {num_candidates}")
+    report.notes.append(rows_note)
     unchanged = not report.rewritten  # nothing to gain: the model itself (no guards, no fixed branches)
     error = 0.0 if unchanged else _disagreement(model, module, example_inputs)
     if not error <= rtol:
-        reason = f"the rewrite disagrees with it on the example (rel. error {error:.1e})"
-        return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
+        return unchanged_model(f"the rewrite disagrees with it on the example (rel. error {error:.1e})", kept)
     seen, other_rows = [], None
     if not report.replications_left:
-        others = [r for r in _row_counts(examples, num_candidates) if r != num_users]
+        jagged_counts = {len(o) for _, o in jagged} | {int(o[-1]) for _, o in jagged}  # segments and values: no users
+        others = [r for r in _row_counts(examples, num_candidates) if r != num_users and r not in jagged_counts]
         checked = model if unchanged else module
         try:
             seen = replications_in(checked, _copied(example_inputs), num_users, num_candidates, row_dims=(0, 1))
@@ -215,7 +230,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
             "a branch reads the contiguity of tensors made from a non-contiguous example input: a call's strides could "
             "take the other branch"
         )
-        return model, Report(left=[f"the whole model: {reason}; served unchanged"], kept=kept)
+        return unchanged_model(reason, kept)
     module = Guarded(
         module,
         model,
@@ -224,7 +239,14 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         captured.fixed_sizes,
         captured.flags,
         captured.settings,
+        offsets_rows | ({int(o[-1]) for _, o in jagged} - captured.sizes_read),
     )
+    read = sorted({int(o[-1]) for _, o in jagged} & captured.sizes_read - {num_users, num_candidates})
+    if read and captured.fixed_sizes:
+        report.notes.append(
+            f"a branch read a size equal to the jagged values' count N = {read[0]} on the example: calls where N differs "
+            "run the original (pass an example where N differs from the model's other dims)"
+        )
     if measure:
         original_s, rewritten_s = cost.compare(model, module, example_inputs, cuda_graphs=cuda_graphs)
         ratio = report.speedup = original_s / rewritten_s
@@ -314,12 +336,46 @@ def _row_counts(examples, num_candidates) -> Counter:
     )
 
 
-def _user_rows(examples, num_candidates, mapping):
-    """U: the most common row count of the example's tensors other than B that the mapping can index (> its largest
-    value), the smallest on a tie (jagged inputs beside the user rows: values [N], offsets [U + 1]); None if none."""
+def _offsets(examples, num_candidates, least) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the jagged offsets among the example's tensors: 1-D integer tensors [U + 1] that start at 0,
+    never decrease and end at the row count of another tensor (the values [N, …] they cut into one segment per user),
+    with U ≠ B rows the mapping can index (U ≥ `least`), and U + 1 ≠ B."""
+    named = [(name + keystr(path), t) for name, value in examples.items()
+             for path, t in tree_flatten_with_path(value)[0] if isinstance(t, torch.Tensor)]  # fmt: skip
+    found = []
+    for name, t in named:
+        if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype is torch.bool or len(t) < 2:
+            continue
+        users = len(t) - 1  # (the mapping and other tensors at B rows are per candidate)
+        if num_candidates in (users, len(t)) or users < least or int(t[0]) != 0 or bool((t[1:] < t[:-1]).any()):
+            continue
+        end = int(t[-1])
+        if end == 0 or any(v is not t and v.dim() and v.shape[0] == end for _, v in named):
+            found.append((name, t))
+    return found
+
+
+def _user_rows(examples, num_candidates, mapping) -> tuple[int | None, list]:
+    """(U, the jagged offsets that gave it): U the most common row count of the example's tensors other than B that
+    the mapping can index (> its largest value), the smallest on a tie; None if none. Jagged inputs count for the
+    users they describe: offsets [U + 1] (`_offsets`) for U, and the values [N, …] they cut (N = offsets[-1]) for
+    none, so a user history that arrives as values and offsets alone, no tensor at U rows, still gives U."""
     least = int(mapping.max()) + 1 if mapping.numel() else 0
-    rows = {r: n for r, n in _row_counts(examples, num_candidates).items() if r >= least}
-    return max(rows, key=lambda r: (rows[r], -r)) if rows else None
+    offsets = _offsets(examples, num_candidates, least)
+    counts = _row_counts(examples, num_candidates)
+    for _, o in offsets:
+        counts[len(o)] -= 1
+        counts[len(o) - 1] += 1
+    ends = {int(o[-1]) for _, o in offsets} - {len(o) - 1 for _, o in offsets}
+    for t in tree_flatten(list(examples.values()))[0]:  # the values the offsets cut: a count of history, not users
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] in ends and t.shape[0] != num_candidates:
+            if not any(t is o for _, o in offsets):
+                counts[t.shape[0]] -= 1
+    rows = {r: n for r, n in counts.items() if r >= least and n > 0}
+    if not rows:
+        return None, []
+    users = max(rows, key=lambda r: (rows[r], -r))
+    return users, [(name, o) for name, o in offsets if len(o) == users + 1]
 
 
 def _copied(tree):
@@ -425,8 +481,11 @@ class Guarded(torch.nn.Module):
     With grad on and a parameter of the model or an input requiring grad the original runs too: the tiled joins have
     no autograd, and the gradients are then the original's."""
 
-    def __init__(self, rewritten, original, example_inputs, rows, fixed_sizes: bool, flags=frozenset(), settings=None):
+    def __init__(
+        self, rewritten, original, example_inputs, rows, fixed_sizes: bool, flags=frozenset(), settings=None, free=()
+    ):
         super().__init__()
+        self.free = frozenset(free)  # row counts of jagged inputs (offsets [U + 1], values [N, …]): dim 0 not checked
         self.rewritten, self.original = rewritten, original
         self.settings = list((settings or {}).items())  # torch's global settings the forward read: as on the example
         self.fixed_sizes, self.fallbacks = fixed_sizes, 0
@@ -477,8 +536,9 @@ class Guarded(torch.nn.Module):
     def _key(self, t, rows):
         if not isinstance(t, torch.Tensor):  # a number, flag, string, enum or dtype the graph was traced with
             return ("value", t)
-        sizes = tuple(t.shape[1:]) if self.fixed_sizes and t.dim() and t.shape[0] in rows else None
-        if self.fixed_sizes and t.dim() and t.shape[0] not in rows:
+        rows_free = t.dim() and (t.shape[0] in rows or t.shape[0] in self.free)
+        sizes = tuple(t.shape[1:]) if self.fixed_sizes and rows_free else None
+        if self.fixed_sizes and t.dim() and not rows_free:
             sizes = tuple(t.shape)
         return t.dtype, t.dim(), t.device.type, sizes, (t.layout, t.is_nested), self._flags(t)
 

@@ -142,6 +142,7 @@ class Capture:
     guards: int = 0
     flags: frozenset = frozenset()  # FLAG_READS a branch followed (contiguity, requires_grad, device, ...)
     settings: dict = field(default_factory=dict)  # torch's global settings the model's code read: getter -> value
+    sizes_read: frozenset = frozenset()  # the non-row sizes branches read (by value)
 
 
 class ShadowProxy(fx.Proxy):
@@ -242,6 +243,7 @@ class Tracer(fx.Tracer):
         self.examples, self.rows = examples, {r for r in rows if r is not None}
         self.record_stack_traces = True
         self.fixed_sizes = False
+        self.sizes_read: set = set()
         self.guards = 0
         self.evaluating = 0  # > 0 while an op or a module kept whole runs eagerly on the example's values
         self.flags: set = set()
@@ -383,6 +385,7 @@ class Tracer(fx.Tracer):
                     kinds.add("data")
                 elif self._from_inputs(source):
                     kinds.add("rows" if any(s in self.rows for s in sizes) else "size")
+                    self.sizes_read.update(s for s in sizes if isinstance(s, int))
                 continue
             if self._is_meta(n):
                 continue
@@ -443,6 +446,7 @@ class Tracer(fx.Tracer):
             kinds = {"meta"}
         else:
             kinds = {"rows" if dim % value.dim() == 0 or size in self.rows else "size"}
+            self.sizes_read.add(size)
         kinds |= {self._depends_on(a) for a in node.all_input_nodes if a is not source}
         for kind in ("data", "rows", "size"):
             if kind in kinds:
@@ -755,7 +759,15 @@ def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
             for name, b in model.named_buffers():
                 if name in buffers and not torch.equal(b, buffers[name]):
                     b.copy_(buffers[name])
-    return Capture(module, tracer.fixed_sizes, tracer.opaque, tracer.guards, frozenset(tracer.flags), tracer.settings)
+    return Capture(
+        module,
+        tracer.fixed_sizes,
+        tracer.opaque,
+        tracer.guards,
+        frozenset(tracer.flags),
+        tracer.settings,
+        frozenset(tracer.sizes_read),
+    )
 
 
 def _graph_module_names() -> frozenset:
