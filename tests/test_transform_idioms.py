@@ -1155,9 +1155,8 @@ class FlatMM(nn.Module):
 
 @pytest.mark.parametrize("method", [False, True])
 def test_mm_by_a_weight_of_flattened_rows(method):
-    """The product runs at U·L rows, as `matmul` would; the view back to [B, L, ·] is the merge back that is left."""
-    report = check(FlatMM(method), expect_left=1, must=["row-wise ops run at U rows instead of B rows: matmul"])
-    assert all("mixes rows merged with heads" in e for e in report.left), str(report)
+    """The product runs at U·L rows, as `matmul` would, and the view back to [B, L, ·] is the user rows viewed alike."""
+    check(FlatMM(method), must=["row-wise ops run at U rows instead of B rows: matmul", "back to B rows"])
 
 
 class FlatInPlace(nn.Module):
@@ -3789,3 +3788,52 @@ def test_jagged_only_left_names_u_and_why():
     assert module is model, str(report)
     assert f"U = {EXAMPLE[0]}, B = {EXAMPLE[1]}" in str(report), str(report)
     assert "control flow on the number of users" in str(report), str(report)
+
+
+class FlatViewBack(nn.Module):
+    """HSTU / DSIN-style: the replicated history x = history[cand_to_user] [B, L, D] flattened to B·L rows, row-wise
+    work on them (a layer norm, `mm` by a weight, SiLU, a split), then viewed back to B rows in every common spelling
+    (`view(B, L, …)`, `view(-1, L, …)`, `reshape(x.shape)`, `unflatten(0, (-1, L))`, `view(B, -1)`, [B, L, H, d]) and
+    read with the candidate (an SDPA with candidate queries, a product, a gate)."""
+
+    def __init__(self, spell):
+        super().__init__()
+        self.spell = spell
+        self.uvk = nn.Parameter(torch.randn(D, 3 * D) * 0.2)
+        self.q, self.o, self.out = nn.Linear(FC, D), nn.Linear(D, D), nn.Linear(D + FC, 1)
+
+    def forward(self, history, cand, cand_to_user):
+        x = history[cand_to_user]
+        b, length, width = x.shape
+        flat = x.flatten(0, 1) if self.spell == "flatten" else x.reshape(-1, width)
+        u, v, k = F.silu(torch.mm(F.layer_norm(flat, [width]), self.uvk)).split(width, dim=1)
+        if self.spell == "unflatten":  # v by the model's L: at another history length it groups other rows
+            k, v, u = k.unflatten(0, (-1, length)), v.unflatten(0, (-1, L)), u.unflatten(0, (b, length))
+        elif self.spell == "shape":
+            k, v, u = k.reshape(x.shape), v.reshape(x.size()), u.reshape(b, length, width)
+        else:
+            k, v, u = k.view(b, length, width), v.view(-1, L, width), u.reshape(b, -1).view(b, length, width)
+        heads = lambda t: t.reshape(b, length, H, width // H).transpose(1, 2)  # noqa: E731
+        q = self.q(cand).view(b, H, 1, width // H)
+        attended = F.scaled_dot_product_attention(q, heads(k), heads(v)).reshape(b, width)
+        return self.out(torch.cat([self.o(attended * u.mean(1)), cand], 1))
+
+
+@pytest.mark.parametrize("spell", ["view", "flatten", "shape", "unflatten"])
+def test_flattened_replica_viewed_back(spell):
+    """The flattened replica stays at U·L rows through the row-wise ops, and its view back to B rows is the replica of
+    the user rows viewed alike (before: the view back materialized the replica at B·L rows: "it mixes rows merged
+    with heads with other rows" / "view is not known to act row by row"). A call whose history has another length
+    (L / 2, an even B) runs the rewrite where every view back reads the length from a shape, and the original where
+    one views by the model's L (`v.view(-1, L, D)` then groups two candidates' rows in one: each call checks the
+    view groups the rows by candidate)."""
+    model = FlatViewBack(spell)
+    check(model, sizes=WITHOUT_CANDIDATES, must=("back to B rows", "ikbo_attention"))
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    r = request(8, 54, gen)
+    r["history"] = torch.randn(8, L // 2, D, generator=gen)
+    args = args_for(model, r)
+    with torch.inference_mode():
+        assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+    assert module.fallbacks == (spell != "shape"), str(report)

@@ -137,6 +137,28 @@ def check_fold(shape, lead: int, sizes: list) -> None:
         raise WidthsChanged(f"a view of {shape} as {sizes} does not merge its first {lead} dims, as on the example")
 
 
+def split_merged(user_shape, merged, base, sizes, rest: bool = False) -> list:
+    """The sizes that view user rows merged batch-major with h ([U·h, *r], read through `merged`, derived from `base`)
+    as the model views the replica [B·h, *r]: `sizes` as it wrote them (None: B; a torch.Size: a replica's shape
+    [U, …], its row count taken for B; `rest`: r appended, as `unflatten(0, sizes)` keeps it). Raises WidthsChanged
+    unless that view has B rows, each holding one candidate's h merged rows, as on the example; reads shapes only."""
+    user_shape, b = [int(s) for s in user_shape], int(base.shape[0])
+    if not b:
+        raise WidthsChanged("no candidates: a view of merged rows has no row split to check")
+    h, r = int(merged.shape[0]) // b, user_shape[1:]
+    if isinstance(sizes, torch.Size):
+        sizes = [None, *sizes[1:]]
+    full = [b if s is None else int(s) for s in sizes] + (r if rest else [])
+    if full.count(-1) == 1:
+        known = math.prod(s for s in full if s != -1)
+        full[full.index(-1)] = b * h * math.prod(r) // known if known else -1
+    if full[0] != b or math.prod(full[1:]) != h * math.prod(r):
+        raise WidthsChanged(
+            f"a view of {[b * h, *r]} as {full} does not group its rows by {b} candidates, as on the example"
+        )
+    return [user_shape[0] // h, *full[1:]]
+
+
 @torch.fx.node.has_side_effect
 def check_same_rows(view_shape, source_shape) -> None:
     """Raises WidthsChanged unless a view with an inferred row count (`x.view(-1, d)`) kept x's rows, as it did on

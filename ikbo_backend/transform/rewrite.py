@@ -177,13 +177,20 @@ def _row_tolerance(want: torch.Tensor) -> dict:
 
 def _norm_dims(args, kwargs) -> int:
     """The number of dims a layer / group / RMS norm normalizes over; a shape read from a tensor (x.shape) may count
-    its rows: taken as every dim."""
+    its rows: taken as every dim (sizes read one by one that are no row count, `[x.shape[-1]]`, count as one each)."""
     shape = _arg(args, kwargs, 1, "normalized_shape")
     if isinstance(shape, int):
         return 1
     if is_value(shape) and isinstance(shape.meta, tuple):  # x.shape[-1:] read in the forward: its length is fixed
         return len(shape.meta)
-    return len(shape) if isinstance(shape, (tuple, list)) and not any(is_value(s) for s in shape) else 1 << 30
+    return len(shape) if isinstance(shape, (tuple, list)) and all(map(_plain_size, shape)) else 1 << 30
+
+
+def _plain_size(s) -> bool:
+    """A number, or a size read from a tensor that is no row count."""
+    return not is_value(s) or (
+        type(s) is Plain and type(s.meta) is int and not s.batched and s.mapping is None and s.merged is None
+    )
 
 
 def _sizes(args):
@@ -708,6 +715,8 @@ class Rewriter(AttentionRewrites):
             return self.plain(op, target, args, kwargs, meta, "")
         if (out_of_place := self.out_of_place(op, target, args, kwargs)) is not None:
             target, self.converted = out_of_place, True
+        if (split := self.split_merged(target, args, kwargs, meta)) is not None:
+            return split
         if not self.merged_rows_agree(flat):
             return self.plain(op, target, args, kwargs, meta, "it mixes rows merged with heads with other rows")
         if op == "call_module":
@@ -2078,7 +2087,7 @@ class Rewriter(AttentionRewrites):
                 num_users = self.emit("call_function", operator.getitem, (shape, 0))
             node = self.emit("call_function", ops.merged_mapping, (base.node, heads_node, num_users))
             name = f"{base.name} merged with {heads} heads ({order}-major)"
-            self.mappings[key] = Mapping(key, node, name, heads=(heads, order))
+            self.mappings[key] = Mapping(key, node, name, heads=(heads, order), base=base)
         return self.mappings[key]
 
     def _merge_of(self, key, args, kwargs, meta):
@@ -2199,6 +2208,62 @@ class Rewriter(AttentionRewrites):
             f"{self.where()}: {_name(key)} merging replicated rows with {heads} heads ({order}-major) kept at U·h rows"
         )
         return Rep(user, mapping, meta, first.source)
+
+    SPLITS = {"view", "reshape", torch.reshape, "unflatten", torch.unflatten}
+
+    def split_merged(self, key, args, kwargs, meta):
+        """The merge undone: a view / reshape / unflatten(0, …) of replicated rows merged batch-major with h (a
+        history's positions flattened, `x.reshape(-1, D)` of x = hist[m] [B, L, D]) as [B, …] (`.view(B, L, D)`,
+        `.view(-1, L, D)`, `.reshape(x.shape)`, `.unflatten(0, (-1, L))`, `.view(B, L, H, d)`, `.view(B, -1)`): each
+        candidate's h rows are its user's, so the result is the Rep of the user rows viewed alike ([U, …]) through the
+        mapping the merge was derived from. Each call checks the view groups the rows by B (`ops.split_merged`);
+        else the original runs."""
+        if key not in self.SPLITS or not args:
+            return None
+        x = args[0]
+        if not (isinstance(x, Rep) and not x.row_dim and isinstance(x.meta, Meta) and x.meta.ndim >= 1):
+            return None
+        mapping = x.mapping
+        if mapping.heads is None or mapping.heads[1] != "batch" or mapping.base is None:
+            return None
+        heads, base = mapping.heads[0], mapping.base
+        if not (isinstance(meta, Meta) and meta.ndim >= 2 and meta.shape[0] == self.num_candidates):
+            return None
+        if math.prod(meta.shape[1:]) != heads * math.prod(x.meta.shape[1:]):
+            return None
+        rest = key in ("unflatten", torch.unflatten)  # unflatten(0, sizes) keeps the other dims
+        if rest:
+            dim, sizes = _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "sizes")
+            if set(kwargs) - {"dim", "sizes"} or _norm(dim, x.meta.ndim) != 0 or not isinstance(sizes, (tuple, list)):
+                return None
+            sizes = list(sizes)
+        elif kwargs:
+            return None
+        else:
+            sizes = _sizes(args)
+        if len(sizes) == 1 and isinstance(sizes[0], RepShape):  # x.reshape(r.shape) of r = hist[m]: [B, L, …]
+            if sizes[0].mapping is not base or rest:
+                return None
+            sizes = sizes[0].user_shape  # its row count U is taken for B at each call
+        else:
+            for i, s in enumerate(sizes):
+                if isinstance(s, Rows) and i == 0 and s.mapping is base:
+                    sizes[i] = None  # B at each call
+                elif is_value(s) and not (isinstance(s, Plain) and not self.batched(s) and s.merged is None):
+                    return None
+                elif is_value(s):
+                    sizes[i] = s.node
+            if len(sizes) + (x.meta.ndim - 1 if rest else 0) != meta.ndim:
+                return None
+        user_shape = self.emit("call_function", getattr, (x.user, "shape"))
+        user_sizes = self.emit("call_function", ops.split_merged, (user_shape, mapping.node, base.node, sizes, rest))
+        target = "reshape" if key in (torch.reshape, "reshape") else "view"
+        user = self.emit("call_method", target, (x.user, user_sizes))
+        self.report.rewritten.append(
+            f"{self.where()}: {_name(key)} of replicated rows merged with {heads} positions back to B rows "
+            f"{list(meta.shape)} kept virtual (user rows stay at U)"
+        )
+        return Rep(user, base, meta, x.source)
 
     # --- concat of user and candidate parts ----------------------------------------------------
 

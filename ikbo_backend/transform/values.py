@@ -41,6 +41,7 @@ class Mapping:
     node: fx.Node
     name: str
     heads: tuple | None = None  # (h, order): a mapping of merged rows, derived from another (`Rewriter.merged_rep`)
+    base: Mapping | None = None  # the mapping a merged one was derived from
 
 
 @dataclass(eq=False)
