@@ -3448,7 +3448,7 @@ class UserFeatures:
 
 
 class TakesADataclass(nn.Module):
-    """`Replicated("index")` with its user features inside a dataclass argument, which the pass does not follow."""
+    """`Replicated("index")` with its user features inside an argument object (a dataclass, or another object)."""
 
     def __init__(self):
         super().__init__()
@@ -3459,13 +3459,14 @@ class TakesADataclass(nn.Module):
 
 
 def test_unfollowed_argument_is_the_reason_given():
-    """An argument the pass cannot follow (a dataclass of tensors) is the reason the model comes back unchanged (before:
-    the tensors inside it went uncounted, and the report and a warning said that every tensor had B rows)."""
+    """An argument the pass cannot follow (an object of tensors that is no dataclass) is the reason the model comes
+    back unchanged (before: the tensors inside it went uncounted, and the report and a warning said that every tensor
+    had B rows)."""
     gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
     model = TakesADataclass().eval()
     user, cand, mapping = args_for(Replicated("index"), request(*EXAMPLE, gen))
-    module, report = to_ikbo(model, (UserFeatures(user), cand, mapping), measure=False)
-    assert module is model and "`user` (UserFeatures)" in str(report) and "B = " not in str(report), str(report)
+    module, report = to_ikbo(model, (types.SimpleNamespace(dense=user), cand, mapping), measure=False)
+    assert module is model and "`user` (SimpleNamespace)" in str(report) and "B = " not in str(report), str(report)
 
 
 class GatedByUser(nn.Module):
@@ -3837,3 +3838,115 @@ def test_flattened_replica_viewed_back(spell):
     with torch.inference_mode():
         assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
     assert module.fallbacks == (spell != "shape"), str(report)
+
+
+class KeywordOnlyMapping(nn.Module):
+    """`Replicated("index")` whose forward takes the mapping (and a scale) by keyword only."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Replicated("index")
+
+    def forward(self, user, cand, *, cand_to_user, scale=1.0):
+        return self.inner(user, cand, cand_to_user) * scale
+
+
+def test_keyword_only_mapping():
+    """A keyword-only mapping is given by name (`example_kwargs`) and the module is called as the model is (before:
+    example inputs were positional only, so such a model could not be passed at all). A call with the scale away
+    from its default, or the mapping passed by position (a TypeError in the original too), runs the original; an
+    example without the mapping names the argument and where to pass it."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = KeywordOnlyMapping().eval()
+    user, cand, mapping = args_for(Replicated("index"), request(*EXAMPLE, gen))
+    module, report = to_ikbo(model, (user, cand), measure=False, example_kwargs={"cand_to_user": mapping})
+    assert isinstance(module, Guarded) and report.replications_left == 0, str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        user, cand, mapping = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(user, cand, cand_to_user=mapping), model(user, cand, cand_to_user=mapping)) <= RTOL
+            by_name = module(cand_to_user=mapping, cand=cand, user=user)
+            assert rel_err(by_name, model(user, cand, cand_to_user=mapping)) <= RTOL
+        assert replications_in(lambda *a: module(*a[:2], cand_to_user=a[2]), (user, cand, mapping), num_users,
+                               num_candidates) == []  # fmt: skip
+    assert module.fallbacks == 0
+    with torch.inference_mode():
+        assert torch.equal(
+            module(user, cand, cand_to_user=mapping, scale=2.0), model(user, cand, cand_to_user=mapping, scale=2.0)
+        )
+        with pytest.raises(TypeError):
+            module(user, cand, mapping)
+    assert module.fallbacks == 2
+    with pytest.raises(ValueError, match="keyword-only `cand_to_user`: pass it by name, in example_kwargs"):
+        to_ikbo(model, (user, cand, mapping), measure=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankingRequest:
+    """A request as a dataclass: user and candidate tensors, the mapping, a setting, a property and a method."""
+
+    user: torch.Tensor
+    cand: torch.Tensor
+    cand_to_user: torch.Tensor
+    temperature: float = 1.0
+
+    @property
+    def num_candidates(self):
+        return self.cand.shape[0]
+
+    def user_rows(self):
+        return self.user[self.cand_to_user]
+
+
+@dataclasses.dataclass(frozen=True)
+class OtherRequest(RankingRequest):
+    pass
+
+
+class TakesARequest(nn.Module):
+    """An MLP over a dataclass request, its mapping inside, read through the class's method and property."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FU + FC, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, req: RankingRequest):
+        if not isinstance(req, RankingRequest):
+            raise TypeError("req: expected a RankingRequest")
+        return (self.net(torch.cat([req.user_rows(), req.cand], 1)) / req.temperature).view(req.num_candidates)
+
+
+def test_dataclass_inputs():
+    """Dataclass arguments holding tensors are followed as dicts of their fields: one with the mapping inside (read by
+    the class's own method), and one holding user features beside a mapping argument (before: both came back
+    unchanged, "non-tensor arguments of other types" / "has no argument named cand_to_user"). A call whose setting
+    field differs from the example's, or of another class, runs the original."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = TakesARequest().eval()
+    module, report = to_ikbo(
+        model, (RankingRequest(*args_for(Replicated("index"), request(*EXAMPLE, gen))),), measure=False
+    )
+    assert isinstance(module, Guarded) and report.replications_left == 0 and "kept virtual" in str(report), str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        req = RankingRequest(*args_for(Replicated("index"), request(num_users, num_candidates, gen)))
+        with torch.inference_mode():
+            assert rel_err(module(req), model(req)) <= RTOL, str(report)
+            assert rel_err(module(req=req), model(req)) <= RTOL, str(report)
+        assert replications_in(module, (req,), num_users, num_candidates) == [], str(report)
+    assert module.fallbacks == 0
+    with torch.inference_mode():
+        other = dataclasses.replace(req, temperature=2.0)
+        assert torch.equal(module(other), model(other))
+        other = OtherRequest(req.user, req.cand, req.cand_to_user)
+        assert torch.equal(module(other), model(other))
+    assert module.fallbacks == 2
+
+    model = TakesADataclass().eval()
+    user, cand, mapping = args_for(Replicated("index"), request(*EXAMPLE, gen))
+    module, report = to_ikbo(model, (UserFeatures(user), cand, mapping), measure=False)
+    assert isinstance(module, Guarded) and report.replications_left == 0, str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        user, cand, mapping = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            assert rel_err(module(UserFeatures(user), cand, mapping), model(UserFeatures(user), cand, mapping)) <= RTOL
+    assert module.fallbacks == 0

@@ -18,6 +18,7 @@ import ast
 import collections
 import collections.abc
 import copy
+import dataclasses
 import enum
 import inspect
 import re
@@ -63,13 +64,16 @@ def to_ikbo(
     rtol: float | None = None,
     measure: bool = True,
     cuda_graphs: bool = False,
+    example_kwargs: dict | None = None,
 ):
     """(module, report): `model` rewritten so that user tensors stay at U rows, and what was done.
 
     `example_inputs`: forward's positional arguments for one request (tensors, or dicts / tuples of
-    tensors; settings: numbers, flags, strings and lists / tuples / dicts of them), in eval mode (a forward that only
-    hands them on to a submodule, `forward(self, *args, **kwargs)`: that submodule's). The mapping is the argument
-    named `mapping_name` ([B] integer, candidate → user row), or the entry with that key in a dict argument. Rows
+    tensors, or dataclasses holding tensors; settings: numbers, flags, strings and lists / tuples / dicts of them), in
+    eval mode (a forward that only hands them on to a submodule, `forward(self, *args, **kwargs)`: that submodule's);
+    `example_kwargs`: its arguments by name (keyword-only ones: `forward(self, user, cand, *, cand_to_user)`). The
+    mapping is the argument named `mapping_name` ([B] integer, candidate → user row), or the entry (field) with that
+    key in a dict (dataclass) argument. Rows
     tell tensors apart: a tensor with B rows is per candidate, one with U rows (the most common other row count the
     mapping can index) per user, so pick U ≠ B and both unlike the model's other dims; with U == B the model comes back
     unchanged, with a warning.
@@ -89,30 +93,27 @@ def to_ikbo(
     buffers = [(b, b.clone()) for b in model.buffers()]  # the pass runs the model: what it changes is put back
     with CAPTURE_LOCK:  # fx patches nn.Module.__call__ process-wide while it traces: one pass at a time
         try:
-            return _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs)
+            return _to_ikbo(model, example_inputs, example_kwargs, mapping_name, rtol, measure, cuda_graphs)
         finally:
             for buffer, saved in buffers:
                 if not torch.equal(buffer, saved):
                     buffer.copy_(saved)
 
 
-def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
-    example_inputs = _copied(tuple(example_inputs))  # the caller's tensors stay as they are, whatever the model does
+def _to_ikbo(model, example_inputs, example_kwargs, mapping_name, rtol, measure, cuda_graphs):
+    # the caller's tensors stay as they are, whatever the model does
+    example_inputs, example_kwargs = _copied((tuple(example_inputs), dict(example_kwargs or {})))
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and _mode_matters(m)]
     if training:
         raise ValueError(f"model: expected eval mode (call model.eval()), got training mode in {training[:3]}")
     traced, path = _passed_through(model)  # a wrapper's `forward(*args, **kwargs)`: the module it hands them to
     signature = inspect.signature(traced.forward)
-    try:
-        examples = dict(signature.bind(*example_inputs).arguments)
-    except TypeError as e:
-        raise ValueError(f"example_inputs: do not match forward{signature} ({e})") from None
-    # the defaults of the parameters after them (`return_aux=False`, `cfg=None`): traced with those values
-    for name, parameter in list(signature.parameters.items())[len(example_inputs) :]:
-        if parameter.kind != parameter.POSITIONAL_OR_KEYWORD or not _is_setting(parameter.default):
-            break
-        examples[name] = parameter.default
-    example_inputs = (*example_inputs, *list(examples.values())[len(example_inputs) :])
+    examples = _bound(signature, example_inputs, example_kwargs)
+    # a dataclass argument holding tensors: the graph takes its fields as a dict (`Guarded` converts at each call)
+    records = {name: type(v) for name, v in examples.items() if _record(v)}
+    examples = {name: _fields(v) if name in records else v for name, v in examples.items()}
+    example_inputs = tuple(examples.values())  # the graph's inputs, in the order of forward's parameters
+    calling = _Calling(signature, list(examples), {list(examples).index(n): c for n, c in records.items()})
     variadic = [p.name for p in signature.parameters.values() if p.kind == p.VAR_POSITIONAL]
     if variadic and not _names_mapping(examples, mapping_name):
         reason = (
@@ -160,7 +161,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
     # U + 1 for one on the rows, and `Guarded` leaves it free, and the values' count N where no branch read it
     offsets_rows = {len(o) for _, o in jagged}
     try:
-        captured = capture(traced, examples, (num_users, num_candidates, *sorted(offsets_rows)))
+        captured = capture(traced, examples, (num_users, num_candidates, *sorted(offsets_rows)), records)
     except Exception as e:
         return unchanged_model(f"the capture could not follow it ({type(e).__name__}: {e})")
     kept = [f"`{path}` ({kind}): {reason}" for path, kind, reason in captured.opaque]
@@ -188,14 +189,14 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         report.notes.append(f"the model's forward hands its arguments to `{path}`: captured there (paths from it)")
     report.notes.append(rows_note)
     unchanged = not report.rewritten  # nothing to gain: the model itself (no guards, no fixed branches)
-    error = 0.0 if unchanged else _disagreement(model, module, example_inputs)
+    error = 0.0 if unchanged else _disagreement(calling(model), module, example_inputs)
     if not error <= rtol:
         return unchanged_model(f"the rewrite disagrees with it on the example (rel. error {error:.1e})", kept)
     seen, other_rows = [], None
     if not report.replications_left:
         jagged_counts = {len(o) for _, o in jagged} | {int(o[-1]) for _, o in jagged}  # segments and values: no users
         others = [r for r in _row_counts(examples, num_candidates) if r != num_users and r not in jagged_counts]
-        checked = model if unchanged else module
+        checked = calling(model) if unchanged else module  # (the graph takes its inputs in order)
         try:
             seen = replications_in(checked, _copied(example_inputs), num_users, num_candidates, row_dims=(0, 1))
             for rows in others if not seen else []:  # tensors of another row count replicated: U was taken wrong
@@ -240,6 +241,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
         captured.flags,
         captured.settings,
         offsets_rows | ({int(o[-1]) for _, o in jagged} - captured.sizes_read),
+        calling,
     )
     read = sorted({int(o[-1]) for _, o in jagged} & captured.sizes_read - {num_users, num_candidates})
     if read and captured.fixed_sizes:
@@ -248,7 +250,7 @@ def _to_ikbo(model, example_inputs, mapping_name, rtol, measure, cuda_graphs):
             "run the original (pass an example where N differs from the model's other dims)"
         )
     if measure:
-        original_s, rewritten_s = cost.compare(model, module, example_inputs, cuda_graphs=cuda_graphs)
+        original_s, rewritten_s = cost.compare(calling(model), calling(module), example_inputs, cuda_graphs=cuda_graphs)
         ratio = report.speedup = original_s / rewritten_s
         report.timing = (
             f"at U:B = {num_users}:{num_candidates} the original takes {original_s * 1e3:.3g} ms, the rewrite "
@@ -303,6 +305,83 @@ def _passed_through(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
         module = module._modules[call[1]]
         path.append(call[1])
     return module, ".".join(path)
+
+
+def _bound(signature, args: tuple, kwargs: dict) -> dict:
+    """The example's arguments by name, in the order of forward's parameters: `args` and `kwargs` bound, with the
+    defaults of parameters left out before a named one (a keyword argument after them), and of those after them up to
+    the first keyword-only one or one whose default is not a setting (`return_aux=False`, `cfg=None`): traced with
+    those values."""
+    try:
+        examples = dict(signature.bind(*args, **kwargs).arguments)
+    except TypeError as e:
+        required = [f"`{p.name}`" for p in signature.parameters.values()
+                    if p.kind == p.KEYWORD_ONLY and p.default is p.empty and p.name not in kwargs]  # fmt: skip
+        hint = f"; keyword-only {', '.join(required)}: pass it by name, in example_kwargs" if required else ""
+        raise ValueError(f"example_inputs: do not match forward{signature} ({e}){hint}") from None
+    parameters = list(signature.parameters.values())
+    named = max((i for i, p in enumerate(parameters) if p.name in examples), default=-1)
+    for parameter in parameters[:named]:
+        if parameter.name in examples or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if not _is_setting(parameter.default):
+            raise ValueError(
+                f"example_kwargs: `{parameter.name}` is left out before `{parameters[named].name}`, and its default is "
+                "not a setting the graph could be traced with: pass it too"
+            )
+        examples[parameter.name] = parameter.default
+    for parameter in parameters[named + 1 :]:
+        if parameter.kind != parameter.POSITIONAL_OR_KEYWORD or not _is_setting(parameter.default):
+            break
+        examples[parameter.name] = parameter.default
+    return {p.name: examples[p.name] for p in parameters if p.name in examples}
+
+
+def _record(value) -> bool:
+    """A dataclass instance holding tensors (a request's features), whose fields the pass follows as a dict's."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return False
+    return any(isinstance(t, torch.Tensor) for t in tree_flatten(list(_fields(value).values()))[0])
+
+
+def _fields(record) -> dict:
+    """A dataclass instance's fields by name (the objects themselves: no copies, as `dataclasses.asdict` makes)."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+class _Calling:
+    """Calls of the model (or its `Guarded` module) on the graph's inputs: forward's parameters in order, the
+    keyword-only ones passed by name and `*args` / `**kwargs` spread, dataclass arguments (dicts of their fields in
+    the graph) made again as copies of the example's objects with those fields."""
+
+    def __init__(self, signature, names: list, records: dict):
+        self.kinds = [signature.parameters[n].kind for n in names]
+        self.names, self.records = names, records
+
+    def __call__(self, fn):
+        def call(*inputs):
+            args, kwargs = [], {}
+            for i, (kind, name, value) in enumerate(zip(self.kinds, self.names, inputs)):
+                if i in self.records and isinstance(value, dict):
+                    value = self.record(i, value)
+                if kind == inspect.Parameter.VAR_POSITIONAL:
+                    args += value
+                elif kind == inspect.Parameter.VAR_KEYWORD:
+                    kwargs.update(value)
+                elif kind == inspect.Parameter.KEYWORD_ONLY:
+                    kwargs[name] = value
+                else:
+                    args.append(value)
+            return fn(*args, **kwargs)
+
+        return call
+
+    def record(self, i, fields: dict):
+        cls = self.records[i]
+        record = cls.__new__(cls)
+        for name, value in fields.items():  # (frozen dataclasses too)
+            object.__setattr__(record, name, value)
+        return record
 
 
 def _names_mapping(examples, mapping_name) -> bool:
@@ -482,7 +561,16 @@ class Guarded(torch.nn.Module):
     no autograd, and the gradients are then the original's."""
 
     def __init__(
-        self, rewritten, original, example_inputs, rows, fixed_sizes: bool, flags=frozenset(), settings=None, free=()
+        self,
+        rewritten,
+        original,
+        example_inputs,
+        rows,
+        fixed_sizes: bool,
+        flags=frozenset(),
+        settings=None,
+        free=(),
+        calling=None,
     ):
         super().__init__()
         self.free = frozenset(free)  # row counts of jagged inputs (offsets [U + 1], values [N, …]): dim 0 not checked
@@ -500,7 +588,11 @@ class Guarded(torch.nn.Module):
         self._watch(original)
         self.warned = False
         self.signature = inspect.signature(_passed_through(original)[0].forward)
-        self.names = list(self.signature.parameters)[: len(example_inputs)]  # the graph's inputs, in order
+        if calling is None:  # the graph's inputs, in order: forward's first parameters
+            calling = _Calling(self.signature, list(self.signature.parameters)[: len(example_inputs)], {})
+        self.names, self.records = calling.names, calling.records  # records: position → dataclass
+        # a call of as many positional arguments is the graph's inputs as they are (no keyword-only, no dataclass)
+        self.direct = not self.records and all(k <= inspect.Parameter.POSITIONAL_OR_KEYWORD for k in calling.kinds)
 
     _WATCH = ("watched", "weights", "own", "classes", "reads", "attributes", "deep", "state")
 
@@ -659,21 +751,33 @@ class Guarded(torch.nn.Module):
     def _requires_grad(self):
         return map(attrgetter("requires_grad"), self.weights)
 
-    def forward(self, *args, **kwargs):
-        if kwargs or len(args) < len(self.names):  # the graph's arguments by name or by their defaults, in order
+    def _inputs(self, args, kwargs):
+        """The graph's inputs for a call: its arguments by name or by their defaults, in the order of forward's
+        parameters, dataclass arguments of the example's classes as dicts of their fields; None where the call passes
+        anything else (more `*args` / `**kwargs`, a parameter the graph does not take away from its default)."""
+        if self.direct and not kwargs and len(args) == len(self.names):
+            inputs = args
+        else:
             try:
                 bound = self.signature.bind(*args, **kwargs)
                 bound.apply_defaults()
             except TypeError:
-                bound = None
+                return None
             parameters = self.signature.parameters
-            others = {} if bound is None else {k: v for k, v in bound.arguments.items() if k not in self.names}
+            others = {k: v for k, v in bound.arguments.items() if k not in self.names}
             at_default = all(
                 v is parameters[k].default or parameters[k].kind in (inspect.Parameter.VAR_POSITIONAL,
                 inspect.Parameter.VAR_KEYWORD) and not v for k, v in others.items()
             )  # fmt: skip
-            if bound is not None and at_default and all(n in bound.arguments for n in self.names):
-                args, kwargs = tuple(bound.arguments[n] for n in self.names), {}
+            if not at_default or not all(n in bound.arguments for n in self.names):
+                return None
+            inputs = tuple(bound.arguments[n] for n in self.names)
+        if self.records:
+            inputs = tuple(_fields(v) if type(v) is self.records.get(i) else v for i, v in enumerate(inputs))
+        return inputs
+
+    def forward(self, *args, **kwargs):
+        inputs = self._inputs(args, kwargs)
         changed = self._changed()
         if changed and not self.warned:
             self.warned = True
@@ -684,9 +788,9 @@ class Guarded(torch.nn.Module):
                 stacklevel=2,
             )
         settings = all(getter() == value for getter, value in self.settings)
-        if not kwargs and not changed and settings and self.matches(args):
+        if inputs is not None and not changed and settings and self.matches(inputs):
             try:
-                return self.rewritten(*args)
+                return self.rewritten(*inputs)
             except ops.WidthsChanged:
                 pass
         self.fallbacks += 1

@@ -34,6 +34,7 @@ import operator
 import sys
 import threading
 import traceback
+import types
 from collections.abc import MutableMapping, MutableSequence, MutableSet
 from dataclasses import dataclass, field
 from itertools import chain
@@ -235,6 +236,40 @@ def _traced_sizes(kind, target, args) -> bool:
     )
 
 
+class _Record:
+    """A dataclass argument while the forward is traced: the graph takes its fields as a dict (`to_ikbo` converts
+    the call's object), so `req.user` reads the entry `req["user"]`; a field holding no tensor (a setting) is the
+    example's value, which `Guarded` checks at each call. Its class's methods and properties run on it as they are
+    (`req.num_users()` reads its fields); `isinstance(req, cls)` holds. Anything else (`dataclasses.asdict(req)`,
+    an attribute set on it) is not followed: the capture fails there."""
+
+    def __init__(self, proxy, cls, fields: dict):
+        object.__setattr__(self, "_proxy", proxy)
+        object.__setattr__(self, "_cls", cls)
+        object.__setattr__(self, "_fields", fields)
+
+    @property
+    def __class__(self):
+        return object.__getattribute__(self, "_cls")
+
+    def __getattr__(self, name):
+        fields, cls = object.__getattribute__(self, "_fields"), object.__getattribute__(self, "_cls")
+        if name in fields:
+            value = fields[name]
+            return object.__getattribute__(self, "_proxy")[name] if _traced(value) else value
+        attribute = inspect.getattr_static(cls, name, None)
+        if isinstance(attribute, property) and attribute.fget is not None:
+            return attribute.fget(self)
+        if isinstance(attribute, types.FunctionType):
+            return types.MethodType(attribute, self)
+        if attribute is not None:  # a class constant, a staticmethod or classmethod
+            return getattr(cls, name)
+        raise CaptureError(f"`{name}` of a {cls.__name__} argument is no field of the dataclass: not followed")
+
+    def __setattr__(self, name, value):
+        raise CaptureError(f"the forward sets `{name}` on its {self.__class__.__name__} argument: not followed")
+
+
 class Tracer(fx.Tracer):
     """torch.fx tracing with example values (see the module doc)."""
 
@@ -249,6 +284,7 @@ class Tracer(fx.Tracer):
         self.flags: set = set()
         self.opaque: list = []
         self.settings: dict = {}  # GLOBAL_SETTINGS the model's own code read, with the values it saw
+        self.records: dict = {}  # argument name → dataclass: traced as a dict of its fields (`_Record`)
 
     # --- values --------------------------------------------------------------------------------
 
@@ -263,6 +299,9 @@ class Tracer(fx.Tracer):
         for a call that passes more."""
         if name.startswith("*") and not self.examples.get(name.lstrip("*")):
             return {} if name.startswith("**") else ()
+        if name in self.records:  # a dataclass argument: a dict placeholder, its fields read as entries
+            proxy = super()._proxy_placeholder(name, concrete_args, sig, fn_for_analysis)
+            return _Record(proxy, self.records[name], self.examples[name])
         value = concrete_args.get(name) if concrete_args else None
         if not isinstance(value, (list, tuple, dict)):
             return super()._proxy_placeholder(name, concrete_args, sig, fn_for_analysis)
@@ -719,11 +758,13 @@ def _scripted_functions(scopes) -> list:
     return found
 
 
-def capture(model: nn.Module, examples: dict, rows: tuple) -> Capture:
-    """Trace `model` on `examples` (forward's arguments by name); raises where the model's own forward
-    cannot be followed (the message names the source line)."""
+def capture(model: nn.Module, examples: dict, rows: tuple, records: dict | None = None) -> Capture:
+    """Trace `model` on `examples` (forward's arguments by name; `records`: those that are dataclasses in the call,
+    by name → class, given here as dicts of their fields); raises where the model's own forward cannot be followed
+    (the message names the source line)."""
     uninteresting_files()  # its lazy imports must not happen inside the trace (fx patches Module.__call__)
     tracer = Tracer(examples, rows)
+    tracer.records = dict(records or {})
     concrete = {k: v for k, v in examples.items() if not _traced(v)}
     # a forward may assign attributes (RecBole's Dice: `self.alpha = self.alpha.to(x.device)`) or fill containers:
     # the trace would leave proxies there; the model is kept as it was
