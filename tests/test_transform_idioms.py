@@ -3695,6 +3695,8 @@ def test_key_mask_without_rows(additive):
     """A key mask without rows is every user's one key mask: `ikbo_attention` with the kept keys moved first (before:
     not a per-user key mask, so K / V were replicated, reported)."""
     check(ConstantKeyMask(additive), sizes=WITHOUT_CANDIDATES, must=["ikbo_attention"])
+
+
 def jagged_request(num_users, num_candidates, gen):
     """A user history as jagged values [N, D] (and ids [N]) with offsets [U + 1], nothing else at U rows; some users
     without history (a segment of length 0), candidates [B, FC] and an unsorted mapping; N ≠ U, B, D."""
@@ -3765,6 +3767,20 @@ def test_jagged_only_user_inputs(pool):
         with torch.inference_mode():
             assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
     assert module.fallbacks == 1, str(report)  # B = 0 only
+
+
+def test_jagged_offsets_length_equal_to_a_width():
+    """An example with U + 1 = D (15 users, the serving example's U, and values of width 16): the branch on the values'
+    width reads no row count (it is read from the values, not computed from the offsets), so the model is rewritten."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = JaggedOnly("padded").eval()
+    assert D == 15 + 1
+    module, report = to_ikbo(model, args_for(model, jagged_request(15, 64, gen)), measure=False)
+    assert isinstance(module, Guarded) and report.replications_left == 0, str(report)
+    args = args_for(model, jagged_request(7, 53, gen))
+    with torch.inference_mode():
+        assert rel_err(module(*args), model(*args)) <= RTOL, str(report)
+    assert module.fallbacks == 0
 
 
 class JaggedLoop(nn.Module):
@@ -3841,13 +3857,13 @@ def test_flattened_replica_viewed_back(spell):
 
 
 class KeywordOnlyMapping(nn.Module):
-    """`Replicated("index")` whose forward takes the mapping (and a scale) by keyword only."""
+    """`Replicated("index")` whose forward takes the mapping (and a scale before it, with a default) by keyword only."""
 
     def __init__(self):
         super().__init__()
         self.inner = Replicated("index")
 
-    def forward(self, user, cand, *, cand_to_user, scale=1.0):
+    def forward(self, user, cand, *, scale=1.0, cand_to_user):
         return self.inner(user, cand, cand_to_user) * scale
 
 

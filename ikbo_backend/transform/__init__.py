@@ -157,11 +157,15 @@ def _to_ikbo(model, example_inputs, example_kwargs, mapping_name, rtol, measure,
         )
     if rtol is None:
         rtol = max([RTOL.get(d, 1e-3) for d in _float_dtypes(model, example_inputs)], default=1e-3)
-    # the jagged inputs' row counts change with each request as U and B do: the capture takes a branch on the offsets'
-    # U + 1 for one on the rows, and `Guarded` leaves it free, and the values' count N where no branch read it
-    offsets_rows = {len(o) for _, o in jagged}
+    # the jagged inputs' counts change with each request as U and B do: the capture takes a branch on the offsets' U + 1
+    # read from a tensor computed from them for one on the rows, and `Guarded` leaves it free, and the values' count N
+    # where no branch read it so
+    offsets_rows = {len(o) for _, o in jagged} - {num_users, num_candidates}
+    values_rows = {int(o[-1]) for _, o in jagged} - {num_users, num_candidates}
+    carriers = {count: frozenset(name for name, v in examples.items() if count in _row_counts({name: v}, None))
+                for count in offsets_rows | values_rows}  # fmt: skip
     try:
-        captured = capture(traced, examples, (num_users, num_candidates, *sorted(offsets_rows)), records)
+        captured = capture(traced, examples, (num_users, num_candidates), records, (carriers, offsets_rows))
     except Exception as e:
         return unchanged_model(f"the capture could not follow it ({type(e).__name__}: {e})")
     kept = [f"`{path}` ({kind}): {reason}" for path, kind, reason in captured.opaque]
@@ -240,10 +244,10 @@ def _to_ikbo(model, example_inputs, example_kwargs, mapping_name, rtol, measure,
         captured.fixed_sizes,
         captured.flags,
         captured.settings,
-        offsets_rows | ({int(o[-1]) for _, o in jagged} - captured.sizes_read),
+        offsets_rows | (values_rows - captured.jagged_read),
         calling,
     )
-    read = sorted({int(o[-1]) for _, o in jagged} & captured.sizes_read - {num_users, num_candidates})
+    read = sorted(values_rows & captured.jagged_read)
     if read and captured.fixed_sizes:
         report.notes.append(
             f"a branch read a size equal to the jagged values' count N = {read[0]} on the example: calls where N differs "
@@ -359,6 +363,9 @@ class _Calling:
         self.names, self.records = names, records
 
     def __call__(self, fn):
+        if not self.records and all(k <= inspect.Parameter.POSITIONAL_OR_KEYWORD for k in self.kinds):
+            return fn  # positional arguments, as the graph takes them
+
         def call(*inputs):
             args, kwargs = [], {}
             for i, (kind, name, value) in enumerate(zip(self.kinds, self.names, inputs)):
@@ -591,8 +598,14 @@ class Guarded(torch.nn.Module):
         if calling is None:  # the graph's inputs, in order: forward's first parameters
             calling = _Calling(self.signature, list(self.signature.parameters)[: len(example_inputs)], {})
         self.names, self.records = calling.names, calling.records  # records: position → dataclass
-        # a call of as many positional arguments is the graph's inputs as they are (no keyword-only, no dataclass)
-        self.direct = not self.records and all(k <= inspect.Parameter.POSITIONAL_OR_KEYWORD for k in calling.kinds)
+        # a call of the first names by position and the keyword-only ones by name, in order: the graph's inputs as
+        # they are (else bound to forward's parameters)
+        positional = [k <= inspect.Parameter.POSITIONAL_OR_KEYWORD for k in calling.kinds]
+        self.positional = positional.index(False) if False in positional else len(positional)
+        rest = calling.kinds[self.positional :]
+        keyword_only = all(k == inspect.Parameter.KEYWORD_ONLY for k in rest)
+        self.keywords = tuple(self.names[self.positional :]) if keyword_only else (None,)
+        self.keyword_set = frozenset(self.keywords)
 
     _WATCH = ("watched", "weights", "own", "classes", "reads", "attributes", "deep", "state")
 
@@ -755,8 +768,8 @@ class Guarded(torch.nn.Module):
         """The graph's inputs for a call: its arguments by name or by their defaults, in the order of forward's
         parameters, dataclass arguments of the example's classes as dicts of their fields; None where the call passes
         anything else (more `*args` / `**kwargs`, a parameter the graph does not take away from its default)."""
-        if self.direct and not kwargs and len(args) == len(self.names):
-            inputs = args
+        if len(args) == self.positional and (kwargs.keys() == self.keyword_set if kwargs else not self.keywords):
+            inputs = (*args, *map(kwargs.__getitem__, self.keywords)) if kwargs else args
         else:
             try:
                 bound = self.signature.bind(*args, **kwargs)

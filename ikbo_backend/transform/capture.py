@@ -143,7 +143,7 @@ class Capture:
     guards: int = 0
     flags: frozenset = frozenset()  # FLAG_READS a branch followed (contiguity, requires_grad, device, ...)
     settings: dict = field(default_factory=dict)  # torch's global settings the model's code read: getter -> value
-    sizes_read: frozenset = frozenset()  # the non-row sizes branches read (by value)
+    jagged_read: frozenset = frozenset()  # the jagged inputs' counts (not rows) that a branch read
 
 
 class ShadowProxy(fx.Proxy):
@@ -278,7 +278,9 @@ class Tracer(fx.Tracer):
         self.examples, self.rows = examples, {r for r in rows if r is not None}
         self.record_stack_traces = True
         self.fixed_sizes = False
-        self.sizes_read: set = set()
+        self.jagged: dict = {}  # a jagged input's count (offsets' U + 1, values' N) → the arguments that carry it
+        self.jagged_rows: set = set()  # those counts that are row counts (U + 1): a branch on one fails the capture
+        self.jagged_read: set = set()  # the others (N) that a branch read: `Guarded` checks them
         self.guards = 0
         self.evaluating = 0  # > 0 while an op or a module kept whole runs eagerly on the example's values
         self.flags: set = set()
@@ -423,8 +425,7 @@ class Tracer(fx.Tracer):
                 if self._data_shaped(source):  # x[mask].shape[0], masked_select(...).numel(): counts of values
                     kinds.add("data")
                 elif self._from_inputs(source):
-                    kinds.add("rows" if any(s in self.rows for s in sizes) else "size")
-                    self.sizes_read.update(s for s in sizes if isinstance(s, int))
+                    kinds.add(self._size_kind(source, sizes))
                 continue
             if self._is_meta(n):
                 continue
@@ -436,6 +437,23 @@ class Tracer(fx.Tracer):
             if kind in kinds:
                 return kind
         return "meta"
+
+    def _size_kind(self, source, sizes) -> str:
+        """'rows' where a size read from `source` is a row count: U or B, or a jagged input's count of rows (the
+        offsets' U + 1) read from a tensor computed from that input; else 'size'. A jagged count that is no row count
+        (the values' N) read so is recorded (`jagged_read`). Sizes are told by value: a jagged count read from a
+        tensor computed from other inputs only is a size like any other."""
+        kind = "rows" if any(s in self.rows for s in sizes) else "size"
+        jagged = [s for s in sizes if s in self.jagged]
+        if jagged:
+            inputs = {n.target for n in _ancestors(source) if n.op == "placeholder"}
+            for s in jagged:
+                if inputs & self.jagged[s]:
+                    if s in self.jagged_rows:
+                        kind = "rows"
+                    else:
+                        self.jagged_read.add(s)
+        return kind
 
     def _sizes(self, n) -> bool:
         """Whether `n` is a tuple of sizes built from shapes: x.shape / x.size(), slices of it, and concatenations
@@ -484,8 +502,7 @@ class Tracer(fx.Tracer):
         if not self._from_inputs(source):  # a parameter's or buffer's pieces (`self.w.unbind(0)`): fixed by the model
             kinds = {"meta"}
         else:
-            kinds = {"rows" if dim % value.dim() == 0 or size in self.rows else "size"}
-            self.sizes_read.add(size)
+            kinds = {"rows" if dim % value.dim() == 0 else self._size_kind(source, (size,))}
         kinds |= {self._depends_on(a) for a in node.all_input_nodes if a is not source}
         for kind in ("data", "rows", "size"):
             if kind in kinds:
@@ -758,13 +775,17 @@ def _scripted_functions(scopes) -> list:
     return found
 
 
-def capture(model: nn.Module, examples: dict, rows: tuple, records: dict | None = None) -> Capture:
+def capture(
+    model: nn.Module, examples: dict, rows: tuple, records: dict | None = None, jagged: tuple = ({}, ())
+) -> Capture:
     """Trace `model` on `examples` (forward's arguments by name; `records`: those that are dataclasses in the call,
-    by name → class, given here as dicts of their fields); raises where the model's own forward cannot be followed
-    (the message names the source line)."""
+    by name → class, given here as dicts of their fields; `jagged`: the jagged inputs' counts → the arguments holding
+    them, and which of those counts are row counts); raises where the model's own forward cannot be followed (the
+    message names the source line)."""
     uninteresting_files()  # its lazy imports must not happen inside the trace (fx patches Module.__call__)
     tracer = Tracer(examples, rows)
     tracer.records = dict(records or {})
+    tracer.jagged, tracer.jagged_rows = dict(jagged[0]), set(jagged[1])
     concrete = {k: v for k, v in examples.items() if not _traced(v)}
     # a forward may assign attributes (RecBole's Dice: `self.alpha = self.alpha.to(x.device)`) or fill containers:
     # the trace would leave proxies there; the model is kept as it was
@@ -778,6 +799,7 @@ def capture(model: nn.Module, examples: dict, rows: tuple, records: dict | None 
                 with _traced_factories(tracer, model), torch.enable_grad():
                     graph = tracer.trace(model, concrete_args=concrete or None)
                 _unflatten_output(graph)
+                _required_placeholders(graph)
             finally:
                 standard.CALLER_GRAD.pop()
             names = [name for name, _ in model.named_modules()]
@@ -807,7 +829,7 @@ def capture(model: nn.Module, examples: dict, rows: tuple, records: dict | None 
         tracer.guards,
         frozenset(tracer.flags),
         tracer.settings,
-        frozenset(tracer.sizes_read),
+        frozenset(tracer.jagged_read),
     )
 
 
@@ -853,6 +875,16 @@ def _attr_at(model: nn.Module, target: str):
     for atom in target.split("."):
         obj = getattr(obj, atom)
     return obj
+
+
+def _required_placeholders(graph: fx.Graph) -> None:
+    """Placeholders before one without a default lose theirs (a keyword-only parameter with a default before one
+    without, `forward(self, x, *, scale=1.0, cand_to_user)`, would make the graph's positional `forward` invalid
+    Python): the graph's caller passes every argument up to the last it takes (`Guarded`)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    required = [i for i, n in enumerate(placeholders) if not n.args]
+    for n in placeholders[: required[-1] if required else 0]:
+        n.args = ()
 
 
 def _unflatten_output(graph: fx.Graph) -> None:
