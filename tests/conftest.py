@@ -35,3 +35,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """A list that gets one entry per replayed launch path (`kernels._launch.Replay` called) during the test."""
+    from kernels import _launch
+
+    calls = []
+    real = _launch.Replay.__call__
+    monkeypatch.setattr(_launch.Replay, "__call__", lambda *args: calls.append(1) or real(*args))
+    return calls

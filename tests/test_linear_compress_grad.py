@@ -626,15 +626,10 @@ def test_gpu_autograd_through_the_op():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("shape", [GPU_SHAPES[0], (7, 300, 64, 96, 128, 256, False)], ids=["canonical", "small"])
-def test_gpu_replayed_backward(monkeypatch, shape):
+def test_gpu_replayed_backward(replays, shape):
     """A backward whose signature was seen before replays that call's steps with its own tensors (kernels._launch):
-    three training steps of fresh inputs through a PackedLinearCompress, every gradient against fp64 each time (the
-    weights' gradients accumulate in .grad: each step's compared after zeroing), the later backwards replayed."""
-    from kernels import _launch
-
-    replays = []
-    real = _launch.Replay.__call__
-    monkeypatch.setattr(_launch.Replay, "__call__", lambda *args: replays.append(1) or real(*args))
+    three training steps of fresh inputs and weights through a PackedLinearCompress, every gradient against fp64
+    each time, the later forwards and backwards replayed."""
     lce._BACKWARD_REPLAYS.clear()
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     for round_ in range(3):
