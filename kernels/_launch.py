@@ -368,6 +368,12 @@ def named(recording: Recording | None, name: str, t: torch.Tensor) -> torch.Tens
     return t
 
 
+def call(recording: Recording | None, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` (a torch step between launches), kept in `recording` when one is given
+    (`Recording.call`)."""
+    return fn(*args, **kwargs) if recording is None else recording.call(fn, *args, **kwargs)
+
+
 def fail(recording: Recording | None) -> None:
     """The launch path took a step that a replay would not repeat (a fill, a copy): nothing is kept."""
     if recording is not None:

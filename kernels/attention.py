@@ -83,7 +83,7 @@ from ._common import (
     route,
 )
 from ._interpreter import interpreting
-from ._launch import NOW, CachedLaunch, Recording, fail, launch, named, remember, replayable
+from ._launch import NOW, CachedLaunch, Recording, call, fail, launch, named, remember, replayable
 from .configs import TileConfig, tuned_config, tuned_version
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1333,7 +1333,7 @@ def _launch_backward(
         )
         if not with_self or self_rows:
             if acc is not None:
-                _copy_acc(acc, dk, dv, recording)
+                call(recording, _copy_out, acc, dk, dv)
             return dq, dk, dv, duq if with_self else None
         fail(recording)  # (the walk of the users' own rows below takes a zeroed users table)
         users, splits = torch.zeros_like(users), 1  # the walk below: each user's own rows only, added in
@@ -1359,27 +1359,20 @@ def _launch_backward(
         maxnreg=kv_cfg.maxnreg,
     )
     if acc is not None:
-        _copy_acc(acc, dk, dv, recording)
+        call(recording, _copy_out, acc, dk, dv)
     return dq, dk, dv, duq if with_self else None
 
 
 def _zeroed_acc(dk: torch.Tensor, recording: Recording | None) -> torch.Tensor:
     """A zeroed fp32 [2, *dk.shape] buffer (dK, dV summed into it), named "acc" in `recording`."""
     acc = named(recording, "acc", torch.empty(2, *dk.shape, dtype=torch.float32, device=dk.device))
-    return acc.zero_() if recording is None else recording.call(torch.Tensor.zero_, acc)
+    return call(recording, torch.Tensor.zero_, acc)
 
 
 def _copy_out(acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """dK, dV ← the fp32 buffer of `_zeroed_acc`."""
     dk.copy_(acc[0])
     dv.copy_(acc[1])
-
-
-def _copy_acc(acc, dk, dv, recording: Recording | None) -> None:
-    """dK, dV ← the fp32 buffer of `_zeroed_acc`."""
-    if recording is None:
-        _copy_out(acc, dk, dv)
-    else:
-        recording.call(_copy_out, acc, dk, dv)
 # fmt: on
 
 

@@ -81,7 +81,7 @@ from ._common import (
     tma_ok,
 )
 from ._interpreter import interpreting
-from ._launch import NOW, CachedLaunch, Recording, fail, launch, named, remember, replayable
+from ._launch import NOW, CachedLaunch, Recording, call, fail, launch, named, remember, replayable
 from .configs import TileConfig, tuned_config, tuned_version
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1126,10 +1126,7 @@ def _input_grad(weight, g, out, gemm: str | None = None, recording: Recording | 
         return out
     cols = triton.cdiv(max(weight.shape[0], 1), K_ALIGN) * K_ALIGN  # [K, N'] zero-padded: TMA-able rows
     weight_t = named(recording, "weight_t", weight.new_empty(weight.shape[1], cols))
-    if recording is None:
-        _fill_transposed(weight, weight_t)
-    else:
-        recording.call(_fill_transposed, weight, weight_t)
+    call(recording, _fill_transposed, weight, weight_t)
     if gemm is None:
         gemm = "ws" if g.shape[1] > 0 and _ws_runs(g, g) else "tile"
     if gemm == "ws":
@@ -1191,10 +1188,7 @@ def _user_gradients(
     if method is None:
         method = "selection" if g.is_cuda and num_users <= SELECTION_MAX_USERS else "segment"
     if method == "selection":
-        if recording is None:
-            _selection_sums(g, cand_to_user, sums)
-        else:
-            recording.call(_selection_sums, g, cand_to_user, sums)
+        call(recording, _selection_sums, g, cand_to_user, sums)
         return sums
     if method != "segment":
         raise ValueError(f"method: expected 'selection', 'segment' or None, got {method!r}")
@@ -1241,9 +1235,6 @@ def _linear_compress_backward_triton(
             return given[index]
         return named(recording, f"grad{index}", grad_out.new_empty(shapes[index]))
 
-    def step(fn, *args, **kwargs):  # a torch step between the launches
-        return fn(*args, **kwargs) if recording is None else recording.call(fn, *args, **kwargs)
-
     g = grad_out.contiguous()  # [B, N, D]
     if g is not grad_out or min(num_users, num_user_tokens, num_candidates, num_cand_tokens, dim) == 0:
         fail(recording)  # a copy, or a step that fills zeros: not replayed
@@ -1264,7 +1255,7 @@ def _linear_compress_backward_triton(
     if need_user:
         result[0] = buffer(0)
         if sums is not None and num_user_tokens:
-            step(_user_emb_grad, user_weight, sums, result[0])
+            call(recording, _user_emb_grad, user_weight, sums, result[0])
     if need_cand:
         result[1] = _input_grad(cand_weight, g, buffer(1), gemm=cand_gemm, recording=recording)
     if need_user_weight:
@@ -1272,7 +1263,7 @@ def _linear_compress_backward_triton(
         if sums is not None and num_user_tokens:
             _weight_grad(sums, user_emb, result[2], splits, recording=recording, name="dWu")
     if need_bias:  # one reduction, fp32 accumulation (torch's for 16-bit inputs)
-        result[4] = step(torch.sum, g if sums is None else sums, (0, 2), out=buffer(4))
+        result[4] = call(recording, torch.sum, g if sums is None else sums, (0, 2), out=buffer(4))
     return tuple(result)
 # fmt: on
 

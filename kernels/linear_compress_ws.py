@@ -57,7 +57,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import _hopper
 from ._common import tma_ok
 from ._hopper import GLUON_TYPES, SMEM_LIMIT, smem_layout
-from ._launch import NOW, CachedLaunch, Recording, fail, launch, named
+from ._launch import NOW, CachedLaunch, Recording, call, fail, launch, named
 from .linear_compress import PackedWeights
 
 MAX_STAGES = 6
@@ -438,7 +438,4 @@ def launch_ws(
 def user_gemm(packed: PackedWeights, user_emb, user_part, recording: Recording | None = None) -> None:
     """user_part [U, N, D] = W_u @ user_emb[u] for every user: one cuBLAS batched GEMM (W_u broadcast over the U
     users as a stride-0 view; nothing is copied), one Triton launch less on the host than a tile kernel."""
-    if recording is None:
-        torch.matmul(packed.user_weight, user_emb, out=user_part)
-    else:
-        recording.call(torch.matmul, packed.user_weight, user_emb, out=user_part)
+    call(recording, torch.matmul, packed.user_weight, user_emb, out=user_part)
