@@ -786,6 +786,13 @@ class ConcatStatistics(nn.Module):
         "fields_var": lambda x: x.var((1, 2))[:, None],
         "fields_std_one_field_dim": lambda x: x.std(1),  # over the fields only
         "fields_layer_norm": lambda x: F.layer_norm(x, (5, 3)).flatten(1),
+        "amax": lambda x: x.amax(-1, keepdim=True),
+        "amin": lambda x: torch.amin(x, dim=1)[:, None],
+        "logsumexp": lambda x: torch.logsumexp(x, -1, keepdim=True),
+        "max_values": lambda x: x.max(dim=-1).values[:, None],  # its indices never read
+        "min_values": lambda x: torch.min(x, 1, True)[0],
+        "fields_amax": lambda x: x.amax((1, 2))[:, None],
+        "fields_logsumexp": lambda x: x.logsumexp(1),  # over the fields only
     }
 
     def __init__(self, form):
@@ -827,6 +834,38 @@ def test_statistics_over_a_user_and_candidate_concat(form):
     with torch.inference_mode():  # B = 0
         args = args_for(model, request(3, 0, gen))
         assert module(*args).shape == model(*args).shape
+
+
+class FieldReductions(nn.Module):
+    """Reductions of a field concat [B, fields, d] along the embedding dim, neither the rows nor the concat dim, that
+    return values and indices (FiBiNET's SENET squeeze by `max(dim=-1)`, top-k / sort / median per field), and
+    `*_like` factories of a concat (EulerNet's `atan2(x, ones_like(x))`): per part, the user fields at U rows."""
+
+    FORMS = {
+        "max": lambda x: x.max(dim=-1).values + x.max(-1)[1].float(),
+        "min_keepdim": lambda x: torch.min(x, 2, True).values.squeeze(-1),
+        "topk": lambda x: x.topk(2, dim=-1).values.sum(-1) + x.topk(2, dim=-1).indices.sum(-1),
+        "sort": lambda x: x.sort(-1, descending=True)[0][..., 0],
+        "median": lambda x: x.median(-1).values,
+        "cummax": lambda x: x.cummax(2).values.sum(-1),
+        "ones_like": lambda x: torch.atan2(x, torch.ones_like(x)).sum(-1),
+        "full_like": lambda x: torch.maximum(x, torch.full_like(x, 0.5)).sum(-1),
+    }
+
+    def __init__(self, form):
+        super().__init__()
+        self.reduce = self.FORMS[form]
+        self.out = nn.Linear(5, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        x = torch.cat([user[cand_to_user].view(-1, 2, 3), cand.view(-1, 3, 3)], 1)  # [B, 5, 3]
+        z = self.reduce(x)  # [B, 5]
+        return self.out(torch.sigmoid(z)) * x.flatten(1)
+
+
+@pytest.mark.parametrize("form", list(FieldReductions.FORMS))
+def test_reductions_along_a_field_concat_run_per_part(form):
+    check(FieldReductions(form), sizes=WITHOUT_CANDIDATES)
 
 
 class RowReductions(nn.Module):

@@ -295,6 +295,7 @@ JOINS = {  # name → (torch function, argument order: c = candidate rows, u = u
     "pow_uc": (torch.pow, "uc"),
     "maximum": (torch.maximum, "cu"),
     "minimum": (torch.minimum, "cu"),
+    "logaddexp": (torch.logaddexp, "cu"),  # log(e^c + e^u): logsumexp over a concat, joined
     "where_uc": (torch.where, "kuc"),  # k ? user : cand
     "where_cu": (torch.where, "kcu"),
     "eq": (torch.eq, "cu"),

@@ -124,6 +124,13 @@ ROW_REDUCTIONS = {
     "max": "amax", torch.max: "amax", "min": "amin", torch.min: "amin",
 }  # fmt: skip
 VAR_STD = {"var": False, torch.var: False, "std": True, torch.std: True}  # → takes the square root
+# reductions along a concat dim that combine exactly (max, min) or as logsumexp does (log(e^a + e^b)): each side
+# reduced at its own rows, the sides combined per candidate → (reduce, combine within a side, rows_join name)
+EXTREMES = {
+    **dict.fromkeys(("amax", torch.amax), (torch.amax, torch.maximum, "maximum")),
+    **dict.fromkeys(("amin", torch.amin), (torch.amin, torch.minimum, "minimum")),
+    **dict.fromkeys(("logsumexp", torch.logsumexp), (torch.logsumexp, torch.logaddexp, "logaddexp")),
+}
 TRANSPOSES = {"transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims"}
 # functions that compute each sample of a batched input (dim 0) alone → the input's dims when batched
 PER_SAMPLE = {
@@ -2359,6 +2366,19 @@ class Rewriter(AttentionRewrites):
         if x is not c or any(self.batched(v) and v is not shape for v in leaves((args[1:], kwargs))):
             return None
         nd = c.meta.ndim
+        if key in LIKE_FACTORIES:  # ones_like(cat(u[m], c)): constant rows of each part's shape
+            return self.per_part(op, key, args, kwargs, c, meta, c.dim)
+        if isinstance(meta, tuple) and (dim := self._tuple_op_dim(key, args, kwargs, nd)) not in (None, 0, c.dim):
+            return self.struct_per_part(op, key, args, kwargs, c, meta, dim)  # x.max(dim=-1) of fields: per part
+        if (
+            key in ("max", "min", torch.max, torch.min)
+            and isinstance(meta, tuple)
+            and self._tuple_op_dim(key, args, kwargs, nd) == c.dim
+            and self._values_only()
+        ):  # x.max(dim=concat).values, its indices never read: amax along the concat dim
+            amax = torch.amax if key in ("max", torch.max) else torch.amin
+            values = self.concat_statistic(amax, args, kwargs, c, [c.dim], meta[0])
+            return None if values is None else Struct((values, values), meta)  # the second is never read
         if key in REDUCTIONS or key in REDUCTION_FUNCTIONS:
             at = 2 if key in NORM_REDUCTIONS else 1
             dim, keepdim = _arg(args, kwargs, at, "dim"), _arg(args, kwargs, at + 1, "keepdim", False)
@@ -2470,6 +2490,55 @@ class Rewriter(AttentionRewrites):
                 items.append(Concat(parts, c.dim, mi))
             return Struct(tuple(items), meta)
         return None
+
+    def _values_only(self) -> bool:
+        """Every reader of the node reads its first result (`.values`, `[0]`), none its indices."""
+        readers = list(self.node.users)
+        return bool(readers) and all(
+            n.op == "call_function"
+            and len(n.args) == 2
+            and (n.target is operator.getitem and n.args[1] == 0 or n.target is getattr and n.args[1] == "values")
+            for n in readers
+        )
+
+    @staticmethod
+    def _tuple_op_dim(key, args, kwargs, nd):
+        """The one dim (non-negative) along which an op returning several values works: `max` / `min` with a dim,
+        the DIM_OPS (median, mode, kthvalue, cummax, ...), topk / sort; None for any other op or dim."""
+        if key in ("max", "min", torch.max, torch.min):
+            dim = _arg(args, kwargs, 1, "dim")
+        elif _name(key) in DIM_OPS:
+            at, default = DIM_OPS[_name(key)]
+            dim = kwargs.get("dim", default) if at is None else _arg(args, kwargs, at, "dim", default)
+        elif key in ("topk", torch.topk, "sort", torch.sort):
+            dim = _arg(args, kwargs, 2 if key in ("topk", torch.topk) else 1, "dim", -1)
+        else:
+            return None
+        return _norm(dim, nd) if isinstance(dim, int) and not isinstance(dim, bool) else None
+
+    def struct_per_part(self, op, key, args, kwargs, c, meta, dim):
+        """An op returning several values (values and indices) along a dim that is neither the rows nor the concat
+        dim, applied to each part: each of its results a concat of the parts' (along the concat dim, one less where
+        the op removed `dim` before it)."""
+        pieces = []
+        for p in c.parts:
+            swap = lambda v, p=p: p if v is c else v  # noqa: E731
+            pieces.append(self.apply(op, key, fmap(args, swap), fmap(kwargs, swap), tuple(meta)))
+        if not all(isinstance(pc, Struct) or isinstance(pc, Plain) and isinstance(pc.meta, tuple) for pc in pieces):
+            return None
+        items = []
+        for i, mi in enumerate(meta):
+            new_dim = c.dim - (dim < c.dim and mi.ndim < c.meta.ndim)
+            parts = [
+                pc.items[i]
+                if isinstance(pc, Struct)
+                else self.apply("call_function", operator.getitem, (pc, i), {}, mi)
+                for pc in pieces
+            ]
+            for part in parts:
+                part.meta = self.meta_of(part, mi.dtype)
+            items.append(self._joined(parts, new_dim, mi))
+        return Struct(tuple(items), meta)
 
     def _lookup_of_concat(self, key, args, kwargs, c) -> bool:
         """A lookup in a constant table whose index is the concat of user and candidate ids: `table[ids]`,
@@ -2696,7 +2765,7 @@ class Rewriter(AttentionRewrites):
             return acc, self.emit("call_function", torch.sqrt, (total,))
         return acc, self.emit("call_function", torch.pow, (total, 1.0 / p))
 
-    def _statistic_out(self, node, dims, keepdim, meta, what):
+    def _statistic_out(self, node, dims, keepdim, meta, what, how="sums"):
         """A statistic over a concat's rows (kept dims, accumulation dtype) as the op returns it."""
         if not keepdim:
             node = self.emit("call_function", torch.squeeze, (node, tuple(dims)))
@@ -2705,7 +2774,7 @@ class Rewriter(AttentionRewrites):
         if to_meta(self.values[node]) != meta:
             return None
         self.report.rewritten.append(
-            f"{self.where()}: {what} over cat(user, candidate): the parts' sums at their own rows (the user side at U "
+            f"{self.where()}: {what} over cat(user, candidate): the parts' {how} at their own rows (the user side at U "
             "rows), joined per candidate as scalars of its row (rows_join)"
         )
         return Plain(node, meta, True)
@@ -2729,6 +2798,19 @@ class Rewriter(AttentionRewrites):
             if VAR_STD[key]:
                 out = self.emit("call_function", torch.sqrt, (out,))
             return self._statistic_out(out, dims, keepdim, meta, _name(key))
+        if key in EXTREMES:
+            if set(kwargs) - {"dim", "keepdim"} or len(args) > 3:
+                return None
+            keepdim = _arg(args, kwargs, 2, "keepdim", False)
+            sides = self._concat_sides(c, dims) if isinstance(keepdim, bool) else None
+            if sides is None:
+                return None
+            mapping, _, (user, _), (cand, _) = sides
+            reduce, combine, join = EXTREMES[key]
+            u, k = (self._side_reduce(side, tuple(dims), None, reduce, combine) for side in (user, cand))
+            out = self.emit("call_function", ops.rows_join, (join, k, u, mapping.node))
+            how = {"maximum": "maxima", "minimum": "minima"}.get(join, "logsumexps")
+            return self._statistic_out(out, dims, keepdim, meta, _name(key), how)
         if key in NORM_REDUCTIONS:
             if set(kwargs) - {"p", "ord", "dim", "keepdim"} or len(args) > 4:
                 return None
@@ -3197,11 +3279,16 @@ class Rewriter(AttentionRewrites):
         return total
 
     def _new_dims_only(self, index, c):
-        """Where c's concat dim goes under an index of full slices, None and at most one Ellipsis (new dims only,
-        the rows kept first), else None."""
+        """Where c's concat dim goes under a basic index that keeps the rows and the concat dim whole — full slices
+        there; None, at most one Ellipsis, and ints or slices on the other dims (`x[..., 0]`, `x[:, :, 1:]`) — else
+        None."""
         index = index if isinstance(index, tuple) else (index,)
-        if not all(i is None or i is Ellipsis or i == slice(None) for i in index) or index.count(Ellipsis) > 1:
+        basic = lambda i: i is None or i is Ellipsis or isinstance(i, slice) or type(i) is int  # noqa: E731
+        if not all(map(basic, index)) or index.count(Ellipsis) > 1:
             return None
+        if any(isinstance(i, slice) and not all(type(v) is int or v is None for v in (i.start, i.stop, i.step))
+               for i in index):  # fmt: skip
+            return None  # bounds read from tensors
         consumed = sum(i is not None and i is not Ellipsis for i in index)
         if consumed > c.meta.ndim:
             return None
@@ -3209,14 +3296,14 @@ class Rewriter(AttentionRewrites):
         for i in index:
             expanded += [slice(None)] * (c.meta.ndim - consumed) if i is Ellipsis else [i]
         expanded += [slice(None)] * (c.meta.ndim - sum(i is not None for i in expanded))
-        if expanded[0] is None:
-            return None  # the rows would move off dim 0
-        seen = 0
-        for position, i in enumerate(expanded):
-            if i is not None:
-                if seen == c.dim:
-                    return position
-                seen += 1
+        if expanded[0] != slice(None):
+            return None  # the rows would move off dim 0, or be cut
+        seen, out = 0, 0  # input dims consumed, output dims made
+        for i in expanded:
+            if i is not None and seen == c.dim:
+                return out if i == slice(None) else None
+            seen += i is not None
+            out += type(i) is not int
         return None
 
     def index_concat(self, c, index, meta):
