@@ -728,6 +728,36 @@ def test_einsums_over_user_and_candidate_fields():
     check(FieldEinsums(), must=("einsum over a concat",))
 
 
+class EllipsisEinsums(nn.Module):
+    """Target attention and a dot product written with einsum's ellipsis (`"...ld,...d->...l"`, an implicit output,
+    operands as a list): the same joins as the equations spelled with letters."""
+
+    SPELLINGS = {
+        "scores": lambda h, q: torch.einsum("...ld,...d->...l", h, q),
+        "list": lambda h, q: torch.einsum("...ld,...d->...l", [h, q]),
+        "middle": lambda h, q: torch.einsum("b...d,bd->b...", h, q),
+        "implicit": lambda h, q: torch.einsum("...d,...ld", q, h),  # output: the ellipsis, then l
+    }
+
+    def __init__(self, spell):
+        super().__init__()
+        self.scores = self.SPELLINGS[spell]
+        self.query, self.user = nn.Linear(FC, D), nn.Linear(FU, D)
+        self.out = nn.Linear(2 * D, 1)
+
+    def forward(self, user, history, cand, cand_to_user):
+        h, q = history[cand_to_user], self.query(cand)
+        weights = torch.softmax(self.scores(h, q), -1)
+        pooled = torch.einsum("...l,...ld->...d", weights, h)
+        return self.out(torch.cat([pooled, torch.einsum("...d,...d->...", self.user(user)[cand_to_user], q)[:, None]
+                                   * q], -1))  # fmt: skip
+
+
+@pytest.mark.parametrize("spell", list(EllipsisEinsums.SPELLINGS))
+def test_einsums_with_an_ellipsis_join_like_their_lettered_forms(spell):
+    check(EllipsisEinsums(spell), sizes=WITHOUT_CANDIDATES, must=("rows_einsum",))
+
+
 class NormedFields(nn.Module):
     """BatchNorm (eval, trained statistics) over a stack of user and candidate fields: channels on the fields (the
     concat dim) or on the embedding; then a weighted bag of history ids with per-position weights."""

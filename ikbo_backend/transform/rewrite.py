@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import string
 from collections import Counter
 from typing import Any
 
@@ -180,6 +181,37 @@ def _row_tolerance(want: torch.Tensor) -> dict:
     if want.is_floating_point() and want.element_size() == 2:
         return dict(rtol=2e-2, atol=2e-2 * float(want.abs().max()) if want.numel() else 0.0)
     return dict(rtol=1e-4, atol=1e-6)
+
+
+def _explicit_einsum(args):
+    """einsum's (equation, *operands) with its operands given one by one and an ellipsis spelled as letters of its
+    own (`"...ld,...d->...l"` of [B, L, D] and [B, D] is `"ald,ad->al"`), so that the rules reading an equation's
+    letters (joins, the row index) apply: each operand's ellipsis covers the dims its letters leave, aligned from
+    the right as einsum broadcasts them; an output without `->` is the ellipsis, then the letters used once, sorted.
+    The operands' ndims are fixed by the graph (each call checks its inputs'). As given where it cannot tell."""
+    equation, operands = args[0].replace(" ", ""), list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if "..." not in equation:
+        return (equation, *operands)
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    ndims = [getattr(getattr(v, "meta", None), "ndim", None) for v in operands]
+    if len(terms) != len(operands) or None in ndims or any(t.count("...") > 1 for t in terms):
+        return args
+    spans = [n - (len(t) - 3) if "..." in t else 0 for t, n in zip(terms, ndims)]
+    free = [ch for ch in string.ascii_letters if ch not in equation]
+    width = max(spans)
+    if min(spans) < 0 or width > len(free):
+        return args
+    fill = free[:width]
+    terms = [t.replace("...", "".join(fill[width - k :])) for t, k in zip(terms, spans)]
+    if arrow:
+        out = rhs.replace("...", "".join(fill))
+    else:
+        letters = [ch for ch in lhs if ch.isalpha()]
+        out = "".join(fill) + "".join(sorted(ch for ch in set(letters) if letters.count(ch) == 1))
+    return (",".join(terms) + "->" + out, *operands)
 
 
 def _norm_dims(args, kwargs) -> int:
@@ -670,6 +702,8 @@ class Rewriter(AttentionRewrites):
             args, kwargs = fmap(args, flat), fmap(kwargs, flat)
         elif (folded := self.fold(target, args, kwargs, meta)) is not None:
             return folded
+        if target is torch.einsum and args and isinstance(args[0], str):
+            args = _explicit_einsum(args)
         if target is operator.setitem:
             return self.setitem(*args)
         if target is ops.fast_path_taken:  # reads grad flags only: any form of the input will do
