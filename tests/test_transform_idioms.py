@@ -758,6 +758,38 @@ def test_einsums_with_an_ellipsis_join_like_their_lettered_forms(spell):
     check(EllipsisEinsums(spell), sizes=WITHOUT_CANDIDATES, must=("rows_einsum",))
 
 
+class TriangleOfFields(nn.Module):
+    """PNN's inner products / DLRM's interaction over user and candidate fields whose number is read from the
+    features (`triu_indices(x.shape[1], x.shape[1], 1)`, `tril_indices`): the index is a constant of those sizes."""
+
+    def __init__(self, spell):
+        super().__init__()
+        self.spell = spell
+        self.out = nn.Linear(1, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        x = torch.cat([user[cand_to_user].view(len(cand_to_user), -1, 2), cand[:, :8].view(-1, 4, 2)], 1)  # 3 + 4
+        inner = torch.bmm(x, x.transpose(1, 2))
+        n = x.shape[1]
+        if self.spell == "triu":
+            i, j = torch.triu_indices(n, n, 1)
+        else:
+            i, j = torch.tril_indices(x.size(1), x.size(1), offset=-1, device=x.device)
+        return self.out(inner[:, i, j].sum(-1, keepdim=True)) * inner[:, i, j]
+
+
+@pytest.mark.parametrize("spell", ["triu", "tril"])
+def test_triangle_index_built_from_the_number_of_fields(spell):
+    model = TriangleOfFields(spell).eval()
+    check(model, sizes=WITHOUT_CANDIDATES, must=("rows_matmul",))
+    gen = torch.Generator().manual_seed(4)
+    module, _ = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    args = args_for(model, request(4, 30, gen))
+    wider = (torch.randn(4, 8, generator=gen), *args[1:])  # four user fields, not three: another triangle
+    with torch.inference_mode():
+        assert rel_err(module(*wider), model(*wider)) <= RTOL
+
+
 class NormedFields(nn.Module):
     """BatchNorm (eval, trained statistics) over a stack of user and candidate fields: channels on the fields (the
     concat dim) or on the embedding; then a weighted bag of history ids with per-position weights."""

@@ -126,6 +126,14 @@ def check_widths(parts, dim: int, widths: list) -> None:
 
 
 @torch.fx.node.has_side_effect
+def check_sizes(sizes, expected: list) -> None:
+    """Raises WidthsChanged where sizes read from shapes differ from the example's (the rewrite computed an index
+    from them once: `triu_indices(n, n, 1)` over n fields); reads shapes only."""
+    if [int(s) for s in sizes] != expected:
+        raise WidthsChanged(f"sizes {[int(s) for s in sizes]}, the rewrite's index was computed from {expected}")
+
+
+@torch.fx.node.has_side_effect
 def check_fold(shape, lead: int, sizes: list) -> None:
     """Raises WidthsChanged unless viewing a tensor of `shape` as `sizes` merges its first `lead` dims and keeps the
     rest (the rewrite keeps such a view unflattened; on the example it was one); reads shapes only."""

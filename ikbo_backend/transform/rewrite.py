@@ -3097,6 +3097,46 @@ class Rewriter(AttentionRewrites):
             todo.extend(n.all_input_nodes)
         return self.values[form.node]
 
+    def _size_read(self, n) -> bool:
+        """n reads one size of a tensor's shape that is not its rows (`x.shape[1]`, `x.size(-1)`) and whose value on
+        the example is no row count (not U or B)."""
+        if n.op == "call_function" and n.target is operator.getitem and len(n.args) == 2:
+            shape, dim = self.values.get(n.args[0]), n.args[1]
+            if not isinstance(shape, torch.Size):
+                return False
+        elif n.op == "call_method" and n.target == "size" and len(n.args) == 2 and not n.kwargs:
+            shape, dim = getattr(self.values.get(n.args[0]), "shape", None), n.args[1]
+        else:
+            return False
+        if type(dim) is not int or shape is None or _norm(dim, len(shape)) in (None, 0):
+            return False
+        return shape[dim] not in (self.num_users, self.num_candidates)
+
+    def _constant_of_sizes(self, form):
+        """The value of a form computed from constants and from sizes of other dims than the rows (`triu_indices(n,
+        n, 1)` with n = x.shape[1], a number of fields): the graph checks at each call that those sizes are the
+        example's (`ops.check_sizes`, shapes only; else the original runs); None for a form read from any input's
+        values or rows."""
+        if not (isinstance(form, Plain) and isinstance(form.node, fx.Node)):
+            return None
+        reads, seen, todo = [], set(), [form.node]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if self._size_read(n):
+                reads.append(n)
+                continue
+            if n.op == "call_function" and n.target is getattr and n.args[1] in ("dtype", "device", "ndim"):
+                continue  # `device=x.device`: checked on each call (`Guarded`)
+            if n.op == "placeholder":
+                return None
+            todo.extend(n.all_input_nodes)
+        if reads:
+            self.emit("call_function", ops.check_sizes, (tuple(reads), [int(self.values[n]) for n in reads]))
+        return self.values[form.node]
+
     def gather_concat(self, c, index, meta):
         """x[:, I, J, ...] of a (nested) concat with constant index tensors (DLRM's upper triangle of the
         interactions): each run of selected entries read from the part that holds it (a user part at U rows), the
@@ -3105,6 +3145,8 @@ class Rewriter(AttentionRewrites):
         if len(index) < 2 or index[0] != slice(None):
             return None
         consts = [self._constant(i) for i in index[1:]]
+        if any(t is None for t in consts):  # an index built from sizes of the fields (`triu_indices(n, n, 1)`)
+            consts = [self._constant_of_sizes(i) for i in index[1:]]
         if not consts or any(
             not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool
             for t in consts
