@@ -790,6 +790,26 @@ def test_triangle_index_built_from_the_number_of_fields(spell):
         assert rel_err(module(*wider), model(*wider)) <= RTOL
 
 
+class BilinearPairs(nn.Module):
+    """`nn.Bilinear` between user and candidate vectors (either side first) and between two user fields (FiBiNET's
+    bilinear interaction; a user × candidate bilinear score), `F.bilinear` without a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.user_first, self.cand_first = nn.Bilinear(FU, FC, 4), nn.Bilinear(FC, FU, 3, bias=False)
+        self.fields = nn.Parameter(torch.randn(2, 3, 3) / 3)
+        self.out = nn.Linear(4 + 3 + 2, 1)
+
+    def forward(self, user, cand, cand_to_user):
+        u = user[cand_to_user]
+        pair = F.bilinear(u[:, :3], u[:, 3:], self.fields)  # user × user: at U rows
+        return self.out(torch.cat([self.user_first(u, cand), self.cand_first(cand, u), pair], -1))
+
+
+def test_bilinear_of_user_and_candidate_rows_joins():
+    check(BilinearPairs(), sizes=WITHOUT_CANDIDATES, must=("rows_matmul",))
+
+
 class NormedFields(nn.Module):
     """BatchNorm (eval, trained statistics) over a stack of user and candidate fields: channels on the fields (the
     concat dim) or on the embedding; then a weighted bag of history ids with per-position weights."""

@@ -226,6 +226,17 @@ def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
     return torch.linalg.vector_norm(x1 - x2 + eps, p, dim=-1, keepdim=keepdim)
 
 
+def bilinear(input1, input2, weight, bias=None):
+    """`F.bilinear` / `nn.Bilinear` (y_o = x1ᵀ·W_o·x2 + b_o) as ATen computes it: x1 contracted with W first (one GEMM
+    by the weight laid out [in1, out · in2]), then a batched product with x2, so a replicated x1 runs at its U rows
+    and the product with candidate x2 is a batched-matmul join (FiBiNET's bilinear field pairs, a user × candidate
+    bilinear score); x2 replicated joins at the second product."""
+    out_features, in1, in2 = weight.shape
+    t = torch.matmul(input1, weight.transpose(0, 1).reshape(in1, out_features * in2))
+    y = torch.matmul(t.unflatten(-1, (out_features, in2)), input2.unsqueeze(-1)).squeeze(-1)
+    return y if bias is None else y + bias
+
+
 CDIST_MM_ROWS = 25  # torch.cdist's default mode uses the matrix-product form past this many rows on either side
 
 
@@ -264,4 +275,5 @@ FUNCTION_FORMS = {
     torch.cosine_similarity: cosine_similarity,  # F.cosine_similarity is the same function
     torch.pairwise_distance: pairwise_distance,
     torch.cdist: cdist,
+    torch.bilinear: bilinear,  # F.bilinear is the same function
 }
