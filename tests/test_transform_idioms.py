@@ -3519,9 +3519,14 @@ def test_forward_with_variadic_arguments_left_empty(kind):
     with torch.inference_mode():
         assert torch.equal(module(*args, *more, temperature=0.5), model(*args, *more, temperature=0.5))
     assert module.fallbacks == 1
-    if kind == "rest":  # an example that fills `*rest`: not followed (the loop over it), the model comes back
+    if kind == "rest":  # an example that fills `*rest`: a tuple argument, its entries checked at each call
         example = (*args_for(Replicated("index"), request(*EXAMPLE, gen)), torch.tensor(2.0))
-        assert to_ikbo(model, example, measure=False)[0] is model
+        module = to_ikbo(model, example, measure=False)[0]
+        assert module is not model
+        with torch.inference_mode():
+            for more in [(torch.tensor(3.0),), (), (torch.tensor(1.0), torch.tensor(2.0))]:
+                assert rel_err(module(*args, *more), model(*args, *more)) <= RTOL
+        assert module.fallbacks == 2
 
 
 class UnpacksATuple(nn.Module):
@@ -4087,3 +4092,41 @@ def test_dataclass_inputs():
         with torch.inference_mode():
             assert rel_err(module(UserFeatures(user), cand, mapping), model(UserFeatures(user), cand, mapping)) <= RTOL
     assert module.fallbacks == 0
+
+
+class MappingInKeywords(nn.Module):
+    """`Replicated("index")` whose forward takes the mapping (and an optional temperature) through `**kwargs`, as
+    request wrappers pass extra features: `kwargs["cand_to_user"]`, `kwargs.get("temperature", 1.0)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Replicated("index")
+
+    def forward(self, user, cand, **kwargs):
+        return self.inner(user, cand, kwargs["cand_to_user"]) / kwargs.get("temperature", 1.0)
+
+
+@pytest.mark.parametrize("temperature", [None, 2.0])
+def test_mapping_inside_keyword_arguments(temperature):
+    """A mapping passed in `**kwargs` (example_kwargs) is followed as a dict's entry (before: fx's placeholder of
+    `**kwargs` had no example value, and the model came back unchanged with "'NoneType' object is not
+    subscriptable"); a call with other keys (one more, one less) runs the original."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    model = MappingInKeywords().eval()
+    extra = {} if temperature is None else {"temperature": temperature}
+    user, cand, mapping = args_for(Replicated("index"), request(*EXAMPLE, gen))
+    module, report = to_ikbo(model, (user, cand), measure=False, example_kwargs={"cand_to_user": mapping, **extra})
+    assert isinstance(module, Guarded) and report.replications_left == 0, str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        user, cand, mapping = args_for(Replicated("index"), request(num_users, num_candidates, gen))
+        with torch.inference_mode():
+            got = module(user, cand, cand_to_user=mapping, **extra)
+            assert rel_err(got, model(user, cand, cand_to_user=mapping, **extra)) <= RTOL
+        assert replications_in(lambda *a: module(*a[:2], cand_to_user=a[2], **extra), (user, cand, mapping),
+                               num_users, num_candidates) == []  # fmt: skip
+    assert module.fallbacks == 0
+    other = {"temperature": 3.0} if temperature is None else {}
+    with torch.inference_mode():
+        want = model(user, cand, cand_to_user=mapping, **other)
+        assert torch.equal(module(user, cand, cand_to_user=mapping, **other), want)
+    assert module.fallbacks == 1

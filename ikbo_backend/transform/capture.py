@@ -55,7 +55,9 @@ from .values import _name
 
 def placeholder_value(examples: dict, target: str, args: tuple = ()):
     """The example's value of a placeholder: the argument of its name, or of the name fx gives the placeholder of a
-    non-tensor argument (`name_<n>`), else its default (`args`)."""
+    non-tensor argument (`name_<n>`), else its default (`args`); a `*args` / `**kwargs` placeholder (fx names it
+    with its stars) is its tuple / dict."""
+    target = target.lstrip("*")
     if target in examples:
         return examples[target]
     base = target.rsplit("_", 1)[0]
