@@ -2509,21 +2509,26 @@ class Rewriter(AttentionRewrites):
             if dim in (None, 0):
                 return None
             pieces = [self.apply(op, key, (p, *args[1:]), kwargs, tuple(meta)) for p in c.parts]
-            if not all(isinstance(pc, Struct) or isinstance(pc, Plain) and isinstance(pc.meta, tuple) for pc in pieces):
-                return None
-            items = []
-            for i, mi in enumerate(meta):
-                parts = [
-                    pc.items[i]
-                    if isinstance(pc, Struct)
-                    else self.apply("call_function", operator.getitem, (pc, i), {}, mi)
-                    for pc in pieces
-                ]
-                for part in parts:
-                    part.meta = self.meta_of(part, mi.dtype)
-                items.append(Concat(parts, c.dim, mi))
-            return Struct(tuple(items), meta)
+            return self._struct_of_pieces(pieces, meta, lambda parts, mi: Concat(parts, c.dim, mi))
         return None
+
+    def _struct_of_pieces(self, pieces, meta, join):
+        """The results of an op returning several values, applied to each part of a concat: result i joins the
+        parts' i-th results (`join(parts, meta_i)`); None where a part's op did not give several values."""
+        if not all(isinstance(pc, Struct) or isinstance(pc, Plain) and isinstance(pc.meta, tuple) for pc in pieces):
+            return None
+        items = []
+        for i, mi in enumerate(meta):
+            parts = [
+                pc.items[i]
+                if isinstance(pc, Struct)
+                else self.apply("call_function", operator.getitem, (pc, i), {}, mi)
+                for pc in pieces
+            ]
+            for part in parts:
+                part.meta = self.meta_of(part, mi.dtype)
+            items.append(join(parts, mi))
+        return Struct(tuple(items), meta)
 
     def _values_only(self) -> bool:
         """Every reader of the node reads its first result (`.values`, `[0]`), none its indices."""
@@ -2558,21 +2563,9 @@ class Rewriter(AttentionRewrites):
         for p in c.parts:
             swap = lambda v, p=p: p if v is c else v  # noqa: E731
             pieces.append(self.apply(op, key, fmap(args, swap), fmap(kwargs, swap), tuple(meta)))
-        if not all(isinstance(pc, Struct) or isinstance(pc, Plain) and isinstance(pc.meta, tuple) for pc in pieces):
-            return None
-        items = []
-        for i, mi in enumerate(meta):
-            new_dim = c.dim - (dim < c.dim and mi.ndim < c.meta.ndim)
-            parts = [
-                pc.items[i]
-                if isinstance(pc, Struct)
-                else self.apply("call_function", operator.getitem, (pc, i), {}, mi)
-                for pc in pieces
-            ]
-            for part in parts:
-                part.meta = self.meta_of(part, mi.dtype)
-            items.append(self._joined(parts, new_dim, mi))
-        return Struct(tuple(items), meta)
+        # along the concat dim, one less where the op removed `dim` before it
+        joined = lambda parts, mi: self._joined(parts, c.dim - (dim < c.dim and mi.ndim < c.meta.ndim), mi)  # noqa: E731
+        return self._struct_of_pieces(pieces, meta, joined)
 
     def _lookup_of_concat(self, key, args, kwargs, c) -> bool:
         """A lookup in a constant table whose index is the concat of user and candidate ids: `table[ids]`,
