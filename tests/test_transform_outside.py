@@ -9,6 +9,7 @@ model of its own.
 
 import copy
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -353,3 +354,36 @@ class FieldPairDots(nn.Module):
 
 def test_einsum_of_field_pairs_by_blocks():
     check(FieldPairDots(), must=("split into blocks along 'f'", "rows_einsum"))
+
+
+class _Sleeper:
+    """A stand-in for a model whose k-th call takes `seconds(k)` (sleeps: the cost model sees only time)."""
+
+    def __init__(self, seconds):
+        self.seconds, self.calls = seconds, 0
+
+    def __call__(self):
+        time.sleep(self.seconds(self.calls))
+        self.calls += 1
+
+
+def test_cost_model_not_decided_by_a_burst_in_two_rounds():
+    """Other work on a shared machine slowing both of the original's first timed rounds (here 5× its time) makes it
+    look more than twice as slow as a rewrite that is slower: on calls this cheap the cost model times its
+    minimum rounds and keeps the original."""
+    burst = cost.WARMUP + cost.DECISIVE_ROUNDS  # the warm-up calls and the first timed rounds
+    original = _Sleeper(lambda k: 0.010 if k < burst else 0.002)
+    rewrite = _Sleeper(lambda k: 0.003)
+    timing = cost.compare(original, rewrite, ())
+    assert cost.slower(*timing[:2]), timing
+    assert cost.rewrite_slower(timing), timing
+
+
+def test_cost_model_reads_the_typical_round_not_a_lucky_one():
+    """A rewrite faster than the original on one call in five only (an allocator's lucky reuse) and slower on the
+    others is slower where it is served: the median of the paired rounds says so where the fastest rounds do not."""
+    original = _Sleeper(lambda k: 0.002)
+    rewrite = _Sleeper(lambda k: 0.001 if k % 5 == 4 else 0.003)
+    timing = cost.compare(original, rewrite, ())
+    assert timing.paired < 1 / (1 + cost.TOLERANCE), timing
+    assert cost.rewrite_slower(timing), timing

@@ -254,13 +254,10 @@ def _to_ikbo(model, example_inputs, example_kwargs, mapping_name, rtol, measure,
             "run the original (pass an example where N differs from the model's other dims)"
         )
     if measure:
-        original_s, rewritten_s = cost.compare(calling(model), calling(module), example_inputs, cuda_graphs=cuda_graphs)
-        ratio = report.speedup = original_s / rewritten_s
-        report.timing = (
-            f"at U:B = {num_users}:{num_candidates} the original takes {original_s * 1e3:.3g} ms, the rewrite "
-            f"{rewritten_s * 1e3:.3g} ms ({ratio:.2f}×)"
-        )
-        if cost.slower(original_s, rewritten_s):
+        timing = cost.compare(calling(model), calling(module), example_inputs, cuda_graphs=cuda_graphs)
+        ratio = report.speedup = timing.speedup
+        report.timing = f"at U:B = {num_users}:{num_candidates} {timing.describe()}"
+        if cost.rewrite_slower(timing):
             report.left.insert(
                 0, f"the whole model: the rewrite is slower on the example ({ratio:.2f}×); served unchanged"
             )

@@ -176,7 +176,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     timing: str = ""
-    speedup: float | None = None  # original time / rewritten time on the example (measured)
+    speedup: float | None = None  # original / rewritten on the example: the less favourable of cost.Timing's two
 
     @property
     def replications_left(self) -> int:
