@@ -635,6 +635,27 @@ class Guarded(torch.nn.Module):
             copied.state = None
         return copied
 
+    def __getstate__(self):
+        """What pickling (`torch.save`) keeps: the graph, the model and the checks; not what the watch reads (globals
+        and Python modules: `__setstate__` reads them again from the loaded model). One whose model had changed since
+        the pass runs the original for good once loaded."""
+        state = {k: v for k, v in vars(self).items() if k not in self._WATCH}
+        state["_changed_at_save"] = self._changed()
+        # a GraphModule pickles as its code, which its loading traces again (the IKBO ops cannot be): its graph and
+        # what the graph reads instead, made a GraphModule again at load
+        modules = dict(state["_modules"])
+        modules["rewritten"] = _GraphState(modules["rewritten"])
+        state["_modules"] = modules
+        return state
+
+    def __setstate__(self, state):
+        changed = state.pop("_changed_at_save")
+        state["_modules"] = {k: v.module() if isinstance(v, _GraphState) else v for k, v in state["_modules"].items()}
+        vars(self).update(state)
+        self._watch(self.original)
+        if changed:
+            self.state = None
+
     def _key(self, t, rows):
         if not isinstance(t, torch.Tensor):  # a number, flag, string, enum or dtype the graph was traced with
             return ("value", t)
@@ -728,13 +749,7 @@ class Guarded(torch.nn.Module):
         if torch.is_grad_enabled() and (
             any(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)) or any(self._requires_grad())
         ):
-            if not self.warned_grad:
-                self.warned_grad = True
-                warnings.warn(
-                    "to_ikbo: called with grad enabled and a parameter or input requiring grad: the original runs (the "
-                    "rewrite has no autograd); call it under torch.inference_mode() or torch.no_grad() for the rewrite",
-                    stacklevel=3,
-                )
+            self._warn_grad()
             return False
         flags = self.flags
         if flags:
@@ -757,6 +772,15 @@ class Guarded(torch.nn.Module):
             if (t.layout, t.is_nested) != want[4] or (flags and self._flags(t) != want[5]):
                 return False
         return True
+
+    def _warn_grad(self):
+        if not self.warned_grad:
+            self.warned_grad = True
+            warnings.warn(
+                "to_ikbo: called with grad enabled and a parameter or input requiring grad: the original runs (the "
+                "rewrite has no autograd); call it under torch.inference_mode() or torch.no_grad() for the rewrite",
+                stacklevel=4,
+            )
 
     def _requires_grad(self):
         return map(attrgetter("requires_grad"), self.weights)
@@ -787,6 +811,10 @@ class Guarded(torch.nn.Module):
         return inputs
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and any(self._requires_grad()):  # the original, as `matches` would say: no watch
+            self._warn_grad()
+            self.fallbacks += 1
+            return self.original(*args, **kwargs)
         inputs = self._inputs(args, kwargs)
         changed = self._changed()
         if changed and not self.warned:
@@ -805,6 +833,27 @@ class Guarded(torch.nn.Module):
                 pass
         self.fallbacks += 1
         return self.original(*args, **kwargs)
+
+
+class _GraphState:
+    """A torch.fx.GraphModule to pickle: its graph, and a plain module holding its submodules, parameters, buffers
+    and the other attributes its graph reads (`module()` makes the GraphModule again)."""
+
+    def __init__(self, gm):
+        self.graph, self.name = torch.fx.Graph(), type(gm).__name__  # a copy: the graph points to its GraphModule
+        self.graph.output(self.graph.graph_copy(gm.graph, {}))
+        self.graph._codegen = copy.deepcopy(gm.graph._codegen)  # the inputs' and outputs' pytree structure
+        root = torch.nn.Module()
+        for key in ("_modules", "_parameters", "_buffers"):
+            vars(root)[key] = dict(vars(gm)[key])
+        for node in gm.graph.nodes:
+            head = node.target.split(".")[0] if node.op == "get_attr" else None
+            if head and not hasattr(root, head):
+                object.__setattr__(root, head, getattr(gm, head))
+        self.root = root
+
+    def module(self):
+        return torch.fx.GraphModule(self.root, self.graph, self.name)
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # registries, hooks and mode: read apart (`Guarded._state`)
