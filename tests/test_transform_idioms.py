@@ -2085,7 +2085,9 @@ def test_equal_row_counts_warn_and_return_the_model():
 
 
 def test_slower_rewrite_is_not_served(monkeypatch):
-    monkeypatch.setattr(cost, "compare", lambda original, rewritten, inputs, cuda_graphs=False: (1e-3, 2e-3))
+    monkeypatch.setattr(
+        cost, "compare", lambda original, rewritten, inputs, cuda_graphs=False: cost.Timing(1e-3, 2e-3, 0.5, 5)
+    )
     model = Replicated("index").eval()
     module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, torch.Generator().manual_seed(7))))
     assert module is model and "slower" in report.left[0] and report.speedup == 0.5
