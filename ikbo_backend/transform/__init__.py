@@ -651,7 +651,7 @@ class Guarded(torch.nn.Module):
     def __setstate__(self, state):
         changed = state.pop("_changed_at_save")
         state["_modules"] = {k: v.module() if isinstance(v, _GraphState) else v for k, v in state["_modules"].items()}
-        vars(self).update(state)
+        super().__setstate__(state)  # (nn.Module's: the hook registries a module pickled by an older torch lacks)
         self._watch(self.original)
         if changed:
             self.state = None
