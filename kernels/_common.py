@@ -16,6 +16,9 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ._interpreter import interpreting
@@ -208,17 +211,25 @@ def poll_deferred() -> None:
 
 def route(*tensors) -> str:
     """How an IKBO call runs: "op", through its custom op, where something traces or intercepts it (torch.compile,
-    torch.export, a dispatch mode, a torch.func transform, a tensor subclass); "autograd", through the op's eager
-    twin (`eager_function`), where autograd differentiates it (grad mode and a plain input that requires grad);
-    "direct", the op's implementation, otherwise. The three compute the same: the dispatcher's Python path costs
-    about a kernel launch's host time a call, and a custom op's autograd wrapper several (about 0.3 ms a forward
-    and backward on a CPU core)."""
-    if (
-        torch.compiler.is_compiling()
-        or _get_current_dispatch_mode() is not None
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    ):
+    torch.export, a dispatch mode, a torch.func vmap, a tensor subclass); "func", through the op's torch.func twin
+    (`functorch_function`), under a torch.func transform that differentiates (grad, vjp, jacrev: the custom op's own
+    autograd cannot run there); "autograd", through the op's eager twin (`eager_function`), where autograd
+    differentiates it (grad mode and a plain input that requires grad); "direct", the op's implementation, otherwise.
+    The four compute the same: the dispatcher's Python path costs about a kernel launch's host time a call, and a
+    custom op's autograd wrapper several (about 0.3 ms a forward and backward on a CPU core). Forward-mode AD
+    (torch.func.jvp, jacfwd, torch.autograd.forward_ad) raises: the kernels have no tangent rule, and the custom op
+    would pass zero tangents on without a word."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return "op"
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        kinds = {interpreter.key() for interpreter in retrieve_all_functorch_interpreters()}
+        if TransformType.Jvp in kinds:
+            raise NotImplementedError(FORWARD_AD_MESSAGE)
+        return "func" if TransformType.Grad in kinds else "op"
+    if forward_ad._current_level >= 0 and any(
+        t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors
+    ):
+        raise NotImplementedError(FORWARD_AD_MESSAGE)
     grad = torch.is_grad_enabled()
     differentiated = False
     for t in tensors:
@@ -228,6 +239,12 @@ def route(*tensors) -> str:
             return "op"
         differentiated = differentiated or (grad and t.requires_grad)
     return "autograd" if differentiated else "direct"
+
+
+FORWARD_AD_MESSAGE = (
+    "IKBO ops do not support forward-mode AD (torch.func.jvp, jacfwd, hessian, torch.autograd.forward_ad): their "
+    "kernels have no tangent rule. Use reverse mode (backward(), torch.autograd.grad, torch.func.grad / vjp / jacrev)."
+)
 
 
 def through_dispatcher(*tensors) -> bool:
@@ -241,8 +258,9 @@ def eager_function(name: str, forward, setup_context, backward, once: bool = Tru
     *grads)`. The graph it builds is the op's (same saved tensors, same gradients); ctx.eager is set so that the
     backward can run its op's implementation directly (`backward_call`). `once`: the backward runs kernels that
     autograd cannot see through (as the ops' backward ops, which have no autograd), so a second derivative
-    raises instead of coming out wrong. The context is set up inside forward: a Function with a separate
-    setup_context binds its arguments through inspect.signature on every call (longer than the op's launches)."""
+    raises (`_first_derivative_only`) instead of coming out wrong. The context is set up inside forward: a Function
+    with a separate setup_context binds its arguments through inspect.signature on every call (longer than the op's
+    launches)."""
 
     def run(ctx, *inputs):
         output = forward(*inputs)
@@ -252,15 +270,118 @@ def eager_function(name: str, forward, setup_context, backward, once: bool = Tru
 
     namespace = {
         "forward": staticmethod(run),
-        "backward": staticmethod(torch.autograd.function.once_differentiable(backward) if once else backward),
+        "backward": staticmethod(_first_derivative_only(name, backward) if once else backward),
     }
     return type(name, (torch.autograd.Function,), namespace)
 
 
+def functorch_function(name: str, forward, setup_context, backward, once: bool = True):
+    """The torch.func twin of a custom op with registered autograd (`route` "func": under torch.func.grad, vjp,
+    jacrev, also inside vmap): an autograd.Function with a separate setup_context, as torch.func requires (the
+    custom op's autograd raises there). Its backward runs the op's backward implementation (`backward_call`; the
+    backward op under a vmap, whose batching fallback loops); under vmap the forward runs once per batch entry, as
+    the custom ops' batching fallback does."""
+
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        ctx.eager = True
+
+    def vmap(info, in_dims, *inputs):
+        def entry(index):
+            if info.batch_size == 0:  # an entry of zeros gives the outputs' shapes (an index value 0 is in range)
+                return [t if dim is None else t.new_zeros(t.shape[:dim] + t.shape[dim + 1 :]) for t, dim in pairs]
+            return [t if dim is None else t.select(dim, index) for t, dim in pairs]
+
+        pairs = list(zip(inputs, in_dims, strict=True))
+        results = [cls.apply(*entry(index)) for index in range(max(info.batch_size, 1))]
+        single = not isinstance(results[0], tuple)
+        parts = [torch.stack(part)[: info.batch_size] for part in zip(*((r,) if single else r for r in results))]
+        return (parts[0], 0) if single else (tuple(parts), (0,) * len(parts))
+
+    namespace = {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup),
+        "backward": staticmethod(_first_derivative_only(name, backward) if once else backward),
+        "vmap": staticmethod(vmap),
+    }
+    cls = type(name, (torch.autograd.Function,), namespace)
+    return cls
+
+
+class _SecondDerivative(torch.autograd.Function):
+    """Passes first-order gradients on and raises when they are differentiated (the ops' backward has no formula)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(name, count, *tensors):
+        return tuple(t.detach() for t in tensors[:count])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.name = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.name}: double backward (differentiating a gradient of an IKBO op: create_graph=True, "
+            "torch.autograd.gradgradcheck, a gradient penalty, a Hessian) is not supported: the backward runs kernels "
+            "without a derivative formula of their own"
+        )
+
+
+def _first_derivative_only(name: str, backward):
+    """`backward` run without recording, its gradients tied (under create_graph=True) to every input they depend on
+    through a node that raises when differentiated: torch's once_differentiable ties them only to the incoming
+    gradients, so a second derivative in the saved inputs (a gradient penalty: grad of a loss in the weights of
+    ‖d out / d x‖²) came out as silent zeros."""
+
+    def wrapped(ctx, *grads):
+        with torch.no_grad():
+            results = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return results
+        sources = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not sources:
+            return results
+        results = tuple(results) if isinstance(results, tuple) else (results,)
+        present = [i for i, t in enumerate(results) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        tied = _SecondDerivative.apply(name, len(present), *(results[i] for i in present), *sources)
+        results = list(results)
+        for i, t in zip(present, tied, strict=True):
+            results[i] = t
+        return tuple(results)
+
+    return wrapped
+
+
 def backward_call(ctx, op, impl, *tensors):
-    """The backward op to call from a registered backward: its implementation `impl` under an eager twin on plain
-    tensors (`route`), else the custom op `op` (whose trace or interception the caller is in)."""
-    return impl if getattr(ctx, "eager", False) and route(*tensors) != "op" else op
+    """The backward op to call from a registered backward: its implementation `impl` under an eager or torch.func
+    twin on plain tensors (`route`), else the custom op `op` (whose trace or interception the caller is in; inside a
+    torch.func vmap its batching fallback hands the implementation one batch entry at a time)."""
+    if not getattr(ctx, "eager", False) or _vmapped():
+        return op
+    return impl if route(*tensors) != "op" else op
+
+
+def _vmapped() -> bool:
+    """Whether a torch.func vmap is active (its batched tensors cannot run the implementations' host code)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None and any(
+        interpreter.key() == TransformType.Vmap for interpreter in retrieve_all_functorch_interpreters()
+    )
+
+
+def autocast_inputs(device: torch.device, *tensors):
+    """The float inputs as torch.autocast would hand them to matmul: in the autocast dtype where autocast is on for
+    their device (float64 and None unchanged), else as they are. The public entries cast before their checks, so an op
+    inside an autocast region runs in one dtype and returns it (autograd casts the gradients back)."""
+    if device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device.type)
+    return tuple(
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
 
 
 def check_deferred() -> None:
@@ -415,7 +536,9 @@ def _add_user_rows_sparse(cand_part: torch.Tensor, user_part: torch.Tensor, cand
     compute = torch.float32 if cand_part.dtype in (torch.float16, torch.bfloat16) else cand_part.dtype
     select = selection_matrix(cand_to_user, user_part.shape[0], compute)
     cand_rows = cand_part.reshape(cand_part.shape[0], -1).to(compute)
-    out = torch.sparse.addmm(cand_rows, select, user_part.reshape(user_part.shape[0], -1).to(compute))
+    # in the inputs' dtype under torch.autocast too: it would cast the fp32 operands to 16 bits, which MKL lacks
+    with torch.autocast("cpu", enabled=False):
+        out = torch.sparse.addmm(cand_rows, select, user_part.reshape(user_part.shape[0], -1).to(compute))
     return out.to(cand_part.dtype).reshape(cand_part.shape)
 
 
@@ -474,6 +597,9 @@ def _add_user_rows_backward(ctx, grad):
 
 _add_user_rows_op.register_autograd(_add_user_rows_backward, setup_context=_add_user_rows_setup)
 _AddUserRows = eager_function("_AddUserRows", _add_user_rows, _add_user_rows_setup, _add_user_rows_backward, once=False)
+_AddUserRowsFunc = functorch_function(
+    "_AddUserRowsFunc", _add_user_rows, _add_user_rows_setup, _add_user_rows_backward, once=False
+)
 
 
 def add_user_rows(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
@@ -505,6 +631,8 @@ def add_user_rows(cand_part: torch.Tensor, user_part: torch.Tensor, cand_to_user
         return _add_user_rows(cand_part, user_part, cand_to_user)
     if way == "autograd":
         return _AddUserRows.apply(cand_part, user_part, cand_to_user)
+    if way == "func":
+        return _AddUserRowsFunc.apply(cand_part, user_part, cand_to_user)
     return torch.ops.ikbo.add_user_rows.default(cand_part, user_part, cand_to_user)
 
 

@@ -68,6 +68,7 @@ from . import _hopper
 from ._common import (
     DEFERRED,
     HostFlag,
+    autocast_inputs,
     backward_call,
     check_kv_len,
     check_kv_len_shape,
@@ -76,6 +77,7 @@ from ._common import (
     check_same,
     check_tensor,
     eager_function,
+    functorch_function,
     group_by_user,
     poll_deferred,
     raise_bad_mapping,
@@ -1586,6 +1588,7 @@ def _attention_grad(ctx, grad_out, _grad_lse):
 
 _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup_context)
 _Attention = eager_function("_Attention", _attention_impl, _attention_setup_context, _attention_grad)
+_AttentionFunc = functorch_function("_AttentionFunc", _attention_impl, _attention_setup_context, _attention_grad)
 
 
 def _self_target_attention_impl(
@@ -1677,11 +1680,27 @@ _self_target_attention_op.register_autograd(_self_target_grad, setup_context=_se
 _SelfTargetAttention = eager_function(
     "_SelfTargetAttention", _self_target_attention_impl, _self_target_setup_context, _self_target_grad
 )
+_SelfTargetAttentionFunc = functorch_function(
+    "_SelfTargetAttentionFunc", _self_target_attention_impl, _self_target_setup_context, _self_target_grad
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # Public ops
 # ---------------------------------------------------------------------------------------------
+
+
+def _scale_value(scale, head_dim: int) -> float:
+    """The softmax scale as a float: 1/√d for None; ValueError naming `scale` unless a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        value = float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"scale: expected a finite real number or None, got {scale!r:.60}")
+    return value
 
 
 def _keeps_lse(*inputs) -> bool:
@@ -1693,18 +1712,21 @@ def ikbo_attention(q, k, v, cand_to_user, kv_len=None, scale=None, backend: str 
     """Target attention of candidate queries over their user's K/V → [B, H, S, d] (see module doc); differentiable
     in q, k and v (`ikbo::attention`). Checks here read no device values (torch.compile traces this function); the
     index values are checked inside the op."""
+    check_tensor("k", k, 4, FLOAT_TYPES)
+    q, k, v = autocast_inputs(k.device, q, k, v)
     _check_kv(k, v)
     _check_queries("q", q, k)
     check_mapping_shape(cand_to_user, q.shape[0], k.device)
     if kv_len is not None:
         check_kv_len_shape(kv_len, k.shape[0], k.device)
     chosen = _choose_backend(backend, k)
-    scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
+    scale = _scale_value(scale, k.shape[3])
     way = route(q, k, v, cand_to_user, kv_len)
     if way == "direct":
         return _forward(q, k, v, cand_to_user, kv_len, scale, chosen, False)[0]
     args = (q, k, v, cand_to_user, kv_len, scale, chosen, _keeps_lse(q, k, v))
-    return (_Attention.apply if way == "autograd" else torch.ops.ikbo.attention.default)(*args)[0]
+    op = {"autograd": _Attention.apply, "func": _AttentionFunc.apply}.get(way, torch.ops.ikbo.attention.default)
+    return op(*args)[0]
 
 
 def apart_in_training(user_q, cand_q, k, kv_len, backend: str) -> bool:
@@ -1733,6 +1755,8 @@ def ikbo_self_target_attention(
     """(user_out [U, H, L, d], cand_out [B, H, S, d]): self-attention of each user's sequence and
     target attention of its candidates, both over the same k/v [U, H, L, d] (see module doc); differentiable in
     user_q, cand_q, k and v (`ikbo::self_target_attention`), one backward for both parts."""
+    check_tensor("k", k, 4, FLOAT_TYPES)
+    user_q, cand_q, k, v = autocast_inputs(k.device, user_q, cand_q, k, v)
     _check_kv(k, v)
     _check_queries("user_q", user_q, k, "L (dim 2 of k)", k.shape[2])
     check_same("user_q", user_q.shape[0], "U (rows of k)", k.shape[0])
@@ -1741,7 +1765,7 @@ def ikbo_self_target_attention(
     if kv_len is not None:
         check_kv_len_shape(kv_len, k.shape[0], k.device)
     chosen = _choose_backend(backend, k)
-    scale = 1.0 / math.sqrt(k.shape[3]) if scale is None else float(scale)
+    scale = _scale_value(scale, k.shape[3])
     way = route(user_q, cand_q, k, v, cand_to_user, kv_len)
     if way == "direct":
         cand_out, user_out, _ = _forward(cand_q, k, v, cand_to_user, kv_len, scale, chosen, False, user_q, causal)
@@ -1750,6 +1774,8 @@ def ikbo_self_target_attention(
         user_out = F.scaled_dot_product_attention(user_q, k, v, is_causal=bool(causal), scale=scale)
         return user_out, ikbo_attention(cand_q, k, v, cand_to_user, None, scale, chosen)
     args = (user_q, cand_q, k, v, cand_to_user, kv_len, bool(causal), scale, chosen, _keeps_lse(user_q, cand_q, k, v))
-    op = _SelfTargetAttention.apply if way == "autograd" else torch.ops.ikbo.self_target_attention.default
+    op = {"autograd": _SelfTargetAttention.apply, "func": _SelfTargetAttentionFunc.apply}.get(
+        way, torch.ops.ikbo.self_target_attention.default
+    )
     user_out, cand_out, _ = op(*args)
     return user_out, cand_out

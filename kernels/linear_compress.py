@@ -68,12 +68,14 @@ from ._common import (
     DEFERRED,
     HostFlag,
     add_user_rows,
+    autocast_inputs,
     backward_call,
     check_mapping_shape,
     check_mapping_values,
     check_same,
     check_tensor,
     eager_function,
+    functorch_function,
     poll_deferred,
     raise_bad_mapping,
     resolve_backend,
@@ -1377,6 +1379,7 @@ def _backward(ctx, grad_out):
 
 _linear_compress_op.register_autograd(_backward, setup_context=_setup_context)
 _LinearCompress = eager_function("_LinearCompress", _linear_compress, _setup_context, _backward)
+_LinearCompressFunc = functorch_function("_LinearCompressFunc", _linear_compress, _setup_context, _backward)
 
 
 def _call(args: tuple, tensors: tuple) -> torch.Tensor:
@@ -1386,6 +1389,8 @@ def _call(args: tuple, tensors: tuple) -> torch.Tensor:
         return _linear_compress(*args)
     if way == "autograd":
         return _LinearCompress.apply(*args)
+    if way == "func":
+        return _LinearCompressFunc.apply(*args)
     return _linear_compress_op(*args)
 
 
@@ -1467,8 +1472,11 @@ class PackedLinearCompress(torch.nn.Module):
         `default_variant`)."""
         params = self._parameters
         weights = (params["user_weight"], params["cand_weight"], params["bias"])
+        if isinstance(user_emb, torch.Tensor):
+            user_emb, cand_emb, *weights = autocast_inputs(user_emb.device, user_emb, cand_emb, *weights)
         path = _check_inputs(user_emb, cand_emb, cand_to_user, *weights, backend, variant)
-        padded = None if path == "torch" or torch.compiler.is_compiling() else self._packed()
+        cast = weights[0] is not params["user_weight"]  # autocast: the padded copies keep the Parameters' dtype
+        padded = None if path == "torch" or cast or torch.compiler.is_compiling() else self._packed()
         args = (
             user_emb, cand_emb, cand_to_user, *weights,
             None if padded is None else padded.user_weight_padded,
@@ -1531,6 +1539,7 @@ def ikbo_linear_compress(
     `weight`. Pads the weights on every call; servers hold a `PackedLinearCompress` instead.
     """
     check_tensor("user_emb", user_emb, 3, FLOAT_TYPES)
+    user_emb, cand_emb, weight, bias = autocast_inputs(user_emb.device, user_emb, cand_emb, weight, bias)
     check_tensor("cand_emb", cand_emb, 3, FLOAT_TYPES)
     check_tensor("weight", weight, 2, FLOAT_TYPES)
     num_user_tokens = user_emb.shape[1]

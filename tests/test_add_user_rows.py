@@ -163,3 +163,24 @@ def test_cuda_bad_mapping_raises_without_a_wait_and_in_strict_mode():
         add_user_rows(cand, user, mapping)
     good = mapping.clamp(max=2)
     assert rel_err(add_user_rows(cand, user, good), reference(cand, user, good)) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_on_the_cpu_keeps_the_inputs_dtype(dtype):
+    """Under torch.autocast the sparse product was cast to 16 bits, which MKL lacks (NotImplementedError inside)."""
+    cand, user, mapping = problem(3, 7, [4, 5], dtype=torch.float32)
+    with torch.autocast("cpu", dtype=dtype):
+        out = add_user_rows(cand, user, mapping)
+    assert out.dtype == torch.float32 and rel_err(out, reference(cand, user, mapping)) <= 1e-6
+
+
+def test_torch_func_grad_and_jvp():
+    """torch.func.grad runs (the custom op's autograd raises under torch.func); jvp raises (it passed zero tangents)."""
+    cand, user, mapping = problem(3, 7, [4], empty_user=True)
+    weights = torch.randn_like(cand)
+    d_cand, d_user = torch.func.grad(lambda c, u: (add_user_rows(c, u, mapping) * weights).sum(), (0, 1))(cand, user)
+    assert torch.equal(d_cand, weights)
+    want = torch.zeros_like(user).index_add_(0, mapping, weights)  # the segment sum, as the reference
+    assert rel_err(d_user, want) <= 1e-12
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda u: add_user_rows(cand, u, mapping), (user,), (torch.randn_like(user),))

@@ -255,6 +255,97 @@ def test_no_candidates():
         assert rel_err(got, ref) <= 1e-10
 
 
+@settings(max_examples=6, deadline=None)
+@given(p=tiny_problems)
+def test_double_backward_raises(p):
+    """A second derivative (d/dk of ‖d out / d q‖², gradgradcheck) raises; the first derivative taken with
+    create_graph=True is right. It used to come out as silent zeros in k, v."""
+    q, k, v, user_q, mapping, kv_len = make_inputs(p, torch.float64)
+    q, k, v, user_q = _leaves(q, k, v, user_q)
+    out = ikbo_attention(q, k, v, mapping, kv_len, p["scale"])
+    grad_out = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, q, grad_out, create_graph=True)
+    want = reference_grads((q, k, v), (grad_out,), cand_to_user=mapping, kv_len=kv_len, scale=p["scale"])
+    assert rel_err(dq.detach(), want[0]) <= 1e-10
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(dq.square().sum(), k)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.gradgradcheck(
+            lambda user_q, q, k, v: ikbo_self_target_attention(user_q, q, k, v, mapping, kv_len), (user_q, q, k, v)
+        )
+
+
+def test_forward_mode_ad_raises():
+    p = dict(num_users=2, mapping=(1, 0, 1), num_queries=2, seq_len=3, heads=1, head_dim=4, kv_len=None, scale=None,
+             index_dtype=torch.int64, layout="bhsd", seed=3)  # fmt: skip
+    q, k, v, user_q, mapping, _ = make_inputs(p, torch.float64)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda q: ikbo_attention(q, k, v, mapping), (q,), (torch.randn_like(q),))
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jacfwd(lambda k: ikbo_self_target_attention(user_q, q, k, v, mapping)[0])(k)
+
+
+@settings(max_examples=6, deadline=None)
+@given(p=tiny_problems, causal=st.booleans())
+def test_torch_func_grad_and_per_candidate_grads(p, causal):
+    """torch.func.grad (the ops' torch.func twins: the custom op's autograd raises under torch.func) and vmap(grad)
+    per candidate, against fp64 autograd of the replicated reference."""
+    q, k, v, user_q, mapping, kv_len = make_inputs(p, torch.float64)
+    grads_out = [torch.randn_like(q), torch.randn_like(user_q)]
+
+    def loss(q, k, v, user_q):
+        user_out, cand_out = ikbo_self_target_attention(user_q, q, k, v, mapping, kv_len, causal, p["scale"])
+        return (cand_out * grads_out[0]).sum() + (user_out * grads_out[1]).sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, user_q)
+    want = reference_grads((q, k, v, user_q), grads_out, cand_to_user=mapping, kv_len=kv_len, scale=p["scale"],
+                           causal=causal)  # fmt: skip
+    for g, ref in zip(got, want.grads, strict=True):
+        assert rel_err(g, ref) <= 1e-10
+
+    if not p["mapping"]:
+        return  # vmap over 0 candidates: torch's batching fallback of the backward op refuses size 0 (a clear error)
+
+    def one(k, q_row, user, grad_row):  # one candidate's loss
+        return (ikbo_attention(q_row[None], k, v, user[None], kv_len, p["scale"]) * grad_row[None]).sum()
+
+    per_candidate = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0, 0))(k, q, mapping, grads_out[0])
+    for b in range(len(p["mapping"])):
+        ref = reference_grads((q[b : b + 1], k, v), (grads_out[0][b : b + 1],), cand_to_user=mapping[b : b + 1],
+                              kv_len=kv_len, scale=p["scale"])  # fmt: skip
+        assert rel_err(per_candidate[b], ref[1]) <= 1e-10
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_on_the_cpu(dtype):
+    """Under torch.autocast the float inputs are cast as SDPA casts them (the torch path wrote 16-bit rows into an
+    fp32 output and failed inside); gradients come back in fp32."""
+    p = dict(num_users=3, mapping=(2, 0, 2, 1), num_queries=2, seq_len=7, heads=2, head_dim=8, kv_len=(7, 0, 4),
+             scale=None, index_dtype=torch.int64, layout="bhsd", seed=4)  # fmt: skip
+    q, k, v, user_q, mapping, kv_len = make_inputs(p, torch.float32)
+    leaves = _leaves(q, k, v, user_q)
+    with torch.autocast("cpu", dtype=dtype):
+        cand_out = ikbo_attention(*leaves[:3], mapping, kv_len)
+        user_out, cand_out_2 = ikbo_self_target_attention(leaves[3], *leaves[:3], mapping, kv_len)
+    assert cand_out.dtype == user_out.dtype == cand_out_2.dtype == dtype
+    ref_user, ref_cand = reference(q, k, v, mapping, kv_len, user_q=user_q)
+    assert max(rel_err(cand_out, ref_cand), rel_err(cand_out_2, ref_cand), rel_err(user_out, ref_user)) <= 2e-2
+    grads_out = [torch.randn_like(q), torch.randn_like(user_q)]
+    torch.autograd.backward([cand_out_2.float(), user_out.float()], grads_out)
+    want = reference_grads((q, k, v, user_q), grads_out, cand_to_user=mapping, kv_len=kv_len)
+    for got, ref in zip(leaves, want.grads, strict=True):
+        assert got.grad.dtype == torch.float32 and rel_err(got.grad, ref) <= 5e-2
+
+
+@pytest.mark.parametrize("scale", ["half", float("nan"), float("inf"), torch.ones(2)], ids=str)
+def test_bad_scale_raises_value_error(scale):
+    q, k = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 5, 4)
+    with pytest.raises(ValueError, match="scale"):
+        ikbo_attention(q, k, k, torch.tensor([1, 0]), scale=scale)
+    with pytest.raises(ValueError, match="scale"):
+        ikbo_self_target_attention(k, q, k, k, torch.tensor([1, 0]), scale=scale)
+
+
 def test_lse_only_where_autograd_needs_it():
     """The forward keeps its softmax statistics only when a backward can follow."""
     q, k, v = (torch.randn(3, 2, 4, 8, requires_grad=True) for _ in range(3))

@@ -218,6 +218,100 @@ def test_weight_grads_reach_weight_and_bias():
     assert rel_err(bias.grad, d_bias) <= 1e-12
 
 
+@settings(max_examples=6, deadline=None)
+@given(case=cases(max_users=4, max_candidates=5), packed=st.booleans())
+def test_double_backward_raises(case, packed):
+    """A gradient penalty (d/dW of ‖d out / d user_emb‖²) and gradgradcheck raise; the first derivative taken with
+    create_graph=True is right. The eager twin's backward used to tie its gradients to the incoming gradient only, so
+    the penalty's derivative in the weights came out as silent zeros."""
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case)
+    leaves = [t.requires_grad_() for t in (user_emb, cand_emb, weight)]
+    module = PackedLinearCompress.from_weight(weight, case.num_user_tokens, bias) if packed else None
+
+    def layer(user_emb, cand_emb, weight):
+        if packed:
+            return module(user_emb, cand_emb, cand_to_user)
+        return ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias)
+
+    out = layer(*leaves)
+    (d_cand,) = torch.autograd.grad(out, cand_emb, grad_out, create_graph=True)
+    assert (
+        rel_err(d_cand.detach(), reference_grads(case, (*leaves[:2], cand_to_user, weight, bias, grad_out))[1]) <= 1e-12
+    )
+    penalty_in = module.cand_weight if packed else weight
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(d_cand.square().sum(), penalty_in)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.gradgradcheck(layer, leaves)
+
+
+def test_forward_mode_ad_raises():
+    """torch.func.jvp passed zero tangents through the custom op silently: forward-mode AD raises instead."""
+    case = Case(2, 3, 4, 3, 3, (2, 0, 2, 1), True, 11)
+    user_emb, cand_emb, cand_to_user, weight, bias, _ = make_inputs(case)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda w: ikbo_linear_compress(user_emb, cand_emb, cand_to_user, w, bias), (weight,), (weight,))
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        dual = torch.autograd.forward_ad.make_dual(user_emb, torch.randn_like(user_emb))
+        ikbo_linear_compress(dual, cand_emb, cand_to_user, weight, bias)
+
+
+@settings(max_examples=6, deadline=None)
+@given(case=cases(max_users=4, max_candidates=5))
+def test_torch_func_grad_and_per_candidate_grads(case):
+    """torch.func.grad in every float input (the custom op's autograd raises under torch.func: the op's torch.func
+    twin runs), and vmap(grad) per candidate, against fp64 autograd of the replicated formula."""
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case)
+    bias = torch.randn(case.rows, dtype=torch.float64) if bias is None else bias
+
+    def loss(user_emb, cand_emb, weight, bias):
+        return (ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias) * grad_out).sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2, 3))(user_emb, cand_emb, weight, bias)
+    ref = reference_grads(case, (user_emb, cand_emb, cand_to_user, weight, bias, grad_out))
+    for g, want in zip(got, (ref[0], ref[1], torch.cat(ref[2:4], dim=1), ref[4]), strict=True):
+        assert rel_err(g, want) <= 1e-12
+
+    def one(weight, cand_row, user, grad_row):  # one candidate's loss
+        out = ikbo_linear_compress(user_emb, cand_row[None], user[None], weight, bias)
+        return (out * grad_row[None]).sum()
+
+    per_candidate = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0, 0))(
+        weight, cand_emb, cand_to_user, grad_out
+    )
+    for b, user in enumerate(case.mapping):
+        tokens = torch.cat([user_emb[user], cand_emb[b]])  # [Ku + Kc, D]: one candidate, for the reference only
+        assert rel_err(per_candidate[b], grad_out[b] @ tokens.T) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("packed", [False, True], ids=["functional", "packed"])
+def test_autocast_on_the_cpu(dtype, packed):
+    """Under torch.autocast the float inputs are cast as matmul casts them (the op ran its two GEMMs in different
+    dtypes and failed inside, or the MKL sparse product lacked 16 bits); gradients come back in fp32."""
+    case = Case(3, 4, 6, 5, 3, (2, 0, 2, 1, 0), True, 12)
+    user_emb, cand_emb, cand_to_user, weight, bias, grad_out = make_inputs(case, dtype=torch.float32)
+    leaves = [t.requires_grad_() for t in (user_emb, cand_emb, weight, bias)]
+    module = PackedLinearCompress.from_weight(weight, case.num_user_tokens, bias) if packed else None
+    with torch.autocast("cpu", dtype=dtype):
+        if packed:
+            out = module(user_emb, cand_emb, cand_to_user)
+        else:
+            out = ikbo_linear_compress(user_emb, cand_emb, cand_to_user, weight, bias)
+    assert out.dtype == dtype
+    out.float().backward(grad_out)
+    ref_out = replicated(
+        *(t.detach().double() for t in leaves[:2]), cand_to_user, *(t.detach().double() for t in leaves[2:])
+    )
+    assert rel_err(out, ref_out) <= 2e-2
+    ref = reference_grads(case, (*leaves[:2], cand_to_user, weight, bias, grad_out))
+    got = [user_emb.grad, cand_emb.grad, weight.grad, bias.grad]
+    if packed:
+        got[2:] = torch.cat([module.user_weight.grad, module.cand_weight.grad], 1), module.bias.grad
+    for g, want in zip(got, (ref[0], ref[1], torch.cat(ref[2:4], dim=1), ref[4]), strict=True):
+        assert g.dtype == torch.float32 and rel_err(g, want) <= 3e-2
+
+
 # ---------------------------------------------------------------- no user tensor at B rows
 
 
