@@ -1149,6 +1149,60 @@ def test_elementwise_ops_of_sequence_first_replicas():
     check(SequenceFirstElementwise(), sizes=SEQUENCE_SIZES, row_dims=(0, 1), must=("GRU", "rows_join"))
 
 
+class SequenceFirstRowwise(nn.Module):
+    """A bidirectional LSTM (batch_first=False) over a history replicated along dim 1, its outputs [L, B, 2D] read
+    sequence-first by ops that act on each candidate's column apart: a linear, a layer norm, a softmax over features,
+    a cumulative sum over time, reductions over time (keepdim or not) and over features, the final states summed over
+    directions ([2, B, D] → [B, D]); then joined with the candidate."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, D)
+        self.lstm = nn.LSTM(D, D, bidirectional=True, batch_first=False)
+        self.key = nn.Linear(2 * D, D)
+        self.norm = nn.LayerNorm(D)
+        self.cand = nn.Linear(FC, D)
+        self.out = nn.Linear(3 * D + 2, 1)
+
+    def forward(self, ids, cand, cand_to_user):
+        states, (h, _) = self.lstm(self.emb(ids)[cand_to_user].transpose(0, 1))  # [L, B, 2D], [2, B, D]
+        keys = self.norm(self.key(states))  # [L, B, D]
+        soft = torch.softmax(keys, dim=-1)
+        running = torch.cumprod(torch.sigmoid(keys), 0) + keys.cumsum(dim=0)
+        target = self.cand(cand)
+        weights = torch.softmax((keys * target[None]).sum(-1), dim=0)  # [L, B]: a join, over time
+        pooled = (weights[..., None] * running).sum(0)
+        peak = soft.amax(dim=(0, 2), keepdim=False)[:, None]  # [B, 1]
+        level = torch.mean(keys, 0, keepdim=True).norm(2, -1).squeeze(0)[:, None]  # [B, 1]
+        return self.out(torch.cat([pooled, h.sum(0) * target, target, peak, level], dim=-1))
+
+
+def test_sequence_first_rowwise_ops():
+    """Each op commutes with picking rows on dim 1, so it runs at U rows; nothing is replicated."""
+    report = check(SequenceFirstRowwise(), sizes=SEQUENCE_SIZES, row_dims=(0, 1), must=("LSTM",))
+    assert "sequence-first" not in "\n".join(report.left), str(report)
+
+
+class TimeDecayScans(nn.Module):
+    """Survival-style decay weights over a replicated history by the functions `torch.cumprod` / `torch.cumsum`
+    (not the methods), pooled against the candidate."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, 1)
+        self.cand = nn.Linear(FC, D)
+
+    def forward(self, history, cand, cand_to_user):
+        h = history[cand_to_user]  # [B, L, D]
+        keep = torch.cumprod(torch.sigmoid(self.gate(h)), dim=1)  # [B, L, 1]
+        total = torch.cumsum(h, 1)[:, -1]
+        return ((keep * h).sum(1) + total) * self.cand(cand)
+
+
+def test_scan_functions_run_at_u_rows():
+    check(TimeDecayScans())
+
+
 class Interleaved(nn.Module):
     """Candidates sorted by user, the user rows repeated by count (repeat_interleave)."""
 

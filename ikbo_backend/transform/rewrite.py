@@ -766,7 +766,7 @@ class Rewriter(AttentionRewrites):
         if op != "call_function" and op != "call_method":
             return self.plain(op, target, args, kwargs, meta, f"{op} is not traced into")
         handlers = (self.merged_rep, self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.rows_reduction,
-                    self.sums, self.rowwise, self.sequence_first_elementwise)  # fmt: skip
+                    self.sums, self.rowwise, self.sequence_first_elementwise, self.sequence_first_rowwise)  # fmt: skip
         for handler in (*handlers, self.joins):
             out = handler(op, target, args, kwargs, meta)
             if out is not None:
@@ -1502,6 +1502,46 @@ class Rewriter(AttentionRewrites):
             return None
         return self.apply("call_method", "movedim", (out, 0, r), {}, meta)
 
+    SCANS = {"cumsum", "cumprod", torch.cumsum, torch.cumprod}
+
+    def sequence_first_rowwise(self, op, key, args, kwargs, meta):
+        """An op of one replica x with its rows on dim r ≥ 1 (sequence-first [L, B, …], an RNN's [layers, B, d] state)
+        and no other candidate operand, that acts on each position of dim r apart: a linear or a layer / RMS norm over
+        trailing dims after r, a softmax or a scan along another dim, a reduction over dims without r. It commutes with
+        picking rows on dim r, so it runs on x's user rows; the result holds its rows on r, less the reduced dims before
+        it (r = 0 then: an ordinary replica)."""
+        x = args[0] if args else None
+        if not isinstance(x, Rep) or not x.row_dim or not isinstance(x.meta, Meta) or not isinstance(meta, Meta):
+            return None
+        if any(v is not x and self.batched(v) or isinstance(v, USER_FORMS) for v in leaves((args[1:], kwargs))):
+            return None
+        if any(v is x for v in leaves((args[1:], kwargs))):
+            return None
+        r, nd = x.row_dim, x.meta.ndim
+        new = None
+        if key is F.linear:
+            new = r if r < nd - 1 else None
+        elif key in (F.layer_norm, getattr(F, "rms_norm", None)):
+            new = r if r < nd - _norm_dims(args, kwargs) else None
+        elif key in SOFTMAX or key in self.SCANS:
+            d = _norm(_arg(args, kwargs, 1, "dim"), nd)
+            new = r if d is not None and d != r else None
+        elif (key in REDUCTIONS or key in REDUCTION_FUNCTIONS) and key not in ("std", "var", torch.std, torch.var):
+            at = 2 if key in NORM_REDUCTIONS else 1
+            dim, keepdim = _arg(args, kwargs, at, "dim"), _arg(args, kwargs, at + 1, "keepdim", False)
+            dims = [_norm(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
+            if dim is None or None in dims or r in dims or not isinstance(keepdim, bool) or len(args) > at + 2:
+                return None
+            if set(kwargs) - {"dim", "keepdim", "p", "ord"}:
+                return None
+            new = r if keepdim else r - sum(d < r for d in set(dims))
+        if new is None or new >= meta.ndim or meta.shape[new] != x.meta.shape[r]:
+            return None
+        u = lambda v: self.user_side(v) if is_value(v) else v  # noqa: E731
+        node = self.emit(op, key, fmap(args, u), fmap(kwargs, u))
+        self.sunk[_name(key)] += 1
+        return Rep(node, x.mapping, meta, x.source, row_dim=new)
+
     def _row_after_index(self, index, r, nd):
         index = index if isinstance(index, tuple) else (index,)
         p = q = 0
@@ -1827,7 +1867,7 @@ class Rewriter(AttentionRewrites):
             dim = _arg(args, kwargs, 2 if key in NORM_REDUCTIONS else 1, "dim")
             dims = dim if isinstance(dim, (tuple, list)) else [dim]
             return dim is not None and all(_off_rows(d, xnd) for d in dims)
-        if key in ("cumsum", "cumprod", torch.cumsum, F.normalize, F.glu, "flip", torch.flip, "roll", torch.roll):
+        if key in self.SCANS or key in (F.normalize, F.glu, "flip", torch.flip, "roll", torch.roll):
             dim = _arg(args, kwargs, 1, "dim", {F.normalize: 1, F.glu: -1}.get(key))
             if key in ("roll", torch.roll):
                 dim = _arg(args, kwargs, 2, "dims")
