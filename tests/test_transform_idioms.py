@@ -1203,6 +1203,65 @@ def test_scan_functions_run_at_u_rows():
     check(TimeDecayScans())
 
 
+class LastPositionReadout(nn.Module):
+    """NARM / GRU4Rec style: a GRU over the replicated history, its output read at each candidate's last position
+    (`out[torch.arange(out.size(0)), lengths[m] - 1]`) or at a per-candidate position (`out[arange(B), pos]`,
+    with B from the candidates), then an attention of the outputs against that state."""
+
+    def __init__(self, per_candidate=False):
+        super().__init__()
+        self.per_candidate = per_candidate
+        self.gru = nn.GRU(D, D, batch_first=True)
+        self.a1, self.a2 = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.v = nn.Linear(D, 1, bias=False)
+        self.cand = nn.Linear(FC, D)
+
+    def forward(self, history, lengths, cand, cand_to_user):
+        out, _ = self.gru(history[cand_to_user])  # [B, L, D]
+        if self.per_candidate:
+            pos = (cand[:, 0].abs() * 7).long() % L - 1  # [B], negative positions too
+            last = out[torch.arange(cand.shape[0]), pos, :]
+        else:
+            last = out[torch.arange(out.size(0)), lengths[cand_to_user] - 1]
+        alpha = self.v(torch.sigmoid(self.a1(out) + self.a2(last).unsqueeze(1)))
+        return torch.cat([(alpha * out).sum(1), last], 1) * self.cand(cand).repeat(1, 2)
+
+
+@pytest.mark.parametrize("per_candidate", [False, True])
+def test_readout_at_positions(per_candidate):
+    report = check(LastPositionReadout(per_candidate), sizes=WITHOUT_CANDIDATES)
+    assert ("at (m, j)" in str(report)) == per_candidate, str(report)
+
+
+def test_readout_out_of_range_only_where_read():
+    """An index out of range for a user without candidates is never read (no error, as in the original); for a user
+    with candidates it raises IndexError, as the original does."""
+    model = LastPositionReadout().eval()
+    gen = torch.Generator().manual_seed(3)
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert report.replications_left == 0, str(report)
+    inputs = request(6, 40, gen)
+    inputs["cand_to_user"] = torch.randint(0, 5, (40,), generator=gen)  # user 5 has no candidates
+    inputs["lengths"][5] = L + 3
+    args = args_for(model, inputs)
+    with torch.inference_mode():  # (with grad on the module runs the original)
+        assert rel_err(module(*args), model(*args)) <= RTOL
+        inputs["lengths"][int(inputs["cand_to_user"][0])] = L + 3
+        for m in (model, module):
+            with pytest.raises(IndexError):
+                m(*args_for(model, inputs))
+    # a per-candidate position: read from the flattened user rows; out of range raises, as x[m][arange(B), j] does
+    x, m = torch.randn(6, L, D, generator=gen), inputs["cand_to_user"]
+    for j in (torch.randint(-L, L, (40,), generator=gen), torch.zeros(0, dtype=torch.long)):
+        rows = m[: len(j)]
+        assert torch.equal(ops.readout_at(x, rows, j), x[rows][torch.arange(len(j)), j])
+    for j in (torch.full((40,), L), torch.full((40,), -L - 1)):
+        with pytest.raises(IndexError):
+            x[m][torch.arange(40), j]
+        with pytest.raises(IndexError):
+            ops.readout_at(x, m, j)
+
+
 class Interleaved(nn.Module):
     """Candidates sorted by user, the user rows repeated by count (repeat_interleave)."""
 

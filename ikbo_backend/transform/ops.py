@@ -101,6 +101,29 @@ def mapping_rows(cand_to_user: torch.Tensor) -> int:
     return cand_to_user.shape[0]
 
 
+def readout_rows(x: torch.Tensor, index: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
+    """x[arange(U), index] of user rows x [U, L, ...] and a per-user index [U]: `x[cand_to_user][arange(B),
+    index[cand_to_user]]` at U rows. An index out of range raises IndexError where a user with candidates reads it (as
+    the replicated form does); for a user without candidates, whose row nobody reads, it reads position 0 instead."""
+    n = x.shape[1]
+    bad = (index < -n) | (index >= n)
+    if bad.any():
+        if bad[cand_to_user].any():
+            raise IndexError(f"index {int(index[cand_to_user][bad[cand_to_user]][0])} is out of bounds for size {n}")
+        index = index.masked_fill(bad, 0)
+    return x[torch.arange(x.shape[0], device=x.device), index]
+
+
+def readout_at(x: torch.Tensor, cand_to_user: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[cand_to_user][arange(B), index] of user rows x [U, L, ...] and a per-candidate index [B], from the U·L
+    flattened rows (each candidate's one position, not its user's L)."""
+    n = x.shape[1]
+    bad = (index < -n) | (index >= n)
+    if bad.any():
+        raise IndexError(f"index {int(index[bad][0])} is out of bounds for dimension 1 with size {n}")
+    return x.flatten(0, 1)[cand_to_user.long() * n + index.long() % max(n, 1)]
+
+
 def rep_shape(user_shape, cand_to_user: torch.Tensor) -> torch.Size:
     """Shape of user[cand_to_user] from the user tensor's shape."""
     return torch.Size((cand_to_user.shape[0], *user_shape[1:]))

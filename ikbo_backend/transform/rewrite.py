@@ -751,6 +751,10 @@ class Rewriter(AttentionRewrites):
                 out = handler(target, args, kwargs, meta)
                 if out is not None:
                     return out
+        if op == "call_function" and target is torch.arange and self._arange_rows(args, kwargs, meta):
+            out = self.plain(op, target, args, kwargs, meta, "")
+            out.row_index = out.batched
+            return out
         user = [v for v in flat if isinstance(v, USER_FORMS) or isinstance(v, Struct)]
         if not user:
             return self.plain(op, target, args, kwargs, meta, "")
@@ -765,7 +769,7 @@ class Rewriter(AttentionRewrites):
             return out if out is not None else self.plain(op, target, args, kwargs, meta, self.why_module(target))
         if op != "call_function" and op != "call_method":
             return self.plain(op, target, args, kwargs, meta, f"{op} is not traced into")
-        handlers = (self.merged_rep, self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.rows_reduction,
+        handlers = (self.readout, self.merged_rep, self.constant_rows, self.shape_access, self.moved_rows, self.concat_ops, self.rows_reduction,
                     self.sums, self.rowwise, self.sequence_first_elementwise, self.sequence_first_rowwise)  # fmt: skip
         for handler in (*handlers, self.joins):
             out = handler(op, target, args, kwargs, meta)
@@ -1412,6 +1416,48 @@ class Rewriter(AttentionRewrites):
                         (src.node, sizes[0].user_rows, *[self.user_side(s) if is_value(s) else s for s in sizes[1:]]),
                     )
                     return Rep(node, sizes[0].mapping, meta, f"{self.where()} (a constant row)")
+        return None
+
+    def _arange_rows(self, args, kwargs, meta):
+        """torch.arange(B) of a candidate row count (x.size(0) of a replica, cand.shape[0]) in an integer dtype."""
+        return (
+            len(args) == 1
+            and self.is_count(args[0])
+            and not isinstance(args[0], int)
+            and set(kwargs) <= {"device", "dtype"}
+            and isinstance(meta, Meta)
+            and meta.dtype in (torch.int64, torch.int32)
+        )
+
+    def readout(self, op, key, args, kwargs, meta):
+        """x[arange(B), j] of a replica x [B, L, ...] (a sequence encoder's output read at each candidate's last
+        position, `out[arange(B), lengths[m] - 1]`): with j a replica through the same mapping, x's user rows read at
+        j's user rows (`ops.readout_rows`, a replica); with j per candidate ([B] integers), x's user rows read at
+        (m, j) (a gather of B rows). Trailing full slices read the rest."""
+        if key is not operator.getitem or len(args) != 2 or kwargs or not isinstance(args[1], tuple):
+            return None
+        x, index = args
+        if not (isinstance(x, Rep) and x.row_dim == 0 and isinstance(x.meta, Meta) and x.mapping.heads is None):
+            return None
+        if len(index) < 2 or not (isinstance(index[0], Plain) and index[0].row_index):
+            return None
+        if x.meta.ndim < 2 or any(i != slice(None) for i in index[2:]) or len(index) > x.meta.ndim:
+            return None
+        j = index[1]
+        if not is_value(j) or not isinstance(j.meta, Meta) or j.meta.ndim != 1:
+            return None
+        if j.meta.dtype not in (torch.int64, torch.int32):
+            return None
+        if isinstance(j, Rep) and j.row_dim == 0 and j.mapping.key == x.mapping.key and j.mapping.heads is None:
+            node = self.emit("call_function", ops.readout_rows, (x.user, j.user, x.mapping.node))
+            self.sunk["readout"] += 1
+            return Rep(node, x.mapping, meta, x.source)
+        if isinstance(j, Plain) and j.batched and j.mapping is None and j.merged is None and not j.pairs:
+            node = self.emit("call_function", ops.readout_at, (x.user, x.mapping.node, j.node))
+            self.report.rewritten.append(
+                f"{self.where()}: x[arange(B), j] of a replica read from its user rows at (m, j)"
+            )
+            return Plain(node, meta, True)
         return None
 
     # --- ops that move the row dim (sequence-first tensors) ------------------------------------

@@ -55,6 +55,7 @@ class Plain:
     pairs: bool = False  # rows are the B candidates' pairs flattened (B·L rows of a Folded value, or ops on them)
     # (h, order): candidate rows merged with a dim of h (heads), B·h rows: row b·h + j ("batch") or j·B + b ("head")
     merged: tuple | None = None
+    row_index: bool = False  # arange(B): value[b] = b
 
 
 @dataclass(eq=False)
