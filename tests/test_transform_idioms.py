@@ -1183,6 +1183,34 @@ def test_sequence_first_rowwise_ops():
     assert "sequence-first" not in "\n".join(report.left), str(report)
 
 
+class SequenceFirstReadout(nn.Module):
+    """An LSTM (batch_first=False) over a replicated history, read sequence-first: at each candidate's last position
+    (`out[lengths[m] - 1, torch.arange(out.size(1))]`), its spread over time (`std(0)`, `var(dim=0, correction=0)`),
+    its per-position means transposed (`.T`: [L, B] → [B, L]); a Caser-style max pool with its indices over the
+    batch-first replica (`F.max_pool1d(..., return_indices=True)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, D)
+        self.lstm = nn.LSTM(D, D)
+        self.cand = nn.Linear(FC, D)
+        self.out = nn.Linear(3 * D + L + 4, 1)
+
+    def forward(self, ids, lengths, cand, cand_to_user):
+        seq = self.emb(ids)[cand_to_user]  # [B, L, D]
+        out, _ = self.lstm(seq.transpose(0, 1))  # [L, B, D]
+        last = out[lengths[cand_to_user] - 1, torch.arange(out.size(1))]
+        spread = out.std(0) + out.var(dim=0, correction=0)
+        pooled, where = F.max_pool1d(seq.transpose(1, 2)[:, :4], L // 3, return_indices=True)  # [B, 4, 3]
+        target = self.cand(cand)
+        feats = [last * target, spread, target, out.mean(-1).T, pooled[..., 0] + where[..., -1]]
+        return self.out(torch.cat(feats, dim=-1))
+
+
+def test_sequence_first_readouts_and_pools_with_indices():
+    check(SequenceFirstReadout(), sizes=SEQUENCE_SIZES, row_dims=(0, 1), must=("LSTM", "readout"))
+
+
 class TimeDecayScans(nn.Module):
     """Survival-style decay weights over a replicated history by the functions `torch.cumprod` / `torch.cumsum`
     (not the methods), pooled against the candidate."""

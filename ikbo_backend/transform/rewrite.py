@@ -138,7 +138,8 @@ PER_SAMPLE = {
     F.conv1d: 3, F.conv2d: 4, F.conv3d: 5, F.conv_transpose1d: 3, F.conv_transpose2d: 4, F.max_pool1d: 3,
     F.max_pool2d: 4, F.max_pool3d: 5, F.avg_pool1d: 3, F.avg_pool2d: 4, F.avg_pool3d: 5, F.adaptive_avg_pool1d: 3,
     F.adaptive_avg_pool2d: 4, F.adaptive_max_pool1d: 3, F.adaptive_max_pool2d: 4, F.lp_pool1d: 3, F.lp_pool2d: 4,
-    F.unfold: 4, F.fold: 3,
+    F.unfold: 4, F.fold: 3, F.max_pool1d_with_indices: 3, F.max_pool2d_with_indices: 4, F.max_pool3d_with_indices: 5,
+    F.adaptive_max_pool1d_with_indices: 3, F.adaptive_max_pool2d_with_indices: 4,
 }  # fmt: skip
 
 
@@ -1437,23 +1438,25 @@ class Rewriter(AttentionRewrites):
         if key is not operator.getitem or len(args) != 2 or kwargs or not isinstance(args[1], tuple):
             return None
         x, index = args
-        if not (isinstance(x, Rep) and x.row_dim == 0 and isinstance(x.meta, Meta) and x.mapping.heads is None):
+        if not (isinstance(x, Rep) and x.row_dim in (0, 1) and isinstance(x.meta, Meta) and x.mapping.heads is None):
             return None
-        if len(index) < 2 or not (isinstance(index[0], Plain) and index[0].row_index):
+        r = x.row_dim  # sequence-first x [L, B, ...]: x[j, arange(B)], read as x.transpose(0, 1)[arange(B), j]
+        if len(index) < 2 or not (isinstance(index[r], Plain) and index[r].row_index):
             return None
         if x.meta.ndim < 2 or any(i != slice(None) for i in index[2:]) or len(index) > x.meta.ndim:
             return None
-        j = index[1]
+        j = index[1 - r]
+        user = self.emit("call_method", "transpose", (x.user, 0, 1)) if r else x.user
         if not is_value(j) or not isinstance(j.meta, Meta) or j.meta.ndim != 1:
             return None
         if j.meta.dtype not in (torch.int64, torch.int32):
             return None
         if isinstance(j, Rep) and j.row_dim == 0 and j.mapping.key == x.mapping.key and j.mapping.heads is None:
-            node = self.emit("call_function", ops.readout_rows, (x.user, j.user, x.mapping.node))
+            node = self.emit("call_function", ops.readout_rows, (user, j.user, x.mapping.node))
             self.sunk["readout"] += 1
             return Rep(node, x.mapping, meta, x.source)
         if isinstance(j, Plain) and j.batched and j.mapping is None and j.merged is None and not j.pairs:
-            node = self.emit("call_function", ops.readout_at, (x.user, x.mapping.node, j.node))
+            node = self.emit("call_function", ops.readout_at, (user, x.mapping.node, j.node))
             self.report.rewritten.append(
                 f"{self.where()}: x[arange(B), j] of a replica read from its user rows at (m, j)"
             )
@@ -1499,6 +1502,8 @@ class Rewriter(AttentionRewrites):
             new = r - (d < r)
         elif key is operator.getitem and r != 0:
             new = self._row_after_index(args[1], r, nd)
+        elif key is getattr and len(args) == 2 and args[1] in ("T", "mT") and nd >= 2:  # dims reversed / last 2 swapped
+            new = nd - 1 - r if args[1] == "T" else {nd - 1: nd - 2, nd - 2: nd - 1}.get(r, r)
         elif r != 0 and key in ("contiguous", "clone", "float", "to", "detach", "double", "half", "bfloat16"):
             new = r
         if new is None or (r == 0 and new == 0):
@@ -1572,13 +1577,16 @@ class Rewriter(AttentionRewrites):
         elif key in SOFTMAX or key in self.SCANS:
             d = _norm(_arg(args, kwargs, 1, "dim"), nd)
             new = r if d is not None and d != r else None
-        elif (key in REDUCTIONS or key in REDUCTION_FUNCTIONS) and key not in ("std", "var", torch.std, torch.var):
+        elif key in REDUCTIONS or key in REDUCTION_FUNCTIONS:
+            spread = key in ("std", "var", torch.std, torch.var)  # (x, dim, unbiased / correction, keepdim)
             at = 2 if key in NORM_REDUCTIONS else 1
             dim, keepdim = _arg(args, kwargs, at, "dim"), _arg(args, kwargs, at + 1, "keepdim", False)
+            if spread:
+                keepdim = kwargs.get("keepdim", False)
             dims = [_norm(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
-            if dim is None or None in dims or r in dims or not isinstance(keepdim, bool) or len(args) > at + 2:
+            if dim is None or None in dims or r in dims or not isinstance(keepdim, bool):
                 return None
-            if set(kwargs) - {"dim", "keepdim", "p", "ord"}:
+            if len(args) > (at + 1 if spread else at + 2) or set(kwargs) - {"dim", "keepdim", "p", "ord", "correction"}:
                 return None
             new = r if keepdim else r - sum(d < r for d in set(dims))
         if new is None or new >= meta.ndim or meta.shape[new] != x.meta.shape[r]:
