@@ -1211,6 +1211,40 @@ def test_sequence_first_readouts_and_pools_with_indices():
     check(SequenceFirstReadout(), sizes=SEQUENCE_SIZES, row_dims=(0, 1), must=("LSTM", "readout"))
 
 
+class FromTheEnd(nn.Module):
+    """A tower, a target attention and a GRU over replicated user rows: indexing reads a negative mapping entry −k as
+    the k-th user from the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.user = nn.Linear(FU, D)
+        self.cand = nn.Linear(FC, D)
+        self.gru = nn.GRU(D, D, batch_first=True)
+
+    def forward(self, user, history, cand, cand_to_user):
+        target = self.cand(cand)
+        h = history[cand_to_user]
+        weights = torch.softmax((h @ target[:, :, None]).squeeze(-1), -1)
+        pooled = (weights[..., None] * h).sum(1)
+        return self.user(user)[cand_to_user] * target + pooled + self.gru(h)[1][0]
+
+
+def test_mapping_counting_rows_from_the_end():
+    """A call whose mapping has negative entries (rows from the end, as the original's indexing reads them) gives the
+    original's outputs (it runs the original), not an error of the joins."""
+    model = FromTheEnd().eval()
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    module, report = to_ikbo(model, args_for(model, request(*EXAMPLE, gen)), measure=False)
+    assert report.replications_left == 0, str(report)
+    for num_users, num_candidates in WITHOUT_CANDIDATES:
+        inputs = request(num_users, num_candidates, gen)
+        m = inputs["cand_to_user"]
+        inputs["cand_to_user"] = torch.where(torch.rand(len(m), generator=gen) < 0.5, m - num_users, m)
+        args = args_for(model, inputs)
+        with torch.inference_mode():
+            assert rel_err(module(*args), model(*args)) <= RTOL
+
+
 class TimeDecayScans(nn.Module):
     """Survival-style decay weights over a replicated history by the functions `torch.cumprod` / `torch.cumsum`
     (not the methods), pooled against the candidate."""

@@ -246,6 +246,7 @@ def _to_ikbo(model, example_inputs, example_kwargs, mapping_name, rtol, measure,
         captured.settings,
         offsets_rows | (values_rows - captured.jagged_read),
         calling,
+        mapping,
     )
     read = sorted(values_rows & captured.jagged_read)
     if read and captured.fixed_sizes:
@@ -551,7 +552,8 @@ class Guarded(torch.nn.Module):
     """The rewritten graph (`rewritten`, a torch.fx.GraphModule) for inputs shaped like the example's:
     the same structure (containers, dict keys), dtypes and ndims, one row count among the inputs that had U rows and
     one among those that had B, neither of them 0, and, where the capture followed a branch on them, the same non-row
-    sizes; the original model for other inputs (`fallbacks` counts them), also where a concat the rewrite keeps as
+    sizes, and a mapping without negative entries; the original model for other inputs (`fallbacks` counts them), also
+    where a concat the rewrite keeps as
     its parts meets other widths than the example's (`ops.WidthsChanged`, raised before any output is made), and once
     the model has changed since the pass (the graph holds what it was): a forward hook registered, a parameter or
     buffer changed in place (`load_state_dict`, an optimizer step) or rebound, a submodule replaced, an attribute
@@ -575,6 +577,7 @@ class Guarded(torch.nn.Module):
         settings=None,
         free=(),
         calling=None,
+        mapping=None,
     ):
         super().__init__()
         self.free = frozenset(free)  # row counts of jagged inputs (offsets [U + 1], values [N, …]): dim 0 not checked
@@ -583,6 +586,9 @@ class Guarded(torch.nn.Module):
         self.fixed_sizes, self.fallbacks = fixed_sizes, 0
         self.flags, self.rows = flags, rows
         leaves, self.structure = tree_flatten(example_inputs)  # dict keys included: the graph reads entries by key
+        # the mapping's place among the inputs: a call whose mapping counts rows from the end (negative entries, as
+        # indexing reads them) runs the original (the joins take rows 0 … U − 1)
+        self.mapping_leaf = next((i for i, t in enumerate(leaves) if t is mapping and mapping is not None), None)
         self.keys = _dict_keys(example_inputs)  # and their types (the structure compares them by ==: 1 == True)
         self.expected = [self._key(t, rows) for t in leaves]
         # which inputs had U rows and which B: at each call the tensors of a role share their row count (a [15, d]
@@ -745,6 +751,9 @@ class Guarded(torch.nn.Module):
             if role is not None and isinstance(t, torch.Tensor) and t.dim():
                 counts[role][t.shape[0]] = True
         if any(len(c) > 1 or 0 in c for c in counts):  # no candidates (or no users): the original, as cheap
+            return False
+        at = getattr(self, "mapping_leaf", None)
+        if at is not None and isinstance(leaves[at], torch.Tensor) and leaves[at].numel() and leaves[at].min() < 0:
             return False
         if torch.is_grad_enabled() and (
             any(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)) or any(self._requires_grad())
