@@ -1324,6 +1324,28 @@ def test_readout_out_of_range_only_where_read():
             ops.readout_at(x, m, j)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("per_candidate", [False, True])
+def test_cuda_readouts_read_no_values_on_the_host(per_candidate):
+    """On a GPU a rewrite made for CUDA graphs (the readouts, Guarded's mapping check) syncs with the device nowhere
+    (`set_sync_debug_mode("error")` raises on any sync) and matches the original."""
+    model = LastPositionReadout(per_candidate).eval().cuda()
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    cuda = lambda inputs: {k: v.cuda() for k, v in inputs.items()}  # noqa: E731
+    module, report = to_ikbo(model, args_for(model, cuda(request(*EXAMPLE, gen))), measure=False, cuda_graphs=True)
+    assert report.replications_left == 0, str(report)
+    args = args_for(model, cuda(request(7, 53, gen)))
+    with torch.inference_mode():
+        module(*args)  # the first call may compile or allocate
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = module(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert rel_err(got, model(*args)) <= RTOL, str(report)
+
+
 class Interleaved(nn.Module):
     """Candidates sorted by user, the user rows repeated by count (repeat_interleave)."""
 

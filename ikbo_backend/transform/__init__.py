@@ -753,7 +753,9 @@ class Guarded(torch.nn.Module):
         if any(len(c) > 1 or 0 in c for c in counts):  # no candidates (or no users): the original, as cheap
             return False
         at = getattr(self, "mapping_leaf", None)
-        if at is not None and isinstance(leaves[at], torch.Tensor) and leaves[at].numel() and leaves[at].min() < 0:
+        mapping = leaves[at] if at is not None else None
+        # read on the CPU only: on a GPU that is a device sync per call (and none may run under CUDA graphs)
+        if isinstance(mapping, torch.Tensor) and mapping.device.type == "cpu" and mapping.numel() and mapping.min() < 0:
             return False
         if torch.is_grad_enabled() and (
             any(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)) or any(self._requires_grad())

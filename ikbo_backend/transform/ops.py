@@ -103,9 +103,13 @@ def mapping_rows(cand_to_user: torch.Tensor) -> int:
 
 def readout_rows(x: torch.Tensor, index: torch.Tensor, cand_to_user: torch.Tensor) -> torch.Tensor:
     """x[arange(U), index] of user rows x [U, L, ...] and a per-user index [U]: `x[cand_to_user][arange(B),
-    index[cand_to_user]]` at U rows. An index out of range raises IndexError where a user with candidates reads it (as
-    the replicated form does); for a user without candidates, whose row nobody reads, it reads position 0 instead."""
+    index[cand_to_user]]` at U rows. On the CPU an index out of range raises IndexError where a user with candidates
+    reads it (as the replicated form does); for a user without candidates, whose row nobody reads, it reads position 0
+    instead. On a GPU the values are not read on the host (no sync, CUDA graphs): indices are clamped to the row, where
+    the replicated form's out-of-range read is a device-side assert."""
     n = x.shape[1]
+    if x.device.type != "cpu":  # no host read of the values (a sync each call; none allowed under CUDA graphs)
+        return x[torch.arange(x.shape[0], device=x.device), index.clamp(-n, n - 1)]
     bad = (index < -n) | (index >= n)
     if bad.any():
         if bad[cand_to_user].any():
@@ -116,10 +120,12 @@ def readout_rows(x: torch.Tensor, index: torch.Tensor, cand_to_user: torch.Tenso
 
 def readout_at(x: torch.Tensor, cand_to_user: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x[cand_to_user][arange(B), index] of user rows x [U, L, ...] and a per-candidate index [B], from the U·L
-    flattened rows (each candidate's one position, not its user's L)."""
+    flattened rows (each candidate's one position, not its user's L); out-of-range positions as in `readout_rows`."""
     n = x.shape[1]
+    if x.device.type != "cpu":  # as readout_rows: clamped on the device, not checked on the host
+        index = index.clamp(-n, n - 1)
     bad = (index < -n) | (index >= n)
-    if bad.any():
+    if x.device.type == "cpu" and bad.any():
         raise IndexError(f"index {int(index[bad][0])} is out of bounds for dimension 1 with size {n}")
     return x.flatten(0, 1)[cand_to_user.long() * n + index.long() % max(n, 1)]
 
