@@ -124,9 +124,10 @@ def readout_at(x: torch.Tensor, cand_to_user: torch.Tensor, index: torch.Tensor)
     n = x.shape[1]
     if x.device.type != "cpu":  # as readout_rows: clamped on the device, not checked on the host
         index = index.clamp(-n, n - 1)
-    bad = (index < -n) | (index >= n)
-    if x.device.type == "cpu" and bad.any():
-        raise IndexError(f"index {int(index[bad][0])} is out of bounds for dimension 1 with size {n}")
+    else:
+        bad = (index < -n) | (index >= n)
+        if bad.any():
+            raise IndexError(f"index {int(index[bad][0])} is out of bounds for dimension 1 with size {n}")
     return x.flatten(0, 1)[cand_to_user.long() * n + index.long() % max(n, 1)]
 
 
